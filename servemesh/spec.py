@@ -1,0 +1,351 @@
+"""The mesh spec: one typed, validated description of zones, services, models and policy.
+
+Everything reads it: `servemesh up` starts processes from it, the Envoy renderer writes
+config from it, each service finds its port and peers in it. An empty file is a complete
+spec: the defaults below are the demo mesh that `servemesh up` runs.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ZoneName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,30}$")]
+Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
+Port = Annotated[int, Field(ge=0, le=65535)]
+
+DEMO_FEATURES = [f"f{i:02d}" for i in range(64)]
+
+
+class SpecError(ValueError):
+    """The mesh spec is malformed; the message names the file and the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Replicas(_Strict):
+    """How many processes of a service run in each zone."""
+
+    per_zone: dict[ZoneName, Annotated[int, Field(ge=0, le=16)]] = Field(
+        default_factory=lambda: {"zone-a": 1, "zone-b": 1}
+    )
+
+
+class BatchingSpec(_Strict):
+    max_batch_size: Annotated[int, Field(ge=1, le=4096)] = 64
+    # How long the first request of a batch may wait for company, when no full or
+    # preferred batch can be formed.
+    max_queue_delay_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
+    preferred_batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
+    # Requests waiting beyond this are shed with RESOURCE_EXHAUSTED at once.
+    max_queue_size: Annotated[int, Field(ge=1, le=1_000_000)] = 1024
+    # Rows one request may carry.
+    max_rows_per_request: Annotated[int, Field(ge=1, le=65536)] = 1024
+
+    @model_validator(mode="after")
+    def _preferred_fit(self) -> BatchingSpec:
+        too_big = [s for s in self.preferred_batch_sizes if s > self.max_batch_size]
+        if too_big:
+            raise ValueError(f"preferred_batch_sizes {too_big} exceed max_batch_size")
+        return self
+
+
+class ModelVersionSpec(_Strict):
+    # Where the artifact comes from when the mesh is seeded: "demo:<seed>" builds the demo
+    # MLP with that seed; otherwise the version must already be in the registry.
+    source: str = "registry"
+    # Artificial extra latency per batch (ms): for drills and deadline tests, never in prod.
+    inject_latency_ms: Annotated[float, Field(ge=0, le=60_000)] = 0.0
+
+
+class ModelSpec(_Strict):
+    # Feature view the gateway reads for entity ids, and the feature order the model takes.
+    feature_view: Name = "user"
+    features: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
+        default_factory=lambda: list(DEMO_FEATURES), min_length=1, max_length=4096
+    )
+    versions: dict[Name, ModelVersionSpec] = Field(
+        default_factory=lambda: {
+            "v1": ModelVersionSpec(source="demo:1"),
+            "v2": ModelVersionSpec(source="demo:2"),
+        }
+    )
+    # Share of unpinned traffic per version, in percent; must sum to 100.
+    traffic: dict[Name, Annotated[int, Field(ge=0, le=100)]] = Field(
+        default_factory=lambda: {"v1": 100, "v2": 0}
+    )
+    batching: BatchingSpec = Field(default_factory=BatchingSpec)
+    # Answer with this score and degraded=true when the model or the features are down.
+    fallback_score: float | None = None
+
+    @model_validator(mode="after")
+    def _traffic_names_known_versions(self) -> ModelSpec:
+        unknown = sorted(set(self.traffic) - set(self.versions))
+        if unknown:
+            raise ValueError(f"traffic names unknown versions {unknown}; known: {sorted(self.versions)}")
+        total = sum(self.traffic.values())
+        if total != 100:
+            raise ValueError(f"traffic weights must sum to 100, got {total}")
+        return self
+
+
+class RetryPolicy(_Strict):
+    # Envoy retry_on conditions. connect-failure, reset and refused-stream are what make a
+    # killed upstream or a per-try timeout retryable; the gRPC codes alone do not.
+    retry_on: list[str] = Field(
+        default_factory=lambda: [
+            "connect-failure",
+            "refused-stream",
+            "reset",
+            "unavailable",
+            "cancelled",
+        ]
+    )
+    num_retries: Annotated[int, Field(ge=0, le=10)] = 2
+    # 0 disables the per-try timeout; the caller's deadline still bounds every try.
+    per_try_timeout_ms: Annotated[int, Field(ge=0, le=600_000)] = 1000
+    backoff_base_ms: Annotated[int, Field(ge=1, le=10_000)] = 5
+    backoff_max_ms: Annotated[int, Field(ge=1, le=60_000)] = 50
+
+
+class HealthCheckPolicy(_Strict):
+    interval_ms: Annotated[int, Field(ge=100, le=60_000)] = 1000
+    timeout_ms: Annotated[int, Field(ge=50, le=60_000)] = 500
+    unhealthy_threshold: Annotated[int, Field(ge=1, le=10)] = 2
+    healthy_threshold: Annotated[int, Field(ge=1, le=10)] = 1
+    # Without this Envoy probes a cluster that has seen no traffic once a minute, and a
+    # fresh mesh looks dead for that long.
+    no_traffic_interval_ms: Annotated[int, Field(ge=100, le=60_000)] = 1000
+
+
+class ResiliencePolicy(_Strict):
+    retries: RetryPolicy = Field(default_factory=RetryPolicy)
+    health_checks: HealthCheckPolicy = Field(default_factory=HealthCheckPolicy)
+
+
+class Limits(_Strict):
+    # gRPC messages above this are refused with RESOURCE_EXHAUSTED by every service.
+    max_message_bytes: Annotated[int, Field(ge=1024, le=256 * 1024 * 1024)] = 4 * 1024 * 1024
+    # Registry uploads above this are refused.
+    max_artifact_bytes: Annotated[int, Field(ge=1024, le=16 * 1024**3)] = 512 * 1024 * 1024
+    # Entities plus rows in one Predict.
+    max_rows_per_predict: Annotated[int, Field(ge=1, le=65536)] = 1024
+
+
+class Deadlines(_Strict):
+    # Time each hop keeps for itself (answering, serialising) before calling downstream.
+    hop_budget_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
+    # Deadline applied to calls that arrive without one.
+    default_timeout_ms: Annotated[float, Field(gt=0, le=600_000)] = 5000.0
+
+
+class FeatureStoreSpec(_Strict):
+    # None: `servemesh up` starts its own redis-server on a free port.
+    redis_url: str | None = None
+    # What to do with an entity missing from the store: "error" answers NOT_FOUND naming
+    # it; "defaults" answers the view's default values with `defaulted` set.
+    missing_entity: Literal["error", "defaults"] = "error"
+    default_value: float = 0.0
+    key_prefix: Annotated[str, Field(min_length=1, max_length=64)] = "fs"
+
+
+class DemoSpec(_Strict):
+    # Seed the registry with the demo models and Redis with demo features on `up`.
+    enabled: bool = True
+    entities: Annotated[int, Field(ge=0, le=1_000_000)] = 5000
+
+
+class Ports(_Strict):
+    """Fixed listening ports; 0 picks a free port at start (what the tests use)."""
+
+    edge: Port = 8080
+    mesh: Port = 8081
+    envoy_admin: Port = 9901
+    # Services take consecutive ports from here, in the order `instances()` lists them.
+    services_base: Port = 50051
+
+
+class MeshSpec(_Strict):
+    name: Name = "servemesh"
+    host: str = "127.0.0.1"
+    zones: list[ZoneName] = Field(default_factory=lambda: ["zone-a", "zone-b"], min_length=1)
+    ports: Ports = Field(default_factory=Ports)
+    state_dir: str = ".servemesh"
+    gateway: Replicas = Field(default_factory=Replicas)
+    feature: Replicas = Field(default_factory=Replicas)
+    model_servers: Replicas = Field(default_factory=Replicas)
+    models: dict[Name, ModelSpec] = Field(default_factory=lambda: {"fraud": ModelSpec()})
+    feature_store: FeatureStoreSpec = Field(default_factory=FeatureStoreSpec)
+    resilience: ResiliencePolicy = Field(default_factory=ResiliencePolicy)
+    limits: Limits = Field(default_factory=Limits)
+    deadlines: Deadlines = Field(default_factory=Deadlines)
+    demo: DemoSpec = Field(default_factory=DemoSpec)
+    # Filled by `resolve_ports`: the concrete port of every instance, by instance name.
+    instance_ports: dict[str, Port] = Field(default_factory=dict)
+
+    @field_validator("host")
+    @classmethod
+    def _loopback_only(cls, host: str) -> str:
+        if host not in {"127.0.0.1", "localhost", "::1"} and not host.startswith("127."):
+            raise ValueError("host must be a loopback address (the local mesh binds nothing else)")
+        return host
+
+    @model_validator(mode="after")
+    def _replicas_in_known_zones(self) -> MeshSpec:
+        for service in ("gateway", "feature", "model_servers"):
+            replicas: Replicas = getattr(self, service)
+            unknown = sorted(set(replicas.per_zone) - set(self.zones))
+            if unknown:
+                raise ValueError(f"{service}.per_zone names unknown zones {unknown}")
+            if sum(replicas.per_zone.values()) < 1:
+                raise ValueError(f"{service} needs at least one replica")
+        return self
+
+    # --- derived views -------------------------------------------------------------
+
+    def instances(self) -> list[Instance]:
+        """Every service process of the mesh, in start order (registry first)."""
+        found = [Instance(name="registry-0", service="registry", zone=self.zones[0])]
+        for service, replicas in (
+            ("model", self.model_servers),
+            ("feature", self.feature),
+            ("gateway", self.gateway),
+        ):
+            for zone in self.zones:
+                for index in range(replicas.per_zone.get(zone, 0)):
+                    found.append(Instance(name=f"{service}-{zone}-{index}", service=service, zone=zone))
+        return found
+
+    def instance(self, name: str) -> Instance:
+        for inst in self.instances():
+            if inst.name == name:
+                return inst
+        raise SpecError(f"no instance named {name!r}; known: {[i.name for i in self.instances()]}")
+
+    def port_of(self, instance_name: str) -> int:
+        try:
+            return self.instance_ports[instance_name]
+        except KeyError:
+            raise SpecError(f"port of {instance_name!r} is not resolved yet") from None
+
+    def address_of(self, instance_name: str) -> str:
+        return f"{self.host}:{self.port_of(instance_name)}"
+
+    @property
+    def mesh_address(self) -> str:
+        """Where services reach each other: Envoy's mesh listener."""
+        return f"{self.host}:{self.ports.mesh}"
+
+    @property
+    def edge_address(self) -> str:
+        return f"{self.host}:{self.ports.edge}"
+
+    @property
+    def registry_address(self) -> str:
+        return self.address_of("registry-0")
+
+
+class Instance(_Strict):
+    name: str
+    service: Literal["registry", "model", "feature", "gateway"]
+    zone: ZoneName
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def resolve_ports(spec: MeshSpec) -> MeshSpec:
+    """A copy of the spec in which every listening port is concrete (0 becomes a free port)."""
+    taken: set[int] = set()
+
+    def pick(port: int) -> int:
+        while port == 0 or port in taken:
+            port = _free_port(spec.host)
+        taken.add(port)
+        return port
+
+    ports = Ports(
+        edge=pick(spec.ports.edge),
+        mesh=pick(spec.ports.mesh),
+        envoy_admin=pick(spec.ports.envoy_admin),
+        services_base=spec.ports.services_base,
+    )
+    instance_ports = {}
+    for offset, inst in enumerate(spec.instances()):
+        wanted = spec.instance_ports.get(inst.name)
+        if wanted is None:
+            wanted = spec.ports.services_base + offset if spec.ports.services_base else 0
+        instance_ports[inst.name] = pick(wanted)
+    return spec.model_copy(update={"ports": ports, "instance_ports": instance_ports})
+
+
+def _line_of(text: str, path: tuple[str | int, ...]) -> int | None:
+    """Best-effort line number of a field path in the YAML source, for error messages."""
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError:
+        return None
+    line = None
+    for key in path:
+        if isinstance(node, yaml.MappingNode):
+            match = next((v for k, v in node.value if k.value == str(key)), None)
+            if match is None:
+                return line
+            key_node = next(k for k, v in node.value if v is match)
+            line, node = key_node.start_mark.line + 1, match
+        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
+            node = node.value[key]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def parse_spec(text: str, source: str = "<spec>") -> MeshSpec:
+    """Parse and validate YAML text; errors name the source, the field and its line."""
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{source}: malformed YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: the spec must be a mapping, got {type(data).__name__}")
+    try:
+        return MeshSpec.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = tuple(err["loc"])
+            field = ".".join(str(p) for p in loc) or "(top level)"
+            line = _line_of(text, loc)
+            where = f"{source}:{line}" if line else source
+            problems.append(f"{where}: {field}: {err['msg']}")
+        raise SpecError("invalid mesh spec\n  " + "\n  ".join(problems)) from None
+
+
+def load_spec(path: str | Path | None = None) -> MeshSpec:
+    """Load a spec file; with no path, ./mesh.yaml when present, else the built-in defaults."""
+    if path is None:
+        default = Path("mesh.yaml")
+        if not default.is_file():
+            return MeshSpec()
+        path = default
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read: {exc.strerror}") from None
+    return parse_spec(text, str(path))
+
+
+def dump_spec(spec: MeshSpec) -> str:
+    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,1 @@
+"""The servemesh services (gateway, feature, model) and the runtime they share."""

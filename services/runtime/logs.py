@@ -1,0 +1,68 @@
+"""Structured JSON logs, one object a line, carrying the request id of the call in flight."""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+REQUEST_ID_HEADER = "x-request-id"
+_request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+
+# Fields of a LogRecord that are not the caller's `extra=`.
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": round(time.time(), 6),
+            "level": record.levelname.lower(),
+            "service": self.service,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        request_id = _request_id.get()
+        if request_id:
+            entry["request_id"] = request_id
+        for key, value in vars(record).items():
+            if key not in _STANDARD and not key.startswith("_"):
+                entry[key] = value
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(service: str, level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter(service))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def request_id_from(metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
+    """The caller's x-request-id, or a fresh one when it sent none."""
+    for key, value in metadata or ():
+        if key == REQUEST_ID_HEADER and value:
+            text = value.decode() if isinstance(value, bytes) else value
+            # Bound what a caller can make us log.
+            return text[:128]
+    return uuid.uuid4().hex
+
+
+def bind_request_id(request_id: str) -> contextvars.Token[str]:
+    return _request_id.set(request_id)
+
+
+def current_request_id() -> str:
+    return _request_id.get()

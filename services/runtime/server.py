@@ -1,0 +1,121 @@
+"""Server bootstrap shared by every service: health, reflection, limits, graceful drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+StopHook = Callable[[], Awaitable[None]]
+
+
+class ServiceServer:
+    """A grpc.aio server with health and reflection that drains on SIGTERM.
+
+    Drain order: every health status turns NOT_SERVING (so Envoy's health checks take the
+    replica out), then the server refuses new calls and finishes those in flight within
+    `drain_grace_s`, then the stop hooks run (close the batcher, the Redis pool, ...).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_message_bytes: int = 4 * 1024 * 1024,
+        drain_grace_s: float = 10.0,
+        interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+    ) -> None:
+        self.name = name
+        self.host = host
+        self.requested_port = port
+        self.drain_grace_s = drain_grace_s
+        self.server = grpc.aio.server(
+            interceptors=interceptors or [],
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+                # grpc turns SO_REUSEPORT on by default, which lets a second process bind a
+                # port already in use and silently share its traffic.
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._service_names: list[str] = []
+        self._stop_hooks: list[StopHook] = []
+        self._stopping: asyncio.Event | None = None
+        self.port = 0
+
+    def add_service(self, register: Callable[[Any, grpc.aio.Server], None], servicer: Any, full_name: str) -> None:
+        """Register a servicer (with its generated add_*_to_server) under its full name."""
+        register(servicer, self.server)
+        self._service_names.append(full_name)
+
+    def on_stop(self, hook: StopHook) -> None:
+        self._stop_hooks.append(hook)
+
+    async def start(self) -> int:
+        names = [*self._service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+        reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], self.server)
+        self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        if not self.port:
+            raise OSError(f"{self.name}: cannot bind {self.host}:{self.requested_port}")
+        await self.server.start()
+        await self.set_serving(True)
+        log.info("serving", extra={"port": self.port, "services": self._service_names})
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ["", *self._service_names]:
+            await self.health.set(name, status)
+
+    async def drain(self) -> None:
+        if self._stopping is not None and self._stopping.is_set():
+            return
+        log.info("draining", extra={"grace_s": self.drain_grace_s})
+        await self.set_serving(False)
+        await self.server.stop(self.drain_grace_s)
+        for hook in reversed(self._stop_hooks):
+            try:
+                await hook()
+            except Exception:  # one failing hook must not keep the others from running
+                log.exception("stop hook failed")
+        log.info("stopped")
+        if self._stopping is not None:
+            self._stopping.set()
+
+    async def serve_until_signalled(self) -> None:
+        """Start, then block until SIGTERM/SIGINT has drained the server."""
+        self._stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        drain_task: list[asyncio.Task[None]] = []
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: drain_task.append(loop.create_task(self.drain())))
+        if not self.port:
+            await self.start()
+        await self._stopping.wait()
+
+
+def run_service(build: Callable[[], Awaitable[ServiceServer]]) -> None:
+    """Entry point helper: build the server inside the loop, serve until signalled."""
+
+    async def main() -> None:
+        server = await build()
+        await server.serve_until_signalled()
+
+    asyncio.run(main())
