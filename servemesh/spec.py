@@ -52,7 +52,7 @@ class BatchingSpec(_Strict):
     def _preferred_fit(self) -> BatchingSpec:
         too_big = [s for s in self.preferred_batch_sizes if s > self.max_batch_size]
         if too_big:
-            raise ValueError(f"preferred_batch_sizes {too_big} exceed max_batch_size")
+            raise ValueError(f"preferred_batch_sizes: {too_big} exceed max_batch_size")
         return self
 
 
@@ -88,10 +88,10 @@ class ModelSpec(_Strict):
     def _traffic_names_known_versions(self) -> ModelSpec:
         unknown = sorted(set(self.traffic) - set(self.versions))
         if unknown:
-            raise ValueError(f"traffic names unknown versions {unknown}; known: {sorted(self.versions)}")
+            raise ValueError(f"traffic: names unknown versions {unknown}; known: {sorted(self.versions)}")
         total = sum(self.traffic.values())
         if total != 100:
-            raise ValueError(f"traffic weights must sum to 100, got {total}")
+            raise ValueError(f"traffic: weights must sum to 100, got {total}")
         return self
 
 
@@ -202,9 +202,9 @@ class MeshSpec(_Strict):
             replicas: Replicas = getattr(self, service)
             unknown = sorted(set(replicas.per_zone) - set(self.zones))
             if unknown:
-                raise ValueError(f"{service}.per_zone names unknown zones {unknown}")
+                raise ValueError(f"{service}.per_zone: names unknown zones {unknown}")
             if sum(replicas.per_zone.values()) < 1:
-                raise ValueError(f"{service} needs at least one replica")
+                raise ValueError(f"{service}.per_zone: needs at least one replica")
         return self
 
     # --- derived views -------------------------------------------------------------
@@ -257,7 +257,7 @@ class Instance(_Strict):
     zone: ZoneName
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -270,7 +270,7 @@ def resolve_ports(spec: MeshSpec) -> MeshSpec:
 
     def pick(port: int) -> int:
         while port == 0 or port in taken:
-            port = _free_port(spec.host)
+            port = free_port(spec.host)
         taken.add(port)
         return port
 

@@ -1,0 +1,192 @@
+"""The servemesh command line: run the mesh, call it, check a spec."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from rich.console import Console
+from rich.table import Table
+
+from servemesh.spec import MeshSpec, SpecError, load_spec
+
+console = Console(stderr=True)
+out = Console()
+
+
+def _load(path: str | None) -> MeshSpec:
+    try:
+        return load_spec(path)
+    except SpecError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise SystemExit(2) from None
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from servemesh.launcher import Mesh, MeshStartError
+
+    spec = _load(args.spec)
+    mesh = Mesh.from_spec(spec, Path(args.state_dir) if args.state_dir else None)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    started = time.perf_counter()
+    with console.status("starting the mesh (Redis, registry, models, features, gateways, Envoy)..."):
+        try:
+            mesh.start()
+        except MeshStartError as exc:
+            console.print(f"[red]the mesh did not start:[/red] {exc}")
+            return 1
+    elapsed = time.perf_counter() - started
+    table = Table(title=f"servemesh is up ({elapsed:.1f} s)", title_justify="left")
+    table.add_column("endpoint")
+    table.add_column("address")
+    table.add_column("pid", justify="right")
+    endpoints = mesh.endpoints()
+    pids = mesh.pids()
+    table.add_row("edge (clients, grpcurl)", str(endpoints["edge"]), str(pids.get("envoy", "")))
+    table.add_row("mesh (service to service)", str(endpoints["mesh"]), "")
+    table.add_row("envoy admin", f"http://{endpoints['envoy_admin']}", "")
+    table.add_row("redis", str(endpoints["redis"]), str(pids.get("redis", "")))
+    for name, address in endpoints["services"].items():  # type: ignore[union-attr]
+        table.add_row(name, address, str(pids.get(name, "")))
+    out.print(table)
+    out.print(f"logs: {endpoints['logs']}")
+    out.print(f"try:  servemesh predict --model fraud --entity user-42   (Ctrl-C stops the mesh)")
+    sys.stdout.flush()
+    try:
+        while not stop.wait(0.5):
+            dead = [c for c in mesh.children.values() if not c.alive()]
+            for child in dead:
+                console.print(f"[yellow]{child.name} exited with {child.popen.returncode}[/yellow]")
+                mesh.children.pop(child.name)
+    finally:
+        with console.status("stopping..."):
+            mesh.stop()
+    out.print("stopped")
+    return 0
+
+
+def _edge_address(args: argparse.Namespace) -> str:
+    if args.address:
+        return args.address
+    spec = _load(args.spec)
+    endpoints = Path(spec.state_dir) / "endpoints.json"
+    if endpoints.is_file():
+        return str(json.loads(endpoints.read_text())["edge"])
+    return spec.edge_address
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+    rows = []
+    for text in args.row or []:
+        try:
+            rows.append(gateway_pb2.FeatureRow(values=[float(v) for v in text.split(",")]))
+        except ValueError:
+            console.print(f"[red]--row {text[:40]!r}: not a comma-separated list of numbers[/red]")
+            return 2
+    request = gateway_pb2.PredictRequest(
+        model=args.model, entity_ids=args.entity or [], rows=rows, version=args.version or ""
+    )
+    address = _edge_address(args)
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = gateway_pb2_grpc.GatewayStub(channel).Predict(request, timeout=args.timeout)
+        except grpc.RpcError as exc:
+            console.print(f"[red]{exc.code().name}[/red]: {exc.details()}")  # type: ignore[attr-defined]
+            return 1
+    if args.json:
+        out.print_json(
+            json.dumps(
+                {
+                    "scores": list(reply.scores),
+                    "model_version": reply.model_version,
+                    "degraded": reply.degraded,
+                    "request_id": reply.request_id,
+                }
+            )
+        )
+        return 0
+    labels = [*(args.entity or []), *[f"row {i}" for i in range(len(rows))]]
+    for label, score in zip(labels, reply.scores, strict=True):
+        out.print(f"{label}: score {score:.6f}")
+    out.print(f"model version: {reply.model_version}" + ("  [yellow](degraded)[/yellow]" if reply.degraded else ""))
+    out.print(f"request id: {reply.request_id}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Validate a spec: the typed model, then the rendered Envoy config by Envoy itself."""
+    from servemesh.proxy.process import EnvoyConfigError, validate_config
+    from servemesh.proxy.render import write_bootstrap
+    from servemesh.spec import resolve_ports
+
+    spec = _load(args.spec)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = write_bootstrap(resolve_ports(spec), Path(tmp) / "envoy.yaml", Path(tmp))
+        try:
+            validate_config(config)
+        except EnvoyConfigError as exc:
+            console.print(f"[red]Envoy refuses the rendered config:[/red]\n{exc}")
+            return 1
+    out.print(f"ok: {args.spec or 'built-in defaults'} is valid and renders a config Envoy accepts")
+    return 0
+
+
+def cmd_envoy_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from servemesh.proxy.render import render_bootstrap
+    from servemesh.spec import resolve_ports
+
+    spec = resolve_ports(_load(args.spec))
+    out.print(yaml.safe_dump(render_bootstrap(spec, Path(spec.state_dir) / "logs"), sort_keys=False), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="servemesh", description="A gRPC serving mesh for PyTorch models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start the whole mesh and keep it running until Ctrl-C")
+    up.add_argument("--spec", help="mesh spec (default: ./mesh.yaml, else built-in defaults)")
+    up.add_argument("--state-dir", help="where logs, the registry and rendered config go")
+    up.set_defaults(func=cmd_up)
+
+    predict = sub.add_parser("predict", help="call Predict through the edge")
+    predict.add_argument("--model", required=True)
+    predict.add_argument("--entity", action="append", help="entity id (repeatable)")
+    predict.add_argument("--row", action="append", help="comma-separated feature values (repeatable)")
+    predict.add_argument("--version", help="pin a model version")
+    predict.add_argument("--address", help="edge address (default: the running mesh's)")
+    predict.add_argument("--spec")
+    predict.add_argument("--timeout", type=float, default=5.0, help="deadline in seconds")
+    predict.add_argument("--json", action="store_true", help="print the answer as JSON")
+    predict.set_defaults(func=cmd_predict)
+
+    check = sub.add_parser("check", help="validate a mesh spec and the Envoy config it renders")
+    check.add_argument("spec", nargs="?")
+    check.set_defaults(func=cmd_check)
+
+    envoy = sub.add_parser("envoy-config", help="print the Envoy config a spec renders")
+    envoy.add_argument("--spec")
+    envoy.set_defaults(func=cmd_envoy_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

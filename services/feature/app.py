@@ -1,0 +1,39 @@
+"""Wires the feature service from the mesh spec: Redis client, store, servicer, server."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from servemesh.services.feature.service import FeatureServicer
+from servemesh.services.feature.store import RedisFeatureStore
+from servemesh.services.runtime import DeadlineBudget, ServiceServer
+from servemesh.spec import MeshSpec
+from servemesh_api.feature.v1 import feature_pb2_grpc
+
+
+async def build_server(spec: MeshSpec, instance: str) -> ServiceServer:
+    if not spec.feature_store.redis_url:
+        raise SystemExit("feature_store.redis_url is not set (servemesh up fills it in)")
+    client = aioredis.Redis.from_url(
+        spec.feature_store.redis_url, socket_connect_timeout=1.0, health_check_interval=10
+    )
+    store = RedisFeatureStore(client, spec.feature_store.key_prefix)
+    servicer = FeatureServicer(
+        store,
+        spec.feature_store,
+        DeadlineBudget(spec.deadlines.hop_budget_ms / 1000, spec.deadlines.default_timeout_ms / 1000),
+        max_entities=spec.limits.max_rows_per_predict,
+    )
+    server = ServiceServer(
+        instance,
+        host=spec.host,
+        port=spec.port_of(instance),
+        max_message_bytes=spec.limits.max_message_bytes,
+    )
+    server.add_service(
+        feature_pb2_grpc.add_FeatureServiceServicer_to_server,
+        servicer,
+        "servemesh.feature.v1.FeatureService",
+    )
+    server.on_stop(client.aclose)
+    return server

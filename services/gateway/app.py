@@ -1,0 +1,33 @@
+"""Wires the gateway from the mesh spec: one channel to Envoy's mesh listener, the servicer."""
+
+from __future__ import annotations
+
+import grpc
+
+from servemesh.services.gateway.service import GatewayServicer
+from servemesh.services.runtime import ServiceServer
+from servemesh.spec import MeshSpec
+from servemesh_api.gateway.v1 import gateway_pb2_grpc
+
+
+async def build_server(spec: MeshSpec, instance: str) -> ServiceServer:
+    limit = spec.limits.max_message_bytes
+    # Every downstream call goes through Envoy, which owns retries and load balancing.
+    mesh_channel = grpc.aio.insecure_channel(
+        spec.mesh_address,
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.enable_retries", 0),
+        ],
+    )
+    server = ServiceServer(
+        instance, host=spec.host, port=spec.port_of(instance), max_message_bytes=limit
+    )
+    server.add_service(
+        gateway_pb2_grpc.add_GatewayServicer_to_server,
+        GatewayServicer(spec, mesh_channel),
+        "servemesh.gateway.v1.Gateway",
+    )
+    server.on_stop(mesh_channel.close)
+    return server

@@ -1,0 +1,140 @@
+"""Gateway: the public Predict API; features from the feature service, scores from the model."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+import numpy as np
+
+from servemesh.services.gateway.predict import (
+    MODEL_HEADER,
+    VERSION_HEADER,
+    PredictError,
+    PredictPlan,
+    build_infer_request,
+    fallback_response,
+    plan_predict,
+    read_scores,
+)
+from servemesh.services.runtime import DeadlineBudget, bind_request_id, request_id_from
+from servemesh.services.runtime.deadlines import DeadlineExhausted
+from servemesh.spec import MeshSpec
+from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
+from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from servemesh_api.inference import grpc_service_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Downstream failures a configured fallback may answer for. Not DEADLINE_EXCEEDED: when the
+# caller's time is up, a late fallback helps nobody.
+FALLBACK_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+}
+# Headers passed on unchanged so a trace and a request id follow the request everywhere.
+PROPAGATED_HEADERS = ("traceparent", "tracestate")
+
+
+class DownstreamError(Exception):
+    def __init__(self, hop: str, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(f"{hop}: {error.details()}")
+        self.hop = hop
+        self.code = error.code()
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, spec: MeshSpec, mesh_channel: grpc.aio.Channel) -> None:
+        self.spec = spec
+        self.budget = DeadlineBudget(
+            spec.deadlines.hop_budget_ms / 1000, spec.deadlines.default_timeout_ms / 1000
+        )
+        self.features = feature_pb2_grpc.FeatureServiceStub(mesh_channel)
+        self.models = grpc_service_pb2_grpc.GRPCInferenceServiceStub(mesh_channel)
+
+    async def Predict(
+        self, request: gateway_pb2.PredictRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.PredictResponse:
+        incoming = context.invocation_metadata() or ()
+        request_id = request_id_from(incoming)
+        bind_request_id(request_id)
+        deadline = self.budget.absolute_deadline(context)
+        started = time.perf_counter()
+        plan: PredictPlan | None = None
+        try:
+            plan = plan_predict(request, self.spec)
+            metadata = [("x-request-id", request_id)]
+            metadata += [(k, v) for k, v in incoming if k in PROPAGATED_HEADERS]
+            features = await self._features(plan, deadline, metadata)
+            scores, version = await self._infer(plan, features, deadline, metadata, request_id)
+        except PredictError as exc:
+            log.info("predict refused", extra={"code": exc.code.name, "reason": str(exc)})
+            await context.abort(exc.code, str(exc))
+            raise
+        except DeadlineExhausted as exc:
+            log.info("predict out of time", extra={"left": str(exc)})
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded at the gateway ({exc})")
+            raise
+        except DownstreamError as exc:
+            fallback = fallback_response(plan, request_id, str(exc)) if plan and exc.code in FALLBACK_CODES else None
+            if fallback is not None:
+                log.warning("predict degraded", extra={"hop": exc.hop, "code": exc.code.name})
+                return fallback
+            log.info("predict failed downstream", extra={"hop": exc.hop, "code": exc.code.name})
+            await context.abort(exc.code, str(exc))
+            raise
+        log.info(
+            "predict",
+            extra={
+                "model": plan.model_name,
+                "version": version,
+                "rows": len(scores),
+                "ms": round((time.perf_counter() - started) * 1000, 3),
+            },
+        )
+        return gateway_pb2.PredictResponse(scores=scores, model_version=version, request_id=request_id)
+
+    async def _features(
+        self, plan: PredictPlan, deadline: float, metadata: list[tuple[str, str]]
+    ) -> np.ndarray:
+        """Feature matrix: looked-up entities first, then the caller's own rows."""
+        if not plan.entity_ids:
+            return plan.rows
+        lookup = feature_pb2.GetFeaturesRequest(
+            view=plan.model.feature_view, entity_ids=plan.entity_ids, feature_names=plan.model.features
+        )
+        try:
+            reply = await self.features.GetFeatures(
+                lookup, timeout=self.budget.remaining(deadline), metadata=metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise DownstreamError("feature service", exc) from None
+        looked_up = np.array([v.values for v in reply.vectors], dtype=np.float32)
+        if looked_up.shape != (len(plan.entity_ids), len(plan.model.features)):
+            raise PredictError(grpc.StatusCode.INTERNAL, "feature service answered a matrix of the wrong shape")
+        return np.concatenate([looked_up, plan.rows]) if len(plan.rows) else looked_up
+
+    async def _infer(
+        self,
+        plan: PredictPlan,
+        features: np.ndarray,
+        deadline: float,
+        metadata: list[tuple[str, str]],
+        request_id: str,
+    ) -> tuple[list[float], str]:
+        # Envoy routes on these headers: the model picks the route, a pinned version its cluster.
+        routing = [(MODEL_HEADER, plan.model_name)]
+        if plan.version:
+            routing.append((VERSION_HEADER, plan.version))
+        try:
+            reply = await self.models.ModelInfer(
+                build_infer_request(plan, features, request_id),
+                timeout=self.budget.remaining(deadline),
+                metadata=metadata + routing,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise DownstreamError("model service", exc) from None
+        return read_scores(reply, len(features)), reply.model_version

@@ -1,0 +1,24 @@
+"""The command line every service process shares: --spec FILE --instance NAME."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Awaitable, Callable
+
+from servemesh.services.runtime.logs import configure_logging
+from servemesh.services.runtime.server import ServiceServer, run_service
+from servemesh.spec import MeshSpec, load_spec
+
+Builder = Callable[[MeshSpec, str], Awaitable[ServiceServer]]
+
+
+def service_main(build: Builder, argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True, help="resolved mesh spec (written by servemesh up)")
+    parser.add_argument("--instance", required=True, help="instance name, e.g. gateway-zone-a-0")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    spec = load_spec(args.spec)
+    spec.instance(args.instance)  # fail fast on an unknown instance name
+    configure_logging(args.instance, args.log_level)
+    run_service(lambda: build(spec, args.instance))
