@@ -148,10 +148,12 @@ class RegistryStore:
             db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
             try:
                 yield db
+                db.execute("COMMIT")
             except BaseException:
-                db.execute("ROLLBACK")
+                # A failed COMMIT may already have rolled back.
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
                 raise
-            db.execute("COMMIT")
 
     # --- reads ---------------------------------------------------------------------
 
@@ -300,9 +302,11 @@ class RegistryStore:
             )
         with self._transaction() as db:
             self._check_version_free(db, header)
-        return Upload(self, header, self.blobs.stage())
+        return Upload(self, header)
 
-    def _check_version_free(self, db: sqlite3.Connection, header: UploadHeader) -> VersionRecord | None:
+    def _check_version_free(
+        self, db: sqlite3.Connection, header: UploadHeader
+    ) -> VersionRecord | None:
         """The existing identical version, None when the name is free; raises on a clash."""
         existing, kind = self._find_version(db, header.model, header.version)
         if kind == "alias":
@@ -316,7 +320,9 @@ class RegistryStore:
             )
         return existing
 
-    def _commit_version(self, header: UploadHeader, staged: StagedBlob) -> tuple[VersionRecord, bool]:
+    def _commit_version(
+        self, header: UploadHeader, staged: StagedBlob
+    ) -> tuple[VersionRecord, bool]:
         """Install a sealed, verified blob and insert its row, or leave no trace.
 
         Returns the record and whether it is new (False: the same bytes were there).
@@ -327,6 +333,8 @@ class RegistryStore:
                 with self._transaction(write=True) as db:
                     existing = self._check_version_free(db, header)
                     if existing is not None:
+                        # The same verified bytes: replacing the file repairs a damaged copy.
+                        self.blobs.install(staged, header.sha256)
                         return existing, False
                     record = VersionRecord(
                         model=header.model,
@@ -346,7 +354,8 @@ class RegistryStore:
                     )
                     new_blob = self.blobs.install(staged, header.sha256)
                     db.execute(
-                        f"INSERT INTO versions ({_VERSION_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        f"INSERT INTO versions ({_VERSION_COLUMNS}) "
+                        f"VALUES ({', '.join('?' * len(_COLUMNS))})",
                         (
                             record.model,
                             record.version,
@@ -370,29 +379,31 @@ class RegistryStore:
 class Upload:
     """One artifact arriving in chunks: `write` each, then `commit` or `abort`.
 
-    `abort` is safe at any time and after anything; a failed `write` or `commit` aborts by
-    itself. Used as a context manager, leaving the block without a commit aborts.
+    The temp file is created by the first `write`, so an upload abandoned before its first
+    byte owns nothing. `abort` is safe at any time and after anything; a failed `write` or
+    `commit` aborts by itself. As a context manager, leaving the block without a commit
+    aborts.
     """
 
-    def __init__(self, store: RegistryStore, header: UploadHeader, staged: StagedBlob) -> None:
+    def __init__(self, store: RegistryStore, header: UploadHeader) -> None:
         self.header = header
         self.created = False
         self._store = store
-        self._staged = staged
-        # write/abort may race when the servicer is cancelled mid-chunk.
+        self._staged: StagedBlob | None = None
+        # write (in a worker thread) and abort (from a cancelled servicer) may overlap.
         self._lock = threading.Lock()
         self._state: Literal["open", "committing", "committed", "aborted"] = "open"
 
     @property
     def received_bytes(self) -> int:
-        return self._staged.size
+        return self._staged.size if self._staged is not None else 0
 
     def write(self, chunk: bytes) -> None:
         """Append a chunk; refuses (and aborts) as soon as the bytes exceed a limit."""
         with self._lock:
             if self._state != "open":
                 raise RuntimeError(f"upload is {self._state}")
-            total = self._staged.size + len(chunk)
+            total = self.received_bytes + len(chunk)
             try:
                 if total > self._store.max_artifact_bytes:
                     raise ArtifactTooLargeError(
@@ -403,6 +414,8 @@ class Upload:
                     raise DigestMismatchError(
                         f"chunk data exceeds header.size_bytes ({self.header.size_bytes})"
                     )
+                if self._staged is None:
+                    self._staged = self._store.blobs.stage()
                 self._staged.write(chunk)
             except BaseException:
                 self._abort_locked()
@@ -420,21 +433,22 @@ class Upload:
             # From here on this thread owns the temp file: abort() leaves it alone.
             self._state = "committing"
         try:
-            if self._staged.size != self.header.size_bytes:
+            staged = self._staged
+            if staged is None or staged.size != self.header.size_bytes:
                 raise DigestMismatchError(
-                    f"chunk data is {self._staged.size} bytes, header.size_bytes declares "
+                    f"chunk data is {self.received_bytes} bytes, header.size_bytes declares "
                     f"{self.header.size_bytes}"
                 )
-            if self._staged.hexdigest() != self.header.sha256:
+            if staged.hexdigest() != self.header.sha256:
                 raise DigestMismatchError("chunk data does not match header.sha256")
-            self._staged.seal()
-            record, self.created = self._store._commit_version(self.header, self._staged)
+            staged.seal()
+            record, self.created = self._store._commit_version(self.header, staged)
         except BaseException:
-            self._staged.discard()
+            self._discard()
             self._state = "aborted"
             raise
-        # The same bytes were already installed: this temp file is surplus.
-        self._staged.discard()
+        # Gone after an install; when the same bytes were already there, surplus.
+        self._discard()
         self._state = "committed"
         return record
 
@@ -446,6 +460,10 @@ class Upload:
     def _abort_locked(self) -> None:
         if self._state == "open":
             self._state = "aborted"
+            self._discard()
+
+    def _discard(self) -> None:
+        if self._staged is not None:
             self._staged.discard()
 
     def __enter__(self) -> Upload:

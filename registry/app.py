@@ -1,0 +1,50 @@
+"""Wires the registry from the mesh spec: store under state_dir, servicer, server."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from servemesh.registry.service import SERVICE_NAME, RegistryServicer
+from servemesh.registry.store import RegistryStore
+from servemesh.services.runtime import ServiceServer
+from servemesh_api.registry.v1 import registry_pb2_grpc
+
+from servemesh.spec import MeshSpec, SpecError
+
+
+def registry_server(
+    store: RegistryStore,
+    name: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_message_bytes: int = 4 * 1024 * 1024,
+) -> ServiceServer:
+    """A not yet started server for `store`; it closes the store when it stops."""
+    server = ServiceServer(name, host=host, port=port, max_message_bytes=max_message_bytes)
+    server.add_service(
+        registry_pb2_grpc.add_RegistryServicer_to_server, RegistryServicer(store), SERVICE_NAME
+    )
+
+    async def close_store() -> None:
+        await asyncio.to_thread(store.close)
+
+    server.on_stop(close_store)
+    return server
+
+
+async def build_server(spec: MeshSpec, instance: str) -> ServiceServer:
+    """The registry instance `instance` of `spec`, state under <state_dir>/registry."""
+    if spec.instance(instance).service != "registry":
+        raise SpecError(f"instance {instance!r} is not a registry instance")
+    store = await asyncio.to_thread(
+        RegistryStore, Path(spec.state_dir) / "registry", spec.limits.max_artifact_bytes
+    )
+    return registry_server(
+        store,
+        instance,
+        host=spec.host,
+        port=spec.port_of(instance),
+        max_message_bytes=spec.limits.max_message_bytes,
+    )

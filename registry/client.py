@@ -1,0 +1,166 @@
+"""Async helpers for talking to the registry over a grpc.aio channel.
+
+RPC failures surface as grpc.aio.AioRpcError carrying the registry's status code (see
+servemesh.registry.service for which code means what).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, Union
+
+import grpc
+from servemesh.registry.convert import tensor_spec_to_proto
+from servemesh.registry.errors import ArtifactTooLargeError
+from servemesh.registry.records import TensorSpec
+from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
+
+__all__ = [
+    "ArtifactIntegrityError",
+    "ArtifactTooLargeError",
+    "TensorSpecLike",
+    "fetch_verified",
+    "push_version",
+    "set_alias",
+]
+
+DEFAULT_CHUNK_BYTES = 256 * 1024
+
+# A signature tensor as a proto, a record, {"name", "datatype", "shape"} or a 3-tuple.
+TensorSpecLike = Union[
+    registry_pb2.TensorSpec, TensorSpec, Mapping[str, Any], tuple[str, str, Sequence[int]]
+]
+
+
+class ArtifactIntegrityError(Exception):
+    """Downloaded bytes do not match their version record (size or sha256)."""
+
+
+def _tensor_proto(spec: TensorSpecLike) -> registry_pb2.TensorSpec:
+    if isinstance(spec, registry_pb2.TensorSpec):
+        return spec
+    if isinstance(spec, TensorSpec):
+        return tensor_spec_to_proto(spec)
+    if isinstance(spec, Mapping):
+        return registry_pb2.TensorSpec(
+            name=spec["name"], datatype=spec["datatype"], shape=list(spec["shape"])
+        )
+    name, datatype, shape = spec
+    return registry_pb2.TensorSpec(name=name, datatype=datatype, shape=list(shape))
+
+
+async def push_version(
+    channel: grpc.aio.Channel,
+    *,
+    model: str,
+    version: str,
+    data: bytes,
+    inputs: Sequence[TensorSpecLike],
+    outputs: Sequence[TensorSpecLike],
+    labels: Mapping[str, str] | None = None,
+    chunk_size: int = DEFAULT_CHUNK_BYTES,
+    timeout: float = 60.0,
+) -> registry_pb2.ModelVersion:
+    """Upload a TorchScript artifact as model/version (the model is created if new).
+
+    Returns the stored version; re-pushing identical bytes returns the existing version.
+    """
+    if chunk_size <= 0:
+        raise ValueError("chunk_size must be positive")
+    # Hashing hundreds of MB takes a while; keep it off the event loop.
+    sha256 = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
+    header = registry_pb2.UploadHeader(
+        model=model,
+        version=version,
+        sha256=sha256,
+        size_bytes=len(data),
+        format="torchscript",
+        inputs=[_tensor_proto(spec) for spec in inputs],
+        outputs=[_tensor_proto(spec) for spec in outputs],
+        labels=dict(labels or {}),
+    )
+
+    async def messages() -> AsyncIterator[registry_pb2.UploadVersionRequest]:
+        yield registry_pb2.UploadVersionRequest(header=header)
+        view = memoryview(data)
+        for start in range(0, len(data), chunk_size):
+            yield registry_pb2.UploadVersionRequest(chunk=bytes(view[start : start + chunk_size]))
+
+    stub = registry_pb2_grpc.RegistryStub(channel)
+    return await stub.UploadVersion(messages(), timeout=timeout)
+
+
+async def fetch_verified(
+    channel: grpc.aio.Channel,
+    model: str,
+    version: str,
+    timeout: float = 60.0,
+    max_bytes: int | None = None,
+) -> tuple[registry_pb2.ModelVersion, bytes]:
+    """Download a version (or alias) and check its bytes against the version record.
+
+    Returns the record and the artifact bytes. Raises ArtifactIntegrityError when the size
+    or sha256 differ from the record, ArtifactTooLargeError when the record declares more
+    than `max_bytes` (checked before the bytes are fetched).
+    """
+    stub = registry_pb2_grpc.RegistryStub(channel)
+    call = stub.DownloadArtifact(
+        registry_pb2.DownloadArtifactRequest(model=model, version=version), timeout=timeout
+    )
+    record: registry_pb2.ModelVersion | None = None
+    chunks: list[bytes] = []
+    received = 0
+    try:
+        async for message in call:
+            if record is None:
+                if not message.HasField("version"):
+                    raise ArtifactIntegrityError(
+                        f"{model}/{version}: the first chunk carries no version record"
+                    )
+                record = message.version
+                if record.model != model:
+                    raise ArtifactIntegrityError(
+                        f"{model}/{version}: the registry answered for model {record.model!r}"
+                    )
+                if max_bytes is not None and record.size_bytes > max_bytes:
+                    raise ArtifactTooLargeError(
+                        f"{model}/{record.version} is {record.size_bytes} bytes, more than "
+                        f"the {max_bytes} allowed"
+                    )
+            received += len(message.data)
+            if received > record.size_bytes:
+                # Stop at once rather than buffer an unbounded stream.
+                raise ArtifactIntegrityError(
+                    f"{model}/{record.version}: more bytes than the record's size_bytes "
+                    f"({record.size_bytes})"
+                )
+            chunks.append(message.data)
+    finally:
+        # Stops the server's stream when we bail out early; a no-op once it completed.
+        call.cancel()
+    if record is None:
+        raise ArtifactIntegrityError(f"{model}/{version}: the download stream was empty")
+    if received != record.size_bytes:
+        raise ArtifactIntegrityError(
+            f"{model}/{record.version}: received {received} bytes, the record says "
+            f"{record.size_bytes}"
+        )
+    data = b"".join(chunks)
+    digest = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
+    if digest != record.sha256:
+        raise ArtifactIntegrityError(
+            f"{model}/{record.version}: sha256 {digest} does not match the record's {record.sha256}"
+        )
+    return record, data
+
+
+async def set_alias(
+    channel: grpc.aio.Channel, model: str, alias: str, version: str, timeout: float = 10.0
+) -> registry_pb2.Model:
+    """Point `alias` at `version` (a version or another alias); returns the model."""
+    stub = registry_pb2_grpc.RegistryStub(channel)
+    return await stub.SetAlias(
+        registry_pb2.SetAliasRequest(model=model, alias=alias, version=version), timeout=timeout
+    )

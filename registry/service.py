@@ -1,0 +1,234 @@
+"""The Registry gRPC service (servemesh.registry.v1.Registry) over a RegistryStore.
+
+Status codes:
+  INVALID_ARGUMENT     a malformed field (the message names it, e.g. "header.sha256: ..."),
+                       an alias that would shadow a version, and uploaded bytes that do
+                       not match the header: "chunk data does not match header.sha256" or
+                       a size that differs from header.size_bytes.
+  NOT_FOUND            an unknown model, version or alias (the message names it).
+  ALREADY_EXISTS       CreateModel of an existing model; UploadVersion of an existing
+                       version with other bytes (the same bytes return the version).
+  FAILED_PRECONDITION  an upload stream whose first message is not a header, that carries
+                       a second header, or that ends without one.
+  RESOURCE_EXHAUSTED   an artifact over the registry's max_artifact_bytes: refused at the
+                       header when declared so, else at the first chunk past the limit.
+  DATA_LOSS            a version whose artifact file is missing on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import NoReturn, TypeVar
+
+import grpc
+from servemesh.registry.convert import header_from_proto, model_to_proto, version_to_proto
+from servemesh.registry.errors import (
+    AlreadyExistsError,
+    ArtifactTooLargeError,
+    BlobMissingError,
+    InvalidArgumentError,
+    NotFoundError,
+    RegistryError,
+    UploadProtocolError,
+)
+from servemesh.registry.records import UploadHeader
+from servemesh.registry.store import RegistryStore, Upload
+from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+DOWNLOAD_CHUNK_BYTES = 256 * 1024
+
+# Checked in order: subclasses before their bases.
+_STATUS_OF: tuple[tuple[type[RegistryError], grpc.StatusCode], ...] = (
+    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (ArtifactTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UploadProtocolError, grpc.StatusCode.FAILED_PRECONDITION),
+    (BlobMissingError, grpc.StatusCode.DATA_LOSS),
+)
+
+T = TypeVar("T")
+
+
+def status_of(exc: RegistryError) -> grpc.StatusCode:
+    """The gRPC status code a store refusal answers with."""
+    for kind, code in _STATUS_OF:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: RegistryError) -> NoReturn:
+    await context.abort(status_of(exc), str(exc))
+    raise AssertionError("unreachable: context.abort raises")
+
+
+@dataclass
+class _Receiving:
+    """An upload stream in progress: what it declared, and the upload once begun."""
+
+    header: UploadHeader | None = None
+    upload: Upload | None = None
+
+    def log_fields(self) -> dict[str, object]:
+        """What the upload's log lines say: the header (bounded), never the bytes."""
+        if self.header is None:
+            return {}
+        return {
+            # Not yet validated when a header is refused: keep a caller from flooding logs.
+            "model": self.header.model[:128],
+            "version": self.header.version[:128],
+            "size_bytes": self.header.size_bytes,
+            "sha256": self.header.sha256[:64],
+            "received_bytes": self.upload.received_bytes if self.upload is not None else 0,
+        }
+
+
+class RegistryServicer(registry_pb2_grpc.RegistryServicer):
+    """Every Registry RPC; store calls run in threads so the event loop never waits on disk."""
+
+    def __init__(
+        self, store: RegistryStore, *, download_chunk_bytes: int = DOWNLOAD_CHUNK_BYTES
+    ) -> None:
+        self.store = store
+        self.download_chunk_bytes = download_chunk_bytes
+
+    async def _call(
+        self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: object
+    ) -> T:
+        """fn(*args) in a thread; a store refusal aborts the RPC with its status code."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except RegistryError as exc:
+            await _abort(context, exc)
+
+    async def CreateModel(
+        self, request: registry_pb2.CreateModelRequest, context: grpc.aio.ServicerContext
+    ) -> registry_pb2.Model:
+        record = await self._call(
+            context, self.store.create_model, request.name, request.description
+        )
+        return model_to_proto(record)
+
+    async def ListModels(
+        self, request: registry_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> registry_pb2.ListModelsResponse:
+        records = await self._call(context, self.store.list_models)
+        return registry_pb2.ListModelsResponse(models=[model_to_proto(r) for r in records])
+
+    async def GetVersion(
+        self, request: registry_pb2.GetVersionRequest, context: grpc.aio.ServicerContext
+    ) -> registry_pb2.ModelVersion:
+        record = await self._call(context, self.store.get_version, request.model, request.version)
+        return version_to_proto(record)
+
+    async def ListVersions(
+        self, request: registry_pb2.ListVersionsRequest, context: grpc.aio.ServicerContext
+    ) -> registry_pb2.ListVersionsResponse:
+        records = await self._call(context, self.store.list_versions, request.model)
+        return registry_pb2.ListVersionsResponse(versions=[version_to_proto(r) for r in records])
+
+    async def SetAlias(
+        self, request: registry_pb2.SetAliasRequest, context: grpc.aio.ServicerContext
+    ) -> registry_pb2.Model:
+        record = await self._call(
+            context, self.store.set_alias, request.model, request.alias, request.version
+        )
+        log.info(
+            "alias set",
+            extra={
+                "model": record.name,
+                "alias": request.alias,
+                "target": record.aliases[request.alias],
+            },
+        )
+        return model_to_proto(record)
+
+    async def UploadVersion(
+        self,
+        request_iterator: AsyncIterable[registry_pb2.UploadVersionRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> registry_pb2.ModelVersion:
+        """Header first, then chunks; the version exists once every byte matched.
+
+        Auto-creates the model, so one stream publishes a new model's first version.
+        """
+        receiving = _Receiving()
+        try:
+            async for message in request_iterator:
+                await self._accept(receiving, message)
+            if receiving.upload is None:
+                raise UploadProtocolError("header: the upload stream ended without one")
+            upload = receiving.upload
+            record = await asyncio.to_thread(upload.commit)
+        except RegistryError as exc:
+            log.warning(
+                "upload refused",
+                extra={**receiving.log_fields(), "code": status_of(exc).name, "reason": str(exc)},
+            )
+            await _abort(context, exc)
+        except asyncio.CancelledError:
+            log.info("upload cancelled by the client", extra=receiving.log_fields())
+            raise
+        except Exception:
+            log.exception("upload failed", extra=receiving.log_fields())
+            await context.abort(grpc.StatusCode.INTERNAL, "upload failed: internal error")
+        finally:
+            # Synchronous on purpose: it must run even while this task is being cancelled.
+            # A no-op after a commit, and while a commit still runs in its thread.
+            if receiving.upload is not None:
+                receiving.upload.abort()
+        log.info(
+            "upload accepted",
+            extra={
+                "model": record.model,
+                "version": record.version,
+                "size_bytes": record.size_bytes,
+                "sha256": record.sha256,
+                "new_version": upload.created,
+            },
+        )
+        return version_to_proto(record)
+
+    async def _accept(
+        self, receiving: _Receiving, message: registry_pb2.UploadVersionRequest
+    ) -> None:
+        """Take one more message: the header begins the upload, each chunk feeds it."""
+        part = message.WhichOneof("part")
+        if receiving.header is None:
+            if part != "header":
+                raise UploadProtocolError("header: the first UploadVersionRequest must carry it")
+            receiving.header = header_from_proto(message.header)
+            # begin_upload opens no file, so a cancellation right here leaks nothing.
+            receiving.upload = await asyncio.to_thread(self.store.begin_upload, receiving.header)
+        elif part == "header":
+            raise UploadProtocolError("header: sent twice; only the first message may carry it")
+        elif part == "chunk" and message.chunk and receiving.upload is not None:
+            await asyncio.to_thread(receiving.upload.write, message.chunk)
+
+    async def DownloadArtifact(
+        self, request: registry_pb2.DownloadArtifactRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[registry_pb2.ArtifactChunk]:
+        """The artifact in chunks; the first carries the ModelVersion to verify against.
+
+        Read a chunk at a time in a thread: a large artifact never sits in memory whole.
+        """
+        try:
+            record = await asyncio.to_thread(self.store.get_version, request.model, request.version)
+            # Opened here, not in a thread: a cancellation mid-open would leak the handle.
+            blob = self.store.open_artifact(record)
+        except RegistryError as exc:
+            await _abort(context, exc)
+        with blob:
+            data = await asyncio.to_thread(blob.read, self.download_chunk_bytes)
+            yield registry_pb2.ArtifactChunk(version=version_to_proto(record), data=data)
+            while data:
+                data = await asyncio.to_thread(blob.read, self.download_chunk_bytes)
+                if data:
+                    yield registry_pb2.ArtifactChunk(data=data)

@@ -1,0 +1,58 @@
+"""Registry fixtures: a store on tmp_path, and a real grpc.aio server on 127.0.0.1:0."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from registry_kit import MAX_ARTIFACT_BYTES, RunningRegistry
+from servemesh.registry.app import registry_server
+from servemesh.registry.store import RegistryStore
+from servemesh_api.registry.v1 import registry_pb2_grpc
+
+from servemesh.demo import Artifact, demo_artifact
+
+
+def _demo(seed: int) -> Artifact:
+    # torch deprecates torch.jit.script/save in favour of torch.export, but TorchScript
+    # stays the format the registry accepts; the warnings would fail the run under "error".
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"`torch\.jit\.\w+` is deprecated", DeprecationWarning)
+        return demo_artifact(seed)
+
+
+@pytest.fixture(scope="session")
+def demo1() -> Artifact:
+    return _demo(1)
+
+
+@pytest.fixture(scope="session")
+def demo2() -> Artifact:
+    return _demo(2)
+
+
+@pytest.fixture
+def store_root(tmp_path: Path) -> Path:
+    return tmp_path / "registry"
+
+
+@pytest.fixture
+def store(store_root: Path) -> Iterator[RegistryStore]:
+    store = RegistryStore(store_root, MAX_ARTIFACT_BYTES)
+    yield store
+    store.close()
+
+
+@pytest.fixture
+async def registry(store: RegistryStore) -> AsyncIterator[RunningRegistry]:
+    server = registry_server(store, "registry-test", host="127.0.0.1", port=0)
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield RunningRegistry(store, server, channel, registry_pb2_grpc.RegistryStub(channel))
+    finally:
+        await channel.close()
+        await server.drain()
