@@ -105,16 +105,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
             console.print(f"[red]{exc.code().name}[/red]: {exc.details()}")  # type: ignore[attr-defined]
             return 1
     if args.json:
-        out.print_json(
-            json.dumps(
-                {
-                    "scores": list(reply.scores),
-                    "model_version": reply.model_version,
-                    "degraded": reply.degraded,
-                    "request_id": reply.request_id,
-                }
-            )
-        )
+        answer = {
+            "scores": list(reply.scores),
+            "model_version": reply.model_version,
+            "degraded": reply.degraded,
+            "request_id": reply.request_id,
+        }
+        sys.stdout.write(json.dumps(answer) + "\n")
         return 0
     labels = [*(args.entity or []), *[f"row {i}" for i in range(len(rows))]]
     for label, score in zip(labels, reply.scores, strict=True):
@@ -149,7 +146,8 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     from servemesh.spec import resolve_ports
 
     spec = resolve_ports(_load(args.spec))
-    out.print(yaml.safe_dump(render_bootstrap(spec, Path(spec.state_dir) / "logs"), sort_keys=False), end="")
+    # Plain stdout: rich would wrap long lines and read [brackets] as markup.
+    sys.stdout.write(yaml.safe_dump(render_bootstrap(spec, Path(spec.state_dir) / "logs"), sort_keys=False))
     return 0
 
 
