@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from registry_kit import MAX_ARTIFACT_BYTES, RunningRegistry
+from tests.registry.registry_kit import MAX_ARTIFACT_BYTES, RunningRegistry
 from servemesh.registry.app import registry_server
 from servemesh.registry.store import RegistryStore
 from servemesh_api.registry.v1 import registry_pb2_grpc

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 import pytest
-from registry_kit import (
+from tests.registry.registry_kit import (
     MAX_ARTIFACT_BYTES,
     RunningRegistry,
     blob_files,

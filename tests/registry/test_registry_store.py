@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import servemesh.registry.store as store_module
-from registry_kit import blob_files, blob_path, corrupt, header_for, temp_files
+from tests.registry.registry_kit import blob_files, blob_path, corrupt, header_for, temp_files
 from servemesh.registry.errors import (
     AlreadyExistsError,
     ArtifactTooLargeError,
