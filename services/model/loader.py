@@ -1,0 +1,215 @@
+"""Turning verified artifact bytes into a served model: runner, warm-up, batcher."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from servemesh.services.model.batcher import Batcher
+from servemesh.services.model.errors import ServingError
+from servemesh.services.model.runner import DEFAULT_NUM_THREADS, ArtifactMismatch, ModelRunner
+from servemesh.services.model.tensors import Signature
+from servemesh.spec import BatchingSpec, MeshSpec
+
+log = logging.getLogger(__name__)
+
+PLATFORM = "pytorch_torchscript"
+
+
+@dataclass
+class LoadedModel:
+    """One (model, version) this replica serves."""
+
+    model: str
+    version: str
+    signature: Signature
+    batching: BatchingSpec
+    runner: ModelRunner
+    batcher: Batcher
+    sha256: str
+    platform: str = PLATFORM
+
+    async def close(self) -> None:
+        """Finish the queued and in-flight requests, then stop the batcher."""
+        await self.batcher.close()
+
+
+# (model, version) -> the loaded model; raises LoadError (or ServingError) on failure.
+ModelLoader = Callable[[str, str], Awaitable[LoadedModel]]
+
+# registry.client.fetch_verified's shape: (channel, model, version, *, timeout, max_bytes)
+# -> (ModelVersion, artifact bytes).
+FetchVerified = Callable[..., Awaitable[tuple[Any, bytes]]]
+
+
+class LoadError(ServingError):
+    """A model version could not be loaded; the message says which and why."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+def warm_up_sizes(batching: BatchingSpec) -> list[int]:
+    """Batch sizes to run before serving: 1, the maximum and every preferred size."""
+    return sorted({1, batching.max_batch_size, *batching.preferred_batch_sizes})
+
+
+async def load_model(
+    data: bytes,
+    *,
+    model: str,
+    version: str,
+    sha256: str,
+    signature: Signature,
+    batching: BatchingSpec | None = None,
+    inject_latency_ms: float = 0.0,
+    device: torch.device | str | None = None,
+    num_threads: int | None = DEFAULT_NUM_THREADS,
+) -> LoadedModel:
+    """Verify, load and warm up a TorchScript artifact; returns it ready to serve.
+
+    The sha256 is checked here again even though the registry client already verified the
+    download: the bytes are about to be parsed by torch, so this is the last gate. Loading
+    and warm-up run in a thread so the event loop keeps answering health checks.
+    """
+    batching = batching or BatchingSpec()
+    started = time.perf_counter()
+    runner = await asyncio.to_thread(
+        ModelRunner.from_bytes,
+        data,
+        sha256=sha256,
+        model=model,
+        version=version,
+        row_shape=signature.input.dims,
+        dtype=signature.input.dtype,
+        output_row_shape=signature.output.dims,
+        max_batch_size=batching.max_batch_size,
+        device=device,
+        inject_latency_ms=inject_latency_ms,
+        num_threads=num_threads,
+    )
+    batcher = Batcher(runner, batching, name=f"{model}:{version}")
+    try:
+        await batcher.warm_up(warm_up_sizes(batching))
+    except BaseException:
+        await batcher.close()
+        raise
+    log.info(
+        "model loaded",
+        extra={
+            "model": model,
+            "version": version,
+            "sha256": sha256,
+            "device": str(runner.device),
+            "load_ms": round((time.perf_counter() - started) * 1000, 1),
+        },
+    )
+    return LoadedModel(
+        model=model,
+        version=version,
+        signature=signature,
+        batching=batching,
+        runner=runner,
+        batcher=batcher,
+        sha256=sha256,
+    )
+
+
+def _registry_fetch() -> FetchVerified:
+    # Imported on first use so this module (and its tests) need no registry client.
+    from servemesh.registry.client import fetch_verified
+
+    return fetch_verified
+
+
+def registry_loader(
+    channel: grpc.aio.Channel,
+    spec: MeshSpec,
+    *,
+    fetch: FetchVerified | None = None,
+    device: torch.device | str | None = None,
+    retry_for_s: float = 30.0,
+) -> ModelLoader:
+    """A ModelLoader that downloads versions from the registry behind `channel`.
+
+    Batching and injected latency come from the spec's entry for the model (defaults for a
+    model the spec does not list). An unreachable registry (UNAVAILABLE) is retried with
+    backoff for `retry_for_s`, since replicas may start while the registry still is.
+    """
+
+    async def load(model: str, version: str) -> LoadedModel:
+        fetcher = fetch or _registry_fetch()
+        where = f"model {model!r} version {version!r}"
+        model_spec = spec.models.get(model)
+        version_spec = model_spec.versions.get(version) if model_spec else None
+        batching = model_spec.batching if model_spec else BatchingSpec()
+        record, data = await _fetch_with_retry(fetcher, channel, model, version, spec, retry_for_s)
+        if record.format != "torchscript":
+            raise LoadError(f"{where}: format {record.format!r} is not torchscript")
+        if record.size_bytes and len(data) != record.size_bytes:
+            raise LoadError(
+                f"{where}: artifact is {len(data)} bytes, registry says {record.size_bytes}"
+            )
+        try:
+            signature = Signature.from_specs(
+                record.inputs, record.outputs, where=f"{where} signature"
+            )
+        except ValueError as exc:
+            raise LoadError(str(exc)) from None
+        if model_spec is not None and signature.input.dims != (len(model_spec.features),):
+            raise LoadError(
+                f"{where}: input {signature.input.name!r} has shape {list(signature.input.shape)} "
+                f"but the spec lists {len(model_spec.features)} features"
+            )
+        try:
+            return await load_model(
+                data,
+                model=model,
+                # An alias ("latest") resolves to the version the registry answered with.
+                version=record.version or version,
+                sha256=record.sha256,
+                signature=signature,
+                batching=batching,
+                inject_latency_ms=version_spec.inject_latency_ms if version_spec else 0.0,
+                device=device,
+            )
+        except ArtifactMismatch as exc:
+            raise LoadError(f"{where}: {exc}", grpc.StatusCode.DATA_LOSS) from None
+
+    return load
+
+
+async def _fetch_with_retry(
+    fetch: FetchVerified,
+    channel: grpc.aio.Channel,
+    model: str,
+    version: str,
+    spec: MeshSpec,
+    retry_for_s: float,
+) -> tuple[Any, bytes]:
+    give_up = time.monotonic() + retry_for_s
+    backoff = 0.1
+    while True:
+        try:
+            return await fetch(
+                channel, model, version, timeout=60.0, max_bytes=spec.limits.max_artifact_bytes
+            )
+        except grpc.aio.AioRpcError as exc:
+            where = f"model {model!r} version {version!r}"
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + backoff > give_up:
+                raise LoadError(f"{where}: registry: {exc.details()}", exc.code()) from None
+            log.warning(
+                "registry unavailable; retrying", extra={"model": model, "version": version}
+            )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+        except Exception as exc:
+            # The client's own checks: a size or sha256 mismatch in transit, an artifact
+            # above the size limit.
+            raise LoadError(f"model {model!r} version {version!r}: {exc}") from None

@@ -1,0 +1,81 @@
+"""Wires a model server replica from the mesh spec: registry channel, loads, servicer, server."""
+
+from __future__ import annotations
+
+import grpc
+
+from servemesh.services.model.loader import ModelLoader, registry_loader
+from servemesh.services.model.servicer import InferenceServicer
+from servemesh.services.runtime import DeadlineBudget, ServiceServer
+from servemesh.spec import MeshSpec, SpecError
+from servemesh_api.inference import grpc_service_pb2_grpc
+
+SERVICE_NAME = "inference.GRPCInferenceService"
+
+
+def expected_versions(spec: MeshSpec) -> list[tuple[str, str]]:
+    """Every (model, version) the spec asks each model server to serve."""
+    return [(name, version) for name, model in spec.models.items() for version in model.versions]
+
+
+async def build_servicer(spec: MeshSpec, instance: str, loader: ModelLoader) -> InferenceServicer:
+    """A servicer for `instance` with every version of the spec loaded and warmed up."""
+    where = spec.instance(instance)
+    if where.service != "model":
+        raise SpecError(f"instance {instance!r} is a {where.service} instance, not a model server")
+    servicer = InferenceServicer(
+        replica=instance,
+        zone=where.zone,
+        loader=loader,
+        expected=expected_versions(spec),
+        budget=DeadlineBudget(
+            spec.deadlines.hop_budget_ms / 1000, spec.deadlines.default_timeout_ms / 1000
+        ),
+    )
+    try:
+        await servicer.load_all()
+    except BaseException:
+        await servicer.close()
+        raise
+    return servicer
+
+
+async def build_server(
+    spec: MeshSpec, instance: str, *, loader: ModelLoader | None = None
+) -> ServiceServer:
+    """The model server for `instance`, returned unstarted with every version loaded.
+
+    It binds its port and turns its health SERVING only after every version is loaded and
+    warmed up, so Envoy never routes to a replica that cannot answer yet. Without `loader`
+    versions come from the registry at spec.registry_address. On drain (SIGTERM) the
+    batchers finish what is queued and in flight, then the registry channel closes.
+    """
+    port = spec.port_of(instance)  # fail before minutes of loading, not after
+    channel: grpc.aio.Channel | None = None
+    if loader is None:
+        size = spec.limits.max_message_bytes
+        channel = grpc.aio.insecure_channel(
+            spec.registry_address,
+            options=[
+                ("grpc.max_receive_message_length", size),
+                ("grpc.max_send_message_length", size),
+            ],
+        )
+        loader = registry_loader(channel, spec)
+    try:
+        servicer = await build_servicer(spec, instance, loader)
+    except BaseException:
+        if channel is not None:
+            await channel.close()
+        raise
+    server = ServiceServer(
+        instance, host=spec.host, port=port, max_message_bytes=spec.limits.max_message_bytes
+    )
+    server.add_service(
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
+    )
+    # Stop hooks run last-registered first: the batchers drain, then the channel closes.
+    if channel is not None:
+        server.on_stop(channel.close)
+    server.on_stop(servicer.close)
+    return server

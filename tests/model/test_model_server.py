@@ -1,0 +1,296 @@
+"""The OIP v2 servicer over a real grpc.aio server on loopback, hosting the demo model."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from servemesh.demo import Artifact
+from servemesh.services.model.loader import LoadedModel, LoadError, load_model
+from servemesh.services.model.service import SERVICE_NAME, build_server
+from servemesh.services.model.servicer import InferenceServicer, natural_key
+from servemesh.services.runtime import ServiceServer
+from servemesh.spec import MeshSpec, Ports, resolve_ports
+from servemesh_api.inference import grpc_service_pb2 as oip
+from servemesh_api.inference import grpc_service_pb2_grpc
+from tests.model.model_helpers import FEATURES, SIGNATURE, reference_scores, rows
+
+REPLICA = "model-zone-a-0"
+Stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub
+Loader = Callable[[str, str], Awaitable[LoadedModel]]
+
+
+def demo_loader(artifacts: dict[int, Artifact], inject_latency_ms: float = 0.0) -> Loader:
+    """Loads fraud v1/v2 straight from the demo artifacts: no registry involved."""
+
+    async def load(model: str, version: str) -> LoadedModel:
+        seed = {"v1": 1, "v2": 2}.get(version)
+        if model != "fraud" or seed is None:
+            raise LoadError(
+                f"model {model!r} version {version!r}: no such demo", grpc.StatusCode.NOT_FOUND
+            )
+        artifact = artifacts[seed]
+        return await load_model(
+            artifact.data,
+            model=model,
+            version=version,
+            sha256=artifact.sha256,
+            signature=SIGNATURE,
+            inject_latency_ms=inject_latency_ms,
+        )
+
+    return load
+
+
+@asynccontextmanager
+async def serving(servicer: InferenceServicer) -> AsyncIterator[tuple[Stub, grpc.aio.Channel]]:
+    server = ServiceServer(REPLICA, port=0, drain_grace_s=1.0)
+    server.add_service(
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
+    )
+    server.on_stop(servicer.close)
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield Stub(channel), channel
+    finally:
+        await channel.close()
+        await server.drain()
+
+
+@pytest.fixture
+async def fraud(artifacts: dict[int, Artifact]) -> AsyncIterator[tuple[Stub, InferenceServicer]]:
+    servicer = InferenceServicer(
+        replica=REPLICA,
+        zone="zone-a",
+        loader=demo_loader(artifacts),
+        expected=[("fraud", "v1"), ("fraud", "v2")],
+    )
+    await servicer.load_all()
+    async with serving(servicer) as (stub, _):
+        yield stub, servicer
+
+
+def infer_request(
+    batch: np.ndarray, raw: bool = True, version: str = "", **extra: object
+) -> oip.ModelInferRequest:
+    request = oip.ModelInferRequest(model_name="fraud", model_version=version, id="req-1", **extra)  # type: ignore[arg-type]
+    tensor = request.inputs.add(name="features", datatype="FP32", shape=list(batch.shape))
+    if raw:
+        request.raw_input_contents.append(batch.tobytes())
+    else:
+        tensor.contents.fp32_contents.extend(batch.ravel().tolist())
+    return request
+
+
+def scores_of(response: oip.ModelInferResponse) -> np.ndarray:
+    [output] = response.outputs
+    assert output.name == "score" and output.datatype == "FP32"
+    if response.raw_output_contents:
+        values = np.frombuffer(response.raw_output_contents[0], dtype="<f4")
+    else:
+        values = np.asarray(output.contents.fp32_contents, dtype=np.float32)
+    return values.reshape(list(output.shape))
+
+
+async def test_raw_and_typed_requests_score_like_the_torchscript_model(
+    fraud: tuple[Stub, InferenceServicer], reference: dict[int, torch.jit.ScriptModule]
+) -> None:
+    stub, _ = fraud
+    batch = rows(3)
+    expected = reference_scores(reference[1], batch)
+    raw = await stub.ModelInfer(infer_request(batch, raw=True, version="v1"), timeout=5)
+    typed = await stub.ModelInfer(infer_request(batch, raw=False, version="v1"), timeout=5)
+    assert raw.raw_output_contents and not typed.raw_output_contents  # answers mirror requests
+    np.testing.assert_allclose(scores_of(raw), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(scores_of(typed), expected, rtol=1e-5, atol=1e-6)
+    assert (raw.model_name, raw.model_version, raw.id) == ("fraud", "v1", "req-1")
+    assert raw.parameters["servemesh_replica"].string_param == REPLICA
+    assert raw.parameters["servemesh_zone"].string_param == "zone-a"
+
+
+async def test_version_comes_from_request_then_envoy_header_then_highest_loaded(
+    fraud: tuple[Stub, InferenceServicer], reference: dict[int, torch.jit.ScriptModule]
+) -> None:
+    stub, _ = fraud
+    batch = rows(2, seed=3)
+    default = await stub.ModelInfer(infer_request(batch), timeout=5)
+    assert default.model_version == "v2"
+    np.testing.assert_allclose(
+        scores_of(default), reference_scores(reference[2], batch), rtol=1e-5, atol=1e-6
+    )
+    header = [("x-servemesh-model-version", "v1")]
+    routed = await stub.ModelInfer(infer_request(batch), metadata=header, timeout=5)
+    assert routed.model_version == "v1"
+    np.testing.assert_allclose(
+        scores_of(routed), reference_scores(reference[1], batch), rtol=1e-5, atol=1e-6
+    )
+    pinned = await stub.ModelInfer(infer_request(batch, version="v2"), metadata=header, timeout=5)
+    assert pinned.model_version == "v2"
+    assert sorted(["v10", "v9", "v2"], key=natural_key) == ["v2", "v9", "v10"]
+
+
+async def test_health_and_metadata_endpoints(fraud: tuple[Stub, InferenceServicer]) -> None:
+    stub, _ = fraud
+    assert (await stub.ServerLive(oip.ServerLiveRequest())).live
+    assert (await stub.ServerReady(oip.ServerReadyRequest())).ready
+    assert (await stub.ModelReady(oip.ModelReadyRequest(name="fraud", version="v1"))).ready
+    assert (await stub.ModelReady(oip.ModelReadyRequest(name="fraud"))).ready
+    assert not (await stub.ModelReady(oip.ModelReadyRequest(name="fraud", version="v7"))).ready
+    server = await stub.ServerMetadata(oip.ServerMetadataRequest())
+    assert server.name == "servemesh" and list(server.extensions) == [
+        "model_repository",
+        "statistics",
+    ]
+    meta = await stub.ModelMetadata(oip.ModelMetadataRequest(name="fraud"))
+    assert meta.platform == "pytorch_torchscript" and list(meta.versions) == ["v1", "v2"]
+    assert [(t.name, t.datatype, list(t.shape)) for t in meta.inputs] == [
+        ("features", "FP32", [-1, FEATURES])
+    ]
+    assert [(t.name, t.datatype, list(t.shape)) for t in meta.outputs] == [
+        ("score", "FP32", [-1, 1])
+    ]
+
+
+@pytest.mark.parametrize(
+    ("model", "version", "message"),
+    [
+        ("nope", "", "model 'nope' is not loaded"),
+        ("fraud", "v9", "model 'fraud' version 'v9' is not loaded; loaded: ['v1', 'v2']"),
+    ],
+)
+async def test_unknown_model_or_version_is_not_found(
+    fraud: tuple[Stub, InferenceServicer], model: str, version: str, message: str
+) -> None:
+    stub, _ = fraud
+    request = infer_request(rows(1), version=version)
+    request.model_name = model
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.ModelInfer(request, timeout=5)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    assert caught.value.details() == message
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.ModelMetadata(oip.ModelMetadataRequest(name=model, version=version))
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_malformed_request_is_invalid_argument_and_the_replica_keeps_serving(
+    fraud: tuple[Stub, InferenceServicer],
+) -> None:
+    stub, _ = fraud
+    bad = infer_request(rows(2))
+    del bad.inputs[0].shape[:]
+    bad.inputs[0].shape.extend([2, 63])
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.ModelInfer(bad, timeout=5)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == "inputs[0].shape: expected [-1, 64], got [2, 63]"
+    bad_priority = infer_request(rows(1))
+    bad_priority.parameters["priority"].string_param = "high"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.ModelInfer(bad_priority, timeout=5)
+    assert "parameters['priority']" in caught.value.details()
+    assert len((await stub.ModelInfer(infer_request(rows(1)), timeout=5)).outputs) == 1
+
+
+async def test_statistics_count_rows_and_model_calls(fraud: tuple[Stub, InferenceServicer]) -> None:
+    stub, _ = fraud
+    for n in (1, 2, 3):
+        await stub.ModelInfer(infer_request(rows(n), version="v1"), timeout=5)
+    stats = await stub.ModelStatistics(oip.ModelStatisticsRequest(name="fraud", version="v1"))
+    [entry] = stats.model_stats
+    assert entry.inference_count == 6 and entry.execution_count == 3
+    assert entry.inference_stats.success.count == 3
+    assert sum(b.compute_infer.count for b in entry.batch_stats) == 3
+    everything = await stub.ModelStatistics(oip.ModelStatisticsRequest())
+    assert [(s.name, s.version) for s in everything.model_stats] == [
+        ("fraud", "v1"),
+        ("fraud", "v2"),
+    ]
+
+
+async def test_repository_unload_and_load_through_the_injected_loader(
+    fraud: tuple[Stub, InferenceServicer],
+) -> None:
+    stub, servicer = fraud
+    index = await stub.RepositoryIndex(oip.RepositoryIndexRequest())
+    assert [(m.name, m.version, m.state) for m in index.models] == [
+        ("fraud", "v1", "READY"),
+        ("fraud", "v2", "READY"),
+    ]
+    unload = oip.RepositoryModelUnloadRequest(model_name="fraud")
+    unload.parameters["version"].string_param = "v2"
+    await stub.RepositoryModelUnload(unload)
+    assert (await stub.ModelInfer(infer_request(rows(1)), timeout=5)).model_version == "v1"
+    load = oip.RepositoryModelLoadRequest(model_name="fraud")
+    load.parameters["version"].string_param = "v2"
+    await stub.RepositoryModelLoad(load)
+    assert (await stub.ModelInfer(infer_request(rows(1)), timeout=5)).model_version == "v2"
+    missing = oip.RepositoryModelLoadRequest(model_name="fraud")
+    missing.parameters["version"].string_param = "v3"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.RepositoryModelLoad(missing)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    index = await stub.RepositoryIndex(oip.RepositoryIndexRequest())
+    assert ("fraud", "v3", "UNAVAILABLE") in [(m.name, m.version, m.state) for m in index.models]
+    assert servicer.is_ready()
+
+
+async def test_slow_model_refuses_a_request_whose_deadline_it_cannot_meet(
+    artifacts: dict[int, Artifact], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    servicer = InferenceServicer(
+        replica=REPLICA, loader=demo_loader(artifacts, inject_latency_ms=200)
+    )
+    await servicer.load("fraud", "v1")
+    batcher = servicer.resolve("fraud", "v1").batcher
+    async with serving(servicer) as (stub, _):
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.ModelInfer(
+                infer_request(rows(1)), timeout=0.05, metadata=[("x-request-id", "slow-1")]
+            )
+        elapsed = time.monotonic() - started
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert elapsed < 0.06
+        # OIP's own `timeout` parameter (microseconds) counts too, even under a long gRPC deadline.
+        request = infer_request(rows(1))
+        request.parameters["timeout"].int64_param = 50_000
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.ModelInfer(request, timeout=5, metadata=[("x-request-id", "slow-2")])
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "deadline cannot be met" in caught.value.details()
+    assert batcher.stats.executions == 0  # the model never ran either request
+    dropped = [r for r in caplog.records if r.getMessage() == "dropped: deadline cannot be met"]
+    assert [r.request_id for r in dropped] == ["slow-1", "slow-2"]
+    assert all(r.expected_ms >= 200 for r in dropped)
+
+
+async def test_built_server_loads_every_spec_version_before_it_reports_serving(
+    artifacts: dict[int, Artifact],
+) -> None:
+    spec = resolve_ports(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
+    server = await build_server(spec, "model-zone-b-0", loader=demo_loader(artifacts))
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        check = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+        stub = Stub(channel)
+        assert (await stub.ServerReady(oip.ServerReadyRequest())).ready
+        reply = await stub.ModelInfer(infer_request(rows(1), version="v1"), timeout=5)
+        assert reply.parameters["servemesh_replica"].string_param == "model-zone-b-0"
+        assert reply.parameters["servemesh_zone"].string_param == "zone-b"
+    finally:
+        await channel.close()
+        await server.drain()
