@@ -10,9 +10,37 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from google.protobuf import descriptor_pool
 from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
+
+
+class _MethodAwarePool:
+    """The default descriptor pool, but one that also finds the file of a method symbol.
+
+    protobuf's upb pool cannot resolve "pkg.Service.Method", so without this
+    `grpcurl describe pkg.Service.Method` answers "Symbol not found".
+    """
+
+    def __init__(self, pool: descriptor_pool.DescriptorPool) -> None:
+        self._pool = pool
+
+    def FindFileContainingSymbol(self, symbol: str) -> Any:  # noqa: N802 (protobuf's name)
+        try:
+            return self._pool.FindFileContainingSymbol(symbol)
+        except KeyError:
+            service_name, _, method = symbol.rpartition(".")
+            try:
+                service = self._pool.FindServiceByName(service_name)
+            except KeyError:
+                raise KeyError(symbol) from None
+            if method not in service.methods_by_name:
+                raise
+            return service.file
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
 
 StopHook = Callable[[], Awaitable[None]]
 
@@ -66,7 +94,11 @@ class ServiceServer:
 
     async def start(self) -> int:
         names = [*self._service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
-        reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], self.server)
+        reflection.enable_server_reflection(
+            [*names, reflection.SERVICE_NAME],
+            self.server,
+            pool=_MethodAwarePool(descriptor_pool.Default()),  # type: ignore[arg-type]
+        )
         self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
         if not self.port:
             raise OSError(f"{self.name}: cannot bind {self.host}:{self.requested_port}")

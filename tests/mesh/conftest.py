@@ -1,0 +1,51 @@
+"""A whole local mesh (Redis, registry, model servers, features, gateways, Envoy) per session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from servemesh.launcher import Mesh
+from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, Ports
+from servemesh_api.gateway.v1 import gateway_pb2_grpc
+
+# v3 is the demo model made slow on purpose (200 ms per batch): the deadline tests pin it.
+SLOW_VERSION = "v3"
+SLOW_MS = 200.0
+
+
+def test_mesh_spec(state_dir: str, entities: int = 500) -> MeshSpec:
+    return MeshSpec(
+        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        state_dir=state_dir,
+        models={
+            "fraud": ModelSpec(
+                versions={
+                    "v1": ModelVersionSpec(source="demo:1"),
+                    "v2": ModelVersionSpec(source="demo:2"),
+                    SLOW_VERSION: ModelVersionSpec(source="demo:1", inject_latency_ms=SLOW_MS),
+                },
+                traffic={"v1": 100, "v2": 0, SLOW_VERSION: 0},
+            )
+        },
+        demo={"enabled": True, "entities": entities},
+    )
+
+
+test_mesh_spec.__test__ = False  # a helper, not a test
+
+
+@pytest.fixture(scope="session")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    state_dir = tmp_path_factory.mktemp("mesh")
+    with Mesh.from_spec(test_mesh_spec(str(state_dir))) as running:
+        yield running
+
+
+@pytest.fixture
+def gateway(mesh: Mesh) -> Iterator[gateway_pb2_grpc.GatewayStub]:
+    """A Predict stub talking to Envoy's edge listener."""
+    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+        yield gateway_pb2_grpc.GatewayStub(channel)
