@@ -8,9 +8,8 @@ from pathlib import Path
 from servemesh.registry.service import SERVICE_NAME, RegistryServicer
 from servemesh.registry.store import RegistryStore
 from servemesh.services.runtime import ServiceServer
-from servemesh_api.registry.v1 import registry_pb2_grpc
-
 from servemesh.spec import MeshSpec, SpecError
+from servemesh_api.registry.v1 import registry_pb2_grpc
 
 
 def registry_server(

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Union
 
 import grpc
+
 from servemesh.registry.convert import tensor_spec_to_proto
 from servemesh.registry.errors import ArtifactTooLargeError
 from servemesh.registry.records import TensorSpec

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
 import grpc
+
 from servemesh.registry.convert import header_from_proto, model_to_proto, version_to_proto
 from servemesh.registry.errors import (
     AlreadyExistsError,

@@ -38,7 +38,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     started = time.perf_counter()
-    with console.status("starting the mesh (Redis, registry, models, features, gateways, Envoy)..."):
+    with console.status(
+        "starting the mesh (Redis, registry, models, features, gateways, Envoy)..."
+    ):
         try:
             mesh.start()
         except MeshStartError as exc:
@@ -59,7 +61,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         table.add_row(name, address, str(pids.get(name, "")))
     out.print(table)
     out.print(f"logs: {endpoints['logs']}")
-    out.print(f"try:  servemesh predict --model fraud --entity user-42   (Ctrl-C stops the mesh)")
+    out.print("try:  servemesh predict --model fraud --entity user-42   (Ctrl-C stops the mesh)")
     sys.stdout.flush()
     try:
         while not stop.wait(0.5):
@@ -116,7 +118,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
     labels = [*(args.entity or []), *[f"row {i}" for i in range(len(rows))]]
     for label, score in zip(labels, reply.scores, strict=True):
         out.print(f"{label}: score {score:.6f}")
-    out.print(f"model version: {reply.model_version}" + ("  [yellow](degraded)[/yellow]" if reply.degraded else ""))
+    out.print(
+        f"model version: {reply.model_version}"
+        + ("  [yellow](degraded)[/yellow]" if reply.degraded else "")
+    )
     out.print(f"request id: {reply.request_id}")
     return 0
 
@@ -147,12 +152,22 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
 
     spec = resolve_ports(_load(args.spec))
     # Plain stdout: rich would wrap long lines and read [brackets] as markup.
-    sys.stdout.write(yaml.safe_dump(render_bootstrap(spec, Path(spec.state_dir) / "logs"), sort_keys=False))
+    sys.stdout.write(
+        yaml.safe_dump(render_bootstrap(spec, Path(spec.state_dir) / "logs"), sort_keys=False)
+    )
     return 0
 
 
+def cmd_bench_predict(args: argparse.Namespace) -> int:
+    from servemesh.bench import main as bench_main
+
+    return bench_main(args.spec, args.concurrency, args.seconds, args.json_out)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="servemesh", description="A gRPC serving mesh for PyTorch models")
+    parser = argparse.ArgumentParser(
+        prog="servemesh", description="A gRPC serving mesh for PyTorch models"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start the whole mesh and keep it running until Ctrl-C")
@@ -163,7 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     predict = sub.add_parser("predict", help="call Predict through the edge")
     predict.add_argument("--model", required=True)
     predict.add_argument("--entity", action="append", help="entity id (repeatable)")
-    predict.add_argument("--row", action="append", help="comma-separated feature values (repeatable)")
+    predict.add_argument(
+        "--row", action="append", help="comma-separated feature values (repeatable)"
+    )
     predict.add_argument("--version", help="pin a model version")
     predict.add_argument("--address", help="edge address (default: the running mesh's)")
     predict.add_argument("--spec")
@@ -178,6 +195,17 @@ def build_parser() -> argparse.ArgumentParser:
     envoy = sub.add_parser("envoy-config", help="print the Envoy config a spec renders")
     envoy.add_argument("--spec")
     envoy.set_defaults(func=cmd_envoy_config)
+
+    bench = sub.add_parser("bench", help="benchmarks (each starts its own mesh on free ports)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    bench_predict = bench_sub.add_parser(
+        "predict", help="mesh start-up time; Predict through Envoy vs a gateway directly"
+    )
+    bench_predict.add_argument("--spec")
+    bench_predict.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    bench_predict.add_argument("--seconds", type=float, default=10.0, help="per measurement")
+    bench_predict.add_argument("--json-out", help="also write the report here")
+    bench_predict.set_defaults(func=cmd_bench_predict)
     return parser
 
 

@@ -300,7 +300,9 @@ class Mesh:
                 + child.log_tail()
             )
         if time.monotonic() > deadline:
-            raise MeshStartError(f"{child.name} was not ready in time; its log:\n" + child.log_tail())
+            raise MeshStartError(
+                f"{child.name} was not ready in time; its log:\n" + child.log_tail()
+            )
 
     async def _seed_demo(self) -> None:
         """Push the demo model versions to the registry and demo features to Redis."""
@@ -310,8 +312,13 @@ class Mesh:
         from servemesh_api.registry.v1 import registry_pb2
 
         limit = self.spec.limits.max_message_bytes
-        options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
-        async with grpc.aio.insecure_channel(self.spec.registry_address, options=options) as channel:
+        options = [
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+        ]
+        async with grpc.aio.insecure_channel(
+            self.spec.registry_address, options=options
+        ) as channel:
             for model_name, model in self.spec.models.items():
                 for version, version_spec in model.versions.items():
                     if not version_spec.source.startswith("demo:"):
@@ -322,8 +329,14 @@ class Mesh:
                         model=model_name,
                         version=version,
                         data=artifact.data,
-                        inputs=[registry_pb2.TensorSpec(name="features", datatype="FP32", shape=[-1, len(model.features)])],
-                        outputs=[registry_pb2.TensorSpec(name="score", datatype="FP32", shape=[-1, 1])],
+                        inputs=[
+                            registry_pb2.TensorSpec(
+                                name="features", datatype="FP32", shape=[-1, len(model.features)]
+                            )
+                        ],
+                        outputs=[
+                            registry_pb2.TensorSpec(name="score", datatype="FP32", shape=[-1, 1])
+                        ],
                         labels={"source": version_spec.source},
                     )
         views = {m.feature_view for m in self.spec.models.values() if m.features == DEMO_FEATURES}

@@ -48,7 +48,8 @@ def generate(out_root: Path, proto_root: Path = PROTO_ROOT) -> list[Path]:
     return sorted(
         p.relative_to(out_root)
         for p in (out_root / PACKAGE).rglob("*")
-        if p.is_file() and (p.name.endswith(GENERATED_SUFFIXES) or p.name in {"__init__.py", "py.typed"})
+        if p.is_file()
+        and (p.name.endswith(GENERATED_SUFFIXES) or p.name in {"__init__.py", "py.typed"})
     )
 
 

@@ -88,7 +88,9 @@ class ModelSpec(_Strict):
     def _traffic_names_known_versions(self) -> ModelSpec:
         unknown = sorted(set(self.traffic) - set(self.versions))
         if unknown:
-            raise ValueError(f"traffic: names unknown versions {unknown}; known: {sorted(self.versions)}")
+            raise ValueError(
+                f"traffic: names unknown versions {unknown}; known: {sorted(self.versions)}"
+            )
         total = sum(self.traffic.values())
         if total != 100:
             raise ValueError(f"traffic: weights must sum to 100, got {total}")
@@ -219,7 +221,9 @@ class MeshSpec(_Strict):
         ):
             for zone in self.zones:
                 for index in range(replicas.per_zone.get(zone, 0)):
-                    found.append(Instance(name=f"{service}-{zone}-{index}", service=service, zone=zone))
+                    found.append(
+                        Instance(name=f"{service}-{zone}-{index}", service=service, zone=zone)
+                    )
         return found
 
     def instance(self, name: str) -> Instance:

@@ -22,7 +22,16 @@ class EnvoyConfigError(ValueError):
 def validate_config(config: Path, timeout_s: float = 60.0) -> None:
     """Raise EnvoyConfigError unless `envoy --mode validate` accepts the file."""
     result = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(config), "-l", "error", "--disable-hot-restart"],
+        [
+            envoy_binary(),
+            "--mode",
+            "validate",
+            "-c",
+            str(config),
+            "-l",
+            "error",
+            "--disable-hot-restart",
+        ],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -33,7 +42,9 @@ def validate_config(config: Path, timeout_s: float = 60.0) -> None:
         raise EnvoyConfigError("\n".join(lines[-15:]) or f"envoy exited {result.returncode}")
 
 
-def envoy_command(config: Path, base_id: int, concurrency: int = 2, log_level: str = "warning") -> list[str]:
+def envoy_command(
+    config: Path, base_id: int, concurrency: int = 2, log_level: str = "warning"
+) -> list[str]:
     return [
         envoy_binary(),
         "-c",

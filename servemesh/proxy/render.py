@@ -18,11 +18,16 @@ MODEL_HEADER = "x-servemesh-model"
 VERSION_HEADER = "x-servemesh-model-version"
 OIP_PREFIX = "/inference.GRPCInferenceService/"
 
-_HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_HCM = (
+    "type.googleapis.com/"
+    "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+)
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _FILE_LOG = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
-_PREVIOUS_HOSTS = "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+_PREVIOUS_HOSTS = (
+    "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+)
 
 # One JSON object per request: enough to follow a request id through both listeners.
 _ACCESS_LOG_FORMAT = {
@@ -66,7 +71,9 @@ def _cluster(name: str, spec: MeshSpec, instances: list[Instance]) -> dict[str, 
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": _HTTP_OPTIONS,
-                "explicit_http_config": {"http2_protocol_options": {"max_concurrent_streams": 1024}},
+                "explicit_http_config": {
+                    "http2_protocol_options": {"max_concurrent_streams": 1024}
+                },
             }
         },
         "load_assignment": {
@@ -124,7 +131,10 @@ def _retry_policy(policy: RetryPolicy) -> dict[str, Any]:
         },
         # Try another replica rather than the one that just failed.
         "retry_host_predicate": [
-            {"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {"@type": _PREVIOUS_HOSTS}}
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {"@type": _PREVIOUS_HOSTS},
+            }
         ],
         "host_selection_retry_max_attempts": 3,
     }
@@ -161,9 +171,15 @@ def _mesh_routes(spec: MeshSpec) -> list[dict[str, Any]]:
                     "name": f"{model_name}-{version}-pinned",
                     "match": {
                         "prefix": OIP_PREFIX,
-                        "headers": [model_match, {"name": VERSION_HEADER, "string_match": {"exact": version}}],
+                        "headers": [
+                            model_match,
+                            {"name": VERSION_HEADER, "string_match": {"exact": version}},
+                        ],
                     },
-                    "route": {"cluster": model_cluster_name(model_name, version), **_grpc_route(spec, retry)},
+                    "route": {
+                        "cluster": model_cluster_name(model_name, version),
+                        **_grpc_route(spec, retry),
+                    },
                 }
             )
         # Unpinned: the traffic split picks the version and tells the replica which one.
@@ -212,7 +228,9 @@ def _mesh_routes(spec: MeshSpec) -> list[dict[str, Any]]:
     return routes
 
 
-def _listener(name: str, spec: MeshSpec, port: int, routes: list[dict[str, Any]], log_dir: Path) -> dict[str, Any]:
+def _listener(
+    name: str, spec: MeshSpec, port: int, routes: list[dict[str, Any]], log_dir: Path
+) -> dict[str, Any]:
     return {
         "name": name,
         "address": _address(spec.host, port),
@@ -242,10 +260,15 @@ def _listener(name: str, spec: MeshSpec, port: int, routes: list[dict[str, Any]]
                             ],
                             "route_config": {
                                 "name": f"{name}-routes",
-                                "virtual_hosts": [{"name": name, "domains": ["*"], "routes": routes}],
+                                "virtual_hosts": [
+                                    {"name": name, "domains": ["*"], "routes": routes}
+                                ],
                             },
                             "http_filters": [
-                                {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}
+                                {
+                                    "name": "envoy.filters.http.router",
+                                    "typed_config": {"@type": _ROUTER},
+                                }
                             ],
                         },
                     }
@@ -305,7 +328,10 @@ def render_bootstrap(spec: MeshSpec, log_dir: Path) -> dict[str, Any]:
             "access_log": [
                 {
                     "name": "envoy.access_loggers.file",
-                    "typed_config": {"@type": _FILE_LOG, "path": str(log_dir / "envoy-admin-access.log")},
+                    "typed_config": {
+                        "@type": _FILE_LOG,
+                        "path": str(log_dir / "envoy-admin-access.log"),
+                    },
                 }
             ],
         },

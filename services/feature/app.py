@@ -21,7 +21,9 @@ async def build_server(spec: MeshSpec, instance: str) -> ServiceServer:
     servicer = FeatureServicer(
         store,
         spec.feature_store,
-        DeadlineBudget(spec.deadlines.hop_budget_ms / 1000, spec.deadlines.default_timeout_ms / 1000),
+        DeadlineBudget(
+            spec.deadlines.hop_budget_ms / 1000, spec.deadlines.default_timeout_ms / 1000
+        ),
         max_entities=spec.limits.max_rows_per_predict,
     )
     server = ServiceServer(

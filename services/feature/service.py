@@ -41,7 +41,9 @@ def validate_get(request: feature_pb2.GetFeaturesRequest, max_entities: int) -> 
     for i, entity_id in enumerate(request.entity_ids):
         _check_id(f"entity_ids[{i}]", entity_id)
     if not request.feature_names:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "feature_names: give at least one feature")
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT, "feature_names: give at least one feature"
+        )
     for i, name in enumerate(request.feature_names):
         _check_id(f"feature_names[{i}]", name)
 
@@ -78,7 +80,9 @@ def _check_id(field: str, value: str) -> None:
     if not value:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: empty")
     if len(value) > MAX_ID_LENGTH:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: longer than {MAX_ID_LENGTH}")
+        raise RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{field}: longer than {MAX_ID_LENGTH}"
+        )
 
 
 def assemble(
@@ -92,7 +96,9 @@ def assemble(
     for entity_id, values in zip(request.entity_ids, stored, strict=True):
         gaps = [name for name, v in zip(request.feature_names, values, strict=True) if v is None]
         if gaps and policy.missing_entity == "error":
-            missing.append(entity_id if len(gaps) == len(values) else f"{entity_id} (lacks {gaps[:5]})")
+            missing.append(
+                entity_id if len(gaps) == len(values) else f"{entity_id} (lacks {gaps[:5]})"
+            )
             continue
         response.vectors.add(
             entity_id=entity_id,
@@ -100,7 +106,9 @@ def assemble(
             defaulted=bool(gaps),
         )
     if missing:
-        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        shown = ", ".join(missing[:10]) + (
+            f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        )
         raise RequestError(
             grpc.StatusCode.NOT_FOUND, f"entity_ids: not in feature view {request.view!r}: {shown}"
         )
@@ -154,9 +162,13 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
             return await asyncio.wait_for(call, timeout)
         except DeadlineExhausted as exc:
             call.close()
-            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no time left for the store: {exc}") from None
+            raise RequestError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no time left for the store: {exc}"
+            ) from None
         except TimeoutError:
-            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "feature store did not answer in time") from None
+            raise RequestError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "feature store did not answer in time"
+            ) from None
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
             log.warning("feature store unreachable", extra={"error": str(exc)})
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "feature store unavailable") from None

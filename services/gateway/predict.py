@@ -66,20 +66,24 @@ def plan_predict(request: gateway_pb2.PredictRequest, spec: MeshSpec) -> Predict
         )
     for i, entity_id in enumerate(request.entity_ids):
         if not entity_id or len(entity_id) > 256:
-            raise PredictError(grpc.StatusCode.INVALID_ARGUMENT, f"entity_ids[{i}]: empty or longer than 256")
+            raise PredictError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"entity_ids[{i}]: empty or longer than 256"
+            )
     width = len(model.features)
     rows = np.empty((len(request.rows), width), dtype=np.float32)
     for i, row in enumerate(request.rows):
         if len(row.values) != width:
             raise PredictError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"rows[{i}].values: model {request.model!r} takes {width} features, got {len(row.values)}",
+                f"rows[{i}].values: model {request.model!r} takes {width} features, "
+                f"got {len(row.values)}",
             )
         rows[i] = row.values
     if rows.size and not np.isfinite(rows).all():
         bad_row, bad_col = map(int, np.argwhere(~np.isfinite(rows))[0])
         raise PredictError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"rows[{bad_row}].values[{bad_col}]: not a finite number"
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"rows[{bad_row}].values[{bad_col}]: not a finite number",
         )
     return PredictPlan(
         model_name=request.model,
@@ -90,10 +94,14 @@ def plan_predict(request: gateway_pb2.PredictRequest, spec: MeshSpec) -> Predict
     )
 
 
-def build_infer_request(plan: PredictPlan, features: np.ndarray, request_id: str) -> oip.ModelInferRequest:
+def build_infer_request(
+    plan: PredictPlan, features: np.ndarray, request_id: str
+) -> oip.ModelInferRequest:
     """An OIP v2 request carrying the feature matrix as one raw FP32 tensor."""
     batch = np.ascontiguousarray(features, dtype="<f4")
-    request = oip.ModelInferRequest(model_name=plan.model_name, model_version=plan.version, id=request_id)
+    request = oip.ModelInferRequest(
+        model_name=plan.model_name, model_version=plan.version, id=request_id
+    )
     request.inputs.add(name=INPUT_NAME, datatype="FP32", shape=list(batch.shape))
     request.outputs.add(name=OUTPUT_NAME)
     request.raw_input_contents.append(batch.tobytes())
@@ -117,7 +125,9 @@ def read_scores(response: oip.ModelInferResponse, n_rows: int) -> list[float]:
     raise PredictError(grpc.StatusCode.INTERNAL, "model answered without one FP32 score per row")
 
 
-def fallback_response(plan: PredictPlan, request_id: str, reason: str) -> gateway_pb2.PredictResponse | None:
+def fallback_response(
+    plan: PredictPlan, request_id: str, reason: str
+) -> gateway_pb2.PredictResponse | None:
     """The degraded answer the spec allows for this model, or None when it allows none."""
     score = plan.model.fallback_score
     if score is None or not math.isfinite(score):

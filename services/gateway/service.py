@@ -76,10 +76,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise
         except DeadlineExhausted as exc:
             log.info("predict out of time", extra={"left": str(exc)})
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded at the gateway ({exc})")
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded at the gateway ({exc})"
+            )
             raise
         except DownstreamError as exc:
-            fallback = fallback_response(plan, request_id, str(exc)) if plan and exc.code in FALLBACK_CODES else None
+            fallback = (
+                fallback_response(plan, request_id, str(exc))
+                if plan and exc.code in FALLBACK_CODES
+                else None
+            )
             if fallback is not None:
                 log.warning("predict degraded", extra={"hop": exc.hop, "code": exc.code.name})
                 return fallback
@@ -95,7 +101,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 "ms": round((time.perf_counter() - started) * 1000, 3),
             },
         )
-        return gateway_pb2.PredictResponse(scores=scores, model_version=version, request_id=request_id)
+        return gateway_pb2.PredictResponse(
+            scores=scores, model_version=version, request_id=request_id
+        )
 
     async def _features(
         self, plan: PredictPlan, deadline: float, metadata: list[tuple[str, str]]
@@ -104,7 +112,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if not plan.entity_ids:
             return plan.rows
         lookup = feature_pb2.GetFeaturesRequest(
-            view=plan.model.feature_view, entity_ids=plan.entity_ids, feature_names=plan.model.features
+            view=plan.model.feature_view,
+            entity_ids=plan.entity_ids,
+            feature_names=plan.model.features,
         )
         try:
             reply = await self.features.GetFeatures(
@@ -114,7 +124,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise DownstreamError("feature service", exc) from None
         looked_up = np.array([v.values for v in reply.vectors], dtype=np.float32)
         if looked_up.shape != (len(plan.entity_ids), len(plan.model.features)):
-            raise PredictError(grpc.StatusCode.INTERNAL, "feature service answered a matrix of the wrong shape")
+            raise PredictError(
+                grpc.StatusCode.INTERNAL, "feature service answered a matrix of the wrong shape"
+            )
         return np.concatenate([looked_up, plan.rows]) if len(plan.rows) else looked_up
 
     async def _infer(

@@ -14,7 +14,9 @@ Builder = Callable[[MeshSpec, str], Awaitable[ServiceServer]]
 
 def service_main(build: Builder, argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True, help="resolved mesh spec (written by servemesh up)")
+    parser.add_argument(
+        "--spec", required=True, help="resolved mesh spec (written by servemesh up)"
+    )
     parser.add_argument("--instance", required=True, help="instance name, e.g. gateway-zone-a-0")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)

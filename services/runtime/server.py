@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from google.protobuf import descriptor_pool
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class _MethodAwarePool:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)
+
 
 StopHook = Callable[[], Awaitable[None]]
 
@@ -84,7 +85,9 @@ class ServiceServer:
         self._stopping: asyncio.Event | None = None
         self.port = 0
 
-    def add_service(self, register: Callable[[Any, grpc.aio.Server], None], servicer: Any, full_name: str) -> None:
+    def add_service(
+        self, register: Callable[[Any, grpc.aio.Server], None], servicer: Any, full_name: str
+    ) -> None:
         """Register a servicer (with its generated add_*_to_server) under its full name."""
         register(servicer, self.server)
         self._service_names.append(full_name)

@@ -28,16 +28,46 @@ def _row(n: int, value: float = 0.5) -> gateway_pb2.FeatureRow:
     ("request_", "code", "field"),
     [
         (gateway_pb2.PredictRequest(entity_ids=["u"]), grpc.StatusCode.INVALID_ARGUMENT, "model"),
-        (gateway_pb2.PredictRequest(model="nope", entity_ids=["u"]), grpc.StatusCode.NOT_FOUND, "model"),
-        (gateway_pb2.PredictRequest(model="fraud", version="v9", entity_ids=["u"]), grpc.StatusCode.NOT_FOUND, "version"),
-        (gateway_pb2.PredictRequest(model="fraud"), grpc.StatusCode.INVALID_ARGUMENT, "entity_ids, rows"),
-        (gateway_pb2.PredictRequest(model="fraud", rows=[_row(64), _row(63)]), grpc.StatusCode.INVALID_ARGUMENT, "rows[1].values"),
-        (gateway_pb2.PredictRequest(model="fraud", entity_ids=["a", ""]), grpc.StatusCode.INVALID_ARGUMENT, "entity_ids[1]"),
-        (gateway_pb2.PredictRequest(model="fraud", rows=[_row(64, float("inf"))]), grpc.StatusCode.INVALID_ARGUMENT, "rows[0].values[0]"),
-        (gateway_pb2.PredictRequest(model="fraud", entity_ids=["u"] * 1025), grpc.StatusCode.INVALID_ARGUMENT, "entity_ids, rows"),
+        (
+            gateway_pb2.PredictRequest(model="nope", entity_ids=["u"]),
+            grpc.StatusCode.NOT_FOUND,
+            "model",
+        ),
+        (
+            gateway_pb2.PredictRequest(model="fraud", version="v9", entity_ids=["u"]),
+            grpc.StatusCode.NOT_FOUND,
+            "version",
+        ),
+        (
+            gateway_pb2.PredictRequest(model="fraud"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "entity_ids, rows",
+        ),
+        (
+            gateway_pb2.PredictRequest(model="fraud", rows=[_row(64), _row(63)]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "rows[1].values",
+        ),
+        (
+            gateway_pb2.PredictRequest(model="fraud", entity_ids=["a", ""]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "entity_ids[1]",
+        ),
+        (
+            gateway_pb2.PredictRequest(model="fraud", rows=[_row(64, float("inf"))]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "rows[0].values[0]",
+        ),
+        (
+            gateway_pb2.PredictRequest(model="fraud", entity_ids=["u"] * 1025),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "entity_ids, rows",
+        ),
     ],
 )
-def test_bad_requests_name_the_field(request_: gateway_pb2.PredictRequest, code: grpc.StatusCode, field: str) -> None:
+def test_bad_requests_name_the_field(
+    request_: gateway_pb2.PredictRequest, code: grpc.StatusCode, field: str
+) -> None:
     with pytest.raises(PredictError) as err:
         plan_predict(request_, SPEC)
     assert err.value.code == code
@@ -58,7 +88,9 @@ def test_scores_are_read_from_raw_or_typed_outputs_and_checked_for_count() -> No
     raw.outputs.add(name="score", datatype="FP32", shape=[2, 1])
     assert read_scores(raw, 2) == pytest.approx([0.1, 0.9])
     typed = oip.ModelInferResponse()
-    typed.outputs.add(name="score", datatype="FP32", shape=[2, 1]).contents.fp32_contents.extend([0.3, 0.4])
+    typed.outputs.add(name="score", datatype="FP32", shape=[2, 1]).contents.fp32_contents.extend(
+        [0.3, 0.4]
+    )
     assert read_scores(typed, 2) == pytest.approx([0.3, 0.4])
     with pytest.raises(PredictError) as err:
         read_scores(typed, 3)

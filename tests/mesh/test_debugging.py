@@ -15,7 +15,9 @@ GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 
 
 def _grpcurl(*args: str) -> str:
-    result = subprocess.run([GRPCURL, "-plaintext", *args], capture_output=True, text=True, timeout=30, check=False)
+    result = subprocess.run(
+        [GRPCURL, "-plaintext", *args], capture_output=True, text=True, timeout=30, check=False
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -35,10 +37,14 @@ def test_grpcurl_can_call_predict_through_envoy(mesh: Mesh) -> None:
 
 
 def test_every_service_and_the_edge_answer_health_checks(mesh: Mesh) -> None:
-    addresses = [mesh.spec.address_of(i.name) for i in mesh.spec.instances()] + [mesh.spec.edge_address]
+    addresses = [mesh.spec.address_of(i.name) for i in mesh.spec.instances()] + [
+        mesh.spec.edge_address
+    ]
     for address in addresses:
         with grpc.insecure_channel(address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=2
+            )
         assert reply.status == health_pb2.HealthCheckResponse.SERVING, address
 
 

@@ -30,21 +30,29 @@ def test_predict_through_the_mesh_equals_the_torchscript_model(
 ) -> None:
     features = demo_features(mesh.spec.demo.entities)
     entities = ["user-42", "user-7", "user-499"]
-    reply = gateway.Predict(gateway_pb2.PredictRequest(model="fraud", entity_ids=entities), timeout=5)
+    reply = gateway.Predict(
+        gateway_pb2.PredictRequest(model="fraud", entity_ids=entities), timeout=5
+    )
     expected = _torchscript_scores(1, np.stack([features[e] for e in entities]))
     assert reply.model_version == "v1"
     assert np.allclose(reply.scores, expected, rtol=1e-5, atol=1e-6)
     assert reply.request_id and not reply.degraded
 
 
-def test_pinned_version_answers_with_that_version(mesh: Mesh, gateway: gateway_pb2_grpc.GatewayStub) -> None:
+def test_pinned_version_answers_with_that_version(
+    mesh: Mesh, gateway: gateway_pb2_grpc.GatewayStub
+) -> None:
     row = demo_features(1)["user-0"]
     reply = gateway.Predict(
-        gateway_pb2.PredictRequest(model="fraud", version="v2", rows=[gateway_pb2.FeatureRow(values=row.tolist())]),
+        gateway_pb2.PredictRequest(
+            model="fraud", version="v2", rows=[gateway_pb2.FeatureRow(values=row.tolist())]
+        ),
         timeout=5,
     )
     assert reply.model_version == "v2"
-    assert reply.scores[0] == pytest.approx(float(_torchscript_scores(2, row[None, :])[0]), rel=1e-5)
+    assert reply.scores[0] == pytest.approx(
+        float(_torchscript_scores(2, row[None, :])[0]), rel=1e-5
+    )
 
 
 def test_callers_request_id_follows_the_request_to_the_model_replica(
@@ -89,7 +97,9 @@ def test_deadline_shorter_than_the_model_is_deadline_exceeded_and_the_replica_dr
         )
     elapsed_ms = (time.perf_counter() - started) * 1000
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert elapsed_ms < 60 + 20, f"answered after {elapsed_ms:.0f} ms"  # 20 ms slack for a 2-core box
+    assert elapsed_ms < 60 + 20, (
+        f"answered after {elapsed_ms:.0f} ms"
+    )  # 20 ms slack for a 2-core box
     # The replica refused to run it rather than computing a late answer (it knows a batch
     # takes ~200 ms); the line may land a moment after the client gave up.
     deadline = time.monotonic() + 5
@@ -113,7 +123,8 @@ def test_a_request_with_time_to_spare_still_gets_the_slow_model(
 ) -> None:
     computed_before = _rows_computed(mesh, SLOW_VERSION)
     reply = gateway.Predict(
-        gateway_pb2.PredictRequest(model="fraud", version=SLOW_VERSION, entity_ids=["user-3"]), timeout=3
+        gateway_pb2.PredictRequest(model="fraud", version=SLOW_VERSION, entity_ids=["user-3"]),
+        timeout=3,
     )
     assert reply.model_version == SLOW_VERSION
     assert _rows_computed(mesh, SLOW_VERSION) == computed_before + 1

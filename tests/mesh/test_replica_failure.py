@@ -22,7 +22,9 @@ def test_sigkilled_model_replica_is_masked_by_retries(mesh: Mesh) -> None:
             if i == kill_after:
                 mesh.kill(victim, signal.SIGKILL)
             try:
-                stub.Predict(gateway_pb2.PredictRequest(model="fraud", entity_ids=[f"user-{i}"]), timeout=5)
+                stub.Predict(
+                    gateway_pb2.PredictRequest(model="fraud", entity_ids=[f"user-{i}"]), timeout=5
+                )
                 return "ok"
             except grpc.RpcError as exc:
                 return f"{exc.code().name}: {exc.details()}"

@@ -54,8 +54,8 @@ def test_up_serves_predictions_and_stops_cleanly_on_sigterm(tmp_path: Path) -> N
             time.sleep(0.1)
         endpoints = json.loads(endpoints_file.read_text())
         predicted = subprocess.run(
-            [sys.executable, "-m", "servemesh", "predict", "--model", "fraud", "--entity", "user-42",
-             "--address", endpoints["edge"], "--json"],
+            [sys.executable, "-m", "servemesh", "predict", "--model", "fraud",
+             "--entity", "user-42", "--address", endpoints["edge"], "--json"],
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert predicted.returncode == 0, predicted.stderr
@@ -70,6 +70,14 @@ def test_up_serves_predictions_and_stops_cleanly_on_sigterm(tmp_path: Path) -> N
     pids = endpoints["pids"]
     assert {"redis", "envoy", "registry-0", "gateway-zone-a-0", "model-zone-b-0"} <= set(pids)
     assert not [name for name, pid in pids.items() if _pid_exists(pid)]
-    ports = [int(a.rsplit(":", 1)[1]) for a in [endpoints["edge"], endpoints["mesh"], endpoints["envoy_admin"],
-                                                 endpoints["redis"].rsplit("/", 1)[0], *endpoints["services"].values()]]
+    ports = [
+        int(a.rsplit(":", 1)[1])
+        for a in [
+            endpoints["edge"],
+            endpoints["mesh"],
+            endpoints["envoy_admin"],
+            endpoints["redis"].rsplit("/", 1)[0],
+            *endpoints["services"].values(),
+        ]
+    ]
     assert [p for p in ports if not _port_is_free("127.0.0.1", p)] == []

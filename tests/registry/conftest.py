@@ -8,12 +8,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tests.registry.registry_kit import MAX_ARTIFACT_BYTES, RunningRegistry
+
+from servemesh.demo import Artifact, demo_artifact
 from servemesh.registry.app import registry_server
 from servemesh.registry.store import RegistryStore
 from servemesh_api.registry.v1 import registry_pb2_grpc
-
-from servemesh.demo import Artifact, demo_artifact
+from tests.registry.registry_kit import MAX_ARTIFACT_BYTES, RunningRegistry
 
 
 def _demo(seed: int) -> Artifact:

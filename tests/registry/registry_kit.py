@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
 from servemesh.registry.records import TensorSpec, UploadHeader
 from servemesh.registry.store import RegistryStore
 from servemesh.services.runtime import ServiceServer

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
 
 from servemesh.spec import MeshSpec, Ports, dump_spec, resolve_ports
+from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
 
 # Reconnect quickly while the process is still binding its port.
 CHANNEL_OPTIONS = [

@@ -9,14 +9,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 import pytest
-from tests.registry.registry_kit import (
-    MAX_ARTIFACT_BYTES,
-    RunningRegistry,
-    blob_files,
-    blob_path,
-    corrupt,
-    temp_files,
-)
+
+from servemesh.demo import Artifact
 from servemesh.registry.client import (
     ArtifactIntegrityError,
     ArtifactTooLargeError,
@@ -25,8 +19,14 @@ from servemesh.registry.client import (
     set_alias,
 )
 from servemesh_api.registry.v1 import registry_pb2 as pb
-
-from servemesh.demo import Artifact
+from tests.registry.registry_kit import (
+    MAX_ARTIFACT_BYTES,
+    RunningRegistry,
+    blob_files,
+    blob_path,
+    corrupt,
+    temp_files,
+)
 
 INPUTS = [pb.TensorSpec(name="features", datatype="FP32", shape=[-1, 64])]
 OUTPUTS = [pb.TensorSpec(name="score", datatype="FP32", shape=[-1, 1])]

@@ -7,8 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
 import servemesh.registry.store as store_module
-from tests.registry.registry_kit import blob_files, blob_path, corrupt, header_for, temp_files
 from servemesh.registry.errors import (
     AlreadyExistsError,
     ArtifactTooLargeError,
@@ -19,6 +19,7 @@ from servemesh.registry.errors import (
 )
 from servemesh.registry.records import TensorSpec, VersionRecord
 from servemesh.registry.store import RegistryStore
+from tests.registry.registry_kit import blob_files, blob_path, corrupt, header_for, temp_files
 
 DATA = b"torchscript-ish bytes " * 1000
 

@@ -12,11 +12,13 @@ from servemesh.spec import MeshSpec, ModelSpec, resolve_ports
 
 
 def _spec(**overrides: object) -> MeshSpec:
-    return resolve_ports(MeshSpec(ports={"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0}, **overrides))
+    return resolve_ports(
+        MeshSpec(ports={"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0}, **overrides)
+    )
 
 
 def _routes(config: dict, listener: str) -> list[dict]:
-    [found] = [l for l in config["static_resources"]["listeners"] if l["name"] == listener]
+    [found] = [x for x in config["static_resources"]["listeners"] if x["name"] == listener]
     hcm = found["filter_chains"][0]["filters"][0]["typed_config"]
     return hcm["route_config"]["virtual_hosts"][0]["routes"]
 
@@ -38,8 +40,13 @@ def test_model_routes_pin_versions_and_split_the_rest_by_weight(tmp_path: Path) 
     names = [r["name"] for r in routes]
     # Pinned routes must come before the split, or the split would swallow pinned calls.
     assert names.index("fraud-v1-pinned") < names.index("fraud-split")
-    split = next(r for r in routes if r["name"] == "fraud-split")["route"]["weighted_clusters"]["clusters"]
-    assert {(c["name"], c["weight"]) for c in split} == {("model-fraud-v1", 90), ("model-fraud-v2", 10)}
+    split = next(r for r in routes if r["name"] == "fraud-split")["route"]["weighted_clusters"][
+        "clusters"
+    ]
+    assert {(c["name"], c["weight"]) for c in split} == {
+        ("model-fraud-v1", 90),
+        ("model-fraud-v2", 10),
+    }
     assert all(c["request_headers_to_add"][0]["header"]["value"] in {"v1", "v2"} for c in split)
 
 
@@ -52,9 +59,17 @@ def test_grpc_routes_honour_caller_deadlines_and_retry_killed_upstreams(tmp_path
     assert {"connect-failure", "reset", "refused-stream", "unavailable"} <= retry_on
 
 
-def test_every_cluster_has_active_grpc_health_checks_with_a_short_no_traffic_interval(tmp_path: Path) -> None:
+def test_every_cluster_has_active_grpc_health_checks_with_a_short_no_traffic_interval(
+    tmp_path: Path,
+) -> None:
     clusters = render_bootstrap(_spec(), tmp_path)["static_resources"]["clusters"]
-    assert {c["name"] for c in clusters} >= {"gateway", "feature", "registry", "model-fraud-v1", "model-fraud-v2"}
+    assert {c["name"] for c in clusters} >= {
+        "gateway",
+        "feature",
+        "registry",
+        "model-fraud-v1",
+        "model-fraud-v2",
+    }
     for cluster in clusters:
         [check] = cluster["health_checks"]
         assert "grpc_health_check" in check and check["no_traffic_interval"] == "1.000s"
