@@ -61,7 +61,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         table.add_row(name, address, str(pids.get(name, "")))
     out.print(table)
     out.print(f"logs: {endpoints['logs']}")
-    out.print("try:  servemesh predict --model fraud --entity user-42   (Ctrl-C stops the mesh)")
+    out.print(f"try:  {sys.argv[0]} predict --model fraud --entity user-42")
+    out.print("Ctrl-C stops the mesh")
     sys.stdout.flush()
     try:
         while not stop.wait(0.5):

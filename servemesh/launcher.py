@@ -215,6 +215,9 @@ class Mesh:
                 stderr=subprocess.STDOUT,
                 env=env,
                 cwd=self.state_dir,
+                # Own session: a Ctrl-C in the terminal reaches the launcher alone, which
+                # then stops the children in order (Envoy first, Redis last).
+                start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
         child = Child(name=name, popen=popen, log_path=log_path, health_address=health_address)
