@@ -129,13 +129,17 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Validate a spec: the typed model, then the rendered Envoy config by Envoy itself."""
+    import yaml
+
     from servemesh.proxy.process import EnvoyConfigError, validate_config
-    from servemesh.proxy.render import write_bootstrap
+    from servemesh.proxy.render import render_resources, static_bootstrap
     from servemesh.spec import resolve_ports
 
-    spec = _load(args.spec)
+    spec = resolve_ports(_load(args.spec))
     with tempfile.TemporaryDirectory() as tmp:
-        config = write_bootstrap(resolve_ports(spec), Path(tmp) / "envoy.yaml", Path(tmp))
+        config = Path(tmp) / "envoy.yaml"
+        resources = render_resources(spec, Path(tmp))
+        config.write_text(yaml.safe_dump(static_bootstrap(spec, resources, Path(tmp))))
         try:
             validate_config(config)
         except EnvoyConfigError as exc:
@@ -148,14 +152,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_envoy_config(args: argparse.Namespace) -> int:
     import yaml
 
-    from servemesh.proxy.render import render_bootstrap
+    from servemesh.proxy.render import render_resources, static_bootstrap
     from servemesh.spec import resolve_ports
 
     spec = resolve_ports(_load(args.spec))
+    logs = Path(spec.state_dir) / "logs"
+    config = static_bootstrap(spec, render_resources(spec, logs), logs)
     # Plain stdout: rich would wrap long lines and read [brackets] as markup.
-    sys.stdout.write(
-        yaml.safe_dump(render_bootstrap(spec, Path(spec.state_dir) / "logs"), sort_keys=False)
-    )
+    sys.stdout.write(yaml.safe_dump(config, sort_keys=False))
     return 0
 
 

@@ -23,10 +23,12 @@ from pathlib import Path
 
 import grpc
 import redis
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
-from servemesh.proxy.render import write_bootstrap
+from servemesh.proxy.render import dynamic_bootstrap, render_resources, static_bootstrap
 from servemesh.spec import DEMO_FEATURES, MeshSpec, dump_spec, free_port, resolve_ports
 
 log = logging.getLogger(__name__)
@@ -101,20 +103,24 @@ class Mesh:
     # --- paths -------------------------------------------------------------------
 
     @property
+    def paths(self) -> MeshPaths:
+        return MeshPaths(self.state_dir)
+
+    @property
     def logs_dir(self) -> Path:
-        return self.state_dir / "logs"
+        return self.paths.logs
 
     @property
     def resolved_spec_path(self) -> Path:
-        return self.state_dir / "mesh.resolved.yaml"
+        return self.paths.resolved_spec
 
     @property
     def envoy_config_path(self) -> Path:
-        return self.state_dir / "envoy" / "envoy.yaml"
+        return self.paths.envoy_config
 
     @property
     def endpoints_path(self) -> Path:
-        return self.state_dir / "endpoints.json"
+        return self.paths.endpoints
 
     # --- lifecycle ---------------------------------------------------------------
 
@@ -127,8 +133,7 @@ class Mesh:
             if not self.spec.feature_store.redis_url:
                 self._start_redis(deadline)
             self.resolved_spec_path.write_text(dump_spec(self.spec))
-            config = write_bootstrap(self.spec, self.envoy_config_path, self.logs_dir)
-            validate_config(config)
+            self._write_envoy_config()
 
             self._start_service("registry-0")
             self._wait_serving(["registry-0"], deadline)
@@ -265,6 +270,20 @@ class Mesh:
             client.close()
         store = self.spec.feature_store.model_copy(update={"redis_url": url})
         self.spec = self.spec.model_copy(update={"feature_store": store})
+
+    def _write_envoy_config(self) -> None:
+        """Validate the whole config inline, then write the watched files and the bootstrap."""
+        resources = render_resources(self.spec, self.logs_dir)
+        static = self.envoy_config_path.with_name("envoy.static.yaml")
+        static.parent.mkdir(parents=True, exist_ok=True)
+        static.write_text(
+            yaml.safe_dump(static_bootstrap(self.spec, resources, self.logs_dir), sort_keys=False)
+        )
+        validate_config(static)
+        write_initial(self.spec, resources, self.paths.xds)
+        bootstrap = dynamic_bootstrap(self.spec, resources, self.paths.xds, self.logs_dir)
+        self.envoy_config_path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+        validate_config(self.envoy_config_path)
 
     def _start_envoy(self, deadline: float) -> None:
         argv = envoy_command(self.envoy_config_path, base_id=self.spec.ports.envoy_admin)

@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from servemesh.policy import RoutePolicy, ShadowSpec, StrictModel, TrafficSpec
 
 ZoneName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,30}$")]
 Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
@@ -25,8 +27,7 @@ class SpecError(ValueError):
     """The mesh spec is malformed; the message names the file and the field."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+_Strict = StrictModel
 
 
 class Replicas(_Strict):
@@ -83,6 +84,9 @@ class ModelSpec(_Strict):
     batching: BatchingSpec = Field(default_factory=BatchingSpec)
     # Answer with this score and degraded=true when the model or the features are down.
     fallback_score: float | None = None
+    # Overrides traffic.model for this model's routes and clusters.
+    policy: RoutePolicy | None = None
+    shadow: ShadowSpec | None = None
 
     @model_validator(mode="after")
     def _traffic_names_known_versions(self) -> ModelSpec:
@@ -94,41 +98,12 @@ class ModelSpec(_Strict):
         total = sum(self.traffic.values())
         if total != 100:
             raise ValueError(f"traffic: weights must sum to 100, got {total}")
+        if self.shadow is not None and self.shadow.version not in self.versions:
+            raise ValueError(
+                f"shadow.version: unknown version {self.shadow.version!r}; "
+                f"known: {sorted(self.versions)}"
+            )
         return self
-
-
-class RetryPolicy(_Strict):
-    # Envoy retry_on conditions. connect-failure, reset and refused-stream are what make a
-    # killed upstream or a per-try timeout retryable; the gRPC codes alone do not.
-    retry_on: list[str] = Field(
-        default_factory=lambda: [
-            "connect-failure",
-            "refused-stream",
-            "reset",
-            "unavailable",
-            "cancelled",
-        ]
-    )
-    num_retries: Annotated[int, Field(ge=0, le=10)] = 2
-    # 0 disables the per-try timeout; the caller's deadline still bounds every try.
-    per_try_timeout_ms: Annotated[int, Field(ge=0, le=600_000)] = 1000
-    backoff_base_ms: Annotated[int, Field(ge=1, le=10_000)] = 5
-    backoff_max_ms: Annotated[int, Field(ge=1, le=60_000)] = 50
-
-
-class HealthCheckPolicy(_Strict):
-    interval_ms: Annotated[int, Field(ge=100, le=60_000)] = 1000
-    timeout_ms: Annotated[int, Field(ge=50, le=60_000)] = 500
-    unhealthy_threshold: Annotated[int, Field(ge=1, le=10)] = 2
-    healthy_threshold: Annotated[int, Field(ge=1, le=10)] = 1
-    # Without this Envoy probes a cluster that has seen no traffic once a minute, and a
-    # fresh mesh looks dead for that long.
-    no_traffic_interval_ms: Annotated[int, Field(ge=100, le=60_000)] = 1000
-
-
-class ResiliencePolicy(_Strict):
-    retries: RetryPolicy = Field(default_factory=RetryPolicy)
-    health_checks: HealthCheckPolicy = Field(default_factory=HealthCheckPolicy)
 
 
 class Limits(_Strict):
@@ -167,6 +142,7 @@ class Ports(_Strict):
     """Fixed listening ports; 0 picks a free port at start (what the tests use)."""
 
     edge: Port = 8080
+    # The first zone's mesh listener; zone i listens on mesh + i.
     mesh: Port = 8081
     envoy_admin: Port = 9901
     # Services take consecutive ports from here, in the order `instances()` lists them.
@@ -184,11 +160,13 @@ class MeshSpec(_Strict):
     model_servers: Replicas = Field(default_factory=Replicas)
     models: dict[Name, ModelSpec] = Field(default_factory=lambda: {"fraud": ModelSpec()})
     feature_store: FeatureStoreSpec = Field(default_factory=FeatureStoreSpec)
-    resilience: ResiliencePolicy = Field(default_factory=ResiliencePolicy)
+    traffic: TrafficSpec = Field(default_factory=TrafficSpec)
     limits: Limits = Field(default_factory=Limits)
     deadlines: Deadlines = Field(default_factory=Deadlines)
     demo: DemoSpec = Field(default_factory=DemoSpec)
-    # Filled by `resolve_ports`: the concrete port of every instance, by instance name.
+    # Filled by `resolve_ports`: each zone's mesh listener port (ports.mesh + zone index
+    # when fixed), and the concrete port of every instance, by instance name.
+    mesh_ports: dict[ZoneName, Port] = Field(default_factory=dict)
     instance_ports: dict[str, Port] = Field(default_factory=dict)
 
     @field_validator("host")
@@ -243,8 +221,16 @@ class MeshSpec(_Strict):
 
     @property
     def mesh_address(self) -> str:
-        """Where services reach each other: Envoy's mesh listener."""
-        return f"{self.host}:{self.ports.mesh}"
+        """Envoy's mesh listener of the first zone (for tools outside any zone)."""
+        return self.mesh_address_for(self.zones[0])
+
+    def mesh_address_for(self, zone: str) -> str:
+        """Where services of `zone` reach each other: that zone's Envoy mesh listener, whose
+        clusters prefer endpoints in the same zone and fail over to the others."""
+        port = self.mesh_ports.get(zone)
+        if port is None:
+            raise SpecError(f"mesh port of zone {zone!r} is not resolved yet")
+        return f"{self.host}:{port}"
 
     @property
     def edge_address(self) -> str:
@@ -278,9 +264,13 @@ def resolve_ports(spec: MeshSpec) -> MeshSpec:
         taken.add(port)
         return port
 
+    mesh_ports = {
+        zone: pick(spec.mesh_ports.get(zone) or (spec.ports.mesh + i if spec.ports.mesh else 0))
+        for i, zone in enumerate(spec.zones)
+    }
     ports = Ports(
         edge=pick(spec.ports.edge),
-        mesh=pick(spec.ports.mesh),
+        mesh=mesh_ports[spec.zones[0]],
         envoy_admin=pick(spec.ports.envoy_admin),
         services_base=spec.ports.services_base,
     )
@@ -290,7 +280,9 @@ def resolve_ports(spec: MeshSpec) -> MeshSpec:
         if wanted is None:
             wanted = spec.ports.services_base + offset if spec.ports.services_base else 0
         instance_ports[inst.name] = pick(wanted)
-    return spec.model_copy(update={"ports": ports, "instance_ports": instance_ports})
+    return spec.model_copy(
+        update={"ports": ports, "mesh_ports": mesh_ports, "instance_ports": instance_ports}
+    )
 
 
 def _line_of(text: str, path: tuple[str | int, ...]) -> int | None:

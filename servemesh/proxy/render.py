@@ -1,35 +1,47 @@
-"""Render Envoy's bootstrap config from the mesh spec.
+"""Render Envoy's configuration from the mesh spec.
 
-Two listeners, one per role: the edge listener is what clients call (it fronts the
-gateways); the mesh listener carries service-to-service calls (gateway -> feature,
-gateway -> model). Resilience lives here, not in application retry loops.
+Listeners, one per role: the edge listener is what clients call (it fronts the gateways);
+each zone has a mesh listener for service-to-service calls made from that zone, whose
+clusters put the zone's own endpoints at priority 0 and the other zones' at priority 1, so
+Envoy fails over across zones and comes back when the local zone recovers.
+
+Routes, clusters and endpoints are rendered as xDS resources. `servemesh up` serves them to
+Envoy from files it watches (RDS/CDS/EDS over `path_config_source`), so a weight change is a
+file swap, not a restart; `static_bootstrap` inlines the same resources into one file that
+`envoy --mode validate` checks before anything is swapped.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from servemesh.spec import HealthCheckPolicy, Instance, MeshSpec, RetryPolicy
+from servemesh.policy import GRPC_CODES, FaultPolicy, RateLimit, RetryPolicy, RoutePolicy
+from servemesh.spec import Instance, MeshSpec, ModelSpec
 
 MODEL_HEADER = "x-servemesh-model"
 VERSION_HEADER = "x-servemesh-model-version"
+SHADOW_HEADER = "x-servemesh-shadow-version"
 OIP_PREFIX = "/inference.GRPCInferenceService/"
 
-_HCM = (
-    "type.googleapis.com/"
-    "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_T = "type.googleapis.com/envoy."
+_HCM = _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+_ROUTER = _T + "extensions.filters.http.router.v3.Router"
+_FAULT = _T + "extensions.filters.http.fault.v3.HTTPFault"
+_GRPC_STATS = _T + "extensions.filters.http.grpc_stats.v3.FilterConfig"
+_RATE_LIMIT = _T + "extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
+_HTTP_OPTIONS = _T + "extensions.upstreams.http.v3.HttpProtocolOptions"
+_FILE_LOG = _T + "extensions.access_loggers.file.v3.FileAccessLog"
+_PREVIOUS_HOSTS = _T + "extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+_PREVIOUS_PRIORITIES = (
+    _T + "extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig"
 )
-_ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-_HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
-_FILE_LOG = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
-_PREVIOUS_HOSTS = (
-    "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
-)
+CLUSTER_TYPE = _T + "config.cluster.v3.Cluster"
+ENDPOINTS_TYPE = _T + "config.endpoint.v3.ClusterLoadAssignment"
+ROUTES_TYPE = _T + "config.route.v3.RouteConfiguration"
 
-# One JSON object per request: enough to follow a request id through both listeners.
+# One JSON object per request: enough to follow a request id through every listener.
 _ACCESS_LOG_FORMAT = {
     "start": "%START_TIME%",
     "path": "%REQ(:PATH)%",
@@ -44,8 +56,24 @@ _ACCESS_LOG_FORMAT = {
 }
 
 
-def model_cluster_name(model: str, version: str) -> str:
-    return f"model-{model}-{version}"
+# --- names -------------------------------------------------------------------------------
+
+
+def model_cluster(model: str, version: str, zone: str) -> str:
+    """The cluster of one model version as seen from callers in `zone`."""
+    return f"model-{model}-{version}-via-{zone}"
+
+
+def mesh_route_config(zone: str) -> str:
+    return f"mesh-{zone}"
+
+
+def fault_runtime_prefix(route: str) -> str:
+    """Runtime keys a drill sets to inject faults on a route: <prefix>.abort_percent, ..."""
+    return f"fault.{route}"
+
+
+# --- small builders ----------------------------------------------------------------------
 
 
 def _ms(value: int | float) -> str:
@@ -56,15 +84,55 @@ def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _cluster(name: str, spec: MeshSpec, instances: list[Instance]) -> dict[str, Any]:
-    """A gRPC upstream cluster: HTTP/2, one locality per zone, active gRPC health checks."""
+def _percent(value: float) -> dict[str, Any]:
+    return {"numerator": int(round(value)), "denominator": "HUNDRED"}
+
+
+def _policy_for(spec: MeshSpec, model: ModelSpec | None) -> RoutePolicy:
+    return (model.policy if model and model.policy else None) or spec.traffic.model
+
+
+@dataclass(frozen=True)
+class EnvoyResources:
+    """Everything Envoy is told, as xDS resources plus the static parts of the bootstrap."""
+
+    listeners: list[dict[str, Any]]
+    route_configs: dict[str, dict[str, Any]]
+    clusters: list[dict[str, Any]]
+    load_assignments: dict[str, dict[str, Any]]
+
+
+# --- clusters and endpoints --------------------------------------------------------------
+
+
+def _load_assignment(
+    spec: MeshSpec, name: str, members: list[Instance], local_zone: str | None
+) -> dict[str, Any]:
+    """One locality per zone; the caller's zone at priority 0, the others at priority 1."""
     by_zone: dict[str, list[Instance]] = {}
-    for inst in instances:
+    for inst in members:
         by_zone.setdefault(inst.zone, []).append(inst)
-    health: HealthCheckPolicy = spec.resilience.health_checks
-    return {
+    endpoints = []
+    for zone, zone_members in sorted(by_zone.items()):
+        endpoints.append(
+            {
+                "locality": {"zone": zone},
+                "priority": 0 if local_zone is None or zone == local_zone else 1,
+                "lb_endpoints": [
+                    {"endpoint": {"address": _address(spec.host, spec.port_of(i.name))}}
+                    for i in zone_members
+                ],
+            }
+        )
+    return {"cluster_name": name, "endpoints": endpoints}
+
+
+def _cluster(name: str, policy: RoutePolicy, eds: bool) -> dict[str, Any]:
+    """A gRPC upstream cluster: HTTP/2, active gRPC health checks, breakers, ejection."""
+    health = policy.health_checks
+    breakers = policy.circuit_breakers
+    cluster: dict[str, Any] = {
         "name": name,
-        "type": "STATIC",
         "connect_timeout": "0.25s",
         # Least-request keeps a slow (or batching-busy) replica from receiving an equal share.
         "lb_policy": "LEAST_REQUEST",
@@ -76,19 +144,6 @@ def _cluster(name: str, spec: MeshSpec, instances: list[Instance]) -> dict[str, 
                 },
             }
         },
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [
-                {
-                    "locality": {"zone": zone},
-                    "lb_endpoints": [
-                        {"endpoint": {"address": _address(spec.host, spec.port_of(i.name))}}
-                        for i in members
-                    ],
-                }
-                for zone, members in sorted(by_zone.items())
-            ],
-        },
         "health_checks": [
             {
                 "timeout": _ms(health.timeout_ms),
@@ -99,26 +154,39 @@ def _cluster(name: str, spec: MeshSpec, instances: list[Instance]) -> dict[str, 
                 "grpc_health_check": {},
             }
         ],
-        "outlier_detection": {
-            "consecutive_5xx": 5,
-            "consecutive_gateway_failure": 3,
-            "interval": "1s",
-            "base_ejection_time": "5s",
-            "max_ejection_percent": 50,
-        },
         "circuit_breakers": {
             "thresholds": [
                 {
-                    "max_connections": 1024,
-                    "max_pending_requests": 1024,
-                    "max_requests": 1024,
-                    # Retries may use a share of live requests, never less than a few: a
-                    # fixed max_retries (default 3) starves retries under concurrency.
-                    "retry_budget": {"budget_percent": {"value": 25.0}, "min_retry_concurrency": 8},
+                    "max_connections": breakers.max_connections,
+                    "max_pending_requests": breakers.max_pending_requests,
+                    "max_requests": breakers.max_requests,
+                    "retry_budget": {
+                        "budget_percent": {"value": policy.retries.budget_percent},
+                        "min_retry_concurrency": policy.retries.min_retry_concurrency,
+                    },
                 }
             ]
         },
+        # Priority 1 (the other zones) takes traffic only as priority 0 loses health.
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0.0}},
     }
+    outlier = policy.outlier_detection
+    if outlier.enabled:
+        cluster["outlier_detection"] = {
+            "consecutive_5xx": outlier.consecutive_5xx,
+            "consecutive_gateway_failure": outlier.consecutive_gateway_failure,
+            "interval": _ms(outlier.interval_ms),
+            "base_ejection_time": _ms(outlier.base_ejection_time_ms),
+            "max_ejection_percent": outlier.max_ejection_percent,
+        }
+    if eds:
+        cluster["type"] = "EDS"
+    else:
+        cluster["type"] = "STATIC"
+    return cluster
+
+
+# --- routes ------------------------------------------------------------------------------
 
 
 def _retry_policy(policy: RetryPolicy) -> dict[str, Any]:
@@ -129,108 +197,229 @@ def _retry_policy(policy: RetryPolicy) -> dict[str, Any]:
             "base_interval": _ms(policy.backoff_base_ms),
             "max_interval": _ms(policy.backoff_max_ms),
         },
-        # Try another replica rather than the one that just failed.
-        "retry_host_predicate": [
+    }
+    if policy.per_try_timeout_ms:
+        retry["per_try_timeout"] = _ms(policy.per_try_timeout_ms)
+    if policy.previous_hosts:
+        retry["retry_host_predicate"] = [
             {
                 "name": "envoy.retry_host_predicates.previous_hosts",
                 "typed_config": {"@type": _PREVIOUS_HOSTS},
             }
-        ],
-        "host_selection_retry_max_attempts": 3,
-    }
-    if policy.per_try_timeout_ms:
-        retry["per_try_timeout"] = _ms(policy.per_try_timeout_ms)
+        ]
+        retry["host_selection_retry_max_attempts"] = 3
+    if policy.previous_priorities:
+        # Once a try in the local zone failed, the next goes to the other zone.
+        retry["retry_priority"] = {
+            "name": "envoy.retry_priorities.previous_priorities",
+            "typed_config": {"@type": _PREVIOUS_PRIORITIES, "update_frequency": 1},
+        }
     return retry
 
 
-def _grpc_route(spec: MeshSpec, retry: dict[str, Any] | None) -> dict[str, Any]:
-    """Route settings every gRPC route shares: deadlines come from the caller."""
-    route: dict[str, Any] = {
-        # Envoy's default 15 s route timeout would cut long calls and answer UNAVAILABLE;
-        # gRPC callers carry their own deadline in grpc-timeout, which Envoy enforces below.
-        "timeout": "0s",
+def _route_action(policy: RoutePolicy, retries: bool = True) -> dict[str, Any]:
+    """Settings every gRPC route shares: the caller's grpc-timeout is the deadline."""
+    action: dict[str, Any] = {
+        "timeout": _ms(policy.timeout_ms),
         "max_stream_duration": {
-            "grpc_timeout_header_max": "0s",
-            "max_stream_duration": _ms(spec.deadlines.default_timeout_ms),
+            "grpc_timeout_header_max": _ms(policy.grpc_timeout_header_max_ms),
+            "max_stream_duration": _ms(policy.max_stream_duration_ms),
         },
     }
-    if retry:
-        route["retry_policy"] = retry
+    if retries:
+        action["retry_policy"] = _retry_policy(policy.retries)
+    return action
+
+
+def _fault_config(route: str, fault: FaultPolicy) -> dict[str, Any]:
+    """Fault filter settings for one route, every number overridable through runtime keys."""
+    prefix = fault_runtime_prefix(route)
+    return {
+        "@type": _FAULT,
+        "delay": {
+            # Envoy needs a positive delay here; the runtime key (ms) overrides it.
+            "fixed_delay": _ms(max(fault.delay_ms, 1)),
+            "percentage": _percent(fault.delay_percent),
+        },
+        "abort": {
+            "grpc_status": GRPC_CODES[fault.abort_status],
+            "percentage": _percent(fault.abort_percent),
+        },
+        "delay_percent_runtime": f"{prefix}.delay_percent",
+        "delay_duration_runtime": f"{prefix}.delay_ms",
+        "abort_percent_runtime": f"{prefix}.abort_percent",
+        "abort_grpc_status_runtime": f"{prefix}.abort_grpc_status",
+    }
+
+
+def _with_fault(route: dict[str, Any], name: str, fault: FaultPolicy) -> dict[str, Any]:
+    route["typed_per_filter_config"] = {"envoy.filters.http.fault": _fault_config(name, fault)}
     return route
 
 
-def _mesh_routes(spec: MeshSpec) -> list[dict[str, Any]]:
-    retry = _retry_policy(spec.resilience.retries)
+def _model_routes(
+    spec: MeshSpec, model_name: str, model: ModelSpec, zone: str
+) -> list[dict[str, Any]]:
+    policy = _policy_for(spec, model)
+    model_match = {"name": MODEL_HEADER, "string_match": {"exact": model_name}}
     routes: list[dict[str, Any]] = []
-    for model_name, model in sorted(spec.models.items()):
-        model_match = {"name": MODEL_HEADER, "string_match": {"exact": model_name}}
-        # A pinned version goes straight to its cluster.
-        for version in sorted(model.versions):
-            routes.append(
+    # A pinned version goes straight to its cluster.
+    for version in sorted(model.versions):
+        route = {
+            "name": f"{model_name}-{version}-pinned",
+            "match": {
+                "prefix": OIP_PREFIX,
+                "headers": [
+                    model_match,
+                    {"name": VERSION_HEADER, "string_match": {"exact": version}},
+                ],
+            },
+            "route": {"cluster": model_cluster(model_name, version, zone), **_route_action(policy)},
+        }
+        routes.append(_with_fault(route, f"model.{model_name}", policy.fault))
+    # Unpinned: the traffic split picks the version and tells the replica which one.
+    action: dict[str, Any] = {
+        "weighted_clusters": {
+            "clusters": [
                 {
-                    "name": f"{model_name}-{version}-pinned",
-                    "match": {
-                        "prefix": OIP_PREFIX,
-                        "headers": [
-                            model_match,
-                            {"name": VERSION_HEADER, "string_match": {"exact": version}},
-                        ],
-                    },
-                    "route": {
-                        "cluster": model_cluster_name(model_name, version),
-                        **_grpc_route(spec, retry),
-                    },
+                    "name": model_cluster(model_name, version, zone),
+                    "weight": weight,
+                    "request_headers_to_add": [
+                        {
+                            "header": {"key": VERSION_HEADER, "value": version},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                        }
+                    ],
                 }
-            )
-        # Unpinned: the traffic split picks the version and tells the replica which one.
-        routes.append(
+                for version, weight in sorted(model.traffic.items())
+            ]
+        },
+        **_route_action(policy),
+    }
+    split: dict[str, Any] = {
+        "name": f"{model_name}-split",
+        "match": {"prefix": OIP_PREFIX, "headers": [model_match]},
+        "route": action,
+    }
+    if model.shadow is not None:
+        # Envoy sends the copy to the shadow version's cluster (with "-shadow" appended to
+        # the authority) and discards its answer; the header tells the replica which
+        # version the copy is for, and both sides record what they answered.
+        action["request_mirror_policies"] = [
             {
-                "name": f"{model_name}-split",
-                "match": {"prefix": OIP_PREFIX, "headers": [model_match]},
-                "route": {
-                    "weighted_clusters": {
-                        "clusters": [
-                            {
-                                "name": model_cluster_name(model_name, version),
-                                "weight": weight,
-                                "request_headers_to_add": [
-                                    {
-                                        "header": {"key": VERSION_HEADER, "value": version},
-                                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-                                    }
-                                ],
-                            }
-                            for version, weight in sorted(model.traffic.items())
-                        ]
-                    },
-                    **_grpc_route(spec, retry),
+                "cluster": model_cluster(model_name, model.shadow.version, zone),
+                "runtime_fraction": {
+                    "default_value": _percent(model.shadow.percent),
+                    "runtime_key": f"shadow.{model_name}.percent",
                 },
             }
+        ]
+        split["request_headers_to_add"] = [
+            {
+                "header": {"key": SHADOW_HEADER, "value": model.shadow.version},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+            }
+        ]
+    routes.append(_with_fault(split, f"model.{model_name}", policy.fault))
+    return routes
+
+
+def _mesh_routes(spec: MeshSpec, zone: str) -> list[dict[str, Any]]:
+    routes: list[dict[str, Any]] = []
+    for model_name, model in sorted(spec.models.items()):
+        routes += _model_routes(spec, model_name, model, zone)
+    feature = spec.traffic.feature
+    routes.append(
+        _with_fault(
+            {
+                "name": "feature",
+                "match": {"prefix": "/servemesh.feature.v1.FeatureService/"},
+                "route": {"cluster": f"feature-via-{zone}", **_route_action(feature)},
+            },
+            "feature",
+            feature.fault,
         )
+    )
     routes += [
-        {
-            "name": "feature",
-            "match": {"prefix": "/servemesh.feature.v1.FeatureService/"},
-            "route": {"cluster": "feature", **_grpc_route(spec, retry)},
-        },
         {
             "name": "registry",
             "match": {"prefix": "/servemesh.registry.v1.Registry/"},
-            "route": {"cluster": "registry", **_grpc_route(spec, None)},
+            # Uploads are not idempotent mid-stream: no retries.
+            "route": {"cluster": "registry", **_route_action(spec.traffic.model, retries=False)},
         },
         # OIP calls without a model header (tritonclient, grpcurl): any model server.
         {
             "name": "model-servers",
             "match": {"prefix": OIP_PREFIX},
-            "route": {"cluster": "model-servers", **_grpc_route(spec, retry)},
+            "route": {"cluster": f"model-servers-via-{zone}", **_route_action(spec.traffic.model)},
         },
     ]
     return routes
 
 
+def _edge_routes(spec: MeshSpec) -> list[dict[str, Any]]:
+    edge = spec.traffic.edge
+    return [
+        _with_fault(
+            {
+                "name": "gateway",
+                "match": {"prefix": "/"},
+                "route": {"cluster": "gateway", **_route_action(edge)},
+            },
+            "edge",
+            edge.fault,
+        )
+    ]
+
+
+# --- listeners ---------------------------------------------------------------------------
+
+
+def _rate_limit_filter(limit: RateLimit) -> dict[str, Any]:
+    fills_per_second = 10
+    return {
+        "name": "envoy.filters.http.local_ratelimit",
+        "typed_config": {
+            "@type": _RATE_LIMIT,
+            "stat_prefix": "edge_rate_limit",
+            "token_bucket": {
+                "max_tokens": limit.burst,
+                "tokens_per_fill": max(1, limit.requests_per_second // fills_per_second),
+                "fill_interval": _ms(1000 // fills_per_second),
+            },
+            "filter_enabled": {
+                "runtime_key": "edge_rate_limit.enabled",
+                "default_value": _percent(100),
+            },
+            "filter_enforced": {
+                "runtime_key": "edge_rate_limit.enforced",
+                "default_value": _percent(100),
+            },
+            # gRPC callers get RESOURCE_EXHAUSTED (shedding), not UNAVAILABLE.
+            "rate_limited_as_resource_exhausted": True,
+        },
+    }
+
+
 def _listener(
-    name: str, spec: MeshSpec, port: int, routes: list[dict[str, Any]], log_dir: Path
+    name: str,
+    spec: MeshSpec,
+    port: int,
+    route_config: str,
+    log_dir: Path,
+    extra_filters: list[dict[str, Any]],
 ) -> dict[str, Any]:
+    filters = [
+        *extra_filters,
+        # Per-cluster gRPC success/failure counters (cluster.<name>.grpc.<service>.<method>.*).
+        {
+            "name": "envoy.filters.http.grpc_stats",
+            "typed_config": {"@type": _GRPC_STATS, "stats_for_all_methods": True},
+        },
+        # Inert until a route's percentages (or their runtime keys) are raised.
+        {"name": "envoy.filters.http.fault", "typed_config": _fault_config(name, FaultPolicy())},
+        {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
+    ]
     return {
         "name": name,
         "address": _address(spec.host, port),
@@ -258,18 +447,8 @@ def _listener(
                                     },
                                 }
                             ],
-                            "route_config": {
-                                "name": f"{name}-routes",
-                                "virtual_hosts": [
-                                    {"name": name, "domains": ["*"], "routes": routes}
-                                ],
-                            },
-                            "http_filters": [
-                                {
-                                    "name": "envoy.filters.http.router",
-                                    "typed_config": {"@type": _ROUTER},
-                                }
-                            ],
+                            "rds": {"route_config_name": route_config},
+                            "http_filters": filters,
                         },
                     }
                 ]
@@ -278,49 +457,69 @@ def _listener(
     }
 
 
-def render_bootstrap(spec: MeshSpec, log_dir: Path) -> dict[str, Any]:
-    """The whole Envoy bootstrap for a spec whose ports are resolved."""
+# --- the whole configuration -------------------------------------------------------------
+
+
+def render_resources(spec: MeshSpec, log_dir: Path) -> EnvoyResources:
+    """Every listener, route configuration, cluster and endpoint set for a resolved spec."""
     instances = spec.instances()
 
     def of(service: str) -> list[Instance]:
         return [i for i in instances if i.service == service]
 
-    model_servers = of("model")
-    clusters = [
-        _cluster("gateway", spec, of("gateway")),
-        _cluster("feature", spec, of("feature")),
-        _cluster("registry", spec, of("registry")),
-        _cluster("model-servers", spec, model_servers),
-    ]
-    # Every model server hosts every version today; a cluster per version is what lets a
-    # weighted route pick the version and retries stay within it.
-    for model_name, model in sorted(spec.models.items()):
-        for version in sorted(model.versions):
-            clusters.append(_cluster(model_cluster_name(model_name, version), spec, model_servers))
+    clusters: list[dict[str, Any]] = []
+    assignments: dict[str, dict[str, Any]] = {}
 
-    edge_route = {
-        "name": "gateway",
-        "match": {"prefix": "/"},
-        "route": {
-            "cluster": "gateway",
-            # The gateway's own downstream calls are retried on the mesh listener; retrying
-            # here too would multiply attempts, so the edge only retries what never reached
-            # a gateway.
-            **_grpc_route(
-                spec,
-                {
-                    "retry_on": "connect-failure,refused-stream",
-                    "num_retries": 2,
-                    "retry_host_predicate": [
-                        {
-                            "name": "envoy.retry_host_predicates.previous_hosts",
-                            "typed_config": {"@type": _PREVIOUS_HOSTS},
-                        }
-                    ],
-                },
-            ),
-        },
+    def add(
+        name: str, members: list[Instance], policy: RoutePolicy, local_zone: str | None
+    ) -> None:
+        clusters.append(_cluster(name, policy, eds=True))
+        assignments[name] = _load_assignment(spec, name, members, local_zone)
+
+    add("gateway", of("gateway"), spec.traffic.edge, None)
+    add("registry", of("registry"), spec.traffic.model, None)
+    model_servers = of("model")
+    for zone in spec.zones:
+        add(f"feature-via-{zone}", of("feature"), spec.traffic.feature, zone)
+        add(f"model-servers-via-{zone}", model_servers, spec.traffic.model, zone)
+        # Every model server hosts every version; a cluster per version is what lets a
+        # weighted route pick the version and keeps its retries within it.
+        for model_name, model in sorted(spec.models.items()):
+            for version in sorted(model.versions):
+                add(
+                    model_cluster(model_name, version, zone),
+                    model_servers,
+                    _policy_for(spec, model),
+                    zone,
+                )
+
+    route_configs = {
+        "edge": {
+            "name": "edge",
+            "virtual_hosts": [{"name": "edge", "domains": ["*"], "routes": _edge_routes(spec)}],
+        }
     }
+    listeners = []
+    edge_filters = (
+        [_rate_limit_filter(spec.traffic.rate_limit)] if spec.traffic.rate_limit.enabled else []
+    )
+    listeners.append(_listener("edge", spec, spec.ports.edge, "edge", log_dir, edge_filters))
+    for zone in spec.zones:
+        name = mesh_route_config(zone)
+        route_configs[name] = {
+            "name": name,
+            "virtual_hosts": [{"name": name, "domains": ["*"], "routes": _mesh_routes(spec, zone)}],
+        }
+        listeners.append(_listener(name, spec, spec.mesh_ports[zone], name, log_dir, []))
+    return EnvoyResources(
+        listeners=listeners,
+        route_configs=route_configs,
+        clusters=clusters,
+        load_assignments=assignments,
+    )
+
+
+def _bootstrap_base(spec: MeshSpec, log_dir: Path) -> dict[str, Any]:
     return {
         "node": {"id": spec.name, "cluster": spec.name},
         "admin": {
@@ -342,23 +541,101 @@ def render_bootstrap(spec: MeshSpec, log_dir: Path) -> dict[str, Any]:
                 {"name": "admin", "admin_layer": {}},
             ]
         },
-        "static_resources": {
-            "listeners": [
-                _listener("edge", spec, spec.ports.edge, [edge_route], log_dir),
-                _listener("mesh", spec, spec.ports.mesh, _mesh_routes(spec), log_dir),
-            ],
-            "clusters": clusters,
-        },
     }
 
 
-def write_bootstrap(spec: MeshSpec, path: Path, log_dir: Path) -> Path:
-    """Write the bootstrap atomically (rename into place) and return its path."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(
-        "# Rendered by servemesh from the mesh spec; edit the spec, not this file.\n"
-        + yaml.safe_dump(render_bootstrap(spec, log_dir), sort_keys=False)
-    )
-    tmp.replace(path)
-    return path
+def static_bootstrap(spec: MeshSpec, resources: EnvoyResources, log_dir: Path) -> dict[str, Any]:
+    """One self-contained config: what `envoy --mode validate` checks and people read."""
+    listeners = []
+    for listener in resources.listeners:
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        inline = {k: v for k, v in hcm.items() if k != "rds"}
+        inline["route_config"] = resources.route_configs[hcm["rds"]["route_config_name"]]
+        chain = {
+            "filters": [{**listener["filter_chains"][0]["filters"][0], "typed_config": inline}]
+        }
+        listeners.append({**listener, "filter_chains": [chain]})
+    clusters = [
+        {**c, "type": "STATIC", "load_assignment": resources.load_assignments[c["name"]]}
+        for c in resources.clusters
+    ]
+    return {
+        **_bootstrap_base(spec, log_dir),
+        "static_resources": {"listeners": listeners, "clusters": clusters},
+    }
+
+
+def _file_source(path: Path) -> dict[str, Any]:
+    # Envoy reloads the file when one is renamed into the watched folder (an atomic swap);
+    # writes in place are not noticed.
+    return {
+        "path_config_source": {"path": str(path), "watched_directory": {"path": str(path.parent)}},
+        "resource_api_version": "V3",
+    }
+
+
+@dataclass(frozen=True)
+class XdsLayout:
+    """Where the watched resource files live under a mesh's state dir."""
+
+    root: Path
+
+    @property
+    def cds(self) -> Path:
+        return self.root / "cds" / "clusters.yaml"
+
+    def eds(self, cluster: str) -> Path:
+        return self.root / "eds" / f"{cluster}.yaml"
+
+    def rds(self, route_config: str) -> Path:
+        return self.root / "rds" / f"{route_config}.yaml"
+
+
+def dynamic_bootstrap(
+    spec: MeshSpec, resources: EnvoyResources, layout: XdsLayout, log_dir: Path
+) -> dict[str, Any]:
+    """The bootstrap Envoy runs with: static listeners, everything else from watched files."""
+    listeners = []
+    for listener in resources.listeners:
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        name = hcm["rds"]["route_config_name"]
+        rds = {"route_config_name": name, "config_source": _file_source(layout.rds(name))}
+        chain = {
+            "filters": [
+                {**listener["filter_chains"][0]["filters"][0], "typed_config": {**hcm, "rds": rds}}
+            ]
+        }
+        listeners.append({**listener, "filter_chains": [chain]})
+    return {
+        **_bootstrap_base(spec, log_dir),
+        "static_resources": {"listeners": listeners},
+        "dynamic_resources": {"cds_config": _file_source(layout.cds)},
+    }
+
+
+def xds_files(
+    resources: EnvoyResources, layout: XdsLayout, version: str
+) -> dict[Path, dict[str, Any]]:
+    """The content of every watched file, by path, stamped with `version`."""
+    files: dict[Path, dict[str, Any]] = {}
+    clusters = []
+    for cluster in resources.clusters:
+        name = cluster["name"]
+        files[layout.eds(name)] = {
+            "version_info": version,
+            "resources": [{"@type": ENDPOINTS_TYPE, **resources.load_assignments[name]}],
+        }
+        clusters.append(
+            {
+                "@type": CLUSTER_TYPE,
+                **cluster,
+                "eds_cluster_config": {"eds_config": _file_source(layout.eds(name))},
+            }
+        )
+    files[layout.cds] = {"version_info": version, "resources": clusters}
+    for name, config in resources.route_configs.items():
+        files[layout.rds(name)] = {
+            "version_info": version,
+            "resources": [{"@type": ROUTES_TYPE, **config}],
+        }
+    return files

@@ -14,7 +14,8 @@ async def build_server(spec: MeshSpec, instance: str) -> ServiceServer:
     limit = spec.limits.max_message_bytes
     # Every downstream call goes through Envoy, which owns retries and load balancing.
     mesh_channel = grpc.aio.insecure_channel(
-        spec.mesh_address,
+        # This zone's mesh listener: its clusters prefer replicas in the same zone.
+        spec.mesh_address_for(spec.instance(instance).zone),
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),

@@ -2,29 +2,63 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
+from servemesh.policy import CircuitBreakers, RoutePolicy, ShadowSpec
 from servemesh.proxy.process import EnvoyConfigError, validate_config
-from servemesh.proxy.render import render_bootstrap, write_bootstrap
-from servemesh.spec import MeshSpec, ModelSpec, resolve_ports
+from servemesh.proxy.render import (
+    XdsLayout,
+    dynamic_bootstrap,
+    model_cluster,
+    render_resources,
+    static_bootstrap,
+    xds_files,
+)
+from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, resolve_ports
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _spec(**overrides: object) -> MeshSpec:
-    return resolve_ports(
-        MeshSpec(ports={"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0}, **overrides)
-    )
+    ports = {"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0}
+    return resolve_ports(MeshSpec(ports=ports, **overrides))
 
 
-def _routes(config: dict, listener: str) -> list[dict]:
-    [found] = [x for x in config["static_resources"]["listeners"] if x["name"] == listener]
-    hcm = found["filter_chains"][0]["filters"][0]["typed_config"]
-    return hcm["route_config"]["virtual_hosts"][0]["routes"]
+def _routes(spec: MeshSpec, config: str) -> list[dict[str, Any]]:
+    resources = render_resources(spec, Path("/tmp"))
+    return resources.route_configs[config]["virtual_hosts"][0]["routes"]
+
+
+def _validate(spec: MeshSpec, tmp_path: Path) -> None:
+    config = tmp_path / "envoy.yaml"
+    resources = render_resources(spec, tmp_path)
+    config.write_text(yaml.safe_dump(static_bootstrap(spec, resources, tmp_path)))
+    validate_config(config)
 
 
 def test_default_spec_renders_a_config_envoy_accepts(tmp_path: Path) -> None:
-    validate_config(write_bootstrap(_spec(), tmp_path / "envoy.yaml", tmp_path))
+    _validate(_spec(), tmp_path)
+
+
+def test_dynamic_bootstrap_and_watched_files_are_accepted_too(tmp_path: Path) -> None:
+    spec = _spec()
+    resources = render_resources(spec, tmp_path)
+    layout = XdsLayout(tmp_path / "xds")
+    for path, content in xds_files(resources, layout, "7").items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(content))
+    config = tmp_path / "envoy.yaml"
+    config.write_text(yaml.safe_dump(dynamic_bootstrap(spec, resources, layout, tmp_path)))
+    validate_config(config)
+    cds = yaml.safe_load(layout.cds.read_text())
+    assert cds["version_info"] == "7"
+    assert all(c["type"] == "EDS" for c in cds["resources"])
 
 
 def test_envoy_rejects_a_broken_config(tmp_path: Path) -> None:
@@ -34,9 +68,9 @@ def test_envoy_rejects_a_broken_config(tmp_path: Path) -> None:
         validate_config(bad)
 
 
-def test_model_routes_pin_versions_and_split_the_rest_by_weight(tmp_path: Path) -> None:
+def test_model_routes_pin_versions_and_split_the_rest_by_weight() -> None:
     spec = _spec(models={"fraud": ModelSpec(traffic={"v1": 90, "v2": 10})})
-    routes = _routes(render_bootstrap(spec, tmp_path), "mesh")
+    routes = _routes(spec, "mesh-zone-a")
     names = [r["name"] for r in routes]
     # Pinned routes must come before the split, or the split would swallow pinned calls.
     assert names.index("fraud-v1-pinned") < names.index("fraud-split")
@@ -44,48 +78,121 @@ def test_model_routes_pin_versions_and_split_the_rest_by_weight(tmp_path: Path) 
         "clusters"
     ]
     assert {(c["name"], c["weight"]) for c in split} == {
-        ("model-fraud-v1", 90),
-        ("model-fraud-v2", 10),
+        ("model-fraud-v1-via-zone-a", 90),
+        ("model-fraud-v2-via-zone-a", 10),
     }
-    assert all(c["request_headers_to_add"][0]["header"]["value"] in {"v1", "v2"} for c in split)
+    assert {c["request_headers_to_add"][0]["header"]["value"] for c in split} == {"v1", "v2"}
 
 
-def test_grpc_routes_honour_caller_deadlines_and_retry_killed_upstreams(tmp_path: Path) -> None:
-    routes = _routes(render_bootstrap(_spec(), tmp_path), "mesh")
-    split = next(r for r in routes if r["name"] == "fraud-split")["route"]
-    assert split["timeout"] == "0s"
-    assert split["max_stream_duration"]["grpc_timeout_header_max"] == "0s"
-    retry_on = set(split["retry_policy"]["retry_on"].split(","))
-    assert {"connect-failure", "reset", "refused-stream", "unavailable"} <= retry_on
-
-
-def test_every_cluster_has_active_grpc_health_checks_with_a_short_no_traffic_interval(
-    tmp_path: Path,
-) -> None:
-    clusters = render_bootstrap(_spec(), tmp_path)["static_resources"]["clusters"]
-    assert {c["name"] for c in clusters} >= {
-        "gateway",
-        "feature",
-        "registry",
-        "model-fraud-v1",
-        "model-fraud-v2",
+def test_each_zone_listener_prefers_its_own_zone_and_fails_over_to_the_others() -> None:
+    spec = _spec()
+    resources = render_resources(spec, Path("/tmp"))
+    for zone, other in (("zone-a", "zone-b"), ("zone-b", "zone-a")):
+        endpoints = resources.load_assignments[model_cluster("fraud", "v1", zone)]["endpoints"]
+        priorities = {e["locality"]["zone"]: e["priority"] for e in endpoints}
+        assert priorities == {zone: 0, other: 1}
+    listeners = {
+        l_["name"]: l_["address"]["socket_address"]["port_value"] for l_ in resources.listeners
     }
+    assert listeners["mesh-zone-a"] == spec.mesh_ports["zone-a"]
+    assert listeners["mesh-zone-b"] == spec.mesh_ports["zone-b"]
+
+
+def test_grpc_routes_honour_caller_deadlines_and_retry_killed_upstreams_in_other_zones() -> None:
+    split = next(r for r in _routes(_spec(), "mesh-zone-a") if r["name"] == "fraud-split")["route"]
+    assert split["timeout"] == "0.000s"
+    assert split["max_stream_duration"]["grpc_timeout_header_max"] == "0.000s"
+    retry = split["retry_policy"]
+    assert {"connect-failure", "reset", "refused-stream", "unavailable"} <= set(
+        retry["retry_on"].split(",")
+    )
+    assert retry["retry_priority"]["name"] == "envoy.retry_priorities.previous_priorities"
+    assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
+
+
+def test_edge_retries_only_what_never_reached_a_gateway() -> None:
+    [route] = _routes(_spec(), "edge")
+    assert route["route"]["retry_policy"]["retry_on"] == "connect-failure,refused-stream"
+
+
+def test_every_cluster_has_health_checks_breakers_and_a_retry_budget() -> None:
+    clusters = render_resources(_spec(), Path("/tmp")).clusters
+    names = {c["name"] for c in clusters}
+    assert {"gateway", "registry", "feature-via-zone-a", "model-fraud-v2-via-zone-b"} <= names
     for cluster in clusters:
         [check] = cluster["health_checks"]
         assert "grpc_health_check" in check and check["no_traffic_interval"] == "1.000s"
-        zones = {ep["locality"]["zone"] for ep in cluster["load_assignment"]["endpoints"]}
-        assert zones <= {"zone-a", "zone-b"}
+        [thresholds] = cluster["circuit_breakers"]["thresholds"]
+        assert thresholds["retry_budget"]["budget_percent"]["value"] == 25.0
+        assert cluster["outlier_detection"]["max_ejection_percent"] == 50
+
+
+def test_a_model_policy_overrides_the_default_for_its_clusters_only(tmp_path: Path) -> None:
+    tight = RoutePolicy(circuit_breakers=CircuitBreakers(max_requests=2, max_pending_requests=1))
+    spec = _spec(
+        models={
+            "fraud": ModelSpec(),
+            "slow": ModelSpec(
+                versions={"v1": ModelVersionSpec()}, traffic={"v1": 100}, policy=tight
+            ),
+        }
+    )
+    clusters = {c["name"]: c for c in render_resources(spec, tmp_path).clusters}
+    assert (
+        clusters["model-slow-v1-via-zone-a"]["circuit_breakers"]["thresholds"][0]["max_requests"]
+        == 2
+    )
+    assert (
+        clusters["model-fraud-v1-via-zone-a"]["circuit_breakers"]["thresholds"][0]["max_requests"]
+        == 1024
+    )
+    _validate(spec, tmp_path)
+
+
+def test_shadow_mirrors_the_split_to_the_shadow_versions_cluster(tmp_path: Path) -> None:
+    spec = _spec(models={"fraud": ModelSpec(shadow=ShadowSpec(version="v2", percent=50))})
+    split = next(r for r in _routes(spec, "mesh-zone-b") if r["name"] == "fraud-split")
+    [mirror] = split["route"]["request_mirror_policies"]
+    assert mirror["cluster"] == "model-fraud-v2-via-zone-b"
+    assert mirror["runtime_fraction"]["default_value"] == {
+        "numerator": 50,
+        "denominator": "HUNDRED",
+    }
+    assert split["request_headers_to_add"][0]["header"] == {
+        "key": "x-servemesh-shadow-version",
+        "value": "v2",
+    }
+    _validate(spec, tmp_path)
+
+
+def test_faults_are_off_by_default_and_driven_by_runtime_keys() -> None:
+    split = next(r for r in _routes(_spec(), "mesh-zone-a") if r["name"] == "fraud-split")
+    fault = split["typed_per_filter_config"]["envoy.filters.http.fault"]
+    assert fault["abort"]["percentage"]["numerator"] == 0
+    assert fault["delay"]["percentage"]["numerator"] == 0
+    assert fault["abort_percent_runtime"] == "fault.model.fraud.abort_percent"
+    assert fault["delay_duration_runtime"] == "fault.model.fraud.delay_ms"
+
+
+def test_the_edge_sheds_over_its_rate_limit_with_resource_exhausted() -> None:
+    [edge] = [
+        l_ for l_ in render_resources(_spec(), Path("/tmp")).listeners if l_["name"] == "edge"
+    ]
+    filters = edge["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+    [limit] = [f for f in filters if f["name"] == "envoy.filters.http.local_ratelimit"]
+    assert limit["typed_config"]["rate_limited_as_resource_exhausted"] is True
+    assert limit["typed_config"]["token_bucket"]["max_tokens"] == 10_000
 
 
 def test_the_committed_example_config_is_what_the_default_spec_renders() -> None:
-    import subprocess
-    import sys
-
-    repo = Path(__file__).resolve().parents[2]
     rendered = subprocess.run(
         [sys.executable, "-m", "servemesh", "envoy-config", "--spec", "mesh.yaml"],
-        cwd=repo, capture_output=True, text=True, check=True, timeout=60,
-    ).stdout  # fmt: skip
-    assert rendered == (repo / "envoy" / "mesh-default.yaml").read_text(), (
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert rendered == (REPO / "envoy" / "mesh-default.yaml").read_text(), (
         "refresh with: servemesh envoy-config --spec mesh.yaml > envoy/mesh-default.yaml"
     )

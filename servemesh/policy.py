@@ -1,0 +1,172 @@
+"""Traffic policy in the mesh spec: what Envoy does on each route and to each cluster.
+
+The defaults are chosen for a gRPC mesh of Python services on a small machine; each field
+says why where the default is not Envoy's own. docs/operators.md explains every knob.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Percent = Annotated[float, Field(ge=0, le=100)]
+Millis = Annotated[int, Field(ge=0, le=3_600_000)]
+
+RETRY_CONDITIONS = {
+    "5xx",
+    "gateway-error",
+    "reset",
+    "reset-before-request",
+    "connect-failure",
+    "envoy-ratelimited",
+    "retriable-4xx",
+    "refused-stream",
+    "retriable-status-codes",
+    "retriable-headers",
+    "http3-post-connect-failure",
+    "cancelled",
+    "deadline-exceeded",
+    "internal",
+    "resource-exhausted",
+    "unavailable",
+}
+GRPC_CODES = {
+    "CANCELLED": 1,
+    "UNKNOWN": 2,
+    "DEADLINE_EXCEEDED": 4,
+    "NOT_FOUND": 5,
+    "RESOURCE_EXHAUSTED": 8,
+    "FAILED_PRECONDITION": 9,
+    "ABORTED": 10,
+    "INTERNAL": 13,
+    "UNAVAILABLE": 14,
+}
+
+
+class StrictModel(BaseModel):
+    """Unknown keys are errors (a typo must not silently fall back to a default)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RetryPolicy(StrictModel):
+    # connect-failure, reset and refused-stream are what make a killed upstream or a
+    # per-try timeout retryable; the gRPC codes alone do not.
+    retry_on: list[str] = Field(
+        default_factory=lambda: [
+            "connect-failure",
+            "refused-stream",
+            "reset",
+            "unavailable",
+            "cancelled",
+        ]
+    )
+    num_retries: Annotated[int, Field(ge=0, le=10)] = 2
+    # 0 disables the per-try timeout; the caller's deadline still bounds every try.
+    per_try_timeout_ms: Millis = 1000
+    backoff_base_ms: Annotated[int, Field(ge=1, le=10_000)] = 5
+    backoff_max_ms: Annotated[int, Field(ge=1, le=60_000)] = 50
+    # Retry on another host, and on another priority (zone) once the first has failed.
+    previous_hosts: bool = True
+    previous_priorities: bool = True
+    # Retries may use this share of the cluster's live requests (never fewer than
+    # min_retry_concurrency): a fixed cap (Envoy's default, 3) starves retries under load,
+    # no cap turns an outage into a retry storm.
+    budget_percent: Percent = 25.0
+    min_retry_concurrency: Annotated[int, Field(ge=0, le=10_000)] = 8
+
+    @model_validator(mode="after")
+    def _known_conditions(self) -> RetryPolicy:
+        unknown = sorted(set(self.retry_on) - RETRY_CONDITIONS)
+        if unknown:
+            raise ValueError(f"retry_on: unknown conditions {unknown}")
+        if self.backoff_max_ms < self.backoff_base_ms:
+            raise ValueError("backoff_max_ms: must not be below backoff_base_ms")
+        return self
+
+
+class HealthCheckPolicy(StrictModel):
+    interval_ms: Annotated[int, Field(ge=100, le=60_000)] = 1000
+    timeout_ms: Annotated[int, Field(ge=50, le=60_000)] = 500
+    unhealthy_threshold: Annotated[int, Field(ge=1, le=10)] = 2
+    healthy_threshold: Annotated[int, Field(ge=1, le=10)] = 1
+    # Without this Envoy probes a cluster that has seen no traffic once a minute, and a
+    # fresh mesh looks dead for that long.
+    no_traffic_interval_ms: Annotated[int, Field(ge=100, le=60_000)] = 1000
+
+
+class CircuitBreakers(StrictModel):
+    max_connections: Annotated[int, Field(ge=1, le=1_000_000)] = 1024
+    # Requests waiting for a connection; beyond it callers get a fast UNAVAILABLE.
+    max_pending_requests: Annotated[int, Field(ge=0, le=1_000_000)] = 1024
+    # Requests in flight to the cluster; beyond it callers get a fast UNAVAILABLE.
+    max_requests: Annotated[int, Field(ge=1, le=1_000_000)] = 1024
+
+
+class OutlierDetection(StrictModel):
+    enabled: bool = True
+    # gRPC errors in response headers count as their HTTP mapping (UNAVAILABLE = 503).
+    consecutive_5xx: Annotated[int, Field(ge=1, le=1000)] = 5
+    consecutive_gateway_failure: Annotated[int, Field(ge=1, le=1000)] = 3
+    interval_ms: Annotated[int, Field(ge=100, le=600_000)] = 1000
+    base_ejection_time_ms: Annotated[int, Field(ge=100, le=3_600_000)] = 5000
+    # Never eject more than half of a cluster: a mesh-wide fault must not empty it.
+    max_ejection_percent: Annotated[int, Field(ge=0, le=100)] = 50
+
+
+class FaultPolicy(StrictModel):
+    """Fault injection on a route; off by default. Drills change it live through Envoy's
+    runtime (keys `fault.<route>.delay_percent`, `.delay_ms`, `.abort_percent`,
+    `.abort_grpc_status`), so no restart or re-render is needed."""
+
+    # Whole percents: Envoy's runtime reads these keys as integer percentages.
+    delay_percent: Annotated[int, Field(ge=0, le=100)] = 0
+    delay_ms: Millis = 0
+    abort_percent: Annotated[int, Field(ge=0, le=100)] = 0
+    abort_status: Literal[tuple(GRPC_CODES)] = "UNAVAILABLE"  # type: ignore[valid-type]
+
+
+class RoutePolicy(StrictModel):
+    retries: RetryPolicy = Field(default_factory=RetryPolicy)
+    # Route timeout; 0 = none. gRPC callers carry their own deadline (grpc-timeout), which
+    # Envoy honours below; Envoy's default 15 s route timeout would cut long calls short.
+    timeout_ms: Millis = 0
+    # Cap on a caller's grpc-timeout; 0 = use the caller's deadline unchanged.
+    grpc_timeout_header_max_ms: Millis = 0
+    # Deadline for calls that arrive without one.
+    max_stream_duration_ms: Millis = 30_000
+    circuit_breakers: CircuitBreakers = Field(default_factory=CircuitBreakers)
+    outlier_detection: OutlierDetection = Field(default_factory=OutlierDetection)
+    health_checks: HealthCheckPolicy = Field(default_factory=HealthCheckPolicy)
+    fault: FaultPolicy = Field(default_factory=FaultPolicy)
+
+
+def _edge_policy() -> RoutePolicy:
+    # The gateway's own calls are retried on the mesh listener; retrying at the edge too
+    # would multiply attempts, so the edge retries only what never reached a gateway.
+    return RoutePolicy(retries=RetryPolicy(retry_on=["connect-failure", "refused-stream"]))
+
+
+class RateLimit(StrictModel):
+    """Token bucket on the edge listener; callers over it get RESOURCE_EXHAUSTED."""
+
+    enabled: bool = True
+    requests_per_second: Annotated[int, Field(ge=1, le=10_000_000)] = 5000
+    burst: Annotated[int, Field(ge=1, le=10_000_000)] = 10_000
+
+
+class ShadowSpec(StrictModel):
+    """Mirror a share of a model's unpinned calls to another version; Envoy discards the
+    mirrored answers, and model servers record both sides for `routes shadow-report`."""
+
+    version: str
+    percent: Percent = 100.0
+
+
+class TrafficSpec(StrictModel):
+    edge: RoutePolicy = Field(default_factory=_edge_policy)
+    rate_limit: RateLimit = Field(default_factory=RateLimit)
+    feature: RoutePolicy = Field(default_factory=RoutePolicy)
+    # Default for every model route and version cluster; a model may override it.
+    model: RoutePolicy = Field(default_factory=RoutePolicy)

@@ -1,0 +1,399 @@
+"""Change what a running Envoy serves, safely: render, validate, swap atomically, confirm.
+
+A change is refused before anything moves when the spec is invalid, when it changes more
+than routing and policy (processes, ports, model versions need a restart), or when Envoy's
+own validator rejects the rendered config. Accepted changes are written as watched files
+(only those whose content changed), renamed into place, and confirmed from Envoy's admin
+API; every applied change is appended to the history with who, when and what.
+"""
+
+from __future__ import annotations
+
+import difflib
+import getpass
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from servemesh.proxy.admin import AdminClient
+from servemesh.proxy.process import validate_config
+from servemesh.proxy.render import (
+    EnvoyResources,
+    XdsLayout,
+    render_resources,
+    static_bootstrap,
+    xds_files,
+)
+from servemesh.spec import MeshSpec, SpecError, dump_spec, parse_spec
+
+# Fields a live apply may change. Everything else describes processes and needs a restart.
+ROUTING_FIELDS_TOP = {"traffic"}
+ROUTING_FIELDS_MODEL = {"traffic", "shadow", "policy"}
+
+
+class ApplyError(ValueError):
+    """The change was refused; the live configuration is untouched."""
+
+
+@dataclass(frozen=True)
+class MeshPaths:
+    """Where a running mesh keeps what `routes` commands read and write."""
+
+    state_dir: Path
+
+    @property
+    def resolved_spec(self) -> Path:
+        return self.state_dir / "mesh.resolved.yaml"
+
+    @property
+    def endpoints(self) -> Path:
+        return self.state_dir / "endpoints.json"
+
+    @property
+    def xds(self) -> XdsLayout:
+        return XdsLayout(self.state_dir / "xds")
+
+    @property
+    def history(self) -> Path:
+        return self.state_dir / "routes-history.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def envoy_config(self) -> Path:
+        return self.state_dir / "envoy" / "envoy.yaml"
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    version: str
+    changed_files: list[str]
+    confirm_ms: float
+    diff: list[str]
+    entry_id: int | None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The temporary file lives in the same folder (same filesystem, so the rename is
+    # atomic) under a name Envoy never reads.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def _dump(content: dict[str, Any]) -> str:
+    return yaml.safe_dump(content, sort_keys=False)
+
+
+def _without_version(content: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in content.items() if k != "version_info"}
+
+
+def routing_view(spec: MeshSpec) -> dict[str, Any]:
+    """The part of a spec a live apply may change, as plain data."""
+    return {
+        "traffic": spec.traffic.model_dump(mode="json"),
+        "models": {
+            name: {
+                "traffic": dict(model.traffic),
+                "shadow": model.shadow.model_dump(mode="json") if model.shadow else None,
+                "policy": model.policy.model_dump(mode="json") if model.policy else None,
+            }
+            for name, model in spec.models.items()
+        },
+    }
+
+
+def _topology(spec: MeshSpec) -> dict[str, Any]:
+    data = spec.model_dump(mode="json")
+    for key in ROUTING_FIELDS_TOP:
+        data.pop(key, None)
+    for model in data["models"].values():
+        for key in ROUTING_FIELDS_MODEL:
+            model.pop(key, None)
+    # The launcher resolves these; a spec file being applied usually leaves them out.
+    for key in ("ports", "mesh_ports", "instance_ports", "state_dir", "feature_store", "demo"):
+        data.pop(key, None)
+    return data
+
+
+def diff_lines(before: MeshSpec, after: MeshSpec) -> list[str]:
+    old = json.dumps(routing_view(before), indent=1, sort_keys=True).splitlines()
+    new = json.dumps(routing_view(after), indent=1, sort_keys=True).splitlines()
+    return [
+        line
+        for line in difflib.unified_diff(old, new, "live", "new", n=0, lineterm="")
+        if not line.startswith(("---", "+++", "@@"))
+    ]
+
+
+class RouteManager:
+    """Reads and changes the routing of the mesh running from `paths`."""
+
+    def __init__(self, paths: MeshPaths, admin: AdminClient | None = None) -> None:
+        self.paths = paths
+        self._admin = admin
+
+    # --- state ---------------------------------------------------------------------
+
+    def live_spec(self) -> MeshSpec:
+        if not self.paths.resolved_spec.is_file():
+            raise ApplyError(
+                f"no running mesh under {self.paths.state_dir} (start one with `servemesh up`)"
+            )
+        return parse_spec(self.paths.resolved_spec.read_text(), str(self.paths.resolved_spec))
+
+    @property
+    def admin(self) -> AdminClient:
+        if self._admin is None:
+            if not self.paths.endpoints.is_file():
+                raise ApplyError(
+                    f"no running mesh under {self.paths.state_dir} (no endpoints.json)"
+                )
+            endpoints = json.loads(self.paths.endpoints.read_text())
+            self._admin = AdminClient(str(endpoints["envoy_admin"]))
+        return self._admin
+
+    def history(self) -> list[dict[str, Any]]:
+        if not self.paths.history.is_file():
+            return []
+        return [
+            json.loads(line) for line in self.paths.history.read_text().splitlines() if line.strip()
+        ]
+
+    # --- changes -------------------------------------------------------------------
+
+    def set_weights(
+        self, model: str, weights: dict[str, int], *, who: str | None = None
+    ) -> ApplyResult:
+        live = self.live_spec()
+        if model not in live.models:
+            raise ApplyError(f"model {model!r} is not served; served models: {sorted(live.models)}")
+        current = live.models[model]
+        unknown = sorted(set(weights) - set(current.versions))
+        if unknown:
+            raise ApplyError(
+                f"model {model!r} has no version {unknown}; versions: {sorted(current.versions)}"
+            )
+        negative = {v: w for v, w in weights.items() if w < 0}
+        if negative:
+            raise ApplyError(f"weights must not be negative: {negative}")
+        full = {version: weights.get(version, 0) for version in current.versions}
+        if sum(full.values()) != 100:
+            raise ApplyError(f"weights must sum to 100, got {sum(full.values())} ({full})")
+        return self._apply_models(
+            live, {model: {"traffic": full}}, f"set {model} " + _weights_text(full), who
+        )
+
+    def set_shadow(
+        self, model: str, version: str | None, percent: float = 100.0, *, who: str | None = None
+    ) -> ApplyResult:
+        live = self.live_spec()
+        if model not in live.models:
+            raise ApplyError(f"model {model!r} is not served; served models: {sorted(live.models)}")
+        shadow = None if version is None else {"version": version, "percent": percent}
+        action = (
+            f"shadow {model} off"
+            if version is None
+            else f"shadow {model} -> {version} ({percent:g}%)"
+        )
+        return self._apply_models(live, {model: {"shadow": shadow}}, action, who)
+
+    def apply_spec_text(self, text: str, source: str, *, who: str | None = None) -> ApplyResult:
+        try:
+            proposed = parse_spec(text, source)
+        except SpecError as exc:
+            raise ApplyError(str(exc)) from None
+        live = self.live_spec()
+        if _topology(proposed) != _topology(live):
+            raise ApplyError(
+                f"{source} changes more than routing and policy (traffic, models.*.traffic, "
+                "models.*.shadow, models.*.policy); restart the mesh to change processes "
+                "or versions"
+            )
+        update = {"traffic": proposed.traffic}
+        models = {
+            name: live.models[name].model_copy(
+                update={
+                    field: getattr(proposed.models[name], field) for field in ROUTING_FIELDS_MODEL
+                }
+            )
+            for name in live.models
+        }
+        return self._apply(
+            live, live.model_copy(update={**update, "models": models}), f"apply {source}", who
+        )
+
+    def rollback(self, entry_id: int | None = None, *, who: str | None = None) -> ApplyResult:
+        """No id: undo the last change. With an id: return to the state right after it."""
+        history = self.history()
+        if not history:
+            raise ApplyError("nothing to roll back: no change has been applied")
+        if entry_id is None:
+            target, action = history[-1]["before"], f"rollback of #{history[-1]['id']}"
+        else:
+            matches = [e for e in history if e["id"] == entry_id]
+            if not matches:
+                raise ApplyError(f"no history entry #{entry_id}; entries: 1..{history[-1]['id']}")
+            target, action = matches[0]["after"], f"rollback to #{entry_id}"
+        live = self.live_spec()
+        restored = live.model_copy(
+            update={"traffic": live.traffic.model_validate(target["traffic"])}
+        )
+        models = {}
+        for name, model in live.models.items():
+            saved = target["models"].get(name)
+            if saved is None:
+                models[name] = model
+                continue
+            models[name] = model.model_validate({**model.model_dump(mode="json"), **saved})
+        return self._apply(live, restored.model_copy(update={"models": models}), action, who)
+
+    # --- internals ------------------------------------------------------------------
+
+    def _apply_models(
+        self, live: MeshSpec, changes: dict[str, dict[str, Any]], action: str, who: str | None
+    ) -> ApplyResult:
+        models = dict(live.models)
+        for name, fields in changes.items():
+            try:
+                models[name] = models[name].model_validate(
+                    {**models[name].model_dump(mode="json"), **fields}
+                )
+            except ValueError as exc:
+                raise ApplyError(f"models.{name}: {exc}") from None
+        return self._apply(live, live.model_copy(update={"models": models}), action, who)
+
+    def _apply(
+        self, live: MeshSpec, proposed: MeshSpec, action: str, who: str | None
+    ) -> ApplyResult:
+        # Round-trip through the validator: model_copy does not re-run validation.
+        try:
+            proposed = parse_spec(dump_spec(proposed), "proposed change")
+        except SpecError as exc:
+            raise ApplyError(str(exc)) from None
+        diff = diff_lines(live, proposed)
+        resources = render_resources(proposed, self.paths.logs)
+        self._validate(proposed, resources)
+        version = str(int(time.time() * 1000))
+        files = xds_files(resources, self.paths.xds, version)
+        changed = {p: c for p, c in files.items() if _without_version(c) != _on_disk(p)}
+        routes = {c["resources"][0]["name"] for p, c in changed.items() if p.parent.name == "rds"}
+        clusters: set[str] = set()
+        if self.paths.xds.cds in changed:
+            before = _on_disk_resources(self.paths.xds.cds)
+            clusters = {
+                r["name"]
+                for r in changed[self.paths.xds.cds]["resources"]
+                if before.get(r["name"]) != r
+            }
+        started = time.perf_counter()
+        # Endpoints and clusters before the routes that name them.
+        for path in sorted(changed, key=lambda p: ("eds", "cds", "rds").index(p.parent.name)):
+            _atomic_write(path, _dump(changed[path]))
+        _atomic_write(self.paths.resolved_spec, dump_spec(proposed))
+        self._confirm(routes, clusters, version)
+        confirm_ms = (time.perf_counter() - started) * 1000
+        entry_id = None
+        if diff:
+            entry_id = self._record(action, who, live, proposed, diff, confirm_ms, version)
+        return ApplyResult(
+            version=version,
+            changed_files=[str(p.relative_to(self.paths.state_dir)) for p in changed],
+            confirm_ms=confirm_ms,
+            diff=diff,
+            entry_id=entry_id,
+        )
+
+    def _validate(self, spec: MeshSpec, resources: EnvoyResources) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            config = Path(tmp) / "envoy.yaml"
+            config.write_text(_dump(static_bootstrap(spec, resources, self.paths.logs)))
+            try:
+                validate_config(config)
+            except ValueError as exc:
+                raise ApplyError(f"Envoy refuses the rendered config:\n{exc}") from None
+
+    def _confirm(
+        self, routes: set[str], clusters: set[str], version: str, timeout_s: float = 10.0
+    ) -> None:
+        """Wait until Envoy's admin API reports the new version of what changed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            served = self.admin.served_versions()
+            pending = [r for r in routes if served.routes.get(r) != version]
+            pending += [c for c in clusters if served.clusters.get(c) != version]
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise ApplyError(
+                    f"Envoy did not pick up version {version} within {timeout_s:.0f} s "
+                    f"for {sorted(pending)}"
+                )
+            time.sleep(0.01)
+
+    def _record(
+        self,
+        action: str,
+        who: str | None,
+        before: MeshSpec,
+        after: MeshSpec,
+        diff: list[str],
+        ms: float,
+        version: str,
+    ) -> int:
+        history = self.history()
+        entry = {
+            "id": (history[-1]["id"] + 1) if history else 1,
+            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "who": who or _who(),
+            "action": action,
+            "version": version,
+            "apply_ms": round(ms, 1),
+            "diff": diff,
+            "before": routing_view(before),
+            "after": routing_view(after),
+        }
+        with self.paths.history.open("a") as handle:
+            handle.write(json.dumps(entry) + "\n")
+        return int(entry["id"])
+
+
+def _on_disk(path: Path) -> dict[str, Any] | None:
+    try:
+        content = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return _without_version(content) if isinstance(content, dict) else None
+
+
+def _on_disk_resources(path: Path) -> dict[str, Any]:
+    content = _on_disk(path) or {}
+    return {r["name"]: r for r in content.get("resources", [])}
+
+
+def _weights_text(weights: dict[str, int]) -> str:
+    return " ".join(f"{v}={w}" for v, w in sorted(weights.items()))
+
+
+def _who() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
+
+
+def write_initial(spec: MeshSpec, resources: EnvoyResources, layout: XdsLayout) -> None:
+    """Write every watched file for a mesh about to start (version 1)."""
+    for path, content in xds_files(resources, layout, "1").items():
+        _atomic_write(path, _dump(content))
