@@ -15,6 +15,7 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
+from servemesh.routes_cli import add_routes_parser
 from servemesh.spec import MeshSpec, SpecError, load_spec
 
 console = Console(stderr=True)
@@ -196,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate a mesh spec and the Envoy config it renders")
     check.add_argument("spec", nargs="?")
     check.set_defaults(func=cmd_check)
+
+    add_routes_parser(sub)
 
     envoy = sub.add_parser("envoy-config", help="print the Envoy config a spec renders")
     envoy.add_argument("--spec")

@@ -22,7 +22,9 @@ OUTPUT_NAME = "score"
 
 MODEL_HEADER = "x-servemesh-model"
 VERSION_HEADER = "x-servemesh-model-version"
+# Response parameters the model server sets: which replica and zone answered.
 REPLICA_PARAMETER = "servemesh_replica"
+ZONE_PARAMETER = "servemesh_zone"
 
 
 class PredictError(Exception):

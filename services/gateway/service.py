@@ -10,7 +10,9 @@ import numpy as np
 
 from servemesh.services.gateway.predict import (
     MODEL_HEADER,
+    REPLICA_PARAMETER,
     VERSION_HEADER,
+    ZONE_PARAMETER,
     PredictError,
     PredictPlan,
     build_infer_request,
@@ -23,6 +25,7 @@ from servemesh.services.runtime.deadlines import DeadlineExhausted
 from servemesh.spec import MeshSpec
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -69,7 +72,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             metadata = [("x-request-id", request_id)]
             metadata += [(k, v) for k, v in incoming if k in PROPAGATED_HEADERS]
             features = await self._features(plan, deadline, metadata)
-            scores, version = await self._infer(plan, features, deadline, metadata, request_id)
+            answer = await self._infer(plan, features, deadline, metadata, request_id)
         except PredictError as exc:
             log.info("predict refused", extra={"code": exc.code.name, "reason": str(exc)})
             await context.abort(exc.code, str(exc))
@@ -96,14 +99,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             "predict",
             extra={
                 "model": plan.model_name,
-                "version": version,
-                "rows": len(scores),
+                "version": answer.model_version,
+                "replica": answer.model_replica,
+                "rows": len(answer.scores),
                 "ms": round((time.perf_counter() - started) * 1000, 3),
             },
         )
-        return gateway_pb2.PredictResponse(
-            scores=scores, model_version=version, request_id=request_id
-        )
+        answer.request_id = request_id
+        return answer
 
     async def _features(
         self, plan: PredictPlan, deadline: float, metadata: list[tuple[str, str]]
@@ -136,7 +139,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         deadline: float,
         metadata: list[tuple[str, str]],
         request_id: str,
-    ) -> tuple[list[float], str]:
+    ) -> gateway_pb2.PredictResponse:
         # Envoy routes on these headers: the model picks the route, a pinned version its cluster.
         routing = [(MODEL_HEADER, plan.model_name)]
         if plan.version:
@@ -149,4 +152,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )
         except grpc.aio.AioRpcError as exc:
             raise DownstreamError("model service", exc) from None
-        return read_scores(reply, len(features)), reply.model_version
+        return gateway_pb2.PredictResponse(
+            scores=read_scores(reply, len(features)),
+            model_version=reply.model_version,
+            model_replica=_string_parameter(reply, REPLICA_PARAMETER),
+            model_zone=_string_parameter(reply, ZONE_PARAMETER),
+        )
+
+
+def _string_parameter(reply: oip.ModelInferResponse, name: str) -> str:
+    param = reply.parameters.get(name)
+    return param.string_param if param is not None else ""

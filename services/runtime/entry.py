@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
+from servemesh.services.runtime.faults import control_file
 from servemesh.services.runtime.logs import configure_logging
 from servemesh.services.runtime.server import ServiceServer, run_service
 from servemesh.spec import MeshSpec, load_spec
@@ -23,4 +25,10 @@ def service_main(build: Builder, argv: list[str] | None = None) -> None:
     spec = load_spec(args.spec)
     spec.instance(args.instance)  # fail fast on an unknown instance name
     configure_logging(args.instance, args.log_level)
-    run_service(lambda: build(spec, args.instance))
+
+    async def build_and_watch() -> ServiceServer:
+        server = await build(spec, args.instance)
+        server.watch_faults(control_file(Path(spec.state_dir), args.instance))
+        return server
+
+    run_service(build_and_watch)

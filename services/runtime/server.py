@@ -6,12 +6,15 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from servemesh.services.runtime.faults import FaultInjector
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +71,9 @@ class ServiceServer:
         self.host = host
         self.requested_port = port
         self.drain_grace_s = drain_grace_s
+        self.faults = FaultInjector()
         self.server = grpc.aio.server(
-            interceptors=interceptors or [],
+            interceptors=[self.faults, *(interceptors or [])],
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
@@ -94,6 +98,15 @@ class ServiceServer:
 
     def on_stop(self, hook: StopHook) -> None:
         self._stop_hooks.append(hook)
+
+    def watch_faults(self, control: Path) -> None:
+        """Follow a fault control file (drills and tests inject errors and delays with it)."""
+        task = asyncio.get_running_loop().create_task(self.faults.watch(control))
+
+        async def stop_watching() -> None:
+            task.cancel()
+
+        self.on_stop(stop_watching)
 
     async def start(self) -> int:
         names = [*self._service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]

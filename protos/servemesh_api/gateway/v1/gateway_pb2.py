@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&servemesh_api/gateway/v1/gateway.proto\x12\x14servemesh.gateway.v1\"\x1c\n\nFeatureRow\x12\x0e\n\x06values\x18\x01 \x03(\x02\"t\n\x0ePredictRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nentity_ids\x18\x02 \x03(\t\x12.\n\x04rows\x18\x03 \x03(\x0b\x32 .servemesh.gateway.v1.FeatureRow\x12\x0f\n\x07version\x18\x04 \x01(\t\"w\n\x0fPredictResponse\x12\x0e\n\x06scores\x18\x01 \x03(\x02\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x03 \x01(\x08\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\x0f\x64\x65graded_reason\x18\x05 \x01(\t2c\n\x07Gateway\x12X\n\x07Predict\x12$.servemesh.gateway.v1.PredictRequest\x1a%.servemesh.gateway.v1.PredictResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&servemesh_api/gateway/v1/gateway.proto\x12\x14servemesh.gateway.v1\"\x1c\n\nFeatureRow\x12\x0e\n\x06values\x18\x01 \x03(\x02\"t\n\x0ePredictRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nentity_ids\x18\x02 \x03(\t\x12.\n\x04rows\x18\x03 \x03(\x0b\x32 .servemesh.gateway.v1.FeatureRow\x12\x0f\n\x07version\x18\x04 \x01(\t\"\xa2\x01\n\x0fPredictResponse\x12\x0e\n\x06scores\x18\x01 \x03(\x02\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x03 \x01(\x08\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\x0f\x64\x65graded_reason\x18\x05 \x01(\t\x12\x15\n\rmodel_replica\x18\x06 \x01(\t\x12\x12\n\nmodel_zone\x18\x07 \x01(\t2c\n\x07Gateway\x12X\n\x07Predict\x12$.servemesh.gateway.v1.PredictRequest\x1a%.servemesh.gateway.v1.PredictResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FEATUREROW']._serialized_end=92
   _globals['_PREDICTREQUEST']._serialized_start=94
   _globals['_PREDICTREQUEST']._serialized_end=210
-  _globals['_PREDICTRESPONSE']._serialized_start=212
-  _globals['_PREDICTRESPONSE']._serialized_end=331
-  _globals['_GATEWAY']._serialized_start=333
-  _globals['_GATEWAY']._serialized_end=432
+  _globals['_PREDICTRESPONSE']._serialized_start=213
+  _globals['_PREDICTRESPONSE']._serialized_end=375
+  _globals['_GATEWAY']._serialized_start=377
+  _globals['_GATEWAY']._serialized_end=476
 # @@protoc_insertion_point(module_scope)

@@ -25,15 +25,19 @@ class PredictRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., entity_ids: _Optional[_Iterable[str]] = ..., rows: _Optional[_Iterable[_Union[FeatureRow, _Mapping]]] = ..., version: _Optional[str] = ...) -> None: ...
 
 class PredictResponse(_message.Message):
-    __slots__ = ("scores", "model_version", "degraded", "request_id", "degraded_reason")
+    __slots__ = ("scores", "model_version", "degraded", "request_id", "degraded_reason", "model_replica", "model_zone")
     SCORES_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_REASON_FIELD_NUMBER: _ClassVar[int]
+    MODEL_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ZONE_FIELD_NUMBER: _ClassVar[int]
     scores: _containers.RepeatedScalarFieldContainer[float]
     model_version: str
     degraded: bool
     request_id: str
     degraded_reason: str
-    def __init__(self, scores: _Optional[_Iterable[float]] = ..., model_version: _Optional[str] = ..., degraded: _Optional[bool] = ..., request_id: _Optional[str] = ..., degraded_reason: _Optional[str] = ...) -> None: ...
+    model_replica: str
+    model_zone: str
+    def __init__(self, scores: _Optional[_Iterable[float]] = ..., model_version: _Optional[str] = ..., degraded: _Optional[bool] = ..., request_id: _Optional[str] = ..., degraded_reason: _Optional[str] = ..., model_replica: _Optional[str] = ..., model_zone: _Optional[str] = ...) -> None: ...

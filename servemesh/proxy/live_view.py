@@ -1,0 +1,102 @@
+"""What Envoy is serving right now, per model version, read from its admin API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from servemesh.proxy.admin import AdminClient, ClusterView
+from servemesh.proxy.render import mesh_route_config, model_cluster
+from servemesh.spec import MeshSpec
+
+INFER_STATS = "grpc.inference.GRPCInferenceService.ModelInfer"
+
+
+@dataclass
+class VersionView:
+    model: str
+    version: str
+    weight: int
+    shadow: bool
+    healthy: dict[str, int] = field(default_factory=dict)
+    hosts: dict[str, int] = field(default_factory=dict)
+    requests: int = 0
+    errors: int = 0
+    retries: int = 0
+    ejections: int = 0
+    overflows: int = 0
+
+
+def served_split(
+    admin: AdminClient, spec: MeshSpec, zone: str
+) -> dict[str, tuple[dict[str, int], str | None]]:
+    """Per model: the weights and shadow version in the route config Envoy serves for `zone`."""
+    config = admin.route_configs().get(mesh_route_config(zone))
+    if config is None:
+        return {}
+    split: dict[str, tuple[dict[str, int], str | None]] = {}
+    for route in config["virtual_hosts"][0]["routes"]:
+        name = route.get("name", "")
+        if not name.endswith("-split"):
+            continue
+        model = name.removesuffix("-split")
+        model_spec = spec.models.get(model)
+        if model_spec is None:
+            continue
+        by_cluster = {model_cluster(model, v, zone): v for v in model_spec.versions}
+        action = route["route"]
+        weights = {
+            by_cluster[entry["name"]]: int(entry.get("weight", 0))
+            for entry in action["weighted_clusters"]["clusters"]
+            if entry["name"] in by_cluster
+        }
+        mirrors = action.get("request_mirror_policies", [])
+        shadow = next(
+            (by_cluster[m["cluster"]] for m in mirrors if m["cluster"] in by_cluster), None
+        )
+        split[model] = (weights, shadow)
+    return split
+
+
+def live_view(admin: AdminClient, spec: MeshSpec) -> list[VersionView]:
+    """One row per model version: served weight, healthy hosts per zone, traffic counters.
+
+    Counters add up every zone's cluster of the version (each zone's callers have their own).
+    """
+    clusters = admin.clusters()
+    counters = admin.counters("cluster.model-")
+    split = served_split(admin, spec, spec.zones[0])
+    rows = []
+    for model_name, model in sorted(spec.models.items()):
+        weights, shadow = split.get(model_name, ({}, None))
+        for version in sorted(model.versions):
+            row = VersionView(model_name, version, weights.get(version, 0), shadow == version)
+            for zone in spec.zones:
+                name = model_cluster(model_name, version, zone)
+                _add_counters(row, name, counters)
+                if zone == spec.zones[0]:
+                    _add_health(row, clusters.get(name))
+            rows.append(row)
+    return rows
+
+
+def _add_health(row: VersionView, cluster: ClusterView | None) -> None:
+    if cluster is None:
+        return
+    for host in cluster.hosts:
+        row.hosts[host.zone] = row.hosts.get(host.zone, 0) + 1
+        row.healthy[host.zone] = row.healthy.get(host.zone, 0) + int(host.healthy)
+
+
+def _add_counters(row: VersionView, cluster: str, counters: dict[str, int]) -> None:
+    def get(stat: str) -> int:
+        return counters.get(f"cluster.{cluster}.{stat}", 0)
+
+    row.requests += get(f"{INFER_STATS}.total")
+    row.errors += get(f"{INFER_STATS}.failure")
+    row.retries += get("upstream_rq_retry")
+    row.ejections += get("outlier_detection.ejections_enforced_total")
+    row.overflows += (
+        get("upstream_rq_pending_overflow")
+        + get("upstream_rq_retry_overflow")
+        + get("upstream_cx_overflow")
+    )

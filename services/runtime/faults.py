@@ -1,0 +1,165 @@
+"""Replica-level fault injection for drills and tests: errors and delays on this replica only.
+
+Envoy's fault filter acts on a route, before a host is picked; this acts on one replica,
+after Envoy chose it, which is what "a replica that fails every call" or "zone-a's
+endpoints are slow" need. Health checks and reflection are never faulted, so a faulty
+replica still looks healthy to active checks and only outlier detection can catch it.
+
+Control: a JSON file per instance (`<state_dir>/faults/<instance>.json`), polled; the
+replica acknowledges each change in `<instance>.applied.json` with the same `version`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    error_percent: float = 0.0
+    error_code: str = "UNAVAILABLE"
+    delay_percent: float = 0.0
+    delay_ms: float = 0.0
+    version: str = ""
+
+    @property
+    def active(self) -> bool:
+        return self.error_percent > 0 or (self.delay_percent > 0 and self.delay_ms > 0)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FaultSettings:
+        settings = cls(
+            error_percent=float(data.get("error_percent", 0)),
+            error_code=str(data.get("error_code", "UNAVAILABLE")).upper(),
+            delay_percent=float(data.get("delay_percent", 0)),
+            delay_ms=float(data.get("delay_ms", 0)),
+            version=str(data.get("version", "")),
+        )
+        if not 0 <= settings.error_percent <= 100 or not 0 <= settings.delay_percent <= 100:
+            raise ValueError("error_percent and delay_percent must be within 0..100")
+        if settings.delay_ms < 0:
+            raise ValueError("delay_ms must not be negative")
+        if settings.error_code not in grpc.StatusCode.__members__ or settings.error_code == "OK":
+            raise ValueError(f"error_code {settings.error_code!r} is not a gRPC error status")
+        return settings
+
+
+class FaultInjector(grpc.aio.ServerInterceptor):
+    """Wraps unary calls (the serving path) with the current fault settings."""
+
+    def __init__(self) -> None:
+        self.settings = FaultSettings()
+        self.faulted = 0
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if (
+            handler is None
+            or details.method.startswith(EXEMPT_PREFIXES)
+            or handler.unary_unary is None
+        ):
+            return handler
+        behaviour = handler.unary_unary
+
+        async def faulty(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            settings = self.settings
+            if settings.active:
+                if settings.delay_ms and random.uniform(0, 100) < settings.delay_percent:
+                    await asyncio.sleep(settings.delay_ms / 1000)
+                if random.uniform(0, 100) < settings.error_percent:
+                    self.faulted += 1
+                    await context.abort(grpc.StatusCode[settings.error_code], "injected fault")
+            return await behaviour(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            faulty,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    async def watch(self, control: Path, interval_s: float = 0.1) -> None:
+        """Follow the control file until cancelled; a malformed file is logged and ignored."""
+        seen: float | None = None
+        while True:
+            try:
+                mtime = control.stat().st_mtime
+            except FileNotFoundError:
+                mtime = None
+            if mtime != seen:
+                seen = mtime
+                self._load(control)
+            await asyncio.sleep(interval_s)
+
+    def _load(self, control: Path) -> None:
+        try:
+            settings = (
+                FaultSettings.from_json(json.loads(control.read_text()))
+                if control.exists()
+                else FaultSettings()
+            )
+        except (OSError, ValueError) as exc:
+            log.warning(
+                "fault control file ignored", extra={"path": str(control), "error": str(exc)}
+            )
+            return
+        self.settings = settings
+        if settings.active:
+            log.warning("fault settings applied", extra=asdict(settings))
+        else:
+            log.info("fault settings cleared")
+        _atomic_write_json(control.with_name(control.stem + ".applied.json"), asdict(settings))
+
+
+def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(data, handle)
+    os.replace(tmp, path)
+
+
+def control_file(state_dir: Path, instance: str) -> Path:
+    return Path(state_dir) / "faults" / f"{instance}.json"
+
+
+def set_fault(
+    state_dir: Path, instance: str, settings: FaultSettings | None, *, wait_s: float = 5.0
+) -> FaultSettings:
+    """Give a replica new fault settings (None clears them) and wait for its acknowledgement."""
+    version = uuid.uuid4().hex
+    data = asdict(settings or FaultSettings())
+    data["version"] = version
+    FaultSettings.from_json(data)  # refuse bad settings here, not in the replica
+    path = control_file(state_dir, instance)
+    _atomic_write_json(path, data)
+    ack = path.with_name(path.stem + ".applied.json")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            if json.loads(ack.read_text()).get("version") == version:
+                return FaultSettings.from_json(data)
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.02)
+    raise TimeoutError(f"{instance} did not acknowledge fault settings within {wait_s:.0f} s")
