@@ -7,7 +7,6 @@ SIGTERM first (services drain), SIGKILL only after the grace period.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import logging
 import os
@@ -17,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,19 +39,21 @@ SERVICE_MODULES = {
     "feature": "servemesh.services.feature",
     "gateway": "servemesh.services.gateway",
 }
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class MeshStartError(RuntimeError):
     """A part of the mesh did not come up; the message carries the tail of its log."""
 
 
-def _die_with_parent() -> None:
-    # If the launcher is killed outright, its children get SIGTERM instead of living on.
-    # The signal follows the thread that started the child: start children from the main
-    # thread (or one that outlives them).
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def _die_with_parent(argv: list[str]) -> list[str]:
+    """Prefix argv so the child gets SIGTERM if the launcher dies outright.
+
+    setpriv sets the parent-death signal and execs the command. Doing it in Python between
+    fork and exec (preexec_fn) is unsafe in a process with gRPC threads: children crashed
+    with SIGSEGV before exec. Without setpriv, children are still stopped by PID.
+    """
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv] if setpriv else argv
 
 
 def redis_server_binary() -> str:
@@ -94,6 +96,7 @@ class Mesh:
     state_dir: Path
     children: dict[str, Child] = field(default_factory=dict)
     grace_s: float = 10.0
+    _spawner: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_spec(cls, spec: MeshSpec, state_dir: Path | None = None) -> Mesh:
@@ -167,6 +170,9 @@ class Mesh:
             if child.popen.returncode is None:
                 child.popen.wait(timeout=5)
         self.children.clear()
+        if self._spawner is not None:
+            self._spawner.shutdown()
+            self._spawner = None
         self.endpoints_path.unlink(missing_ok=True)
 
     def __enter__(self) -> Mesh:
@@ -211,9 +217,20 @@ class Mesh:
 
     def _spawn(self, name: str, argv: list[str], health_address: str | None = None) -> Child:
         log_path = self.logs_dir / f"{name}.log"
+        # The parent-death signal follows the thread that forked the child, so every child
+        # is started from one thread that lives as long as the mesh (not from whichever
+        # short-lived thread asked for a restart).
+        if self._spawner is None:
+            self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mesh-spawner")
+        popen = self._spawner.submit(self._popen, _die_with_parent(argv), log_path).result()
+        child = Child(name=name, popen=popen, log_path=log_path, health_address=health_address)
+        self.children[name] = child
+        return child
+
+    def _popen(self, argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(log_path, "ab") as log_file:
-            popen = subprocess.Popen(
+            return subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
@@ -223,11 +240,7 @@ class Mesh:
                 # Own session: a Ctrl-C in the terminal reaches the launcher alone, which
                 # then stops the children in order (Envoy first, Redis last).
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
-        child = Child(name=name, popen=popen, log_path=log_path, health_address=health_address)
-        self.children[name] = child
-        return child
 
     def _start_service(self, name: str) -> Child:
         instance = self.spec.instance(name)

@@ -144,8 +144,11 @@ class RoutePolicy(StrictModel):
 
 def _edge_policy() -> RoutePolicy:
     # The gateway's own calls are retried on the mesh listener; retrying at the edge too
-    # would multiply attempts, so the edge retries only what never reached a gateway.
-    return RoutePolicy(retries=RetryPolicy(retry_on=["connect-failure", "refused-stream"]))
+    # would multiply attempts, so the edge retries only what never reached a gateway, and
+    # has no per-try timeout: a gateway busy with its downstream calls is not a failure.
+    return RoutePolicy(
+        retries=RetryPolicy(retry_on=["connect-failure", "refused-stream"], per_try_timeout_ms=0)
+    )
 
 
 class RateLimit(StrictModel):

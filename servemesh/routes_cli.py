@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -15,8 +16,9 @@ from servemesh.proxy.apply import ApplyError, ApplyResult, MeshPaths, RouteManag
 from servemesh.proxy.live_view import live_view
 from servemesh.spec import SpecError, load_spec
 
-console = Console(stderr=True)
-out = Console()
+# Off a terminal (pipes, logs, tests) rich would wrap at 80 columns: keep lines whole.
+console = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 _WEIGHT = re.compile(r"^([a-z0-9][a-z0-9_-]{0,62})=(-?\d+)$")
 
 

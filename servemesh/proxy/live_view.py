@@ -95,8 +95,12 @@ def _add_counters(row: VersionView, cluster: str, counters: dict[str, int]) -> N
     row.errors += get(f"{INFER_STATS}.failure")
     row.retries += get("upstream_rq_retry")
     row.ejections += get("outlier_detection.ejections_enforced_total")
-    row.overflows += (
-        get("upstream_rq_pending_overflow")
-        + get("upstream_rq_retry_overflow")
-        + get("upstream_cx_overflow")
+    row.overflows += sum(
+        get(stat)
+        for stat in (
+            "upstream_rq_active_overflow",
+            "upstream_rq_pending_overflow",
+            "upstream_rq_retry_overflow",
+            "upstream_cx_overflow",
+        )
     )

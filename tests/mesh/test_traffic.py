@@ -1,0 +1,350 @@
+"""The traffic layer through a real Envoy and real replicas: splits, live weight changes,
+retries, outlier ejection, circuit breaking, zone failover, deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from servemesh.launcher import Mesh
+from servemesh.loadgen import Event, open_loop, share, success_rate
+from servemesh.policy import CircuitBreakers, RetryPolicy, RoutePolicy
+from servemesh.proxy.admin import AdminClient
+from servemesh.proxy.apply import ApplyError, RouteManager
+from servemesh.services.runtime.faults import FaultSettings, set_fault
+from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, Ports
+from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+ENTITIES = 300
+
+
+def traffic_spec(state_dir: str) -> MeshSpec:
+    one_version = {"v1": ModelVersionSpec(source="demo:1")}
+    return MeshSpec(
+        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        state_dir=state_dir,
+        models={
+            "fraud": ModelSpec(),
+            # Slow on purpose, behind a tight breaker: overload must fail fast, not queue.
+            "slow": ModelSpec(
+                versions={"v1": ModelVersionSpec(source="demo:1", inject_latency_ms=150)},
+                traffic={"v1": 100},
+                policy=RoutePolicy(
+                    circuit_breakers=CircuitBreakers(max_requests=2, max_pending_requests=1)
+                ),
+            ),
+            # Retries far beyond any sane deadline: the deadline must still win.
+            "stubborn": ModelSpec(
+                versions=one_version,
+                traffic={"v1": 100},
+                policy=RoutePolicy(
+                    retries=RetryPolicy(num_retries=10, backoff_base_ms=20, backoff_max_ms=200)
+                ),
+            ),
+        },
+        demo={"enabled": True, "entities": ENTITIES},
+    )
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    with Mesh.from_spec(traffic_spec(str(tmp_path_factory.mktemp("traffic")))) as running:
+        yield running
+
+
+@pytest.fixture
+def admin(mesh: Mesh) -> AdminClient:
+    return AdminClient(f"{mesh.spec.host}:{mesh.spec.ports.envoy_admin}")
+
+
+@pytest.fixture
+def routes(mesh: Mesh, admin: AdminClient) -> Iterator[RouteManager]:
+    """Routing as the mesh started; whatever a test changes is put back afterwards."""
+    manager = RouteManager(mesh.paths, admin)
+    start = manager.live_spec()
+    _wait_all_healthy(admin)
+    yield manager
+    live = manager.live_spec()
+    if live.models != start.models or live.traffic != start.traffic:
+        for name, model in start.models.items():
+            manager.set_weights(name, dict(model.traffic))
+            manager.set_shadow(name, model.shadow.version if model.shadow else None)
+    for inst in mesh.spec.instances():
+        if inst.service == "model" and mesh.children[inst.name].alive():
+            set_fault(mesh.state_dir, inst.name, None)
+
+
+def _wait_all_healthy(admin: AdminClient, timeout_s: float = 30.0) -> None:
+    """Every host of every cluster healthy: earlier tests leave no ejection behind."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sick = [
+            (c.name, h.address) for c in admin.clusters().values() for h in c.hosts if not h.healthy
+        ]
+        if not sick:
+            return
+        assert time.monotonic() < deadline, f"hosts still unhealthy: {sick[:5]}"
+        time.sleep(0.1)
+
+
+def _predict(
+    stub: gateway_pb2_grpc.GatewayStub, model: str, i: int, **kw: object
+) -> gateway_pb2.PredictResponse:
+    return stub.Predict(
+        gateway_pb2.PredictRequest(model=model, entity_ids=[f"user-{i % ENTITIES}"]), **kw
+    )
+
+
+def _many(
+    mesh: Mesh, model: str, n: int, workers: int = 16
+) -> list[gateway_pb2.PredictResponse | str]:
+    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        def call(i: int) -> gateway_pb2.PredictResponse | str:
+            try:
+                return _predict(stub, model, i, timeout=5)
+            except grpc.RpcError as exc:
+                return f"{exc.code().name}: {exc.details()}"
+
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(call, range(n)))
+
+
+# --- weighted split and live changes ------------------------------------------------------
+
+
+def test_weighted_split_matches_the_weights_within_three_points(
+    mesh: Mesh, routes: RouteManager
+) -> None:
+    routes.set_weights("fraud", {"v1": 70, "v2": 30})
+    answers = _many(mesh, "fraud", 2400)
+    failures = [a for a in answers if isinstance(a, str)]
+    assert not failures, failures[:3]
+    v2_share = sum(a.model_version == "v2" for a in answers) / len(answers)  # type: ignore[union-attr]
+    assert abs(v2_share - 0.30) <= 0.03, v2_share
+
+
+def test_weight_changes_under_load_lose_nothing_and_take_effect_within_a_second(
+    mesh: Mesh, routes: RouteManager
+) -> None:
+    run = asyncio.run(
+        open_loop(
+            mesh.spec.edge_address,
+            rate_per_s=150,
+            duration_s=9,
+            entities=ENTITIES,
+            events=[
+                Event(3.0, lambda: routes.set_weights("fraud", {"v1": 50, "v2": 50}), "half"),
+                Event(6.0, lambda: routes.set_weights("fraud", {"v1": 0, "v2": 100}), "all-v2"),
+            ],
+        )
+    )
+    assert not [e.error for e in run.events if e.error]
+    assert len(run.outcomes) == 1350
+    failed = [o for o in run.outcomes if o.code != "OK"]
+    assert not failed, failed[:3]
+    half, all_v2 = run.event("half"), run.event("all-v2")
+    assert share(run.window(0, half.started_s), lambda o: o.version == "v2") == 0.0
+    middle = run.window(half.finished_s + 1.0, all_v2.started_s)
+    assert 0.35 <= share(middle, lambda o: o.version == "v2") <= 0.65, len(middle)
+    assert share(run.window(all_v2.finished_s + 1.0), lambda o: o.version == "v2") == 1.0
+    # The apply itself (swap to confirmed by the admin API) is quick.
+    assert half.result.confirm_ms < 1000 and all_v2.result.confirm_ms < 1000
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda r: r.set_weights("fraud", {"v1": 90, "v2": 20}), "sum to 100"),
+        (lambda r: r.set_weights("fraud", {"v1": 90, "v9": 10}), "no version ['v9']"),
+        (lambda r: r.set_weights("fraud", {"v1": 110, "v2": -10}), "negative"),
+        (lambda r: r.set_weights("ghost", {"v1": 100}), "not served"),
+        (lambda r: r.apply_spec_text("models: [\n", "broken.yaml"), "malformed YAML"),
+        (lambda r: r.apply_spec_text("zones: [zone-a]\n", "shrink.yaml"), "gateway.per_zone"),
+        (lambda r: r.set_shadow("fraud", "v7"), "shadow.version"),
+    ],
+)
+def test_invalid_changes_are_refused_and_the_live_config_is_untouched(
+    mesh: Mesh, routes: RouteManager, admin: AdminClient, change, message: str
+) -> None:
+    before = admin.get("/config_dump?resource=dynamic_route_configs")
+    files_before = {p: p.read_bytes() for p in (mesh.state_dir / "xds").rglob("*.yaml")}
+    history_before = routes.history()
+    with pytest.raises(ApplyError) as err:
+        change(routes)
+    assert message in str(err.value)
+    assert admin.get("/config_dump?resource=dynamic_route_configs") == before
+    assert {p: p.read_bytes() for p in (mesh.state_dir / "xds").rglob("*.yaml")} == files_before
+    assert routes.history() == history_before
+
+
+def test_cli_sets_shows_records_and_rolls_back(mesh: Mesh, routes: RouteManager) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "servemesh",
+                "routes",
+                "--state-dir",
+                str(mesh.state_dir),
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    applied = cli("set", "fraud", "v1=80", "v2=20")
+    assert applied.returncode == 0, applied.stderr
+    assert "applied as change" in applied.stdout and "ms from swap to confirmed" in applied.stdout
+    shown = json.loads(cli("show", "--json").stdout)
+    weights = {r["version"]: r["weight"] for r in shown if r["model"] == "fraud"}
+    assert weights == {"v1": 80, "v2": 20}
+    assert all(r["healthy"] == {"zone-a": 1, "zone-b": 1} for r in shown)
+    refused = cli("set", "fraud", "v1=80", "v2=30")
+    assert refused.returncode == 1 and "sum to 100" in refused.stderr
+    history = json.loads(cli("history", "--json").stdout)
+    assert history[-1]["action"] == "set fraud v1=80 v2=20" and history[-1]["who"]
+    assert cli("rollback").returncode == 0
+    shown = json.loads(cli("show", "--json").stdout)
+    assert {r["version"]: r["weight"] for r in shown if r["model"] == "fraud"} == {
+        "v1": 100,
+        "v2": 0,
+    }
+    assert json.loads(cli("history", "--json").stdout)[-1]["action"].startswith("rollback of #")
+
+
+# --- resilience --------------------------------------------------------------------------
+
+
+def _host_requests(admin: AdminClient, address: str) -> int:
+    data = json.loads(admin.get("/clusters?format=json"))
+    total = 0
+    for cluster in data["cluster_statuses"]:
+        for host in cluster.get("host_statuses", []):
+            socket = host["address"]["socket_address"]
+            if f"{socket['address']}:{socket['port_value']}" == address:
+                total += sum(
+                    int(s.get("value", 0)) for s in host.get("stats", []) if s["name"] == "rq_total"
+                )
+    return total
+
+
+def test_a_replica_failing_every_call_is_ejected_and_callers_never_notice(
+    mesh: Mesh, routes: RouteManager, admin: AdminClient
+) -> None:
+    victim = "model-zone-a-0"
+    address = mesh.spec.address_of(victim)
+    set_fault(mesh.state_dir, victim, FaultSettings(error_percent=100, error_code="UNAVAILABLE"))
+    answers = _many(mesh, "fraud", 100, workers=4)
+    assert not [a for a in answers if isinstance(a, str)], "retries should mask the faulty replica"
+    ejected = admin.counters("cluster.model-fraud-v1-via-zone-a.outlier_detection.")
+    assert (
+        ejected.get(
+            "cluster.model-fraud-v1-via-zone-a.outlier_detection.ejections_enforced_total", 0
+        )
+        >= 1
+    )
+    reached = _host_requests(admin, address)
+    answers = _many(mesh, "fraud", 60, workers=4)
+    assert not [a for a in answers if isinstance(a, str)]
+    assert _host_requests(admin, address) == reached, "traffic still reaches the ejected replica"
+    assert {a.model_zone for a in answers} == {"zone-b"}  # type: ignore[union-attr]
+
+
+def test_an_overloaded_cluster_trips_the_breaker_and_callers_fail_fast(
+    mesh: Mesh, admin: AdminClient
+) -> None:
+    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        def call(i: int) -> tuple[str, float]:
+            started = time.perf_counter()
+            try:
+                _predict(stub, "slow", i, timeout=5)
+                return "OK", time.perf_counter() - started
+            except grpc.RpcError as exc:
+                return exc.code().name, time.perf_counter() - started
+
+        with ThreadPoolExecutor(max_workers=12) as pool:
+            results = list(pool.map(call, range(12)))
+    shed = [elapsed for code, elapsed in results if code == "UNAVAILABLE"]
+    assert shed, results
+    assert any(code == "OK" for code, _ in results)
+    assert max(shed) < 0.1, f"overflowed callers waited {max(shed) * 1000:.0f} ms"
+    overflow = sum(
+        v
+        for k, v in admin.counters("cluster.model-slow-v1-via-").items()
+        if k.endswith(("upstream_rq_pending_overflow", "upstream_rq_active_overflow"))
+    )
+    assert overflow >= len(shed) - 1
+
+
+def test_retries_never_carry_a_call_past_the_callers_deadline(
+    mesh: Mesh, routes: RouteManager, admin: AdminClient
+) -> None:
+    for inst in mesh.spec.instances():
+        if inst.service == "model":
+            set_fault(
+                mesh.state_dir,
+                inst.name,
+                FaultSettings(error_percent=100, error_code="UNAVAILABLE"),
+            )
+
+    def retries() -> int:
+        counters = admin.counters("cluster.model-stubborn-v1-via-")
+        return sum(v for k, v in counters.items() if k.endswith(".upstream_rq_retry"))
+
+    before = retries()
+    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        started = time.perf_counter()
+        with pytest.raises(grpc.RpcError) as err:
+            _predict(stub, "stubborn", 1, timeout=0.3)
+        elapsed = time.perf_counter() - started
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
+    assert elapsed < 0.3 + 0.05, f"answered after {elapsed * 1000:.0f} ms"
+    assert retries() - before >= 2  # Envoy really was retrying when the deadline ended it
+
+
+def test_zone_outage_fails_over_to_the_other_zone_and_comes_back(
+    mesh: Mesh, routes: RouteManager, admin: AdminClient
+) -> None:
+    victim = "model-zone-a-0"
+
+    def restart() -> None:
+        mesh.restart(victim)
+
+    run = asyncio.run(
+        open_loop(
+            mesh.spec.edge_address,
+            rate_per_s=100,
+            duration_s=11,
+            entities=ENTITIES,
+            events=[
+                Event(1.5, lambda: mesh.kill(victim, signal.SIGKILL), "kill"),
+                Event(4.0, restart, "restart"),
+            ],
+        )
+    )
+    assert not [e.error for e in run.events if e.error]
+    kill, back = run.event("kill"), run.event("restart")
+    assert success_rate(run.outcomes) >= 0.995, [o for o in run.outcomes if o.code != "OK"][:5]
+    before = run.window(0, kill.started_s)
+    assert share(before, lambda o: o.zone == "zone-a") > 0.2  # zone-a's gateways use zone-a
+    during = run.window(kill.finished_s + 0.5, back.started_s)
+    assert during and share(during, lambda o: o.zone == "zone-b") == 1.0
+    after = run.window(back.finished_s + 2.0)
+    assert after, "the run ended before the replica was back"
+    assert share(after, lambda o: o.zone == "zone-a") > 0.2, "traffic did not return to zone-a"
