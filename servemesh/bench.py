@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -16,6 +17,7 @@ from pathlib import Path
 import grpc
 
 from servemesh.launcher import Mesh
+from servemesh.proxy.apply import RouteManager
 from servemesh.spec import MeshSpec, Ports, load_spec
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -93,8 +95,35 @@ async def closed_loop(
     )
 
 
+def weight_change_times(mesh: Mesh, count: int) -> list[tuple[float, float]]:
+    """Flip the first model's split between two versions `count` times.
+
+    Per flip: (ms from the file swap to Envoy's admin API confirming the new config,
+    ms from the start of the apply to the first Predict answered by the new version).
+    """
+    model_name, model = next(iter(sorted(mesh.spec.models.items())))
+    first, second = sorted(model.versions)[:2]
+    manager = RouteManager(mesh.paths)
+    times = []
+    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        request = gateway_pb2.PredictRequest(model=model_name, entity_ids=["user-0"])
+        for flip in range(count):
+            target = second if flip % 2 == 0 else first
+            started = time.perf_counter()
+            result = manager.set_weights(model_name, {target: 100})
+            while stub.Predict(request, timeout=5).model_version != target:
+                pass
+            times.append((result.confirm_ms, (time.perf_counter() - started) * 1000))
+    return times
+
+
 def bench_predict(
-    spec: MeshSpec, concurrencies: list[int], seconds: float, out_json: Path | None = None
+    spec: MeshSpec,
+    concurrencies: list[int],
+    seconds: float,
+    out_json: Path | None = None,
+    weight_changes: int = 10,
 ) -> dict[str, object]:
     """Start a mesh, time its start, then load the edge (through Envoy) and a gateway directly."""
     spec = spec.model_copy(update={"ports": Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)})
@@ -116,12 +145,21 @@ def bench_predict(
                 for c in concurrencies
                 for name, address in targets.items()
             ]
+            changes = weight_change_times(mesh, weight_changes) if weight_changes else []
         finally:
             mesh.stop()
-    report = {
+    report: dict[str, object] = {
         "startup_s": round(startup_s, 2),
         "results": [{**asdict(r), "rps": round(r.rps, 1)} for r in results],
     }
+    if changes:
+        report["weight_changes"] = {
+            "count": len(changes),
+            "confirm_ms_median": round(statistics.median(c[0] for c in changes), 1),
+            "confirm_ms_max": round(max(c[0] for c in changes), 1),
+            "effective_ms_median": round(statistics.median(c[1] for c in changes), 1),
+            "effective_ms_max": round(max(c[1] for c in changes), 1),
+        }
     if out_json:
         out_json.write_text(json.dumps(report, indent=2))
     return report
@@ -153,6 +191,14 @@ def print_report(report: dict[str, object]) -> None:
             ratio,
         )
     console.print(table)
+    changes = report.get("weight_changes")
+    if isinstance(changes, dict):
+        console.print(
+            f"weight changes ({changes['count']}, idle mesh): swap to confirmed by Envoy "
+            f"median {changes['confirm_ms_median']} ms (max {changes['confirm_ms_max']}); "
+            f"apply start to first answer from the new version median "
+            f"{changes['effective_ms_median']} ms (max {changes['effective_ms_max']})"
+        )
 
 
 def main(spec_path: str | None, concurrencies: list[int], seconds: float, out: str | None) -> int:

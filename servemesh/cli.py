@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         "predict", help="mesh start-up time; Predict through Envoy vs a gateway directly"
     )
     bench_predict.add_argument("--spec")
-    bench_predict.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    bench_predict.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     bench_predict.add_argument("--seconds", type=float, default=10.0, help="per measurement")
     bench_predict.add_argument("--json-out", help="also write the report here")
     bench_predict.set_defaults(func=cmd_bench_predict)
