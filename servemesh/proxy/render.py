@@ -22,7 +22,8 @@ from servemesh.spec import Instance, MeshSpec, ModelSpec
 
 MODEL_HEADER = "x-servemesh-model"
 VERSION_HEADER = "x-servemesh-model-version"
-SHADOW_HEADER = "x-servemesh-shadow-version"
+# "primary" on a call whose copy goes to a shadow version, "shadow" on the copy.
+SHADOW_ROLE_HEADER = "x-servemesh-shadow-role"
 OIP_PREFIX = "/inference.GRPCInferenceService/"
 
 _T = "type.googleapis.com/envoy."
@@ -32,6 +33,8 @@ _FAULT = _T + "extensions.filters.http.fault.v3.HTTPFault"
 _GRPC_STATS = _T + "extensions.filters.http.grpc_stats.v3.FilterConfig"
 _RATE_LIMIT = _T + "extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
 _HTTP_OPTIONS = _T + "extensions.upstreams.http.v3.HttpProtocolOptions"
+_HEADER_MUTATION = _T + "extensions.filters.http.header_mutation.v3.HeaderMutation"
+_UPSTREAM_CODEC = _T + "extensions.filters.http.upstream_codec.v3.UpstreamCodec"
 _FILE_LOG = _T + "extensions.access_loggers.file.v3.FileAccessLog"
 _PREVIOUS_HOSTS = _T + "extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 _PREVIOUS_PRIORITIES = (
@@ -64,6 +67,11 @@ def model_cluster(model: str, version: str, zone: str) -> str:
     return f"model-{model}-{version}-via-{zone}"
 
 
+def shadow_cluster(model: str, version: str, zone: str) -> str:
+    """The cluster mirrored copies of `model`'s calls go through to reach `version`."""
+    return f"shadow-{model}-{version}-via-{zone}"
+
+
 def mesh_route_config(zone: str) -> str:
     return f"mesh-{zone}"
 
@@ -82,6 +90,10 @@ def _ms(value: int | float) -> str:
 
 def _address(host: str, port: int) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _set_header(key: str, value: str) -> dict[str, Any]:
+    return {"header": {"key": key, "value": value}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
 
 
 def _percent(value: float) -> dict[str, Any]:
@@ -127,7 +139,28 @@ def _load_assignment(
     return {"cluster_name": name, "endpoints": endpoints}
 
 
-def _cluster(name: str, policy: RoutePolicy, eds: bool) -> dict[str, Any]:
+def _shadow_marking(version: str) -> list[dict[str, Any]]:
+    """Upstream filters of a shadow cluster: the copy says it is a shadow, and of which
+    version, whatever headers the primary call carried."""
+    mutations = [
+        {"append": _set_header(VERSION_HEADER, version)},
+        {"append": _set_header(SHADOW_ROLE_HEADER, "shadow")},
+    ]
+    return [
+        {
+            "name": "envoy.filters.http.header_mutation",
+            "typed_config": {
+                "@type": _HEADER_MUTATION,
+                "mutations": {"request_mutations": mutations},
+            },
+        },
+        {"name": "envoy.filters.http.upstream_codec", "typed_config": {"@type": _UPSTREAM_CODEC}},
+    ]
+
+
+def _cluster(
+    name: str, policy: RoutePolicy, eds: bool, upstream_filters: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """A gRPC upstream cluster: HTTP/2, active gRPC health checks, breakers, ejection."""
     health = policy.health_checks
     breakers = policy.circuit_breakers
@@ -179,10 +212,12 @@ def _cluster(name: str, policy: RoutePolicy, eds: bool) -> dict[str, Any]:
             "base_ejection_time": _ms(outlier.base_ejection_time_ms),
             "max_ejection_percent": outlier.max_ejection_percent,
         }
-    if eds:
-        cluster["type"] = "EDS"
-    else:
-        cluster["type"] = "STATIC"
+    if upstream_filters:
+        options = cluster["typed_extension_protocol_options"]
+        options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["http_filters"] = (
+            upstream_filters
+        )
+    cluster["type"] = "EDS" if eds else "STATIC"
     return cluster
 
 
@@ -302,24 +337,19 @@ def _model_routes(
         "route": action,
     }
     if model.shadow is not None:
-        # Envoy sends the copy to the shadow version's cluster (with "-shadow" appended to
-        # the authority) and discards its answer; the header tells the replica which
-        # version the copy is for, and both sides record what they answered.
+        # Envoy sends a copy to the shadow cluster and discards its answer. The primary
+        # call is marked so its replica records what it answered; the shadow cluster
+        # re-marks the copy (role and version) on its way out, and that replica records too.
         action["request_mirror_policies"] = [
             {
-                "cluster": model_cluster(model_name, model.shadow.version, zone),
+                "cluster": shadow_cluster(model_name, model.shadow.version, zone),
                 "runtime_fraction": {
                     "default_value": _percent(model.shadow.percent),
                     "runtime_key": f"shadow.{model_name}.percent",
                 },
             }
         ]
-        split["request_headers_to_add"] = [
-            {
-                "header": {"key": SHADOW_HEADER, "value": model.shadow.version},
-                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-            }
-        ]
+        split["request_headers_to_add"] = [_set_header(SHADOW_ROLE_HEADER, "primary")]
     routes.append(_with_fault(split, f"model.{model_name}", policy.fault))
     return routes
 
@@ -471,9 +501,13 @@ def render_resources(spec: MeshSpec, log_dir: Path) -> EnvoyResources:
     assignments: dict[str, dict[str, Any]] = {}
 
     def add(
-        name: str, members: list[Instance], policy: RoutePolicy, local_zone: str | None
+        name: str,
+        members: list[Instance],
+        policy: RoutePolicy,
+        local_zone: str | None,
+        upstream_filters: list[dict[str, Any]] | None = None,
     ) -> None:
-        clusters.append(_cluster(name, policy, eds=True))
+        clusters.append(_cluster(name, policy, eds=True, upstream_filters=upstream_filters))
         assignments[name] = _load_assignment(spec, name, members, local_zone)
 
     add("gateway", of("gateway"), spec.traffic.edge, None)
@@ -491,6 +525,14 @@ def render_resources(spec: MeshSpec, log_dir: Path) -> EnvoyResources:
                     model_servers,
                     _policy_for(spec, model),
                     zone,
+                )
+            if model.shadow is not None:
+                add(
+                    shadow_cluster(model_name, model.shadow.version, zone),
+                    model_servers,
+                    _policy_for(spec, model),
+                    zone,
+                    _shadow_marking(model.shadow.version),
                 )
 
     route_configs = {

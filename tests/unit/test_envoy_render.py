@@ -153,15 +153,23 @@ def test_shadow_mirrors_the_split_to_the_shadow_versions_cluster(tmp_path: Path)
     spec = _spec(models={"fraud": ModelSpec(shadow=ShadowSpec(version="v2", percent=50))})
     split = next(r for r in _routes(spec, "mesh-zone-b") if r["name"] == "fraud-split")
     [mirror] = split["route"]["request_mirror_policies"]
-    assert mirror["cluster"] == "model-fraud-v2-via-zone-b"
+    assert mirror["cluster"] == "shadow-fraud-v2-via-zone-b"
     assert mirror["runtime_fraction"]["default_value"] == {
         "numerator": 50,
         "denominator": "HUNDRED",
     }
-    assert split["request_headers_to_add"][0]["header"] == {
-        "key": "x-servemesh-shadow-version",
-        "value": "v2",
+    role = split["request_headers_to_add"][0]["header"]
+    assert role == {"key": "x-servemesh-shadow-role", "value": "primary"}
+    # The shadow cluster re-marks the copy: it is a shadow, for v2, whatever the primary said.
+    clusters = {c["name"]: c for c in render_resources(spec, tmp_path).clusters}
+    options = clusters["shadow-fraud-v2-via-zone-b"]["typed_extension_protocol_options"]
+    filters = next(iter(options.values()))["http_filters"]
+    mutations = filters[0]["typed_config"]["mutations"]["request_mutations"]
+    assert {(m["append"]["header"]["key"], m["append"]["header"]["value"]) for m in mutations} == {
+        ("x-servemesh-model-version", "v2"),
+        ("x-servemesh-shadow-role", "shadow"),
     }
+    assert filters[-1]["name"] == "envoy.filters.http.upstream_codec"
     _validate(spec, tmp_path)
 
 
