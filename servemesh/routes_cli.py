@@ -14,6 +14,7 @@ from rich.table import Table
 from servemesh.proxy.admin import AdminError
 from servemesh.proxy.apply import ApplyError, ApplyResult, MeshPaths, RouteManager
 from servemesh.proxy.live_view import live_view
+from servemesh.proxy.shadow_report import shadow_report
 from servemesh.spec import SpecError, load_spec
 
 # Off a terminal (pipes, logs, tests) rich would wrap at 80 columns: keep lines whole.
@@ -144,6 +145,31 @@ def cmd_shadow(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_shadow_report(args: argparse.Namespace) -> int:
+    manager = _manager(args)
+    report = shadow_report(manager.paths.state_dir / "shadow", args.model, args.tolerance)
+    if args.json:
+        print(json.dumps({**vars(report), "agreement": report.agreement}))
+        return 0
+    out.print(f"shadow comparison for {report.model} (tolerance {report.tolerance:g})")
+    out.print(
+        f"  pairs {report.pairs}: scores agree in {report.agreeing} ({report.agreement:.1%}), "
+        f"mean worst difference {report.mean_abs_diff:.5f}"
+    )
+    out.print(
+        f"  primary versions {report.primary_versions}, shadow versions {report.shadow_versions}"
+    )
+    out.print(
+        f"  latency p50/p99: primary {report.primary_p50_ms:.2f}/{report.primary_p99_ms:.2f} ms, "
+        f"shadow {report.shadow_p50_ms:.2f}/{report.shadow_p99_ms:.2f} ms"
+    )
+    out.print(
+        f"  unpaired: {report.primary_only} primary only, {report.shadow_only} shadow only; "
+        f"shadow errors {report.shadow_errors}"
+    )
+    return 0
+
+
 def _run(func):  # type: ignore[no-untyped-def]
     """Turn refused changes and an unreachable Envoy into a message and exit status 1."""
 
@@ -191,3 +217,11 @@ def add_routes_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     shadow.add_argument("--percent", type=float, default=100.0)
     shadow.add_argument("--off", action="store_true")
     shadow.set_defaults(func=_run(cmd_shadow))
+
+    report = verbs.add_parser("shadow-report", help="compare a shadow version with the primary")
+    report.add_argument("model")
+    report.add_argument(
+        "--tolerance", type=float, default=1e-3, help="max score difference to agree"
+    )
+    report.add_argument("--json", action="store_true")
+    report.set_defaults(func=_run(cmd_shadow_report))

@@ -348,3 +348,31 @@ def test_zone_outage_fails_over_to_the_other_zone_and_comes_back(
     after = run.window(back.finished_s + 2.0)
     assert after, "the run ended before the replica was back"
     assert share(after, lambda o: o.zone == "zone-a") > 0.2, "traffic did not return to zone-a"
+
+
+def test_shadow_copies_reach_the_shadow_version_and_callers_see_only_the_primary(
+    mesh: Mesh, routes: RouteManager
+) -> None:
+    from servemesh.proxy.shadow_report import shadow_report
+
+    ledgers = mesh.state_dir / "shadow"
+    before = shadow_report(ledgers, "fraud").pairs
+    routes.set_shadow("fraud", "v2")
+    answers = _many(mesh, "fraud", 60, workers=4)
+    assert not [a for a in answers if isinstance(a, str)]
+    assert {a.model_version for a in answers} == {"v1"}  # type: ignore[union-attr]
+    deadline = time.monotonic() + 10
+    while (report := shadow_report(ledgers, "fraud")).pairs < before + 60:
+        assert time.monotonic() < deadline, report
+        time.sleep(0.1)
+    assert report.shadow_versions == {"v2": report.pairs} and report.shadow_errors == 0
+    assert report.primary_versions.get("v1") == report.pairs
+    # v1 and v2 are different models: their scores must not agree, identical ones would.
+    assert report.agreement < 0.2
+    assert report.primary_p50_ms > 0 and report.shadow_p50_ms > 0
+    routes.set_shadow("fraud", None)
+    _many(mesh, "fraud", 20, workers=4)
+    # The primary side records before it answers: had the route still marked calls for
+    # shadowing, these 20 would be in the ledger by now.
+    after = shadow_report(ledgers, "fraud")
+    assert after.pairs + after.primary_only == report.pairs + report.primary_only
