@@ -12,7 +12,6 @@ from __future__ import annotations
 import difflib
 import getpass
 import json
-import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from servemesh.atomic import atomic_write_text
 from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.process import validate_config
 from servemesh.proxy.render import (
@@ -79,16 +79,6 @@ class ApplyResult:
     confirm_ms: float
     diff: list[str]
     entry_id: int | None
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # The temporary file lives in the same folder (same filesystem, so the rename is
-    # atomic) under a name Envoy never reads.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
 
 
 def _dump(content: dict[str, Any]) -> str:
@@ -300,8 +290,8 @@ class RouteManager:
         started = time.perf_counter()
         # Endpoints and clusters before the routes that name them.
         for path in sorted(changed, key=lambda p: ("eds", "cds", "rds").index(p.parent.name)):
-            _atomic_write(path, _dump(changed[path]))
-        _atomic_write(self.paths.resolved_spec, dump_spec(proposed))
+            atomic_write_text(path, _dump(changed[path]))
+        atomic_write_text(self.paths.resolved_spec, dump_spec(proposed))
         self._confirm(routes, clusters, version)
         confirm_ms = (time.perf_counter() - started) * 1000
         entry_id = None
@@ -396,4 +386,4 @@ def _who() -> str:
 def write_initial(spec: MeshSpec, resources: EnvoyResources, layout: XdsLayout) -> None:
     """Write every watched file for a mesh about to start (version 1)."""
     for path, content in xds_files(resources, layout, "1").items():
-        _atomic_write(path, _dump(content))
+        atomic_write_text(path, _dump(content))

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 import grpc
 import numpy as np
 
+from servemesh.services.runtime.interceptors import with_unary_behaviour
 from servemesh_api.inference import grpc_service_pb2 as oip
 
 log = logging.getLogger(__name__)
@@ -103,11 +104,7 @@ class ShadowRecorder(grpc.aio.ServerInterceptor):
             self._append(entry, started)
             return response
 
-        return grpc.unary_unary_rpc_method_handler(
-            recorded,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return with_unary_behaviour(handler, recorded)
 
     def _append(self, entry: dict[str, Any], started: float) -> None:
         entry["ms"] = round((time.perf_counter() - started) * 1000, 3)

@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import random
-import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -25,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
+from servemesh.atomic import atomic_write_text
+from servemesh.services.runtime.interceptors import with_unary_behaviour
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +93,7 @@ class FaultInjector(grpc.aio.ServerInterceptor):
                     await context.abort(grpc.StatusCode[settings.error_code], "injected fault")
             return await behaviour(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(
-            faulty,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return with_unary_behaviour(handler, faulty)
 
     async def watch(self, control: Path, interval_s: float = 0.1) -> None:
         """Follow the control file until cancelled; a malformed file is logged and ignored."""
@@ -132,11 +129,7 @@ class FaultInjector(grpc.aio.ServerInterceptor):
 
 
 def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(data, handle)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data))
 
 
 def control_file(state_dir: Path, instance: str) -> Path:
