@@ -167,9 +167,26 @@ class ShadowSpec(StrictModel):
     percent: Percent = 100.0
 
 
+class EdgeAuth(StrictModel):
+    """HTTP basic auth on the edge listener (gRPC callers send an `authorization` header).
+
+    Off by default because the local mesh binds loopback only. When enabled without
+    `users`, `servemesh up` creates `<state_dir>/edge-credentials` (mode 0600) holding a
+    random key for user `servemesh`, and Envoy's config holds only its SHA-1 hash.
+    Health checks stay open so load balancers can probe without credentials.
+    """
+
+    enabled: bool = False
+    # htpasswd lines, "name:{SHA}<base64 of sha1(password)>".
+    users: list[
+        Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}:\{SHA\}[A-Za-z0-9+/]{27}=$")]
+    ] = Field(default_factory=list)
+
+
 class TrafficSpec(StrictModel):
     edge: RoutePolicy = Field(default_factory=_edge_policy)
     rate_limit: RateLimit = Field(default_factory=RateLimit)
+    edge_auth: EdgeAuth = Field(default_factory=EdgeAuth)
     feature: RoutePolicy = Field(default_factory=RoutePolicy)
     # Default for every model route and version cluster; a model may override it.
     model: RoutePolicy = Field(default_factory=RoutePolicy)

@@ -17,7 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from servemesh.policy import GRPC_CODES, FaultPolicy, RateLimit, RetryPolicy, RoutePolicy
+from servemesh.policy import (
+    GRPC_CODES,
+    EdgeAuth,
+    FaultPolicy,
+    RateLimit,
+    RetryPolicy,
+    RoutePolicy,
+)
 from servemesh.spec import Instance, MeshSpec, ModelSpec
 
 MODEL_HEADER = "x-servemesh-model"
@@ -32,6 +39,8 @@ _ROUTER = _T + "extensions.filters.http.router.v3.Router"
 _FAULT = _T + "extensions.filters.http.fault.v3.HTTPFault"
 _GRPC_STATS = _T + "extensions.filters.http.grpc_stats.v3.FilterConfig"
 _RATE_LIMIT = _T + "extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
+_BASIC_AUTH = _T + "extensions.filters.http.basic_auth.v3.BasicAuth"
+_FILTER_CONFIG = _T + "config.route.v3.FilterConfig"
 _HTTP_OPTIONS = _T + "extensions.upstreams.http.v3.HttpProtocolOptions"
 _HEADER_MUTATION = _T + "extensions.filters.http.header_mutation.v3.HeaderMutation"
 _UPSTREAM_CODEC = _T + "extensions.filters.http.upstream_codec.v3.UpstreamCodec"
@@ -389,7 +398,17 @@ def _mesh_routes(spec: MeshSpec, zone: str) -> list[dict[str, Any]]:
 
 def _edge_routes(spec: MeshSpec) -> list[dict[str, Any]]:
     edge = spec.traffic.edge
+    open_health = {
+        "name": "health",
+        "match": {"prefix": "/grpc.health.v1.Health/"},
+        "route": {"cluster": "gateway", **_route_action(edge)},
+        # Load balancers and probes check health without credentials.
+        "typed_per_filter_config": {
+            "envoy.filters.http.basic_auth": {"@type": _FILTER_CONFIG, "disabled": True}
+        },
+    }
     return [
+        *([open_health] if spec.traffic.edge_auth.enabled else []),
         _with_fault(
             {
                 "name": "gateway",
@@ -398,11 +417,20 @@ def _edge_routes(spec: MeshSpec) -> list[dict[str, Any]]:
             },
             "edge",
             edge.fault,
-        )
+        ),
     ]
 
 
 # --- listeners ---------------------------------------------------------------------------
+
+
+def _basic_auth_filter(auth: EdgeAuth) -> dict[str, Any]:
+    if not auth.users:
+        raise ValueError("traffic.edge_auth.users: empty (servemesh up fills it in)")
+    return {
+        "name": "envoy.filters.http.basic_auth",
+        "typed_config": {"@type": _BASIC_AUTH, "users": {"inline_string": "\n".join(auth.users)}},
+    }
 
 
 def _rate_limit_filter(limit: RateLimit) -> dict[str, Any]:
@@ -542,9 +570,11 @@ def render_resources(spec: MeshSpec, log_dir: Path) -> EnvoyResources:
         }
     }
     listeners = []
-    edge_filters = (
-        [_rate_limit_filter(spec.traffic.rate_limit)] if spec.traffic.rate_limit.enabled else []
-    )
+    edge_filters = []
+    if spec.traffic.edge_auth.enabled:
+        edge_filters.append(_basic_auth_filter(spec.traffic.edge_auth))
+    if spec.traffic.rate_limit.enabled:
+        edge_filters.append(_rate_limit_filter(spec.traffic.rate_limit))
     listeners.append(_listener("edge", spec, spec.ports.edge, "edge", log_dir, edge_filters))
     for zone in spec.zones:
         name = mesh_route_config(zone)
