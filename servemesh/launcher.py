@@ -209,6 +209,7 @@ class Mesh:
             "envoy_admin": f"{spec.host}:{spec.ports.envoy_admin}",
             "redis": spec.feature_store.redis_url,
             "services": {i.name: spec.address_of(i.name) for i in spec.instances()},
+            "metrics": {name: spec.metrics_address_of(name) for name in spec.metrics_ports},
             "logs": str(self.logs_dir),
             "pids": self.pids(),
         }

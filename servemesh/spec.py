@@ -48,12 +48,33 @@ class BatchingSpec(_Strict):
     max_queue_size: Annotated[int, Field(ge=1, le=1_000_000)] = 1024
     # Rows one request may carry.
     max_rows_per_request: Annotated[int, Field(ge=1, le=65536)] = 1024
+    # When a batch that is neither full nor a preferred size leaves:
+    #   adaptive      at once while requests do not overlap (a lone caller, sparse traffic:
+    #                 few arrive before a batch of one would have finished), so nobody waits
+    #                 for company that is not coming; once they overlap, as fixed_window
+    #   fixed_window  Triton's rule: up to max_queue_delay_ms after its first request
+    dispatch: Literal["adaptive", "fixed_window"] = "adaptive"
+    # enforce: each priority level is served earliest deadline first, expired or unmeetable
+    #          requests are answered DEADLINE_EXCEEDED without reaching the model, and a
+    #          forming batch leaves early for its earliest deadline
+    # ignore:  FIFO and deadline-blind, like Triton's default queue policy: every queued
+    #          request is computed, even after its caller gave up (for comparisons)
+    deadline_policy: Literal["enforce", "ignore"] = "enforce"
+    # OIP/Triton priorities: a request's `priority` parameter 1..priority_levels picks a
+    # level (1 is served first); 0 or none means default_priority_level.
+    priority_levels: Annotated[int, Field(ge=1, le=16)] = 2
+    default_priority_level: Annotated[int, Field(ge=1, le=16)] = 1
 
     @model_validator(mode="after")
     def _preferred_fit(self) -> BatchingSpec:
         too_big = [s for s in self.preferred_batch_sizes if s > self.max_batch_size]
         if too_big:
             raise ValueError(f"preferred_batch_sizes: {too_big} exceed max_batch_size")
+        if self.default_priority_level > self.priority_levels:
+            raise ValueError(
+                f"default_priority_level: {self.default_priority_level} is above "
+                f"priority_levels ({self.priority_levels})"
+            )
         return self
 
 
@@ -168,6 +189,9 @@ class MeshSpec(_Strict):
     # when fixed), and the concrete port of every instance, by instance name.
     mesh_ports: dict[ZoneName, Port] = Field(default_factory=dict)
     instance_ports: dict[str, Port] = Field(default_factory=dict)
+    # Prometheus /metrics side port of each model server, by instance name (0 or absent:
+    # `resolve_ports` picks a free port).
+    metrics_ports: dict[str, Port] = Field(default_factory=dict)
 
     @field_validator("host")
     @classmethod
@@ -218,6 +242,13 @@ class MeshSpec(_Strict):
 
     def address_of(self, instance_name: str) -> str:
         return f"{self.host}:{self.port_of(instance_name)}"
+
+    def metrics_address_of(self, instance_name: str) -> str:
+        """host:port of a model server's Prometheus /metrics endpoint."""
+        port = self.metrics_ports.get(instance_name)
+        if not port:
+            raise SpecError(f"metrics port of {instance_name!r} is not resolved yet")
+        return f"{self.host}:{port}"
 
     @property
     def mesh_address(self) -> str:
@@ -280,8 +311,18 @@ def resolve_ports(spec: MeshSpec) -> MeshSpec:
         if wanted is None:
             wanted = spec.ports.services_base + offset if spec.ports.services_base else 0
         instance_ports[inst.name] = pick(wanted)
+    metrics_ports = {
+        inst.name: pick(spec.metrics_ports.get(inst.name, 0))
+        for inst in spec.instances()
+        if inst.service == "model"
+    }
     return spec.model_copy(
-        update={"ports": ports, "mesh_ports": mesh_ports, "instance_ports": instance_ports}
+        update={
+            "ports": ports,
+            "mesh_ports": mesh_ports,
+            "instance_ports": instance_ports,
+            "metrics_ports": metrics_ports,
+        }
     )
 
 

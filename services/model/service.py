@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from servemesh.services.model.loader import ModelLoader, registry_loader
+from servemesh.services.model.metrics import MetricsEndpoint, model_registry
 from servemesh.services.model.servicer import InferenceServicer
 from servemesh.services.runtime import DeadlineBudget, ServiceServer
 from servemesh.spec import MeshSpec, SpecError
 from servemesh_api.inference import grpc_service_pb2_grpc
 
 SERVICE_NAME = "inference.GRPCInferenceService"
+
+log = logging.getLogger(__name__)
 
 
 def expected_versions(spec: MeshSpec) -> list[tuple[str, str]]:
@@ -46,7 +51,9 @@ async def build_server(
     """The model server for `instance`, returned unstarted with every version loaded.
 
     It binds its port and turns its health SERVING only after every version is loaded and
-    warmed up, so Envoy never routes to a replica that cannot answer yet. Without `loader`
+    warmed up, so Envoy never routes to a replica that cannot answer yet. Prometheus
+    metrics are served at http://<metrics_address_of(instance)>/metrics (a free port when
+    the spec names none). Without `loader`
     versions come from the registry at spec.registry_address. On drain (SIGTERM) the
     batchers finish what is queued and in flight, then the registry channel closes.
     """
@@ -74,7 +81,13 @@ async def build_server(
     server.add_service(
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
     )
-    # Stop hooks run last-registered first: the batchers drain, then the channel closes.
+    metrics = MetricsEndpoint(
+        model_registry(servicer.batchers), host=spec.host, port=spec.metrics_ports.get(instance, 0)
+    )
+    log.info("metrics endpoint", extra={"address": f"http://{metrics.address}/metrics"})
+    # Stop hooks run last-registered first: the batchers drain, then the channel and the
+    # metrics endpoint close (scrapes see the drain's last counts).
+    server.on_stop(metrics.close)
     if channel is not None:
         server.on_stop(channel.close)
     server.on_stop(servicer.close)

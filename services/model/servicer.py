@@ -11,10 +11,13 @@ from importlib import metadata
 
 import grpc
 
+from servemesh.services.model.batcher import Batcher
 from servemesh.services.model.errors import ModelNotFound, RequestError, ServingError
 from servemesh.services.model.loader import LoadedModel, ModelLoader
 from servemesh.services.model.tensors import decode_request, encode_outputs
-from servemesh.services.runtime import DeadlineBudget, bind_request_id, request_id_from
+from servemesh.services.runtime import DeadlineBudget, bind_request_id
+from servemesh.services.runtime.logs import REQUEST_ID_HEADER, new_request_id
+from servemesh.spec import BatchingSpec
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 
@@ -57,6 +60,20 @@ def _int_parameter(params: Mapping[str, oip.InferParameter], name: str) -> int |
     return int(getattr(param, choice))
 
 
+def _priority_level(request: oip.ModelInferRequest, batching: BatchingSpec) -> int:
+    """The queue level of a request: OIP/Triton's `priority` parameter, 1 the most urgent,
+    0 or absent the model's default level."""
+    wanted = _int_parameter(request.parameters, "priority") if request.parameters else None
+    if not wanted:
+        return batching.default_priority_level
+    if not 1 <= wanted <= batching.priority_levels:
+        raise RequestError(
+            f"parameters['priority']: {wanted} is outside 1..{batching.priority_levels} "
+            f"(0 means the default level, {batching.default_priority_level})"
+        )
+    return wanted
+
+
 class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     """GRPCInferenceService for the models loaded in this replica.
 
@@ -80,6 +97,8 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         self.budget = budget or DeadlineBudget()
         self.expected: set[Key] = set(expected)
         self._models: dict[Key, LoadedModel] = {}
+        # Each model's default version (its highest loaded), kept current by install/unload.
+        self._latest: dict[str, str] = {}
         # RepositoryIndex states of versions not (or no longer) serving: LOADING, UNAVAILABLE.
         self._states: dict[Key, tuple[str, str]] = {}
         self._locks: dict[Key, asyncio.Lock] = {}
@@ -90,12 +109,19 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     def models(self) -> dict[Key, LoadedModel]:
         return dict(self._models)
 
+    def batchers(self) -> list[tuple[str, str, Batcher]]:
+        """(model, version, batcher) of every version served: what the metrics read."""
+        return [
+            (model, version, loaded.batcher) for (model, version), loaded in self._models.items()
+        ]
+
     async def install(self, loaded: LoadedModel) -> None:
         """Serve `loaded`; a previous load of the same version drains after the swap."""
         key = (loaded.model, loaded.version)
         previous = self._models.get(key)
         self._models[key] = loaded
         self._states.pop(key, None)
+        self._latest[loaded.model] = self.versions_of(loaded.model)[-1]
         if previous is not None and previous is not loaded:
             await previous.close()
 
@@ -141,6 +167,11 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         if not keys:
             raise self._not_found(model, version)
         gone = [self._models.pop(key) for key in keys]
+        versions = self.versions_of(model)
+        if versions:
+            self._latest[model] = versions[-1]
+        else:
+            self._latest.pop(model, None)
         for key in keys:
             self.expected.discard(key)
             self._states[key] = ("UNAVAILABLE", "unloaded")
@@ -174,10 +205,10 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         if not model:
             raise RequestError("model_name: required")
         if not version:
-            versions = self.versions_of(model)
-            if not versions:
+            latest = self._latest.get(model)
+            if latest is None:
                 raise self._not_found(model, None)
-            version = versions[-1]
+            version = latest
         loaded = self._models.get((model, version))
         if loaded is None:
             raise self._not_found(model, version)
@@ -232,10 +263,17 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelInferResponse:
-        request_id = request_id_from(context.invocation_metadata())
+        # One pass over the headers: the request id and the version Envoy picked.
+        request_id = routed_version = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == REQUEST_ID_HEADER:
+                request_id = (value.decode() if isinstance(value, bytes) else value)[:128]
+            elif key == VERSION_HEADER:
+                routed_version = value.decode() if isinstance(value, bytes) else value
+        request_id = request_id or new_request_id()
         bind_request_id(request_id)
         try:
-            return await self._infer(request, context, request_id)
+            return await self._infer(request, context, request_id, routed_version)
         except ServingError as exc:
             code, message = exc.code, exc.message
             if isinstance(exc, (RequestError, ModelNotFound)):
@@ -245,16 +283,10 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             code, message = grpc.StatusCode.INTERNAL, "internal error"
         await context.abort(code, message)
 
-    def _header(self, context: grpc.aio.ServicerContext, name: str) -> str:
-        for key, value in context.invocation_metadata() or ():
-            if key == name:
-                return value.decode() if isinstance(value, bytes) else value
-        return ""
-
     def _deadline(self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext) -> float:
         """The earlier of the gRPC deadline and OIP's `timeout` parameter, less our hop budget."""
         deadline = self.budget.absolute_deadline(context)
-        timeout_us = _int_parameter(request.parameters, "timeout")
+        timeout_us = _int_parameter(request.parameters, "timeout") if request.parameters else None
         if timeout_us is not None:
             if timeout_us < 0:
                 raise RequestError(f"parameters['timeout']: must not be negative, got {timeout_us}")
@@ -264,12 +296,15 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         return deadline - self.budget.hop_budget_s
 
     async def _infer(
-        self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext, request_id: str
+        self,
+        request: oip.ModelInferRequest,
+        context: grpc.aio.ServicerContext,
+        request_id: str,
+        routed_version: str,
     ) -> oip.ModelInferResponse:
-        version = request.model_version or self._header(context, VERSION_HEADER)
-        loaded = self.resolve(request.model_name, version)
+        loaded = self.resolve(request.model_name, request.model_version or routed_version)
         deadline = self._deadline(request, context)
-        priority = _int_parameter(request.parameters, "priority") or 0
+        priority = _priority_level(request, loaded.batching)
         decoded = decode_request(request, loaded.signature, loaded.batching.max_rows_per_request)
         result = await loaded.batcher.submit(decoded.rows, deadline, request_id, priority)
         response = oip.ModelInferResponse(

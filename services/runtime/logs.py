@@ -5,9 +5,9 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import random
 import sys
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,7 +57,13 @@ def request_id_from(metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
             text = value.decode() if isinstance(value, bytes) else value
             # Bound what a caller can make us log.
             return text[:128]
-    return uuid.uuid4().hex
+    return new_request_id()
+
+
+def new_request_id() -> str:
+    """A fresh id: 128 random bits as 32 hex digits (uuid4's shape, at a tenth of its cost:
+    ids need to be unique, not unpredictable)."""
+    return f"{random.getrandbits(128):032x}"
 
 
 def bind_request_id(request_id: str) -> contextvars.Token[str]:

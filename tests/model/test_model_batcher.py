@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from servemesh.demo import Artifact
-from servemesh.services.model.batcher import Batcher
+from servemesh.services.model.batcher import ArrivalOverlap, Batcher
 from servemesh.services.model.errors import DeadlineMissed, InferenceFailed, QueueFull, Unavailable
 from servemesh.services.model.latency import LatencyTable
 from servemesh.services.model.runner import ModelRunner
@@ -108,7 +108,11 @@ async def test_full_queue_sheds_at_once_with_resource_exhausted(
     artifacts: dict[int, Artifact],
 ) -> None:
     batcher, _ = await make_batcher(
-        artifacts[1], max_batch_size=64, max_queue_delay_ms=1000, max_queue_size=2
+        artifacts[1],
+        max_batch_size=64,
+        max_queue_delay_ms=1000,
+        max_queue_size=2,
+        dispatch="fixed_window",
     )
     waiting = [asyncio.create_task(batcher.submit(rows(1), deadline(), f"r{i}")) for i in range(2)]
     await asyncio.sleep(0.01)
@@ -134,9 +138,10 @@ async def test_expired_requests_never_reach_the_model(
         asyncio.create_task(batcher.submit(marked(i), deadline(), f"ahead-{i}")) for i in range(3)
     ]
     await asyncio.sleep(0.005)
-    # 80 ms is enough for one 40 ms batch, not for the ~120 ms of work queued ahead of it.
+    # 80 ms is enough for one 40 ms batch, not for the ~120 ms of higher-priority work
+    # queued ahead of it.
     with pytest.raises(DeadlineMissed) as caught:
-        await batcher.submit(marked(7.0), deadline(0.08), "late-one")
+        await batcher.submit(marked(7.0), deadline(0.08), "late-one", priority=1)
     assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     await asyncio.gather(*ahead)
     await batcher.close()
@@ -167,7 +172,9 @@ async def test_request_that_cannot_meet_its_deadline_is_refused_at_once(
 async def test_forming_batch_leaves_early_to_meet_its_deadline(
     artifacts: dict[int, Artifact],
 ) -> None:
-    batcher, _ = await make_batcher(artifacts[1], max_batch_size=64, max_queue_delay_ms=1000)
+    batcher, _ = await make_batcher(
+        artifacts[1], max_batch_size=64, max_queue_delay_ms=1000, dispatch="fixed_window"
+    )
     started = time.monotonic()
     result = await batcher.submit(rows(1), deadline(0.15), "in-a-hurry")
     elapsed = time.monotonic() - started
@@ -203,7 +210,7 @@ async def test_priority_zero_is_served_before_priority_one(artifacts: dict[int, 
 
 async def test_cancelled_request_never_reaches_the_model(artifacts: dict[int, Artifact]) -> None:
     batcher, recording = await make_batcher(
-        artifacts[1], max_batch_size=64, max_queue_delay_ms=1000
+        artifacts[1], max_batch_size=64, max_queue_delay_ms=1000, dispatch="fixed_window"
     )
     withdrawn = asyncio.create_task(batcher.submit(marked(5.0), deadline(), "gone"))
     await asyncio.sleep(0.01)
@@ -308,3 +315,144 @@ def test_latency_table_learns_and_estimates_unseen_sizes() -> None:
     table.observe(1, 0.003)
     assert table.expected(1) == pytest.approx(0.002)
     assert LatencyTable().expected(5) == 0.0
+
+
+# --- dispatch policies -------------------------------------------------------------------
+
+
+async def test_lone_request_leaves_at_once_under_adaptive_dispatch(
+    artifacts: dict[int, Artifact],
+) -> None:
+    adaptive, _ = await make_batcher(artifacts[1], max_batch_size=64, max_queue_delay_ms=300)
+    fixed, _ = await make_batcher(
+        artifacts[1], max_batch_size=64, max_queue_delay_ms=300, dispatch="fixed_window"
+    )
+    for _ in range(3):  # a closed loop of one caller: never company to wait for
+        started = time.monotonic()
+        await adaptive.submit(rows(1), deadline(), "alone")
+        assert time.monotonic() - started < 0.1
+    started = time.monotonic()
+    await fixed.submit(rows(1), deadline(), "alone")
+    assert time.monotonic() - started >= 0.28  # Triton's rule: the window is waited out
+    await adaptive.close()
+    await fixed.close()
+
+
+async def test_adaptive_dispatch_waits_for_company_once_arrivals_overlap(
+    artifacts: dict[int, Artifact],
+) -> None:
+    batcher, recording = await make_batcher(
+        artifacts[1], inject_latency_ms=5, max_batch_size=64, max_queue_delay_ms=50
+    )
+    # Bursts arriving microseconds apart, far closer than a forward pass of one row.
+    for burst in range(3):
+        await asyncio.gather(
+            *(batcher.submit(rows(1, i), deadline(), f"b{burst}-{i}") for i in range(20))
+        )
+    assert batcher.overlap.company_expected
+    started = time.monotonic()
+    await batcher.submit(rows(1), deadline(), "late-comer")
+    assert time.monotonic() - started >= 0.045  # it waited for company, up to the window
+    assert max(len(batch) for batch in recording.batches) > 1
+    await batcher.close()
+
+
+def test_arrival_overlap_tells_a_lone_caller_from_overlapping_traffic() -> None:
+    solo = 0.0005  # a batch of one takes 0.5 ms
+    lone = ArrivalOverlap(solo)
+    now = 0.0
+    for _ in range(500):  # one caller: its next request comes after our answer (>= solo)
+        now += solo + 0.0003
+        assert not lone.observe(now)
+    busy = ArrivalOverlap(solo)
+    rng = np.random.default_rng(1)
+    now = 0.0
+    for _ in range(500):  # independent callers at 2,000 req/s: many gaps under 0.5 ms
+        now += rng.exponential(1 / 2000)
+        busy.observe(now)
+    assert busy.company_expected and busy.share > 0.4
+    for _ in range(500):  # traffic thins out to 50 req/s: back to dispatching at once
+        now += rng.exponential(1 / 50)
+        busy.observe(now)
+    assert not busy.company_expected
+
+
+async def test_preferred_batch_size_is_taken_from_a_longer_queue(
+    artifacts: dict[int, Artifact],
+) -> None:
+    batcher, recording = await make_batcher(
+        artifacts[1],
+        max_batch_size=64,
+        max_queue_delay_ms=300,
+        preferred_batch_sizes=[4],
+        dispatch="fixed_window",
+    )
+    started = time.monotonic()
+    tasks = [asyncio.create_task(batcher.submit(rows(1, i), deadline(), f"r{i}")) for i in range(6)]
+    first_four = await asyncio.gather(*tasks[:4])
+    assert time.monotonic() - started < 0.2  # a preferred batch leaves without waiting
+    assert len(first_four) == 4 and len(recording.batches[0]) == 4
+    await asyncio.gather(*tasks[4:])  # the other two wait out the window
+    assert [len(batch) for batch in recording.batches] == [4, 2]
+    await batcher.close()
+
+
+# --- deadlines ---------------------------------------------------------------------------
+
+
+async def test_tighter_deadline_is_served_first_within_a_priority(
+    artifacts: dict[int, Artifact],
+) -> None:
+    batcher, recording = await make_batcher(
+        artifacts[1], inject_latency_ms=30, max_batch_size=1, max_queue_delay_ms=0
+    )
+    busy = asyncio.create_task(batcher.submit(marked(1.0), deadline(), "busy"))
+    await asyncio.sleep(0.01)  # the model runs "busy"; the rest queue behind it
+    relaxed = [
+        asyncio.create_task(batcher.submit(marked(2.0 + i), deadline(5.0), f"relaxed-{i}"))
+        for i in range(2)
+    ]
+    await asyncio.sleep(0)
+    urgent = asyncio.create_task(batcher.submit(marked(9.0), deadline(1.0), "urgent"))
+    await asyncio.gather(busy, *relaxed, urgent)
+    # Earliest deadline first; equal deadlines in arrival order.
+    assert recording.order([1.0, 2.0, 3.0, 9.0]) == [1.0, 9.0, 2.0, 3.0]
+    await batcher.close()
+
+
+async def test_deadline_blind_batcher_computes_what_its_callers_gave_up_on(
+    artifacts: dict[int, Artifact],
+) -> None:
+    # The comparison baseline (deadline_policy: ignore) does what Triton's default queue does.
+    batcher, recording = await make_batcher(
+        artifacts[1],
+        inject_latency_ms=40,
+        max_batch_size=1,
+        max_queue_delay_ms=0,
+        deadline_policy="ignore",
+    )
+    ahead = [
+        asyncio.create_task(batcher.submit(marked(i), deadline(), f"ahead-{i}")) for i in range(3)
+    ]
+    await asyncio.sleep(0.005)
+    gone = asyncio.create_task(batcher.submit(marked(7.0), deadline(0.05), "gone"))
+    await asyncio.sleep(0.06)
+    gone.cancel()  # what gRPC does when the caller's deadline passes
+    await asyncio.gather(*ahead)
+    await batcher.close()
+    assert recording.saw(7.0)  # computed anyway, after its deadline
+    assert batcher.stats.expired_computed == 1
+    assert batcher.stats.outcomes["cancelled"] == 1 and batcher.stats.outcomes["ok"] == 3
+
+
+async def test_histograms_count_model_calls_rows_and_waits(artifacts: dict[int, Artifact]) -> None:
+    batcher, recording = await make_batcher(
+        artifacts[1], max_batch_size=8, max_queue_delay_ms=20, dispatch="fixed_window"
+    )
+    await asyncio.gather(*(batcher.submit(rows(2, i), deadline(), f"r{i}") for i in range(10)))
+    stats = batcher.stats
+    assert stats.batch_size_hist.count == stats.executions == len(recording.batches)
+    assert stats.batch_size_hist.sum == stats.inference_count == 20
+    assert stats.queue_wait_hist.count == 10 and stats.compute_hist.count == stats.executions
+    assert sum(stats.batch_size_hist.counts) == stats.executions
+    await batcher.close()

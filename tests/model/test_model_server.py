@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,7 +19,7 @@ from servemesh.services.model.loader import LoadedModel, LoadError, load_model
 from servemesh.services.model.service import SERVICE_NAME, build_server
 from servemesh.services.model.servicer import InferenceServicer, natural_key
 from servemesh.services.runtime import ServiceServer
-from servemesh.spec import MeshSpec, Ports, resolve_ports
+from servemesh.spec import BatchingSpec, MeshSpec, Ports, resolve_ports
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 from tests.model.model_helpers import FEATURES, SIGNATURE, reference_scores, rows
@@ -28,7 +29,11 @@ Stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub
 Loader = Callable[[str, str], Awaitable[LoadedModel]]
 
 
-def demo_loader(artifacts: dict[int, Artifact], inject_latency_ms: float = 0.0) -> Loader:
+def demo_loader(
+    artifacts: dict[int, Artifact],
+    inject_latency_ms: float = 0.0,
+    batching: BatchingSpec | None = None,
+) -> Loader:
     """Loads fraud v1/v2 straight from the demo artifacts: no registry involved."""
 
     async def load(model: str, version: str) -> LoadedModel:
@@ -45,6 +50,7 @@ def demo_loader(artifacts: dict[int, Artifact], inject_latency_ms: float = 0.0) 
             sha256=artifact.sha256,
             signature=SIGNATURE,
             inject_latency_ms=inject_latency_ms,
+            batching=batching,
         )
 
     return load
@@ -294,3 +300,58 @@ async def test_built_server_loads_every_spec_version_before_it_reports_serving(
     finally:
         await channel.close()
         await server.drain()
+
+
+async def test_concurrent_calls_share_forward_passes_and_score_like_row_by_row(
+    artifacts: dict[int, Artifact], reference: dict[int, torch.jit.ScriptModule]
+) -> None:
+    batching = BatchingSpec(max_batch_size=32, max_queue_delay_ms=50, dispatch="fixed_window")
+    servicer = InferenceServicer(replica=REPLICA, loader=demo_loader(artifacts, batching=batching))
+    await servicer.load("fraud", "v1")
+    batcher = servicer.resolve("fraud", "v1").batcher
+    requests = [rows(1 + i % 2, seed=i) for i in range(24)]
+    async with serving(servicer) as (stub, _):
+        replies = await asyncio.gather(
+            *(stub.ModelInfer(infer_request(r), timeout=5) for r in requests)
+        )
+    rows_sent = sum(len(r) for r in requests)
+    assert batcher.stats.inference_count == rows_sent
+    assert batcher.stats.executions < len(requests) // 2  # really batched over gRPC
+    for request, reply in zip(requests, replies, strict=True):
+        np.testing.assert_allclose(
+            scores_of(reply), reference_scores(reference[1], request), rtol=1e-5, atol=1e-6
+        )
+
+
+async def test_priority_parameter_follows_triton_levels(artifacts: dict[int, Artifact]) -> None:
+    # priority_levels 2, default level 1: a request asking for 2 waits behind default traffic.
+    batching = BatchingSpec(max_batch_size=1, max_queue_delay_ms=0)
+    servicer = InferenceServicer(
+        replica=REPLICA, loader=demo_loader(artifacts, inject_latency_ms=30, batching=batching)
+    )
+    await servicer.load("fraud", "v1")
+    order: list[str] = []
+
+    async def call(stub: Stub, name: str, priority: int) -> None:
+        request = infer_request(rows(1))
+        if priority:
+            request.parameters["priority"].int64_param = priority
+        await stub.ModelInfer(request, timeout=5)
+        order.append(name)
+
+    async with serving(servicer) as (stub, _):
+        busy = asyncio.create_task(call(stub, "busy", 0))
+        await asyncio.sleep(0.015)  # the model is running "busy"
+        low = asyncio.create_task(call(stub, "low", 2))
+        await asyncio.sleep(0.005)
+        default = asyncio.create_task(call(stub, "default", 0))
+        await asyncio.gather(busy, low, default)
+        assert order == ["busy", "default", "low"]
+        bad = infer_request(rows(1))
+        bad.parameters["priority"].int64_param = 3
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.ModelInfer(bad, timeout=5)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert caught.value.details() == (
+            "parameters['priority']: 3 is outside 1..2 (0 means the default level, 1)"
+        )
