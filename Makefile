@@ -3,13 +3,17 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# tritonclient pins an older grpcio/protobuf than servemesh: it gets a venv of its own, used
+# by the OIP compatibility test (tests/model/test_model_tritonclient.py) and nothing else.
+TRITON_VENV  := .venv-triton
+TRITON_STAMP := $(TRITON_VENV)/.installed
 
-.PHONY: up test install protos check-protos bench clean
+.PHONY: up test install triton-venv protos check-protos bench clean
 
 up: $(STAMP)
 	$(BIN)/servemesh up
 
-test: $(STAMP)
+test: $(STAMP) $(TRITON_STAMP)
 	$(BIN)/pytest
 
 install: $(STAMP)
@@ -21,6 +25,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+triton-venv: $(TRITON_STAMP)
+
+$(TRITON_STAMP):
+	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/pip install --quiet 'tritonclient[grpc]>=2.50,<3' 'numpy<3'
+	touch $(TRITON_STAMP)
+
 protos: $(STAMP)
 	$(BIN)/python -m servemesh.protogen
 
@@ -28,4 +39,4 @@ check-protos: $(STAMP)
 	$(BIN)/python -m servemesh.protogen --check
 
 clean:
-	rm -rf $(VENV) .servemesh .pytest_cache
+	rm -rf $(VENV) $(TRITON_VENV) .servemesh .pytest_cache
