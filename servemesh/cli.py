@@ -170,6 +170,20 @@ def cmd_bench_predict(args: argparse.Namespace) -> int:
     return bench_main(args.spec, args.concurrency, args.seconds, args.json_out)
 
 
+def cmd_bench_model(args: argparse.Namespace) -> int:
+    from servemesh.model_bench import main as bench_model_main
+
+    return bench_model_main(
+        quick=args.quick,
+        seconds=args.seconds,
+        rate=args.rate,
+        concurrencies=args.concurrency,
+        json_out=args.json_out,
+        server_cpu=None if args.no_pin else args.server_cpu,
+        client_cpu=None if args.no_pin else args.client_cpu,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="servemesh", description="A gRPC serving mesh for PyTorch models"
@@ -214,6 +228,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench_predict.add_argument("--seconds", type=float, default=10.0, help="per measurement")
     bench_predict.add_argument("--json-out", help="also write the report here")
     bench_predict.set_defaults(func=cmd_bench_predict)
+    bench_model = bench_sub.add_parser(
+        "model",
+        help="the model server (adaptive, fixed window, batching off) vs echo and in-process",
+    )
+    bench_model.add_argument("--quick", action="store_true", help="1.5 s per measurement")
+    bench_model.add_argument("--seconds", type=float, help="per measurement (default 4)")
+    bench_model.add_argument("--rate", type=float, help="open-loop req/s (default 1600)")
+    bench_model.add_argument("--concurrency", type=int, nargs="+", help="default: 1 16 64")
+    bench_model.add_argument("--server-cpu", type=int, default=0)
+    bench_model.add_argument("--client-cpu", type=int, default=1)
+    bench_model.add_argument("--no-pin", action="store_true", help="do not pin to CPUs")
+    bench_model.add_argument("--json-out", help="also write the report here")
+    bench_model.set_defaults(func=cmd_bench_model)
     return parser
 
 

@@ -1,0 +1,228 @@
+"""The processes `servemesh bench model` measures, each pinned to the server core.
+
+    python -m servemesh.model_bench.targets model --batching '{"dispatch": "fixed_window"}'
+    python -m servemesh.model_bench.targets echo
+    python -m servemesh.model_bench.targets ceiling --seconds 2
+
+`model` is the real model server (`services.model.service.build_server`, metrics endpoint
+included) hosting the demo fraud MLP, loaded from its artifact instead of a registry. `echo`
+is the same server stack (ServiceServer, OIP servicer, same request and answer sizes) with
+no validation, batching or model: the protocol ceiling. Both write their ports as JSON to
+--port-file once serving, and drain on SIGTERM. `ceiling` prints, as JSON, what the model
+does in-process with no gRPC: forward passes at batch 1 and at the maximum batch size, and
+the batcher driven by coroutines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from servemesh.demo import N_FEATURES, demo_artifact
+from servemesh.services.model.loader import LoadedModel, ModelLoader, load_model
+from servemesh.services.model.service import SERVICE_NAME, build_server
+from servemesh.services.model.servicer import REPLICA_PARAMETER, ZONE_PARAMETER
+from servemesh.services.model.tensors import Signature, TensorSig
+from servemesh.services.runtime import ServiceServer
+from servemesh.spec import (
+    BatchingSpec,
+    MeshSpec,
+    ModelSpec,
+    ModelVersionSpec,
+    Ports,
+    Replicas,
+    resolve_ports,
+)
+from servemesh_api.inference import grpc_service_pb2 as oip
+from servemesh_api.inference import grpc_service_pb2_grpc
+
+MODEL = "fraud"
+VERSION = "v1"
+INSTANCE = "model-zone-a-0"
+SIGNATURE = Signature(
+    input=TensorSig("features", "FP32", (-1, N_FEATURES)),
+    output=TensorSig("score", "FP32", (-1, 1)),
+)
+
+
+def pin(cpu: int | None) -> None:
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cpu})
+
+
+def bench_spec(batching: BatchingSpec) -> MeshSpec:
+    """One model server in one zone, hosting fraud v1 with `batching`, on free ports."""
+    return resolve_ports(
+        MeshSpec(
+            zones=["zone-a"],
+            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            model_servers=Replicas(per_zone={"zone-a": 1}),
+            gateway=Replicas(per_zone={"zone-a": 1}),
+            feature=Replicas(per_zone={"zone-a": 1}),
+            models={
+                MODEL: ModelSpec(
+                    versions={VERSION: ModelVersionSpec(source="demo:1")},
+                    traffic={VERSION: 100},
+                    batching=batching,
+                )
+            },
+        )
+    )
+
+
+def demo_loader(batching: BatchingSpec, inject_latency_ms: float = 0.0) -> ModelLoader:
+    """Loads the demo MLP (seed 1), verified and warmed up, as if the registry served it.
+
+    `inject_latency_ms` adds a sleep to every batch (the spec's drill knob): a slower model,
+    or one on an accelerator, that keeps the model busy without using the CPU.
+    """
+
+    async def load(model: str, version: str) -> LoadedModel:
+        artifact = demo_artifact(1)
+        return await load_model(
+            artifact.data,
+            model=model,
+            version=version,
+            sha256=artifact.sha256,
+            signature=SIGNATURE,
+            batching=batching,
+            inject_latency_ms=inject_latency_ms,
+        )
+
+    return load
+
+
+class EchoServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
+    """Answers ModelInfer with an answer of the model server's shape, computing nothing."""
+
+    def __init__(self, replica: str, zone: str) -> None:
+        self.replica = replica
+        self.zone = zone
+
+    async def ModelInfer(  # noqa: N802 (the proto's name)
+        self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> oip.ModelInferResponse:
+        rows = int(request.inputs[0].shape[0]) if request.inputs else 1
+        response = oip.ModelInferResponse(
+            model_name=request.model_name, model_version=VERSION, id=request.id
+        )
+        response.parameters[REPLICA_PARAMETER].string_param = self.replica
+        response.parameters[ZONE_PARAMETER].string_param = self.zone
+        response.outputs.add(name="score", datatype="FP32", shape=[rows, 1])
+        response.raw_output_contents.append(bytes(4 * rows))
+        return response
+
+
+async def serve(
+    kind: str, batching: BatchingSpec, port_file: Path, inject_latency_ms: float = 0.0
+) -> None:
+    spec = bench_spec(batching)
+    if kind == "model":
+        loader = demo_loader(batching, inject_latency_ms)
+        server = await build_server(spec, INSTANCE, loader=loader)
+        ports = {"port": 0, "metrics_port": spec.metrics_ports[INSTANCE]}
+    else:
+        server = ServiceServer(INSTANCE, host=spec.host, port=spec.port_of(INSTANCE))
+        server.add_service(
+            grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+            EchoServicer(INSTANCE, "zone-a"),
+            SERVICE_NAME,
+        )
+        ports = {"port": 0, "metrics_port": 0}
+    ports["port"] = await server.start()
+    tmp = port_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(ports))
+    tmp.replace(port_file)
+    await server.serve_until_signalled()
+
+
+def ceiling(seconds: float, max_batch: int) -> dict[str, Any]:
+    """The model in-process: forward passes alone, then the batcher without gRPC."""
+    from servemesh.services.model.batcher import Batcher
+    from servemesh.services.model.runner import ModelRunner
+
+    artifact = demo_artifact(1)
+    runner = ModelRunner.from_bytes(
+        artifact.data,
+        sha256=artifact.sha256,
+        model=MODEL,
+        version=VERSION,
+        row_shape=(N_FEATURES,),
+        output_row_shape=(1,),
+        max_batch_size=max_batch,
+    )
+    rng = np.random.default_rng(0)
+    results: dict[str, Any] = {}
+    for size in (1, max_batch):
+        batch = rng.normal(size=(size, N_FEATURES)).astype(np.float32)
+        runner.warm_up([size])
+        calls = 0
+        started = time.perf_counter()
+        while time.perf_counter() - started < seconds / 3:
+            runner.run(batch)
+            calls += 1
+        elapsed = time.perf_counter() - started
+        results[f"forward_b{size}"] = {
+            "rows_per_s": round(calls * size / elapsed, 1),
+            "ms_per_call": round(elapsed / calls * 1000, 4),
+        }
+
+    async def through_batcher(concurrency: int) -> dict[str, Any]:
+        batcher = Batcher(runner, BatchingSpec(max_batch_size=max_batch), name="ceiling")
+        await batcher.warm_up([1, max_batch])
+        rows = [rng.normal(size=(1, N_FEATURES)).astype(np.float32) for _ in range(256)]
+        done = 0
+        until = time.perf_counter() + seconds / 3
+
+        async def caller(offset: int) -> None:
+            nonlocal done
+            i = offset
+            while time.perf_counter() < until:
+                await batcher.submit(rows[i % 256], time.monotonic() + 5, "bench")
+                done += 1
+                i += concurrency
+
+        started = time.perf_counter()
+        await asyncio.gather(*(caller(i) for i in range(concurrency)))
+        elapsed = time.perf_counter() - started
+        await batcher.close()
+        stats = batcher.stats
+        return {
+            "concurrency": concurrency,
+            "req_per_s": round(done / elapsed, 1),
+            "mean_batch": round(stats.inference_count / max(stats.executions, 1), 2),
+        }
+
+    results["batcher_c64"] = asyncio.run(through_batcher(64))
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m servemesh.model_bench.targets")
+    parser.add_argument("kind", choices=["model", "echo", "ceiling"])
+    parser.add_argument("--batching", default="{}", help="BatchingSpec fields as JSON")
+    parser.add_argument("--cpu", type=int, help="pin the process to this CPU")
+    parser.add_argument("--port-file", type=Path)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--inject-latency-ms", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    pin(args.cpu)
+    batching = BatchingSpec(**json.loads(args.batching))
+    if args.kind == "ceiling":
+        print(json.dumps(ceiling(args.seconds, batching.max_batch_size)))
+        return
+    if args.port_file is None:
+        parser.error("--port-file is required for a server")
+    asyncio.run(serve(args.kind, batching, args.port_file, args.inject_latency_ms))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""`servemesh bench model`'s parts, briefly: load generators against an in-process echo
+server, the target checks, the command line. (The benchmark itself is not a timed test.)"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from servemesh.cli import build_parser
+from servemesh.model_bench.load import closed_loop, open_loop, percentile, request_bodies
+from servemesh.model_bench.run import BenchConfig, checks
+from servemesh.model_bench.targets import EchoServicer
+from servemesh.services.model.service import SERVICE_NAME
+from servemesh.services.runtime import ServiceServer
+from servemesh_api.inference import grpc_service_pb2 as oip
+from servemesh_api.inference import grpc_service_pb2_grpc
+
+
+@pytest.fixture
+async def echo_address() -> object:
+    server = ServiceServer("echo", port=0, drain_grace_s=0.5)
+    server.add_service(
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+        EchoServicer("echo", "zone-a"),
+        SERVICE_NAME,
+    )
+    port = await server.start()
+    yield f"127.0.0.1:{port}"
+    await server.drain()
+
+
+def test_request_bodies_are_valid_serialised_infer_requests() -> None:
+    bodies = request_bodies("fraud", count=4, rows=2)
+    request = oip.ModelInferRequest.FromString(bodies[3])
+    assert request.model_name == "fraud" and list(request.inputs[0].shape) == [2, 64]
+    assert len(request.raw_input_contents[0]) == 2 * 64 * 4
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.5) == 3.0
+
+
+async def test_closed_and_open_loops_count_answers_and_windows(echo_address: str) -> None:
+    bodies = request_bodies("fraud", count=8)
+    windows: list[bool] = []
+    closed = await closed_loop(echo_address, bodies, 4, 0.3, warmup_s=0.1, hook=windows.append)
+    assert windows == [True, False]
+    assert closed.ok > 10 and not closed.errors and closed.sent == closed.ok
+    assert 0 < closed.summary()["p50_ms"] <= closed.summary()["p99_ms"]
+    opened = await open_loop(echo_address, bodies, rate=200, seconds=0.5, warmup_s=0.1)
+    assert 95 <= opened.sent <= 101 and opened.ok == opened.sent  # 200/s for 0.5 s
+    assert opened.rps == pytest.approx(opened.ok / 0.5)
+
+
+async def test_deadline_mix_marks_its_short_callers(echo_address: str) -> None:
+    bodies = request_bodies("fraud", count=8)
+    mix = await open_loop(
+        echo_address,
+        bodies,
+        rate=200,
+        seconds=0.5,
+        warmup_s=0.05,
+        timeout_for=lambda i: 0.02 if i % 10 < 3 else 1.0,
+        is_short=lambda i: i % 10 < 3,
+    )
+    assert mix.mode == "deadline-mix"
+    assert mix.short_sent == pytest.approx(0.3 * mix.sent, abs=2)
+    assert mix.short_ok == mix.short_sent  # an echo server meets 20 ms easily
+
+
+async def test_an_unreachable_server_is_counted_as_errors() -> None:
+    result = await closed_loop("127.0.0.1:1", request_bodies("fraud", 2), 1, 0.2, 0.0, 0.05)
+    assert result.ok == 0 and set(result.errors) == {grpc.StatusCode.UNAVAILABLE.name}
+
+
+def test_checks_compare_with_the_issue_targets() -> None:
+    def row(target: str, mode: str, concurrency: int = 0, **values: float) -> dict[str, object]:
+        base = {"target": target, "mode": mode, "concurrency": concurrency, "expired_computed": 0}
+        return {**base, "rps": 0.0, "p50_ms": 0.0, "p99_ms": 0.0, **values}
+
+    report = {
+        "rows": [
+            row("servemesh adaptive", "closed", 1, rps=900, p50_ms=1.1, p99_ms=2.0),
+            row("servemesh adaptive", "closed", 64, rps=2700, p50_ms=23, p99_ms=30),
+            row("batching off", "closed", 64, rps=1200),
+            row("echo (protocol ceiling)", "closed", 64, rps=3600),
+            row("adaptive, slow model", "deadline-mix", rps=1800),
+            row("fixed window, slow model", "deadline-mix", rps=1400, expired_computed=200),
+        ]
+    }
+    found = {c["target"]: (c["value"], c["met"]) for c in checks(report)}
+    assert found["c=64 req/s vs Triton's 1,070 (x)"] == (2.52, True)
+    assert found["c=64 req/s vs batching off (x)"] == (2.25, False)
+    assert found["c=64 req/s vs the echo ceiling (x)"] == (0.75, True)
+    assert found["c=1 p50 (ms)"] == (1.1, True)
+    assert found["model-bound mix: goodput vs fixed window (x)"] == (1.29, True)
+    assert found["model-bound mix: expired requests computed"] == (0, True)
+
+
+def test_bench_model_command_line() -> None:
+    args = build_parser().parse_args(["bench", "model", "--quick", "--rate", "900"])
+    assert args.quick and args.rate == 900 and args.server_cpu == 0 and args.client_cpu == 1
+    names = [t.name for t in BenchConfig().targets()]
+    assert names[:4] == [
+        "servemesh adaptive",
+        "fixed window",
+        "batching off",
+        "echo (protocol ceiling)",
+    ]
+    fixed = BenchConfig().targets()[1].batching
+    assert fixed["dispatch"] == "fixed_window" and fixed["deadline_policy"] == "ignore"
