@@ -15,6 +15,7 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
+from servemesh.chaos.cli import add_chaos_parser
 from servemesh.routes_cli import add_routes_parser
 from servemesh.spec import MeshSpec, SpecError, load_spec
 
@@ -213,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=cmd_check)
 
     add_routes_parser(sub)
+    add_chaos_parser(sub)
 
     envoy = sub.add_parser("envoy-config", help="print the Envoy config a spec renders")
     envoy.add_argument("--spec")

@@ -1,0 +1,518 @@
+"""Chaos Toolkit actions: the faults a drill injects, each with the action that undoes it.
+
+Every fault is scoped (a zone, a service, named replicas, a route or a model version), opens
+a fault window on the drill's timeline, and has a matching restore that closes it and is
+safe to run twice, so the same restore serves as the method's recovery step and as the
+experiment's rollback. Actions act only on the mesh the drill itself started.
+
+| fault | restore |
+| --- | --- |
+| kill_replicas (SIGKILL) | restart_replicas |
+| pause_replicas (SIGSTOP) | resume_replicas |
+| start_crash_loop | stop_crash_loop |
+| inject_route_fault (Envoy fault filter, runtime keys) | clear_route_fault |
+| inject_endpoint_fault (a replica's or a zone's endpoints) | clear_endpoint_fault |
+| stop_redis | start_redis |
+| pause_redis_clients | unpause_redis_clients |
+| slow_redis | restore_redis_speed |
+| stop_registry | start_registry |
+| start_cpu_hog | stop_cpu_hog |
+| set_weights, route_canary | rollback_routes / restore_weights |
+| partition_zones (iptables in zone namespaces) | heal_partition |
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import redis
+
+from servemesh.chaos.drill import DrillError, current
+from servemesh.policy import GRPC_CODES
+from servemesh.proxy.render import fault_runtime_prefix
+from servemesh.services.runtime.faults import FaultSettings, control_file, set_fault
+
+__all__ = [
+    "kill_replicas",
+    "restart_replicas",
+    "pause_replicas",
+    "resume_replicas",
+    "start_crash_loop",
+    "stop_crash_loop",
+    "inject_route_fault",
+    "clear_route_fault",
+    "inject_endpoint_fault",
+    "clear_endpoint_fault",
+    "stop_redis",
+    "start_redis",
+    "pause_redis_clients",
+    "unpause_redis_clients",
+    "slow_redis",
+    "restore_redis_speed",
+    "stop_registry",
+    "start_registry",
+    "start_cpu_hog",
+    "stop_cpu_hog",
+    "set_weights",
+    "route_canary",
+    "rollback_routes",
+    "restore_weights",
+    "partition_zones",
+    "heal_partition",
+]
+
+
+def _scope(service: str, zone: str | None, replicas: list[str] | str | None) -> str:
+    if replicas:
+        return ", ".join([replicas] if isinstance(replicas, str) else replicas)
+    return f"{service} {zone or 'all zones'}"
+
+
+# --- processes -------------------------------------------------------------------------------
+
+
+def kill_replicas(
+    service: str = "model", zone: str | None = None, replicas: list[str] | None = None
+) -> dict[str, Any]:
+    """SIGKILL the chosen replicas (e.g. every model replica of zone-a: a zone outage)."""
+    drill = current()
+    mesh = drill.running_mesh
+    chosen = drill.select(service, zone, replicas)
+    drill.open_window(
+        f"kill:{_scope(service, zone, replicas)}", f"kill {_scope(service, zone, replicas)}"
+    )
+    killed = {}
+    for inst in chosen:
+        child = mesh.children.get(inst.name)
+        if child is None or not child.alive():
+            continue
+        drill.helpers.paused.pop(inst.name, None)
+        mesh.kill(inst.name, signal.SIGKILL)
+        killed[inst.name] = child.pid
+    return {"killed": killed}
+
+
+def restart_replicas(
+    service: str = "model",
+    zone: str | None = None,
+    replicas: list[str] | None = None,
+    timeout_s: float = 60.0,
+) -> dict[str, Any]:
+    """Start the chosen replicas that are down and wait until each is SERVING."""
+    drill = current()
+    mesh = drill.running_mesh
+    started = {}
+    began = time.perf_counter()
+    for inst in drill.select(service, zone, replicas):
+        child = mesh.children.get(inst.name)
+        if child is not None and child.alive():
+            continue
+        mesh.restart(inst.name, timeout_s=timeout_s)
+        started[inst.name] = mesh.children[inst.name].pid
+    drill.close_window(f"kill:{_scope(service, zone, replicas)}")
+    return {"restarted": started, "seconds": round(time.perf_counter() - began, 3)}
+
+
+def pause_replicas(
+    service: str = "model", zone: str | None = None, replicas: list[str] | None = None
+) -> dict[str, Any]:
+    """SIGSTOP the chosen replicas: alive, ports open, answering nothing (a hung process)."""
+    drill = current()
+    drill.open_window(
+        f"pause:{_scope(service, zone, replicas)}", f"pause {_scope(service, zone, replicas)}"
+    )
+    paused = {}
+    for inst in drill.select(service, zone, replicas):
+        child = drill.running_mesh.children.get(inst.name)
+        if child is not None and child.alive() and inst.name not in drill.helpers.paused:
+            paused[inst.name] = drill.pause(inst.name)
+    return {"paused": paused}
+
+
+def resume_replicas(
+    service: str = "model", zone: str | None = None, replicas: list[str] | None = None
+) -> dict[str, Any]:
+    """SIGCONT what pause_replicas stopped."""
+    drill = current()
+    resumed = [i.name for i in drill.select(service, zone, replicas) if drill.resume(i.name)]
+    drill.close_window(f"pause:{_scope(service, zone, replicas)}")
+    return {"resumed": resumed}
+
+
+def start_crash_loop(
+    service: str = "model",
+    zone: str | None = None,
+    replicas: list[str] | None = None,
+    up_s: float = 3.0,
+    down_s: float = 1.0,
+) -> dict[str, Any]:
+    """Crash the chosen replicas again and again: SIGKILL, `down_s` dead, restart, `up_s` up."""
+    drill = current()
+    mesh = drill.running_mesh
+    names = [i.name for i in drill.select(service, zone, replicas)]
+    crashes: list[float] = []
+
+    def loop(stop: threading.Event) -> None:
+        while not stop.is_set():
+            for name in names:
+                child = mesh.children.get(name)
+                if child is not None and child.alive():
+                    mesh.kill(name, signal.SIGKILL)
+            crashes.append(drill.now_s())
+            if stop.wait(down_s):
+                return
+            for name in names:
+                child = mesh.children.get(name)
+                if child is None or not child.alive():
+                    mesh.restart(name)
+            stop.wait(up_s)
+
+    drill.open_window("crash-loop", f"crash loop {', '.join(names)}")
+    drill.start_background("crash-loop", loop)
+    return {"replicas": names, "up_s": up_s, "down_s": down_s}
+
+
+def stop_crash_loop(timeout_s: float = 60.0) -> dict[str, Any]:
+    """Stop crashing, and bring every replica the loop left dead back."""
+    drill = current()
+    stopped = drill.stop_background("crash-loop")
+    mesh = drill.running_mesh
+    restarted = []
+    for inst in drill.spec.instances():
+        child = mesh.children.get(inst.name)
+        if inst.service != "registry" and (child is None or not child.alive()):
+            mesh.restart(inst.name, timeout_s=timeout_s)
+            restarted.append(inst.name)
+    drill.close_window("crash-loop")
+    return {"stopped": bool(stopped), "restarted": restarted}
+
+
+# --- faults on routes and endpoints ----------------------------------------------------------
+
+
+def inject_route_fault(
+    route: str = "model.fraud",
+    abort_percent: int = 0,
+    abort_status: str = "UNAVAILABLE",
+    delay_percent: int = 0,
+    delay_ms: int = 0,
+) -> dict[str, Any]:
+    """Envoy's fault filter on a route (`model.<name>`, `feature`, `edge`): exact percentages
+    of calls aborted with a gRPC status, or delayed, set live through runtime keys."""
+    drill = current()
+    if abort_status not in GRPC_CODES:
+        raise DrillError(f"abort_status {abort_status!r}: one of {sorted(GRPC_CODES)}")
+    for name, value in (("abort_percent", abort_percent), ("delay_percent", delay_percent)):
+        if not 0 <= int(value) <= 100:
+            raise DrillError(f"{name} must be within 0..100, got {value}")
+    prefix = fault_runtime_prefix(route)
+    values = {
+        f"{prefix}.abort_percent": int(abort_percent),
+        f"{prefix}.abort_grpc_status": GRPC_CODES[abort_status],
+        f"{prefix}.delay_percent": int(delay_percent),
+        f"{prefix}.delay_ms": int(delay_ms),
+    }
+    assert drill.admin is not None
+    drill.admin.set_runtime(values)
+    what = []
+    if abort_percent:
+        what.append(f"{abort_percent}% {abort_status}")
+    if delay_percent and delay_ms:
+        what.append(f"+{delay_ms} ms on {delay_percent}%")
+    drill.open_window(f"route:{route}", f"route {route}: {', '.join(what) or 'no-op'}")
+    return {"runtime": values}
+
+
+def clear_route_fault(route: str = "model.fraud") -> dict[str, Any]:
+    drill = current()
+    prefix = fault_runtime_prefix(route)
+    values = {f"{prefix}.abort_percent": 0, f"{prefix}.delay_percent": 0}
+    assert drill.admin is not None
+    drill.admin.set_runtime(values)
+    drill.close_window(f"route:{route}")
+    return {"runtime": values}
+
+
+def inject_endpoint_fault(
+    service: str = "model",
+    zone: str | None = None,
+    replicas: list[str] | None = None,
+    error_percent: float = 0.0,
+    error_code: str = "UNAVAILABLE",
+    delay_percent: float = 0.0,
+    delay_ms: float = 0.0,
+) -> dict[str, Any]:
+    """Errors or latency on the chosen replicas' serving calls (e.g. +200 ms on every model
+    replica of zone-a: a zone brownout). Health checks are never faulted."""
+    drill = current()
+    settings = FaultSettings(
+        error_percent=error_percent,
+        error_code=error_code,
+        delay_percent=delay_percent,
+        delay_ms=delay_ms,
+    )
+    scope = _scope(service, zone, replicas)
+    applied = []
+    for inst in drill.select(service, zone, replicas):
+        child = drill.running_mesh.children.get(inst.name)
+        if child is not None and child.alive():
+            set_fault(drill.running_mesh.state_dir, inst.name, settings)
+            applied.append(inst.name)
+    what = []
+    if error_percent:
+        what.append(f"{error_percent:g}% {error_code}")
+    if delay_percent and delay_ms:
+        what.append(f"+{delay_ms:g} ms on {delay_percent:g}%")
+    drill.open_window(f"endpoint:{scope}", f"{scope}: {', '.join(what) or 'no-op'}")
+    return {"replicas": applied}
+
+
+def clear_endpoint_fault(
+    service: str = "model", zone: str | None = None, replicas: list[str] | None = None
+) -> dict[str, Any]:
+    drill = current()
+    cleared = []
+    for inst in drill.select(service, zone, replicas):
+        child = drill.running_mesh.children.get(inst.name)
+        if child is not None and child.alive() and inst.name not in drill.helpers.paused:
+            set_fault(drill.running_mesh.state_dir, inst.name, None)
+        else:  # a dead replica reads no control file when it starts again
+            control_file(drill.running_mesh.state_dir, inst.name).unlink(missing_ok=True)
+        cleared.append(inst.name)
+    drill.close_window(f"endpoint:{_scope(service, zone, replicas)}")
+    return {"replicas": cleared}
+
+
+# --- Redis -----------------------------------------------------------------------------------
+
+
+def stop_redis() -> dict[str, Any]:
+    """Redis outage: snapshot, then SIGKILL the server the drill's mesh started."""
+    drill = current()
+    pid = drill.running_mesh.stop_redis()
+    drill.open_window("redis:down", "Redis down")
+    return {"killed": pid}
+
+
+def start_redis() -> dict[str, Any]:
+    """Start Redis again on its port, from the snapshot; no-op when it is running."""
+    drill = current()
+    began = time.perf_counter()
+    pid = drill.running_mesh.start_redis()
+    drill.close_window("redis:down")
+    return {"pid": pid, "seconds": round(time.perf_counter() - began, 3)}
+
+
+def _redis_command(*args: Any, timeout_s: float = 2.0) -> Any:
+    client = current().running_mesh.redis_client(timeout_s)
+    try:
+        return client.execute_command(*args)
+    finally:
+        client.close()
+
+
+def pause_redis_clients(seconds: float = 30.0) -> dict[str, Any]:
+    """Redis alive but answering nobody (CLIENT PAUSE ALL) for `seconds` at most."""
+    drill = current()
+    _redis_command("CLIENT", "PAUSE", int(seconds * 1000), "ALL")
+    drill.open_window("redis:paused", "Redis clients paused")
+    return {"paused_s": seconds}
+
+
+def unpause_redis_clients() -> dict[str, Any]:
+    drill = current()
+    try:
+        _redis_command("CLIENT", "UNPAUSE", timeout_s=5.0)
+    except redis.exceptions.RedisError as exc:
+        # The pause ends by itself at its deadline; report rather than fail the rollback.
+        drill.close_window("redis:paused")
+        return {"unpaused": False, "error": str(exc)}
+    drill.close_window("redis:paused")
+    return {"unpaused": True}
+
+
+def slow_redis(stall_ms: int = 200, every_ms: int = 400) -> dict[str, Any]:
+    """A slow Redis: every `every_ms` it stalls all clients for `stall_ms` (CLIENT PAUSE),
+    like a server busy forking or flushing. (tc netem is not available to add latency.)"""
+    drill = current()
+    if stall_ms <= 0 or every_ms <= stall_ms:
+        raise DrillError("slow_redis needs 0 < stall_ms < every_ms")
+
+    def loop(stop: threading.Event) -> None:
+        client = drill.running_mesh.redis_client(timeout_s=2.0)
+        try:
+            while not stop.is_set():
+                try:
+                    client.execute_command("CLIENT", "PAUSE", int(stall_ms), "ALL")
+                except redis.exceptions.RedisError:
+                    pass
+                stop.wait(every_ms / 1000)
+        finally:
+            client.close()
+
+    drill.start_background("slow-redis", loop)
+    drill.open_window("redis:slow", f"Redis stalls {stall_ms} ms every {every_ms} ms")
+    return {"stall_ms": stall_ms, "every_ms": every_ms}
+
+
+def restore_redis_speed() -> dict[str, Any]:
+    drill = current()
+    stopped = drill.stop_background("slow-redis")
+    drill.close_window("redis:slow")
+    return {"stopped": bool(stopped)}
+
+
+# --- the registry ----------------------------------------------------------------------------
+
+
+def stop_registry() -> dict[str, Any]:
+    """Registry outage: SIGKILL the registry. Serving needs no registry; loads do."""
+    drill = current()
+    mesh = drill.running_mesh
+    killed = {}
+    for inst in drill.select("registry"):
+        child = mesh.children.get(inst.name)
+        if child is not None and child.alive():
+            mesh.kill(inst.name, signal.SIGKILL)
+            killed[inst.name] = child.pid
+    drill.open_window("registry:down", "registry down")
+    return {"killed": killed}
+
+
+def start_registry(timeout_s: float = 60.0) -> dict[str, Any]:
+    """Start the registry again (same port, same store) and wait until it is SERVING."""
+    drill = current()
+    mesh = drill.running_mesh
+    started = {}
+    for inst in drill.select("registry"):
+        child = mesh.children.get(inst.name)
+        if child is None or not child.alive():
+            mesh.restart(inst.name, timeout_s=timeout_s)
+            started[inst.name] = mesh.children[inst.name].pid
+    drill.close_window("registry:down")
+    return {"restarted": started}
+
+
+# --- CPU -------------------------------------------------------------------------------------
+
+
+def start_cpu_hog(zone: str | None = None, workers: int = 1) -> dict[str, Any]:
+    """Processes that each burn a CPU, pinned to the CPUs the zone's processes may use.
+
+    On one machine the zones share the CPUs unless they were pinned apart, so a hog "in a
+    zone" competes with every zone that shares its CPUs: the drill shows what that does.
+    """
+    drill = current()
+    cpus: set[int] | None = None
+    if zone is not None:
+        for inst in drill.select("model", zone):
+            child = drill.running_mesh.children.get(inst.name)
+            if child is not None and child.alive():
+                cpus = os.sched_getaffinity(child.pid)
+                break
+    pids = []
+    for _ in range(max(1, int(workers))):
+        pid = drill.spawn_hog()
+        if cpus:
+            os.sched_setaffinity(pid, cpus)
+        pids.append(pid)
+    drill.open_window("cpu-hog", f"CPU hog x{len(pids)} ({zone or 'all zones'})")
+    return {"pids": pids, "cpus": sorted(cpus) if cpus else None}
+
+
+def stop_cpu_hog() -> dict[str, Any]:
+    drill = current()
+    stopped = drill.stop_hogs()
+    drill.close_window("cpu-hog")
+    return {"stopped": stopped}
+
+
+# --- routes ----------------------------------------------------------------------------------
+
+
+def set_weights(model: str = "fraud", weights: dict[str, int] | None = None) -> dict[str, Any]:
+    """Change a model's traffic split live (e.g. a canary at 10%), recorded in the history."""
+    drill = current()
+    if not weights:
+        raise DrillError("set_weights needs weights, e.g. {v1: 90, v2: 10}")
+    assert drill.routes is not None
+    result = drill.routes.set_weights(model, {k: int(v) for k, v in weights.items()}, who="drill")
+    canaries = {
+        v: w for v, w in weights.items() if w and not drill.initial_weights.get(model, {}).get(v)
+    }
+    label = ", ".join(f"{v} at {w}%" for v, w in canaries.items()) or "weights changed"
+    drill.open_window(f"weights:{model}", f"{model}: {label}")
+    return {"change": result.entry_id, "confirm_ms": round(result.confirm_ms, 1)}
+
+
+def route_canary(model: str = "fraud", version: str = "v2", percent: int = 10) -> dict[str, Any]:
+    """Send `percent`% of a model's unpinned calls to `version`, the rest to the version that
+    had the most traffic when the drill began."""
+    drill = current()
+    initial = drill.initial_weights.get(model)
+    if initial is None:
+        raise DrillError(f"model {model!r} is not served; models: {sorted(drill.initial_weights)}")
+    stable = max((v for v in initial if v != version), key=lambda v: initial[v], default=None)
+    if stable is None:
+        raise DrillError(f"model {model!r} has no version besides {version!r}")
+    weights = {v: 0 for v in initial}
+    weights[version] = int(percent)
+    weights[stable] = 100 - int(percent)
+    return set_weights(model, weights)
+
+
+def rollback_routes() -> dict[str, Any]:
+    """What an operator does: `servemesh routes rollback` (undo the last change)."""
+    drill = current()
+    assert drill.routes is not None
+    result = drill.routes.rollback(who="drill")
+    drill.close_windows("weights:")
+    return {"change": result.entry_id, "confirm_ms": round(result.confirm_ms, 1)}
+
+
+def restore_weights(model: str | None = None) -> dict[str, Any]:
+    """Put the split back as the drill found it; nothing to do when it already is."""
+    drill = current()
+    assert drill.routes is not None
+    live = drill.routes.live_spec()
+    restored = []
+    for name, weights in drill.initial_weights.items():
+        if model is not None and name != model:
+            continue
+        if dict(live.models[name].traffic) != weights:
+            drill.routes.set_weights(name, weights, who="drill rollback")
+            restored.append(name)
+    drill.close_windows("weights:")
+    return {"restored": restored}
+
+
+# --- the network between zones ---------------------------------------------------------------
+
+
+def partition_zones(zones: list[str] | None = None) -> dict[str, Any]:
+    """Drop all traffic between two zones, with iptables inside their network namespaces.
+
+    Needs the drill's mesh to run its zones in namespaces (root, `network: netns`)."""
+    drill = current()
+    if drill.network is None:
+        raise DrillError(
+            "partition_zones needs zones in their own network namespaces; this drill's mesh "
+            "runs every zone on one loopback (use a spec with network namespaces, as root)"
+        )
+    pair = list(zones or drill.spec.zones[:2])
+    if len(pair) != 2:
+        raise DrillError(f"partition_zones takes two zones, got {pair}")
+    rules = drill.network.partition(pair[0], pair[1])
+    drill.open_window("partition", f"partition {pair[0]} | {pair[1]}")
+    return {"zones": pair, "rules": rules}
+
+
+def heal_partition() -> dict[str, Any]:
+    drill = current()
+    removed = drill.network.heal() if drill.network is not None else []
+    drill.close_window("partition")
+    return {"removed": removed}

@@ -1,0 +1,267 @@
+"""Chaos Toolkit probes: what callers see (from the drill's background load), what Envoy
+sees (admin stats), and whether each service and Redis answer.
+
+Percentages are numbers from 0 to 100, latencies milliseconds, so an experiment's
+tolerances read like the SLO they state: `tolerance: [99.5, 100]`.
+
+Load probes take a `scope`:
+
+| scope | calls counted |
+| --- | --- |
+| `last` | sent in the last `window_s` seconds (ending half a second ago, so they have answered) |
+| `faults` | sent while a fault window was open; before any fault, every call (the baseline) |
+| `drill` | every call since the load started |
+| `after-faults` | sent after the last fault window closed; before any fault, every call |
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from servemesh.chaos.drill import DrillError, current
+from servemesh.chaos.load import WindowStats, window_stats
+from servemesh.chaos.report import envoy_deltas
+from servemesh.proxy.admin import AdminError
+from servemesh_api.inference import grpc_service_pb2 as oip
+from servemesh_api.inference import grpc_service_pb2_grpc
+
+__all__ = [
+    "success_rate",
+    "degraded_rate",
+    "latency_ms",
+    "zone_share",
+    "min_zone_share",
+    "version_share",
+    "window",
+    "observe",
+    "envoy_stats",
+    "healthy_hosts",
+    "services_healthy",
+    "redis_reachable",
+    "try_model_load",
+    "model_load_fails_cleanly",
+]
+
+SETTLE_S = 0.5
+
+
+def _stats(scope: str = "last", window_s: float = 5.0) -> WindowStats:
+    drill = current()
+    load = drill.load
+    if load is None:
+        raise DrillError("the drill's load is not running")
+    now = drill.now_s()
+    outcomes = list(load.outcomes)
+    if scope == "last":
+        end = max(0.0, now - SETTLE_S)
+        return window_stats(outcomes, max(0.0, end - float(window_s)), end)
+    if scope == "drill":
+        return window_stats(outcomes, 0.0, now)
+    if scope == "faults":
+        stats = drill.fault_stats()
+        return stats if stats is not None else window_stats(outcomes, 0.0, now)
+    if scope == "after-faults":
+        ends = [w.end_s for w in drill.windows if w.end_s is not None]
+        if drill.windows and len(ends) == len(drill.windows):
+            return window_stats(outcomes, max(ends), now)
+        return window_stats(outcomes, 0.0, now)
+    raise DrillError(f"scope {scope!r}: one of last, faults, drill, after-faults")
+
+
+def _number(value: float) -> float:
+    # No calls in the window: 0, so a tolerance fails loudly instead of comparing NaN.
+    return 0.0 if value != value else round(value, 3)
+
+
+# --- what callers see ------------------------------------------------------------------------
+
+
+def success_rate(scope: str = "last", window_s: float = 5.0) -> float:
+    """% of Predict calls answered (a degraded fallback counts as an answer)."""
+    return _number(_stats(scope, window_s).success_pct)
+
+
+def degraded_rate(scope: str = "last", window_s: float = 5.0) -> float:
+    """% of answers that were degraded fallbacks."""
+    stats = _stats(scope, window_s)
+    return 0.0 if stats.ok == 0 else _number(stats.degraded_pct)
+
+
+def latency_ms(percentile: float = 99, scope: str = "last", window_s: float = 5.0) -> float:
+    """p50 or p99 (ms) of answered calls."""
+    stats = _stats(scope, window_s)
+    if percentile == 50:
+        return _number(stats.p50_ms)
+    if percentile == 99:
+        return _number(stats.p99_ms)
+    raise DrillError("latency_ms: percentile 50 or 99")
+
+
+def zone_share(zone: str, scope: str = "last", window_s: float = 5.0) -> float:
+    """% of (non-degraded) answers a model replica of `zone` computed."""
+    return round(_stats(scope, window_s).zones.get(zone, 0.0), 3)
+
+
+def min_zone_share(scope: str = "last", window_s: float = 5.0) -> float:
+    """The smallest zone's % of answers: every zone serves when this is well above 0."""
+    stats = _stats(scope, window_s)
+    return round(min(stats.zones.get(z, 0.0) for z in current().spec.zones), 3)
+
+
+def version_share(version: str, scope: str = "last", window_s: float = 5.0) -> float:
+    """% of answers computed by `version`."""
+    return round(_stats(scope, window_s).versions.get(version, 0.0), 3)
+
+
+def window(scope: str = "last", window_s: float = 5.0) -> dict[str, Any]:
+    """Every number of a window: calls, failures by status, latency, zones, versions."""
+    return _stats(scope, window_s).as_dict()
+
+
+def observe(seconds: float, label: str = "") -> dict[str, Any]:
+    """Keep the fault in place for `seconds` while the load runs, then report that period.
+
+    This is how a drill holds a fault: unlike a pause, the guard can cut it short.
+    """
+    drill = current()
+    start = drill.now_s()
+    completed = drill.sleep(float(seconds))
+    end = drill.now_s()
+    # Give calls sent at the end of the period time to answer before reading it.
+    time.sleep(min(SETTLE_S, float(seconds)))
+    assert drill.load is not None
+    stats = drill.load.window(start, end).as_dict()
+    stats["label"] = label
+    stats["interrupted"] = not completed
+    return stats
+
+
+# --- what Envoy sees -------------------------------------------------------------------------
+
+
+def envoy_stats() -> dict[str, Any]:
+    """Retries, outlier ejections, overflows since the drill began (by kind of cluster), and
+    healthy hosts per locality as the first zone's clusters see them now."""
+    drill = current()
+    assert drill.admin is not None
+    try:
+        counters = drill.admin.counters("cluster.")
+        clusters = drill.admin.clusters()
+    except AdminError as exc:
+        return {"error": str(exc)}
+    delta = envoy_deltas(drill.counters_start, counters)
+    first = drill.spec.zones[0]
+    healthy: dict[str, dict[str, str]] = {}
+    for cluster_name, view in sorted(clusters.items()):
+        if not cluster_name.endswith(f"-via-{first}") and cluster_name not in ("gateway",):
+            continue
+        if cluster_name.startswith("shadow-"):
+            continue
+        totals: dict[str, int] = {}
+        for host in view.hosts:
+            totals[host.zone] = totals.get(host.zone, 0) + 1
+        good = view.healthy_by_zone()
+        healthy[cluster_name] = {z: f"{good.get(z, 0)}/{n}" for z, n in sorted(totals.items())}
+    return {**delta, "healthy": healthy}
+
+
+def healthy_hosts(service: str = "model", zone: str | None = None, via: str | None = None) -> int:
+    """Hosts of `service` Envoy holds healthy (in `zone`, or all), as seen from `via`'s
+    clusters (default: the first zone). For models, the first version's cluster."""
+    drill = current()
+    spec = drill.spec
+    via = via or spec.zones[0]
+    if service == "model":
+        model = str(drill.config["model"])
+        version = sorted(spec.models[model].versions)[0]
+        name = f"model-{model}-{version}-via-{via}"
+    elif service == "feature":
+        name = f"feature-via-{via}"
+    elif service in ("gateway", "registry"):
+        name = service
+    else:
+        raise DrillError(f"healthy_hosts: unknown service {service!r}")
+    assert drill.admin is not None
+    view = drill.admin.clusters().get(name)
+    if view is None:
+        raise DrillError(f"Envoy has no cluster {name!r}")
+    counts = view.healthy_by_zone()
+    return counts.get(zone, 0) if zone else sum(counts.values())
+
+
+# --- services and Redis ----------------------------------------------------------------------
+
+
+def _serving(address: str, timeout_s: float = 1.0) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def services_healthy(service: str | None = None, zone: str | None = None) -> bool:
+    """Every replica (of `service`, in `zone`) answers its gRPC health check SERVING."""
+    drill = current()
+    spec = drill.spec
+    chosen = [
+        i
+        for i in spec.instances()
+        if (service is None or i.service == service) and (zone is None or i.zone == zone)
+    ]
+    return all(_serving(spec.address_of(i.name)) for i in chosen)
+
+
+def redis_reachable(timeout_s: float = 0.5) -> bool:
+    """Redis answers PING."""
+    client = current().running_mesh.redis_client(timeout_s)
+    try:
+        return bool(client.ping())
+    except redis.exceptions.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def try_model_load(
+    model: str = "fraud", version: str = "v1", replica: str | None = None, timeout_s: float = 5.0
+) -> dict[str, Any]:
+    """Ask a model replica to (re)load a version from the registry (OIP RepositoryModelLoad)."""
+    drill = current()
+    spec = drill.spec
+    name = replica or next(i.name for i in spec.instances() if i.service == "model")
+    request = oip.RepositoryModelLoadRequest(model_name=model)
+    request.parameters["version"].string_param = version
+    started = time.perf_counter()
+    with grpc.insecure_channel(spec.address_of(name)) as channel:
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            stub.RepositoryModelLoad(request, timeout=timeout_s)
+            code, details = "OK", ""
+        except grpc.RpcError as exc:
+            code, details = exc.code().name, exc.details() or ""  # type: ignore[attr-defined]
+    return {
+        "replica": name,
+        "code": code,
+        "details": details[:300],
+        "ms": round((time.perf_counter() - started) * 1000, 1),
+        "serving_after": _serving(spec.address_of(name)),
+    }
+
+
+def model_load_fails_cleanly(
+    model: str = "fraud", version: str = "v1", replica: str | None = None, timeout_s: float = 5.0
+) -> bool:
+    """A load fails with a plain gRPC status within its deadline, and the replica still
+    serves what it had loaded."""
+    result = try_model_load(model, version, replica, timeout_s)
+    clean = result["code"] in {"UNAVAILABLE", "DEADLINE_EXCEEDED", "FAILED_PRECONDITION"}
+    return bool(clean and result["ms"] <= (timeout_s + 1) * 1000 and result["serving_after"])

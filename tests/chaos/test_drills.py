@@ -1,0 +1,174 @@
+"""Drills in shortened form against a real local mesh: verdicts and numbers.
+
+Each drill starts its own mesh (Redis, registry, model servers, features, gateways, Envoy)
+on free ports, drives 80 calls/s through its edge, injects its fault for a few seconds and
+stops everything by PID. Latency is not asserted here: on a shared 2-core machine another
+job's benchmark can stall any process for a second; availability, fallbacks, where traffic
+goes and the verdicts are what these tests prove.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from servemesh.chaos.drill import DEFAULTS
+from servemesh.chaos.runner import DrillResult, load_experiment, resolve_experiment, run_drill
+
+pytestmark = pytest.mark.mesh
+
+HERE = Path(__file__).parent
+SHORT: dict[str, Any] = {
+    "rate": 80,
+    "baseline_s": 4,
+    "fault_s": 5,
+    "recover_s": 5,
+    "slo_window_s": 3,
+    "tail_s": 1,
+    # Latency is not what these tests prove (see the module docstring).
+    "p99_tolerance_ms": [0, 1900],
+}
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{entry.name}: {cmdline[:160]}")
+    return found
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex((host, port)) == 0
+
+
+def assert_nothing_left(result: DrillResult) -> None:
+    """No process of the drill's mesh is alive and none of its ports still listens."""
+    mesh_dir = result.out_dir.resolve() / "mesh"
+    assert not _processes_mentioning(str(mesh_dir)), _processes_mentioning(str(mesh_dir))
+    resolved = yaml.safe_load((mesh_dir / "mesh.resolved.yaml").read_text())
+    ports = [
+        resolved["ports"]["edge"],
+        resolved["ports"]["envoy_admin"],
+        *resolved["mesh_ports"].values(),
+        *resolved["instance_ports"].values(),
+    ]
+    assert not [p for p in ports if _listening(resolved["host"], p)]
+
+
+def drill(name: str | Path, tmp_path: Path, **variables: Any) -> DrillResult:
+    spec = variables.pop("spec", None)
+    # The shortened durations, for the keys this drill has.
+    known = set(load_experiment(resolve_experiment(name)).get("configuration", {})) | set(DEFAULTS)
+    values = {k: v for k, v in {**SHORT, **variables}.items() if k in known}
+    result = run_drill(name, out_dir=tmp_path / "run", spec=spec, variables=values)
+    assert result.summary, f"no report: {result.text}"
+    for key in ("report", "timeline", "summary", "journal"):
+        assert Path(result.summary["files"][key]).stat().st_size > 0
+    assert_nothing_left(result)
+    return result
+
+
+def method_output(result: DrillResult, name: str) -> Any:
+    runs = [r for r in result.journal["run"] if r["activity"]["name"] == name]
+    assert runs, f"{name} did not run"
+    return runs[0]["output"]
+
+
+def test_zone_outage_is_invisible_and_traffic_comes_back(tmp_path: Path) -> None:
+    result = drill("zone-outage", tmp_path)
+    assert result.verdict == "held", result.text
+    summary = result.summary
+    (outage,) = summary["windows"]
+    assert outage["label"] == "kill model zone-a"
+    assert outage["sent"] >= 300
+    assert outage["success_pct"] >= 99.5, outage["codes"]
+    assert outage["degraded"] == 0
+    # Traffic moved: the last 2 s of the outage were all served by zone-b.
+    assert method_output(result, "other-zone-share-while-down-pct") == 100.0
+    # ... and came back: zone-a serves its share again after the restart.
+    after = summary["phases"]["after faults"]
+    assert after["zones"].get("zone-a", 0) > 25, after["zones"]
+    assert summary["numbers"]["zones_back_s"] is not None
+    assert summary["numbers"]["zones_back_s"] <= 3
+    assert summary["numbers"]["failed"] <= summary["numbers"]["sent"] * 0.005
+
+
+def test_feature_store_down_answers_fallbacks_then_real_scores(tmp_path: Path) -> None:
+    result = drill("feature-store-down", tmp_path)
+    assert result.verdict == "held", result.text
+    summary = result.summary
+    (outage,) = summary["windows"]
+    assert outage["label"] == "Redis down"
+    assert outage["success_pct"] >= 99.5, outage["codes"]
+    # While Redis is down (past the first second) callers get the fallback, marked degraded.
+    assert method_output(result, "fallback-answers-while-down-pct") >= 95
+    assert outage["degraded"] >= 0.8 * outage["sent"]
+    # Real scores again after the restart (from its snapshot: entities still found).
+    after = summary["phases"]["after faults"]
+    assert after["failed"] == 0 and after["degraded"] <= 0.005 * after["sent"]
+    assert summary["numbers"]["time_to_recover_s"] is not None
+    assert summary["numbers"]["time_to_recover_s"] <= 3
+
+
+def test_bad_canary_damage_is_bounded_and_the_rollback_restores_the_slo(tmp_path: Path) -> None:
+    result = drill("bad-canary", tmp_path)
+    assert result.verdict == "held", result.text
+    summary = result.summary
+    (canary,) = summary["windows"]
+    assert canary["label"] == "fraud: v2 at 10%"
+    # v2 fails on 30% of entities and gets 10% of calls: about 3% fall back, never more than
+    # the canary's weight; every call is still answered.
+    assert canary["failed"] == 0
+    assert 0.5 <= canary["degraded_pct"] <= 7.0, canary
+    assert 3.0 <= canary["versions"].get("v2", 0) <= 14.0, canary["versions"]
+    # After `routes rollback`: only v1 answers, no fallbacks.
+    after = summary["phases"]["after faults"]
+    assert after["versions"] == {"v1": 100.0} and after["degraded"] == 0
+    assert summary["numbers"]["time_to_recover_s"] is not None
+    assert summary["numbers"]["time_to_recover_s"] <= 2
+
+
+def test_without_retries_a_zone_outage_deviates(tmp_path: Path) -> None:
+    result = drill("zone-outage", tmp_path, spec=str(HERE / "specs" / "no-retries.yaml"))
+    assert result.verdict == "deviated", result.text
+    assert "during-faults-pct" in result.text
+    (outage,) = result.summary["windows"]
+    # The calls zone-a's gateway sent before Envoy gave up on the dead replica were lost
+    # (answered by the fallback or failed) instead of retried in zone-b.
+    assert outage["degraded"] + outage["failed"] > 0.005 * outage["sent"]
+
+
+def test_the_guard_stops_the_method_and_runs_the_rollbacks(tmp_path: Path) -> None:
+    result = drill(HERE / "experiments" / "guard-abort.yaml", tmp_path)
+    assert result.verdict == "aborted", result.text
+    summary = result.summary
+    guard = summary["guard"]
+    assert guard["tripped"] and "success" in guard["reason"]
+    (fault,) = summary["windows"]
+    # Tripped within a few seconds of the fault (2 s window), not after its 60 s.
+    assert guard["at_s"] - fault["start_s"] < 6, (guard, fault)
+    names = [r["activity"]["name"] for r in result.journal["run"]]
+    assert "never-reached" not in names
+    hold = method_output(result, "hold-the-fault")
+    assert hold["interrupted"] is True
+    rollbacks = result.journal["rollbacks"]
+    assert [r["activity"]["name"] for r in rollbacks] == ["clear-the-edge-fault"]
+    assert rollbacks[0]["status"] == "succeeded"
+    assert fault["end_s"] is not None and fault["end_s"] - fault["start_s"] < 10
+    # Once the rollback cleared the fault, calls succeed again.
+    assert summary["phases"]["after faults"]["success_pct"] >= 99.0
+    assert "aborted by the guard" in result.text
