@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from servemesh.chaos.cli import add_chaos_parser
+from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.routes_cli import add_routes_parser
 from servemesh.spec import MeshSpec, SpecError, load_spec
 
@@ -56,7 +57,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     endpoints = mesh.endpoints()
     pids = mesh.pids()
     table.add_row("edge (clients, grpcurl)", str(endpoints["edge"]), str(pids.get("envoy", "")))
-    table.add_row("mesh (service to service)", str(endpoints["mesh"]), "")
+    for zone, address in endpoints["mesh_by_zone"].items():  # type: ignore[union-attr]
+        table.add_row(f"mesh listener of {zone}", address, "")
     table.add_row("envoy admin", f"http://{endpoints['envoy_admin']}", "")
     table.add_row("redis", str(endpoints["redis"]), str(pids.get("redis", "")))
     for name, address in endpoints["services"].items():  # type: ignore[union-attr]
@@ -83,7 +85,7 @@ def _edge_address(args: argparse.Namespace) -> str:
     if args.address:
         return args.address
     spec = _load(args.spec)
-    endpoints = Path(spec.state_dir) / "endpoints.json"
+    endpoints = Path(args.state_dir or spec.state_dir) / "endpoints.json"
     if endpoints.is_file():
         return str(json.loads(endpoints.read_text())["edge"])
     return spec.edge_address
@@ -103,9 +105,15 @@ def cmd_predict(args: argparse.Namespace) -> int:
         model=args.model, entity_ids=args.entity or [], rows=rows, version=args.version or ""
     )
     address = _edge_address(args)
+    metadata = []
+    credentials = read_edge_credentials(Path(args.state_dir or _load(args.spec).state_dir))
+    if credentials is not None:
+        metadata.append(("authorization", authorization_value(*credentials)))
     with grpc.insecure_channel(address) as channel:
         try:
-            reply = gateway_pb2_grpc.GatewayStub(channel).Predict(request, timeout=args.timeout)
+            reply = gateway_pb2_grpc.GatewayStub(channel).Predict(
+                request, timeout=args.timeout, metadata=metadata
+            )
         except grpc.RpcError as exc:
             console.print(f"[red]{exc.code().name}[/red]: {exc.details()}")  # type: ignore[attr-defined]
             return 1
@@ -205,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--version", help="pin a model version")
     predict.add_argument("--address", help="edge address (default: the running mesh's)")
     predict.add_argument("--spec")
+    predict.add_argument("--state-dir", help="the running mesh's state dir (edge credentials)")
     predict.add_argument("--timeout", type=float, default=5.0, help="deadline in seconds")
     predict.add_argument("--json", action="store_true", help="print the answer as JSON")
     predict.set_defaults(func=cmd_predict)

@@ -26,6 +26,7 @@ import redis
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servemesh.credentials import ensure_edge_credentials, htpasswd_line
 from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
 from servemesh.proxy.render import dynamic_bootstrap, render_resources, static_bootstrap
@@ -135,6 +136,7 @@ class Mesh:
             self.spec = resolve_ports(self.spec)
             if not self.spec.feature_store.redis_url:
                 self._start_redis(deadline)
+            self._resolve_edge_auth()
             self.resolved_spec_path.write_text(dump_spec(self.spec))
             self._write_envoy_config()
 
@@ -206,6 +208,7 @@ class Mesh:
         return {
             "edge": spec.edge_address,
             "mesh": spec.mesh_address,
+            "mesh_by_zone": {zone: spec.mesh_address_for(zone) for zone in spec.zones},
             "envoy_admin": f"{spec.host}:{spec.ports.envoy_admin}",
             "redis": spec.feature_store.redis_url,
             "services": {i.name: spec.address_of(i.name) for i in spec.instances()},
@@ -284,6 +287,18 @@ class Mesh:
             client.close()
         store = self.spec.feature_store.model_copy(update={"redis_url": url})
         self.spec = self.spec.model_copy(update={"feature_store": store})
+
+    def _resolve_edge_auth(self) -> None:
+        """With edge auth on and no users named, create this mesh's key; the spec (and so
+        Envoy's config) gets only its hash."""
+        auth = self.spec.traffic.edge_auth
+        if not auth.enabled or auth.users:
+            return
+        user, key = ensure_edge_credentials(self.state_dir)
+        traffic = self.spec.traffic.model_copy(
+            update={"edge_auth": auth.model_copy(update={"users": [htpasswd_line(user, key)]})}
+        )
+        self.spec = self.spec.model_copy(update={"traffic": traffic})
 
     def _write_envoy_config(self) -> None:
         """Validate the whole config inline, then write the watched files and the bootstrap."""

@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 
 from servemesh.services.model.loader import ModelLoader, registry_loader
 from servemesh.services.model.metrics import MetricsEndpoint, model_registry
 from servemesh.services.model.servicer import InferenceServicer
+from servemesh.services.model.shadow import ShadowLedger, ShadowRecorder, ledger_path
 from servemesh.services.runtime import DeadlineBudget, ServiceServer
 from servemesh.spec import MeshSpec, SpecError
 from servemesh_api.inference import grpc_service_pb2_grpc
 
 SERVICE_NAME = "inference.GRPCInferenceService"
+
+
+def _as_hook(close: Callable[[], None]):  # type: ignore[no-untyped-def]
+    async def hook() -> None:
+        close()
+
+    return hook
+
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +86,14 @@ async def build_server(
         if channel is not None:
             await channel.close()
         raise
+    # Answers of shadowed calls (both sides) go to a ledger for `routes shadow-report`.
+    ledger = ShadowLedger(ledger_path(Path(spec.state_dir), instance))
     server = ServiceServer(
-        instance, host=spec.host, port=port, max_message_bytes=spec.limits.max_message_bytes
+        instance,
+        host=spec.host,
+        port=port,
+        max_message_bytes=spec.limits.max_message_bytes,
+        interceptors=[ShadowRecorder(ledger, instance)],
     )
     server.add_service(
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
@@ -88,6 +105,7 @@ async def build_server(
     # Stop hooks run last-registered first: the batchers drain, then the channel and the
     # metrics endpoint close (scrapes see the drain's last counts).
     server.on_stop(metrics.close)
+    server.on_stop(_as_hook(ledger.close))
     if channel is not None:
         server.on_stop(channel.close)
     server.on_stop(servicer.close)

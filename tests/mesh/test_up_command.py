@@ -11,8 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
+import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servemesh.policy import EdgeAuth
+from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.mesh.conftest import test_mesh_spec
 
 
@@ -37,6 +42,9 @@ def _pid_exists(pid: int) -> bool:
 
 def test_up_serves_predictions_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     spec = test_mesh_spec(str(tmp_path / "state"), entities=100)
+    # With edge auth on: the CLI finds the mesh's key; a caller without it is refused.
+    traffic = spec.traffic.model_copy(update={"edge_auth": EdgeAuth(enabled=True)})
+    spec = spec.model_copy(update={"traffic": traffic})
     spec_path = tmp_path / "mesh.yaml"
     spec_path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     up = subprocess.Popen(
@@ -53,9 +61,24 @@ def test_up_serves_predictions_and_stops_cleanly_on_sigterm(tmp_path: Path) -> N
             assert time.monotonic() < deadline, "servemesh up did not become ready"
             time.sleep(0.1)
         endpoints = json.loads(endpoints_file.read_text())
+        credentials = tmp_path / "state" / "edge-credentials"
+        assert credentials.stat().st_mode & 0o777 == 0o600
+        key = credentials.read_text().strip().split(":", 1)[1]
+        assert key not in (tmp_path / "state" / "envoy" / "envoy.static.yaml").read_text()
+        with grpc.insecure_channel(endpoints["edge"]) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                gateway_pb2_grpc.GatewayStub(channel).Predict(
+                    gateway_pb2.PredictRequest(model="fraud", entity_ids=["user-1"]), timeout=5
+                )
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            health = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
         predicted = subprocess.run(
             [sys.executable, "-m", "servemesh", "predict", "--model", "fraud",
-             "--entity", "user-42", "--address", endpoints["edge"], "--json"],
+             "--entity", "user-42", "--address", endpoints["edge"], "--json",
+             "--state-dir", str(tmp_path / "state")],
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert predicted.returncode == 0, predicted.stderr
