@@ -500,8 +500,9 @@ def partition_zones(zones: list[str] | None = None) -> dict[str, Any]:
     drill = current()
     if drill.network is None:
         raise DrillError(
-            "partition_zones needs zones in their own network namespaces; this drill's mesh "
-            "runs every zone on one loopback (use a spec with network namespaces, as root)"
+            "partition_zones needs zones in their own network namespaces, and this mesh runs "
+            "every zone on one loopback (the launcher has no namespace mode yet; see "
+            "docs/runbooks/inter-zone-partition.md)"
         )
     pair = list(zones or drill.spec.zones[:2])
     if len(pair) != 2:

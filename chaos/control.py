@@ -18,6 +18,7 @@ experiment and stops it early when the guard trips.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from chaoslib.exceptions import InterruptExecution
@@ -87,9 +88,17 @@ def after_activity_control(
     if _drill.abort.is_set():
         raise InterruptExecution(f"aborted by the guard: {_drill.guard.reason}")
     if state and state.get("status") == "failed":
-        reason = (state.get("exception") or ["failed"])[-1].strip()
+        reason = _plain((state.get("exception") or ["failed"])[-1])
         _drill.failed_activity = f"{context.get('name')}: {reason}"
         raise InterruptExecution(f"{context.get('name')} failed, stopping the drill: {reason}")
+
+
+def _plain(error: str) -> str:
+    """'chaoslib...ActivityFailed: servemesh...DrillError: the message' -> 'the message'."""
+    text = error.strip()
+    while re.match(r"^[\w.]+(Error|Exception|Failed): ", text):
+        text = text.split(": ", 1)[1]
+    return text
 
 
 def before_rollback_control(context: dict[str, Any], **_: Any) -> None:

@@ -1,0 +1,97 @@
+"""Partitions between zones in network namespaces (root, iproute2, iptables or nft).
+
+The namespace layer is tested for real: two zone namespaces joined by a bridge in a third,
+a server in each, traffic between them dropped by the partition and back after the heal.
+The inter-zone-partition drill itself needs a mesh whose zones run in those namespaces,
+which the launcher does not do yet (see docs/runbooks/inter-zone-partition.md).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from servemesh.chaos.netns import ZoneNetwork, available
+
+CAN, WHY = available()
+needs_netns = pytest.mark.skipif(not CAN, reason=f"zone namespaces unavailable here: {WHY}")
+
+SERVE = (
+    "import socket, sys\n"
+    "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "s.bind((sys.argv[1], 7000)); s.listen(16); print('ready', flush=True)\n"
+    "while True:\n"
+    "    c, _ = s.accept(); c.sendall(b'hi'); c.close()\n"
+)
+CONNECT = (
+    "import socket, sys\n"
+    "try:\n"
+    "    with socket.create_connection((sys.argv[1], 7000), timeout=1) as c:\n"
+    "        sys.exit(0 if c.recv(2) == b'hi' else 1)\n"
+    "except OSError:\n"
+    "    sys.exit(2)\n"
+)
+
+
+@pytest.fixture
+def network() -> Iterator[ZoneNetwork]:
+    net = ZoneNetwork(["zone-a", "zone-b"]).create()
+    servers = []
+    try:
+        for zone in net.zones:
+            proc = subprocess.Popen(
+                net.exec_argv(zone, [sys.executable, "-c", SERVE, net.address(zone)]),
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            servers.append(proc)
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        yield net
+    finally:
+        for proc in servers:
+            proc.kill()
+            proc.wait(timeout=10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        net.close()
+
+
+def reaches(net: ZoneNetwork, source: str, target: str) -> bool:
+    argv = net.exec_argv(source, [sys.executable, "-c", CONNECT, net.address(target)])
+    return subprocess.run(argv, timeout=10).returncode == 0
+
+
+@needs_netns
+def test_a_partition_drops_traffic_between_zones_only_and_heals(network: ZoneNetwork) -> None:
+    assert reaches(network, "zone-a", "zone-b") and reaches(network, "zone-b", "zone-a")
+    rules = network.partition("zone-a", "zone-b")
+    assert len(rules) >= 2
+    assert not reaches(network, "zone-a", "zone-b")
+    assert not reaches(network, "zone-b", "zone-a")
+    # Inside each zone, traffic still flows.
+    assert reaches(network, "zone-a", "zone-a") and reaches(network, "zone-b", "zone-b")
+    network.heal()
+    assert not network.partitioned
+    assert reaches(network, "zone-a", "zone-b") and reaches(network, "zone-b", "zone-a")
+
+
+@needs_netns
+def test_closing_the_network_leaves_no_namespace_behind() -> None:
+    net = ZoneNetwork(["zone-a", "zone-b"]).create()
+    names = [net.core, *(net.namespace(z) for z in net.zones)]
+    net.partition("zone-a", "zone-b")
+    net.close()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not [n for n in names if n in listed]
+
+
+@pytest.mark.skip(
+    reason="the inter-zone-partition drill needs a mesh whose zones run in their own network "
+    "namespaces (`servemesh up --netns`), which the launcher does not provide yet: every zone "
+    "of a mesh shares one loopback namespace, so there is no network between zones to cut"
+)
+def test_inter_zone_partition_drill() -> None:  # pragma: no cover - see the skip reason
+    raise AssertionError("unreachable")
