@@ -496,19 +496,19 @@ def restore_weights(model: str | None = None) -> dict[str, Any]:
 def partition_zones(zones: list[str] | None = None) -> dict[str, Any]:
     """Drop all traffic between two zones, with iptables inside their network namespaces.
 
-    Needs the drill's mesh to run its zones in namespaces (root, `network: netns`)."""
+    Needs the drill's mesh to run its zones in namespaces (configuration `network: netns`,
+    as root)."""
     drill = current()
     if drill.network is None:
         raise DrillError(
-            "partition_zones needs zones in their own network namespaces, and this mesh runs "
-            "every zone on one loopback (the launcher has no namespace mode yet; see "
-            "docs/runbooks/inter-zone-partition.md)"
+            "partition_zones needs zones in their own network namespaces: run the drill with "
+            "`network: netns` (as root); this mesh runs every zone on one loopback"
         )
     pair = list(zones or drill.spec.zones[:2])
     if len(pair) != 2:
         raise DrillError(f"partition_zones takes two zones, got {pair}")
     rules = drill.network.partition(pair[0], pair[1])
-    drill.open_window("partition", f"partition {pair[0]} | {pair[1]}")
+    drill.open_window("partition", f"partition {pair[0]} / {pair[1]}")
     return {"zones": pair, "rules": rules}
 
 

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from servemesh.chaos.load import BackgroundLoad, WindowStats, window_stats
-from servemesh.chaos.mesh import DrillMesh
+from servemesh.chaos.mesh import DrillMesh, zone_namespace_mesh
+from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.proxy.admin import AdminClient, AdminError
 from servemesh.proxy.apply import RouteManager
 from servemesh.spec import Instance, MeshSpec, load_spec
@@ -54,6 +55,9 @@ DEFAULTS: dict[str, Any] = {
     "guard_min_success_pct": 95.0,  # abort when success over guard_for_s falls below this
     "guard_for_s": 5.0,
     "guard_max_p99_ms": 0.0,  # 0: no latency guard
+    # loopback: every zone on the machine's loopback (as `servemesh up`); netns: each zone's
+    # services in a network namespace of their own (root), which partitions need.
+    "network": "loopback",
 }
 
 
@@ -178,6 +182,11 @@ class Drill:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         spec = self._spec()
         self.mesh = DrillMesh.from_spec(spec, self.out_dir / "mesh")
+        if self.config["network"] == "netns":
+            self.mesh = zone_namespace_mesh(spec, self.out_dir / "mesh")
+            self.network = self.mesh.network
+        elif self.config["network"] != "loopback":
+            raise DrillError(f"network {self.config['network']!r}: loopback or netns")
         self.mesh.start()
         self.admin = AdminClient(f"{self.mesh.spec.host}:{self.mesh.spec.ports.envoy_admin}")
         self.routes = RouteManager(self.mesh.paths, self.admin)
@@ -194,6 +203,7 @@ class Drill:
             model=model,
             entities=min(self.mesh.spec.demo.entities or 1, 1000),
             timeout_s=float(self.config["load_timeout_s"]),
+            metadata=self._edge_metadata(),
         )
         self.load.start()
         self.mark("load started", "phase")
@@ -202,6 +212,11 @@ class Drill:
         self._guard_thread.start()
         self.phase = "baseline"
         self.sleep(float(self.config["baseline_s"]))
+
+    def _edge_metadata(self) -> list[tuple[str, str]]:
+        """The edge's credentials when the spec turns edge auth on (the launcher made them)."""
+        credentials = read_edge_credentials(self.running_mesh.state_dir)
+        return [("authorization", authorization_value(*credentials))] if credentials else []
 
     def _spec(self) -> MeshSpec:
         return load_spec(self.spec_path)
@@ -235,18 +250,23 @@ class Drill:
             self.resume_all()
             self.stop_hogs()
             if self.network is not None:
-                self.network.close()
+                self.network.heal()
         finally:
             try:
                 if self.load is not None and self.load.running:
                     self.load.stop()
             finally:
-                if self.mesh is not None:
-                    self.mesh.stop()
-                self._spawner.shutdown()
-                with _lock:
-                    if _current is self:
-                        _current = None
+                try:
+                    if self.mesh is not None:
+                        self.mesh.stop()
+                finally:
+                    # After the processes inside the namespaces have stopped.
+                    if self.network is not None:
+                        self.network.close()
+                    self._spawner.shutdown()
+                    with _lock:
+                        if _current is self:
+                            _current = None
 
     # --- clock, marks, windows -------------------------------------------------------------
 

@@ -96,6 +96,7 @@ class BackgroundLoad:
         model: str = "fraud",
         entities: int = 100,
         timeout_s: float = 2.0,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> None:
         if rate_per_s <= 0:
             raise ValueError("rate_per_s must be positive")
@@ -104,6 +105,7 @@ class BackgroundLoad:
         self.model = model
         self.entities = max(1, entities)
         self.timeout_s = timeout_s
+        self.metadata = tuple(metadata)
         self.outcomes: list[Outcome] = []
         self.sent = 0
         self.error: str = ""
@@ -160,7 +162,9 @@ class BackgroundLoad:
                 )
                 t0 = time.perf_counter()
                 try:
-                    reply = await stub.Predict(request, timeout=self.timeout_s)
+                    reply = await stub.Predict(
+                        request, timeout=self.timeout_s, metadata=self.metadata or None
+                    )
                     outcome = Outcome(
                         sent_s,
                         (time.perf_counter() - t0) * 1000,

@@ -1,11 +1,14 @@
 """Zones in their own network namespaces, and partitions between them.
 
 `ZoneNetwork` gives each zone a network namespace with one veth into a bridge that lives in
-a namespace of its own (the "core"), so nothing is added to the machine's own network: every
-address is private to namespaces this code created, and removing the namespaces removes it
-all. `partition(a, b)` drops every packet between two zones with iptables (or nftables)
-rules inside both zones' namespaces; `heal()` removes exactly those rules. tc netem is not
-available on this kernel, so there is no latency or random loss here: only clean drops.
+a namespace of its own (the "core"); every zone address is private to namespaces this code
+created. `attach_host` adds one more veth from the machine into that bridge, so that a mesh
+whose zone services run inside the namespaces keeps its loopback addressing (see
+`chaos.mesh.DrillMesh`): NAT rules in chains of their own carry 127.0.0.1:<port> across.
+`partition(a, b)` drops every packet between two zones with iptables (or nftables) rules
+inside both zones' namespaces; `heal()` removes exactly those rules; `close()` removes the
+chains, the link and the namespaces. tc netem is not available on this kernel, so there is
+no latency or random loss here: only clean drops.
 
 Needs root, iproute2 and iptables or nft (`apt-get install iptables`). `available()` says
 whether this machine can, and why not.
@@ -14,6 +17,7 @@ whether this machine can, and why not.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import uuid
@@ -40,6 +44,17 @@ def firewall() -> str | None:
     return None
 
 
+def _free_subnet() -> str:
+    """A 10.213.<n> prefix that no address on the machine uses yet."""
+    used = _run(["ip", "-4", "-o", "addr", "show"], check=False).stdout
+    candidates = list(range(1, 255))
+    random.shuffle(candidates)
+    for n in candidates:
+        if f" 10.213.{n}." not in used:
+            return f"10.213.{n}"
+    raise NetnsError("no free 10.213.x.0/24 subnet left")
+
+
 def available() -> tuple[bool, str]:
     """Whether zones can run in namespaces here, and if not, why."""
     if os.geteuid() != 0:
@@ -59,11 +74,14 @@ def available() -> tuple[bool, str]:
 @dataclass
 class ZoneNetwork:
     zones: list[str]
-    # 10.x addresses exist only inside the namespaces below; nothing routes them elsewhere.
-    subnet: str = "10.213.0"
+    # 10.213.x.0/24 addresses exist only on links this network creates; each network picks
+    # a /24 no interface of the machine uses, so two drills at once do not collide.
+    subnet: str = field(default_factory=lambda: _free_subnet())
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:5])
     _rules: list[tuple[str, list[str]]] = field(default_factory=list)
     _created: list[str] = field(default_factory=list)
+    _host_link: str = ""
+    _host_chains: list[tuple[str, str]] = field(default_factory=list)  # (builtin, ours)
 
     @property
     def core(self) -> str:
@@ -74,6 +92,31 @@ class ZoneNetwork:
 
     def address(self, zone: str) -> str:
         return f"{self.subnet}.{10 + self.zones.index(zone)}"
+
+    @property
+    def gateway(self) -> str:
+        """The machine's side of the bridge (only with attach_host)."""
+        return f"{self.subnet}.1"
+
+    def egress(self, zone: str) -> str:
+        """The address the machine's side uses for traffic it sends on behalf of `zone`."""
+        return f"{self.subnet}.{2 + self.zones.index(zone)}"
+
+    @staticmethod
+    def loopback_source(zone_index: int) -> str:
+        """A loopback address a local client binds to speak for zone `zone_index` (Envoy's
+        per-zone clusters); attach_host maps it to that zone's egress address."""
+        return f"127.0.{zone_index + 1}.1"
+
+    @property
+    def namespaces(self) -> list[str]:
+        """Every namespace this network creates (whether or not it exists right now)."""
+        return [self.core, *(self.namespace(z) for z in self.zones)]
+
+    @property
+    def nat_chains(self) -> list[str]:
+        """The iptables NAT chains attach_host creates."""
+        return [f"SMZ{self.tag}-{b[:4]}" for b in ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING")]
 
     def exec_argv(self, zone: str, argv: list[str]) -> list[str]:
         """argv run inside the zone's namespace."""
@@ -111,6 +154,14 @@ class ZoneNetwork:
         try:
             self.heal()
         finally:
+            for builtin, chain in reversed(self._host_chains):
+                _run(["iptables", "-t", "nat", "-D", builtin, "-j", chain], check=False)
+                _run(["iptables", "-t", "nat", "-F", chain], check=False)
+                _run(["iptables", "-t", "nat", "-X", chain], check=False)
+            self._host_chains.clear()
+            if self._host_link:
+                _run(["ip", "link", "del", self._host_link], check=False)
+                self._host_link = ""
             for name in reversed(self._created):
                 _run(["ip", "netns", "del", name], check=False)
             self._created.clear()
@@ -121,6 +172,71 @@ class ZoneNetwork:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # --- joining the machine's loopback ------------------------------------------------------
+
+    def attach_host(self, zone_ports: dict[str, list[int]], host_ports: list[int]) -> None:
+        """Let processes on the machine and in the zones keep using 127.0.0.1 as they do.
+
+        Services inside a zone bind the zone namespace's loopback; a connection from the
+        machine to 127.0.0.1:<port of a zone's service> is sent across the bridge to that
+        zone (NAT), and a connection from inside a zone to 127.0.0.1:<one of host_ports>
+        (Envoy's listeners, the registry, Redis) is sent to the machine. A client on the
+        machine bound to loopback_source(i) is seen by the zones as egress(zone i), so
+        rules inside a zone can tell which zone a proxied connection speaks for.
+        Needs iptables (NAT); the rules live in chains of their own, removed by close().
+        """
+        if firewall() != "iptables":
+            raise NetnsError("joining the zones to the machine's loopback needs iptables")
+        host, far = f"smz{self.tag}h", f"smz{self.tag}c"
+        _run(["ip", "link", "add", host, "type", "veth", "peer", far])
+        self._host_link = host
+        _run(["ip", "link", "set", far, "netns", self.core])
+        _run(["ip", "-n", self.core, "link", "set", far, "master", "br0", "up"])
+        _run(["ip", "addr", "add", f"{self.gateway}/24", "dev", host])
+        for zone in self.zones:
+            _run(["ip", "addr", "add", f"{self.egress(zone)}/32", "dev", host])
+        _run(["ip", "link", "set", host, "up"])
+        # 127.0.0.0/8 may leave (and arrive) through these links only because of this.
+        _run(["sysctl", "-qw", f"net.ipv4.conf.{host}.route_localnet=1"])
+        builtins = ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING")
+        chains = dict(zip(builtins, self.nat_chains, strict=True))
+        for builtin, chain in chains.items():
+            _run(["iptables", "-t", "nat", "-N", chain])
+            _run(["iptables", "-t", "nat", "-I", builtin, "-j", chain])
+            self._host_chains.append((builtin, chain))
+
+        def nat(chain: str, *spec: str) -> None:
+            _run(["iptables", "-t", "nat", "-A", chain, *spec])
+
+        nat(chains["PREROUTING"], "-i", host, "-d", self.gateway, "-j", "DNAT",
+            "--to-destination", "127.0.0.1")  # fmt: skip
+        # ... and arrives from 127.0.0.1, as the machine's services expect of local callers
+        # (Redis refuses other sources in protected mode).
+        nat(chains["INPUT"], "-i", host, "-d", "127.0.0.1", "-j", "SNAT",
+            "--to-source", "127.0.0.1")  # fmt: skip
+        for zone, ports in zone_ports.items():
+            for port in ports:
+                nat(chains["OUTPUT"], "-d", "127.0.0.1", "-p", "tcp", "--dport", str(port),
+                    "-j", "DNAT", "--to-destination", self.address(zone))  # fmt: skip
+        for index, zone in enumerate(self.zones):
+            nat(chains["POSTROUTING"], "-o", host, "-s", self.loopback_source(index),
+                "-j", "SNAT", "--to-source", self.egress(zone))  # fmt: skip
+        nat(chains["POSTROUTING"], "-o", host, "-s", "127.0.0.0/8", "-j", "SNAT",
+            "--to-source", self.gateway)  # fmt: skip
+        for index, zone in enumerate(self.zones):
+            ns, link = self.namespace(zone), f"smz{self.tag}{index}a"
+            inside = ["ip", "netns", "exec", ns]
+            _run([*inside, "sysctl", "-qw", f"net.ipv4.conf.{link}.route_localnet=1"])
+            _run([*inside, "iptables", "-t", "nat", "-A", "PREROUTING", "-d",
+                  self.address(zone), "-j", "DNAT", "--to-destination", "127.0.0.1"])  # fmt: skip
+            for start in range(0, len(host_ports), 15):  # multiport takes 15 ports at most
+                chunk = ",".join(str(p) for p in host_ports[start : start + 15])
+                _run([*inside, "iptables", "-t", "nat", "-A", "OUTPUT", "-d", "127.0.0.1",
+                      "-p", "tcp", "-m", "multiport", "--dports", chunk, "-j", "DNAT",
+                      "--to-destination", self.gateway])  # fmt: skip
+            _run([*inside, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", link, "-s",
+                  "127.0.0.0/8", "-j", "SNAT", "--to-source", self.address(zone)])  # fmt: skip
+
     # --- partitions ------------------------------------------------------------------------
 
     def partition(self, zone_a: str, zone_b: str) -> list[str]:
@@ -129,7 +245,11 @@ class ZoneNetwork:
             raise NetnsError("a partition needs two different zones")
         added = []
         for here, there in ((zone_a, zone_b), (zone_b, zone_a)):
-            ns, peer = self.namespace(here), self.address(there)
+            ns = self.namespace(here)
+            # The other zone's own address, and (when joined to the machine) the address the
+            # machine's proxy uses when it speaks for the other zone.
+            peers = [self.address(there)] + ([self.egress(there)] if self._host_link else [])
+            peer = ",".join(peers)
             if firewall() == "iptables":
                 specs = [["INPUT", "-s", peer, "-j", "DROP"], ["OUTPUT", "-d", peer, "-j", "DROP"]]
                 for spec in specs:
@@ -142,8 +262,8 @@ class ZoneNetwork:
                     f"add table inet {table}\n"
                     f"add chain inet {table} in {{ type filter hook input priority 0; }}\n"
                     f"add chain inet {table} out {{ type filter hook output priority 0; }}\n"
-                    f"add rule inet {table} in ip saddr {peer} drop\n"
-                    f"add rule inet {table} out ip daddr {peer} drop\n"
+                    f"add rule inet {table} in ip saddr {{ {peer} }} drop\n"
+                    f"add rule inet {table} out ip daddr {{ {peer} }} drop\n"
                 )
                 done = subprocess.run(
                     ["ip", "netns", "exec", ns, "nft", "-f", "-"],

@@ -255,6 +255,14 @@ def summarize(drill: Drill, journal: dict[str, Any]) -> dict[str, Any]:
         "marks": [{"at_s": m.at_s, "label": m.label, "kind": m.kind} for m in drill.marks],
         "activities": activities,
         "load_error": drill.load.error if drill.load is not None else "",
+        "network": {"mode": "loopback"}
+        if drill.network is None
+        else {
+            "mode": "netns",
+            "namespaces": drill.network.namespaces,
+            "nat_chains": drill.network.nat_chains,
+            "addresses": {z: drill.network.address(z) for z in drill.network.zones},
+        },
     }
 
 
@@ -442,8 +450,9 @@ def markdown(summary: dict[str, Any]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for w in summary["windows"]:
+        label = w["label"].replace("|", "/")
         lines.append(
-            f"| {w['label']} | {w['start_s']:.1f} | {_fmt(w['end_s'])} | {w['sent']} | "
+            f"| {label} | {w['start_s']:.1f} | {_fmt(w['end_s'])} | {w['sent']} | "
             f"{_fmt(w['success_pct'], '%')} | {_fmt(w['p99_ms'])} | {_shares(w['zones'])} |"
         )
     env = summary["envoy"]

@@ -36,7 +36,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     from servemesh.launcher import Mesh, MeshStartError
 
     spec = _load(args.spec)
-    mesh = Mesh.from_spec(spec, Path(args.state_dir) if args.state_dir else None)
+    state_dir = Path(args.state_dir) if args.state_dir else None
+    if args.netns:
+        from servemesh.chaos.mesh import zone_namespace_mesh
+
+        try:
+            mesh = zone_namespace_mesh(spec, state_dir)
+        except MeshStartError as exc:
+            console.print(f"[red]{exc}[/red]")
+            return 1
+    else:
+        mesh = Mesh.from_spec(spec, state_dir)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -202,6 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start the whole mesh and keep it running until Ctrl-C")
     up.add_argument("--spec", help="mesh spec (default: ./mesh.yaml, else built-in defaults)")
     up.add_argument("--state-dir", help="where logs, the registry and rendered config go")
+    up.add_argument(
+        "--netns",
+        action="store_true",
+        help="run each zone's services in a network namespace of its own (root; partitions)",
+    )
     up.set_defaults(func=cmd_up)
 
     predict = sub.add_parser("predict", help="call Predict through the edge")

@@ -143,7 +143,11 @@ def test_bad_canary_damage_is_bounded_and_the_rollback_restores_the_slo(tmp_path
 
 
 def test_without_retries_a_zone_outage_deviates(tmp_path: Path) -> None:
-    result = drill("zone-outage", tmp_path, spec=str(HERE / "specs" / "no-retries.yaml"))
+    # Without retries an outage costs a handful of calls: those in flight on the dead
+    # replica and the few that trip outlier detection. Over a 1 s outage (plus the restart)
+    # that is well above the 0.5% of fallbacks the drill's SLO allows; with retries, none.
+    spec = str(HERE / "specs" / "no-retries.yaml")
+    result = drill("zone-outage", tmp_path, spec=spec, fault_s=1)
     assert result.verdict == "deviated", result.text
     assert "during-faults-pct" in result.text
     (outage,) = result.summary["windows"]
