@@ -74,12 +74,12 @@ class ShadowRecorder(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method != INFER_METHOD or handler.unary_unary is None:
             return handler
-        metadata = dict(details.invocation_metadata or ())
-        role = metadata.get(ROLE_HEADER)
+        metadata = details.invocation_metadata or ()
+        role = next((value for key, value in metadata if key == ROLE_HEADER), None)
         if role not in ROLES:
             return handler
         behaviour = handler.unary_unary
-        request_id = str(metadata.get("x-request-id", ""))
+        request_id = str(next((value for key, value in metadata if key == "x-request-id"), ""))
 
         async def recorded(
             request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
