@@ -404,8 +404,9 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
             computed = mix["expired_computed"]
             check(f"{group} mix: expired requests computed", computed, "0", computed == 0)
         if mix and fixed_mix and fixed_mix["rps"]:
+            # Runs on this box move by 10-20%: "higher" needs a margin to mean anything.
             ratio = mix["rps"] / fixed_mix["rps"]
-            check(f"{group} mix: goodput vs fixed window (x)", ratio, "> 1", ratio > 1.0)
+            check(f"{group} mix: goodput vs fixed window (x)", ratio, ">= 1.1", ratio >= 1.1)
     return found
 
 

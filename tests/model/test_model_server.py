@@ -327,7 +327,7 @@ async def test_priority_parameter_follows_triton_levels(artifacts: dict[int, Art
     # priority_levels 2, default level 1: a request asking for 2 waits behind default traffic.
     batching = BatchingSpec(max_batch_size=1, max_queue_delay_ms=0)
     servicer = InferenceServicer(
-        replica=REPLICA, loader=demo_loader(artifacts, inject_latency_ms=30, batching=batching)
+        replica=REPLICA, loader=demo_loader(artifacts, inject_latency_ms=60, batching=batching)
     )
     await servicer.load("fraud", "v1")
     order: list[str] = []
