@@ -324,6 +324,8 @@ def pause_redis_clients(seconds: float = 30.0) -> dict[str, Any]:
 
 
 def unpause_redis_clients() -> dict[str, Any]:
+    """CLIENT UNPAUSE. The Redis shipped here queues the UNPAUSE behind the pause itself, so
+    in practice this returns when the pause ends at its own deadline."""
     drill = current()
     try:
         _redis_command("CLIENT", "UNPAUSE", timeout_s=5.0)

@@ -25,11 +25,11 @@ pytestmark = pytest.mark.mesh
 HERE = Path(__file__).parent
 SHORT: dict[str, Any] = {
     "rate": 80,
-    "baseline_s": 4,
-    "fault_s": 5,
-    "recover_s": 5,
-    "slo_window_s": 3,
-    "tail_s": 1,
+    "baseline_s": 3,
+    "fault_s": 4,
+    "recover_s": 4,
+    "slo_window_s": 2,
+    "tail_s": 0.5,
     # Latency is not what these tests prove (see the module docstring).
     "p99_tolerance_ms": [0, 1900],
 }

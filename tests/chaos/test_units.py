@@ -1,0 +1,124 @@
+"""The chaos suite's parts that need no mesh: numbers, the canary build, the drill files."""
+
+from __future__ import annotations
+
+import io
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from chaoslib.experiment import ensure_experiment_is_valid
+
+from servemesh.chaos.canary import failing_threshold, flaky_artifact, parse_flaky_source
+from servemesh.chaos.control import _plain
+from servemesh.chaos.load import percentile, window_stats
+from servemesh.chaos.report import envoy_deltas, recovery
+from servemesh.chaos.runner import list_drills, load_experiment
+from servemesh.demo import demo_features
+from servemesh.loadgen import Outcome
+
+DRILLS = {
+    "zone-outage",
+    "zone-brownout",
+    "replica-crash-loop",
+    "feature-store-down",
+    "registry-down",
+    "bad-canary",
+    "inter-zone-partition",
+}
+
+
+def calls(start: float, end: float, rate: float, **kw: object) -> list[Outcome]:
+    n = int((end - start) * rate)
+    return [Outcome(start + i / rate, 5.0, **kw) for i in range(n)]  # type: ignore[arg-type]
+
+
+def test_window_stats_count_answers_fallbacks_zones_and_failures() -> None:
+    outcomes = [
+        *calls(0, 1, 10, code="OK", version="v1", zone="zone-a"),
+        *calls(1, 2, 10, code="OK", version="fallback", degraded=True),
+        *calls(2, 2.5, 10, code="UNAVAILABLE"),
+    ]
+    stats = window_stats(outcomes, 0, 3)
+    assert (stats.sent, stats.ok, stats.failed, stats.degraded) == (25, 20, 5, 10)
+    assert stats.success_pct == 80.0 and stats.degraded_pct == 50.0
+    assert stats.zones == {"zone-a": 100.0}  # fallbacks were served by no zone
+    assert stats.codes == {"UNAVAILABLE": 5}
+    assert percentile([1, 2, 3, 4], 50) == 2 and math.isnan(percentile([], 99))
+
+
+def test_recovery_measures_the_breach_and_the_time_to_recover() -> None:
+    healthy = {"code": "OK", "version": "v1"}
+    outcomes = [
+        *calls(0, 10, 100, zone="zone-a", **healthy),
+        *calls(10, 15, 100, code="UNAVAILABLE"),  # the fault: everything fails
+        *calls(15, 17, 100, code="UNAVAILABLE"),  # still failing 2 s after the restore
+        *calls(17, 30, 100, zone="zone-a", **healthy),
+    ]
+    result = recovery(outcomes, [(10.0, 15.0)], 30.0, 99.5, {"zone-a": 100.0})
+    assert result["slo_breach_s"] == 7.0
+    assert result["time_to_recover_s"] == 2.0
+    assert recovery(outcomes[:1000], [(2.0, 4.0)], 10.0, 99.5, {})["time_to_recover_s"] == 0.0
+
+
+def test_envoy_deltas_sum_by_kind_of_cluster() -> None:
+    start = {"cluster.model-fraud-v1-via-zone-a.upstream_rq_retry": 3}
+    end = {
+        "cluster.model-fraud-v1-via-zone-a.upstream_rq_retry": 10,
+        "cluster.model-fraud-v1-via-zone-b.upstream_rq_retry": 2,
+        "cluster.feature-via-zone-a.outlier_detection.ejections_enforced_total": 1,
+        "cluster.gateway.upstream_rq_pending_overflow": 4,
+    }
+    delta = envoy_deltas(start, end)
+    assert delta["retries"] == {"model": 9}
+    assert delta["ejections"] == {"feature": 1}
+    assert delta["overflows"] == {"gateway": 4}
+
+
+def test_the_flaky_canary_fails_exactly_its_share_of_entities_and_passes_warm_up() -> None:
+    assert parse_flaky_source("flaky:30") == (30.0, 2)
+    with pytest.raises(ValueError):
+        parse_flaky_source("flaky:60")  # zeros (the warm-up) would fail
+    threshold = failing_threshold(30, 300)
+    rows = demo_features(300)
+    assert sum(float(r[0]) > threshold for r in rows.values()) == 90
+    model = torch.jit.load(io.BytesIO(flaky_artifact(30, 2, 300).data))
+    assert model(torch.zeros(4, 64)).shape == (4, 1)
+    failing = torch.from_numpy(next(r for r in rows.values() if float(r[0]) > threshold))
+    with pytest.raises(torch.jit.Error, match="canary defect"):
+        model(failing.unsqueeze(0))
+
+
+def test_every_drill_is_a_valid_chaos_toolkit_experiment_with_an_slo_and_rollbacks() -> None:
+    drills = {d["name"]: d for d in list_drills()}
+    assert set(drills) == DRILLS
+    for name, info in drills.items():
+        experiment = load_experiment(Path(info["file"]))
+        ensure_experiment_is_valid(experiment)
+        assert info["proves"] and info["slo"].startswith("SLO"), name
+        assert experiment["runtime"]["rollbacks"]["strategy"] == "always", name
+        assert experiment["rollbacks"], name
+        controls = [c["provider"]["module"] for c in experiment["controls"]]
+        assert controls == ["servemesh.chaos.control"], name
+        assert all("tolerance" in p for p in experiment["steady-state-hypothesis"]["probes"])
+
+
+def test_chaos_list_shows_every_drill() -> None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "servemesh", "chaos", "list"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"COLUMNS": "200", "PATH": ""},
+    )
+    assert shown.returncode == 0, shown.stderr
+    for name in DRILLS:
+        assert name in shown.stdout
+
+
+def test_a_failed_activity_reads_as_its_message() -> None:
+    raw = "chaoslib.exceptions.ActivityFailed: servemesh.chaos.drill.DrillError: no zone 'x'"
+    assert _plain(raw) == "no zone 'x'"
