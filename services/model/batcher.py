@@ -51,11 +51,14 @@ from servemesh.spec import BatchingSpec
 log = logging.getLogger(__name__)
 
 # A batch leaves this much before the latest moment that still meets its earliest deadline
-# (plus a share of its expected time). Event loop timers fire a millisecond or two late on
-# a busy box, and a forward pass after an idle spell runs several times slower than the
-# warm average (cold caches: the demo MLP is ~1 MB of weights), so a batch that left
-# exactly on time would miss. Leaving early only costs batch size.
-DISPATCH_SLACK_S = 0.010
+# (plus a share of its expected time, for forward passes slowed by cold caches), to cover
+# event loop timers that fire a millisecond or two late on a busy box. Sending the answer
+# is already covered by the servicer's hop budget. A wider margin is not safer: 10 ms made
+# every request with under ~10 ms left dispatch at once, and under overload, when most
+# requests arrive that close to their deadlines, batches shrank, the CPU they wasted
+# lengthened the queue, and goodput collapsed to half a deadline-blind batcher's
+# (docs/benchmarks.md).
+DISPATCH_SLACK_S = 0.003
 DISPATCH_SLACK_SHARE = 0.5
 
 # Adaptive dispatch (docs/benchmarks.md has the measurements behind these numbers).
@@ -316,7 +319,7 @@ class Batcher:
 
     @property
     def waiting(self) -> int:
-        """Requests queued and still wanted."""
+        """Requests queued (under deadline_policy "ignore", also those whose caller left)."""
         return self._waiting
 
     async def submit(
