@@ -11,6 +11,7 @@ its status and message, so the test can assert on both.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import threading
@@ -78,21 +79,24 @@ def main(url: str) -> dict[str, Any]:
     out["typed_scores"] = list(typed.outputs[0].contents.fp32_contents)
     out["typed_raw_outputs"] = len(typed.raw_output_contents)
 
-    # Concurrent callers through async_infer: every answer arrives (they share batches).
-    answers: list[Any] = []
+    # Concurrent callers through async_infer: every answer arrives (they share batches),
+    # in whatever order the callbacks run; each is filed under the request it answers.
+    answers: dict[int, Any] = {}
+    lock = threading.Lock()
     done = threading.Event()
 
-    def collect(result: Any, error: Any) -> None:
-        answers.append(error if error is not None else result.as_numpy("score").tolist())
-        if len(answers) == 16:
-            done.set()
+    def collect(index: int, result: Any, error: Any) -> None:
+        with lock:
+            answers[index] = str(error) if error is not None else result.as_numpy("score").tolist()
+            if len(answers) == 16:
+                done.set()
 
     for index in range(16):
         tensor = grpcclient.InferInput("features", [1, 64], "FP32")
         tensor.set_data_from_numpy(batch[index % 3 : index % 3 + 1])
-        client.async_infer(MODEL, [tensor], collect, model_version="v1")
+        client.async_infer(MODEL, [tensor], functools.partial(collect, index), model_version="v1")
     done.wait(timeout=30)
-    out["async_answers"] = [a if isinstance(a, list) else str(a) for a in answers]
+    out["async_answers"] = [answers.get(index, "no answer") for index in range(16)]
 
     wrong_shape = grpcclient.InferInput("features", [1, 63], "FP32")
     wrong_shape.set_data_from_numpy(np.zeros((1, 63), np.float32))
