@@ -131,7 +131,9 @@ class RouteManager:
     """Reads and changes the routing of the mesh running from `paths`."""
 
     def __init__(self, paths: MeshPaths, admin: AdminClient | None = None) -> None:
-        self.paths = paths
+        # Absolute: rendered file references (EDS paths inside CDS) must not depend on the
+        # caller's working directory (Envoy runs in the state dir and would not find them).
+        self.paths = MeshPaths(Path(paths.state_dir).resolve())
         self._admin = admin
 
     # --- state ---------------------------------------------------------------------

@@ -197,9 +197,10 @@ def test_cli_sets_shows_records_and_rolls_back(mesh: Mesh, routes: RouteManager)
                 "servemesh",
                 "routes",
                 "--state-dir",
-                str(mesh.state_dir),
+                mesh.state_dir.name,  # relative, as an operator in the project folder types it
                 *args,
             ],
+            cwd=mesh.state_dir.parent,
             capture_output=True,
             text=True,
             timeout=60,
