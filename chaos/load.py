@@ -21,8 +21,8 @@ from typing import Any
 
 import grpc
 
-from servemesh.loadgen import Outcome
-from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from servemesh.loadgen import Outcome, predict_once
+from servemesh_api.gateway.v1 import gateway_pb2_grpc
 
 
 @dataclass(frozen=True)
@@ -157,25 +157,14 @@ class BackgroundLoad:
             pending: set[asyncio.Task[None]] = set()
 
             async def one(index: int, sent_s: float) -> None:
-                request = gateway_pb2.PredictRequest(
-                    model=self.model, entity_ids=[f"user-{index % self.entities}"]
+                outcome = await predict_once(
+                    stub,
+                    model=self.model,
+                    entity=f"user-{index % self.entities}",
+                    sent_s=sent_s,
+                    timeout_s=self.timeout_s,
+                    metadata=self.metadata,
                 )
-                t0 = time.perf_counter()
-                try:
-                    reply = await stub.Predict(
-                        request, timeout=self.timeout_s, metadata=self.metadata or None
-                    )
-                    outcome = Outcome(
-                        sent_s,
-                        (time.perf_counter() - t0) * 1000,
-                        "OK",
-                        reply.model_version,
-                        reply.model_replica,
-                        reply.model_zone,
-                        reply.degraded,
-                    )
-                except grpc.aio.AioRpcError as exc:
-                    outcome = Outcome(sent_s, (time.perf_counter() - t0) * 1000, exc.code().name)
                 self.outcomes.append(outcome)
 
             interval = 1.0 / self.rate_per_s

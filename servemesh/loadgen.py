@@ -67,6 +67,33 @@ def share(outcomes: Sequence[Outcome], key: Callable[[Outcome], bool]) -> float:
     return sum(key(o) for o in ok) / len(ok) if ok else float("nan")
 
 
+async def predict_once(
+    stub: gateway_pb2_grpc.GatewayStub,
+    *,
+    model: str,
+    entity: str,
+    sent_s: float,
+    timeout_s: float,
+    metadata: Sequence[tuple[str, str]] | None = None,
+) -> Outcome:
+    """One Predict, its outcome and latency (never raises for a gRPC error)."""
+    request = gateway_pb2.PredictRequest(model=model, entity_ids=[entity])
+    t0 = time.perf_counter()
+    try:
+        reply = await stub.Predict(request, timeout=timeout_s, metadata=metadata or None)
+    except grpc.aio.AioRpcError as exc:
+        return Outcome(sent_s, (time.perf_counter() - t0) * 1000, exc.code().name)
+    return Outcome(
+        sent_s,
+        (time.perf_counter() - t0) * 1000,
+        "OK",
+        reply.model_version,
+        reply.model_replica,
+        reply.model_zone,
+        reply.degraded,
+    )
+
+
 async def open_loop(
     address: str,
     *,
@@ -86,23 +113,10 @@ async def open_loop(
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         async def one(index: int, sent_s: float) -> None:
-            request = gateway_pb2.PredictRequest(
-                model=model, entity_ids=[f"user-{index % entities}"]
+            entity = f"user-{index % entities}"
+            outcome = await predict_once(
+                stub, model=model, entity=entity, sent_s=sent_s, timeout_s=timeout_s
             )
-            t0 = time.perf_counter()
-            try:
-                reply = await stub.Predict(request, timeout=timeout_s)
-                outcome = Outcome(
-                    sent_s,
-                    (time.perf_counter() - t0) * 1000,
-                    "OK",
-                    reply.model_version,
-                    reply.model_replica,
-                    reply.model_zone,
-                    reply.degraded,
-                )
-            except grpc.aio.AioRpcError as exc:
-                outcome = Outcome(sent_s, (time.perf_counter() - t0) * 1000, exc.code().name)
             run.outcomes.append(outcome)
 
         def run_event(event: Event) -> None:
