@@ -14,7 +14,6 @@ import time
 import urllib.parse
 from pathlib import Path
 
-import grpc
 import redis
 
 from servemesh.chaos.canary import FLAKY_PREFIX, flaky_artifact, parse_flaky_source
@@ -121,14 +120,7 @@ class DrillMesh(Mesh):
         ]
         if not flaky:
             return
-        limit = self.spec.limits.max_message_bytes
-        options = [
-            ("grpc.max_send_message_length", limit),
-            ("grpc.max_receive_message_length", limit),
-        ]
-        async with grpc.aio.insecure_channel(
-            self.spec.registry_address, options=options
-        ) as channel:
+        async with self.registry_channel() as channel:
             for name, version, (percent, seed), model in flaky:
                 artifact = flaky_artifact(percent, seed, self.spec.demo.entities)
                 await push_version(

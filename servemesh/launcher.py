@@ -355,6 +355,15 @@ class Mesh:
                 f"{child.name} was not ready in time; its log:\n" + child.log_tail()
             )
 
+    def registry_channel(self) -> grpc.aio.Channel:
+        """A channel to the registry that carries artifacts up to the spec's message limit."""
+        limit = self.spec.limits.max_message_bytes
+        options = [
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+        ]
+        return grpc.aio.insecure_channel(self.spec.registry_address, options=options)
+
     async def _seed_demo(self) -> None:
         """Push the demo model versions to the registry and demo features to Redis."""
         from servemesh.demo import demo_artifact, demo_features
@@ -362,14 +371,7 @@ class Mesh:
         from servemesh.services.feature.store import RedisFeatureStore
         from servemesh_api.registry.v1 import registry_pb2
 
-        limit = self.spec.limits.max_message_bytes
-        options = [
-            ("grpc.max_send_message_length", limit),
-            ("grpc.max_receive_message_length", limit),
-        ]
-        async with grpc.aio.insecure_channel(
-            self.spec.registry_address, options=options
-        ) as channel:
+        async with self.registry_channel() as channel:
             for model_name, model in self.spec.models.items():
                 for version, version_spec in model.versions.items():
                     if not version_spec.source.startswith("demo:"):
