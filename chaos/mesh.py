@@ -109,8 +109,8 @@ class DrillMesh(Mesh):
         await self._seed_flaky_versions()
 
     async def _seed_flaky_versions(self) -> None:
+        from servemesh.demo import demo_signature
         from servemesh.registry.client import push_version
-        from servemesh_api.registry.v1 import registry_pb2
 
         flaky = [
             (name, version, parse_flaky_source(v.source), model)
@@ -128,12 +128,7 @@ class DrillMesh(Mesh):
                     model=name,
                     version=version,
                     data=artifact.data,
-                    inputs=[
-                        registry_pb2.TensorSpec(
-                            name="features", datatype="FP32", shape=[-1, len(model.features)]
-                        )
-                    ],
-                    outputs=[registry_pb2.TensorSpec(name="score", datatype="FP32", shape=[-1, 1])],
+                    **demo_signature(len(model.features)),
                     labels={"source": model.versions[version].source},
                 )
 

@@ -53,6 +53,17 @@ def demo_artifact(seed: int) -> Artifact:
     return torchscript_artifact(build_fraud_model(seed))
 
 
+def demo_signature(n_features: int = N_FEATURES) -> dict[str, list[dict[str, object]]]:
+    """The registry signature of the demo models: `features` FP32 [-1, n] -> `score` FP32 [-1, 1].
+
+    Returned as keyword arguments for `servemesh.registry.client.push_version`.
+    """
+    return {
+        "inputs": [{"name": "features", "datatype": "FP32", "shape": [-1, n_features]}],
+        "outputs": [{"name": "score", "datatype": "FP32", "shape": [-1, 1]}],
+    }
+
+
 def demo_entity_id(index: int) -> str:
     return f"user-{index}"
 

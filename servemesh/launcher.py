@@ -366,10 +366,9 @@ class Mesh:
 
     async def _seed_demo(self) -> None:
         """Push the demo model versions to the registry and demo features to Redis."""
-        from servemesh.demo import demo_artifact, demo_features
+        from servemesh.demo import demo_artifact, demo_features, demo_signature
         from servemesh.registry.client import push_version
         from servemesh.services.feature.store import RedisFeatureStore
-        from servemesh_api.registry.v1 import registry_pb2
 
         async with self.registry_channel() as channel:
             for model_name, model in self.spec.models.items():
@@ -382,14 +381,7 @@ class Mesh:
                         model=model_name,
                         version=version,
                         data=artifact.data,
-                        inputs=[
-                            registry_pb2.TensorSpec(
-                                name="features", datatype="FP32", shape=[-1, len(model.features)]
-                            )
-                        ],
-                        outputs=[
-                            registry_pb2.TensorSpec(name="score", datatype="FP32", shape=[-1, 1])
-                        ],
+                        **demo_signature(len(model.features)),
                         labels={"source": version_spec.source},
                     )
         views = {m.feature_view for m in self.spec.models.values() if m.features == DEMO_FEATURES}
