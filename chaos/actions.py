@@ -33,8 +33,8 @@ import redis
 
 from servemesh.chaos.drill import DrillError, current
 from servemesh.policy import GRPC_CODES
-from servemesh.proxy.render import fault_runtime_prefix
 from servemesh.services.runtime.faults import FaultSettings, control_file, set_fault
+from servemesh.wire import fault_runtime_prefix
 
 __all__ = [
     "kill_replicas",

@@ -27,6 +27,13 @@ from servemesh.chaos.drill import DrillError, current
 from servemesh.chaos.load import WindowStats, window_stats
 from servemesh.chaos.report import envoy_deltas
 from servemesh.proxy.admin import AdminError
+from servemesh.wire import (
+    GATEWAY_CLUSTER,
+    feature_cluster,
+    is_shadow_cluster,
+    model_cluster,
+    zone_of_cluster,
+)
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 
@@ -158,9 +165,9 @@ def envoy_stats() -> dict[str, Any]:
     first = drill.spec.zones[0]
     healthy: dict[str, dict[str, str]] = {}
     for cluster_name, view in sorted(clusters.items()):
-        if not cluster_name.endswith(f"-via-{first}") and cluster_name not in ("gateway",):
+        if zone_of_cluster(cluster_name) != first and cluster_name != GATEWAY_CLUSTER:
             continue
-        if cluster_name.startswith("shadow-"):
+        if is_shadow_cluster(cluster_name):
             continue
         totals: dict[str, int] = {}
         for host in view.hosts:
@@ -179,9 +186,9 @@ def healthy_hosts(service: str = "model", zone: str | None = None, via: str | No
     if service == "model":
         model = str(drill.config["model"])
         version = sorted(spec.models[model].versions)[0]
-        name = f"model-{model}-{version}-via-{via}"
+        name = model_cluster(model, version, via)
     elif service == "feature":
-        name = f"feature-via-{via}"
+        name = feature_cluster(via)
     elif service in ("gateway", "registry"):
         name = service
     else:

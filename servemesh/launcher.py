@@ -31,6 +31,7 @@ from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
 from servemesh.proxy.render import dynamic_bootstrap, render_resources, static_bootstrap
 from servemesh.spec import DEMO_FEATURES, MeshSpec, dump_spec, free_port, resolve_ports
+from servemesh.wire import message_size_options
 
 log = logging.getLogger(__name__)
 
@@ -357,11 +358,7 @@ class Mesh:
 
     def registry_channel(self) -> grpc.aio.Channel:
         """A channel to the registry that carries artifacts up to the spec's message limit."""
-        limit = self.spec.limits.max_message_bytes
-        options = [
-            ("grpc.max_send_message_length", limit),
-            ("grpc.max_receive_message_length", limit),
-        ]
+        options = message_size_options(self.spec.limits.max_message_bytes)
         return grpc.aio.insecure_channel(self.spec.registry_address, options=options)
 
     async def _seed_demo(self) -> None:

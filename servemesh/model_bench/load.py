@@ -23,13 +23,11 @@ import grpc
 import numpy as np
 
 from servemesh.demo import N_FEATURES
+from servemesh.wire import MODEL_INFER_METHOD, message_size_options
 from servemesh_api.inference import grpc_service_pb2 as oip
 
-METHOD = "/inference.GRPCInferenceService/ModelInfer"
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 4 * 1024 * 1024),
-    ("grpc.max_send_message_length", 4 * 1024 * 1024),
-]
+METHOD = MODEL_INFER_METHOD
+CHANNEL_OPTIONS = message_size_options(4 * 1024 * 1024)
 
 
 def request_bodies(model: str, count: int = 256, rows: int = 1, seed: int = 0) -> list[bytes]:

@@ -29,7 +29,6 @@ import numpy as np
 from servemesh.demo import N_FEATURES, demo_artifact
 from servemesh.services.model.loader import LoadedModel, ModelLoader, load_model
 from servemesh.services.model.service import SERVICE_NAME, build_server
-from servemesh.services.model.servicer import REPLICA_PARAMETER, ZONE_PARAMETER
 from servemesh.services.model.tensors import Signature, TensorSig
 from servemesh.services.runtime import ServiceServer
 from servemesh.spec import (
@@ -41,6 +40,7 @@ from servemesh.spec import (
     Replicas,
     resolve_ports,
 )
+from servemesh.wire import REPLICA_PARAMETER, ZONE_PARAMETER
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from servemesh.proxy.admin import AdminClient, ClusterView
-from servemesh.proxy.render import mesh_route_config, model_cluster
 from servemesh.spec import MeshSpec
+from servemesh.wire import MODEL_INFER_STAT, mesh_route_config, model_cluster
 
-INFER_STATS = "grpc.inference.GRPCInferenceService.ModelInfer"
+INFER_STATS = f"grpc.{MODEL_INFER_STAT}"
 
 
 @dataclass

@@ -26,12 +26,26 @@ from servemesh.policy import (
     RoutePolicy,
 )
 from servemesh.spec import Instance, MeshSpec, ModelSpec
-
-MODEL_HEADER = "x-servemesh-model"
-VERSION_HEADER = "x-servemesh-model-version"
-# "primary" on a call whose copy goes to a shadow version, "shadow" on the copy.
-SHADOW_ROLE_HEADER = "x-servemesh-shadow-role"
-OIP_PREFIX = "/inference.GRPCInferenceService/"
+from servemesh.wire import (
+    FEATURE_SERVICE,
+    GATEWAY_CLUSTER,
+    HEALTH_PREFIX,
+    MODEL_HEADER,
+    OIP_PREFIX,
+    REGISTRY_CLUSTER,
+    REGISTRY_SERVICE,
+    SHADOW_ROLE_HEADER,
+    SHADOW_ROLE_PRIMARY,
+    SHADOW_ROLE_SHADOW,
+    VERSION_HEADER,
+    fault_runtime_prefix,
+    feature_cluster,
+    mesh_route_config,
+    method_prefix,
+    model_cluster,
+    model_servers_cluster,
+    shadow_cluster,
+)
 
 _T = "type.googleapis.com/envoy."
 _HCM = _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -66,28 +80,6 @@ _ACCESS_LOG_FORMAT = {
     "request_id": "%REQ(X-REQUEST-ID)%",
     "version": "%REQ(X-SERVEMESH-MODEL-VERSION)%",
 }
-
-
-# --- names -------------------------------------------------------------------------------
-
-
-def model_cluster(model: str, version: str, zone: str) -> str:
-    """The cluster of one model version as seen from callers in `zone`."""
-    return f"model-{model}-{version}-via-{zone}"
-
-
-def shadow_cluster(model: str, version: str, zone: str) -> str:
-    """The cluster mirrored copies of `model`'s calls go through to reach `version`."""
-    return f"shadow-{model}-{version}-via-{zone}"
-
-
-def mesh_route_config(zone: str) -> str:
-    return f"mesh-{zone}"
-
-
-def fault_runtime_prefix(route: str) -> str:
-    """Runtime keys a drill sets to inject faults on a route: <prefix>.abort_percent, ..."""
-    return f"fault.{route}"
 
 
 # --- small builders ----------------------------------------------------------------------
@@ -153,7 +145,7 @@ def _shadow_marking(version: str) -> list[dict[str, Any]]:
     version, whatever headers the primary call carried."""
     mutations = [
         {"append": _set_header(VERSION_HEADER, version)},
-        {"append": _set_header(SHADOW_ROLE_HEADER, "shadow")},
+        {"append": _set_header(SHADOW_ROLE_HEADER, SHADOW_ROLE_SHADOW)},
     ]
     return [
         {
@@ -358,7 +350,7 @@ def _model_routes(
                 },
             }
         ]
-        split["request_headers_to_add"] = [_set_header(SHADOW_ROLE_HEADER, "primary")]
+        split["request_headers_to_add"] = [_set_header(SHADOW_ROLE_HEADER, SHADOW_ROLE_PRIMARY)]
     routes.append(_with_fault(split, f"model.{model_name}", policy.fault))
     return routes
 
@@ -372,8 +364,8 @@ def _mesh_routes(spec: MeshSpec, zone: str) -> list[dict[str, Any]]:
         _with_fault(
             {
                 "name": "feature",
-                "match": {"prefix": "/servemesh.feature.v1.FeatureService/"},
-                "route": {"cluster": f"feature-via-{zone}", **_route_action(feature)},
+                "match": {"prefix": method_prefix(FEATURE_SERVICE)},
+                "route": {"cluster": feature_cluster(zone), **_route_action(feature)},
             },
             "feature",
             feature.fault,
@@ -382,15 +374,18 @@ def _mesh_routes(spec: MeshSpec, zone: str) -> list[dict[str, Any]]:
     routes += [
         {
             "name": "registry",
-            "match": {"prefix": "/servemesh.registry.v1.Registry/"},
+            "match": {"prefix": method_prefix(REGISTRY_SERVICE)},
             # Uploads are not idempotent mid-stream: no retries.
-            "route": {"cluster": "registry", **_route_action(spec.traffic.model, retries=False)},
+            "route": {
+                "cluster": REGISTRY_CLUSTER,
+                **_route_action(spec.traffic.model, retries=False),
+            },
         },
         # OIP calls without a model header (tritonclient, grpcurl): any model server.
         {
             "name": "model-servers",
             "match": {"prefix": OIP_PREFIX},
-            "route": {"cluster": f"model-servers-via-{zone}", **_route_action(spec.traffic.model)},
+            "route": {"cluster": model_servers_cluster(zone), **_route_action(spec.traffic.model)},
         },
     ]
     return routes
@@ -400,8 +395,8 @@ def _edge_routes(spec: MeshSpec) -> list[dict[str, Any]]:
     edge = spec.traffic.edge
     open_health = {
         "name": "health",
-        "match": {"prefix": "/grpc.health.v1.Health/"},
-        "route": {"cluster": "gateway", **_route_action(edge)},
+        "match": {"prefix": HEALTH_PREFIX},
+        "route": {"cluster": GATEWAY_CLUSTER, **_route_action(edge)},
         # Load balancers and probes check health without credentials.
         "typed_per_filter_config": {
             "envoy.filters.http.basic_auth": {"@type": _FILTER_CONFIG, "disabled": True}
@@ -413,7 +408,7 @@ def _edge_routes(spec: MeshSpec) -> list[dict[str, Any]]:
             {
                 "name": "gateway",
                 "match": {"prefix": "/"},
-                "route": {"cluster": "gateway", **_route_action(edge)},
+                "route": {"cluster": GATEWAY_CLUSTER, **_route_action(edge)},
             },
             "edge",
             edge.fault,
@@ -538,12 +533,12 @@ def render_resources(spec: MeshSpec, log_dir: Path) -> EnvoyResources:
         clusters.append(_cluster(name, policy, eds=True, upstream_filters=upstream_filters))
         assignments[name] = _load_assignment(spec, name, members, local_zone)
 
-    add("gateway", of("gateway"), spec.traffic.edge, None)
-    add("registry", of("registry"), spec.traffic.model, None)
+    add(GATEWAY_CLUSTER, of("gateway"), spec.traffic.edge, None)
+    add(REGISTRY_CLUSTER, of("registry"), spec.traffic.model, None)
     model_servers = of("model")
     for zone in spec.zones:
-        add(f"feature-via-{zone}", of("feature"), spec.traffic.feature, zone)
-        add(f"model-servers-via-{zone}", model_servers, spec.traffic.model, zone)
+        add(feature_cluster(zone), of("feature"), spec.traffic.feature, zone)
+        add(model_servers_cluster(zone), model_servers, spec.traffic.model, zone)
         # Every model server hosts every version; a cluster per version is what lets a
         # weighted route pick the version and keeps its retries within it.
         for model_name, model in sorted(spec.models.items()):

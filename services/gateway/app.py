@@ -7,6 +7,7 @@ import grpc
 from servemesh.services.gateway.service import GatewayServicer
 from servemesh.services.runtime import ServiceServer
 from servemesh.spec import MeshSpec
+from servemesh.wire import message_size_options
 from servemesh_api.gateway.v1 import gateway_pb2_grpc
 
 
@@ -17,8 +18,7 @@ async def build_server(spec: MeshSpec, instance: str) -> ServiceServer:
         # This zone's mesh listener: its clusters prefer replicas in the same zone.
         spec.mesh_address_for(spec.instance(instance).zone),
         options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
+            *message_size_options(limit),
             ("grpc.enable_retries", 0),
         ],
     )

@@ -20,12 +20,6 @@ from servemesh_api.inference import grpc_service_pb2 as oip
 INPUT_NAME = "features"
 OUTPUT_NAME = "score"
 
-MODEL_HEADER = "x-servemesh-model"
-VERSION_HEADER = "x-servemesh-model-version"
-# Response parameters the model server sets: which replica and zone answered.
-REPLICA_PARAMETER = "servemesh_replica"
-ZONE_PARAMETER = "servemesh_zone"
-
 
 class PredictError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:

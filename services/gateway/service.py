@@ -9,10 +9,6 @@ import grpc
 import numpy as np
 
 from servemesh.services.gateway.predict import (
-    MODEL_HEADER,
-    REPLICA_PARAMETER,
-    VERSION_HEADER,
-    ZONE_PARAMETER,
     PredictError,
     PredictPlan,
     build_infer_request,
@@ -23,6 +19,14 @@ from servemesh.services.gateway.predict import (
 from servemesh.services.runtime import DeadlineBudget, bind_request_id, request_id_from
 from servemesh.services.runtime.deadlines import DeadlineExhausted
 from servemesh.spec import MeshSpec
+from servemesh.wire import (
+    MODEL_HEADER,
+    REPLICA_PARAMETER,
+    REQUEST_ID_HEADER,
+    TRACE_HEADERS,
+    VERSION_HEADER,
+    ZONE_PARAMETER,
+)
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.inference import grpc_service_pb2 as oip
@@ -38,8 +42,6 @@ FALLBACK_CODES = {
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN,
 }
-# Headers passed on unchanged so a trace and a request id follow the request everywhere.
-PROPAGATED_HEADERS = ("traceparent", "tracestate")
 
 
 class DownstreamError(Exception):
@@ -69,8 +71,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         plan: PredictPlan | None = None
         try:
             plan = plan_predict(request, self.spec)
-            metadata = [("x-request-id", request_id)]
-            metadata += [(k, v) for k, v in incoming if k in PROPAGATED_HEADERS]
+            # The request id and the trace context follow the request to every hop.
+            metadata = [(REQUEST_ID_HEADER, request_id)]
+            metadata += [(k, v) for k, v in incoming if k in TRACE_HEADERS]
             features = await self._features(plan, deadline, metadata)
             answer = await self._infer(plan, features, deadline, metadata, request_id)
         except PredictError as exc:

@@ -14,9 +14,10 @@ from servemesh.services.model.servicer import InferenceServicer
 from servemesh.services.model.shadow import ShadowLedger, ShadowRecorder, ledger_path
 from servemesh.services.runtime import DeadlineBudget, ServiceServer
 from servemesh.spec import MeshSpec, SpecError
+from servemesh.wire import OIP_SERVICE, message_size_options
 from servemesh_api.inference import grpc_service_pb2_grpc
 
-SERVICE_NAME = "inference.GRPCInferenceService"
+SERVICE_NAME = OIP_SERVICE
 
 
 def _as_hook(close: Callable[[], None]):  # type: ignore[no-untyped-def]
@@ -73,11 +74,7 @@ async def build_server(
     if loader is None:
         size = spec.limits.max_message_bytes
         channel = grpc.aio.insecure_channel(
-            spec.registry_address,
-            options=[
-                ("grpc.max_receive_message_length", size),
-                ("grpc.max_send_message_length", size),
-            ],
+            spec.registry_address, options=message_size_options(size)
         )
         loader = registry_loader(channel, spec)
     try:

@@ -16,8 +16,9 @@ from servemesh.services.model.errors import ModelNotFound, RequestError, Serving
 from servemesh.services.model.loader import LoadedModel, ModelLoader
 from servemesh.services.model.tensors import decode_request, encode_outputs
 from servemesh.services.runtime import DeadlineBudget, bind_request_id
-from servemesh.services.runtime.logs import REQUEST_ID_HEADER, new_request_id
+from servemesh.services.runtime.logs import new_request_id
 from servemesh.spec import BatchingSpec
+from servemesh.wire import REPLICA_PARAMETER, REQUEST_ID_HEADER, VERSION_HEADER, ZONE_PARAMETER
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 
@@ -25,11 +26,6 @@ log = logging.getLogger(__name__)
 
 SERVER_NAME = "servemesh"
 EXTENSIONS = ("model_repository", "statistics")
-# Envoy sets this when a weighted route picks a version for an unpinned request.
-VERSION_HEADER = "x-servemesh-model-version"
-# Response parameters naming who answered, so callers and tests can see the replica/zone.
-REPLICA_PARAMETER = "servemesh_replica"
-ZONE_PARAMETER = "servemesh_zone"
 
 Key = tuple[str, str]
 

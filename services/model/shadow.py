@@ -19,12 +19,11 @@ import grpc
 import numpy as np
 
 from servemesh.services.runtime.interceptors import with_unary_behaviour
+from servemesh.wire import MODEL_INFER_METHOD, REQUEST_ID_HEADER, SHADOW_ROLE_HEADER
 from servemesh_api.inference import grpc_service_pb2 as oip
 
 log = logging.getLogger(__name__)
 
-ROLE_HEADER = "x-servemesh-shadow-role"
-INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 ROLES = ("primary", "shadow")
 
 
@@ -72,14 +71,14 @@ class ShadowRecorder(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or details.method != INFER_METHOD or handler.unary_unary is None:
+        if handler is None or details.method != MODEL_INFER_METHOD or handler.unary_unary is None:
             return handler
         metadata = details.invocation_metadata or ()
-        role = next((value for key, value in metadata if key == ROLE_HEADER), None)
+        role = next((value for key, value in metadata if key == SHADOW_ROLE_HEADER), None)
         if role not in ROLES:
             return handler
         behaviour = handler.unary_unary
-        request_id = str(next((value for key, value in metadata if key == "x-request-id"), ""))
+        request_id = str(next((value for key, value in metadata if key == REQUEST_ID_HEADER), ""))
 
         async def recorded(
             request: oip.ModelInferRequest, context: grpc.aio.ServicerContext

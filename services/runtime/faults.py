@@ -26,10 +26,11 @@ import grpc
 
 from servemesh.atomic import atomic_write_text
 from servemesh.services.runtime.interceptors import with_unary_behaviour
+from servemesh.wire import HEALTH_PREFIX, REFLECTION_PREFIX
 
 log = logging.getLogger(__name__)
 
-EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+EXEMPT_PREFIXES = (HEALTH_PREFIX, REFLECTION_PREFIX)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-REQUEST_ID_HEADER = "x-request-id"
+from servemesh.wire import REQUEST_ID_HEADER
+
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 
 # Fields of a LogRecord that are not the caller's `extra=`.

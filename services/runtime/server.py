@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from servemesh.services.runtime.faults import FaultInjector
+from servemesh.wire import message_size_options
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,7 @@ class ServiceServer:
         self.server = grpc.aio.server(
             interceptors=[self.faults, *(interceptors or [])],
             options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
+                *message_size_options(max_message_bytes),
                 # grpc turns SO_REUSEPORT on by default, which lets a second process bind a
                 # port already in use and silently share its traffic.
                 ("grpc.so_reuseport", 0),

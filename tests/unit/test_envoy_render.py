@@ -15,12 +15,12 @@ from servemesh.proxy.process import EnvoyConfigError, validate_config
 from servemesh.proxy.render import (
     XdsLayout,
     dynamic_bootstrap,
-    model_cluster,
     render_resources,
     static_bootstrap,
     xds_files,
 )
 from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, resolve_ports
+from servemesh.wire import model_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,116 @@
+"""The wire contract: every name that crosses a process boundary, defined once.
+
+Headers, OIP parameters, gRPC method paths, Envoy cluster and route names and the gRPC
+channel options all live here. Services, the Envoy renderer, the operator tooling, the
+drills and the benchmarks import them from this module; a rename is one edit, and a test
+that greps the tree keeps it that way.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# --- request headers (gRPC metadata keys are lower case) -------------------------------------
+
+# Names the model a call is for; Envoy's mesh routes match on it.
+MODEL_HEADER: Final = "x-servemesh-model"
+# Pins a model version; absent, the weighted split picks one.
+VERSION_HEADER: Final = "x-servemesh-model-version"
+# Set by Envoy on shadowed calls: "primary" on the served copy, "shadow" on the mirror.
+SHADOW_ROLE_HEADER: Final = "x-servemesh-shadow-role"
+SHADOW_ROLE_PRIMARY: Final = "primary"
+SHADOW_ROLE_SHADOW: Final = "shadow"
+# One id per caller request, generated at the edge when the caller sent none.
+REQUEST_ID_HEADER: Final = "x-request-id"
+# W3C trace context, passed on unchanged by every hop.
+TRACE_HEADERS: Final = ("traceparent", "tracestate")
+AUTHORIZATION_HEADER: Final = "authorization"
+
+# --- OIP v2 response parameters the model server sets ----------------------------------------
+
+# Which replica and zone computed the answer.
+REPLICA_PARAMETER: Final = "servemesh_replica"
+ZONE_PARAMETER: Final = "servemesh_zone"
+
+# --- gRPC services and method paths ----------------------------------------------------------
+
+OIP_SERVICE: Final = "inference.GRPCInferenceService"
+FEATURE_SERVICE: Final = "servemesh.feature.v1.FeatureService"
+GATEWAY_SERVICE: Final = "servemesh.gateway.v1.Gateway"
+REGISTRY_SERVICE: Final = "servemesh.registry.v1.Registry"
+HEALTH_SERVICE: Final = "grpc.health.v1.Health"
+REFLECTION_PREFIX: Final = "/grpc.reflection."
+
+
+def method_prefix(service: str) -> str:
+    """The path prefix every method of `service` shares: `/pkg.Service/`."""
+    return f"/{service}/"
+
+
+def method_path(service: str, method: str) -> str:
+    """The HTTP/2 path of one gRPC method: `/pkg.Service/Method`."""
+    return f"/{service}/{method}"
+
+
+OIP_PREFIX: Final = method_prefix(OIP_SERVICE)
+MODEL_INFER_METHOD: Final = method_path(OIP_SERVICE, "ModelInfer")
+HEALTH_PREFIX: Final = method_prefix(HEALTH_SERVICE)
+# Envoy's per-method gRPC stats name a method `<package>.<Service>.<Method>`.
+MODEL_INFER_STAT: Final = f"{OIP_SERVICE}.ModelInfer"
+
+# --- Envoy cluster and route names -----------------------------------------------------------
+
+GATEWAY_CLUSTER: Final = "gateway"
+REGISTRY_CLUSTER: Final = "registry"
+_VIA: Final = "-via-"
+
+
+def model_cluster(model: str, version: str, zone: str) -> str:
+    """The cluster of one model version as seen from callers in `zone`."""
+    return f"model-{model}-{version}{_VIA}{zone}"
+
+
+def shadow_cluster(model: str, version: str, zone: str) -> str:
+    """The cluster mirrored copies of `model`'s calls go through to reach `version`."""
+    return f"shadow-{model}-{version}{_VIA}{zone}"
+
+
+def feature_cluster(zone: str) -> str:
+    """The feature services as seen from callers in `zone`."""
+    return f"feature{_VIA}{zone}"
+
+
+def model_servers_cluster(zone: str) -> str:
+    """Every model server (OIP calls with no model header), as seen from `zone`."""
+    return f"model-servers{_VIA}{zone}"
+
+
+def zone_of_cluster(cluster: str) -> str | None:
+    """The calling zone a zone-scoped cluster serves; None for zone-less clusters."""
+    _, sep, zone = cluster.rpartition(_VIA)
+    return zone if sep else None
+
+
+def is_shadow_cluster(cluster: str) -> bool:
+    return cluster.startswith("shadow-")
+
+
+def mesh_route_config(zone: str) -> str:
+    """The route configuration of `zone`'s mesh listener."""
+    return f"mesh-{zone}"
+
+
+def fault_runtime_prefix(route: str) -> str:
+    """Runtime keys a drill sets to inject faults on a route: <prefix>.abort_percent, ..."""
+    return f"fault.{route}"
+
+
+# --- gRPC channel options --------------------------------------------------------------------
+
+
+def message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Channel or server options that send and receive messages up to the given size."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
