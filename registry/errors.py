@@ -1,16 +1,26 @@
 """Why the registry refused something; each message names the field or the object concerned.
 
-The store raises these; the gRPC servicer maps each class to one status code.
+The store raises these; each extends a class of the runtime's error tree, which gives the
+gRPC status the caller sees.
 """
 
 from __future__ import annotations
 
+from servemesh.services.runtime.errors import (
+    AlreadyExists,
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    MeshError,
+    NotFound,
+    ResourceExhausted,
+)
 
-class RegistryError(Exception):
-    """A refusal the caller can act on."""
+# Any refusal of the registry's (the store and the servicer catch this name).
+RegistryError = MeshError
 
 
-class InvalidArgumentError(RegistryError):
+class InvalidArgumentError(InvalidArgument):
     """A request field is malformed; the message starts with the field's name."""
 
 
@@ -18,21 +28,21 @@ class DigestMismatchError(InvalidArgumentError):
     """The uploaded bytes do not match the declared size or sha256."""
 
 
-class NotFoundError(RegistryError):
+class NotFoundError(NotFound):
     """A model, version or alias does not exist."""
 
 
-class AlreadyExistsError(RegistryError):
+class AlreadyExistsError(AlreadyExists):
     """The name is taken: versions are immutable, models are created once."""
 
 
-class ArtifactTooLargeError(RegistryError):
+class ArtifactTooLargeError(ResourceExhausted):
     """An artifact exceeds a size limit (the registry's, or the caller's)."""
 
 
-class UploadProtocolError(RegistryError):
+class UploadProtocolError(FailedPrecondition):
     """The upload stream is out of order: no header first, or a second header."""
 
 
-class BlobMissingError(RegistryError):
+class BlobMissingError(DataLoss):
     """A version's record exists but its artifact is gone from disk."""

@@ -21,17 +21,12 @@ import asyncio
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import NoReturn, TypeVar
+from typing import TypeVar
 
 import grpc
 
 from servemesh.registry.convert import header_from_proto, model_to_proto, version_to_proto
 from servemesh.registry.errors import (
-    AlreadyExistsError,
-    ArtifactTooLargeError,
-    BlobMissingError,
-    InvalidArgumentError,
-    NotFoundError,
     RegistryError,
     UploadProtocolError,
 )
@@ -44,30 +39,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
 DOWNLOAD_CHUNK_BYTES = 256 * 1024
 
-# Checked in order: subclasses before their bases.
-_STATUS_OF: tuple[tuple[type[RegistryError], grpc.StatusCode], ...] = (
-    (InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT),
-    (NotFoundError, grpc.StatusCode.NOT_FOUND),
-    (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
-    (ArtifactTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (UploadProtocolError, grpc.StatusCode.FAILED_PRECONDITION),
-    (BlobMissingError, grpc.StatusCode.DATA_LOSS),
-)
-
 T = TypeVar("T")
-
-
-def status_of(exc: RegistryError) -> grpc.StatusCode:
-    """The gRPC status code a store refusal answers with."""
-    for kind, code in _STATUS_OF:
-        if isinstance(exc, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
-
-
-async def _abort(context: grpc.aio.ServicerContext, exc: RegistryError) -> NoReturn:
-    await context.abort(status_of(exc), str(exc))
-    raise AssertionError("unreachable: context.abort raises")
 
 
 @dataclass
@@ -103,11 +75,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     async def _call(
         self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: object
     ) -> T:
-        """fn(*args) in a thread; a store refusal aborts the RPC with its status code."""
-        try:
-            return await asyncio.to_thread(fn, *args)
-        except RegistryError as exc:
-            await _abort(context, exc)
+        """fn(*args) in a thread (a store refusal reaches the caller with its status)."""
+        return await asyncio.to_thread(fn, *args)
 
     async def CreateModel(
         self, request: registry_pb2.CreateModelRequest, context: grpc.aio.ServicerContext
@@ -171,15 +140,12 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         except RegistryError as exc:
             log.warning(
                 "upload refused",
-                extra={**receiving.log_fields(), "code": status_of(exc).name, "reason": str(exc)},
+                extra={**receiving.log_fields(), "code": exc.code.name, "reason": exc.message},
             )
-            await _abort(context, exc)
+            raise
         except asyncio.CancelledError:
             log.info("upload cancelled by the client", extra=receiving.log_fields())
             raise
-        except Exception:
-            log.exception("upload failed", extra=receiving.log_fields())
-            await context.abort(grpc.StatusCode.INTERNAL, "upload failed: internal error")
         finally:
             # Synchronous on purpose: it must run even while this task is being cancelled.
             # A no-op after a commit, and while a commit still runs in its thread.
@@ -220,12 +186,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
 
         Read a chunk at a time in a thread: a large artifact never sits in memory whole.
         """
-        try:
-            record = await asyncio.to_thread(self.store.get_version, request.model, request.version)
-            # Opened here, not in a thread: a cancellation mid-open would leak the handle.
-            blob = self.store.open_artifact(record)
-        except RegistryError as exc:
-            await _abort(context, exc)
+        record = await asyncio.to_thread(self.store.get_version, request.model, request.version)
+        # Opened here, not in a thread: a cancellation mid-open would leak the handle.
+        blob = self.store.open_artifact(record)
         with blob:
             data = await asyncio.to_thread(blob.read, self.download_chunk_bytes)
             yield registry_pb2.ArtifactChunk(version=version_to_proto(record), data=data)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 
+from servemesh.services.runtime.errors import Internal, InvalidArgument, NotFound
 from servemesh.spec import MeshSpec, ModelSpec
 from servemesh_api.gateway.v1 import gateway_pb2
 from servemesh_api.inference import grpc_service_pb2 as oip
@@ -19,12 +19,6 @@ from servemesh_api.inference import grpc_service_pb2 as oip
 # and the gateway speaks to every model through this one input/output pair.
 INPUT_NAME = "features"
 OUTPUT_NAME = "score"
-
-
-class PredictError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -37,48 +31,41 @@ class PredictPlan:
 
 
 def plan_predict(request: gateway_pb2.PredictRequest, spec: MeshSpec) -> PredictPlan:
-    """Validate a PredictRequest; raise PredictError naming the first bad field."""
+    """Validate a PredictRequest; raise InvalidArgument or NotFound naming the first bad field."""
     if not request.model:
-        raise PredictError(grpc.StatusCode.INVALID_ARGUMENT, "model: required")
+        raise InvalidArgument("model: required")
     model = spec.models.get(request.model)
     if model is None:
-        raise PredictError(
-            grpc.StatusCode.NOT_FOUND,
+        raise NotFound(
             f"model: {request.model[:64]!r} is not served; served models: {sorted(spec.models)}",
         )
     if request.version and request.version not in model.versions:
-        raise PredictError(
-            grpc.StatusCode.NOT_FOUND,
+        raise NotFound(
             f"version: model {request.model!r} has no version {request.version[:64]!r}; "
             f"versions: {sorted(model.versions)}",
         )
     n_rows = len(request.entity_ids) + len(request.rows)
     if n_rows == 0:
-        raise PredictError(grpc.StatusCode.INVALID_ARGUMENT, "entity_ids, rows: give at least one")
+        raise InvalidArgument("entity_ids, rows: give at least one")
     if n_rows > spec.limits.max_rows_per_predict:
-        raise PredictError(
-            grpc.StatusCode.INVALID_ARGUMENT,
+        raise InvalidArgument(
             f"entity_ids, rows: {n_rows} rows, at most {spec.limits.max_rows_per_predict} per call",
         )
     for i, entity_id in enumerate(request.entity_ids):
         if not entity_id or len(entity_id) > 256:
-            raise PredictError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"entity_ids[{i}]: empty or longer than 256"
-            )
+            raise InvalidArgument(f"entity_ids[{i}]: empty or longer than 256")
     width = len(model.features)
     rows = np.empty((len(request.rows), width), dtype=np.float32)
     for i, row in enumerate(request.rows):
         if len(row.values) != width:
-            raise PredictError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            raise InvalidArgument(
                 f"rows[{i}].values: model {request.model!r} takes {width} features, "
                 f"got {len(row.values)}",
             )
         rows[i] = row.values
     if rows.size and not np.isfinite(rows).all():
         bad_row, bad_col = map(int, np.argwhere(~np.isfinite(rows))[0])
-        raise PredictError(
-            grpc.StatusCode.INVALID_ARGUMENT,
+        raise InvalidArgument(
             f"rows[{bad_row}].values[{bad_col}]: not a finite number",
         )
     return PredictPlan(
@@ -105,7 +92,7 @@ def build_infer_request(
 
 
 def read_scores(response: oip.ModelInferResponse, n_rows: int) -> list[float]:
-    """Scores from the model's answer; raises PredictError when it is not n_rows floats."""
+    """Scores from the model's answer; raises Internal when it is not n_rows floats."""
     for index, output in enumerate(response.outputs):
         if output.name != OUTPUT_NAME:
             continue
@@ -118,7 +105,7 @@ def read_scores(response: oip.ModelInferResponse, n_rows: int) -> list[float]:
         if values.size == n_rows:
             return [float(v) for v in values]
         break
-    raise PredictError(grpc.StatusCode.INTERNAL, "model answered without one FP32 score per row")
+    raise Internal("model answered without one FP32 score per row")
 
 
 def fallback_response(

@@ -9,7 +9,6 @@ import grpc
 import numpy as np
 
 from servemesh.services.gateway.predict import (
-    PredictError,
     PredictPlan,
     build_infer_request,
     fallback_response,
@@ -17,7 +16,7 @@ from servemesh.services.gateway.predict import (
     read_scores,
 )
 from servemesh.services.runtime import DeadlineBudget, bind_request_id, request_id_from
-from servemesh.services.runtime.deadlines import DeadlineExhausted
+from servemesh.services.runtime.errors import Internal, MeshError
 from servemesh.spec import MeshSpec
 from servemesh.wire import (
     MODEL_HEADER,
@@ -44,11 +43,12 @@ FALLBACK_CODES = {
 }
 
 
-class DownstreamError(Exception):
+class DownstreamError(MeshError):
+    """A call to the next hop failed; the caller gets that hop's status, named."""
+
     def __init__(self, hop: str, error: grpc.aio.AioRpcError) -> None:
-        super().__init__(f"{hop}: {error.details()}")
+        super().__init__(f"{hop}: {error.details()}", code=error.code())
         self.hop = hop
-        self.code = error.code()
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -76,16 +76,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             metadata += [(k, v) for k, v in incoming if k in TRACE_HEADERS]
             features = await self._features(plan, deadline, metadata)
             answer = await self._infer(plan, features, deadline, metadata, request_id)
-        except PredictError as exc:
-            log.info("predict refused", extra={"code": exc.code.name, "reason": str(exc)})
-            await context.abort(exc.code, str(exc))
-            raise
-        except DeadlineExhausted as exc:
-            log.info("predict out of time", extra={"left": str(exc)})
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded at the gateway ({exc})"
-            )
-            raise
         except DownstreamError as exc:
             fallback = (
                 fallback_response(plan, request_id, str(exc))
@@ -95,8 +85,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if fallback is not None:
                 log.warning("predict degraded", extra={"hop": exc.hop, "code": exc.code.name})
                 return fallback
-            log.info("predict failed downstream", extra={"hop": exc.hop, "code": exc.code.name})
-            await context.abort(exc.code, str(exc))
             raise
         log.info(
             "predict",
@@ -130,9 +118,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise DownstreamError("feature service", exc) from None
         looked_up = np.array([v.values for v in reply.vectors], dtype=np.float32)
         if looked_up.shape != (len(plan.entity_ids), len(plan.model.features)):
-            raise PredictError(
-                grpc.StatusCode.INTERNAL, "feature service answered a matrix of the wrong shape"
-            )
+            raise Internal("feature service answered a matrix of the wrong shape")
         return np.concatenate([looked_up, plan.rows]) if len(plan.rows) else looked_up
 
     async def _infer(

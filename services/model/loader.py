@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from servemesh.services.model.batcher import Batcher
-from servemesh.services.model.errors import ServingError
+from servemesh.services.model.errors import LoadError
 from servemesh.services.model.runner import DEFAULT_NUM_THREADS, ArtifactMismatch, ModelRunner
 from servemesh.services.model.tensors import Signature
 from servemesh.spec import BatchingSpec, MeshSpec
@@ -47,12 +47,6 @@ ModelLoader = Callable[[str, str], Awaitable[LoadedModel]]
 # registry.client.fetch_verified's shape: (channel, model, version, *, timeout, max_bytes)
 # -> (ModelVersion, artifact bytes).
 FetchVerified = Callable[..., Awaitable[tuple[Any, bytes]]]
-
-
-class LoadError(ServingError):
-    """A model version could not be loaded; the message says which and why."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 def warm_up_sizes(batching: BatchingSpec) -> list[int]:
@@ -180,7 +174,7 @@ def registry_loader(
                 device=device,
             )
         except ArtifactMismatch as exc:
-            raise LoadError(f"{where}: {exc}", grpc.StatusCode.DATA_LOSS) from None
+            raise LoadError(f"{where}: {exc}", code=grpc.StatusCode.DATA_LOSS) from None
 
     return load
 
@@ -203,7 +197,7 @@ async def _fetch_with_retry(
         except grpc.aio.AioRpcError as exc:
             where = f"model {model!r} version {version!r}"
             if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + backoff > give_up:
-                raise LoadError(f"{where}: registry: {exc.details()}", exc.code()) from None
+                raise LoadError(f"{where}: registry: {exc.details()}", code=exc.code()) from None
             log.warning(
                 "registry unavailable; retrying", extra={"model": model, "version": version}
             )

@@ -125,7 +125,8 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         """Load (or reload) a version with the injected loader and serve it."""
         if self.loader is None:
             raise ServingError(
-                "model loading is not configured on this replica", grpc.StatusCode.UNIMPLEMENTED
+                "model loading is not configured on this replica",
+                code=grpc.StatusCode.UNIMPLEMENTED,
             )
         key = (model, version)
         lock = self._locks.setdefault(key, asyncio.Lock())

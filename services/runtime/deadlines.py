@@ -7,8 +7,10 @@ from dataclasses import dataclass
 
 import grpc
 
+from servemesh.services.runtime.errors import DeadlineExceeded
 
-class DeadlineExhausted(Exception):
+
+class DeadlineExhausted(DeadlineExceeded):
     """The caller's deadline leaves no time for the next hop."""
 
 
@@ -30,7 +32,8 @@ class DeadlineBudget:
         """Seconds a downstream call may take; raises when nothing is left after our budget."""
         left = deadline - time.monotonic() - self.hop_budget_s
         if left <= 0:
-            raise DeadlineExhausted(f"{(deadline - time.monotonic()) * 1000:.1f} ms left")
+            left_ms = (deadline - time.monotonic()) * 1000
+            raise DeadlineExhausted(f"deadline exceeded: {left_ms:.1f} ms left for the next hop")
         return left
 
 

@@ -14,6 +14,7 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from servemesh.services.runtime.errors import ErrorStatusInterceptor
 from servemesh.services.runtime.faults import FaultInjector
 from servemesh.wire import message_size_options
 
@@ -74,7 +75,8 @@ class ServiceServer:
         self.drain_grace_s = drain_grace_s
         self.faults = FaultInjector()
         self.server = grpc.aio.server(
-            interceptors=[self.faults, *(interceptors or [])],
+            # Faults first, so an injected error never looks like a handler's own error.
+            interceptors=[self.faults, ErrorStatusInterceptor(), *(interceptors or [])],
             options=[
                 *message_size_options(max_message_bytes),
                 # grpc turns SO_REUSEPORT on by default, which lets a second process bind a

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from servemesh.services.gateway.predict import (
-    PredictError,
     build_infer_request,
     fallback_response,
     plan_predict,
     read_scores,
 )
+from servemesh.services.runtime.errors import MeshError
 from servemesh.spec import MeshSpec, ModelSpec
 from servemesh_api.gateway.v1 import gateway_pb2
 from servemesh_api.inference import grpc_service_pb2 as oip
@@ -68,7 +68,7 @@ def _row(n: int, value: float = 0.5) -> gateway_pb2.FeatureRow:
 def test_bad_requests_name_the_field(
     request_: gateway_pb2.PredictRequest, code: grpc.StatusCode, field: str
 ) -> None:
-    with pytest.raises(PredictError) as err:
+    with pytest.raises(MeshError) as err:
         plan_predict(request_, SPEC)
     assert err.value.code == code
     assert str(err.value).startswith(field)
@@ -92,7 +92,7 @@ def test_scores_are_read_from_raw_or_typed_outputs_and_checked_for_count() -> No
         [0.3, 0.4]
     )
     assert read_scores(typed, 2) == pytest.approx([0.3, 0.4])
-    with pytest.raises(PredictError) as err:
+    with pytest.raises(MeshError) as err:
         read_scores(typed, 3)
     assert err.value.code == grpc.StatusCode.INTERNAL
 

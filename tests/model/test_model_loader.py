@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from servemesh.demo import Artifact
-from servemesh.services.model.loader import LoadError, registry_loader
+from servemesh.services.model.errors import LoadError
+from servemesh.services.model.loader import registry_loader
 from servemesh.spec import DEMO_FEATURES, BatchingSpec, MeshSpec, ModelSpec, ModelVersionSpec
 from servemesh_api.registry.v1 import registry_pb2
 

@@ -15,7 +15,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servemesh.demo import Artifact
-from servemesh.services.model.loader import LoadedModel, LoadError, load_model
+from servemesh.services.model.errors import LoadError
+from servemesh.services.model.loader import LoadedModel, load_model
 from servemesh.services.model.service import SERVICE_NAME, build_server
 from servemesh.services.model.servicer import InferenceServicer, natural_key
 from servemesh.services.runtime import ServiceServer
@@ -40,7 +41,7 @@ def demo_loader(
         seed = {"v1": 1, "v2": 2}.get(version)
         if model != "fraud" or seed is None:
             raise LoadError(
-                f"model {model!r} version {version!r}: no such demo", grpc.StatusCode.NOT_FOUND
+                f"model {model!r} version {version!r}: no such demo", code=grpc.StatusCode.NOT_FOUND
             )
         artifact = artifacts[seed]
         return await load_model(

@@ -1,0 +1,181 @@
+"""The one error tree of servemesh: each class carries the gRPC status its caller sees.
+
+    MeshError                      INTERNAL (the base; any code may be given explicitly)
+    ├── InvalidArgument            INVALID_ARGUMENT  the message starts with the field's name
+    ├── NotFound                   NOT_FOUND
+    ├── AlreadyExists              ALREADY_EXISTS
+    ├── ResourceExhausted          RESOURCE_EXHAUSTED  shed load, a size or quota exceeded
+    ├── DeadlineExceeded           DEADLINE_EXCEEDED   the caller's time is up
+    ├── Unavailable                UNAVAILABLE         closing, draining, a dependency down
+    ├── FailedPrecondition         FAILED_PRECONDITION a call out of order
+    ├── DataLoss                   DATA_LOSS           stored bytes are gone or corrupt
+    └── Internal                   INTERNAL            a bug or a model that raised
+
+Services raise these (or their own subclasses, which only add a name) from anywhere in a
+call; `ErrorStatusInterceptor`, which every `ServiceServer` installs, turns them into the
+status and message the caller gets, so no servicer maps errors by hand. Anything else a
+handler raises reaches the caller as INTERNAL "internal error", with the traceback in the
+log and never on the wire.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+# Statuses that say the caller asked for something wrong; logged at info, not as failures.
+_CALLER_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
+
+
+class MeshError(Exception):
+    """A refusal or failure of one call, with the status code and message its caller gets.
+
+    Messages are short and safe to send: never a traceback, a secret or model internals.
+    """
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class InvalidArgument(MeshError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(MeshError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(MeshError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class ResourceExhausted(MeshError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceeded(MeshError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unavailable(MeshError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class FailedPrecondition(MeshError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class DataLoss(MeshError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class Internal(MeshError):
+    code = grpc.StatusCode.INTERNAL
+
+
+def is_caller_error(code: grpc.StatusCode) -> bool:
+    """True for statuses that describe the request rather than a fault of the service."""
+    return code in _CALLER_CODES
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: MeshError) -> NoReturn:
+    """End the call with the error's status and message."""
+    await context.abort(error.code, error.message)
+    raise AssertionError("unreachable: context.abort raises")
+
+
+async def _answer_failure(
+    exc: Exception, context: grpc.aio.ServicerContext, method: str
+) -> NoReturn:
+    if isinstance(exc, MeshError):
+        level = logging.INFO if is_caller_error(exc.code) else logging.WARNING
+        log.log(
+            level,
+            "call refused",
+            extra={"method": method, "code": exc.code.name, "reason": exc.message},
+        )
+        await abort_with(context, exc)
+    log.error("call failed", exc_info=exc, extra={"method": method})
+    await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+    raise AssertionError("unreachable: context.abort raises")
+
+
+Unary = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+ServerStreaming = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+
+
+def _mapped_unary(behaviour: Unary, method: str) -> Unary:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behaviour(request, context)
+        except grpc.aio.AbortError:
+            raise  # the handler already chose its status
+        except Exception as exc:
+            await _answer_failure(exc, context, method)
+
+    return call
+
+
+def _mapped_server_streaming(behaviour: ServerStreaming, method: str) -> ServerStreaming:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for message in behaviour(request, context):
+                yield message
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _answer_failure(exc, context, method)
+
+    return call
+
+
+class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
+    """Turns a MeshError raised by any handler into its gRPC status, in one place."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        method = details.method
+        serde = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _mapped_unary(handler.unary_unary, method), **serde
+            )
+        if handler.stream_unary is not None:
+            return grpc.stream_unary_rpc_method_handler(
+                _mapped_unary(handler.stream_unary, method), **serde
+            )
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            return grpc.unary_stream_rpc_method_handler(
+                _mapped_server_streaming(handler.unary_stream, method), **serde
+            )
+        # Streams written with context.write and bidirectional streams: none of ours.
+        return handler
