@@ -1,16 +1,39 @@
-"""The demo "fraud score" model and features that `servemesh up` seeds the mesh with."""
+"""The demo "fraud score" model and features that `servemesh up` seeds the mesh with.
+
+The spec's defaults name this content (`demo:<seed>` versions over the `f00`..`f63`
+features), so the spec module imports the names below; torch is imported only where a
+model is built, which keeps loading a spec light.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import io
+import re
+import zipfile
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 N_FEATURES = 64
 HIDDEN = 512
+DEMO_FEATURES = [f"f{i:02d}" for i in range(N_FEATURES)]
+# A model version whose `source` is "demo:<seed>" is built from the demo MLP with that seed.
+DEMO_SOURCE_PREFIX = "demo:"
+
+
+def demo_seed(source: str) -> int | None:
+    """The seed a `demo:<seed>` source names; None for any other source."""
+    if not source.startswith(DEMO_SOURCE_PREFIX):
+        return None
+    seed = source.removeprefix(DEMO_SOURCE_PREFIX)
+    if not seed.isdigit():
+        raise ValueError(f"source: {source!r} is not demo:<seed> with a decimal seed")
+    return int(seed)
 
 
 @dataclass(frozen=True)
@@ -25,6 +48,8 @@ class Artifact:
 
 def build_fraud_model(seed: int) -> torch.nn.Module:
     """MLP 64 -> 512 -> 512 -> 1 with a sigmoid: the same weights for the same seed."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(N_FEATURES, HIDDEN),
@@ -42,11 +67,74 @@ def build_fraud_model(seed: int) -> torch.nn.Module:
 
 
 def torchscript_artifact(model: torch.nn.Module) -> Artifact:
-    """Script the model and serialise it: TorchScript loads without unpickling Python code."""
+    """Script the model and serialise it: TorchScript loads without unpickling Python code.
+
+    The same model gives the same bytes in any process and any checkout (see
+    `canonical_torchscript`), so a re-run of `servemesh up` meets its own earlier upload.
+    """
+    import torch
+
     buffer = io.BytesIO()
     torch.jit.save(torch.jit.script(model), buffer)
-    data = buffer.getvalue()
+    data = canonical_torchscript(buffer.getvalue())
     return Artifact(data=data, sha256=hashlib.sha256(data).hexdigest())
+
+
+# A TorchScript class attribute declared Final: `  name : Final[int] = 64`.
+_FINAL_ATTRIBUTE = re.compile(r"^  \w+ : Final\[.*\]( = .*)?$")
+_SERIALIZATION_ID = "/.data/serialization_id"
+
+
+def canonical_torchscript(data: bytes) -> bytes:
+    """The same TorchScript archive with everything that varies between exports fixed.
+
+    `torch.jit.save` output differs run to run in three places, none of which changes
+    what the program computes: the order of Final attributes in the saved code follows
+    Python's string-hash seed; the debug tables (`*.debug_pkl`) carry the absolute path
+    of the installed torch sources; and every archive gets a random serialization id.
+    Here the Final attributes are sorted, the optional debug tables dropped, the id
+    derived from the content, and the zip rewritten with fixed timestamps.
+    """
+    entries: list[tuple[str, bytes]] = []
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        for info in archive.infolist():
+            name = info.filename
+            if name.endswith(".debug_pkl") or name.endswith(_SERIALIZATION_ID):
+                continue
+            content = archive.read(name)
+            if name.endswith(".py") and "/code/" in name:
+                content = _sort_final_attributes(content.decode()).encode()
+            entries.append((name, content))
+        id_name = next(
+            (i.filename for i in archive.infolist() if i.filename.endswith(_SERIALIZATION_ID)),
+            None,
+        )
+    digest = hashlib.sha256()
+    for name, content in entries:
+        digest.update(name.encode() + b"\0" + content)
+    if id_name is not None:
+        # torch writes a 40-digit decimal id; keep that shape.
+        entries.append((id_name, str(int(digest.hexdigest(), 16))[:40].encode()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as archive:
+        for name, content in entries:
+            archive.writestr(zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0)), content)
+    return out.getvalue()
+
+
+def _sort_final_attributes(code: str) -> str:
+    """Sort each run of consecutive Final attribute lines (their order carries no meaning)."""
+    lines: list[str] = []
+    run: list[str] = []
+    for line in code.split("\n"):
+        if _FINAL_ATTRIBUTE.match(line):
+            run.append(line)
+            continue
+        lines += sorted(run)
+        run = []
+        lines.append(line)
+    lines += sorted(run)
+    return "\n".join(lines)
 
 
 def demo_artifact(seed: int) -> Artifact:

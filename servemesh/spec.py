@@ -14,13 +14,12 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from servemesh.demo import DEMO_FEATURES, DEMO_SOURCE_PREFIX
 from servemesh.policy import RoutePolicy, ShadowSpec, StrictModel, TrafficSpec
 
 ZoneName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,30}$")]
 Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
 Port = Annotated[int, Field(ge=0, le=65535)]
-
-DEMO_FEATURES = [f"f{i:02d}" for i in range(64)]
 
 
 class SpecError(ValueError):
@@ -94,8 +93,8 @@ class ModelSpec(_Strict):
     )
     versions: dict[Name, ModelVersionSpec] = Field(
         default_factory=lambda: {
-            "v1": ModelVersionSpec(source="demo:1"),
-            "v2": ModelVersionSpec(source="demo:2"),
+            "v1": ModelVersionSpec(source=f"{DEMO_SOURCE_PREFIX}1"),
+            "v2": ModelVersionSpec(source=f"{DEMO_SOURCE_PREFIX}2"),
         }
     )
     # Share of unpinned traffic per version, in percent; must sum to 100.

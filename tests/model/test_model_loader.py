@@ -8,10 +8,10 @@ import grpc
 import pytest
 import torch
 
-from servemesh.demo import Artifact
+from servemesh.demo import DEMO_FEATURES, Artifact
 from servemesh.services.model.errors import LoadError
 from servemesh.services.model.loader import registry_loader
-from servemesh.spec import DEMO_FEATURES, BatchingSpec, MeshSpec, ModelSpec, ModelVersionSpec
+from servemesh.spec import BatchingSpec, MeshSpec, ModelSpec, ModelVersionSpec
 from servemesh_api.registry.v1 import registry_pb2
 
 CHANNEL: Any = object()  # never used: the fake fetch ignores it
