@@ -8,13 +8,21 @@ STAMP  := $(VENV)/.installed
 TRITON_VENV  := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.installed
 
-.PHONY: up test install triton-venv protos check-protos bench clean
+.PHONY: up test typecheck lint install triton-venv protos check-protos bench clean
 
 up: $(STAMP)
 	$(BIN)/servemesh up
 
-test: $(STAMP) $(TRITON_STAMP)
+# The type check and the linter run first: a type error fails the run in seconds.
+test: $(STAMP) $(TRITON_STAMP) typecheck lint
 	$(BIN)/pytest
+
+typecheck: $(STAMP)
+	$(BIN)/python -m servemesh.typecheck
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 install: $(STAMP)
 
@@ -39,4 +47,4 @@ check-protos: $(STAMP)
 	$(BIN)/python -m servemesh.protogen --check
 
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) .servemesh .pytest_cache
+	rm -rf $(VENV) $(TRITON_VENV) .servemesh .pytest_cache .mypy_cache

@@ -20,6 +20,7 @@ from servemesh.policy import RoutePolicy, ShadowSpec, StrictModel, TrafficSpec
 ZoneName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,30}$")]
 Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
 Port = Annotated[int, Field(ge=0, le=65535)]
+ServiceKind = Literal["registry", "model", "feature", "gateway"]
 
 
 class SpecError(ValueError):
@@ -215,11 +216,12 @@ class MeshSpec(_Strict):
     def instances(self) -> list[Instance]:
         """Every service process of the mesh, in start order (registry first)."""
         found = [Instance(name="registry-0", service="registry", zone=self.zones[0])]
-        for service, replicas in (
+        processes: tuple[tuple[ServiceKind, Replicas], ...] = (
             ("model", self.model_servers),
             ("feature", self.feature),
             ("gateway", self.gateway),
-        ):
+        )
+        for service, replicas in processes:
             for zone in self.zones:
                 for index in range(replicas.per_zone.get(zone, 0)):
                     found.append(
@@ -273,7 +275,7 @@ class MeshSpec(_Strict):
 
 class Instance(_Strict):
     name: str
-    service: Literal["registry", "model", "feature", "gateway"]
+    service: ServiceKind
     zone: ZoneName
 
 

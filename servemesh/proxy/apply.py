@@ -345,8 +345,9 @@ class RouteManager:
         version: str,
     ) -> int:
         history = self.history()
+        entry_id = int(history[-1]["id"]) + 1 if history else 1
         entry = {
-            "id": (history[-1]["id"] + 1) if history else 1,
+            "id": entry_id,
             "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "who": who or _who(),
             "action": action,
@@ -358,7 +359,7 @@ class RouteManager:
         }
         with self.paths.history.open("a") as handle:
             handle.write(json.dumps(entry) + "\n")
-        return int(entry["id"])
+        return entry_id
 
 
 def _on_disk(path: Path) -> dict[str, Any] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import redis.asyncio as aioredis
+from redis.typing import EncodableT
 
 
 def entity_key(prefix: str, view: str, entity_id: str) -> str:
@@ -35,7 +36,9 @@ class RedisFeatureStore:
         async with self.client.pipeline(transaction=False) as pipe:
             for entity_id, values in entities.items():
                 # repr of a Python float round-trips exactly, float32 values included.
-                mapping = {name: repr(float(value)) for name, value in values.items()}
+                mapping: dict[EncodableT, EncodableT] = {
+                    name: repr(float(value)) for name, value in values.items()
+                }
                 pipe.hset(entity_key(self.key_prefix, view, entity_id), mapping=mapping)
             await pipe.execute()
         return len(entities)

@@ -115,7 +115,7 @@ class ServiceServer:
         reflection.enable_server_reflection(
             [*names, reflection.SERVICE_NAME],
             self.server,
-            pool=_MethodAwarePool(descriptor_pool.Default()),  # type: ignore[arg-type]
+            pool=_MethodAwarePool(descriptor_pool.Default()),
         )
         self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
         if not self.port:
