@@ -32,11 +32,12 @@ from servemesh.registry.errors import (
 )
 from servemesh.registry.records import UploadHeader
 from servemesh.registry.store import RegistryStore, Upload
+from servemesh.wire import REGISTRY_SERVICE
 from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+SERVICE_NAME = REGISTRY_SERVICE
 DOWNLOAD_CHUNK_BYTES = 256 * 1024
 
 T = TypeVar("T")

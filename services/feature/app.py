@@ -8,6 +8,7 @@ from servemesh.services.feature.service import FeatureServicer
 from servemesh.services.feature.store import RedisFeatureStore
 from servemesh.services.runtime import DeadlineBudget, ServiceServer
 from servemesh.spec import MeshSpec
+from servemesh.wire import FEATURE_SERVICE
 from servemesh_api.feature.v1 import feature_pb2_grpc
 
 
@@ -35,7 +36,7 @@ async def build_server(spec: MeshSpec, instance: str) -> ServiceServer:
     server.add_service(
         feature_pb2_grpc.add_FeatureServiceServicer_to_server,
         servicer,
-        "servemesh.feature.v1.FeatureService",
+        FEATURE_SERVICE,
     )
     server.on_stop(client.aclose)
     return server

@@ -7,7 +7,7 @@ import grpc
 from servemesh.services.gateway.service import GatewayServicer
 from servemesh.services.runtime import ServiceServer
 from servemesh.spec import MeshSpec
-from servemesh.wire import message_size_options
+from servemesh.wire import GATEWAY_SERVICE, message_size_options
 from servemesh_api.gateway.v1 import gateway_pb2_grpc
 
 
@@ -28,7 +28,7 @@ async def build_server(spec: MeshSpec, instance: str) -> ServiceServer:
     server.add_service(
         gateway_pb2_grpc.add_GatewayServicer_to_server,
         GatewayServicer(spec, mesh_channel),
-        "servemesh.gateway.v1.Gateway",
+        GATEWAY_SERVICE,
     )
     server.on_stop(mesh_channel.close)
     return server
