@@ -123,9 +123,9 @@ def after_experiment_control(
     try:
         _drill.finish()
         summary = summarize(_drill, journal)
-        summary["files"] = write_report(_drill, summary, journal)
-        _drill.summary = summary
-        journal["servemesh"] = summary
+        files = write_report(_drill, summary, journal)
+        _drill.summary = {**summary.as_dict(), "files": files}
+        journal["servemesh"] = _drill.summary
     except Exception:
         log.exception("the drill's report could not be written")
         raise

@@ -28,9 +28,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from servemesh.chaos.load import BackgroundLoad, WindowStats, window_stats
+from servemesh.chaos.load import drill_load
 from servemesh.chaos.mesh import DrillMesh, zone_namespace_mesh
 from servemesh.credentials import authorization_value, read_edge_credentials
+from servemesh.load import BackgroundLoad, WindowStats, window_stats
 from servemesh.proxy.admin import AdminClient, AdminError
 from servemesh.proxy.apply import RouteManager
 from servemesh.spec import Instance, MeshSpec, load_spec
@@ -197,7 +198,7 @@ class Drill:
         model = str(self.config["model"])
         if model not in self.mesh.spec.models:
             raise DrillError(f"model {model!r} is not in the spec {self.spec_path}")
-        self.load = BackgroundLoad(
+        self.load = drill_load(
             self.mesh.spec.edge_address,
             rate_per_s=float(self.config["rate"]),
             model=model,

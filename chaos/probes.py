@@ -24,8 +24,8 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servemesh.chaos.drill import DrillError, current
-from servemesh.chaos.load import WindowStats, window_stats
 from servemesh.chaos.report import envoy_deltas
+from servemesh.load import WindowStats, window_stats
 from servemesh.proxy.admin import AdminError
 from servemesh.wire import (
     GATEWAY_CLUSTER,

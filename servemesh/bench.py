@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 
 from servemesh.launcher import Mesh
+from servemesh.load import ClosedLoop, closed_loop, predict_target, summarize
 from servemesh.proxy.apply import RouteManager
 from servemesh.spec import MeshSpec, Ports, load_spec
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -26,7 +27,7 @@ from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 class LoadResult:
     target: str
     concurrency: int
-    requests: int
+    requests: int  # answered in the measured window
     errors: int
     seconds: float
     p50_ms: float
@@ -38,14 +39,7 @@ class LoadResult:
         return self.requests / self.seconds if self.seconds else 0.0
 
 
-def _percentile(sorted_ms: list[float], q: float) -> float:
-    if not sorted_ms:
-        return float("nan")
-    index = min(len(sorted_ms) - 1, max(0, round(q * (len(sorted_ms) - 1))))
-    return sorted_ms[index]
-
-
-async def closed_loop(
+async def measure_closed_loop(
     address: str,
     target: str,
     concurrency: int,
@@ -53,45 +47,22 @@ async def closed_loop(
     entities: int,
     warmup_s: float = 1.0,
 ) -> LoadResult:
-    """`concurrency` callers each sending Predict back to back for `seconds`."""
-    latencies: list[float] = []
-    errors = 0
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
-
-        async def caller(worker: int, until: float, record: bool) -> None:
-            nonlocal errors
-            i = worker
-            while time.perf_counter() < until:
-                request = gateway_pb2.PredictRequest(
-                    model="fraud", entity_ids=[f"user-{i % entities}"]
-                )
-                started = time.perf_counter()
-                try:
-                    await stub.Predict(request, timeout=5)
-                    if record:
-                        latencies.append((time.perf_counter() - started) * 1000)
-                except grpc.aio.AioRpcError:
-                    if record:
-                        errors += 1
-                i += concurrency
-
-        warm_until = time.perf_counter() + warmup_s
-        await asyncio.gather(*(caller(w, warm_until, False) for w in range(concurrency)))
-        started = time.perf_counter()
-        until = started + seconds
-        await asyncio.gather(*(caller(w, until, True) for w in range(concurrency)))
-        elapsed = time.perf_counter() - started
-    latencies.sort()
+    """`concurrency` callers each sending Predict back to back: `warmup_s`, then `seconds`
+    measured (the callers run on from the warm-up into the measurement: no ramp-up dip)."""
+    run = await closed_loop(
+        predict_target(address, entities=entities, timeout_s=5.0),
+        ClosedLoop(workers=concurrency, duration_s=warmup_s + seconds),
+    )
+    summary = summarize(run.window(warmup_s, warmup_s + seconds), seconds)
     return LoadResult(
         target=target,
         concurrency=concurrency,
-        requests=len(latencies),
-        errors=errors,
-        seconds=elapsed,
-        p50_ms=_percentile(latencies, 0.50),
-        p95_ms=_percentile(latencies, 0.95),
-        p99_ms=_percentile(latencies, 0.99),
+        requests=summary.ok,
+        errors=summary.count - summary.ok,
+        seconds=seconds,
+        p50_ms=summary.p50_ms,
+        p95_ms=summary.p95_ms,
+        p99_ms=summary.p99_ms,
     )
 
 
@@ -141,7 +112,7 @@ def bench_predict(
                 ),
             }
             results = [
-                asyncio.run(closed_loop(address, name, c, seconds, entities))
+                asyncio.run(measure_closed_loop(address, name, c, seconds, entities))
                 for c in concurrencies
                 for name, address in targets.items()
             ]

@@ -1,28 +1,36 @@
-"""Load generators for OIP ModelInfer: closed loop, open loop, and a deadline mix.
+"""`servemesh bench model`'s loads: OIP ModelInfer through servemesh.load, closed loop, open
+loop, and a deadline mix, each measured over a window after a warm-up.
 
 The client is kept lean so that it is not what the numbers measure: requests are serialised
 once up front and sent as bytes through a generic unary-unary call, and answers come back
 as bytes that are never parsed (the status alone says whether a call succeeded). Each
-result records the client's own CPU time, so a reader can see how close it came to its
-core.
+result records the client's own CPU time and how late its sends left, so a reader can see
+how close it came to its core.
 
 Open-loop latencies are measured from each request's scheduled send time, not from when
-the client got round to sending it: a stalled server cannot hide its tail by slowing the
-client down (coordinated omission).
+the client got round to sending it (servemesh.load): a stalled server cannot hide its tail
+by slowing the client down (coordinated omission).
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import grpc
 import numpy as np
 
+from servemesh import load
 from servemesh.demo import N_FEATURES
+from servemesh.load import (
+    ClosedLoop,
+    Event,
+    FixedRate,
+    LoadRun,
+    percentile,
+    raw_target,
+    summarize,
+)
 from servemesh.wire import MODEL_INFER_METHOD, message_size_options
 from servemesh_api.inference import grpc_service_pb2 as oip
 
@@ -44,16 +52,10 @@ def request_bodies(model: str, count: int = 256, rows: int = 1, seed: int = 0) -
     return bodies
 
 
-def percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[index]
-
-
 @dataclass
 class LoadResult:
-    """One measurement; latencies in ms, `ok` answers over `seconds` of measured time."""
+    """One measurement; latencies in ms, `ok` answers to requests sent in the `seconds` of
+    measured time."""
 
     mode: str  # closed, open, deadline-mix
     concurrency: int = 0
@@ -63,6 +65,7 @@ class LoadResult:
     ok: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     latencies_ms: list[float] = field(default_factory=list, repr=False)
+    send_lag_p99_ms: float = 0.0  # how late the client's sends left (open loops)
     client_cpu: float = 0.0  # share of one core the client used while measuring
     # Deadline mix: OK answers of the short-deadline callers, and how many were sent.
     short_ok: int = 0
@@ -73,7 +76,6 @@ class LoadResult:
         return self.ok / self.seconds if self.seconds else 0.0
 
     def summary(self) -> dict[str, object]:
-        ordered = sorted(self.latencies_ms)
         return {
             "mode": self.mode,
             "concurrency": self.concurrency,
@@ -82,9 +84,10 @@ class LoadResult:
             "sent": self.sent,
             "ok": self.ok,
             "rps": round(self.rps, 1),
-            "p50_ms": round(percentile(ordered, 0.50), 3),
-            "p95_ms": round(percentile(ordered, 0.95), 3),
-            "p99_ms": round(percentile(ordered, 0.99), 3),
+            "p50_ms": round(percentile(self.latencies_ms, 50), 3),
+            "p95_ms": round(percentile(self.latencies_ms, 95), 3),
+            "p99_ms": round(percentile(self.latencies_ms, 99), 3),
+            "send_lag_p99_ms": round(self.send_lag_p99_ms, 3),
             "errors": dict(self.errors),
             "error_count": sum(self.errors.values()),
             "client_cpu": round(self.client_cpu, 3),
@@ -98,31 +101,56 @@ class LoadResult:
 WindowHook = Callable[[bool], None]
 
 
-class _Meter:
-    """Counts outcomes and CPU between start() and stop()."""
+class _Window:
+    """The measured window's edges, as two events of the run: the client's CPU time between
+    them, and the caller's hook at each."""
 
-    def __init__(self, result: LoadResult, hook: WindowHook | None) -> None:
-        self.result = result
+    def __init__(self, warmup_s: float, seconds: float, hook: WindowHook | None) -> None:
         self.hook = hook
-        self.recording = False
-        self.errors: collections.Counter[str] = collections.Counter()
+        self.client_cpu = 0.0
         self._wall = self._cpu = 0.0
+        self.events = [
+            Event(warmup_s, self._open, "window opens"),
+            Event(warmup_s + seconds, self._close, "window closes"),
+        ]
 
-    def start(self) -> None:
+    def _open(self) -> None:
         if self.hook:
             self.hook(True)
-        self.recording = True
         self._wall, self._cpu = time.perf_counter(), time.process_time()
 
-    def stop(self) -> None:
-        self.recording = False
+    def _close(self) -> None:
         wall = time.perf_counter() - self._wall
         cpu = time.process_time() - self._cpu
         if self.hook:
             self.hook(False)
-        self.result.seconds = wall
-        self.result.client_cpu = cpu / wall if wall else 0.0
-        self.result.errors = dict(self.errors)
+        self.client_cpu = cpu / wall if wall > 0 else 0.0
+
+
+def _result(
+    mode: str,
+    run: LoadRun,
+    warmup_s: float,
+    seconds: float,
+    window: _Window,
+    is_short: Callable[[int], bool] | None = None,
+) -> LoadResult:
+    """The requests due in the measured window (answers that come after it still count)."""
+    measured = run.window(warmup_s, warmup_s + seconds)
+    summary = summarize(measured, seconds)
+    shorts = [o for o in measured if is_short(o.index)] if is_short else []
+    return LoadResult(
+        mode=mode,
+        seconds=seconds,
+        sent=summary.count,
+        ok=summary.ok,
+        errors=summary.errors,
+        latencies_ms=[o.latency_ms for o in measured if o.ok],
+        send_lag_p99_ms=summary.send_lag_p99_ms,
+        client_cpu=window.client_cpu,
+        short_ok=sum(o.ok for o in shorts),
+        short_sent=len(shorts),
+    )
 
 
 async def closed_loop(
@@ -134,38 +162,17 @@ async def closed_loop(
     timeout_s: float = 5.0,
     hook: WindowHook | None = None,
 ) -> LoadResult:
-    """`concurrency` callers, each sending its next request as soon as the last returns."""
-    result = LoadResult(mode="closed", concurrency=concurrency)
-    meter = _Meter(result, hook)
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        call = channel.unary_unary(METHOD)
-        stop_at = 0.0
-
-        async def caller(offset: int) -> None:
-            index = offset
-            while time.perf_counter() < stop_at:
-                body = bodies[index % len(bodies)]
-                index += concurrency
-                started = time.perf_counter()
-                try:
-                    await call(body, timeout=timeout_s)
-                except grpc.aio.AioRpcError as exc:
-                    if meter.recording:
-                        meter.errors[exc.code().name] += 1
-                    continue
-                if meter.recording:
-                    result.ok += 1
-                    result.latencies_ms.append((time.perf_counter() - started) * 1000)
-
-        # The callers keep running from warm-up into the measurement: no ramp-up dip.
-        stop_at = time.perf_counter() + warmup_s + seconds
-        tasks = [asyncio.ensure_future(caller(i)) for i in range(concurrency)]
-        await asyncio.sleep(warmup_s)
-        meter.start()
-        await asyncio.sleep(seconds)
-        meter.stop()
-        result.sent = result.ok + sum(meter.errors.values())
-        await asyncio.gather(*tasks)
+    """`concurrency` callers, each sending its next request as soon as the last returns;
+    they run on from the warm-up into the measurement (no ramp-up dip)."""
+    target = raw_target(
+        address, METHOD, bodies, timeout_for=lambda index: timeout_s, options=CHANNEL_OPTIONS
+    )
+    window = _Window(warmup_s, seconds, hook)
+    run = await load.closed_loop(
+        target, ClosedLoop(concurrency, warmup_s + seconds), events=window.events
+    )
+    result = _result("closed", run, warmup_s, seconds, window)
+    result.concurrency = concurrency
     return result
 
 
@@ -185,65 +192,21 @@ async def open_loop(
     `timeout_for(i)` gives request i its deadline (default 1 s); `is_short(i)` marks the
     requests counted separately as short-deadline callers (the deadline mix).
     """
-    result = LoadResult(mode="deadline-mix" if is_short else "open", rate=rate)
-    meter = _Meter(result, hook)
-    timeout_for = timeout_for or (lambda index: 1.0)
-    outstanding = 0
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        call = channel.unary_unary(METHOD)
-
-        async def one(index: int, scheduled: float, recorded: bool) -> None:
-            nonlocal outstanding
-            short = is_short(index) if is_short else False
-            try:
-                await call(bodies[index % len(bodies)], timeout=timeout_for(index))
-            except grpc.aio.AioRpcError as exc:
-                if recorded:
-                    meter.errors[exc.code().name] += 1
-            else:
-                if recorded:
-                    result.ok += 1
-                    result.short_ok += short
-                    result.latencies_ms.append((time.perf_counter() - scheduled) * 1000)
-            finally:
-                outstanding -= 1
-
-        interval = 1.0 / rate
-        started = time.perf_counter()
-        measure_from = started + warmup_s
-        measure_to = measure_from + seconds
-        tasks: set[asyncio.Future[None]] = set()
-        index = 0
-        measuring = False
-        while True:
-            now = time.perf_counter()
-            if not measuring and now >= measure_from:
-                meter.start()
-                measuring = True
-            if now >= measure_to:
-                meter.stop()
-                break
-            # Send everything now due (timers fire late; the schedule does not slip).
-            while started + index * interval <= now:
-                scheduled = started + index * interval
-                recorded = measure_from <= scheduled < measure_to
-                if recorded:
-                    result.sent += 1
-                    result.short_sent += is_short(index) if is_short else 0
-                if outstanding >= max_outstanding:
-                    if recorded:
-                        meter.errors["CLIENT_OVERLOADED"] += 1
-                else:
-                    outstanding += 1
-                    task = asyncio.ensure_future(one(index, scheduled, recorded))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                index += 1
-            await asyncio.sleep(max(0.0, started + index * interval - time.perf_counter()))
-        # Answers to requests sent in the window count: wait for them. Rates are over the
-        # sending window (what was offered), CPU shares over the same window.
-        if tasks:
-            await asyncio.wait(tasks)
-        result.errors = dict(meter.errors)
-        result.seconds = seconds
+    target = raw_target(
+        address,
+        METHOD,
+        bodies,
+        timeout_for=timeout_for or (lambda index: 1.0),
+        options=CHANNEL_OPTIONS,
+    )
+    window = _Window(warmup_s, seconds, hook)
+    run = await load.open_loop(
+        target,
+        FixedRate(rate, warmup_s + seconds),
+        events=window.events,
+        max_outstanding=max_outstanding,
+    )
+    mode = "deadline-mix" if is_short else "open"
+    result = _result(mode, run, warmup_s, seconds, window, is_short)
+    result.rate = rate
     return result

@@ -303,7 +303,10 @@ def _measure(
             )
         )
         rows.append(_row(target.name, result, window))
-        say(f"  open {config.rate:.0f}/s: {result.rps:.0f} req/s ok")
+        say(
+            f"  open {config.rate:.0f}/s: {result.rps:.0f} req/s ok, "
+            f"sends late by {result.send_lag_p99_ms:.1f} ms at p99"
+        )
     if "mix" in target.scenarios:
         if target.group not in mix_rates:
             capacity = max((r["rps"] for r in rows if r["mode"] == "closed"), default=1000.0)

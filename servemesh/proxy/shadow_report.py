@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from servemesh.load import percentile
+
 
 @dataclass(frozen=True)
 class ShadowReport:
@@ -42,13 +44,6 @@ def _entries(folder: Path, model: str) -> list[dict[str, Any]]:
             if entry.get("model") == model:
                 found.append(entry)
     return found
-
-
-def _quantile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def shadow_report(folder: Path, model: str, tolerance: float = 1e-3) -> ShadowReport:
@@ -89,9 +84,9 @@ def shadow_report(folder: Path, model: str, tolerance: float = 1e-3) -> ShadowRe
         shadow_errors=sum("error" in e for e in shadow.values()),
         primary_versions=versions(primary),
         shadow_versions=versions(shadow),
-        primary_p50_ms=_quantile(ms(primary), 0.5),
-        primary_p99_ms=_quantile(ms(primary), 0.99),
-        shadow_p50_ms=_quantile(ms(shadow), 0.5),
-        shadow_p99_ms=_quantile(ms(shadow), 0.99),
+        primary_p50_ms=percentile(ms(primary), 50),
+        primary_p99_ms=percentile(ms(primary), 99),
+        shadow_p50_ms=percentile(ms(shadow), 50),
+        shadow_p99_ms=percentile(ms(shadow), 99),
         mean_abs_diff=statistics.fmean(diffs) if diffs else float("nan"),
     )

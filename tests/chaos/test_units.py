@@ -14,11 +14,10 @@ from chaoslib.experiment import ensure_experiment_is_valid
 
 from servemesh.chaos.canary import failing_threshold, flaky_artifact, parse_flaky_source
 from servemesh.chaos.control import _plain
-from servemesh.chaos.load import percentile, window_stats
 from servemesh.chaos.report import envoy_deltas, recovery
 from servemesh.chaos.runner import list_drills, load_experiment
 from servemesh.demo import demo_features
-from servemesh.loadgen import Outcome
+from servemesh.load import Outcome, percentile, window_stats
 
 DRILLS = {
     "zone-outage",
@@ -59,9 +58,9 @@ def test_recovery_measures_the_breach_and_the_time_to_recover() -> None:
         *calls(17, 30, 100, zone="zone-a", **healthy),
     ]
     result = recovery(outcomes, [(10.0, 15.0)], 30.0, 99.5, {"zone-a": 100.0})
-    assert result["slo_breach_s"] == 7.0
-    assert result["time_to_recover_s"] == 2.0
-    assert recovery(outcomes[:1000], [(2.0, 4.0)], 10.0, 99.5, {})["time_to_recover_s"] == 0.0
+    assert result.slo_breach_s == 7.0
+    assert result.time_to_recover_s == 2.0
+    assert recovery(outcomes[:1000], [(2.0, 4.0)], 10.0, 99.5, {}).time_to_recover_s == 0.0
 
 
 def test_envoy_deltas_sum_by_kind_of_cluster() -> None:

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from servemesh.launcher import Mesh
-from servemesh.loadgen import Event, open_loop, share, success_rate
+from servemesh.load import Event, FixedRate, open_loop, predict_target, share, success_ratio
 from servemesh.policy import CircuitBreakers, RetryPolicy, RoutePolicy
 from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.apply import ApplyError, RouteManager
@@ -139,10 +139,8 @@ def test_weight_changes_under_load_lose_nothing_and_take_effect_within_a_second(
 ) -> None:
     run = asyncio.run(
         open_loop(
-            mesh.spec.edge_address,
-            rate_per_s=150,
-            duration_s=9,
-            entities=ENTITIES,
+            predict_target(mesh.spec.edge_address, entities=ENTITIES),
+            FixedRate(rate_per_s=150, duration_s=9),
             events=[
                 Event(3.0, lambda: routes.set_weights("fraud", {"v1": 50, "v2": 50}), "half"),
                 Event(6.0, lambda: routes.set_weights("fraud", {"v1": 0, "v2": 100}), "all-v2"),
@@ -329,10 +327,8 @@ def test_zone_outage_fails_over_to_the_other_zone_and_comes_back(
 
     run = asyncio.run(
         open_loop(
-            mesh.spec.edge_address,
-            rate_per_s=100,
-            duration_s=11,
-            entities=ENTITIES,
+            predict_target(mesh.spec.edge_address, entities=ENTITIES),
+            FixedRate(rate_per_s=100, duration_s=11),
             events=[
                 Event(1.5, lambda: mesh.kill(victim, signal.SIGKILL), "kill"),
                 Event(4.0, restart, "restart"),
@@ -341,7 +337,7 @@ def test_zone_outage_fails_over_to_the_other_zone_and_comes_back(
     )
     assert not [e.error for e in run.events if e.error]
     kill, back = run.event("kill"), run.event("restart")
-    assert success_rate(run.outcomes) >= 0.995, [o for o in run.outcomes if o.code != "OK"][:5]
+    assert success_ratio(run.outcomes) >= 0.995, [o for o in run.outcomes if o.code != "OK"][:5]
     before = run.window(0, kill.started_s)
     assert share(before, lambda o: o.zone == "zone-a") > 0.2  # zone-a's gateways use zone-a
     during = run.window(kill.finished_s + 0.5, back.started_s)

@@ -7,7 +7,8 @@ import grpc
 import pytest
 
 from servemesh.cli import build_parser
-from servemesh.model_bench.load import closed_loop, open_loop, percentile, request_bodies
+from servemesh.load import percentile
+from servemesh.model_bench.load import closed_loop, open_loop, request_bodies
 from servemesh.model_bench.run import BenchConfig, checks
 from servemesh.model_bench.targets import EchoServicer
 from servemesh.services.model.service import SERVICE_NAME
@@ -34,7 +35,7 @@ def test_request_bodies_are_valid_serialised_infer_requests() -> None:
     request = oip.ModelInferRequest.FromString(bodies[3])
     assert request.model_name == "fraud" and list(request.inputs[0].shape) == [2, 64]
     assert len(request.raw_input_contents[0]) == 2 * 64 * 4
-    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.5) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 50) == 3.0
 
 
 async def test_closed_and_open_loops_count_answers_and_windows(echo_address: str) -> None:

@@ -1,0 +1,141 @@
+"""The numbers read from outcomes: one percentile, windows, success and shares, summaries.
+
+There is one percentile definition in servemesh, `percentile` (nearest rank): a drill's
+p99, a probe's p99 and a benchmark's p99 are the same statistic. Nearest rank returns a
+latency some request really had, never an interpolation between two.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from servemesh.load.outcome import Outcome
+
+
+def percentile(values: Iterable[float], pct: float) -> float:
+    """Nearest-rank percentile, `pct` from 0 to 100: the smallest value with at least
+    pct% of the values at or below it (p0 is the minimum, p100 the maximum). NaN for none."""
+    if not 0 <= pct <= 100:
+        raise ValueError(f"percentile: pct must be within [0, 100], got {pct}")
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    rank = max(1, math.ceil(pct / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def window(outcomes: Iterable[Outcome], start_s: float, end_s: float = math.inf) -> list[Outcome]:
+    """Outcomes of requests due in [start_s, end_s): a window is chosen by send time, so a
+    request that answers late still counts against the moment it was asked."""
+    return [o for o in outcomes if start_s <= o.sent_s < end_s]
+
+
+def success_ratio(outcomes: Sequence[Outcome]) -> float:
+    """Answered / sent, from 0 to 1; NaN for none."""
+    return sum(o.ok for o in outcomes) / len(outcomes) if outcomes else math.nan
+
+
+def share(outcomes: Sequence[Outcome], key: Callable[[Outcome], bool]) -> float:
+    """The share (0 to 1) of answered requests for which `key` holds; NaN for none."""
+    answered = [o for o in outcomes if o.ok]
+    return sum(key(o) for o in answered) / len(answered) if answered else math.nan
+
+
+def error_counts(outcomes: Iterable[Outcome]) -> dict[str, int]:
+    """Failures by code, in order of first appearance."""
+    return dict(Counter(o.code for o in outcomes if not o.ok))
+
+
+@dataclass(frozen=True)
+class Summary:
+    """A measured window: how many were sent and answered, latency of the answers, and how
+    late the client sent (a large send lag means the client, not the server, fell behind)."""
+
+    count: int  # requests due in the window
+    ok: int
+    seconds: float
+    p50_ms: float
+    p90_ms: float
+    p95_ms: float
+    p99_ms: float
+    mean_ms: float
+    throughput_per_s: float  # answers per second of window
+    send_lag_p99_ms: float
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+def summarize(outcomes: Sequence[Outcome], seconds: float) -> Summary:
+    """Latency percentiles and mean of the answered requests among `outcomes`, which span
+    `seconds` of schedule."""
+    latencies = [o.latency_ms for o in outcomes if o.ok]
+    lags = [o.lag_ms for o in outcomes if not math.isnan(o.latency_ms)]
+    return Summary(
+        count=len(outcomes),
+        ok=len(latencies),
+        seconds=seconds,
+        p50_ms=percentile(latencies, 50),
+        p90_ms=percentile(latencies, 90),
+        p95_ms=percentile(latencies, 95),
+        p99_ms=percentile(latencies, 99),
+        mean_ms=statistics.fmean(latencies) if latencies else math.nan,
+        throughput_per_s=len(latencies) / seconds if seconds > 0 else 0.0,
+        send_lag_p99_ms=percentile(lags, 99),
+        errors=error_counts(outcomes),
+    )
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """What callers saw from requests sent in [start_s, end_s)."""
+
+    start_s: float
+    end_s: float
+    sent: int
+    ok: int
+    failed: int
+    degraded: int
+    success_pct: float  # answered (a degraded fallback is an answer) / sent
+    degraded_pct: float  # degraded / answered
+    p50_ms: float  # of answered calls
+    p99_ms: float
+    zones: dict[str, float] = field(default_factory=dict)  # % of answers served per zone
+    versions: dict[str, float] = field(default_factory=dict)  # % of answers per version
+    codes: dict[str, int] = field(default_factory=dict)  # failures by gRPC status
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able: floats rounded to 3 places, NaN (nothing to measure) as None."""
+        data = asdict(self)
+        for key, value in data.items():
+            if isinstance(value, float):
+                data[key] = None if math.isnan(value) else round(value, 3)
+        return data
+
+
+def window_stats(outcomes: Iterable[Outcome], start_s: float, end_s: float) -> WindowStats:
+    chosen = window(outcomes, start_s, end_s)
+    ok = [o for o in chosen if o.ok]
+    degraded = sum(o.degraded for o in ok)
+    served = [o for o in ok if not o.degraded]
+    latencies = [o.latency_ms for o in ok]
+    zones = Counter(o.zone or "?" for o in served)
+    versions = Counter(o.version or "?" for o in ok)
+    return WindowStats(
+        start_s=start_s,
+        end_s=end_s,
+        sent=len(chosen),
+        ok=len(ok),
+        failed=len(chosen) - len(ok),
+        degraded=degraded,
+        success_pct=100 * len(ok) / len(chosen) if chosen else math.nan,
+        degraded_pct=100 * degraded / len(ok) if ok else math.nan,
+        p50_ms=percentile(latencies, 50),
+        p99_ms=percentile(latencies, 99),
+        zones={z: 100 * n / len(served) for z, n in sorted(zones.items())},
+        versions={v: 100 * n / len(ok) for v, n in sorted(versions.items())},
+        codes=error_counts(chosen),
+    )

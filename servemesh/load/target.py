@@ -1,0 +1,77 @@
+"""What a load sends to: an address and a way to build request i on an open channel.
+
+The channel is opened by the load itself, on the event loop that sends (a background load
+runs its own loop in a thread, and a grpc.aio channel belongs to one loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from servemesh.load.outcome import Reply, Request
+from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+ChannelOptions = Sequence[tuple[str, Any]]
+
+
+@dataclass(frozen=True)
+class Target:
+    address: str
+    request: Callable[[grpc.aio.Channel], Request]
+    options: ChannelOptions = field(default_factory=tuple)
+
+
+def predict_target(
+    address: str,
+    *,
+    model: str = "fraud",
+    entities: int = 100,
+    timeout_s: float = 2.0,
+    metadata: Sequence[tuple[str, str]] = (),
+) -> Target:
+    """Gateway Predict for one entity per call, cycling through `user-0`..`user-<entities-1>`
+    (the demo's seeded entities)."""
+    count = max(1, entities)
+    sent_metadata = tuple(metadata) or None
+
+    def build(channel: grpc.aio.Channel) -> Request:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        async def predict(index: int) -> Reply:
+            request = gateway_pb2.PredictRequest(model=model, entity_ids=[f"user-{index % count}"])
+            reply = await stub.Predict(request, timeout=timeout_s, metadata=sent_metadata)
+            return Reply(reply.model_version, reply.model_replica, reply.model_zone, reply.degraded)
+
+        return predict
+
+    return Target(address, build)
+
+
+def raw_target(
+    address: str,
+    method: str,
+    bodies: Sequence[bytes],
+    *,
+    timeout_for: Callable[[int], float],
+    options: ChannelOptions = (),
+) -> Target:
+    """A unary call to `method` with pre-serialised bodies (request i sends body i modulo
+    their number) whose answers are never parsed: the client stays out of the measurement.
+    `timeout_for(i)` is request i's deadline in seconds."""
+    if not bodies:
+        raise ValueError("raw_target needs at least one request body")
+
+    def build(channel: grpc.aio.Channel) -> Request:
+        call = channel.unary_unary(method)
+
+        async def send(index: int) -> Reply:
+            await call(bodies[index % len(bodies)], timeout=timeout_for(index))
+            return Reply()
+
+        return send
+
+    return Target(address, build, tuple(options))
