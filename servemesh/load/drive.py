@@ -79,19 +79,19 @@ async def open_loop(
 
 async def closed_loop(
     target: Target,
-    loop: ClosedLoop,
+    schedule: ClosedLoop,
     *,
     events: Sequence[Event] = (),
     run: LoadRun | None = None,
 ) -> LoadRun:
-    """`loop.workers` callers sending back to back for `loop.duration_s`; a request's
+    """`schedule.workers` callers sending back to back for `schedule.duration_s`; a request's
     latency counts from when its worker sent it (a closed loop has no schedule to be late
     for, which is why it cannot show a stall as latency: use an open loop for that)."""
     run = run if run is not None else LoadRun()
     origin = run.origin
     async with grpc.aio.insecure_channel(target.address, options=target.options) as channel:
         request: Request = target.request(channel)
-        until = origin + loop.duration_s
+        until = origin + schedule.duration_s
         event_tasks = _start_events(events, run)
 
         async def worker(first: int) -> None:
@@ -99,9 +99,9 @@ async def closed_loop(
             while (now := time.perf_counter()) < until:
                 run.scheduled += 1
                 run.outcomes.append(await timed(request, index, due=now, origin=origin))
-                index += loop.workers
+                index += schedule.workers
 
-        await asyncio.gather(*(worker(w) for w in range(loop.workers)))
+        await asyncio.gather(*(worker(w) for w in range(schedule.workers)))
         await _finish(set(), event_tasks, None, cancel_events=False)
     return run
 
