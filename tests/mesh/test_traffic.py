@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,15 @@ import grpc
 import pytest
 
 from servemesh.launcher import Mesh
-from servemesh.load import Event, FixedRate, open_loop, predict_target, share, success_ratio
+from servemesh.load import (
+    Event,
+    FixedRate,
+    LoadRun,
+    open_loop,
+    predict_target,
+    share,
+    success_ratio,
+)
 from servemesh.policy import CircuitBreakers, RetryPolicy, RoutePolicy
 from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.apply import ApplyError, RouteManager
@@ -321,20 +330,37 @@ def test_zone_outage_fails_over_to_the_other_zone_and_comes_back(
     mesh: Mesh, routes: RouteManager, admin: AdminClient
 ) -> None:
     victim = "model-zone-a-0"
+    # The load runs until 300 requests were sent from 2 s after the replica is back, however
+    # long its restart takes on a busy machine (a fixed-length run could end before it).
+    run, stop, restarted = LoadRun(), threading.Event(), threading.Event()
 
     def restart() -> None:
         mesh.restart(victim)
+        restarted.set()
 
-    run = asyncio.run(
+    def stop_after_enough_traffic() -> None:
+        if restarted.wait(60):
+            back_s = run.now_s()
+            give_up = time.monotonic() + 60
+            while len(run.window(back_s + 2.0)) < 300 and time.monotonic() < give_up:
+                time.sleep(0.1)
+        stop.set()
+
+    watcher = threading.Thread(target=stop_after_enough_traffic, daemon=True)
+    watcher.start()
+    asyncio.run(
         open_loop(
             predict_target(mesh.spec.edge_address, entities=ENTITIES),
-            FixedRate(rate_per_s=100, duration_s=11),
+            FixedRate(rate_per_s=100),
             events=[
                 Event(1.5, lambda: mesh.kill(victim, signal.SIGKILL), "kill"),
                 Event(4.0, restart, "restart"),
             ],
+            stop=stop,
+            run=run,
         )
     )
+    watcher.join()
     assert not [e.error for e in run.events if e.error]
     kill, back = run.event("kill"), run.event("restart")
     assert success_ratio(run.outcomes) >= 0.995, [o for o in run.outcomes if o.code != "OK"][:5]
