@@ -17,8 +17,8 @@ from pathlib import Path
 import redis
 
 from servemesh.chaos.canary import FLAKY_PREFIX, flaky_artifact, parse_flaky_source
-from servemesh.chaos.netns import ZoneNetwork
-from servemesh.chaos.netns import available as netns_available
+from servemesh.netns import ZoneNetwork
+from servemesh.netns import available as netns_available
 from servemesh.launcher import Child, Mesh, MeshStartError, redis_server_binary
 from servemesh.proxy.render import EnvoyResources
 from servemesh.spec import MeshSpec

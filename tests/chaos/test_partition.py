@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from servemesh.chaos.netns import ZoneNetwork, available
+from servemesh.netns import ZoneNetwork, available
 
 CAN, WHY = available()
 needs_netns = pytest.mark.skipif(not CAN, reason=f"zone namespaces unavailable here: {WHY}")
