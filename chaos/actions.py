@@ -24,14 +24,15 @@ experiment's rollback. Actions act only on the mesh the drill itself started.
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from typing import Any
 
 import redis
 
-from servemesh.chaos.drill import DrillError, current
+from servemesh.chaos.drill import current
+from servemesh.chaos.errors import DrillError
+from servemesh.chaos.scope import describe
 from servemesh.policy import GRPC_CODES
 from servemesh.services.runtime.faults import FaultSettings, control_file, set_fault
 from servemesh.wire import fault_runtime_prefix
@@ -66,12 +67,6 @@ __all__ = [
 ]
 
 
-def _scope(service: str, zone: str | None, replicas: list[str] | str | None) -> str:
-    if replicas:
-        return ", ".join([replicas] if isinstance(replicas, str) else replicas)
-    return f"{service} {zone or 'all zones'}"
-
-
 # --- processes -------------------------------------------------------------------------------
 
 
@@ -80,19 +75,14 @@ def kill_replicas(
 ) -> dict[str, Any]:
     """SIGKILL the chosen replicas (e.g. every model replica of zone-a: a zone outage)."""
     drill = current()
-    mesh = drill.running_mesh
     chosen = drill.select(service, zone, replicas)
-    drill.open_window(
-        f"kill:{_scope(service, zone, replicas)}", f"kill {_scope(service, zone, replicas)}"
-    )
+    scope = describe(service, zone, replicas)
+    drill.timeline.open_window(f"kill:{scope}", f"kill {scope}")
     killed = {}
     for inst in chosen:
-        child = mesh.children.get(inst.name)
-        if child is None or not child.alive():
-            continue
-        drill.helpers.paused.pop(inst.name, None)
-        mesh.kill(inst.name, signal.SIGKILL)
-        killed[inst.name] = child.pid
+        pid = drill.kill(inst.name)
+        if pid is not None:
+            killed[inst.name] = pid
     return {"killed": killed}
 
 
@@ -108,12 +98,9 @@ def restart_replicas(
     started = {}
     began = time.perf_counter()
     for inst in drill.select(service, zone, replicas):
-        child = mesh.children.get(inst.name)
-        if child is not None and child.alive():
-            continue
-        mesh.restart(inst.name, timeout_s=timeout_s)
-        started[inst.name] = mesh.children[inst.name].pid
-    drill.close_window(f"kill:{_scope(service, zone, replicas)}")
+        if not mesh.is_running(inst.name):
+            started[inst.name] = mesh.restart(inst.name, timeout_s=timeout_s)
+    drill.timeline.close_window(f"kill:{describe(service, zone, replicas)}")
     return {"restarted": started, "seconds": round(time.perf_counter() - began, 3)}
 
 
@@ -122,14 +109,13 @@ def pause_replicas(
 ) -> dict[str, Any]:
     """SIGSTOP the chosen replicas: alive, ports open, answering nothing (a hung process)."""
     drill = current()
-    drill.open_window(
-        f"pause:{_scope(service, zone, replicas)}", f"pause {_scope(service, zone, replicas)}"
-    )
+    scope = describe(service, zone, replicas)
+    drill.timeline.open_window(f"pause:{scope}", f"pause {scope}")
     paused = {}
     for inst in drill.select(service, zone, replicas):
-        child = drill.running_mesh.children.get(inst.name)
-        if child is not None and child.alive() and inst.name not in drill.helpers.paused:
-            paused[inst.name] = drill.pause(inst.name)
+        pid = drill.pause(inst.name)
+        if pid is not None:
+            paused[inst.name] = pid
     return {"paused": paused}
 
 
@@ -139,7 +125,7 @@ def resume_replicas(
     """SIGCONT what pause_replicas stopped."""
     drill = current()
     resumed = [i.name for i in drill.select(service, zone, replicas) if drill.resume(i.name)]
-    drill.close_window(f"pause:{_scope(service, zone, replicas)}")
+    drill.timeline.close_window(f"pause:{describe(service, zone, replicas)}")
     return {"resumed": resumed}
 
 
@@ -159,35 +145,31 @@ def start_crash_loop(
     def loop(stop: threading.Event) -> None:
         while not stop.is_set():
             for name in names:
-                child = mesh.children.get(name)
-                if child is not None and child.alive():
-                    mesh.kill(name, signal.SIGKILL)
+                drill.kill(name)
             crashes.append(drill.now_s())
             if stop.wait(down_s):
                 return
             for name in names:
-                child = mesh.children.get(name)
-                if child is None or not child.alive():
+                if not mesh.is_running(name):
                     mesh.restart(name)
             stop.wait(up_s)
 
-    drill.open_window("crash-loop", f"crash loop {', '.join(names)}")
-    drill.start_background("crash-loop", loop)
+    drill.timeline.open_window("crash-loop", f"crash loop {', '.join(names)}")
+    drill.leftovers.start_background("crash-loop", loop)
     return {"replicas": names, "up_s": up_s, "down_s": down_s}
 
 
 def stop_crash_loop(timeout_s: float = 60.0) -> dict[str, Any]:
     """Stop crashing, and bring every replica the loop left dead back."""
     drill = current()
-    stopped = drill.stop_background("crash-loop")
+    stopped = drill.leftovers.stop_background("crash-loop")
     mesh = drill.running_mesh
     restarted = []
     for inst in drill.spec.instances():
-        child = mesh.children.get(inst.name)
-        if inst.service != "registry" and (child is None or not child.alive()):
+        if inst.service != "registry" and not mesh.is_running(inst.name):
             mesh.restart(inst.name, timeout_s=timeout_s)
             restarted.append(inst.name)
-    drill.close_window("crash-loop")
+    drill.timeline.close_window("crash-loop")
     return {"stopped": bool(stopped), "restarted": restarted}
 
 
@@ -223,7 +205,7 @@ def inject_route_fault(
         what.append(f"{abort_percent}% {abort_status}")
     if delay_percent and delay_ms:
         what.append(f"+{delay_ms} ms on {delay_percent}%")
-    drill.open_window(f"route:{route}", f"route {route}: {', '.join(what) or 'no-op'}")
+    drill.timeline.open_window(f"route:{route}", f"route {route}: {', '.join(what) or 'no-op'}")
     return {"runtime": values}
 
 
@@ -233,7 +215,7 @@ def clear_route_fault(route: str = "model.fraud") -> dict[str, Any]:
     values = {f"{prefix}.abort_percent": 0, f"{prefix}.delay_percent": 0}
     assert drill.admin is not None
     drill.admin.set_runtime(values)
-    drill.close_window(f"route:{route}")
+    drill.timeline.close_window(f"route:{route}")
     return {"runtime": values}
 
 
@@ -255,19 +237,19 @@ def inject_endpoint_fault(
         delay_percent=delay_percent,
         delay_ms=delay_ms,
     )
-    scope = _scope(service, zone, replicas)
+    scope = describe(service, zone, replicas)
     applied = []
+    mesh = drill.running_mesh
     for inst in drill.select(service, zone, replicas):
-        child = drill.running_mesh.children.get(inst.name)
-        if child is not None and child.alive():
-            set_fault(drill.running_mesh.state_dir, inst.name, settings)
+        if mesh.is_running(inst.name):
+            set_fault(mesh.state_dir, inst.name, settings)
             applied.append(inst.name)
     what = []
     if error_percent:
         what.append(f"{error_percent:g}% {error_code}")
     if delay_percent and delay_ms:
         what.append(f"+{delay_ms:g} ms on {delay_percent:g}%")
-    drill.open_window(f"endpoint:{scope}", f"{scope}: {', '.join(what) or 'no-op'}")
+    drill.timeline.open_window(f"endpoint:{scope}", f"{scope}: {', '.join(what) or 'no-op'}")
     return {"replicas": applied}
 
 
@@ -275,15 +257,15 @@ def clear_endpoint_fault(
     service: str = "model", zone: str | None = None, replicas: list[str] | None = None
 ) -> dict[str, Any]:
     drill = current()
+    mesh = drill.running_mesh
     cleared = []
     for inst in drill.select(service, zone, replicas):
-        child = drill.running_mesh.children.get(inst.name)
-        if child is not None and child.alive() and inst.name not in drill.helpers.paused:
-            set_fault(drill.running_mesh.state_dir, inst.name, None)
-        else:  # a dead replica reads no control file when it starts again
-            control_file(drill.running_mesh.state_dir, inst.name).unlink(missing_ok=True)
+        if mesh.is_running(inst.name) and not drill.leftovers.is_paused(inst.name):
+            set_fault(mesh.state_dir, inst.name, None)
+        else:  # a dead (or stopped) replica reads no control file when it starts again
+            control_file(mesh.state_dir, inst.name).unlink(missing_ok=True)
         cleared.append(inst.name)
-    drill.close_window(f"endpoint:{_scope(service, zone, replicas)}")
+    drill.timeline.close_window(f"endpoint:{describe(service, zone, replicas)}")
     return {"replicas": cleared}
 
 
@@ -294,7 +276,7 @@ def stop_redis() -> dict[str, Any]:
     """Redis outage: snapshot, then SIGKILL the server the drill's mesh started."""
     drill = current()
     pid = drill.running_mesh.stop_redis()
-    drill.open_window("redis:down", "Redis down")
+    drill.timeline.open_window("redis:down", "Redis down")
     return {"killed": pid}
 
 
@@ -303,7 +285,7 @@ def start_redis() -> dict[str, Any]:
     drill = current()
     began = time.perf_counter()
     pid = drill.running_mesh.start_redis()
-    drill.close_window("redis:down")
+    drill.timeline.close_window("redis:down")
     return {"pid": pid, "seconds": round(time.perf_counter() - began, 3)}
 
 
@@ -319,7 +301,7 @@ def pause_redis_clients(seconds: float = 30.0) -> dict[str, Any]:
     """Redis alive but answering nobody (CLIENT PAUSE ALL) for `seconds` at most."""
     drill = current()
     _redis_command("CLIENT", "PAUSE", int(seconds * 1000), "ALL")
-    drill.open_window("redis:paused", "Redis clients paused")
+    drill.timeline.open_window("redis:paused", "Redis clients paused")
     return {"paused_s": seconds}
 
 
@@ -331,9 +313,9 @@ def unpause_redis_clients() -> dict[str, Any]:
         _redis_command("CLIENT", "UNPAUSE", timeout_s=5.0)
     except redis.exceptions.RedisError as exc:
         # The pause ends by itself at its deadline; report rather than fail the rollback.
-        drill.close_window("redis:paused")
+        drill.timeline.close_window("redis:paused")
         return {"unpaused": False, "error": str(exc)}
-    drill.close_window("redis:paused")
+    drill.timeline.close_window("redis:paused")
     return {"unpaused": True}
 
 
@@ -356,15 +338,15 @@ def slow_redis(stall_ms: int = 200, every_ms: int = 400) -> dict[str, Any]:
         finally:
             client.close()
 
-    drill.start_background("slow-redis", loop)
-    drill.open_window("redis:slow", f"Redis stalls {stall_ms} ms every {every_ms} ms")
+    drill.leftovers.start_background("slow-redis", loop)
+    drill.timeline.open_window("redis:slow", f"Redis stalls {stall_ms} ms every {every_ms} ms")
     return {"stall_ms": stall_ms, "every_ms": every_ms}
 
 
 def restore_redis_speed() -> dict[str, Any]:
     drill = current()
-    stopped = drill.stop_background("slow-redis")
-    drill.close_window("redis:slow")
+    stopped = drill.leftovers.stop_background("slow-redis")
+    drill.timeline.close_window("redis:slow")
     return {"stopped": bool(stopped)}
 
 
@@ -374,14 +356,12 @@ def restore_redis_speed() -> dict[str, Any]:
 def stop_registry() -> dict[str, Any]:
     """Registry outage: SIGKILL the registry. Serving needs no registry; loads do."""
     drill = current()
-    mesh = drill.running_mesh
     killed = {}
     for inst in drill.select("registry"):
-        child = mesh.children.get(inst.name)
-        if child is not None and child.alive():
-            mesh.kill(inst.name, signal.SIGKILL)
-            killed[inst.name] = child.pid
-    drill.open_window("registry:down", "registry down")
+        pid = drill.kill(inst.name)
+        if pid is not None:
+            killed[inst.name] = pid
+    drill.timeline.open_window("registry:down", "registry down")
     return {"killed": killed}
 
 
@@ -391,11 +371,9 @@ def start_registry(timeout_s: float = 60.0) -> dict[str, Any]:
     mesh = drill.running_mesh
     started = {}
     for inst in drill.select("registry"):
-        child = mesh.children.get(inst.name)
-        if child is None or not child.alive():
-            mesh.restart(inst.name, timeout_s=timeout_s)
-            started[inst.name] = mesh.children[inst.name].pid
-    drill.close_window("registry:down")
+        if not mesh.is_running(inst.name):
+            started[inst.name] = mesh.restart(inst.name, timeout_s=timeout_s)
+    drill.timeline.close_window("registry:down")
     return {"restarted": started}
 
 
@@ -411,25 +389,24 @@ def start_cpu_hog(zone: str | None = None, workers: int = 1) -> dict[str, Any]:
     drill = current()
     cpus: set[int] | None = None
     if zone is not None:
-        for inst in drill.select("model", zone):
-            child = drill.running_mesh.children.get(inst.name)
-            if child is not None and child.alive():
-                cpus = os.sched_getaffinity(child.pid)
-                break
+        drill.select("model", zone)  # the zone exists and has model replicas
+        running = drill.running_mesh.pids_of("model", zone)
+        if running:
+            cpus = os.sched_getaffinity(next(iter(running.values())))
     pids = []
     for _ in range(max(1, int(workers))):
-        pid = drill.spawn_hog()
+        pid = drill.leftovers.spawn_hog()
         if cpus:
             os.sched_setaffinity(pid, cpus)
         pids.append(pid)
-    drill.open_window("cpu-hog", f"CPU hog x{len(pids)} ({zone or 'all zones'})")
+    drill.timeline.open_window("cpu-hog", f"CPU hog x{len(pids)} ({zone or 'all zones'})")
     return {"pids": pids, "cpus": sorted(cpus) if cpus else None}
 
 
 def stop_cpu_hog() -> dict[str, Any]:
     drill = current()
-    stopped = drill.stop_hogs()
-    drill.close_window("cpu-hog")
+    stopped = drill.leftovers.stop_hogs()
+    drill.timeline.close_window("cpu-hog")
     return {"stopped": stopped}
 
 
@@ -447,7 +424,7 @@ def set_weights(model: str = "fraud", weights: dict[str, int] | None = None) -> 
         v: w for v, w in weights.items() if w and not drill.initial_weights.get(model, {}).get(v)
     }
     label = ", ".join(f"{v} at {w}%" for v, w in canaries.items()) or "weights changed"
-    drill.open_window(f"weights:{model}", f"{model}: {label}")
+    drill.timeline.open_window(f"weights:{model}", f"{model}: {label}")
     return {"change": result.entry_id, "confirm_ms": round(result.confirm_ms, 1)}
 
 
@@ -472,7 +449,7 @@ def rollback_routes() -> dict[str, Any]:
     drill = current()
     assert drill.routes is not None
     result = drill.routes.rollback(who="drill")
-    drill.close_windows("weights:")
+    drill.timeline.close_windows("weights:")
     return {"change": result.entry_id, "confirm_ms": round(result.confirm_ms, 1)}
 
 
@@ -488,7 +465,7 @@ def restore_weights(model: str | None = None) -> dict[str, Any]:
         if dict(live.models[name].traffic) != weights:
             drill.routes.set_weights(name, weights, who="drill rollback")
             restored.append(name)
-    drill.close_windows("weights:")
+    drill.timeline.close_windows("weights:")
     return {"restored": restored}
 
 
@@ -510,12 +487,12 @@ def partition_zones(zones: list[str] | None = None) -> dict[str, Any]:
     if len(pair) != 2:
         raise DrillError(f"partition_zones takes two zones, got {pair}")
     rules = drill.network.partition(pair[0], pair[1])
-    drill.open_window("partition", f"partition {pair[0]} / {pair[1]}")
+    drill.timeline.open_window("partition", f"partition {pair[0]} / {pair[1]}")
     return {"zones": pair, "rules": rules}
 
 
 def heal_partition() -> dict[str, Any]:
     drill = current()
     removed = drill.network.heal() if drill.network is not None else []
-    drill.close_window("partition")
+    drill.timeline.close_window("partition")
     return {"removed": removed}

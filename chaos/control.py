@@ -55,20 +55,20 @@ def before_hypothesis_control(context: dict[str, Any], **_: Any) -> None:
         return
     after = _drill.phase not in ("starting", "baseline")
     _drill.phase = "steady state after" if after else "steady state before"
-    _drill.mark(_drill.phase, "phase")
+    _drill.timeline.mark(_drill.phase, "phase")
 
 
 def before_method_control(context: dict[str, Any], **_: Any) -> None:
     if _drill is None:
         return
     _drill.phase = "method"
-    _drill.mark("method", "phase")
-    _drill.arm_guard()
+    _drill.timeline.mark("method", "phase")
+    _drill.guard.arm()
 
 
 def after_method_control(context: dict[str, Any], **_: Any) -> None:
     if _drill is not None:
-        _drill.disarm_guard()
+        _drill.guard.disarm()
 
 
 def before_activity_control(context: dict[str, Any], **_: Any) -> None:
@@ -77,7 +77,7 @@ def before_activity_control(context: dict[str, Any], **_: Any) -> None:
     if _drill.phase == "method" and _drill.abort.is_set():
         raise InterruptExecution(f"aborted by the guard: {_drill.guard.reason}")
     if _drill.phase in ("method", "rollbacks"):
-        _drill.mark(str(context.get("name", "?")))
+        _drill.timeline.mark(str(context.get("name", "?")))
 
 
 def after_activity_control(
@@ -104,9 +104,9 @@ def _plain(error: str) -> str:
 def before_rollback_control(context: dict[str, Any], **_: Any) -> None:
     if _drill is None:
         return
-    _drill.disarm_guard()
+    _drill.guard.disarm()
     _drill.phase = "rollbacks"
-    _drill.mark("rollbacks", "phase")
+    _drill.timeline.mark("rollbacks", "phase")
 
 
 def after_rollback_control(context: dict[str, Any], **_: Any) -> None:

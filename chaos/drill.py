@@ -1,4 +1,4 @@
-"""One running drill: its own mesh, the background load, the fault windows, the guard.
+"""One running drill: its own mesh and background load, from start to close.
 
 A drill is self-contained: the experiment's control (`servemesh.chaos.control`) starts a
 mesh from a spec on free ports in the run's folder, starts open-loop load through its edge,
@@ -6,37 +6,34 @@ and stops both by PID at the end. Actions and probes find that mesh through `cur
 Nothing here attaches to a mesh started by someone else, so a drill can never kill processes
 or change routes it does not own.
 
-Time zero of a drill is the first request of its load; fault windows, activity marks and
-the guard's abort all use that clock, which is the clock of the report's timeline.
+The drill's other parts live beside it: its timeline of fault windows and marks
+(`chaos.timeline`), its guard (`chaos.guard`), what faults leave running
+(`chaos.leftovers`) and which instances a fault acts on (`chaos.scope`).
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import re
-import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from servemesh.chaos.errors import DrillError
+from servemesh.chaos.guard import Guard
+from servemesh.chaos.leftovers import Leftovers
 from servemesh.chaos.load import drill_load
-from servemesh.chaos.mesh import DrillMesh, zone_namespace_mesh
+from servemesh.chaos.mesh import DrillMesh
+from servemesh.chaos.scope import select
+from servemesh.chaos.timeline import FaultWindow, Mark, Timeline
 from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.load import BackgroundLoad, WindowStats, window_stats
+from servemesh.netns import ZoneNetwork
 from servemesh.proxy.admin import AdminClient, AdminError
 from servemesh.proxy.apply import RouteManager
 from servemesh.spec import Instance, MeshSpec, load_spec
-
-log = logging.getLogger(__name__)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SPECS_DIR = PACKAGE_DIR / "specs"
@@ -56,50 +53,11 @@ DEFAULTS: dict[str, Any] = {
     "guard_min_success_pct": 95.0,  # abort when success over guard_for_s falls below this
     "guard_for_s": 5.0,
     "guard_max_p99_ms": 0.0,  # 0: no latency guard
-    # loopback: every zone on the machine's loopback (as `servemesh up`); netns: each zone's
-    # services in a network namespace of their own (root), which partitions need.
-    "network": "loopback",
+    # The spec's `network.mode` unless set: loopback (every zone on the machine's loopback,
+    # as `servemesh up`) or netns (each zone's services in a network namespace of their
+    # own, root only), which partitions need.
+    "network": "",
 }
-
-
-class DrillError(RuntimeError):
-    """A drill cannot do what was asked (no drill running, unknown replica...)."""
-
-
-@dataclass
-class FaultWindow:
-    key: str
-    label: str
-    start_s: float
-    end_s: float | None = None
-
-
-@dataclass
-class Mark:
-    at_s: float
-    label: str
-    kind: str = "activity"  # activity, phase, guard
-
-
-@dataclass
-class GuardState:
-    min_success_pct: float
-    for_s: float
-    max_p99_ms: float
-    armed: bool = False
-    tripped: bool = False
-    reason: str = ""
-    at_s: float | None = None
-
-
-@dataclass
-class Helpers:
-    """Things a fault left running that the end of a drill must undo in any case."""
-
-    hogs: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    paused: dict[str, int] = field(default_factory=dict)  # name -> pid under SIGSTOP
-    background: dict[str, tuple[threading.Thread, threading.Event]] = field(default_factory=dict)
-
 
 _current: Drill | None = None
 _lock = threading.Lock()
@@ -144,32 +102,25 @@ class Drill:
         self.load: BackgroundLoad | None = None
         self.admin: AdminClient | None = None
         self.routes: RouteManager | None = None
-        self.windows: list[FaultWindow] = []
-        self.marks: list[Mark] = []
-        self.counters_start: dict[str, int] = {}
-        self.counters_end: dict[str, int] = {}
-        self.initial_weights: dict[str, dict[str, int]] = {}
-        self.guard = GuardState(
+        self.timeline = Timeline(self.now_s)
+        self.guard = Guard(
             min_success_pct=float(config["guard_min_success_pct"]),
             for_s=float(config["guard_for_s"]),
             max_p99_ms=float(config["guard_max_p99_ms"] or 0),
+            on_trip=lambda reason: self.timeline.mark(f"guard: {reason}", "guard"),
         )
-        self.abort = threading.Event()
-        self.helpers = Helpers()
+        self.leftovers = Leftovers()
+        self.counters_start: dict[str, int] = {}
+        self.counters_end: dict[str, int] = {}
+        self.initial_weights: dict[str, dict[str, int]] = {}
         self.phase = "starting"
         self.started_at = datetime.now().astimezone()
         self.summary: dict[str, Any] | None = None
         self.outcomes_final: list[Any] = []
-        self.network: Any = None  # ZoneNetwork when the spec runs zones in namespaces
         self.experiment_title = name
         self.start_error = ""
         self.failed_activity = ""
-        self._guard_thread: threading.Thread | None = None
-        self._guard_stop = threading.Event()
         self._closed = False
-        # Children of the drill itself (CPU hogs) are started from one long-lived thread,
-        # so their parent-death signal fires only when the drill's process ends.
-        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drill-spawner")
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -181,13 +132,7 @@ class Drill:
                 raise DrillError(f"another drill is running in this process: {_current.name}")
             _current = self
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        spec = self._spec()
-        self.mesh = DrillMesh.from_spec(spec, self.out_dir / "mesh")
-        if self.config["network"] == "netns":
-            self.mesh = zone_namespace_mesh(spec, self.out_dir / "mesh")
-            self.network = self.mesh.network
-        elif self.config["network"] != "loopback":
-            raise DrillError(f"network {self.config['network']!r}: loopback or netns")
+        self.mesh = DrillMesh.from_spec(self._mesh_spec(), self.out_dir / "mesh")
         self.mesh.start()
         self.admin = AdminClient(f"{self.mesh.spec.host}:{self.mesh.spec.ports.envoy_admin}")
         self.routes = RouteManager(self.mesh.paths, self.admin)
@@ -207,20 +152,27 @@ class Drill:
             metadata=self._edge_metadata(),
         )
         self.load.start()
-        self.mark("load started", "phase")
-        self._guard_thread = threading.Thread(target=self._guard_loop, name="drill-guard")
-        self._guard_thread.daemon = True
-        self._guard_thread.start()
+        self.timeline.mark("load started", "phase")
+        self.guard.watch(self.load, self.now_s)
         self.phase = "baseline"
         self.sleep(float(self.config["baseline_s"]))
+
+    def _mesh_spec(self) -> MeshSpec:
+        """The spec file, with the network the configuration asks for (if any)."""
+        spec = load_spec(self.spec_path)
+        mode = self.config["network"]
+        if mode not in ("", "loopback", "netns"):
+            raise DrillError(f"network {mode!r}: loopback or netns")
+        if mode:
+            spec = spec.model_copy(
+                update={"network": spec.network.model_copy(update={"mode": mode})}
+            )
+        return spec
 
     def _edge_metadata(self) -> list[tuple[str, str]]:
         """The edge's credentials when the spec turns edge auth on (the launcher made them)."""
         credentials = read_edge_credentials(self.running_mesh.state_dir)
         return [("authorization", authorization_value(*credentials))] if credentials else []
-
-    def _spec(self) -> MeshSpec:
-        return load_spec(self.spec_path)
 
     def finish(self) -> None:
         """Keep the load for the tail, then stop it and read the final numbers."""
@@ -229,14 +181,11 @@ class Drill:
         self.phase = "tail"
         # Not cut short by the guard: after an abort the tail shows the recovery.
         time.sleep(float(self.config["tail_s"]))
-        self.mark("load stopped", "phase")
+        self.timeline.mark("load stopped", "phase")
         end_s = self.now_s()
         self.load.stop()
         self.counters_end = self._counters()
-        for window in self.windows:
-            if window.end_s is None:
-                window.end_s = end_s
-                window.label += " (still open at the end)"
+        self.timeline.close_all(end_s)
         self.outcomes_final = self.load.snapshot()
 
     def close(self) -> None:
@@ -245,11 +194,9 @@ class Drill:
         if self._closed:
             return
         self._closed = True
-        self._guard_stop.set()
+        self.guard.close()
         try:
-            self.stop_background()
-            self.resume_all()
-            self.stop_hogs()
+            self.leftovers.close()
             if self.network is not None:
                 self.network.heal()
         finally:
@@ -258,48 +205,19 @@ class Drill:
                     self.load.stop()
             finally:
                 try:
+                    # The mesh removes the zones' namespaces after the processes in them.
                     if self.mesh is not None:
                         self.mesh.stop()
                 finally:
-                    # After the processes inside the namespaces have stopped.
-                    if self.network is not None:
-                        self.network.close()
-                    self._spawner.shutdown()
                     with _lock:
                         if _current is self:
                             _current = None
 
-    # --- clock, marks, windows -------------------------------------------------------------
+    # --- time ----------------------------------------------------------------------------
 
     def now_s(self) -> float:
+        """Seconds since the load's first request: the clock of the drill's timeline."""
         return self.load.now_s() if self.load is not None else 0.0
-
-    def mark(self, label: str, kind: str = "activity") -> None:
-        self.marks.append(Mark(round(self.now_s(), 3), label, kind))
-
-    def open_window(self, key: str, label: str) -> None:
-        if any(w.key == key and w.end_s is None for w in self.windows):
-            return
-        self.windows.append(FaultWindow(key, label, round(self.now_s(), 3)))
-
-    def close_window(self, key: str) -> None:
-        for window in self.windows:
-            if window.key == key and window.end_s is None:
-                window.end_s = round(self.now_s(), 3)
-
-    def close_windows(self, prefix: str) -> None:
-        for window in self.windows:
-            if window.key.startswith(prefix) and window.end_s is None:
-                window.end_s = round(self.now_s(), 3)
-
-    def fault_stats(self) -> WindowStats | None:
-        """Calls sent while any fault window was open; None before the first window."""
-        if not self.windows or self.load is None:
-            return None
-        now = self.now_s()
-        spans = [(w.start_s, w.end_s if w.end_s is not None else now) for w in self.windows]
-        outcomes = [o for o in list(self.load.outcomes) if any(a <= o.sent_s < b for a, b in spans)]
-        return window_stats(outcomes, 0.0, float("inf"))
 
     def sleep(self, seconds: float) -> bool:
         """Wait while the load runs; returns False at once when the guard trips."""
@@ -307,45 +225,25 @@ class Drill:
             return not self.abort.is_set()
         return not self.abort.wait(seconds)
 
-    # --- the guard -------------------------------------------------------------------------
+    @property
+    def abort(self) -> threading.Event:
+        return self.guard.abort
 
-    def arm_guard(self) -> None:
-        self.guard.armed = True
+    @property
+    def windows(self) -> list[FaultWindow]:
+        return self.timeline.windows
 
-    def disarm_guard(self) -> None:
-        self.guard.armed = False
+    @property
+    def marks(self) -> list[Mark]:
+        return self.timeline.marks
 
-    def _guard_loop(self) -> None:
-        while not self._guard_stop.wait(0.25):
-            if not self.guard.armed or self.abort.is_set() or self.load is None:
-                continue
-            stats = self.load.last(self.guard.for_s)
-            # Judge a full window only: enough calls answered to mean something.
-            if stats.sent < max(10, 0.5 * self.load.rate_per_s * self.guard.for_s):
-                continue
-            reason = ""
-            if stats.success_pct < self.guard.min_success_pct:
-                reason = (
-                    f"success {stats.success_pct:.1f}% < {self.guard.min_success_pct:g}% "
-                    f"over the last {self.guard.for_s:g} s"
-                )
-            elif self.guard.max_p99_ms and stats.p99_ms > self.guard.max_p99_ms:
-                reason = (
-                    f"p99 {stats.p99_ms:.0f} ms > {self.guard.max_p99_ms:g} ms "
-                    f"over the last {self.guard.for_s:g} s"
-                )
-            if reason:
-                self.trip(reason)
-
-    def trip(self, reason: str) -> None:
-        if self.abort.is_set():
-            return
-        self.guard.tripped = True
-        self.guard.reason = reason
-        self.guard.at_s = round(self.now_s(), 3)
-        self.mark(f"guard: {reason}", "guard")
-        log.warning("drill guard tripped: %s", reason)
-        self.abort.set()
+    def fault_stats(self) -> WindowStats | None:
+        """Calls sent while any fault window was open; None before the first window."""
+        if not self.windows or self.load is None:
+            return None
+        spans = self.timeline.spans(self.now_s())
+        outcomes = [o for o in list(self.load.outcomes) if any(a <= o.sent_s < b for a, b in spans)]
+        return window_stats(outcomes, 0.0, float("inf"))
 
     # --- the mesh --------------------------------------------------------------------------
 
@@ -359,6 +257,11 @@ class Drill:
             raise DrillError("the drill's mesh is not running")
         return self.mesh
 
+    @property
+    def network(self) -> ZoneNetwork | None:
+        """The zones' namespaces when the mesh runs them (`network: netns`), else None."""
+        return self.mesh.network if self.mesh is not None else None
+
     def select(
         self,
         service: str = "model",
@@ -366,21 +269,28 @@ class Drill:
         replicas: list[str] | str | None = None,
     ) -> list[Instance]:
         """Instances of `service` in `zone` (all zones when None), or the named replicas."""
-        if isinstance(replicas, str):
-            replicas = [replicas]
-        instances = self.spec.instances()
-        if replicas:
-            known = {i.name for i in instances}
-            unknown = sorted(set(replicas) - known)
-            if unknown:
-                raise DrillError(f"no replicas named {unknown}; known: {sorted(known)}")
-            return [i for i in instances if i.name in replicas]
-        if zone is not None and zone not in self.spec.zones:
-            raise DrillError(f"no zone {zone!r}; zones: {self.spec.zones}")
-        chosen = [i for i in instances if i.service == service and (zone is None or i.zone == zone)]
-        if not chosen:
-            raise DrillError(f"no {service} replicas in {zone or 'any zone'}")
-        return chosen
+        return select(self.spec, service, zone, replicas)
+
+    def kill(self, name: str) -> int | None:
+        """SIGKILL a running instance (paused or not); its PID, None when it was down."""
+        mesh = self.running_mesh
+        if not mesh.is_running(name):
+            return None
+        self.leftovers.forget_pause(name)
+        return mesh.kill(name, signal.SIGKILL)
+
+    def pause(self, name: str) -> int | None:
+        """SIGSTOP a running instance until resume() or the end of the drill; its PID,
+        None when it is down or paused already."""
+        mesh = self.running_mesh
+        if not mesh.is_running(name) or self.leftovers.is_paused(name):
+            return None
+        pid = mesh.send_signal(name, signal.SIGSTOP)
+        self.leftovers.paused_with(name, pid)
+        return pid
+
+    def resume(self, name: str) -> bool:
+        return self.leftovers.resume(name)
 
     def _counters(self) -> dict[str, int]:
         if self.admin is None:
@@ -390,100 +300,15 @@ class Drill:
         except AdminError:
             return {}
 
-    # --- helpers that outlive one activity ---------------------------------------------------
-
-    def pause(self, name: str) -> int:
-        child = self.running_mesh.children[name]
-        if not child.alive():
-            raise DrillError(f"{name} is not running")
-        os.kill(child.pid, signal.SIGSTOP)
-        self.helpers.paused[name] = child.pid
-        return child.pid
-
-    def resume(self, name: str) -> bool:
-        pid = self.helpers.paused.pop(name, None)
-        if pid is None:
-            return False
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            return False
-        return True
-
-    def resume_all(self) -> None:
-        for name in list(self.helpers.paused):
-            self.resume(name)
-
-    def start_background(self, key: str, target: Callable[[threading.Event], None]) -> None:
-        """Run target(stop_event) in a thread until stop_background(key)."""
-        if key in self.helpers.background:
-            return
-        stop = threading.Event()
-        thread = threading.Thread(target=target, args=(stop,), name=f"drill-{key}", daemon=True)
-        self.helpers.background[key] = (thread, stop)
-        thread.start()
-
-    def stop_background(self, key: str | None = None) -> list[str]:
-        keys = [key] if key is not None else list(self.helpers.background)
-        stopped = []
-        for name in keys:
-            entry = self.helpers.background.pop(name, None)
-            if entry is None:
-                continue
-            thread, stop = entry
-            stop.set()
-            thread.join(30)
-            stopped.append(name)
-        return stopped
-
-    def spawn_hog(self) -> int:
-        """A process that burns one CPU until stopped (by PID) or this process dies."""
-        argv = [sys.executable, "-c", "while True: pass"]
-        setpriv = shutil.which("setpriv")
-        if setpriv:
-            argv = [setpriv, "--pdeathsig", "KILL", "--", *argv]
-        proc = self._spawner.submit(
-            subprocess.Popen,
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        ).result()
-        self.helpers.hogs.append(proc)
-        return proc.pid
-
-    def stop_hogs(self) -> list[int]:
-        stopped = []
-        for proc in self.helpers.hogs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
-            stopped.append(proc.pid)
-        self.helpers.hogs.clear()
-        return stopped
-
     # --- what the live view shows ------------------------------------------------------------
 
     def status_line(self) -> dict[str, Any]:
         if self.load is None:
             return {"phase": self.phase}
-        stats = self.load.last(5.0)
-        open_faults = [w.label for w in self.windows if w.end_s is None]
         return {
             "t": self.now_s(),
             "phase": self.phase,
-            "stats": stats,
-            "faults": open_faults,
+            "stats": self.load.last(5.0),
+            "faults": self.timeline.open_labels(),
             "guard": self.guard,
         }
-
-
-def wait_until(check: Callable[[], bool], timeout_s: float, interval_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if check():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval_s)

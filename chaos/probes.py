@@ -23,7 +23,8 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servemesh.chaos.drill import DrillError, current
+from servemesh.chaos.drill import current
+from servemesh.chaos.errors import DrillError
 from servemesh.chaos.report import envoy_deltas
 from servemesh.load import WindowStats, window_stats
 from servemesh.proxy.admin import AdminError

@@ -33,20 +33,14 @@ def _load(path: str | None) -> MeshSpec:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from servemesh.launcher import Mesh, MeshStartError
+    from servemesh.launcher import Mesh
+    from servemesh.procs import StartError
 
     spec = _load(args.spec)
-    state_dir = Path(args.state_dir) if args.state_dir else None
     if args.netns:
-        from servemesh.chaos.mesh import zone_namespace_mesh
-
-        try:
-            mesh = zone_namespace_mesh(spec, state_dir)
-        except MeshStartError as exc:
-            console.print(f"[red]{exc}[/red]")
-            return 1
-    else:
-        mesh = Mesh.from_spec(spec, state_dir)
+        network = spec.network.model_copy(update={"mode": "netns"})
+        spec = spec.model_copy(update={"network": network})
+    mesh = Mesh.from_spec(spec, Path(args.state_dir) if args.state_dir else None)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -56,7 +50,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     ):
         try:
             mesh.start()
-        except MeshStartError as exc:
+        except StartError as exc:
             console.print(f"[red]the mesh did not start:[/red] {exc}")
             return 1
     elapsed = time.perf_counter() - started
@@ -80,10 +74,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     try:
         while not stop.wait(0.5):
-            dead = [c for c in mesh.children.values() if not c.alive()]
-            for child in dead:
-                console.print(f"[yellow]{child.name} exited with {child.popen.returncode}[/yellow]")
-                mesh.children.pop(child.name)
+            for child in mesh.reap_exited():
+                console.print(f"[yellow]{child.name} exited with {child.returncode}[/yellow]")
     finally:
         with console.status("stopping..."):
             mesh.stop()
@@ -215,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--netns",
         action="store_true",
-        help="run each zone's services in a network namespace of its own (root; partitions)",
+        help="run each zone's services in a network namespace of its own (root; partitions): "
+        "sets the spec's network.mode to netns",
     )
     up.set_defaults(func=cmd_up)
 

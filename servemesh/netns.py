@@ -3,8 +3,10 @@
 `ZoneNetwork` gives each zone a network namespace with one veth into a bridge that lives in
 a namespace of its own (the "core"); every zone address is private to namespaces this code
 created. `attach_host` adds one more veth from the machine into that bridge, so that a mesh
-whose zone services run inside the namespaces keeps its loopback addressing (see
-`chaos.mesh.DrillMesh`): NAT rules in chains of their own carry 127.0.0.1:<port> across.
+whose zone services run inside the namespaces keeps its loopback addressing (the launcher
+does this for a spec with `network: {mode: netns}`): NAT rules in chains of their own carry
+127.0.0.1:<port> across, and `zone_source_address` is the loopback address Envoy's
+clusters for a zone send from, which the zones see as that zone's address.
 `partition(a, b)` drops every packet between two zones with iptables (or nftables) rules
 inside both zones' namespaces; `heal()` removes exactly those rules; `close()` removes the
 chains, the link and the namespaces. tc netem is not available on this kernel, so there is
@@ -33,6 +35,12 @@ def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess[str
     if check and done.returncode != 0:
         raise NetnsError(f"{' '.join(argv)}: {done.stderr.strip() or done.returncode}")
     return done
+
+
+def zone_source_address(zone_index: int) -> str:
+    """The loopback address a local client (Envoy's clusters for a zone) binds to speak for
+    the zone at `zone_index` in the spec; attach_host maps it to that zone's egress address."""
+    return f"127.0.{zone_index + 1}.1"
 
 
 def firewall() -> str | None:
@@ -101,12 +109,6 @@ class ZoneNetwork:
     def egress(self, zone: str) -> str:
         """The address the machine's side uses for traffic it sends on behalf of `zone`."""
         return f"{self.subnet}.{2 + self.zones.index(zone)}"
-
-    @staticmethod
-    def loopback_source(zone_index: int) -> str:
-        """A loopback address a local client binds to speak for zone `zone_index` (Envoy's
-        per-zone clusters); attach_host maps it to that zone's egress address."""
-        return f"127.0.{zone_index + 1}.1"
 
     @property
     def namespaces(self) -> list[str]:
@@ -181,7 +183,7 @@ class ZoneNetwork:
         machine to 127.0.0.1:<port of a zone's service> is sent across the bridge to that
         zone (NAT), and a connection from inside a zone to 127.0.0.1:<one of host_ports>
         (Envoy's listeners, the registry, Redis) is sent to the machine. A client on the
-        machine bound to loopback_source(i) is seen by the zones as egress(zone i), so
+        machine bound to zone_source_address(i) is seen by the zones as egress(zone i), so
         rules inside a zone can tell which zone a proxied connection speaks for.
         Needs iptables (NAT); the rules live in chains of their own, removed by close().
         """
@@ -219,7 +221,7 @@ class ZoneNetwork:
                 nat(chains["OUTPUT"], "-d", "127.0.0.1", "-p", "tcp", "--dport", str(port),
                     "-j", "DNAT", "--to-destination", self.address(zone))  # fmt: skip
         for index, zone in enumerate(self.zones):
-            nat(chains["POSTROUTING"], "-o", host, "-s", self.loopback_source(index),
+            nat(chains["POSTROUTING"], "-o", host, "-s", zone_source_address(index),
                 "-j", "SNAT", "--to-source", self.egress(zone))  # fmt: skip
         nat(chains["POSTROUTING"], "-o", host, "-s", "127.0.0.0/8", "-j", "SNAT",
             "--to-source", self.gateway)  # fmt: skip

@@ -159,6 +159,17 @@ class DemoSpec(_Strict):
     entities: Annotated[int, Field(ge=0, le=1_000_000)] = 5000
 
 
+class NetworkSpec(_Strict):
+    """How the zones are networked on this machine."""
+
+    # loopback: every process shares the machine's loopback (the default).
+    # netns:    each zone's gateway, feature and model processes run in a network
+    #           namespace of their own (root; `servemesh up --netns`), so a partition can
+    #           cut one zone off another; every address stays on loopback (NAT carries it)
+    #           and Envoy's clusters for a zone send from that zone's own loopback source.
+    mode: Literal["loopback", "netns"] = "loopback"
+
+
 class Ports(_Strict):
     """Fixed listening ports; 0 picks a free port at start (what the tests use)."""
 
@@ -185,6 +196,7 @@ class MeshSpec(_Strict):
     limits: Limits = Field(default_factory=Limits)
     deadlines: Deadlines = Field(default_factory=Deadlines)
     demo: DemoSpec = Field(default_factory=DemoSpec)
+    network: NetworkSpec = Field(default_factory=NetworkSpec)
     # Filled by `resolve_ports`: each zone's mesh listener port (ports.mesh + zone index
     # when fixed), and the concrete port of every instance, by instance name.
     mesh_ports: dict[ZoneName, Port] = Field(default_factory=dict)

@@ -111,8 +111,17 @@ def _topology(spec: MeshSpec) -> dict[str, Any]:
     for model in data["models"].values():
         for key in ROUTING_FIELDS_MODEL:
             model.pop(key, None)
-    # The launcher resolves these; a spec file being applied usually leaves them out.
-    for key in ("ports", "mesh_ports", "instance_ports", "state_dir", "feature_store", "demo"):
+    # The launcher resolves these (and `up --netns` sets the network); a spec file being
+    # applied usually leaves them out, and the live mesh keeps its own.
+    for key in (
+        "ports",
+        "mesh_ports",
+        "instance_ports",
+        "state_dir",
+        "feature_store",
+        "demo",
+        "network",
+    ):
         data.pop(key, None)
     return data
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from servemesh.netns import zone_source_address
 from servemesh.policy import (
     GRPC_CODES,
     EdgeAuth,
@@ -530,7 +531,16 @@ def render_resources(spec: MeshSpec, log_dir: Path) -> EnvoyResources:
         local_zone: str | None,
         upstream_filters: list[dict[str, Any]] | None = None,
     ) -> None:
-        clusters.append(_cluster(name, policy, eds=True, upstream_filters=upstream_filters))
+        cluster = _cluster(name, policy, eds=True, upstream_filters=upstream_filters)
+        if local_zone is not None and spec.network.mode == "netns":
+            # Zones in network namespaces: a zone's clusters send from a loopback source of
+            # their own, which the namespaces see as that zone's address, so a partition
+            # between two zones also cuts the calls Envoy proxies for one to the other.
+            source = zone_source_address(spec.zones.index(local_zone))
+            cluster["upstream_bind_config"] = {
+                "source_address": {"address": source, "port_value": 0}
+            }
+        clusters.append(cluster)
         assignments[name] = _load_assignment(spec, name, members, local_zone)
 
     add(GATEWAY_CLUSTER, of("gateway"), spec.traffic.edge, None)

@@ -1,0 +1,7 @@
+"""The one error a drill's own code raises."""
+
+from __future__ import annotations
+
+
+class DrillError(RuntimeError):
+    """A drill cannot do what was asked (no drill running, unknown replica...)."""

@@ -1,0 +1,99 @@
+"""What a fault leaves running that the end of a drill must undo in any case.
+
+Paused replicas (SIGSTOP) are continued, background fault loops (a crash loop, a slow
+Redis) are stopped, and CPU hogs are killed, whether the drill ended well, was aborted by
+its guard, or crashed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+from servemesh.procs import Supervisor
+
+
+class Leftovers:
+    def __init__(self) -> None:
+        self.paused: dict[str, int] = {}  # name -> pid under SIGSTOP
+        self._background: dict[str, tuple[threading.Thread, threading.Event]] = {}
+        # CPU hogs die with the drill's process (SIGKILL), not only when stopped.
+        self._hogs = Supervisor(death_signal=signal.SIGKILL, grace_s=0, thread_name="hog-spawner")
+        self._hog_count = 0
+
+    # --- paused processes ----------------------------------------------------------------
+
+    def is_paused(self, name: str) -> bool:
+        return name in self.paused
+
+    def paused_with(self, name: str, pid: int) -> None:
+        """Remember that `name` (PID `pid`) was stopped with SIGSTOP."""
+        self.paused[name] = pid
+
+    def forget_pause(self, name: str) -> None:
+        """The paused process is gone (killed): nothing to continue."""
+        self.paused.pop(name, None)
+
+    def resume(self, name: str) -> bool:
+        """SIGCONT what was paused under `name`; False when it was not (or is gone)."""
+        pid = self.paused.pop(name, None)
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def resume_all(self) -> None:
+        for name in list(self.paused):
+            self.resume(name)
+
+    # --- background fault loops ---------------------------------------------------------
+
+    def start_background(self, key: str, target: Callable[[threading.Event], None]) -> None:
+        """Run target(stop_event) in a thread until stop_background(key)."""
+        if key in self._background:
+            return
+        stop = threading.Event()
+        thread = threading.Thread(target=target, args=(stop,), name=f"drill-{key}", daemon=True)
+        self._background[key] = (thread, stop)
+        thread.start()
+
+    def stop_background(self, key: str | None = None) -> list[str]:
+        """Stop one loop (or all of them) and wait for it; the keys stopped."""
+        keys = [key] if key is not None else list(self._background)
+        stopped = []
+        for name in keys:
+            entry = self._background.pop(name, None)
+            if entry is None:
+                continue
+            thread, stop = entry
+            stop.set()
+            thread.join(30)
+            stopped.append(name)
+        return stopped
+
+    # --- CPU hogs --------------------------------------------------------------------------
+
+    def spawn_hog(self) -> int:
+        """A process that burns one CPU until stopped (by PID) or this process dies."""
+        self._hog_count += 1
+        argv = [sys.executable, "-c", "while True: pass"]
+        return self._hogs.start(f"cpu-hog-{self._hog_count}", argv, log=False).pid
+
+    def stop_hogs(self) -> list[int]:
+        pids = list(self._hogs.pids().values())
+        self._hogs.stop_all()
+        return pids
+
+    def close(self) -> None:
+        """Undo everything: loops stopped, paused processes continued, hogs killed."""
+        try:
+            self.stop_background()
+            self.resume_all()
+        finally:
+            self._hogs.close()

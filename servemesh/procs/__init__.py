@@ -1,0 +1,39 @@
+"""Child processes: the one place servemesh starts, watches and stops them.
+
+    sup = Supervisor(logs_dir)                  # one forking thread, logs per child
+    sup.start("registry-0", argv, group="registry", ready=GrpcHealth(address))
+    sup.kill("registry-0"); sup.restart("registry-0")   # an outage and the way back
+    sup.stop_all([["envoy"], ["gateway"], ...])          # tier by tier, by PID
+    RedisServer(sup, data_dir).start()          # redis-server on a free port, PING-ready
+
+- `Supervisor`: start a child (parent-death signal, own session, a log file), wait until
+  it is ready (its log tail in the error when it dies or times out), signal, kill,
+  restart it as first started, stop in tiers by PID (SIGTERM, grace, SIGKILL).
+- `GrpcHealth`, `TcpPort`, `RedisPing`, `Check`, `All`: what "ready" means for a child.
+- `RedisServer`: a redis-server child: start, snapshot-and-kill outage, start again on
+  its port.
+
+Errors: `ProcessError` (no such child, still running, not running) and its subclass
+`StartError` (a child exited or was not ready in time; the message carries its log tail).
+"""
+
+from __future__ import annotations
+
+from servemesh.procs.ready import All, Check, GrpcHealth, Readiness, RedisPing, TcpPort
+from servemesh.procs.redis_server import RedisServer, redis_server_binary
+from servemesh.procs.supervisor import Child, ProcessError, StartError, Supervisor
+
+__all__ = [
+    "All",
+    "Check",
+    "Child",
+    "GrpcHealth",
+    "ProcessError",
+    "Readiness",
+    "RedisPing",
+    "RedisServer",
+    "StartError",
+    "Supervisor",
+    "TcpPort",
+    "redis_server_binary",
+]
