@@ -192,7 +192,7 @@ def inject_route_fault(
         if not 0 <= int(value) <= 100:
             raise DrillError(f"{name} must be within 0..100, got {value}")
     prefix = fault_runtime_prefix(route)
-    values = {
+    values: dict[str, str | int | float] = {
         f"{prefix}.abort_percent": int(abort_percent),
         f"{prefix}.abort_grpc_status": GRPC_CODES[abort_status],
         f"{prefix}.delay_percent": int(delay_percent),
@@ -212,7 +212,10 @@ def inject_route_fault(
 def clear_route_fault(route: str = "model.fraud") -> dict[str, Any]:
     drill = current()
     prefix = fault_runtime_prefix(route)
-    values = {f"{prefix}.abort_percent": 0, f"{prefix}.delay_percent": 0}
+    values: dict[str, str | int | float] = {
+        f"{prefix}.abort_percent": 0,
+        f"{prefix}.delay_percent": 0,
+    }
     assert drill.admin is not None
     drill.admin.set_runtime(values)
     drill.timeline.close_window(f"route:{route}")

@@ -35,12 +35,14 @@ async def seed_flaky_versions(spec: MeshSpec, registry: grpc.aio.Channel) -> Non
                 continue
             percent, seed = parse_flaky_source(version_spec.source)
             artifact = flaky_artifact(percent, seed, spec.demo.entities)
+            signature = demo_signature(len(model.features))
             await push_version(
                 registry,
                 model=name,
                 version=version,
                 data=artifact.data,
-                **demo_signature(len(model.features)),
+                inputs=signature["inputs"],
+                outputs=signature["outputs"],
                 labels={"source": version_spec.source},
             )
 

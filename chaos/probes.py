@@ -255,7 +255,7 @@ def try_model_load(
             stub.RepositoryModelLoad(request, timeout=timeout_s)
             code, details = "OK", ""
         except grpc.RpcError as exc:
-            code, details = exc.code().name, exc.details() or ""  # type: ignore[attr-defined]
+            code, details = exc.code().name, exc.details() or ""
     return {
         "replica": name,
         "code": code,

@@ -61,12 +61,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     endpoints = mesh.endpoints()
     pids = mesh.pids()
     table.add_row("edge (clients, grpcurl)", str(endpoints["edge"]), str(pids.get("envoy", "")))
-    for zone, address in endpoints["mesh_by_zone"].items():  # type: ignore[union-attr]
-        table.add_row(f"mesh listener of {zone}", address, "")
+    for zone in mesh.spec.zones:
+        table.add_row(f"mesh listener of {zone}", mesh.spec.mesh_address_for(zone), "")
     table.add_row("envoy admin", f"http://{endpoints['envoy_admin']}", "")
     table.add_row("redis", str(endpoints["redis"]), str(pids.get("redis", "")))
-    for name, address in endpoints["services"].items():  # type: ignore[union-attr]
-        table.add_row(name, address, str(pids.get(name, "")))
+    for inst in mesh.spec.instances():
+        table.add_row(inst.name, mesh.spec.address_of(inst.name), str(pids.get(inst.name, "")))
     out.print(table)
     out.print(f"logs: {endpoints['logs']}")
     out.print(f"try:  {sys.argv[0]} predict --model fraud --entity user-42")

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import grpc
 import yaml
@@ -75,7 +76,7 @@ class Mesh:
     @classmethod
     def from_spec(
         cls, spec: MeshSpec, state_dir: Path | None = None, *, seed_steps: Sequence[SeedStep] = ()
-    ) -> Mesh:
+    ) -> Self:
         root = Path(state_dir or spec.state_dir).resolve()
         mesh = cls(spec=spec.model_copy(update={"state_dir": str(root)}), state_dir=root)
         mesh.seed_steps.extend(seed_steps)

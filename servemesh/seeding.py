@@ -11,7 +11,8 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from servemesh.spec import DEMO_FEATURES, MeshSpec
+from servemesh.demo import DEMO_FEATURES, demo_seed
+from servemesh.spec import MeshSpec
 
 SeedStep = Callable[[MeshSpec, grpc.aio.Channel], Awaitable[None]]
 
@@ -24,15 +25,18 @@ async def seed_demo(spec: MeshSpec, registry: grpc.aio.Channel) -> None:
 
     for model_name, model in spec.models.items():
         for version, version_spec in model.versions.items():
-            if not version_spec.source.startswith("demo:"):
+            seed = demo_seed(version_spec.source)
+            if seed is None:
                 continue
-            artifact = demo_artifact(int(version_spec.source.split(":", 1)[1]))
+            artifact = demo_artifact(seed)
+            signature = demo_signature(len(model.features))
             await push_version(
                 registry,
                 model=model_name,
                 version=version,
                 data=artifact.data,
-                **demo_signature(len(model.features)),
+                inputs=signature["inputs"],
+                outputs=signature["outputs"],
                 labels={"source": version_spec.source},
             )
     views = {m.feature_view for m in spec.models.values() if m.features == DEMO_FEATURES}

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from servemesh.model_bench.load import LoadResult, closed_loop, open_loop, request_bodies
+from servemesh.procs import Check, StartError, Supervisor
 
 TRITON_C64_RPS = 1070.0  # issue #3: Triton 2.51 (pytriton), same box and setup, c=64
 TRITON_C64_P99_MS = 87.0
@@ -131,25 +132,22 @@ class ServerProcess:
             argv += ["--cpu", str(cpu)]
         if target.inject_latency_ms:
             argv += ["--inject-latency-ms", str(target.inject_latency_ms)]
-        self.log_path = workdir / f"{target.name.split()[0]}.log"
-        with self.log_path.open("ab") as log:
-            self.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while not port_file.exists():
-            if self.popen.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"{target.name} did not start:\n{self.log_tail()}")
-            time.sleep(0.05)
+        self.name = target.name.split()[0]
+        # One supervisor per server: its forking thread lives exactly as long as the server.
+        self.supervisor = Supervisor(workdir, grace_s=15.0, thread_name="bench-spawner")
+        ready = Check(port_file.exists, f"{port_file.name} written")
+        try:
+            self.pid = self.supervisor.start(self.name, argv, ready=ready, timeout_s=120).pid
+        except StartError as exc:
+            self.stop()
+            raise RuntimeError(f"{target.name} did not start: {exc}") from None
         ports = json.loads(port_file.read_text())
         self.address = f"127.0.0.1:{ports['port']}"
         self.metrics_port = int(ports["metrics_port"])
 
-    def log_tail(self) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
-
     def cpu_seconds(self) -> float:
         """User + system CPU time of the server process so far."""
-        stat = Path(f"/proc/{self.popen.pid}/stat").read_text()
+        stat = Path(f"/proc/{self.pid}/stat").read_text()
         fields = stat[stat.rindex(")") + 2 :].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -171,13 +169,8 @@ class ServerProcess:
         return samples
 
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=5)
+        """SIGTERM, then SIGKILL after 15 s; the log stays in the work dir."""
+        self.supervisor.close()
 
 
 @contextmanager

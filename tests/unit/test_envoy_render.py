@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from servemesh.netns import zone_source_address
 from servemesh.policy import CircuitBreakers, RoutePolicy, ShadowSpec
 from servemesh.proxy.process import EnvoyConfigError, validate_config
 from servemesh.proxy.render import (
@@ -19,8 +20,8 @@ from servemesh.proxy.render import (
     static_bootstrap,
     xds_files,
 )
-from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, resolve_ports
-from servemesh.wire import model_cluster
+from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, NetworkSpec, resolve_ports
+from servemesh.wire import model_cluster, zone_of_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,6 +60,35 @@ def test_dynamic_bootstrap_and_watched_files_are_accepted_too(tmp_path: Path) ->
     cds = yaml.safe_load(layout.cds.read_text())
     assert cds["version_info"] == "7"
     assert all(c["type"] == "EDS" for c in cds["resources"])
+
+
+def test_zones_in_namespaces_send_from_their_own_source_and_loopback_zones_do_not(
+    tmp_path: Path,
+) -> None:
+    shadowed = ModelSpec(
+        versions={"v1": ModelVersionSpec(source="demo:1"), "v2": ModelVersionSpec(source="demo:2")},
+        shadow=ShadowSpec(version="v2"),
+    )
+    netns = _spec(network=NetworkSpec(mode="netns"), models={"fraud": shadowed})
+    clusters = render_resources(netns, tmp_path).clusters
+    per_zone = [c for c in clusters if zone_of_cluster(c["name"]) is not None]
+    # feature, model-servers, two versions and the shadow, for each of two zones
+    assert len(per_zone) == 10
+    for cluster in per_zone:
+        zone = zone_of_cluster(cluster["name"])
+        source = zone_source_address(netns.zones.index(str(zone)))
+        assert cluster["upstream_bind_config"] == {
+            "source_address": {"address": source, "port_value": 0}
+        }, cluster["name"]
+    assert {zone_source_address(i) for i in range(2)} == {"127.0.1.1", "127.0.2.1"}
+    # Zone-less clusters (the edge's gateways, the registry) keep the default source.
+    assert all("upstream_bind_config" not in c for c in clusters if c not in per_zone)
+    _validate(netns, tmp_path)
+
+    loopback = _spec(models={"fraud": shadowed})
+    assert loopback.network.mode == "loopback"
+    plain = render_resources(loopback, tmp_path).clusters
+    assert plain and all("upstream_bind_config" not in c for c in plain)
 
 
 def test_envoy_rejects_a_broken_config(tmp_path: Path) -> None:
