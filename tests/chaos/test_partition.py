@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from servemesh.netns import ZoneNetwork, available
+from servemesh.procs import Check, Supervisor
 
 CAN, WHY = available()
 needs_netns = pytest.mark.skipif(not CAN, reason=f"zone namespaces unavailable here: {WHY}")
@@ -38,25 +39,17 @@ CONNECT = (
 
 
 @pytest.fixture
-def network() -> Iterator[ZoneNetwork]:
+def network(tmp_path: Path) -> Iterator[ZoneNetwork]:
     net = ZoneNetwork(["zone-a", "zone-b"]).create()
-    servers = []
     try:
-        for zone in net.zones:
-            proc = subprocess.Popen(
-                net.exec_argv(zone, [sys.executable, "-c", SERVE, net.address(zone)]),
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            servers.append(proc)
-            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        yield net
+        with Supervisor(tmp_path) as servers:
+            for zone in net.zones:
+                argv = net.exec_argv(zone, [sys.executable, "-c", SERVE, net.address(zone)])
+                log = tmp_path / f"{zone}.log"
+                ready = Check(lambda log=log: "ready" in log.read_text(), f"{zone} listening")
+                servers.start(zone, argv, ready=ready, timeout_s=30)
+            yield net
     finally:
-        for proc in servers:
-            proc.kill()
-            proc.wait(timeout=10)
-            if proc.stdout is not None:
-                proc.stdout.close()
         net.close()
 
 

@@ -14,10 +14,15 @@ from chaoslib.experiment import ensure_experiment_is_valid
 
 from servemesh.chaos.canary import failing_threshold, flaky_artifact, parse_flaky_source
 from servemesh.chaos.control import _plain
+from servemesh.chaos.errors import DrillError
+from servemesh.chaos.guard import Guard
 from servemesh.chaos.report import envoy_deltas, recovery
 from servemesh.chaos.runner import list_drills, load_experiment
+from servemesh.chaos.scope import describe, select
+from servemesh.chaos.timeline import Timeline
 from servemesh.demo import demo_features
 from servemesh.load import Outcome, percentile, window_stats
+from servemesh.spec import MeshSpec
 
 DRILLS = {
     "zone-outage",
@@ -121,3 +126,55 @@ def test_chaos_list_shows_every_drill() -> None:
 def test_a_failed_activity_reads_as_its_message() -> None:
     raw = "chaoslib.exceptions.ActivityFailed: servemesh.chaos.drill.DrillError: no zone 'x'"
     assert _plain(raw) == "no zone 'x'"
+
+
+def test_the_guard_trips_once_on_a_full_window_below_its_floor() -> None:
+    reasons: list[str] = []
+    guard = Guard(min_success_pct=95.0, for_s=5.0, max_p99_ms=0.0, on_trip=reasons.append)
+    failing = calls(0, 5, 100, code="UNAVAILABLE")
+    healthy = calls(0, 5, 100, code="OK", version="v1", zone="zone-a")
+    # Too few calls to judge (fewer than half the rate over the window): no verdict yet.
+    assert guard.judge(window_stats(failing[:100], 0, 5), rate_per_s=100) == ""
+    assert guard.judge(window_stats(healthy, 0, 5), rate_per_s=100) == ""
+    reason = guard.judge(window_stats(failing, 0, 5), rate_per_s=100)
+    assert reason == "success 0.0% < 95% over the last 5 s"
+    guard.trip(reason, at_s=12.3456)
+    guard.trip("a second reason", at_s=13.0)
+    assert guard.abort.is_set() and guard.tripped and guard.at_s == 12.346
+    assert guard.reason == reason and reasons == [reason]
+    slow = Guard(min_success_pct=95.0, for_s=5.0, max_p99_ms=1.0)
+    assert slow.judge(window_stats(healthy, 0, 5), rate_per_s=100).startswith("p99 5 ms > 1 ms")
+
+
+def test_the_timeline_keeps_one_window_per_fault_and_closes_what_is_left() -> None:
+    now = [1.0]
+    timeline = Timeline(lambda: now[0])
+    timeline.open_window("kill:model zone-a", "kill model zone-a")
+    timeline.open_window("kill:model zone-a", "kill model zone-a")  # applied twice: one window
+    now[0] = 2.5
+    timeline.open_window("weights:fraud", "fraud: v2 at 10%")
+    timeline.close_window("kill:model zone-a")
+    timeline.mark("rollbacks", "phase")
+    assert timeline.open_labels() == ["fraud: v2 at 10%"]
+    assert timeline.spans(4.0) == [(1.0, 2.5), (2.5, 4.0)]
+    timeline.close_all(9.0)
+    assert [(w.start_s, w.end_s, w.label) for w in timeline.windows] == [
+        (1.0, 2.5, "kill model zone-a"),
+        (2.5, 9.0, "fraud: v2 at 10% (still open at the end)"),
+    ]
+    assert [(m.at_s, m.label, m.kind) for m in timeline.marks] == [(2.5, "rollbacks", "phase")]
+
+
+def test_a_fault_scope_is_a_service_in_a_zone_or_named_replicas() -> None:
+    spec = MeshSpec()
+    assert [i.name for i in select(spec, "model", "zone-a")] == ["model-zone-a-0"]
+    assert [i.name for i in select(spec, "feature")] == ["feature-zone-a-0", "feature-zone-b-0"]
+    assert [i.name for i in select(spec, replicas="gateway-zone-b-0")] == ["gateway-zone-b-0"]
+    with pytest.raises(DrillError, match="no zone 'zone-x'"):
+        select(spec, "model", "zone-x")
+    with pytest.raises(DrillError, match=r"no replicas named \['model-9'\]"):
+        select(spec, replicas=["model-9"])
+    assert describe("model", "zone-a", None) == "model zone-a"
+    assert describe("model", None, ["model-zone-a-0", "model-zone-b-0"]) == (
+        "model-zone-a-0, model-zone-b-0"
+    )

@@ -1,24 +1,34 @@
-"""`servemesh up` as a newcomer runs it: starts everything, answers, stops with nothing left."""
+"""`servemesh up` as a newcomer runs it: starts everything, answers, stops with nothing left.
+
+With `--netns` (root), each zone's services run in a network namespace of their own, and a
+weight change keeps every zone's Envoy clusters sending from that zone's own source.
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servemesh.netns import available
 from servemesh.policy import EdgeAuth
+from servemesh.procs import Check, Supervisor
+from servemesh.spec import MeshSpec
+from servemesh.wire import zone_of_cluster
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.mesh.conftest import test_mesh_spec
+
+NETNS, NO_NETNS = available()
 
 
 def _port_is_free(host: str, port: int) -> bool:
@@ -40,56 +50,87 @@ def _pid_exists(pid: int) -> bool:
     return True
 
 
-def test_up_serves_predictions_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """A one-shot servemesh command."""
+    return subprocess.run(
+        [sys.executable, "-m", "servemesh", *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+class Up:
+    """`servemesh up` running as a child; stop() sends SIGTERM, as Ctrl-C would."""
+
+    def __init__(self, supervisor: Supervisor, state: Path, log: Path) -> None:
+        self.supervisor = supervisor
+        self.state = state
+        self.log = log
+
+    @property
+    def endpoints(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.state / "endpoints.json").read_text())
+        return data
+
+    @property
+    def output(self) -> str:
+        """What `up` printed (stdout and stderr)."""
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> int | None:
+        """SIGTERM; the exit status once `up` stopped every process it started."""
+        return self.supervisor.stop("up", grace_s=60)
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[Callable[..., Up]]:
+    with Supervisor(tmp_path / "logs") as supervisor:
+
+        def start(spec: MeshSpec, *flags: str) -> Up:
+            spec_path = tmp_path / "mesh.yaml"
+            spec_path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+            endpoints = Path(spec.state_dir) / "endpoints.json"
+            argv = [sys.executable, "-m", "servemesh", "up", "--spec", str(spec_path), *flags]
+            # endpoints.json is written once every service is SERVING and Envoy is ready.
+            ready = Check(endpoints.exists, f"{endpoints} written")
+            child = supervisor.start("up", argv, ready=ready, timeout_s=180)
+            assert child.launch.log_path is not None
+            return Up(supervisor, Path(spec.state_dir), child.launch.log_path)
+
+        yield start
+
+
+def test_up_serves_predictions_and_stops_cleanly_on_sigterm(
+    tmp_path: Path, up: Callable[..., Up]
+) -> None:
     spec = test_mesh_spec(str(tmp_path / "state"), entities=100)
     # With edge auth on: the CLI finds the mesh's key; a caller without it is refused.
     traffic = spec.traffic.model_copy(update={"edge_auth": EdgeAuth(enabled=True)})
-    spec = spec.model_copy(update={"traffic": traffic})
-    spec_path = tmp_path / "mesh.yaml"
-    spec_path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
-    up = subprocess.Popen(
-        [sys.executable, "-m", "servemesh", "up", "--spec", str(spec_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    endpoints_file = tmp_path / "state" / "endpoints.json"
-    try:
-        deadline = time.monotonic() + 180
-        while not endpoints_file.exists():
-            assert up.poll() is None, up.stdout.read() if up.stdout else ""
-            assert time.monotonic() < deadline, "servemesh up did not become ready"
-            time.sleep(0.1)
-        endpoints = json.loads(endpoints_file.read_text())
-        credentials = tmp_path / "state" / "edge-credentials"
-        assert credentials.stat().st_mode & 0o777 == 0o600
-        key = credentials.read_text().strip().split(":", 1)[1]
-        assert key not in (tmp_path / "state" / "envoy" / "envoy.static.yaml").read_text()
-        with grpc.insecure_channel(endpoints["edge"]) as channel:
-            with pytest.raises(grpc.RpcError) as refused:
-                gateway_pb2_grpc.GatewayStub(channel).Predict(
-                    gateway_pb2.PredictRequest(model="fraud", entity_ids=["user-1"]), timeout=5
-                )
-            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            health = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=5
+    mesh = up(spec.model_copy(update={"traffic": traffic}))
+    endpoints = mesh.endpoints
+    credentials = tmp_path / "state" / "edge-credentials"
+    assert credentials.stat().st_mode & 0o777 == 0o600
+    key = credentials.read_text().strip().split(":", 1)[1]
+    assert key not in (tmp_path / "state" / "envoy" / "envoy.static.yaml").read_text()
+    with grpc.insecure_channel(endpoints["edge"]) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            gateway_pb2_grpc.GatewayStub(channel).Predict(
+                gateway_pb2.PredictRequest(model="fraud", entity_ids=["user-1"]), timeout=5
             )
-            assert health.status == health_pb2.HealthCheckResponse.SERVING
-        predicted = subprocess.run(
-            [sys.executable, "-m", "servemesh", "predict", "--model", "fraud",
-             "--entity", "user-42", "--address", endpoints["edge"], "--json",
-             "--state-dir", str(tmp_path / "state")],
-            capture_output=True, text=True, timeout=60, check=False,
-        )  # fmt: skip
-        assert predicted.returncode == 0, predicted.stderr
-        answer = json.loads(predicted.stdout)
-        assert len(answer["scores"]) == 1 and 0.0 <= answer["scores"][0] <= 1.0
-        assert answer["model_version"] == "v1" and answer["request_id"]
-    finally:
-        up.send_signal(signal.SIGTERM)
-        output, _ = up.communicate(timeout=60)
-    assert up.returncode == 0, output
-    assert "stopped" in output
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    predicted = _cli("predict", "--model", "fraud", "--entity", "user-42",
+                     "--address", endpoints["edge"], "--json",
+                     "--state-dir", str(tmp_path / "state"))  # fmt: skip
+    assert predicted.returncode == 0, predicted.stderr
+    answer = json.loads(predicted.stdout)
+    assert len(answer["scores"]) == 1 and 0.0 <= answer["scores"][0] <= 1.0
+    assert answer["model_version"] == "v1" and answer["request_id"]
+
+    assert mesh.stop() == 0, mesh.output
+    assert "stopped" in mesh.output
     pids = endpoints["pids"]
     assert {"redis", "envoy", "registry-0", "gateway-zone-a-0", "model-zone-b-0"} <= set(pids)
     assert not [name for name, pid in pids.items() if _pid_exists(pid)]
@@ -104,3 +145,68 @@ def test_up_serves_predictions_and_stops_cleanly_on_sigterm(tmp_path: Path) -> N
         ]
     ]
     assert [p for p in ports if not _port_is_free("127.0.0.1", p)] == []
+
+
+def _bind_configs(state: Path) -> tuple[int, int]:
+    """In the CDS file Envoy watches: how many clusters send from a source of their own,
+    and how many clusters serve one zone's callers."""
+    cds = yaml.safe_load((state / "xds" / "cds" / "clusters.yaml").read_text())
+    clusters = cds["resources"]
+    bound = sum("upstream_bind_config" in c for c in clusters)
+    return bound, sum(zone_of_cluster(c["name"]) is not None for c in clusters)
+
+
+def _namespace_of(pid: int) -> str:
+    done = subprocess.run(
+        ["ip", "netns", "identify", str(pid)], capture_output=True, text=True, check=True
+    )
+    return done.stdout.strip()
+
+
+@pytest.mark.skipif(not NETNS, reason=f"zone namespaces unavailable here: {NO_NETNS}")
+def test_up_netns_keeps_each_zones_source_through_a_weight_change(
+    tmp_path: Path, up: Callable[..., Up]
+) -> None:
+    state = tmp_path / "state"
+    mesh = up(test_mesh_spec(str(state), entities=100), "--netns")
+    endpoints = mesh.endpoints
+    pids = endpoints["pids"]
+    # Each zone's services run in that zone's namespace; Envoy stays on the machine.
+    zone_a, zone_b = _namespace_of(pids["model-zone-a-0"]), _namespace_of(pids["model-zone-b-0"])
+    assert zone_a and zone_b and zone_a != zone_b
+    assert _namespace_of(pids["gateway-zone-a-0"]) == zone_a
+    assert _namespace_of(pids["envoy"]) == ""
+    resolved = yaml.safe_load((state / "mesh.resolved.yaml").read_text())
+    assert resolved["network"] == {"mode": "netns"}
+
+    before, zone_clusters = _bind_configs(state)
+    assert before == zone_clusters > 0
+    changed = _cli("routes", "--state-dir", str(state), "set", "fraud", "v1=50", "v2=50")
+    assert changed.returncode == 0, changed.stderr + changed.stdout
+    assert "applied as change #1" in changed.stdout
+    assert _bind_configs(state) == (before, zone_clusters)
+    # A policy change rewrites every model cluster: each keeps its zone's source.
+    live = yaml.safe_load((state / "mesh.resolved.yaml").read_text())
+    live["traffic"]["model"]["circuit_breakers"]["max_requests"] = 777
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(yaml.safe_dump(live))
+    applied = _cli("routes", "--state-dir", str(state), "apply", str(policy))
+    assert applied.returncode == 0, applied.stderr + applied.stdout
+    assert "max_requests: 777" in (state / "xds" / "cds" / "clusters.yaml").read_text()
+    assert _bind_configs(state) == (before, zone_clusters)
+    rolled = _cli("routes", "--state-dir", str(state), "rollback")
+    assert rolled.returncode == 0, rolled.stderr + rolled.stdout
+    assert _bind_configs(state) == (before, zone_clusters)
+    # ... and callers still get answers through the zones' namespaces.
+    edge = endpoints["edge"]
+    predicted = _cli("predict", "--model", "fraud", "--entity", "user-7",
+                     "--address", edge, "--json", "--state-dir", str(state))  # fmt: skip
+    assert predicted.returncode == 0, predicted.stderr
+
+    assert mesh.stop() == 0, mesh.output
+    assert not [name for name, pid in pids.items() if _pid_exists(pid)]
+    tag = zone_a.removeprefix("smz").split("-")[0]
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"smz{tag}-" not in listed
+    nat = subprocess.run(["iptables", "-t", "nat", "-S"], capture_output=True, text=True).stdout
+    assert f"SMZ{tag}-" not in nat

@@ -5,21 +5,17 @@ artifact from a real registry process, serves metrics, and drains in-flight batc
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servemesh.demo import demo_artifact
+from servemesh.procs import Child, GrpcHealth, Supervisor
 from servemesh.registry.client import push_version
 from servemesh.spec import (
     BatchingSpec,
@@ -40,36 +36,12 @@ MODEL_INSTANCE = "model-zone-a-0"
 SLOW_MS = 300.0  # every batch takes this long: requests are surely in flight at SIGTERM
 
 
-@contextmanager
-def service(module: str, instance: str, spec_file: Path, log: Path) -> Iterator[subprocess.Popen]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", module, "--spec", str(spec_file), "--instance", instance],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
-async def wait_serving(address: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 60
-    async with grpc.aio.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while True:
-            assert proc.poll() is None, f"exited early:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"never SERVING:\n{log.read_text()[-3000:]}"
-            try:
-                answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
-                if answer.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.1)
+def start_service(
+    supervisor: Supervisor, module: str, instance: str, spec_file: Path, address: str
+) -> Child:
+    """Start a service as the launcher does, and wait until it answers SERVING."""
+    argv = [sys.executable, "-m", module, "--spec", str(spec_file), "--instance", instance]
+    return supervisor.start(instance, argv, ready=GrpcHealth(address), timeout_s=60)
 
 
 async def test_model_server_process_drains_in_flight_batches_on_sigterm(tmp_path: Path) -> None:
@@ -94,8 +66,15 @@ async def test_model_server_process_drains_in_flight_batches_on_sigterm(tmp_path
     spec_file.write_text(dump_spec(spec))
     artifact = demo_artifact(1)
 
-    with service("servemesh.registry", "registry-0", spec_file, tmp_path / "registry.log") as reg:
-        await wait_serving(spec.registry_address, reg, tmp_path / "registry.log")
+    with Supervisor(tmp_path) as supervisor:
+        await asyncio.to_thread(
+            start_service,
+            supervisor,
+            "servemesh.registry",
+            "registry-0",
+            spec_file,
+            spec.registry_address,
+        )
         async with grpc.aio.insecure_channel(spec.registry_address) as channel:
             await push_version(
                 channel,
@@ -105,30 +84,35 @@ async def test_model_server_process_drains_in_flight_batches_on_sigterm(tmp_path
                 inputs=[registry_pb2.TensorSpec(name="features", datatype="FP32", shape=[-1, 64])],
                 outputs=[registry_pb2.TensorSpec(name="score", datatype="FP32", shape=[-1, 1])],
             )
-        log = tmp_path / "model.log"
-        with service("servemesh.services.model", MODEL_INSTANCE, spec_file, log) as model:
-            await wait_serving(spec.address_of(MODEL_INSTANCE), model, log)
-            url = f"http://{spec.metrics_address_of(MODEL_INSTANCE)}/metrics"
-            with urllib.request.urlopen(url, timeout=5) as reply:
-                assert b"servemesh_model_queue_depth" in reply.read()
+        model = await asyncio.to_thread(
+            start_service,
+            supervisor,
+            "servemesh.services.model",
+            MODEL_INSTANCE,
+            spec_file,
+            spec.address_of(MODEL_INSTANCE),
+        )
+        url = f"http://{spec.metrics_address_of(MODEL_INSTANCE)}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            assert b"servemesh_model_queue_depth" in reply.read()
 
-            async with grpc.aio.insecure_channel(spec.address_of(MODEL_INSTANCE)) as channel:
-                stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
-                batches = [rows(1, seed=i) for i in range(6)]
-                in_flight = [
-                    asyncio.ensure_future(stub.ModelInfer(infer_request(b), timeout=10))
-                    for b in batches
-                ]
-                await asyncio.sleep(SLOW_MS / 3000)  # the first batch is in the model
-                started = time.monotonic()
-                os.kill(model.pid, signal.SIGTERM)
-                replies = await asyncio.gather(*in_flight)
-                # Every call in flight was answered, after SIGTERM, with real scores.
-                assert time.monotonic() - started >= SLOW_MS / 2000
-                for reply in replies:
-                    score = np.frombuffer(reply.raw_output_contents[0], dtype="<f4")
-                    assert score.shape == (1,) and 0.0 < float(score[0]) < 1.0
-            exit_code = await asyncio.to_thread(model.wait, 20)
-            text = log.read_text()
-            assert exit_code == 0, text[-3000:]
-            assert '"msg": "draining"' in text and '"msg": "stopped"' in text
+        async with grpc.aio.insecure_channel(spec.address_of(MODEL_INSTANCE)) as channel:
+            stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            batches = [rows(1, seed=i) for i in range(6)]
+            in_flight = [
+                asyncio.ensure_future(stub.ModelInfer(infer_request(b), timeout=10))
+                for b in batches
+            ]
+            await asyncio.sleep(SLOW_MS / 3000)  # the first batch is in the model
+            started = time.monotonic()
+            supervisor.send_signal(MODEL_INSTANCE, signal.SIGTERM)
+            replies = await asyncio.gather(*in_flight)
+            # Every call in flight was answered, after SIGTERM, with real scores.
+            assert time.monotonic() - started >= SLOW_MS / 2000
+            for reply in replies:
+                score = np.frombuffer(reply.raw_output_contents[0], dtype="<f4")
+                assert score.shape == (1,) and 0.0 < float(score[0]) < 1.0
+        exit_code = await asyncio.to_thread(model.wait, 20)
+        text = (tmp_path / f"{MODEL_INSTANCE}.log").read_text()
+        assert exit_code == 0, text[-3000:]
+        assert '"msg": "draining"' in text and '"msg": "stopped"' in text
