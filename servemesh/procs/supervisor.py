@@ -115,7 +115,8 @@ class Supervisor:
         return self.child(name).pid
 
     def pids(self) -> dict[str, int]:
-        return {name: child.pid for name, child in self._children.items()}
+        with self._lock:  # a fault loop may restart children meanwhile
+            return {name: child.pid for name, child in self._children.items()}
 
     # --- starting --------------------------------------------------------------------
 
@@ -220,7 +221,8 @@ class Supervisor:
     def stop_all(self, order: Sequence[Sequence[str]] = ()) -> None:
         """Stop every child, a tier of groups at a time in `order`; children of groups not
         named go last, newest first. Each tier gets SIGTERM, then SIGKILL after the grace."""
-        remaining = list(self._children.values())
+        with self._lock:
+            remaining = list(self._children.values())
         tiers: list[list[Child]] = []
         for groups in order:
             tiers.append([c for c in remaining if c.launch.group in groups])

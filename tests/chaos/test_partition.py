@@ -38,6 +38,11 @@ CONNECT = (
 )
 
 
+def said_ready(log: Path) -> Check:
+    """Ready once the server printed that it listens."""
+    return Check(lambda: "ready" in log.read_text(), f"{log.stem} listening")
+
+
 @pytest.fixture
 def network(tmp_path: Path) -> Iterator[ZoneNetwork]:
     net = ZoneNetwork(["zone-a", "zone-b"]).create()
@@ -45,9 +50,7 @@ def network(tmp_path: Path) -> Iterator[ZoneNetwork]:
         with Supervisor(tmp_path) as servers:
             for zone in net.zones:
                 argv = net.exec_argv(zone, [sys.executable, "-c", SERVE, net.address(zone)])
-                log = tmp_path / f"{zone}.log"
-                ready = Check(lambda log=log: "ready" in log.read_text(), f"{zone} listening")
-                servers.start(zone, argv, ready=ready, timeout_s=30)
+                servers.start(zone, argv, ready=said_ready(tmp_path / f"{zone}.log"), timeout_s=30)
             yield net
     finally:
         net.close()
