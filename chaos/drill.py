@@ -35,6 +35,18 @@ from servemesh.proxy.admin import AdminClient, AdminError
 from servemesh.proxy.apply import RouteManager
 from servemesh.spec import Instance, MeshSpec, load_spec
 
+__all__ = [
+    "DEFAULTS",
+    "EXPERIMENTS_DIR",
+    "Drill",
+    "DrillError",
+    "FaultWindow",
+    "Mark",
+    "current",
+    "resolve_spec",
+    "slug",
+]
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 SPECS_DIR = PACKAGE_DIR / "specs"
 EXPERIMENTS_DIR = PACKAGE_DIR / "experiments"
@@ -229,13 +241,22 @@ class Drill:
     def abort(self) -> threading.Event:
         return self.guard.abort
 
+    # The timeline's windows and marks, as the report reads (and its tests set) them.
     @property
     def windows(self) -> list[FaultWindow]:
         return self.timeline.windows
 
+    @windows.setter
+    def windows(self, windows: list[FaultWindow]) -> None:
+        self.timeline.windows = windows
+
     @property
     def marks(self) -> list[Mark]:
         return self.timeline.marks
+
+    @marks.setter
+    def marks(self, marks: list[Mark]) -> None:
+        self.timeline.marks = marks
 
     def fault_stats(self) -> WindowStats | None:
         """Calls sent while any fault window was open; None before the first window."""
