@@ -33,7 +33,7 @@ from servemesh.load import BackgroundLoad, WindowStats, window_stats
 from servemesh.netns import ZoneNetwork
 from servemesh.proxy.admin import AdminClient, AdminError
 from servemesh.proxy.apply import RouteManager
-from servemesh.spec import Instance, MeshSpec, load_spec
+from servemesh.spec import Instance, MeshSpec, ResolvedSpec, load_spec
 
 __all__ = [
     "DEFAULTS",
@@ -269,7 +269,7 @@ class Drill:
     # --- the mesh --------------------------------------------------------------------------
 
     @property
-    def spec(self) -> MeshSpec:
+    def spec(self) -> ResolvedSpec:
         return self.running_mesh.spec
 
     @property

@@ -8,7 +8,7 @@ from pathlib import Path
 from servemesh.registry.service import SERVICE_NAME, RegistryServicer
 from servemesh.registry.store import RegistryStore
 from servemesh.services.runtime import ServiceServer
-from servemesh.spec import MeshSpec, SpecError
+from servemesh.spec import ResolvedSpec, SpecError
 from servemesh_api.registry.v1 import registry_pb2_grpc
 
 
@@ -33,7 +33,7 @@ def registry_server(
     return server
 
 
-async def build_server(spec: MeshSpec, instance: str) -> ServiceServer:
+async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
     """The registry instance `instance` of `spec`, state under <state_dir>/registry."""
     if spec.instance(instance).service != "registry":
         raise SpecError(f"instance {instance!r} is not a registry instance")

@@ -90,7 +90,11 @@ def _edge_address(args: argparse.Namespace) -> str:
     endpoints = Path(args.state_dir or spec.state_dir) / "endpoints.json"
     if endpoints.is_file():
         return str(json.loads(endpoints.read_text())["edge"])
-    return spec.edge_address
+    if not spec.ports.edge:
+        raise SystemExit(
+            f"no running mesh under {endpoints.parent} and no fixed edge port: give --address"
+        )
+    return f"{spec.host}:{spec.ports.edge}"
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
@@ -117,7 +121,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
                 request, timeout=args.timeout, metadata=metadata
             )
         except grpc.RpcError as exc:
-            console.print(f"[red]{exc.code().name}[/red]: {exc.details()}")  # type: ignore[attr-defined]
+            console.print(f"[red]{exc.code().name}[/red]: {exc.details()}")
             return 1
     if args.json:
         answer = {
@@ -145,9 +149,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     from servemesh.proxy.process import EnvoyConfigError, validate_config
     from servemesh.proxy.render import render_resources, static_bootstrap
-    from servemesh.spec import resolve_ports
+    from servemesh.spec import resolve
 
-    spec = resolve_ports(_load(args.spec))
+    spec = resolve(_load(args.spec))
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "envoy.yaml"
         resources = render_resources(spec, Path(tmp))
@@ -165,9 +169,9 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     import yaml
 
     from servemesh.proxy.render import render_resources, static_bootstrap
-    from servemesh.spec import resolve_ports
+    from servemesh.spec import resolve
 
-    spec = resolve_ports(_load(args.spec))
+    spec = resolve(_load(args.spec))
     logs = Path(spec.state_dir) / "logs"
     config = static_bootstrap(spec, render_resources(spec, logs), logs)
     # Plain stdout: rich would wrap long lines and read [brackets] as markup.

@@ -33,7 +33,7 @@ from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
 from servemesh.proxy.render import dynamic_bootstrap, render_resources, static_bootstrap
 from servemesh.seeding import SeedStep, seed_demo
-from servemesh.spec import MeshSpec, dump_spec, resolve_ports
+from servemesh.spec import MeshSpec, ResolvedSpec, dump_spec, resolve
 from servemesh.wire import message_size_options
 
 log = logging.getLogger(__name__)
@@ -55,9 +55,13 @@ class MeshStartError(StartError):
 
 @dataclass
 class Mesh:
-    """A running local mesh. Use as a context manager, or call start() and stop()."""
+    """A running local mesh. Use as a context manager, or call start() and stop().
 
-    spec: MeshSpec
+    Made with `from_spec`, which resolves the declared spec at once: every port is known
+    before anything starts, so endpoints and addresses never wait for `start()`.
+    """
+
+    spec: ResolvedSpec
     state_dir: Path
     grace_s: float = 10.0
     # Run in order after the demo seeding (servemesh.seeding), when the spec's demo is on.
@@ -78,7 +82,8 @@ class Mesh:
         cls, spec: MeshSpec, state_dir: Path | None = None, *, seed_steps: Sequence[SeedStep] = ()
     ) -> Self:
         root = Path(state_dir or spec.state_dir).resolve()
-        mesh = cls(spec=spec.model_copy(update={"state_dir": str(root)}), state_dir=root)
+        resolved = resolve(spec.model_copy(update={"state_dir": str(root)}))
+        mesh = cls(spec=resolved, state_dir=root)
         mesh.seed_steps.extend(seed_steps)
         return mesh
 
@@ -111,7 +116,6 @@ class Mesh:
         deadline = time.monotonic() + timeout_s
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self.spec = resolve_ports(self.spec)
             if self.spec.network.mode == "netns":
                 # Before anything starts: a machine that cannot says why at once.
                 can, why = netns_available()

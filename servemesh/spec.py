@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -21,6 +21,7 @@ ZoneName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,30}$")]
 Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
 Port = Annotated[int, Field(ge=0, le=65535)]
 ServiceKind = Literal["registry", "model", "feature", "gateway"]
+Spec = TypeVar("Spec", bound="MeshSpec")
 
 
 class SpecError(ValueError):
@@ -197,13 +198,6 @@ class MeshSpec(_Strict):
     deadlines: Deadlines = Field(default_factory=Deadlines)
     demo: DemoSpec = Field(default_factory=DemoSpec)
     network: NetworkSpec = Field(default_factory=NetworkSpec)
-    # Filled by `resolve_ports`: each zone's mesh listener port (ports.mesh + zone index
-    # when fixed), and the concrete port of every instance, by instance name.
-    mesh_ports: dict[ZoneName, Port] = Field(default_factory=dict)
-    instance_ports: dict[str, Port] = Field(default_factory=dict)
-    # Prometheus /metrics side port of each model server, by instance name (0 or absent:
-    # `resolve_ports` picks a free port).
-    metrics_ports: dict[str, Port] = Field(default_factory=dict)
 
     @field_validator("host")
     @classmethod
@@ -247,11 +241,37 @@ class MeshSpec(_Strict):
                 return inst
         raise SpecError(f"no instance named {name!r}; known: {[i.name for i in self.instances()]}")
 
+
+class ResolvedSpec(MeshSpec):
+    """A spec whose every listening port is concrete: what a running mesh is.
+
+    `resolve` makes one from a declared MeshSpec; the launcher writes it for the service
+    processes, which read it with `load_resolved`. Only here can an address be asked for,
+    so a tool that forgets to resolve first fails the type check, not a run.
+    """
+
+    # Each zone's mesh listener port (ports.mesh + zone index when fixed).
+    mesh_ports: dict[ZoneName, Port]
+    # The port of every service instance, by instance name.
+    instance_ports: dict[str, Port]
+    # The Prometheus /metrics side port of each model server, by instance name.
+    metrics_ports: dict[str, Port]
+
+    @model_validator(mode="after")
+    def _every_listener_has_a_port(self) -> ResolvedSpec:
+        missing = [i.name for i in self.instances() if not self.instance_ports.get(i.name)]
+        missing += [f"mesh listener of {z}" for z in self.zones if not self.mesh_ports.get(z)]
+        if self.ports.edge == 0 or self.ports.envoy_admin == 0:
+            missing.append("ports.edge or ports.envoy_admin")
+        if missing:
+            raise ValueError(f"a resolved spec needs a port for: {', '.join(missing)}")
+        return self
+
     def port_of(self, instance_name: str) -> int:
         try:
             return self.instance_ports[instance_name]
         except KeyError:
-            raise SpecError(f"port of {instance_name!r} is not resolved yet") from None
+            raise SpecError(f"no instance named {instance_name!r}") from None
 
     def address_of(self, instance_name: str) -> str:
         return f"{self.host}:{self.port_of(instance_name)}"
@@ -260,7 +280,7 @@ class MeshSpec(_Strict):
         """host:port of a model server's Prometheus /metrics endpoint."""
         port = self.metrics_ports.get(instance_name)
         if not port:
-            raise SpecError(f"metrics port of {instance_name!r} is not resolved yet")
+            raise SpecError(f"{instance_name!r} is not a model server: it has no metrics port")
         return f"{self.host}:{port}"
 
     @property
@@ -271,10 +291,10 @@ class MeshSpec(_Strict):
     def mesh_address_for(self, zone: str) -> str:
         """Where services of `zone` reach each other: that zone's Envoy mesh listener, whose
         clusters prefer endpoints in the same zone and fail over to the others."""
-        port = self.mesh_ports.get(zone)
-        if port is None:
-            raise SpecError(f"mesh port of zone {zone!r} is not resolved yet")
-        return f"{self.host}:{port}"
+        try:
+            return f"{self.host}:{self.mesh_ports[zone]}"
+        except KeyError:
+            raise SpecError(f"no zone named {zone!r}; zones: {self.zones}") from None
 
     @property
     def edge_address(self) -> str:
@@ -291,6 +311,10 @@ class Instance(_Strict):
     zone: ZoneName
 
 
+# What a resolved spec has and a declared one does not.
+RESOLVED_FIELDS = {"mesh_ports", "instance_ports", "metrics_ports"}
+
+
 def free_port(host: str) -> int:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -298,8 +322,10 @@ def free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def resolve_ports(spec: MeshSpec) -> MeshSpec:
-    """A copy of the spec in which every listening port is concrete (0 becomes a free port)."""
+def resolve(spec: MeshSpec) -> ResolvedSpec:
+    """The spec with every listening port concrete (0 becomes a free port). A spec that is
+    already resolved keeps its ports."""
+    known = spec if isinstance(spec, ResolvedSpec) else None
     taken: set[int] = set()
 
     def pick(port: int) -> int:
@@ -309,7 +335,9 @@ def resolve_ports(spec: MeshSpec) -> MeshSpec:
         return port
 
     mesh_ports = {
-        zone: pick(spec.mesh_ports.get(zone) or (spec.ports.mesh + i if spec.ports.mesh else 0))
+        zone: pick(
+            known.mesh_ports[zone] if known else (spec.ports.mesh + i if spec.ports.mesh else 0)
+        )
         for i, zone in enumerate(spec.zones)
     }
     ports = Ports(
@@ -320,23 +348,32 @@ def resolve_ports(spec: MeshSpec) -> MeshSpec:
     )
     instance_ports = {}
     for offset, inst in enumerate(spec.instances()):
-        wanted = spec.instance_ports.get(inst.name)
-        if wanted is None:
-            wanted = spec.ports.services_base + offset if spec.ports.services_base else 0
-        instance_ports[inst.name] = pick(wanted)
+        wanted = spec.ports.services_base + offset if spec.ports.services_base else 0
+        instance_ports[inst.name] = pick(known.port_of(inst.name) if known else wanted)
     metrics_ports = {
-        inst.name: pick(spec.metrics_ports.get(inst.name, 0))
+        inst.name: pick(known.metrics_ports[inst.name] if known else 0)
         for inst in spec.instances()
         if inst.service == "model"
     }
-    return spec.model_copy(
-        update={
-            "ports": ports,
+    fields = spec.model_dump(exclude=RESOLVED_FIELDS)
+    return ResolvedSpec.model_validate(
+        {
+            **fields,
+            "ports": ports.model_dump(),
             "mesh_ports": mesh_ports,
             "instance_ports": instance_ports,
             "metrics_ports": metrics_ports,
         }
     )
+
+
+def declared(spec: MeshSpec) -> MeshSpec:
+    """The declared part of a spec (a resolved spec without its ports), e.g. to compare
+    a running mesh's spec with a file."""
+    if not isinstance(spec, ResolvedSpec):
+        return spec
+    fields = spec.model_dump(exclude=RESOLVED_FIELDS)
+    return MeshSpec.model_validate(fields)
 
 
 def _line_of(text: str, path: tuple[str | int, ...]) -> int | None:
@@ -363,6 +400,10 @@ def _line_of(text: str, path: tuple[str | int, ...]) -> int | None:
 
 def parse_spec(text: str, source: str = "<spec>") -> MeshSpec:
     """Parse and validate YAML text; errors name the source, the field and its line."""
+    return _parse(MeshSpec, text, source)
+
+
+def _parse(kind: type[Spec], text: str, source: str) -> Spec:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
@@ -370,7 +411,7 @@ def parse_spec(text: str, source: str = "<spec>") -> MeshSpec:
     if not isinstance(data, dict):
         raise SpecError(f"{source}: the spec must be a mapping, got {type(data).__name__}")
     try:
-        return MeshSpec.model_validate(data)
+        return kind.model_validate(data)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
@@ -395,6 +436,32 @@ def load_spec(path: str | Path | None = None) -> MeshSpec:
     except OSError as exc:
         raise SpecError(f"{path}: cannot read: {exc.strerror}") from None
     return parse_spec(text, str(path))
+
+
+def parse_resolved(text: str, source: str = "<resolved spec>") -> ResolvedSpec:
+    """Parse a resolved spec (every port concrete); errors as parse_spec's."""
+    return _parse(ResolvedSpec, text, source)
+
+
+def parse_spec_or_resolved(text: str, source: str = "<spec>") -> MeshSpec:
+    """A declared spec, or a resolved one when the text names resolved ports."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        data = None  # parse_spec says what is wrong with it
+    if isinstance(data, dict) and RESOLVED_FIELDS & set(data):
+        return parse_resolved(text, source)
+    return parse_spec(text, source)
+
+
+def load_resolved(path: str | Path) -> ResolvedSpec:
+    """Load the resolved spec a launcher wrote (what every service process reads)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecError(f"{path}: cannot read: {exc.strerror}") from None
+    return _parse(ResolvedSpec, text, str(path))
 
 
 def dump_spec(spec: MeshSpec) -> str:

@@ -38,7 +38,8 @@ from servemesh.spec import (
     ModelVersionSpec,
     Ports,
     Replicas,
-    resolve_ports,
+    ResolvedSpec,
+    resolve,
 )
 from servemesh.wire import REPLICA_PARAMETER, ZONE_PARAMETER
 from servemesh_api.inference import grpc_service_pb2 as oip
@@ -58,9 +59,9 @@ def pin(cpu: int | None) -> None:
         os.sched_setaffinity(0, {cpu})
 
 
-def bench_spec(batching: BatchingSpec) -> MeshSpec:
+def bench_spec(batching: BatchingSpec) -> ResolvedSpec:
     """One model server in one zone, hosting fraud v1 with `batching`, on free ports."""
-    return resolve_ports(
+    return resolve(
         MeshSpec(
             zones=["zone-a"],
             ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),

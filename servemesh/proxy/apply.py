@@ -30,7 +30,16 @@ from servemesh.proxy.render import (
     static_bootstrap,
     xds_files,
 )
-from servemesh.spec import MeshSpec, SpecError, dump_spec, parse_spec
+from servemesh.spec import (
+    MeshSpec,
+    ResolvedSpec,
+    SpecError,
+    declared,
+    dump_spec,
+    load_resolved,
+    parse_resolved,
+    parse_spec_or_resolved,
+)
 
 # Fields a live apply may change. Everything else describes processes and needs a restart.
 ROUTING_FIELDS_TOP = {"traffic"}
@@ -115,8 +124,6 @@ def _topology(spec: MeshSpec) -> dict[str, Any]:
     # applied usually leaves them out, and the live mesh keeps its own.
     for key in (
         "ports",
-        "mesh_ports",
-        "instance_ports",
         "state_dir",
         "feature_store",
         "demo",
@@ -147,12 +154,12 @@ class RouteManager:
 
     # --- state ---------------------------------------------------------------------
 
-    def live_spec(self) -> MeshSpec:
+    def live_spec(self) -> ResolvedSpec:
         if not self.paths.resolved_spec.is_file():
             raise ApplyError(
                 f"no running mesh under {self.paths.state_dir} (start one with `servemesh up`)"
             )
-        return parse_spec(self.paths.resolved_spec.read_text(), str(self.paths.resolved_spec))
+        return load_resolved(self.paths.resolved_spec)
 
     @property
     def admin(self) -> AdminClient:
@@ -211,12 +218,14 @@ class RouteManager:
         return self._apply_models(live, {model: {"shadow": shadow}}, action, who)
 
     def apply_spec_text(self, text: str, source: str, *, who: str | None = None) -> ApplyResult:
+        """Apply a spec file's routing and policy. The file may be a declared spec or a
+        running mesh's resolved one (edited in place); only its declared part counts."""
         try:
-            proposed = parse_spec(text, source)
+            proposed = declared(parse_spec_or_resolved(text, source))
         except SpecError as exc:
             raise ApplyError(str(exc)) from None
         live = self.live_spec()
-        if _topology(proposed) != _topology(live):
+        if _topology(proposed) != _topology(declared(live)):
             raise ApplyError(
                 f"{source} changes more than routing and policy (traffic, models.*.traffic, "
                 "models.*.shadow, models.*.policy); restart the mesh to change processes "
@@ -263,7 +272,7 @@ class RouteManager:
     # --- internals ------------------------------------------------------------------
 
     def _apply_models(
-        self, live: MeshSpec, changes: dict[str, dict[str, Any]], action: str, who: str | None
+        self, live: ResolvedSpec, changes: dict[str, dict[str, Any]], action: str, who: str | None
     ) -> ApplyResult:
         models = dict(live.models)
         for name, fields in changes.items():
@@ -276,11 +285,11 @@ class RouteManager:
         return self._apply(live, live.model_copy(update={"models": models}), action, who)
 
     def _apply(
-        self, live: MeshSpec, proposed: MeshSpec, action: str, who: str | None
+        self, live: ResolvedSpec, proposed: ResolvedSpec, action: str, who: str | None
     ) -> ApplyResult:
         # Round-trip through the validator: model_copy does not re-run validation.
         try:
-            proposed = parse_spec(dump_spec(proposed), "proposed change")
+            proposed = parse_resolved(dump_spec(proposed), "proposed change")
         except SpecError as exc:
             raise ApplyError(str(exc)) from None
         diff = diff_lines(live, proposed)
@@ -316,7 +325,7 @@ class RouteManager:
             entry_id=entry_id,
         )
 
-    def _validate(self, spec: MeshSpec, resources: EnvoyResources) -> None:
+    def _validate(self, spec: ResolvedSpec, resources: EnvoyResources) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             config = Path(tmp) / "envoy.yaml"
             config.write_text(_dump(static_bootstrap(spec, resources, self.paths.logs)))
@@ -395,7 +404,7 @@ def _who() -> str:
         return "unknown"
 
 
-def write_initial(spec: MeshSpec, resources: EnvoyResources, layout: XdsLayout) -> None:
+def write_initial(spec: ResolvedSpec, resources: EnvoyResources, layout: XdsLayout) -> None:
     """Write every watched file for a mesh about to start (version 1)."""
     for path, content in xds_files(resources, layout, "1").items():
         atomic_write_text(path, _dump(content))

@@ -26,7 +26,7 @@ from servemesh.policy import (
     RetryPolicy,
     RoutePolicy,
 )
-from servemesh.spec import Instance, MeshSpec, ModelSpec
+from servemesh.spec import Instance, MeshSpec, ModelSpec, ResolvedSpec
 from servemesh.wire import (
     FEATURE_SERVICE,
     GATEWAY_CLUSTER,
@@ -120,7 +120,7 @@ class EnvoyResources:
 
 
 def _load_assignment(
-    spec: MeshSpec, name: str, members: list[Instance], local_zone: str | None
+    spec: ResolvedSpec, name: str, members: list[Instance], local_zone: str | None
 ) -> dict[str, Any]:
     """One locality per zone; the caller's zone at priority 0, the others at priority 1."""
     by_zone: dict[str, list[Instance]] = {}
@@ -457,7 +457,7 @@ def _rate_limit_filter(limit: RateLimit) -> dict[str, Any]:
 
 def _listener(
     name: str,
-    spec: MeshSpec,
+    spec: ResolvedSpec,
     port: int,
     route_config: str,
     log_dir: Path,
@@ -514,7 +514,7 @@ def _listener(
 # --- the whole configuration -------------------------------------------------------------
 
 
-def render_resources(spec: MeshSpec, log_dir: Path) -> EnvoyResources:
+def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
     """Every listener, route configuration, cluster and endpoint set for a resolved spec."""
     instances = spec.instances()
 
@@ -596,7 +596,7 @@ def render_resources(spec: MeshSpec, log_dir: Path) -> EnvoyResources:
     )
 
 
-def _bootstrap_base(spec: MeshSpec, log_dir: Path) -> dict[str, Any]:
+def _bootstrap_base(spec: ResolvedSpec, log_dir: Path) -> dict[str, Any]:
     return {
         "node": {"id": spec.name, "cluster": spec.name},
         "admin": {
@@ -621,7 +621,9 @@ def _bootstrap_base(spec: MeshSpec, log_dir: Path) -> dict[str, Any]:
     }
 
 
-def static_bootstrap(spec: MeshSpec, resources: EnvoyResources, log_dir: Path) -> dict[str, Any]:
+def static_bootstrap(
+    spec: ResolvedSpec, resources: EnvoyResources, log_dir: Path
+) -> dict[str, Any]:
     """One self-contained config: what `envoy --mode validate` checks and people read."""
     listeners = []
     for listener in resources.listeners:
@@ -669,7 +671,7 @@ class XdsLayout:
 
 
 def dynamic_bootstrap(
-    spec: MeshSpec, resources: EnvoyResources, layout: XdsLayout, log_dir: Path
+    spec: ResolvedSpec, resources: EnvoyResources, layout: XdsLayout, log_dir: Path
 ) -> dict[str, Any]:
     """The bootstrap Envoy runs with: static listeners, everything else from watched files."""
     listeners = []

@@ -7,12 +7,12 @@ import redis.asyncio as aioredis
 from servemesh.services.feature.service import FeatureServicer
 from servemesh.services.feature.store import RedisFeatureStore
 from servemesh.services.runtime import DeadlineBudget, ServiceServer
-from servemesh.spec import MeshSpec
+from servemesh.spec import ResolvedSpec
 from servemesh.wire import FEATURE_SERVICE
 from servemesh_api.feature.v1 import feature_pb2_grpc
 
 
-async def build_server(spec: MeshSpec, instance: str) -> ServiceServer:
+async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
     if not spec.feature_store.redis_url:
         raise SystemExit("feature_store.redis_url is not set (servemesh up fills it in)")
     client = aioredis.Redis.from_url(

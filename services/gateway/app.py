@@ -6,12 +6,12 @@ import grpc
 
 from servemesh.services.gateway.service import GatewayServicer
 from servemesh.services.runtime import ServiceServer
-from servemesh.spec import MeshSpec
+from servemesh.spec import ResolvedSpec
 from servemesh.wire import GATEWAY_SERVICE, message_size_options
 from servemesh_api.gateway.v1 import gateway_pb2_grpc
 
 
-async def build_server(spec: MeshSpec, instance: str) -> ServiceServer:
+async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
     limit = spec.limits.max_message_bytes
     # Every downstream call goes through Envoy, which owns retries and load balancing.
     mesh_channel = grpc.aio.insecure_channel(

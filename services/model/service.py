@@ -13,7 +13,7 @@ from servemesh.services.model.metrics import MetricsEndpoint, model_registry
 from servemesh.services.model.servicer import InferenceServicer
 from servemesh.services.model.shadow import ShadowLedger, ShadowRecorder, ledger_path
 from servemesh.services.runtime import DeadlineBudget, ServiceServer
-from servemesh.spec import MeshSpec, SpecError
+from servemesh.spec import MeshSpec, ResolvedSpec, SpecError
 from servemesh.wire import OIP_SERVICE, message_size_options
 from servemesh_api.inference import grpc_service_pb2_grpc
 
@@ -58,7 +58,7 @@ async def build_servicer(spec: MeshSpec, instance: str, loader: ModelLoader) -> 
 
 
 async def build_server(
-    spec: MeshSpec, instance: str, *, loader: ModelLoader | None = None
+    spec: ResolvedSpec, instance: str, *, loader: ModelLoader | None = None
 ) -> ServiceServer:
     """The model server for `instance`, returned unstarted with every version loaded.
 

@@ -9,9 +9,9 @@ from pathlib import Path
 from servemesh.services.runtime.faults import control_file
 from servemesh.services.runtime.logs import configure_logging
 from servemesh.services.runtime.server import ServiceServer, run_service
-from servemesh.spec import MeshSpec, load_spec
+from servemesh.spec import ResolvedSpec, load_resolved
 
-Builder = Callable[[MeshSpec, str], Awaitable[ServiceServer]]
+Builder = Callable[[ResolvedSpec, str], Awaitable[ServiceServer]]
 
 
 def service_main(build: Builder, argv: list[str] | None = None) -> None:
@@ -22,7 +22,7 @@ def service_main(build: Builder, argv: list[str] | None = None) -> None:
     parser.add_argument("--instance", required=True, help="instance name, e.g. gateway-zone-a-0")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
-    spec = load_spec(args.spec)
+    spec = load_resolved(args.spec)
     spec.instance(args.instance)  # fail fast on an unknown instance name
     configure_logging(args.instance, args.log_level)
 

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from servemesh.services.feature.app import build_server
 from servemesh.services.feature.store import RedisFeatureStore
-from servemesh.spec import FeatureStoreSpec, MeshSpec, resolve_ports
+from servemesh.spec import FeatureStoreSpec, MeshSpec, resolve
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 
 
@@ -23,7 +23,7 @@ def _spec(redis_url: str, missing: str = "error") -> MeshSpec:
         ),
         ports={"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0},
     )
-    return resolve_ports(spec)
+    return resolve(spec)
 
 
 @pytest.fixture

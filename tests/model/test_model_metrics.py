@@ -21,7 +21,7 @@ from servemesh.spec import (
     ModelVersionSpec,
     Ports,
     SpecError,
-    resolve_ports,
+    resolve,
 )
 from servemesh_api.inference import grpc_service_pb2_grpc
 from tests.model.model_helpers import rows
@@ -32,7 +32,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def mesh_spec(tmp_path: Path, batching: BatchingSpec) -> MeshSpec:
-    return resolve_ports(
+    return resolve(
         MeshSpec(
             ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
             state_dir=str(tmp_path),
@@ -77,14 +77,15 @@ async def model_server(
 
 
 def test_every_model_server_gets_its_own_metrics_port() -> None:
-    spec = resolve_ports(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
+    spec = resolve(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
     models = [i.name for i in spec.instances() if i.service == "model"]
     assert sorted(spec.metrics_ports) == sorted(models)
     ports = [*spec.instance_ports.values(), *spec.metrics_ports.values()]
     assert 0 not in ports and len(set(ports)) == len(ports)
     assert spec.metrics_address_of(models[0]) == f"127.0.0.1:{spec.metrics_ports[models[0]]}"
-    with pytest.raises(SpecError, match="metrics port of 'model-zone-a-0' is not resolved"):
-        MeshSpec().metrics_address_of("model-zone-a-0")
+    with pytest.raises(SpecError, match="'gateway-zone-a-0' is not a model server"):
+        spec.metrics_address_of("gateway-zone-a-0")
+    assert not hasattr(MeshSpec(), "metrics_address_of")  # a declared spec has no ports
 
 
 async def test_metrics_follow_the_requests_served(

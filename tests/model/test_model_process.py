@@ -25,7 +25,7 @@ from servemesh.spec import (
     Ports,
     Replicas,
     dump_spec,
-    resolve_ports,
+    resolve,
 )
 from servemesh_api.inference import grpc_service_pb2_grpc
 from servemesh_api.registry.v1 import registry_pb2
@@ -45,7 +45,7 @@ def start_service(
 
 
 async def test_model_server_process_drains_in_flight_batches_on_sigterm(tmp_path: Path) -> None:
-    spec = resolve_ports(
+    spec = resolve(
         MeshSpec(
             zones=["zone-a"],
             ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),

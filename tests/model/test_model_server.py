@@ -20,7 +20,7 @@ from servemesh.services.model.loader import LoadedModel, load_model
 from servemesh.services.model.service import SERVICE_NAME, build_server
 from servemesh.services.model.servicer import InferenceServicer, natural_key
 from servemesh.services.runtime import ServiceServer
-from servemesh.spec import BatchingSpec, MeshSpec, Ports, resolve_ports
+from servemesh.spec import BatchingSpec, MeshSpec, Ports, resolve
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 from tests.model.model_helpers import FEATURES, SIGNATURE, reference_scores, rows
@@ -285,7 +285,7 @@ async def test_slow_model_refuses_a_request_whose_deadline_it_cannot_meet(
 async def test_built_server_loads_every_spec_version_before_it_reports_serving(
     artifacts: dict[int, Artifact],
 ) -> None:
-    spec = resolve_ports(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
+    spec = resolve(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
     server = await build_server(spec, "model-zone-b-0", loader=demo_loader(artifacts))
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")

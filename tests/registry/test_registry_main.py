@@ -9,13 +9,13 @@ from pathlib import Path
 import grpc
 
 from servemesh.procs import GrpcHealth, Supervisor
-from servemesh.spec import MeshSpec, Ports, dump_spec, resolve_ports
+from servemesh.spec import MeshSpec, Ports, dump_spec, resolve
 from servemesh.wire import REGISTRY_SERVICE
 from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
 
 
 def test_the_registry_process_serves_then_exits_cleanly_on_sigterm(tmp_path: Path) -> None:
-    spec = resolve_ports(
+    spec = resolve(
         MeshSpec(
             ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
             state_dir=str(tmp_path / "state"),

@@ -20,7 +20,7 @@ from servemesh.proxy.render import (
     static_bootstrap,
     xds_files,
 )
-from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, NetworkSpec, resolve_ports
+from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, NetworkSpec, resolve
 from servemesh.wire import model_cluster, zone_of_cluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _spec(**overrides: object) -> MeshSpec:
     ports = {"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0}
-    return resolve_ports(MeshSpec(ports=ports, **overrides))
+    return resolve(MeshSpec(ports=ports, **overrides))
 
 
 def _routes(spec: MeshSpec, config: str) -> list[dict[str, Any]]:

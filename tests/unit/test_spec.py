@@ -5,8 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
-from servemesh.spec import MeshSpec, SpecError, load_spec, parse_spec, resolve_ports
+from servemesh.spec import (
+    MeshSpec,
+    SpecError,
+    declared,
+    dump_spec,
+    load_resolved,
+    load_spec,
+    parse_resolved,
+    parse_spec,
+    resolve,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,9 +59,7 @@ def test_invalid_specs_name_field_and_line(text: str, expected: str) -> None:
 
 
 def test_resolve_ports_gives_every_instance_a_distinct_concrete_port() -> None:
-    spec = resolve_ports(
-        MeshSpec(ports={"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0})
-    )
+    spec = resolve(MeshSpec(ports={"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0}))
     ports = [
         spec.ports.edge,
         spec.ports.mesh,
@@ -62,8 +71,40 @@ def test_resolve_ports_gives_every_instance_a_distinct_concrete_port() -> None:
 
 
 def test_fixed_ports_are_consecutive_from_services_base() -> None:
-    spec = resolve_ports(MeshSpec())
+    spec = resolve(MeshSpec())
     assert (spec.ports.edge, spec.ports.mesh, spec.ports.envoy_admin) == (8080, 8081, 9901)
     assert [spec.port_of(i.name) for i in spec.instances()] == list(
         range(50051, 50051 + len(spec.instances()))
     )
+
+
+def test_a_declared_spec_has_no_addresses_and_its_file_may_not_name_resolved_ports() -> None:
+    assert not hasattr(MeshSpec(), "port_of")
+    with pytest.raises(SpecError) as err:
+        parse_spec("instance_ports: {registry-0: 5000}\n", "<t>")
+    assert "instance_ports" in str(err.value)
+
+
+def test_resolving_a_resolved_spec_keeps_its_ports() -> None:
+    first = resolve(MeshSpec(ports={"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0}))
+    again = resolve(first)
+    assert again == first
+
+
+def test_a_resolved_spec_round_trips_through_its_file(tmp_path: Path) -> None:
+    spec = resolve(MeshSpec(ports={"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0}))
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_spec(spec))
+    assert load_resolved(path) == spec
+    assert declared(spec) == MeshSpec.model_validate(
+        {**spec.model_dump(exclude={"mesh_ports", "instance_ports", "metrics_ports"})}
+    )
+
+
+def test_a_resolved_file_without_a_port_for_every_listener_is_refused() -> None:
+    spec = resolve(MeshSpec())
+    broken = spec.model_dump(mode="json")
+    del broken["instance_ports"]["gateway-zone-b-0"]
+    with pytest.raises(SpecError) as err:
+        parse_resolved(yaml.safe_dump(broken), "<resolved>")
+    assert "gateway-zone-b-0" in str(err.value)
