@@ -20,30 +20,27 @@ import redis
 from servemesh.chaos.canary import FLAKY_PREFIX, flaky_artifact, parse_flaky_source
 from servemesh.launcher import Mesh
 from servemesh.procs import RedisServer
-from servemesh.seeding import SeedStep
+from servemesh.seeding import SeedStep, push_seed_version
 from servemesh.spec import MeshSpec
 
 
 async def seed_flaky_versions(spec: MeshSpec, registry: grpc.aio.Channel) -> None:
     """Push every `flaky:` version as the defective canary build it names."""
     from servemesh.demo import demo_signature
-    from servemesh.registry.client import push_version
 
     for name, model in spec.models.items():
         for version, version_spec in model.versions.items():
             if not version_spec.source.startswith(FLAKY_PREFIX):
                 continue
             percent, seed = parse_flaky_source(version_spec.source)
-            artifact = flaky_artifact(percent, seed, spec.demo.entities)
-            signature = demo_signature(len(model.features))
-            await push_version(
+            await push_seed_version(
+                spec,
                 registry,
                 model=name,
                 version=version,
-                data=artifact.data,
-                inputs=signature["inputs"],
-                outputs=signature["outputs"],
-                labels={"source": version_spec.source},
+                data=flaky_artifact(percent, seed, spec.demo.entities).data,
+                signature=demo_signature(len(model.features)),
+                source=version_spec.source,
             )
 
 

@@ -32,7 +32,7 @@ from servemesh.procs import All, Check, Child, GrpcHealth, RedisServer, StartErr
 from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
 from servemesh.proxy.render import dynamic_bootstrap, render_resources, static_bootstrap
-from servemesh.seeding import SeedStep, seed_demo
+from servemesh.seeding import SeedConflict, SeedStep, seed_demo
 from servemesh.spec import MeshSpec, ResolvedSpec, dump_spec, resolve
 from servemesh.wire import message_size_options
 
@@ -313,7 +313,10 @@ class Mesh:
     async def _seed(self) -> None:
         async with self.registry_channel() as channel:
             for step in (seed_demo, *self.seed_steps):
-                await step(self.spec, channel)
+                try:
+                    await step(self.spec, channel)
+                except SeedConflict as exc:
+                    raise MeshStartError(str(exc)) from None
 
     def _write_endpoints(self) -> None:
         tmp = self.endpoints_path.with_suffix(".tmp")

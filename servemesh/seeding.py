@@ -17,10 +17,47 @@ from servemesh.spec import MeshSpec
 SeedStep = Callable[[MeshSpec, grpc.aio.Channel], Awaitable[None]]
 
 
+class SeedConflict(Exception):
+    """The registry already holds a version of that name with other bytes."""
+
+
+async def push_seed_version(
+    spec: MeshSpec,
+    registry: grpc.aio.Channel,
+    *,
+    model: str,
+    version: str,
+    data: bytes,
+    signature: dict[str, list[dict[str, object]]],
+    source: str,
+) -> None:
+    """Push one seeded version. The same bytes already there are success (a re-run of
+    `servemesh up` on the same state dir); other bytes are a one-line SeedConflict that
+    says how to fix it, never a traceback."""
+    from servemesh.registry.client import push_version
+
+    try:
+        await push_version(
+            registry,
+            model=model,
+            version=version,
+            data=data,
+            inputs=signature["inputs"],
+            outputs=signature["outputs"],
+            labels={"source": source},
+        )
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+            raise
+        raise SeedConflict(
+            f"cannot seed {model}/{version} from {source!r}: {exc.details()}. Start with a "
+            f"fresh state dir (remove {spec.state_dir}) or give the version another name"
+        ) from None
+
+
 async def seed_demo(spec: MeshSpec, registry: grpc.aio.Channel) -> None:
     """Push the demo model versions to the registry and demo features to Redis."""
     from servemesh.demo import demo_artifact, demo_features, demo_signature
-    from servemesh.registry.client import push_version
     from servemesh.services.feature.store import RedisFeatureStore
 
     for model_name, model in spec.models.items():
@@ -28,16 +65,14 @@ async def seed_demo(spec: MeshSpec, registry: grpc.aio.Channel) -> None:
             seed = demo_seed(version_spec.source)
             if seed is None:
                 continue
-            artifact = demo_artifact(seed)
-            signature = demo_signature(len(model.features))
-            await push_version(
+            await push_seed_version(
+                spec,
                 registry,
                 model=model_name,
                 version=version,
-                data=artifact.data,
-                inputs=signature["inputs"],
-                outputs=signature["outputs"],
-                labels={"source": version_spec.source},
+                data=demo_artifact(seed).data,
+                signature=demo_signature(len(model.features)),
+                source=version_spec.source,
             )
     views = {m.feature_view for m in spec.models.values() if m.features == DEMO_FEATURES}
     if not views or not spec.demo.entities:
