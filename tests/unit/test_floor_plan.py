@@ -1,0 +1,118 @@
+"""The floor plan holds: each part of servemesh imports only the parts beneath it.
+
+docs/architecture.md draws the same layers. A new module needs a line in ALLOWED: decide
+which layer it belongs to before it grows imports nobody chose.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The contract every layer may use: wire names, the spec and its policy, demo names,
+# atomic file writes. It imports nothing of ours but itself.
+CONTRACT = {"wire", "spec", "policy", "demo", "atomic"}
+SERVICES = {"services.runtime", "services.gateway", "services.feature", "services.model"}
+TOOLING = {"procs", "netns", "load", "proxy", "credentials"}
+
+ALLOWED: dict[str, set[str]] = {
+    # the contract
+    "wire": set(),
+    "atomic": set(),
+    "demo": set(),
+    "policy": set(),
+    "spec": {"demo", "policy"},
+    # the services: the runtime under them, the contract, and nothing that runs a mesh
+    "services.runtime": CONTRACT,
+    "services.gateway": CONTRACT | {"services.runtime"},
+    "services.feature": CONTRACT | {"services.runtime"},
+    "services.model": CONTRACT | {"services.runtime", "registry"},  # its artifact client
+    "registry": CONTRACT | {"services.runtime"},
+    # libraries for running and driving a mesh, usable without one
+    "credentials": set(),
+    "procs": CONTRACT,
+    "netns": CONTRACT,
+    "load": CONTRACT,
+    "proxy": CONTRACT | {"load", "netns"},
+    # running a mesh
+    "seeding": CONTRACT | {"registry", "services.feature"},
+    "launcher": CONTRACT | TOOLING | {"seeding"},
+    # what runs meshes and measures them; the chaos suite is imported by the CLI alone
+    "chaos": CONTRACT | TOOLING | {"launcher", "seeding", "services.runtime"},
+    "bench": CONTRACT | TOOLING | {"launcher"},
+    "model_bench": CONTRACT | TOOLING | SERVICES,
+    "routes_cli": CONTRACT | TOOLING,
+    "cli": CONTRACT | TOOLING | {"launcher", "chaos", "bench", "model_bench", "routes_cli"},
+    "__main__": {"cli"},
+    # development tools
+    "protogen": set(),
+    "typecheck": set(),
+}
+
+
+def area_of_file(path: Path) -> str:
+    parts = path.relative_to(REPO).parts
+    if parts[0] == "services":
+        return f"services.{parts[1]}"
+    if parts[0] in ("registry", "chaos"):
+        return parts[0]
+    return parts[1].removesuffix(".py")
+
+
+def area_of_module(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "servemesh" or len(parts) == 1:
+        return None  # third-party, generated code (servemesh_api) or the package root
+    if parts[1] == "services" and len(parts) > 2:
+        return f"services.{parts[2]}"
+    return parts[1]
+
+
+def imports_by_area() -> dict[str, dict[str, str]]:
+    """area -> {imported area: first file that imports it}."""
+    found: dict[str, dict[str, str]] = {}
+    for folder in ("servemesh", "services", "registry", "chaos"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if path.name == "__init__.py" and path.parent in (
+                REPO / "servemesh",
+                REPO / "services",
+            ):
+                continue
+            area = area_of_file(path)
+            seen = found.setdefault(area, {})
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    modules = [node.module]
+                elif isinstance(node, ast.Import):
+                    modules = [alias.name for alias in node.names]
+                else:
+                    continue
+                for module in modules:
+                    target = area_of_module(module)
+                    if target and target != area:
+                        seen.setdefault(target, str(path.relative_to(REPO)))
+    return found
+
+
+IMPORTS = imports_by_area()
+
+
+@pytest.mark.parametrize("area", sorted(IMPORTS))
+def test_each_part_imports_only_what_the_floor_plan_allows(area: str) -> None:
+    assert area in ALLOWED, f"{area} is not on the floor plan: add it to ALLOWED and the docs"
+    extra = {t: where for t, where in IMPORTS[area].items() if t not in ALLOWED[area]}
+    assert extra == {}, f"{area} imports what lies above or beside it: {extra}"
+
+
+def test_the_floor_plan_has_no_cycles() -> None:
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in ALLOWED.get(start, set()):
+            if nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})):
+                return True
+        return False
+
+    assert [a for a in ALLOWED if reaches(a, a, {a})] == []
