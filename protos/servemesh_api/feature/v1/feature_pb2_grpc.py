@@ -44,6 +44,11 @@ class FeatureServiceStub:
                 request_serializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.WriteFeaturesRequest.SerializeToString,
                 response_deserializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.WriteFeaturesResponse.FromString,
                 _registered_method=True)
+        self.LoadFeatures = channel.stream_unary(
+                '/servemesh.feature.v1.FeatureService/LoadFeatures',
+                request_serializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.LoadFeaturesRequest.SerializeToString,
+                response_deserializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.LoadFeaturesResponse.FromString,
+                _registered_method=True)
 
 
 class FeatureServiceServicer:
@@ -51,14 +56,26 @@ class FeatureServiceServicer:
 
     def GetFeatures(self, request, context):
         """Features for many entities in one call. Missing entities follow the store's policy:
-        NOT_FOUND naming them, or configured defaults with `defaulted` set.
+        NOT_FOUND naming them, or configured defaults with `defaulted` set. Entities older
+        than the view's max_age follow the view's staleness policy: FAILED_PRECONDITION
+        naming them and their age, the view's defaults, or the stored values with `stale` set.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def WriteFeatures(self, request, context):
-        """Upsert feature values for many entities in one call.
+        """Upsert whole feature vectors of many entities into the view's current version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadFeatures(self, request_iterator, context):
+        """Replace a view with the rows of one file, all or nothing: a header, row chunks, then a
+        commit. The rows are written under a new version of the view, which becomes visible
+        to readers in one step at the commit; a stream that fails or ends without a commit
+        leaves the previous version as it was and nothing of the new one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -76,6 +93,11 @@ def add_FeatureServiceServicer_to_server(servicer, server):
                     servicer.WriteFeatures,
                     request_deserializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.WriteFeaturesRequest.FromString,
                     response_serializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.WriteFeaturesResponse.SerializeToString,
+            ),
+            'LoadFeatures': grpc.stream_unary_rpc_method_handler(
+                    servicer.LoadFeatures,
+                    request_deserializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.LoadFeaturesRequest.FromString,
+                    response_serializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.LoadFeaturesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +154,33 @@ class FeatureService:
             '/servemesh.feature.v1.FeatureService/WriteFeatures',
             servemesh__api_dot_feature_dot_v1_dot_feature__pb2.WriteFeaturesRequest.SerializeToString,
             servemesh__api_dot_feature_dot_v1_dot_feature__pb2.WriteFeaturesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadFeatures(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/servemesh.feature.v1.FeatureService/LoadFeatures',
+            servemesh__api_dot_feature_dot_v1_dot_feature__pb2.LoadFeaturesRequest.SerializeToString,
+            servemesh__api_dot_feature_dot_v1_dot_feature__pb2.LoadFeaturesResponse.FromString,
             options,
             channel_credentials,
             insecure,
