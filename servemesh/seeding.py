@@ -7,11 +7,12 @@ canary builds), in order, when the spec's demo is enabled.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
 
-from servemesh.demo import DEMO_FEATURES, demo_seed
+from servemesh.demo import DEMO_FEATURES, demo_features, demo_seed
 from servemesh.spec import MeshSpec
 
 SeedStep = Callable[[MeshSpec, grpc.aio.Channel], Awaitable[None]]
@@ -57,8 +58,7 @@ async def push_seed_version(
 
 async def seed_demo(spec: MeshSpec, registry: grpc.aio.Channel) -> None:
     """Push the demo model versions to the registry and demo features to Redis."""
-    from servemesh.demo import demo_artifact, demo_features, demo_signature
-    from servemesh.services.feature.store import RedisFeatureStore
+    from servemesh.demo import demo_artifact, demo_signature
 
     for model_name, model in spec.models.items():
         for version, version_spec in model.versions.items():
@@ -74,24 +74,36 @@ async def seed_demo(spec: MeshSpec, registry: grpc.aio.Channel) -> None:
                 signature=demo_signature(len(model.features)),
                 source=version_spec.source,
             )
-    views = {m.feature_view for m in spec.models.values() if m.features == DEMO_FEATURES}
+    views = [name for name, v in spec.feature_views.items() if v.features == DEMO_FEATURES]
     if not views or not spec.demo.entities:
         return
+    await seed_demo_features(spec, views)
+
+
+async def seed_demo_features(spec: MeshSpec, views: list[str], batch: int = 1000) -> None:
+    """Load the demo rows into each view as one new version (a load, like a user's file),
+    observed now: what was there before is replaced."""
+    import numpy as np
     import redis.asyncio as aioredis
+
+    from servemesh.services.feature.store import RedisFeatureStore
 
     assert spec.feature_store.redis_url, "the launcher sets the Redis URL before seeding"
     client = aioredis.Redis.from_url(spec.feature_store.redis_url)
     try:
         store = RedisFeatureStore(client, spec.feature_store.key_prefix)
         rows = demo_features(spec.demo.entities)
-        batch: dict[str, dict[str, float]] = {}
-        for entity_id, row in rows.items():
-            batch[entity_id] = dict(zip(DEMO_FEATURES, row.tolist(), strict=True))
-            if len(batch) == 1000:
-                for view in views:
-                    await store.write(view, batch)
-                batch = {}
+        ids = list(rows)
+        values = np.stack([rows[e] for e in ids])
+        event_ms = np.full(len(ids), time.time_ns() // 1_000_000, dtype=np.int64)
         for view in views:
-            await store.write(view, batch)
+            load = await store.begin_load(view, DEMO_FEATURES, "demo")
+            try:
+                for start in range(0, len(ids), batch):
+                    end = start + batch
+                    await load.add(ids[start:end], values[start:end], event_ms[start:end])
+                await load.commit()
+            finally:
+                await load.abort()  # nothing to do once committed
     finally:
         await client.aclose()

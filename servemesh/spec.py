@@ -7,6 +7,7 @@ spec: the defaults below are the demo mesh that `servemesh up` runs.
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
@@ -144,6 +145,71 @@ class Deadlines(_Strict):
     default_timeout_ms: Annotated[float, Field(gt=0, le=600_000)] = 5000.0
 
 
+FeatureName = Annotated[str, Field(min_length=1, max_length=64)]
+# A duration such as "90s", "15m", "24h", "7d" or "1h30m" (ms, s, m, h, d).
+Duration = Annotated[str, Field(pattern=r"^(\d+(ms|s|m|h|d))+$")]
+_DURATION_PART = re.compile(r"(\d+)(ms|s|m|h|d)")
+_DURATION_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def duration_seconds(text: str) -> float:
+    """Seconds in a Duration ("1h30m" is 5400.0)."""
+    return sum(int(n) * _DURATION_UNIT_S[unit] for n, unit in _DURATION_PART.findall(text))
+
+
+class FeatureViewSpec(_Strict):
+    """One feature view: what a loaded row of it holds, and when a stored row is too old.
+
+    `servemesh features load FILE --view NAME --key COLUMN` replaces the view with the file
+    (docs/features.md); the feature service reads it for the models that name it.
+    """
+
+    # The features of a row, in the order they are stored and served; a file loaded into
+    # the view has exactly these columns besides its key (and timestamp), in any order.
+    # null: the view takes every other column of the file it is loaded from, in the
+    # file's order (each load may change them).
+    features: list[FeatureName] | None = None
+    # A row older than this, by its event time (the file's --timestamp column, else the
+    # time it was loaded), is stale. null: rows never go stale.
+    max_age: Duration | None = None
+    # What a read of a stale row answers:
+    #   error     FAILED_PRECONDITION naming the entity and its age
+    #   default   the view's defaults, with `defaulted` and `stale` set
+    #   degraded  the stored values, with `stale` set for the gateway to surface
+    staleness: Literal["error", "default", "degraded"] = "error"
+    # May a loaded value be NaN (an empty cell loads as NaN)? Infinities never load.
+    allow_nan: bool = False
+    # Values answered for a missing entity (feature_store.missing_entity: defaults) or a
+    # stale one (staleness: default), per feature; the rest get feature_store.default_value.
+    defaults: dict[FeatureName, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> FeatureViewSpec:
+        if self.features is not None:
+            repeated = sorted({f for f in self.features if self.features.count(f) > 1})
+            if repeated:
+                raise ValueError(f"features: named more than once: {repeated}")
+            if not self.features:
+                raise ValueError("features: give at least one, or null for the file's columns")
+            unknown = sorted(set(self.defaults) - set(self.features))
+            if unknown:
+                raise ValueError(f"defaults: not features of the view: {unknown}")
+        if self.max_age is not None and duration_seconds(self.max_age) <= 0:
+            raise ValueError("max_age: must be longer than 0 (null: rows never go stale)")
+        return self
+
+    @property
+    def max_age_ms(self) -> int | None:
+        """max_age in milliseconds; None when rows never go stale."""
+        if self.max_age is None:
+            return None
+        return round(duration_seconds(self.max_age) * 1000)
+
+
+def _demo_views() -> dict[str, FeatureViewSpec]:
+    return {"user": FeatureViewSpec(features=list(DEMO_FEATURES))}
+
+
 class FeatureStoreSpec(_Strict):
     # None: `servemesh up` starts its own redis-server on a free port.
     redis_url: str | None = None
@@ -192,6 +258,8 @@ class MeshSpec(_Strict):
     feature: Replicas = Field(default_factory=Replicas)
     model_servers: Replicas = Field(default_factory=Replicas)
     models: dict[Name, ModelSpec] = Field(default_factory=lambda: {"fraud": ModelSpec()})
+    # The feature views of the online store; every model's feature_view names one.
+    feature_views: dict[Name, FeatureViewSpec] = Field(default_factory=_demo_views)
     feature_store: FeatureStoreSpec = Field(default_factory=FeatureStoreSpec)
     traffic: TrafficSpec = Field(default_factory=TrafficSpec)
     limits: Limits = Field(default_factory=Limits)
@@ -215,6 +283,24 @@ class MeshSpec(_Strict):
                 raise ValueError(f"{service}.per_zone: names unknown zones {unknown}")
             if sum(replicas.per_zone.values()) < 1:
                 raise ValueError(f"{service}.per_zone: needs at least one replica")
+        return self
+
+    @model_validator(mode="after")
+    def _models_read_known_views(self) -> MeshSpec:
+        for name, model in self.models.items():
+            view = self.feature_views.get(model.feature_view)
+            if view is None:
+                raise ValueError(
+                    f"models.{name}.feature_view: {model.feature_view!r} is not one of "
+                    f"feature_views {sorted(self.feature_views)}"
+                )
+            if view.features is not None:
+                lacking = [f for f in model.features if f not in set(view.features)]
+                if lacking:
+                    raise ValueError(
+                        f"models.{name}.features: not in feature view {model.feature_view!r}: "
+                        f"{lacking[:10]}"
+                    )
         return self
 
     # --- derived views -------------------------------------------------------------

@@ -21,6 +21,7 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
     store = RedisFeatureStore(client, spec.feature_store.key_prefix)
     servicer = FeatureServicer(
         store,
+        spec.feature_views,
         spec.feature_store,
         DeadlineBudget(
             spec.deadlines.hop_budget_ms / 1000, spec.deadlines.default_timeout_ms / 1000

@@ -1,27 +1,58 @@
-"""FeatureService: bulk feature reads and writes over the Redis online store."""
+"""FeatureService: bulk feature reads, whole-vector writes and all-or-nothing loads of a view.
+
+Reads honour each view's freshness (`feature_views.<view>.max_age` and `staleness` in the
+spec): a row older than max_age by its event time is refused (error), answered with the
+view's defaults (default), or answered as stored with `stale` set (degraded). Every stale
+row read is counted in STALE_READS.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import math
 import re
-from collections.abc import Coroutine
+import time
+from collections.abc import AsyncIterable, Callable, Coroutine, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 import redis.exceptions
+from prometheus_client import Counter
 
-from servemesh.services.feature.store import RedisFeatureStore
+from servemesh.services.feature.rows import (
+    MAX_ID_LENGTH,
+    Problem,
+    check_event_times,
+    check_ids,
+    check_values,
+    format_age,
+)
+from servemesh.services.feature.store import (
+    CorruptRow,
+    LoadInProgress,
+    LoadLost,
+    RedisFeatureStore,
+    Rows,
+    StagedLoad,
+    StoreError,
+    VersionMoved,
+    ViewVersion,
+    pack_rows,
+)
 from servemesh.services.runtime import DeadlineBudget, bind_request_id, request_id_from
 from servemesh.services.runtime.deadlines import DeadlineExhausted
 from servemesh.services.runtime.errors import (
+    DataLoss,
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
+    MeshError,
     NotFound,
     Unavailable,
 )
-from servemesh.spec import FeatureStoreSpec
+from servemesh.spec import FeatureStoreSpec, FeatureViewSpec
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -29,7 +60,21 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _VIEW = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
-MAX_ID_LENGTH = 256
+MAX_FEATURE_NAME = 64
+MAX_SOURCE_LENGTH = 1024
+# Problems one refused load lists; the rest are counted.
+MAX_PROBLEMS = 20
+_LABELS = {feature_pb2.ROW_LABEL_ROW: "row", feature_pb2.ROW_LABEL_LINE: "line"}
+
+STALE_READS = Counter(
+    "servemesh_feature_stale_reads",
+    "Entities read whose stored row was older than their view's max_age, by view and policy.",
+    ["view", "policy"],
+)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
 
 
 def validate_get(request: feature_pb2.GetFeaturesRequest, max_entities: int) -> None:
@@ -50,7 +95,10 @@ def validate_get(request: feature_pb2.GetFeaturesRequest, max_entities: int) -> 
 
 
 def validate_write(request: feature_pb2.WriteFeaturesRequest, max_entities: int) -> None:
+    """The request's shape; values are checked against the view by `write_rows`."""
     _check_view(request.view)
+    if not request.entities:
+        raise InvalidArgument("entities: give at least one entity")
     if len(request.entities) > max_entities:
         raise InvalidArgument(
             f"entities: {len(request.entities)} entities, at most {max_entities} per call",
@@ -59,12 +107,6 @@ def validate_write(request: feature_pb2.WriteFeaturesRequest, max_entities: int)
         _check_id(f"entities[{i}].entity_id", entity.entity_id)
         if not entity.values:
             raise InvalidArgument(f"entities[{i}].values: empty")
-        for name, value in entity.values.items():
-            _check_id(f"entities[{i}].values key", name)
-            if not math.isfinite(value):
-                raise InvalidArgument(
-                    f"entities[{i}].values[{name!r}]: not a finite number",
-                )
 
 
 def _check_view(view: str) -> None:
@@ -81,65 +123,391 @@ def _check_id(field: str, value: str) -> None:
         raise InvalidArgument(f"{field}: longer than {MAX_ID_LENGTH}")
 
 
+def _listed(items: Sequence[str], shown: int = 10) -> str:
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
+
+
+def positions_of(
+    request: feature_pb2.GetFeaturesRequest, view: FeatureViewSpec, version: ViewVersion | None
+) -> np.ndarray | None:
+    """Where each requested feature sits in a stored row (None: the view has no rows yet).
+
+    InvalidArgument naming the features the view lacks.
+    """
+    names = list(request.feature_names)
+    known = version.features if version is not None else view.features
+    lacking = [n for n in names if known is not None and n not in set(known)]
+    if lacking:
+        which = f"version {version.version} of " if version is not None else ""
+        raise InvalidArgument(
+            f"feature_names: not features of {which}view {request.view!r}: {_listed(lacking)}"
+        )
+    return version.positions(names) if version is not None else None
+
+
+def stale_rows(rows: Rows | None, view: FeatureViewSpec, now: int) -> np.ndarray:
+    """Per entity: was its stored row older than the view's max_age at `now`?"""
+    max_age = view.max_age_ms
+    if rows is None or max_age is None:
+        return np.zeros(0 if rows is None else len(rows.present), dtype=bool)
+    return rows.present & (now - rows.event_ms > max_age)
+
+
 def assemble(
     request: feature_pb2.GetFeaturesRequest,
-    stored: list[list[float | None]],
+    view: FeatureViewSpec,
     policy: FeatureStoreSpec,
+    rows: Rows | None,
+    positions: np.ndarray | None,
+    stale: np.ndarray,
+    now: int,
 ) -> feature_pb2.GetFeaturesResponse:
-    """Build the response from stored values, applying the missing-entity policy."""
+    """Build the response from stored rows, applying the missing-entity and staleness
+    policies (NOT_FOUND / FAILED_PRECONDITION naming the entities, or defaults)."""
+    ids = list(request.entity_ids)
+    present = rows.present if rows is not None else np.zeros(len(ids), dtype=bool)
+    missing = [e for e, there in zip(ids, present, strict=True) if not there]
+    if missing and policy.missing_entity == "error":
+        raise NotFound(f"entity_ids: not in feature view {request.view!r}: {_listed(missing)}")
+    if stale.any() and view.staleness == "error":
+        assert rows is not None
+        aged = [
+            f"{ids[i]} is {format_age(now - int(rows.event_ms[i]))} old"
+            for i in np.flatnonzero(stale)
+        ]
+        raise FailedPrecondition(
+            f"entity_ids: stale in feature view {request.view!r} "
+            f"(max_age {view.max_age}): {_listed(aged)}"
+        )
+    defaults = [view.defaults.get(n, policy.default_value) for n in request.feature_names]
+    selected = (
+        rows.values[:, positions].tolist() if rows is not None and positions is not None else None
+    )
     response = feature_pb2.GetFeaturesResponse()
-    missing: list[str] = []
-    for entity_id, values in zip(request.entity_ids, stored, strict=True):
-        gaps = [name for name, v in zip(request.feature_names, values, strict=True) if v is None]
-        if gaps and policy.missing_entity == "error":
-            missing.append(
-                entity_id if len(gaps) == len(values) else f"{entity_id} (lacks {gaps[:5]})"
+    for i, entity_id in enumerate(ids):
+        if not present[i]:
+            response.vectors.add(entity_id=entity_id, values=defaults, defaulted=True)
+            continue
+        assert rows is not None and selected is not None
+        event_time = int(rows.event_ms[i])
+        if stale.size and stale[i] and view.staleness == "default":
+            response.vectors.add(
+                entity_id=entity_id,
+                values=defaults,
+                defaulted=True,
+                stale=True,
+                event_time_unix_ms=event_time,
             )
             continue
         response.vectors.add(
             entity_id=entity_id,
-            values=[policy.default_value if v is None else v for v in values],
-            defaulted=bool(gaps),
+            values=selected[i],
+            stale=bool(stale.size and stale[i]),
+            event_time_unix_ms=event_time,
         )
-    if missing:
-        shown = ", ".join(missing[:10]) + (
-            f" and {len(missing) - 10} more" if len(missing) > 10 else ""
-        )
-        raise NotFound(f"entity_ids: not in feature view {request.view!r}: {shown}")
     return response
+
+
+def write_rows(
+    request: feature_pb2.WriteFeaturesRequest,
+    features: Sequence[str],
+    view: FeatureViewSpec,
+    now: int,
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """Entity ids, float32 values in `features` order and event times of a write;
+    InvalidArgument naming the entity's field that does not fit the view."""
+    wanted = set(features)
+    values = np.zeros((len(request.entities), len(features)), dtype=np.float32)
+    event_ms = np.zeros(len(request.entities), dtype=np.int64)
+    for i, entity in enumerate(request.entities):
+        given = set(entity.values)
+        unknown = sorted(given - wanted)
+        if unknown:
+            raise InvalidArgument(
+                f"entities[{i}].values: not features of view {request.view!r}: {_listed(unknown)}"
+            )
+        lacking = [f for f in features if f not in given]
+        if lacking:
+            raise InvalidArgument(
+                f"entities[{i}].values: a write gives every feature of view "
+                f"{request.view!r}; lacks {_listed(lacking)}"
+            )
+        values[i] = [entity.values[f] for f in features]
+        event_ms[i] = entity.event_time_unix_ms or now
+    for problem in check_values(values, features, view.allow_nan, limit=1):
+        raise InvalidArgument(
+            f"entities[{problem.row}].values[{problem.column!r}]: {problem.message}"
+        )
+    for problem in check_event_times(event_ms, now, "event_time_unix_ms", limit=1):
+        raise InvalidArgument(f"entities[{problem.row}].event_time_unix_ms: {problem.message}")
+    return [e.entity_id for e in request.entities], values, event_ms
+
+
+def check_header(header: feature_pb2.LoadHeader, view: FeatureViewSpec) -> list[str]:
+    """The load's feature names, checked against the view; InvalidArgument naming the field."""
+    names = list(header.feature_names)
+    if not names:
+        raise InvalidArgument("header.feature_names: give at least one feature")
+    for i, name in enumerate(names):
+        if not name or len(name) > MAX_FEATURE_NAME:
+            raise InvalidArgument(
+                f"header.feature_names[{i}]: {name!r} is not 1 to {MAX_FEATURE_NAME} characters"
+            )
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise InvalidArgument(f"header.feature_names: named more than once: {repeated}")
+    if view.features is not None and names != view.features:
+        lacking = [f for f in view.features if f not in set(names)]
+        unknown = [f for f in names if f not in set(view.features)]
+        why = (f"lacks {_listed(lacking)}; " if lacking else "") + (
+            f"not features of the view: {_listed(unknown)}; " if unknown else ""
+        )
+        raise InvalidArgument(
+            f"header.feature_names: view {header.view!r} takes its {len(view.features)} "
+            f"features in its own order; {why or 'the order differs'}"
+        )
+    if len(header.source) > MAX_SOURCE_LENGTH:
+        raise InvalidArgument(f"header.source: longer than {MAX_SOURCE_LENGTH}")
+    return names
+
+
+def read_chunk(
+    chunk: feature_pb2.LoadChunk, width: int, started_ms: int
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """A chunk's ids, values (n, width) and event times; InvalidArgument on a bad shape."""
+    n = len(chunk.entity_ids)
+    expected = n * width * 4
+    if len(chunk.values) != expected:
+        raise InvalidArgument(
+            f"chunk.values: {len(chunk.values)} bytes; {n} rows of {width} float32 "
+            f"values take {expected}"
+        )
+    if chunk.event_times_unix_ms and len(chunk.event_times_unix_ms) != n:
+        raise InvalidArgument(
+            f"chunk.event_times_unix_ms: {len(chunk.event_times_unix_ms)} times for {n} rows"
+        )
+    values = np.frombuffer(chunk.values, dtype="<f4").reshape(n, width)
+    if chunk.event_times_unix_ms:
+        event_ms = np.asarray(chunk.event_times_unix_ms, dtype=np.int64)
+    else:
+        event_ms = np.full(n, started_ms, dtype=np.int64)
+    return list(chunk.entity_ids), values, event_ms
+
+
+def refuse_rows(problems: list[str], more: bool) -> InvalidArgument:
+    """The error a load with bad rows ends with: every problem (up to MAX_PROBLEMS)."""
+    shown = problems[:MAX_PROBLEMS]
+    tail = " (and more)" if more or len(problems) > MAX_PROBLEMS else ""
+    return InvalidArgument(
+        f"rows: {len(shown)} problem(s){tail}; nothing was loaded\n  " + "\n  ".join(shown)
+    )
+
+
+@contextlib.contextmanager
+def store_statuses() -> Iterator[None]:
+    """Map the store's refusals and Redis failures to the statuses callers see."""
+    try:
+        yield
+    except LoadInProgress as exc:
+        raise FailedPrecondition(str(exc)) from None
+    except LoadLost as exc:
+        raise MeshError(str(exc), code=grpc.StatusCode.ABORTED) from None
+    except VersionMoved as exc:
+        raise Unavailable(str(exc)) from None
+    except CorruptRow as exc:
+        raise DataLoss(str(exc)) from None
+    except StoreError as exc:
+        raise FailedPrecondition(str(exc)) from None
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+        log.warning("feature store unreachable", extra={"error": str(exc)})
+        raise Unavailable("feature store unavailable") from None
 
 
 class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
     def __init__(
         self,
         store: RedisFeatureStore,
+        views: Mapping[str, FeatureViewSpec],
         policy: FeatureStoreSpec,
         budget: DeadlineBudget,
         max_entities: int,
+        clock: Callable[[], int] = now_ms,
     ) -> None:
         self.store = store
+        self.views = dict(views)
         self.policy = policy
         self.budget = budget
         self.max_entities = max_entities
+        # Milliseconds since the epoch; event times and max_age are measured with it.
+        self.clock = clock
+
+    def _view(self, name: str) -> FeatureViewSpec:
+        view = self.views.get(name)
+        if view is None:
+            raise NotFound(
+                f"view: {name!r} is not a feature view of this mesh; known: {sorted(self.views)}"
+            )
+        return view
 
     async def GetFeatures(
         self, request: feature_pb2.GetFeaturesRequest, context: grpc.aio.ServicerContext
     ) -> feature_pb2.GetFeaturesResponse:
         bind_request_id(request_id_from(context.invocation_metadata()))
         validate_get(request, self.max_entities)
-        stored = await self._call_store(
-            context, self.store.read(request.view, request.entity_ids, request.feature_names)
+        view = self._view(request.view)
+        version, rows = await self._call_store(
+            context, self.store.read(request.view, request.entity_ids)
         )
-        return assemble(request, stored, self.policy)
+        positions = positions_of(request, view, version)
+        now = self.clock()
+        stale = stale_rows(rows, view, now)
+        count = int(stale.sum())
+        if count:
+            STALE_READS.labels(request.view, view.staleness).inc(count)
+        return assemble(request, view, self.policy, rows, positions, stale, now)
 
     async def WriteFeatures(
         self, request: feature_pb2.WriteFeaturesRequest, context: grpc.aio.ServicerContext
     ) -> feature_pb2.WriteFeaturesResponse:
         bind_request_id(request_id_from(context.invocation_metadata()))
         validate_write(request, self.max_entities)
-        entities = {e.entity_id: dict(e.values) for e in request.entities}
-        written = await self._call_store(context, self.store.write(request.view, entities))
+        view = self._view(request.view)
+        written = await self._call_store(context, self._write(request, view))
         return feature_pb2.WriteFeaturesResponse(written=written)
+
+    async def _write(self, request: feature_pb2.WriteFeaturesRequest, view: FeatureViewSpec) -> int:
+        """Into the current version; a view without one gets its first version this way."""
+        for _ in range(2):
+            version = await self.store.current(request.view)
+            if version is None and view.features is None:
+                raise FailedPrecondition(
+                    f"view: {request.view!r} has no rows yet and takes its features from the "
+                    "first file loaded into it: load one first (servemesh features load)"
+                )
+            features = version.features if version is not None else view.features
+            assert features is not None
+            ids, values, event_ms = write_rows(request, features, view, self.clock())
+            if version is None:
+                load = await self.store.begin_load(request.view, features, "WriteFeatures")
+                try:
+                    await load.add(*_last_of_each(ids, values, event_ms))
+                    return (await load.commit()).rows
+                finally:
+                    await load.abort()
+            try:
+                return await self.store.write_current(version, ids, pack_rows(values, event_ms))
+            except VersionMoved:
+                continue  # a load swapped meanwhile: write into the new version
+        raise Unavailable(f"view {request.view!r}: its version keeps changing; try again")
+
+    async def LoadFeatures(
+        self,
+        request_iterator: AsyncIterable[feature_pb2.LoadFeaturesRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> feature_pb2.LoadFeaturesResponse:
+        """Header, chunks, commit: the rows become the view's current version at the end of
+        the stream, or nothing of them stays (bad rows, a broken stream, no commit)."""
+        bind_request_id(request_id_from(context.invocation_metadata()))
+        started = time.perf_counter()
+        load: StagedLoad | None = None
+        try:
+            with store_statuses():
+                load, committed = await self._receive(request_iterator)
+                if not committed:
+                    raise InvalidArgument(
+                        "commit: the stream ended without one; nothing was loaded"
+                    )
+                result = await load.commit()
+        finally:
+            if load is not None and not load.done:
+                # Shielded: a caller that hangs up still gets its staged rows removed.
+                await asyncio.shield(_quietly(load.abort()))
+        log.info(
+            "features loaded",
+            extra={
+                "view": result.view,
+                "version": result.version,
+                "rows": result.rows,
+                "replaced": result.replaced,
+                "deleted_keys": result.deleted_keys,
+                "ms": round((time.perf_counter() - started) * 1000, 1),
+            },
+        )
+        return feature_pb2.LoadFeaturesResponse(
+            view=result.view,
+            version=result.version,
+            rows=result.rows,
+            entities=result.rows,
+            replaced_version=result.replaced,
+            deleted_keys=result.deleted_keys,
+        )
+
+    async def _receive(
+        self, messages: AsyncIterable[feature_pb2.LoadFeaturesRequest]
+    ) -> tuple[StagedLoad, bool]:
+        """Stage every chunk of the stream; the load and whether a commit ended it."""
+        load: StagedLoad | None = None
+        view: FeatureViewSpec | None = None
+        label = "row"
+        committed = False
+        started_ms = self.clock()
+        try:
+            async for message in messages:
+                part = message.WhichOneof("part")
+                if committed:
+                    raise InvalidArgument(f"{part}: sent after the commit; nothing was loaded")
+                if load is None:
+                    if part != "header":
+                        raise InvalidArgument(f"{part}: the stream starts with a header")
+                    view = self._view(message.header.view)
+                    names = check_header(message.header, view)
+                    label = _LABELS.get(message.header.row_label, "row")
+                    load = await self.store.begin_load(
+                        message.header.view, names, message.header.source
+                    )
+                elif part == "chunk":
+                    assert view is not None
+                    await self._stage(load, message.chunk, view, label, started_ms)
+                elif part == "commit":
+                    if message.commit.rows != load.rows:
+                        raise InvalidArgument(
+                            f"commit.rows: {message.commit.rows}, but {load.rows} rows arrived; "
+                            "nothing was loaded"
+                        )
+                    committed = True
+                elif part == "header":
+                    raise InvalidArgument("header: a second one; nothing was loaded")
+                else:
+                    raise InvalidArgument("LoadFeaturesRequest: empty; nothing was loaded")
+        except BaseException:
+            if load is not None:
+                await asyncio.shield(_quietly(load.abort()))
+            raise
+        if load is None:
+            raise InvalidArgument("header: the stream ended without one; nothing was loaded")
+        return load, committed
+
+    async def _stage(
+        self,
+        load: StagedLoad,
+        chunk: feature_pb2.LoadChunk,
+        view: FeatureViewSpec,
+        label: str,
+        started_ms: int,
+    ) -> None:
+        ids, values, event_ms = read_chunk(chunk, len(load.features), started_ms)
+        problems: list[Problem] = [
+            *check_ids(ids, "key", MAX_PROBLEMS),
+            *check_values(values, load.features, view.allow_nan, MAX_PROBLEMS),
+            *check_event_times(event_ms, self.clock(), "event time", MAX_PROBLEMS),
+        ]
+        if not problems:
+            for i in await load.add(ids, values, event_ms):
+                problems.append(Problem(i, "key", f"{ids[i]!r} appears more than once"))
+        if problems:
+            problems.sort(key=lambda p: p.row)
+            raise refuse_rows([p.at(label, chunk.first_row) for p in problems], more=False)
 
     async def _call_store(
         self, context: grpc.aio.ServicerContext, call: Coroutine[Any, Any, T]
@@ -147,12 +515,28 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         """Run a store call inside the caller's deadline; map Redis failures to statuses."""
         try:
             timeout = self.budget.remaining(self.budget.absolute_deadline(context))
-            return await asyncio.wait_for(call, timeout)
         except DeadlineExhausted as exc:
             call.close()
             raise DeadlineExceeded(f"no time left for the store: {exc}") from None
-        except TimeoutError:
-            raise DeadlineExceeded("feature store did not answer in time") from None
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
-            log.warning("feature store unreachable", extra={"error": str(exc)})
-            raise Unavailable("feature store unavailable") from None
+        with store_statuses():
+            try:
+                return await asyncio.wait_for(call, timeout)
+            except TimeoutError:
+                raise DeadlineExceeded("feature store did not answer in time") from None
+
+
+def _last_of_each(
+    ids: list[str], values: np.ndarray, event_ms: np.ndarray
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """One row per entity, the last one given (a write's duplicates overwrite)."""
+    last = {entity: i for i, entity in enumerate(ids)}
+    keep = sorted(last.values())
+    return [ids[i] for i in keep], values[keep], event_ms[keep]
+
+
+async def _quietly(call: Coroutine[Any, Any, None]) -> None:
+    """Clean-up that must not replace the error that made it necessary."""
+    try:
+        await call
+    except Exception as exc:  # the original error is what the caller needs to see
+        log.warning("could not remove a refused load's rows", extra={"error": str(exc)})

@@ -1,44 +1,420 @@
-"""The Redis online store: one hash per entity, fields are feature names, read pipelined."""
+"""The Redis online store: one packed value per entity, under numbered versions of a view.
+
+A view is replaced as a whole: a load writes every row under a new version, then one
+pointer swap makes that version the one readers read, then the versions before it are
+deleted. Readers never see half a load. This module is the one place that knows the keys
+(prefix `fs`, view `user`):
+
+| key | type | what |
+| --- | --- | --- |
+| `fs:user:current` | string | the version readers read |
+| `fs:user:seq` | string | the last version number handed out (INCR) |
+| `fs:user:load` | string | lease of the load in progress (its version); expires unless renewed |
+| `fs:user:versions` | set | versions whose keys may exist: staged, current, being deleted |
+| `fs:user@7` | hash | version 7's metadata: features (JSON list), source, rows, times |
+| `fs:user@7:<entity>` | string | the entity's row: event time, then its values |
+
+A row is `<q` (int64 little-endian, the event time in ms since the Unix epoch) followed by
+one `<f4` (float32 little-endian) per feature of the version, in the version's order: one
+GET per entity, no parsing beyond a numpy view of the bytes.
+
+Readers cache each view's current version. A read is one MGET of the entities' keys with
+the pointer key last: if the pointer still names the cached version, every value came from
+that version while it was current (a version's keys are deleted only after it stopped
+being current, and MGET is atomic); otherwise the reader takes the new version's metadata
+and reads again. So a swap is seen by the first read that starts after it, at the cost of
+one more key per MGET, and never a half-deleted version.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
 import redis.asyncio as aioredis
-from redis.typing import EncodableT
+
+# A load that sends nothing for this long loses its lease; the next load cleans up after it.
+LOAD_LEASE_MS = 60_000
+# Keys per SCAN step and per UNLINK when a version is deleted: bounded work per round trip.
+DELETE_BATCH = 1000
+# How often a read retries when the pointer moves under it before giving up.
+READ_ATTEMPTS = 3
+
+_EVENT_TIME = np.dtype("<i8")
+_GLOB_SPECIALS = str.maketrans({c: f"\\{c}" for c in "*?[]\\"})
+
+# Renew the lease only while this load holds it: KEYS[1] lease, ARGV[1] version, ARGV[2] ms.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+# The swap: KEYS[1] lease, KEYS[2] pointer, KEYS[3] metadata; ARGV[1] version, ARGV[2]
+# rows, ARGV[3] now (ms). Only the lease holder swaps; answers the replaced version or -1.
+_SWAP = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+local old = redis.call('GET', KEYS[2])
+redis.call('SET', KEYS[2], ARGV[1])
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[3], 'rows', ARGV[2], 'committed_at_ms', ARGV[3])
+if old then return tonumber(old) end
+return 0
+"""
+# Release a lease this load holds: KEYS[1] lease, ARGV[1] version.
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+# Overwrite rows of the current version: KEYS[1] pointer, KEYS[2] lease, KEYS[3..] rows;
+# ARGV[1] version, ARGV[2..] values. -1: not the current version; -2: a load is running.
+_WRITE_CURRENT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+if redis.call('EXISTS', KEYS[2]) == 1 then return -2 end
+for i = 3, #KEYS do redis.call('SET', KEYS[i], ARGV[i - 1]) end
+return #KEYS - 2
+"""
 
 
-def entity_key(prefix: str, view: str, entity_id: str) -> str:
-    return f"{prefix}:{view}:{entity_id}"
+class StoreError(Exception):
+    """Base of the store's refusals; each names the view."""
+
+
+class LoadInProgress(StoreError):
+    """Another load of the view holds its lease."""
+
+
+class LoadLost(StoreError):
+    """This load's lease expired and it may no longer swap."""
+
+
+class VersionMoved(StoreError):
+    """The view's current version changed under a write or a read, more than it retries."""
+
+
+class CorruptRow(StoreError):
+    """A stored value or version record does not have the layout this module writes."""
+
+
+@dataclass(frozen=True)
+class ViewVersion:
+    """One version of a view, as readers see it."""
+
+    view: str
+    version: int
+    features: tuple[str, ...]
+    _positions: dict[tuple[str, ...], np.ndarray] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    @property
+    def row_bytes(self) -> int:
+        return _EVENT_TIME.itemsize + 4 * len(self.features)
+
+    def positions(self, names: Sequence[str]) -> np.ndarray:
+        """Indices of `names` in a stored row; KeyError listing the names it lacks."""
+        key = tuple(names)
+        found = self._positions.get(key)
+        if found is None:
+            index = {name: i for i, name in enumerate(self.features)}
+            lacking = [name for name in key if name not in index]
+            if lacking:
+                raise KeyError(lacking)
+            found = np.array([index[name] for name in key], dtype=np.intp)
+            if len(self._positions) < 64:  # callers ask for a handful of orders
+                self._positions[key] = found
+        return found
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Decoded rows: per requested entity, whether it was there, its event time, its values."""
+
+    present: np.ndarray  # bool (n,)
+    event_ms: np.ndarray  # int64 (n,), 0 where absent
+    values: np.ndarray  # float32 (n, features), 0 where absent
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    view: str
+    version: int
+    rows: int
+    replaced: int  # 0: the view had no version
+    deleted_keys: int
+
+
+def pack_rows(values: np.ndarray, event_ms: np.ndarray) -> list[bytes]:
+    """Stored bytes of each row: the event time, then the float32 values."""
+    n, width = values.shape
+    record = np.dtype([("t", _EVENT_TIME), ("v", "<f4", (width,))])
+    packed = np.empty(n, dtype=record)
+    packed["t"] = event_ms
+    packed["v"] = values
+    raw = packed.tobytes()
+    size = record.itemsize
+    return [raw[i * size : (i + 1) * size] for i in range(n)]
+
+
+def unpack_rows(stored: Sequence[bytes | None], width: int) -> Rows:
+    """Decode stored rows of a version with `width` features; CorruptRow on a bad length."""
+    present = np.array([v is not None for v in stored], dtype=bool)
+    record = np.dtype([("t", _EVENT_TIME), ("v", "<f4", (width,))])
+    event_ms = np.zeros(len(stored), dtype=np.int64)
+    values = np.zeros((len(stored), width), dtype=np.float32)
+    found = [v for v in stored if v is not None]
+    if found:
+        bad = [i for i, v in enumerate(found) if len(v) != record.itemsize]
+        if bad:
+            raise CorruptRow(
+                f"a stored row is {len(found[bad[0]])} bytes, its version's layout "
+                f"is {record.itemsize}"
+            )
+        decoded = np.frombuffer(b"".join(found), dtype=record)
+        event_ms[present] = decoded["t"]
+        values[present] = decoded["v"]
+    return Rows(present=present, event_ms=event_ms, values=values)
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
 
 
 class RedisFeatureStore:
-    """Reads and writes feature vectors; every bulk call is one pipelined round trip."""
+    """Reads, writes and loads views; every read is one MGET round trip."""
 
     def __init__(self, client: aioredis.Redis, key_prefix: str = "fs") -> None:
         self.client = client
         self.key_prefix = key_prefix
+        self._cached: dict[str, ViewVersion | None] = {}
+        self._renew = client.register_script(_RENEW)
+        self._swap = client.register_script(_SWAP)
+        self._release = client.register_script(_RELEASE)
+        self._write_current = client.register_script(_WRITE_CURRENT)
+
+    # --- keys ---------------------------------------------------------------------------
+
+    def view_key(self, view: str, what: str) -> str:
+        """`current`, `seq`, `load` or `versions` of a view."""
+        return f"{self.key_prefix}:{view}:{what}"
+
+    def version_key(self, view: str, version: int) -> str:
+        """The metadata hash of one version."""
+        return f"{self.key_prefix}:{view}@{version}"
+
+    def entity_key(self, view: str, version: int, entity_id: str) -> str:
+        return f"{self.version_key(view, version)}:{entity_id}"
+
+    def _version_pattern(self, view: str, version: int) -> str:
+        return f"{self.version_key(view, version).translate(_GLOB_SPECIALS)}:*"
+
+    # --- reads --------------------------------------------------------------------------
+
+    async def current(self, view: str) -> ViewVersion | None:
+        """The view's current version (cached; `refresh` re-reads the pointer)."""
+        if view not in self._cached:
+            await self.refresh(view)
+        return self._cached[view]
+
+    async def refresh(self, view: str, version: int | None = None) -> ViewVersion | None:
+        """Re-read the view's pointer (or take `version`) and that version's metadata."""
+        if version is None:
+            raw = await self.client.get(self.view_key(view, "current"))
+            version = int(raw) if raw is not None else 0
+        found = await self._version(view, version) if version else None
+        self._cached[view] = found
+        return found
+
+    async def _version(self, view: str, version: int) -> ViewVersion | None:
+        meta = await self.client.hget(self.version_key(view, version), "features")
+        if meta is None:
+            return None  # deleted meanwhile: the caller reads the pointer again
+        try:
+            features = json.loads(meta)
+        except ValueError:
+            raise CorruptRow(f"view {view!r} version {version}: unreadable feature list") from None
+        return ViewVersion(view=view, version=version, features=tuple(features))
 
     async def read(
-        self, view: str, entity_ids: Sequence[str], feature_names: Sequence[str]
-    ) -> list[list[float | None]]:
-        """Per entity, the values in feature_names order; None where the store has none."""
-        async with self.client.pipeline(transaction=False) as pipe:
-            for entity_id in entity_ids:
-                pipe.hmget(entity_key(self.key_prefix, view, entity_id), list(feature_names))
-            replies = await pipe.execute()
-        return [[None if v is None else float(v) for v in reply] for reply in replies]
+        self, view: str, entity_ids: Sequence[str]
+    ) -> tuple[ViewVersion | None, Rows | None]:
+        """The rows of `entity_ids` in the view's current version, and that version.
 
-    async def write(self, view: str, entities: Mapping[str, Mapping[str, float]]) -> int:
-        """Upsert every entity's values; returns how many entities were written."""
-        if not entities:
-            return 0
-        async with self.client.pipeline(transaction=False) as pipe:
-            for entity_id, values in entities.items():
-                # repr of a Python float round-trips exactly, float32 values included.
-                mapping: dict[EncodableT, EncodableT] = {
-                    name: repr(float(value)) for name, value in values.items()
-                }
-                pipe.hset(entity_key(self.key_prefix, view, entity_id), mapping=mapping)
-            await pipe.execute()
-        return len(entities)
+        (None, None) when the view has no version yet.
+        """
+        pointer = self.view_key(view, "current")
+        cached = await self.current(view)
+        for _ in range(READ_ATTEMPTS):
+            version = cached.version if cached else 0
+            keys = [self.entity_key(view, version, e) for e in entity_ids] if cached else []
+            *stored, raw = await self.client.mget([*keys, pointer])
+            now = int(raw) if raw is not None else 0
+            # The client answers bytes (no decode_responses); anything else is not ours.
+            rows = [v if v is None or isinstance(v, bytes) else None for v in stored]
+            if now == version:
+                if cached is None:
+                    return None, None
+                return cached, unpack_rows(rows, len(cached.features))
+            cached = await self.refresh(view, now)
+        raise VersionMoved(f"view {view!r}: its version changed {READ_ATTEMPTS} times in one read")
+
+    # --- writes into the current version ------------------------------------------------
+
+    async def write_current(
+        self, version: ViewVersion, entity_ids: Sequence[str], rows: Sequence[bytes]
+    ) -> int:
+        """Overwrite rows of `version`, which must still be current and not being replaced.
+
+        VersionMoved when another version is current now; LoadInProgress during a load.
+        """
+        view = version.view
+        keys = [self.view_key(view, "current"), self.view_key(view, "load")]
+        keys += [self.entity_key(view, version.version, e) for e in entity_ids]
+        answer = int(await self._write_current(keys=keys, args=[version.version, *rows]))
+        if answer == -1:
+            await self.refresh(view)
+            raise VersionMoved(f"view {view!r}: version {version.version} is no longer current")
+        if answer == -2:
+            raise LoadInProgress(f"view {view!r}: a load is replacing it; write after it ends")
+        return answer
+
+    # --- loads --------------------------------------------------------------------------
+
+    async def begin_load(
+        self, view: str, features: Sequence[str], source: str, lease_ms: int = LOAD_LEASE_MS
+    ) -> StagedLoad:
+        """Take the view's load lease and open a new version for rows.
+
+        LoadInProgress when another load holds the lease. Versions left behind by loads
+        that died are deleted first (nobody else writes while the lease is held).
+        """
+        version = int(await self.client.incr(self.view_key(view, "seq")))
+        lease = self.view_key(view, "load")
+        if not await self.client.set(lease, version, nx=True, px=lease_ms):
+            holder = await self.client.get(lease)
+            shown = holder.decode() if isinstance(holder, bytes) else holder
+            raise LoadInProgress(
+                f"view {view!r}: another load (version {shown}) is running; try again when it ends"
+            )
+        try:
+            current = await self.client.get(self.view_key(view, "current"))
+            current_version = int(current) if current is not None else 0
+            for leftover in await self._versions(view):
+                if leftover != current_version:
+                    await self.drop_version(view, leftover)
+            await self.client.sadd(self.view_key(view, "versions"), version)
+            await self.client.hset(
+                self.version_key(view, version),
+                mapping={
+                    "features": json.dumps(list(features)),
+                    "source": source,
+                    "started_at_ms": _now_ms(),
+                },
+            )
+        except BaseException:
+            await self._release(keys=[lease], args=[version])
+            raise
+        return StagedLoad(self, view, version, tuple(features), lease_ms)
+
+    async def _versions(self, view: str) -> list[int]:
+        members = await self.client.smembers(self.view_key(view, "versions"))
+        return sorted(int(m) for m in members)
+
+    async def drop_version(self, view: str, version: int) -> int:
+        """Delete a version's rows and record in bounded batches; how many rows went."""
+        deleted = 0
+        batch: list[bytes] = []
+        async for key in self.client.scan_iter(
+            match=self._version_pattern(view, version), count=DELETE_BATCH
+        ):
+            batch.append(key)
+            if len(batch) >= DELETE_BATCH:
+                deleted += int(await self.client.unlink(*batch))
+                batch = []
+        if batch:
+            deleted += int(await self.client.unlink(*batch))
+        await self.client.unlink(self.version_key(view, version))
+        await self.client.srem(self.view_key(view, "versions"), version)
+        return deleted
+
+    def _remember(self, view: str, version: ViewVersion) -> None:
+        self._cached[view] = version
+
+
+class StagedLoad:
+    """Rows of a new version, invisible to readers until `commit`; `abort` removes them."""
+
+    def __init__(
+        self,
+        store: RedisFeatureStore,
+        view: str,
+        version: int,
+        features: tuple[str, ...],
+        lease_ms: int,
+    ) -> None:
+        self.store = store
+        self.view = view
+        self.version = version
+        self.features = features
+        self.lease_ms = lease_ms
+        self.rows = 0
+        self.done = False
+
+    async def add(
+        self, entity_ids: Sequence[str], values: np.ndarray, event_ms: np.ndarray
+    ) -> list[int]:
+        """Stage rows (float32 values, int64 event times); the positions, in this call, of
+        rows whose entity is already staged (those are not written again)."""
+        if self.done:
+            raise StoreError(f"view {self.view!r}: version {self.version} is already finished")
+        store = self.store
+        lease = store.view_key(self.view, "load")
+        packed = pack_rows(values, event_ms)
+        async with store.client.pipeline(transaction=False) as pipe:
+            for entity_id, row in zip(entity_ids, packed, strict=True):
+                pipe.set(store.entity_key(self.view, self.version, entity_id), row, nx=True)
+            # Renewed with every chunk: a load that stops sending loses its lease.
+            await store._renew(keys=[lease], args=[self.version, self.lease_ms], client=pipe)
+            *written, renewed = await pipe.execute()
+        if not renewed:
+            raise LoadLost(
+                f"view {self.view!r}: the load of version {self.version} lost its lease "
+                f"(nothing sent for {self.lease_ms / 1000:.0f} s, or another load took over)"
+            )
+        self.rows += sum(1 for w in written if w)
+        return [i for i, w in enumerate(written) if not w]
+
+    async def commit(self) -> LoadResult:
+        """Make this version current in one step, then delete every version before it."""
+        store = self.store
+        keys = [
+            store.view_key(self.view, "load"),
+            store.view_key(self.view, "current"),
+            store.version_key(self.view, self.version),
+        ]
+        replaced = int(await store._swap(keys=keys, args=[self.version, self.rows, _now_ms()]))
+        if replaced < 0:
+            raise LoadLost(
+                f"view {self.view!r}: the load of version {self.version} lost its lease "
+                "before its commit; nothing was swapped"
+            )
+        self.done = True
+        store._remember(self.view, ViewVersion(self.view, self.version, self.features))
+        deleted = 0
+        # Only older versions: a newer one is a load that began after this swap.
+        for old in await store._versions(self.view):
+            if old < self.version:
+                deleted += await store.drop_version(self.view, old)
+        return LoadResult(self.view, self.version, self.rows, replaced, deleted)
+
+    async def abort(self) -> None:
+        """Remove everything staged and give the lease back; the current version stays."""
+        if self.done:
+            return
+        self.done = True
+        store = self.store
+        await store.drop_version(self.view, self.version)
+        await store._release(keys=[store.view_key(self.view, "load")], args=[self.version])

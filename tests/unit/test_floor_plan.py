@@ -46,7 +46,11 @@ ALLOWED: dict[str, set[str]] = {
     "bench": CONTRACT | TOOLING | {"launcher"},
     "model_bench": CONTRACT | TOOLING | SERVICES,
     "routes_cli": CONTRACT | TOOLING,
-    "cli": CONTRACT | TOOLING | {"launcher", "chaos", "bench", "model_bench", "routes_cli"},
+    # loads a user's feature file through a running mesh's feature service (its row checks)
+    "features": CONTRACT | {"proxy", "services.feature"},
+    "cli": CONTRACT
+    | TOOLING
+    | {"launcher", "chaos", "bench", "model_bench", "routes_cli", "features"},
     "__main__": {"cli"},
     # development tools
     "protogen": set(),

@@ -1,0 +1,146 @@
+"""`servemesh features load FILE --view NAME --key COLUMN [--timestamp COLUMN]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from servemesh.spec import SpecError, load_spec
+
+if TYPE_CHECKING:
+    from servemesh.features._send import LoadSummary
+
+# Off a terminal (pipes, logs, tests) rich would wrap at 80 columns: keep lines whole.
+console = Console(stderr=True, soft_wrap=True, highlight=False)
+out = Console(soft_wrap=True, highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+def _state_dir(args: argparse.Namespace) -> Path:
+    if args.state_dir:
+        return Path(args.state_dir)
+    return Path(load_spec(args.spec).state_dir)
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    """Load a CSV or Parquet file into a view of the running mesh; 0 once it is current."""
+    # pyarrow loads only for this command, not for every `servemesh` call.
+    from servemesh.features import (
+        DEFAULT_BATCH_ROWS,
+        BadFile,
+        FeatureFile,
+        FileError,
+        LoadError,
+        feature_addresses,
+        load_file,
+        running_mesh_spec,
+    )
+
+    try:
+        spec = running_mesh_spec(_state_dir(args))
+        view = spec.feature_views.get(args.view)
+        if view is None:
+            raise LoadError(
+                f"--view {args.view}: not a feature view of the running mesh; "
+                f"its views: {', '.join(sorted(spec.feature_views))}"
+            )
+        file = FeatureFile(args.file, args.format, args.batch_rows or DEFAULT_BATCH_ROWS)
+        layout = file.layout(args.key, args.timestamp, view.features)
+        addresses = [args.address] if args.address else feature_addresses(spec)
+        with _progress(file.total_rows) as progress:
+            summary = load_file(
+                addresses,
+                file,
+                layout,
+                view=args.view,
+                allow_nan=view.allow_nan,
+                max_message_bytes=spec.limits.max_message_bytes,
+                progress=progress,
+                timeout=args.timeout,
+            )
+    except BadFile as exc:
+        console.print(exc.report(), markup=False)
+        console.print(f"[red]view {args.view!r} is as it was[/red]")
+        return 1
+    except (LoadError, FileError, SpecError) as exc:
+        console.print(f"[red]not loaded:[/red] {exc}", markup=True)
+        return 1
+    _summary(summary, args.file)
+    return 0
+
+
+@contextmanager
+def _progress(total: int | None) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar of rows sent, with rows/s, on stderr; yields its update."""
+    progress = Progress(
+        TextColumn("loading"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("rows  {task.fields[rate]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+    task = progress.add_task("load", total=total, rate="")
+
+    def update(rows: int) -> None:
+        elapsed = progress.tasks[task].elapsed or 0.0
+        rate = f"{rows / elapsed:,.0f} rows/s" if elapsed > 0 else ""
+        progress.update(task, completed=rows, rate=rate)
+
+    with progress:
+        yield update
+
+
+def _summary(summary: LoadSummary, file: str) -> None:
+    replaced = (
+        f"; version {summary.replaced_version} replaced ({summary.deleted_keys:,} keys deleted)"
+        if summary.replaced_version
+        else ""
+    )
+    out.print(
+        f"loaded {Path(file).name}: {summary.rows:,} rows, {summary.entities:,} entities "
+        f"into view {summary.view!r} as version {summary.version} in {summary.seconds:.2f} s "
+        f"({summary.rows_per_second:,.0f} rows/s){replaced}"
+    )
+
+
+def add_features_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    features = sub.add_parser("features", help="load feature files into the online store")
+    verbs = features.add_subparsers(dest="verb", required=True)
+    load = verbs.add_parser(
+        "load",
+        help="replace a feature view with a CSV or Parquet file, all or nothing",
+        description="Every row is checked first; a file with problems loads nothing and "
+        "the report names each problem's line (CSV) or row (Parquet) and column. A good file "
+        "becomes the view's current version in one step.",
+    )
+    load.add_argument("file", help="a .csv (or .csv.gz) or .parquet file")
+    load.add_argument("--view", required=True, help="the feature view to replace")
+    load.add_argument("--key", required=True, help="the column of entity ids")
+    load.add_argument(
+        "--timestamp",
+        help="the column of event times (ISO 8601, or seconds since the Unix epoch); "
+        "default: every row is as old as the load",
+    )
+    load.add_argument("--format", choices=["csv", "parquet"], help="default: by file suffix")
+    load.add_argument("--state-dir", help="the running mesh's state dir (default: the spec's)")
+    load.add_argument("--spec", help="mesh spec naming the state dir (default: ./mesh.yaml)")
+    load.add_argument("--address", help="a feature service (default: the running mesh's)")
+    load.add_argument(
+        "--batch-rows", type=int, help="rows read from the file at a time (default 65536)"
+    )
+    load.add_argument("--timeout", type=float, help="give up after this many seconds")
+    load.set_defaults(func=cmd_load)

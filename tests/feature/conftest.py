@@ -1,0 +1,126 @@
+"""Feature fixtures: feature services built in-process on loopback over the session's real
+Redis, each with a key prefix of its own, and the state dir a running mesh would leave
+(its resolved spec) so the CLI finds them."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+
+from servemesh.demo import DEMO_FEATURES
+from servemesh.proxy.apply import MeshPaths
+from servemesh.services.feature.app import build_server
+from servemesh.services.runtime import ServiceServer
+from servemesh.spec import (
+    FeatureStoreSpec,
+    FeatureViewSpec,
+    Limits,
+    MeshSpec,
+    Ports,
+    Replicas,
+    ResolvedSpec,
+    dump_spec,
+    resolve,
+)
+from servemesh_api.feature.v1 import feature_pb2_grpc
+
+INSTANCE = "feature-zone-a-0"
+
+
+@dataclass
+class RunningFeatures:
+    """One feature service of a one-zone mesh, its spec and state dir, and Redis."""
+
+    spec: ResolvedSpec
+    stub: feature_pb2_grpc.FeatureServiceStub
+    redis: aioredis.Redis
+    state_dir: Path
+
+    @property
+    def prefix(self) -> str:
+        return self.spec.feature_store.key_prefix
+
+    async def keys(self) -> set[str]:
+        """Every Redis key under this service's prefix."""
+        return {k.decode() async for k in self.redis.scan_iter(match=f"{self.prefix}:*")}
+
+    async def cli(self, *args: str) -> tuple[int, str, str]:
+        """Run `python -m servemesh ARGS --state-dir <this mesh>`: exit code, stdout, stderr."""
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "servemesh",
+            *args,
+            "--state-dir",
+            str(self.state_dir),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=120)
+        assert proc.returncode is not None
+        return proc.returncode, out.decode(), err.decode()
+
+
+def features_spec(
+    redis_url: str,
+    state_dir: Path,
+    views: Mapping[str, FeatureViewSpec],
+    missing: str = "error",
+    max_message_bytes: int = 4 * 1024 * 1024,
+) -> ResolvedSpec:
+    """A one-zone mesh whose feature store has `views` (and the demo's user view)."""
+    return resolve(
+        MeshSpec(
+            zones=["zone-a"],
+            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            state_dir=str(state_dir),
+            gateway=Replicas(per_zone={"zone-a": 1}),
+            feature=Replicas(per_zone={"zone-a": 1}),
+            model_servers=Replicas(per_zone={"zone-a": 1}),
+            feature_views={"user": FeatureViewSpec(features=list(DEMO_FEATURES)), **views},
+            feature_store=FeatureStoreSpec(
+                redis_url=redis_url,
+                missing_entity=missing,
+                default_value=-1.0,
+                key_prefix=f"t{uuid.uuid4().hex[:8]}",
+            ),
+            limits=Limits(max_message_bytes=max_message_bytes),
+        )
+    )
+
+
+StartFeatures = Callable[..., Coroutine[Any, Any, RunningFeatures]]
+
+
+@pytest.fixture
+async def start_features(redis_url: str, tmp_path: Path) -> AsyncIterator[StartFeatures]:
+    """Start feature services: `await start_features(views, missing=..., ...)`."""
+    started: list[tuple[ServiceServer, grpc.aio.Channel, aioredis.Redis]] = []
+
+    async def start(views: Mapping[str, FeatureViewSpec], **options: Any) -> RunningFeatures:
+        state_dir = tmp_path / f"state-{len(started)}"
+        state_dir.mkdir()
+        spec = features_spec(redis_url, state_dir, views, **options)
+        MeshPaths(state_dir).resolved_spec.write_text(dump_spec(spec))
+        server = await build_server(spec, INSTANCE)
+        await server.start()
+        channel = grpc.aio.insecure_channel(spec.address_of(INSTANCE))
+        client = aioredis.Redis.from_url(redis_url)
+        started.append((server, channel, client))
+        stub = feature_pb2_grpc.FeatureServiceStub(channel)
+        return RunningFeatures(spec=spec, stub=stub, redis=client, state_dir=state_dir)
+
+    yield start
+    for server, channel, client in started:
+        await channel.close()
+        await server.drain()
+        await client.aclose()
