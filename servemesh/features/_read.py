@@ -290,11 +290,13 @@ def convert(batch: pa.RecordBatch, layout: Layout, allow_nan: bool, now_ms: int)
     entity_ids = [k if k is not None else "" for k in keys.to_pylist()]
     problems += check_ids(entity_ids, layout.key)
     matrix = np.empty((batch.num_rows, len(layout.features)), dtype=np.float64)
+    unreadable = np.zeros(matrix.shape, dtype=bool)
     for j, name in enumerate(layout.features):
         matrix[:, j], bad = _numbers(batch.column(name), name)
+        unreadable[[p.row for p in bad], j] = True
         problems += bad
-    if not any(p.column in layout.features for p in problems):
-        problems += check_values(matrix, layout.features, allow_nan)
+    # Cells that are not numbers at all are reported once, not again as NaN.
+    problems += check_values(np.where(unreadable, 0.0, matrix), layout.features, allow_nan)
     event_ms = None
     if layout.timestamp is not None:
         event_ms, bad = _times(batch.column(layout.timestamp), layout.timestamp)
@@ -311,7 +313,9 @@ def _numbers(column: pa.Array, name: str, limit: int = 20) -> tuple[np.ndarray, 
     except pa.ArrowInvalid:
         pass
     found: list[Problem] = []
-    out = np.full(len(column), np.nan)
+    # Empty cells are NaN; cells past the last problem reported are left unread (0).
+    out = np.zeros(len(column))
+    out[_null_rows(column)] = np.nan
     for i, cell in enumerate(column.to_pylist()):
         if cell is None:
             continue

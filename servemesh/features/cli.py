@@ -92,6 +92,7 @@ def _progress(total: int | None) -> Iterator[Callable[[int], None]]:
         TimeElapsedColumn(),
         console=console,
         transient=True,
+        disable=not console.is_terminal,  # in a pipe or a log, the summary says it all
     )
     task = progress.add_task("load", total=total, rate="")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
@@ -31,7 +32,7 @@ from servemesh.spec import (
     dump_spec,
     resolve,
 )
-from servemesh_api.feature.v1 import feature_pb2_grpc
+from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 
 INSTANCE = "feature-zone-a-0"
 
@@ -124,3 +125,29 @@ async def start_features(redis_url: str, tmp_path: Path) -> AsyncIterator[StartF
         await channel.close()
         await server.drain()
         await client.aclose()
+
+
+async def load_rows(
+    stub: feature_pb2_grpc.FeatureServiceStub,
+    view: str,
+    features: list[str],
+    rows: Mapping[str, list[float]],
+    event_ms: list[int] | None = None,
+) -> feature_pb2.LoadFeaturesResponse:
+    """Replace `view` with `rows` through LoadFeatures: a header, one chunk, the commit."""
+    values = np.asarray(list(rows.values()), dtype="<f4").reshape(len(rows), len(features))
+
+    async def messages() -> AsyncIterator[feature_pb2.LoadFeaturesRequest]:
+        yield feature_pb2.LoadFeaturesRequest(
+            header=feature_pb2.LoadHeader(view=view, feature_names=features, source="test")
+        )
+        yield feature_pb2.LoadFeaturesRequest(
+            chunk=feature_pb2.LoadChunk(
+                entity_ids=list(rows),
+                values=values.tobytes(),
+                event_times_unix_ms=event_ms or [],
+            )
+        )
+        yield feature_pb2.LoadFeaturesRequest(commit=feature_pb2.LoadCommit(rows=len(rows)))
+
+    return await stub.LoadFeatures(messages())

@@ -1,0 +1,95 @@
+"""Reads honour each view's max_age: each staleness policy proven with a row whose event
+time is older than max_age beside a fresh one, and the stale-read counter."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from prometheus_client import REGISTRY
+
+from servemesh.spec import FeatureViewSpec
+from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
+from tests.feature.conftest import StartFeatures, load_rows
+
+DAY_MS = 24 * 3600 * 1000
+READ = feature_pb2.GetFeaturesRequest(
+    view="fresh", entity_ids=["new", "old"], feature_names=["b", "a"]
+)
+
+
+def stale_reads(policy: str) -> float:
+    labels = {"view": "fresh", "policy": policy}
+    return REGISTRY.get_sample_value("servemesh_feature_stale_reads_total", labels) or 0.0
+
+
+async def fresh_and_old(
+    start_features: StartFeatures, policy: str, max_age: str | None = "1h"
+) -> tuple[feature_pb2_grpc.FeatureServiceStub, int]:
+    """A view with `max_age` holding `old` (two days old) and `new` (now): its stub and now."""
+    view = FeatureViewSpec(
+        features=["a", "b"], max_age=max_age, staleness=policy, defaults={"a": 9.0}
+    )
+    running = await start_features({"fresh": view})
+    now = time.time_ns() // 1_000_000
+    await load_rows(
+        running.stub,
+        "fresh",
+        ["a", "b"],
+        {"old": [1.0, 2.0], "new": [3.0, 4.0]},
+        event_ms=[now - 2 * DAY_MS, now],
+    )
+    return running.stub, now
+
+
+async def test_error_policy_refuses_a_stale_entity_naming_it_and_its_age(
+    start_features: StartFeatures,
+) -> None:
+    stub, _ = await fresh_and_old(start_features, "error")
+    before = stale_reads("error")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.GetFeatures(READ)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = err.value.details()
+    assert details == "entity_ids: stale in feature view 'fresh' (max_age 1h): old is 2d 0h old"
+    assert stale_reads("error") == before + 1
+    # The fresh entity alone reads fine, and is not counted.
+    fresh = feature_pb2.GetFeaturesRequest(view="fresh", entity_ids=["new"], feature_names=["a"])
+    [vector] = (await stub.GetFeatures(fresh)).vectors
+    assert list(vector.values) == [3.0] and not vector.stale
+    assert stale_reads("error") == before + 1
+
+
+async def test_default_policy_answers_the_views_defaults_flagged(
+    start_features: StartFeatures,
+) -> None:
+    stub, now = await fresh_and_old(start_features, "default")
+    before = stale_reads("default")
+    new, old = (await stub.GetFeatures(READ)).vectors
+    assert list(new.values) == [4.0, 3.0] and not new.defaulted and not new.stale
+    # b has no default of its own: feature_store.default_value (-1 in these tests).
+    assert list(old.values) == [-1.0, 9.0] and old.defaulted and old.stale
+    assert old.event_time_unix_ms == now - 2 * DAY_MS
+    assert stale_reads("default") == before + 1
+
+
+async def test_degraded_policy_answers_the_stored_values_flagged_stale(
+    start_features: StartFeatures,
+) -> None:
+    stub, _ = await fresh_and_old(start_features, "degraded")
+    before = stale_reads("degraded")
+    new, old = (await stub.GetFeatures(READ)).vectors
+    assert list(new.values) == [4.0, 3.0] and not new.stale
+    assert list(old.values) == [2.0, 1.0] and old.stale and not old.defaulted
+    await stub.GetFeatures(READ)
+    assert stale_reads("degraded") == before + 2
+
+
+async def test_without_max_age_rows_never_go_stale(start_features: StartFeatures) -> None:
+    stub, _ = await fresh_and_old(start_features, "error", max_age=None)
+    before = stale_reads("error")
+    vectors = (await stub.GetFeatures(READ)).vectors
+    assert [list(v.values) for v in vectors] == [[4.0, 3.0], [2.0, 1.0]]
+    assert not any(v.stale for v in vectors)
+    assert stale_reads("error") == before
