@@ -470,6 +470,11 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
                     assert view is not None
                     await self._stage(load, message.chunk, view, label, started_ms)
                 elif part == "commit":
+                    if load.rows == 0:
+                        raise InvalidArgument(
+                            "commit.rows: no rows arrived; a load replaces the whole view, "
+                            "so an empty one is refused"
+                        )
                     if message.commit.rows != load.rows:
                         raise InvalidArgument(
                             f"commit.rows: {message.commit.rows}, but {load.rows} rows arrived; "

@@ -287,3 +287,17 @@ async def test_a_file_that_does_not_fit_the_view_is_refused_before_anything_is_s
     assert code == 1
     assert expected in err
     assert await running.keys() == set()
+
+
+async def test_a_file_without_rows_does_not_empty_the_view(
+    start_features: StartFeatures, tmp_path: Path
+) -> None:
+    running = await start_features(CUSTOMER)
+    before = await _load_first_version(running, tmp_path)
+    empty = tmp_path / "empty.csv"
+    empty.write_text("customer_id,amount,visits\n")
+    code, _, err = await running.cli(
+        "features", "load", str(empty), "--view", "customer", "--key", "customer_id"
+    )
+    assert code == 1 and "no rows arrived" in err
+    await _still_the_first_version(running, before)
