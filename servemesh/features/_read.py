@@ -289,20 +289,25 @@ def convert(batch: pa.RecordBatch, layout: Layout, allow_nan: bool, now_ms: int)
         keys = pc.cast(keys, pa.string())
     entity_ids = [k if k is not None else "" for k in keys.to_pylist()]
     problems += check_ids(entity_ids, layout.key)
-    matrix = np.empty((batch.num_rows, len(layout.features)), dtype=np.float64)
-    unreadable = np.zeros(matrix.shape, dtype=bool)
+    # Feature by feature (each a contiguous row here), then turned to rows at the end.
+    by_feature = np.empty((len(layout.features), batch.num_rows), dtype=np.float64)
     for j, name in enumerate(layout.features):
-        matrix[:, j], bad = _numbers(batch.column(name), name)
-        unreadable[[p.row for p in bad], j] = True
+        by_feature[j], bad = _numbers(batch.column(name), name)
+        # Cells that are not numbers at all are reported once, not again as NaN.
+        by_feature[j, [p.row for p in bad]] = 0.0
         problems += bad
-    # Cells that are not numbers at all are reported once, not again as NaN.
-    problems += check_values(np.where(unreadable, 0.0, matrix), layout.features, allow_nan)
+    matrix = by_feature.T
+    problems += check_values(matrix, layout.features, allow_nan)
     event_ms = None
     if layout.timestamp is not None:
         event_ms, bad = _times(batch.column(layout.timestamp), layout.timestamp)
         problems += bad or check_event_times(event_ms, now_ms, layout.timestamp)
     # Checked in float64: a value too large for float32 is a problem, not an infinity.
-    values = matrix.astype(np.float32) if not problems else np.zeros((0, 0), dtype=np.float32)
+    values = (
+        np.ascontiguousarray(matrix, dtype=np.float32)
+        if not problems
+        else np.zeros((0, len(layout.features)), dtype=np.float32)
+    )
     return Converted(entity_ids, values, event_ms, problems)
 
 

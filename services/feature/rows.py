@@ -50,9 +50,8 @@ def check_values(
     values: np.ndarray, features: Sequence[str], allow_nan: bool, limit: int = 20
 ) -> list[Problem]:
     """Infinities, NaN where the view forbids it, and numbers too large for float32."""
-    bad = np.isinf(values) | (np.abs(np.nan_to_num(values)) > FLOAT32_MAX)
-    if not allow_nan:
-        bad |= np.isnan(values)
+    bad = np.isinf(values) if allow_nan else ~np.isfinite(values)
+    bad |= np.abs(values) > FLOAT32_MAX  # False for NaN
     if not bad.any():
         return []
     found: list[Problem] = []

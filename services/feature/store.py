@@ -366,26 +366,39 @@ class StagedLoad:
     async def add(
         self, entity_ids: Sequence[str], values: np.ndarray, event_ms: np.ndarray
     ) -> list[int]:
-        """Stage rows (float32 values, int64 event times); the positions, in this call, of
-        rows whose entity is already staged (those are not written again)."""
+        """Stage rows (float32 values, int64 event times), all of them or none.
+
+        Returns the positions, in this call, of rows whose entity is already staged or
+        comes twice in the call; when there are any, nothing of the call was written.
+        """
         if self.done:
             raise StoreError(f"view {self.view!r}: version {self.version} is already finished")
         store = self.store
-        lease = store.view_key(self.view, "load")
-        packed = pack_rows(values, event_ms)
+        keys = [store.entity_key(self.view, self.version, e) for e in entity_ids]
+        first: dict[str, int] = {}
+        repeated = [i for i, key in enumerate(keys) if first.setdefault(key, i) != i]
+        if not repeated:
+            lease = store.view_key(self.view, "load")
+            async with store.client.pipeline(transaction=False) as pipe:
+                # One MSETNX per call: sets every key, or none when any exists already.
+                pipe.msetnx(dict(zip(keys, pack_rows(values, event_ms), strict=True)))
+                # Renewed with every call: a load that stops sending loses its lease.
+                await store._renew(keys=[lease], args=[self.version, self.lease_ms], client=pipe)
+                written, renewed = await pipe.execute()
+            if not renewed:
+                raise LoadLost(
+                    f"view {self.view!r}: the load of version {self.version} lost its lease "
+                    f"(nothing sent for {self.lease_ms / 1000:.0f} s, or another load took over)"
+                )
+            if written:
+                self.rows += len(keys)
+                return []
         async with store.client.pipeline(transaction=False) as pipe:
-            for entity_id, row in zip(entity_ids, packed, strict=True):
-                pipe.set(store.entity_key(self.view, self.version, entity_id), row, nx=True)
-            # Renewed with every chunk: a load that stops sending loses its lease.
-            await store._renew(keys=[lease], args=[self.version, self.lease_ms], client=pipe)
-            *written, renewed = await pipe.execute()
-        if not renewed:
-            raise LoadLost(
-                f"view {self.view!r}: the load of version {self.version} lost its lease "
-                f"(nothing sent for {self.lease_ms / 1000:.0f} s, or another load took over)"
-            )
-        self.rows += sum(1 for w in written if w)
-        return [i for i, w in enumerate(written) if not w]
+            for key in first:
+                pipe.exists(key)
+            there = await pipe.execute()
+        staged = [first[key] for key, found in zip(first, there, strict=True) if found]
+        return sorted({*repeated, *staged})
 
     async def commit(self) -> LoadResult:
         """Make this version current in one step, then delete every version before it."""
