@@ -15,6 +15,8 @@ from servemesh.services.feature.store import (
     LoadInProgress,
     LoadLost,
     RedisFeatureStore,
+    VersionMoved,
+    pack_rows,
 )
 
 FEATURES = ["a", "b"]
@@ -161,3 +163,23 @@ async def test_duplicate_entities_in_a_load_are_reported_not_written_twice(
     await staged.commit()
     _, rows = await store.read("v", ["a"])
     assert rows is not None and rows.values.tolist() == [[1.0, 1.0]]
+
+
+async def test_writes_into_the_current_version_wait_for_no_load_and_follow_a_swap(
+    client: aioredis.Redis, prefix: str
+) -> None:
+    store = RedisFeatureStore(client, prefix)
+    await load(store, 1, 1.0)
+    version = await store.current("v")
+    assert version is not None
+    row = pack_rows(np.full((1, 2), 4.0, np.float32), np.ones(1, np.int64))
+    staged = await store.begin_load("v", FEATURES, "test")
+    with pytest.raises(LoadInProgress):
+        await store.write_current(version, ["e-0"], row)
+    await staged.abort()
+    assert await store.write_current(version, ["e-0"], row) == 1
+    await load(store, 1, 2.0)
+    with pytest.raises(VersionMoved):  # written into a version no longer current: refused
+        await store.write_current(version, ["e-0"], row)
+    _, rows = await store.read("v", ["e-0"])
+    assert rows is not None and rows.values.tolist() == [[2.0, 2.0]]
