@@ -4,8 +4,10 @@ see the new version; a bad file changes nothing in Redis."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -301,3 +303,44 @@ async def test_a_file_without_rows_does_not_empty_the_view(
     )
     assert code == 1 and "no rows arrived" in err
     await _still_the_first_version(running, before)
+
+
+async def test_a_caller_that_hangs_up_mid_load_leaves_nothing_behind(
+    start_features: StartFeatures,
+) -> None:
+    """Redis keyspace events say when the chunk is staged and when the clean-up ended."""
+    running = await start_features(CUSTOMER)
+    p = running.prefix
+    await running.redis.config_set("notify-keyspace-events", "K$g")
+    events = running.redis.pubsub()
+    await events.psubscribe(f"__keyspace@0__:{p}:customer*")
+    hang = asyncio.Event()
+
+    async def messages() -> AsyncIterator[feature_pb2.LoadFeaturesRequest]:
+        yield feature_pb2.LoadFeaturesRequest(
+            header=feature_pb2.LoadHeader(view="customer", feature_names=["amount", "visits"])
+        )
+        yield feature_pb2.LoadFeaturesRequest(
+            chunk=feature_pb2.LoadChunk(
+                entity_ids=["c-1"], values=np.ones(2, dtype="<f4").tobytes()
+            )
+        )
+        await hang.wait()  # never set: the caller hangs up instead of committing
+
+    async def event(key: str, kind: str) -> None:
+        async for message in events.listen():
+            if message["type"] != "pmessage":
+                continue
+            if message["channel"].decode().endswith(key) and message["data"] == kind.encode():
+                return
+
+    call = running.stub.LoadFeatures(messages())
+    await asyncio.wait_for(event(f"{p}:customer@1:c-1", "set"), 30)  # staged
+    call.cancel()
+    # The lease goes last, after the rows.
+    try:
+        await asyncio.wait_for(event(f"{p}:customer:load", "del"), 30)
+    finally:
+        await events.aclose()
+        await running.redis.config_set("notify-keyspace-events", "")
+    assert await running.keys() == {f"{p}:customer:seq"}
