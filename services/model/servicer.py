@@ -11,7 +11,7 @@ from importlib import metadata
 
 import grpc
 
-from servemesh.services.model.batcher import Batcher
+from servemesh.services.model.batching import Batcher
 from servemesh.services.model.errors import ModelNotFound, RequestError, ServingError
 from servemesh.services.model.loader import LoadedModel, ModelLoader
 from servemesh.services.model.tensors import decode_request, encode_outputs

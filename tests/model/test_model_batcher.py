@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from servemesh.demo import Artifact
-from servemesh.services.model.batcher import ArrivalOverlap, Batcher
+from servemesh.services.model.batching import ArrivalOverlap, Batcher
 from servemesh.services.model.errors import DeadlineMissed, InferenceFailed, QueueFull, Unavailable
 from servemesh.services.model.latency import LatencyTable
 from servemesh.services.model.runner import ModelRunner
@@ -132,7 +132,7 @@ async def test_full_queue_sheds_at_once_with_resource_exhausted(
 async def test_expired_requests_never_reach_the_model(
     artifacts: dict[int, Artifact], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="servemesh.services.model.batcher")
+    caplog.set_level(logging.INFO, logger="servemesh.services.model.batching.batcher")
     batcher, recording = await make_batcher(
         artifacts[1], inject_latency_ms=40, max_batch_size=1, max_queue_delay_ms=0
     )
@@ -158,7 +158,7 @@ async def test_expired_requests_never_reach_the_model(
 async def test_request_that_cannot_meet_its_deadline_is_refused_at_once(
     artifacts: dict[int, Artifact], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="servemesh.services.model.batcher")
+    caplog.set_level(logging.INFO, logger="servemesh.services.model.batching.batcher")
     batcher, recording = await make_batcher(artifacts[1], inject_latency_ms=100, max_batch_size=4)
     started = time.monotonic()
     with pytest.raises(DeadlineMissed, match="deadline cannot be met"):
@@ -277,7 +277,7 @@ class PoisonSensitive:
 async def test_poisoned_request_fails_alone_while_the_rest_of_its_batch_succeeds(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="servemesh.services.model.batcher")
+    caplog.set_level(logging.INFO, logger="servemesh.services.model.batching.batcher")
     model = PoisonSensitive()
     batcher = Batcher(model, BatchingSpec(max_batch_size=8, max_queue_delay_ms=50), name="fake")
     requests = [rows(1, seed=i) for i in range(8)]
