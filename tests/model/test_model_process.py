@@ -34,6 +34,7 @@ from servemesh.spec import (
 from servemesh_api.inference import grpc_service_pb2_grpc
 from servemesh_api.registry.v1 import registry_pb2
 from tests.model.model_helpers import rows
+from tests.model.test_model_metrics import scrape, value
 from tests.model.test_model_server import infer_request
 
 MODEL_INSTANCE = "model-zone-a-0"
@@ -57,19 +58,42 @@ def service(module: str, instance: str, spec_file: Path, log: Path) -> Iterator[
 
 
 async def wait_serving(address: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 60
-    async with grpc.aio.insecure_channel(address) as channel:
+    """Until the process at `address` reports SERVING (health Watch), or fail if it exits."""
+    options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
         health = health_pb2_grpc.HealthStub(channel)
-        while True:
-            assert proc.poll() is None, f"exited early:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"never SERVING:\n{log.read_text()[-3000:]}"
-            try:
-                answer = await health.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+
+        async def serving() -> None:
+            # wait_for_ready: the call waits for the port to open instead of failing.
+            watch = health.Watch(health_pb2.HealthCheckRequest(), wait_for_ready=True, timeout=60)
+            async for answer in watch:
                 if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    watch.cancel()
                     return
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.1)
+
+        up = asyncio.ensure_future(serving())
+        exited = asyncio.ensure_future(asyncio.to_thread(proc.wait))
+        await asyncio.wait([up, exited], return_when=asyncio.FIRST_COMPLETED)
+        if not up.done():
+            up.cancel()
+            raise AssertionError(f"exited early:\n{log.read_text()[-3000:]}")
+        exited.cancel()  # the thread itself ends with the process
+        assert up.exception() is None, f"never SERVING:\n{log.read_text()[-3000:]}"
+
+
+async def all_in_flight(metrics_address: str, count: int) -> None:
+    """Until `count` single-row requests reached the batcher, a batch is in the model and
+    none has been answered: each scrape round trip paces the next."""
+    give_up = time.monotonic() + 30
+    while True:
+        samples = await asyncio.to_thread(scrape, metrics_address)
+        queued = value(samples, "servemesh_model_queue_depth")
+        dispatched = value(samples, "servemesh_model_batch_size_sum")  # rows sent to the model
+        answered = value(samples, "servemesh_model_inferences_total")
+        assert answered == 0, "a batch finished before the drain began"
+        if queued + dispatched == count and dispatched >= 1:
+            return
+        assert time.monotonic() < give_up, f"requests never all arrived: {samples}"
 
 
 async def test_model_server_process_drains_in_flight_batches_on_sigterm(tmp_path: Path) -> None:
@@ -119,12 +143,12 @@ async def test_model_server_process_drains_in_flight_batches_on_sigterm(tmp_path
                     asyncio.ensure_future(stub.ModelInfer(infer_request(b), timeout=10))
                     for b in batches
                 ]
-                await asyncio.sleep(SLOW_MS / 3000)  # the first batch is in the model
-                started = time.monotonic()
+                await all_in_flight(
+                    spec.metrics_address_of(MODEL_INSTANCE), len(batches)
+                )  # one batch in the model, the rest queued
                 os.kill(model.pid, signal.SIGTERM)
                 replies = await asyncio.gather(*in_flight)
-                # Every call in flight was answered, after SIGTERM, with real scores.
-                assert time.monotonic() - started >= SLOW_MS / 2000
+                # Every call in flight at SIGTERM was answered, with real scores.
                 for reply in replies:
                     score = np.frombuffer(reply.raw_output_contents[0], dtype="<f4")
                     assert score.shape == (1,) and 0.0 < float(score[0]) < 1.0
