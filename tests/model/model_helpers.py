@@ -28,7 +28,7 @@ SIGNATURE = Signature(
     output=TensorSig("score", "FP32", (-1, 1)),
 )
 # A batch the test never lets through fails after this long instead of hanging the run.
-GATE_TIMEOUT_S = 60.0
+GATE_TIMEOUT_S = 30.0
 
 
 def rows(n: int, seed: int = 0) -> np.ndarray:
