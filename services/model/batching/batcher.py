@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
@@ -469,16 +468,9 @@ class Batcher:
             stats.inference_count += item.n_rows
             stats.success.add(finished - item.enqueued)
             stats.queue.add(item.dispatched - item.enqueued)
-        output_s = clock.now() - finished
-        stats.compute_input.add(input_s * answered, answered)
-        stats.compute_infer.add(infer_s * answered, answered)
-        stats.compute_output.add(output_s * answered, answered)
-        per_size = stats.for_size(size)
-        per_size.executions += 1
-        per_size.compute_input.add(input_s)
-        per_size.compute_infer.add(infer_s)
-        per_size.compute_output.add(output_s)
-        stats.last_inference_ms = int(time.time() * 1000)  # a wall-clock timestamp (OIP)
+        stats.record_batch(
+            size, answered, input_s=input_s, infer_s=infer_s, output_s=clock.now() - finished
+        )
 
     def _fail(self, item: Pending, exc: BaseException) -> None:
         if item.timer is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import time
 from dataclasses import dataclass, field
 
 # Histogram bounds (Prometheus `le`) for the metrics endpoint.
@@ -91,3 +92,18 @@ class BatcherStats:
         if stats is None:
             stats = self.batch_sizes[size] = BatchSizeStats()
         return stats
+
+    def record_batch(
+        self, size: int, answered: int, *, input_s: float, infer_s: float, output_s: float
+    ) -> None:
+        """A successful model call of `size` rows that answered `answered` requests: each
+        request is charged the call's whole times, the batch size its own."""
+        self.compute_input.add(input_s * answered, answered)
+        self.compute_infer.add(infer_s * answered, answered)
+        self.compute_output.add(output_s * answered, answered)
+        per_size = self.for_size(size)
+        per_size.executions += 1
+        per_size.compute_input.add(input_s)
+        per_size.compute_infer.add(infer_s)
+        per_size.compute_output.add(output_s)
+        self.last_inference_ms = int(time.time() * 1000)  # a wall-clock timestamp (OIP)
