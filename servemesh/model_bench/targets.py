@@ -147,7 +147,7 @@ async def serve(
 
 def ceiling(seconds: float, max_batch: int) -> dict[str, Any]:
     """The model in-process: forward passes alone, then the batcher without gRPC."""
-    from servemesh.services.model.batcher import Batcher
+    from servemesh.services.model.batching import Batcher
     from servemesh.services.model.runner import ModelRunner
 
     artifact = demo_artifact(1)

@@ -1,6 +1,9 @@
 """The model server: OIP v2 inference over gRPC for TorchScript models, with dynamic batching.
 
-tensors (request validation and encoding), runner (one loaded module), batcher (deadline-aware
-dynamic batching), loader (artifact bytes to a served model), servicer (the gRPC service),
-service (wiring from the mesh spec).
+tensors (request validation and encoding), runner (one loaded module), batching (the
+deadline-aware dynamic batcher, a package), latency (expected time per batch size), loader
+(artifact bytes to a served model), repository (the models served; load, unload, resolve),
+inference (ModelInfer and ModelMetadata), statistics (ModelStatistics), servicer (the gRPC
+service over those three), metrics (Prometheus), shadow (shadowed calls' ledger), service
+(wiring from the mesh spec).
 """

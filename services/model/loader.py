@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import torch
 
-from servemesh.services.model.batcher import Batcher
+from servemesh.services.model.batching import Batcher
 from servemesh.services.model.errors import LoadError
 from servemesh.services.model.runner import DEFAULT_NUM_THREADS, ArtifactMismatch, ModelRunner
 from servemesh.services.model.tensors import Signature

@@ -40,7 +40,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from servemesh.services.model.batcher import Batcher, Buckets
+from servemesh.services.model.batching import Batcher, Buckets
 
 log = logging.getLogger(__name__)
 

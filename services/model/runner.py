@@ -7,7 +7,7 @@ import io
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -63,6 +63,7 @@ class ModelRunner:
         device: torch.device | str | None = None,
         inject_latency_ms: float = 0.0,
         num_threads: int | None = DEFAULT_NUM_THREADS,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.model = model
         self.version = version
@@ -72,6 +73,7 @@ class ModelRunner:
         self.max_batch_size = max_batch_size
         self.device = torch.device(device) if device is not None else default_device()
         self.inject_latency_s = inject_latency_ms / 1000.0
+        self._sleep = sleep  # how the injected latency is spent (tests pass a recorder)
         self.num_threads = num_threads
         self._module = module.to(self.device).eval()
         self._pinned: torch.Tensor | None = None
@@ -112,7 +114,7 @@ class ModelRunner:
         Sleeps `inject_latency_ms` first when set: a drill knob that makes every batch slow.
         """
         if self.inject_latency_s:
-            time.sleep(self.inject_latency_s)
+            self._sleep(self.inject_latency_s)
         return self._forward(batch)
 
     def _forward(self, batch: np.ndarray) -> np.ndarray:

@@ -50,9 +50,9 @@ async def build_servicer(spec: MeshSpec, instance: str, loader: ModelLoader) -> 
         ),
     )
     try:
-        await servicer.load_all()
+        await servicer.repository.load_all()
     except BaseException:
-        await servicer.close()
+        await servicer.repository.close()
         raise
     return servicer
 
@@ -96,7 +96,9 @@ async def build_server(
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
     )
     metrics = MetricsEndpoint(
-        model_registry(servicer.batchers), host=spec.host, port=spec.metrics_ports.get(instance, 0)
+        model_registry(servicer.repository.batchers),
+        host=spec.host,
+        port=spec.metrics_ports.get(instance, 0),
     )
     log.info("metrics endpoint", extra={"address": f"http://{metrics.address}/metrics"})
     # Stop hooks run last-registered first: the batchers drain, then the channel and the
@@ -105,5 +107,5 @@ async def build_server(
     server.on_stop(_as_hook(ledger.close))
     if channel is not None:
         server.on_stop(channel.close)
-    server.on_stop(servicer.close)
+    server.on_stop(servicer.repository.close)
     return server

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from servemesh.demo import Artifact
+from servemesh.services.model.loader import ModelLoader
 from servemesh.services.model.service import build_server
 from servemesh.spec import (
     BatchingSpec,
@@ -24,7 +25,7 @@ from servemesh.spec import (
     resolve,
 )
 from servemesh_api.inference import grpc_service_pb2_grpc
-from tests.model.model_helpers import rows
+from tests.model.model_helpers import GatedLoader, rows
 from tests.model.test_model_server import demo_loader, infer_request
 
 INSTANCE = "model-zone-a-0"
@@ -64,9 +65,9 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 @asynccontextmanager
 async def model_server(
-    spec: MeshSpec, artifacts: dict[int, Artifact], **loader: object
+    spec: MeshSpec, loader: ModelLoader
 ) -> AsyncIterator[grpc_service_pb2_grpc.GRPCInferenceServiceStub]:
-    server = await build_server(spec, INSTANCE, loader=demo_loader(artifacts, **loader))  # type: ignore[arg-type]
+    server = await build_server(spec, INSTANCE, loader=loader)
     await server.start()
     channel = grpc.aio.insecure_channel(spec.address_of(INSTANCE))
     try:
@@ -93,17 +94,24 @@ async def test_metrics_follow_the_requests_served(
 ) -> None:
     batching = BatchingSpec(max_batch_size=16, max_queue_delay_ms=30, dispatch="fixed_window")
     spec = mesh_spec(tmp_path, batching)
-    async with model_server(spec, artifacts, batching=batching) as stub:
+    loader = GatedLoader(artifacts, batching)
+    async with model_server(spec, loader) as stub:
         before = scrape(spec.metrics_address_of(INSTANCE))
         assert value(before, "servemesh_model_requests_total", outcome="ok") == 0
         requests = [rows(1 + i % 3, seed=i) for i in range(12)]
-        await asyncio.gather(*(stub.ModelInfer(infer_request(r), timeout=5) for r in requests))
+        calls = [
+            asyncio.ensure_future(stub.ModelInfer(infer_request(r), timeout=5)) for r in requests
+        ]
+        for _ in requests:  # all queued (or in the held first batch) before the model runs
+            await loader.batchers["v1"].admitted.get()
+        loader.models["v1"].open()
+        await asyncio.gather(*calls)
         after = scrape(spec.metrics_address_of(INSTANCE))
     rows_sent = float(sum(len(r) for r in requests))
     executions = value(after, "servemesh_model_executions_total")
     assert value(after, "servemesh_model_requests_total", outcome="ok") == 12
     assert value(after, "servemesh_model_inferences_total") == rows_sent
-    assert 1 <= executions < 12  # batched
+    assert 1 <= executions <= 3  # batched: the held batch, then the rest 16 rows at a time
     # Triton's convention and the histogram agree on the mean batch size.
     assert value(after, "servemesh_model_batch_size_count") == executions
     assert value(after, "servemesh_model_batch_size_sum") == rows_sent
@@ -121,17 +129,28 @@ async def test_shed_and_refused_requests_are_counted_by_outcome(
         max_batch_size=1, max_queue_delay_ms=0, max_queue_size=1, dispatch="fixed_window"
     )
     spec = mesh_spec(tmp_path, batching)
-    async with model_server(spec, artifacts, batching=batching, inject_latency_ms=100) as stub:
+    # Each batch takes at least 100 ms (injected), and the model's expected time says so.
+    loader = GatedLoader(artifacts, batching, inject_latency_ms=100)
+    async with model_server(spec, loader) as stub:
+        model = loader.models["v1"]
         running = asyncio.ensure_future(stub.ModelInfer(infer_request(rows(1)), timeout=5))
-        await asyncio.sleep(0.03)  # in the model now; the queue (bound 1) is empty
-        calls = [stub.ModelInfer(infer_request(rows(1)), timeout=5) for _ in range(2)]
+        await model.entered()  # in the model now; the queue (bound 1) is empty
+        calls = [
+            asyncio.ensure_future(stub.ModelInfer(infer_request(rows(1)), timeout=5))
+            for _ in range(2)
+        ]
+        # One takes the queue's only place and waits; the other is shed at once.
+        await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
+        model.open()
         outcomes = await asyncio.gather(running, *calls, return_exceptions=True)
         codes = sorted(
             o.code().name if isinstance(o, grpc.aio.AioRpcError) else "OK" for o in outcomes
         )
         assert codes == ["OK", "OK", "RESOURCE_EXHAUSTED"]  # one running, one queued, one shed
+        refused = infer_request(rows(1))
+        refused.parameters["timeout"].int64_param = 50_000  # 50 ms for a 100 ms model
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await stub.ModelInfer(infer_request(rows(1)), timeout=0.05)
+            await stub.ModelInfer(refused, timeout=5)
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         samples = scrape(spec.metrics_address_of(INSTANCE))
     assert value(samples, "servemesh_model_requests_total", outcome="ok") == 2
@@ -145,7 +164,8 @@ async def test_two_servers_in_one_process_keep_separate_metrics(
 ) -> None:
     batching = BatchingSpec()
     first, second = mesh_spec(tmp_path / "a", batching), mesh_spec(tmp_path / "b", batching)
-    async with model_server(first, artifacts) as stub_a, model_server(second, artifacts):
+    loader = demo_loader(artifacts)
+    async with model_server(first, loader) as stub_a, model_server(second, loader):
         await stub_a.ModelInfer(infer_request(rows(1)), timeout=5)
         served = scrape(first.metrics_address_of(INSTANCE))
         idle = scrape(second.metrics_address_of(INSTANCE))

@@ -30,6 +30,7 @@ from servemesh.spec import (
 from servemesh_api.inference import grpc_service_pb2_grpc
 from servemesh_api.registry.v1 import registry_pb2
 from tests.model.model_helpers import rows
+from tests.model.test_model_metrics import scrape, value
 from tests.model.test_model_server import infer_request
 
 MODEL_INSTANCE = "model-zone-a-0"
@@ -42,6 +43,21 @@ def start_service(
     """Start a service as the launcher does, and wait until it answers SERVING."""
     argv = [sys.executable, "-m", module, "--spec", str(spec_file), "--instance", instance]
     return supervisor.start(instance, argv, ready=GrpcHealth(address), timeout_s=60)
+
+
+async def all_in_flight(metrics_address: str, count: int) -> None:
+    """Until `count` single-row requests reached the batcher, a batch is in the model and
+    none has been answered: each scrape round trip paces the next."""
+    give_up = time.monotonic() + 30
+    while True:
+        samples = await asyncio.to_thread(scrape, metrics_address)
+        queued = value(samples, "servemesh_model_queue_depth")
+        dispatched = value(samples, "servemesh_model_batch_size_sum")  # rows sent to the model
+        answered = value(samples, "servemesh_model_inferences_total")
+        assert answered == 0, "a batch finished before the drain began"
+        if queued + dispatched == count and dispatched >= 1:
+            return
+        assert time.monotonic() < give_up, f"requests never all arrived: {samples}"
 
 
 async def test_model_server_process_drains_in_flight_batches_on_sigterm(tmp_path: Path) -> None:
@@ -103,12 +119,11 @@ async def test_model_server_process_drains_in_flight_batches_on_sigterm(tmp_path
                 asyncio.ensure_future(stub.ModelInfer(infer_request(b), timeout=10))
                 for b in batches
             ]
-            await asyncio.sleep(SLOW_MS / 3000)  # the first batch is in the model
-            started = time.monotonic()
+            # One batch in the model, the rest queued: then the drain begins.
+            await all_in_flight(spec.metrics_address_of(MODEL_INSTANCE), len(batches))
             supervisor.send_signal(MODEL_INSTANCE, signal.SIGTERM)
             replies = await asyncio.gather(*in_flight)
-            # Every call in flight was answered, after SIGTERM, with real scores.
-            assert time.monotonic() - started >= SLOW_MS / 2000
+            # Every call in flight at SIGTERM was answered, with real scores.
             for reply in replies:
                 score = np.frombuffer(reply.raw_output_contents[0], dtype="<f4")
                 assert score.shape == (1,) and 0.0 < float(score[0]) < 1.0

@@ -52,12 +52,12 @@ async def test_tritonclient_works_unchanged(
     servicer = InferenceServicer(
         replica=REPLICA, loader=demo_loader(artifacts), expected=[("fraud", "v1"), ("fraud", "v2")]
     )
-    await servicer.load_all()
+    await servicer.repository.load_all()
     server = ServiceServer(REPLICA, port=0, drain_grace_s=1.0)
     server.add_service(
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
     )
-    server.on_stop(servicer.close)
+    server.on_stop(servicer.repository.close)
     port = await server.start()
     try:
         client = await asyncio.create_subprocess_exec(

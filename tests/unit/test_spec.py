@@ -58,7 +58,7 @@ def test_invalid_specs_name_field_and_line(text: str, expected: str) -> None:
     assert expected in str(err.value)
 
 
-def test_resolve_ports_gives_every_instance_a_distinct_concrete_port() -> None:
+def test_resolve_gives_every_instance_a_distinct_concrete_port() -> None:
     spec = resolve(MeshSpec(ports={"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0}))
     ports = [
         spec.ports.edge,

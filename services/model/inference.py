@@ -1,0 +1,123 @@
+"""OIP inference: a ModelInfer request read (version, deadline, priority, tensors), queued on
+its model's batcher and answered; and ModelMetadata, what a model takes and gives.
+
+Every refusal is raised (services/model/errors.py); the runtime's interceptor answers it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+
+import grpc
+
+from servemesh.services.model.errors import RequestError
+from servemesh.services.model.loader import LoadedModel
+from servemesh.services.model.repository import ModelRepository
+from servemesh.services.model.tensors import decode_request, encode_outputs
+from servemesh.services.runtime import DeadlineBudget
+from servemesh.services.runtime.logs import new_request_id
+from servemesh.spec import BatchingSpec
+from servemesh.wire import REPLICA_PARAMETER, REQUEST_ID_HEADER, VERSION_HEADER, ZONE_PARAMETER
+from servemesh_api.inference import grpc_service_pb2 as oip
+
+Metadata = Iterable[tuple[str, str | bytes]]
+
+
+def routing_headers(metadata: Metadata | None) -> tuple[str, str]:
+    """(request id, version Envoy routed to) from the call's headers, in one pass.
+
+    The request id is cut to 128 characters; a fresh one when the caller sent none.
+    """
+    request_id = routed_version = ""
+    for key, value in metadata or ():
+        if key == REQUEST_ID_HEADER:
+            request_id = (value.decode() if isinstance(value, bytes) else value)[:128]
+        elif key == VERSION_HEADER:
+            routed_version = value.decode() if isinstance(value, bytes) else value
+    return request_id or new_request_id(), routed_version
+
+
+def int_parameter(params: Mapping[str, oip.InferParameter], name: str) -> int | None:
+    """An integer request parameter (int64 or uint64), or None when absent."""
+    param = params.get(name)
+    if param is None:
+        return None
+    choice = param.WhichOneof("parameter_choice")
+    if choice not in ("int64_param", "uint64_param"):
+        raise RequestError(
+            f"parameters[{name!r}]: expected an int64_param, got {choice or 'nothing'}"
+        )
+    return int(getattr(param, choice))
+
+
+def priority_level(request: oip.ModelInferRequest, batching: BatchingSpec) -> int:
+    """The queue level of a request: OIP/Triton's `priority` parameter, 1 the most urgent,
+    0 or absent the model's default level."""
+    wanted = int_parameter(request.parameters, "priority") if request.parameters else None
+    if not wanted:
+        return batching.default_priority_level
+    if not 1 <= wanted <= batching.priority_levels:
+        raise RequestError(
+            f"parameters['priority']: {wanted} is outside 1..{batching.priority_levels} "
+            f"(0 means the default level, {batching.default_priority_level})"
+        )
+    return wanted
+
+
+def request_deadline(
+    request: oip.ModelInferRequest, context: grpc.aio.ServicerContext, budget: DeadlineBudget
+) -> float:
+    """The earlier of the gRPC deadline and OIP's `timeout` parameter, less our hop budget
+    (on the monotonic clock, the batcher's)."""
+    deadline = budget.absolute_deadline(context)
+    timeout_us = int_parameter(request.parameters, "timeout") if request.parameters else None
+    if timeout_us is not None:
+        if timeout_us < 0:
+            raise RequestError(f"parameters['timeout']: must not be negative, got {timeout_us}")
+        if timeout_us > 0:  # 0 means "no timeout" in OIP
+            deadline = min(deadline, time.monotonic() + timeout_us / 1e6)
+    # Keep time to serialise and send the answer.
+    return deadline - budget.hop_budget_s
+
+
+async def infer(
+    repository: ModelRepository,
+    request: oip.ModelInferRequest,
+    context: grpc.aio.ServicerContext,
+    *,
+    request_id: str,
+    routed_version: str,
+    replica: str,
+    zone: str,
+    budget: DeadlineBudget,
+) -> oip.ModelInferResponse:
+    """Validate the request fully, queue it on its version's batcher, answer its rows.
+
+    The version is the request's own, else the one Envoy routed to, else the highest.
+    """
+    loaded = repository.resolve(request.model_name, request.model_version or routed_version)
+    deadline = request_deadline(request, context, budget)
+    priority = priority_level(request, loaded.batching)
+    decoded = decode_request(request, loaded.signature, loaded.batching.max_rows_per_request)
+    result = await loaded.batcher.submit(decoded.rows, deadline, request_id, priority)
+    response = oip.ModelInferResponse(
+        model_name=loaded.model, model_version=loaded.version, id=request.id
+    )
+    response.parameters[REPLICA_PARAMETER].string_param = replica
+    if zone:
+        response.parameters[ZONE_PARAMETER].string_param = zone
+    encode_outputs(response, result, loaded.signature, decoded.outputs, decoded.raw)
+    return response
+
+
+def model_metadata(loaded: LoadedModel, versions: list[str]) -> oip.ModelMetadataResponse:
+    """ModelMetadata of a loaded version: platform, every version served, tensor signature."""
+    response = oip.ModelMetadataResponse(
+        name=loaded.model, versions=versions, platform=loaded.platform
+    )
+    for sig in loaded.signature.inputs:
+        response.inputs.add(name=sig.name, datatype=sig.datatype, shape=list(sig.shape))
+    for sig in loaded.signature.outputs:
+        response.outputs.add(name=sig.name, datatype=sig.datatype, shape=list(sig.shape))
+    return response
