@@ -27,6 +27,14 @@ from typing import Any, NoReturn
 
 import grpc
 
+from servemesh.services.runtime.interceptors import (
+    StreamingBehaviour,
+    UnaryBehaviour,
+    with_stream_unary_behaviour,
+    with_unary_behaviour,
+    with_unary_stream_behaviour,
+)
+
 log = logging.getLogger(__name__)
 
 # Statuses that say the caller asked for something wrong; logged at info, not as failures.
@@ -120,11 +128,7 @@ async def _answer_failure(
     raise AssertionError("unreachable: context.abort raises")
 
 
-Unary = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
-ServerStreaming = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
-
-
-def _mapped_unary(behaviour: Unary, method: str) -> Unary:
+def _mapped_unary(behaviour: UnaryBehaviour, method: str) -> UnaryBehaviour:
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await behaviour(request, context)
@@ -136,7 +140,7 @@ def _mapped_unary(behaviour: Unary, method: str) -> Unary:
     return call
 
 
-def _mapped_server_streaming(behaviour: ServerStreaming, method: str) -> ServerStreaming:
+def _mapped_server_streaming(behaviour: StreamingBehaviour, method: str) -> StreamingBehaviour:
     async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             async for message in behaviour(request, context):
@@ -161,21 +165,13 @@ class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = details.method
-        serde = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
         if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                _mapped_unary(handler.unary_unary, method), **serde
-            )
+            return with_unary_behaviour(handler, _mapped_unary(handler.unary_unary, method))
         if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(
-                _mapped_unary(handler.stream_unary, method), **serde
-            )
+            return with_stream_unary_behaviour(handler, _mapped_unary(handler.stream_unary, method))
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
-            return grpc.unary_stream_rpc_method_handler(
-                _mapped_server_streaming(handler.unary_stream, method), **serde
+            return with_unary_stream_behaviour(
+                handler, _mapped_server_streaming(handler.unary_stream, method)
             )
         # Streams written with context.write and bidirectional streams: none of ours.
         return handler
