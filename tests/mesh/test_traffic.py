@@ -32,6 +32,7 @@ from servemesh.proxy.apply import ApplyError, RouteManager
 from servemesh.services.runtime.faults import FaultSettings, set_fault
 from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, Ports
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.waiting import wait_until
 
 ENTITIES = 300
 
@@ -94,15 +95,11 @@ def routes(mesh: Mesh, admin: AdminClient) -> Iterator[RouteManager]:
 
 def _wait_all_healthy(admin: AdminClient, timeout_s: float = 30.0) -> None:
     """Every host of every cluster healthy: earlier tests leave no ejection behind."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        sick = [
-            (c.name, h.address) for c in admin.clusters().values() for h in c.hosts if not h.healthy
-        ]
-        if not sick:
-            return
-        assert time.monotonic() < deadline, f"hosts still unhealthy: {sick[:5]}"
-        time.sleep(0.1)
+
+    def all_healthy() -> bool:
+        return all(h.healthy for c in admin.clusters().values() for h in c.hosts)
+
+    wait_until(all_healthy, "every host of every cluster healthy", timeout_s=timeout_s)
 
 
 def _predict(
@@ -376,7 +373,7 @@ def test_zone_outage_fails_over_to_the_other_zone_and_comes_back(
 def test_shadow_copies_reach_the_shadow_version_and_callers_see_only_the_primary(
     mesh: Mesh, routes: RouteManager
 ) -> None:
-    from servemesh.proxy.shadow_report import shadow_report
+    from servemesh.proxy.shadow_report import ShadowReport, shadow_report
 
     ledgers = mesh.state_dir / "shadow"
     before = shadow_report(ledgers, "fraud").pairs
@@ -384,10 +381,12 @@ def test_shadow_copies_reach_the_shadow_version_and_callers_see_only_the_primary
     answers = _many(mesh, "fraud", 60, workers=4)
     assert not [a for a in answers if isinstance(a, str)]
     assert {a.model_version for a in answers} == {"v1"}  # type: ignore[union-attr]
-    deadline = time.monotonic() + 10
-    while (report := shadow_report(ledgers, "fraud")).pairs < before + 60:
-        assert time.monotonic() < deadline, report
-        time.sleep(0.1)
+
+    def sixty_more_pairs() -> ShadowReport | None:
+        report = shadow_report(ledgers, "fraud")
+        return report if report.pairs >= before + 60 else None
+
+    report = wait_until(sixty_more_pairs, "the replicas to record 60 shadow pairs")
     assert report.shadow_versions == {"v2": report.pairs} and report.shadow_errors == 0
     assert report.primary_versions.get("v1") == report.pairs
     # v1 and v2 are different models: their scores must not agree, identical ones would.

@@ -27,6 +27,7 @@ from tests.registry.registry_kit import (
     corrupt,
     temp_files,
 )
+from tests.waiting import wait_until_async
 
 INPUTS = [pb.TensorSpec(name="features", datatype="FP32", shape=[-1, 64])]
 OUTPUTS = [pb.TensorSpec(name="score", datatype="FP32", shape=[-1, 1])]
@@ -307,14 +308,9 @@ async def test_a_client_cancelling_mid_upload_leaves_no_temp_file(
 
     call = registry.stub.UploadVersion(half_then_wait())
     await asyncio.wait_for(half_sent.wait(), 5)
-    # The server has the temp file once a chunk arrived; wait for it rather than sleep.
-    async with asyncio.timeout(5):
-        while not temp_files(root):
-            await asyncio.sleep(0.01)
+    await wait_until_async(lambda: temp_files(root), "the server to stage the upload's file")
     call.cancel()
-    async with asyncio.timeout(5):
-        while temp_files(root):
-            await asyncio.sleep(0.01)
+    await wait_until_async(lambda: not temp_files(root), "the cancelled upload's file to go")
     await assert_nothing_left(registry)
 
 
