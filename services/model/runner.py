@@ -1,4 +1,11 @@
-"""One loaded TorchScript module for one (model, version), and the forward pass on a batch."""
+"""One loaded model for one (model, version), and the forward pass on a batch.
+
+The module is called with the signature's inputs as positional tensors, in order, and may
+answer one tensor, a tuple or list of them (in the signature's output order), or a dict
+keyed by output name. Every output is checked against the signature (count, datatype, dims
+after the batch dim) after every forward pass: a model that does not keep its declared
+signature fails warm-up, and so never serves.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +14,15 @@ import io
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from servemesh.services.model.batching.rows import NamedRows, Rows, row_count
+from servemesh.services.model.tensors import Signature
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +33,60 @@ log = logging.getLogger(__name__)
 DEFAULT_NUM_THREADS = 1
 
 _WARM_UP_RUNS = 3  # the TorchScript profiling executor specialises on the first calls
+
+
+# OIP datatype -> torch dtype. BF16 rows are held in numpy as uint16 bit patterns and viewed
+# (not converted) as bfloat16 on the way in, and back on the way out.
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "UINT8": torch.uint8,
+    "UINT16": torch.uint16,
+    "UINT32": torch.uint32,
+    "UINT64": torch.uint64,
+    "INT8": torch.int8,
+    "INT16": torch.int16,
+    "INT32": torch.int32,
+    "INT64": torch.int64,
+    "FP16": torch.float16,
+    "BF16": torch.bfloat16,
+    "FP32": torch.float32,
+    "FP64": torch.float64,
+}
+OIP_DATATYPES: dict[torch.dtype, str] = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+
+
+def oip_datatype(dtype: torch.dtype) -> str | None:
+    """The OIP datatype of a torch dtype, None when OIP has none (complex, float8, ...)."""
+    return OIP_DATATYPES.get(dtype)
+
+
+def to_tensor(rows: np.ndarray, datatype: str | None = None) -> torch.Tensor:
+    """A CPU tensor sharing `rows`' memory when it can (a copy of read-only rows)."""
+    if not rows.flags.writeable:
+        # torch.from_numpy refuses to share read-only memory (np.frombuffer views).
+        rows = np.array(rows)
+    tensor = torch.from_numpy(rows)
+    if datatype == "BF16":
+        tensor = tensor.view(torch.bfloat16)
+    return tensor
+
+
+def to_array(tensor: torch.Tensor) -> np.ndarray:
+    """A host numpy array of `tensor` (bfloat16 as its uint16 bit patterns)."""
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.uint16)
+    return tensor.numpy()
+
+
+@dataclass(frozen=True)
+class _Port:
+    """One tensor the runner passes in or checks coming out."""
+
+    name: str
+    dims: tuple[int, ...] | None  # after the batch dim; None: not checked
+    dtype: np.dtype[Any] | None  # how numpy holds it; None: not checked
+    datatype: str | None  # the OIP datatype; None: unknown (the one-tensor legacy form)
 
 
 class ArtifactMismatch(Exception):
@@ -42,23 +107,29 @@ def verify_artifact(data: bytes, sha256: str, size_bytes: int | None = None) -> 
 
 
 class ModelRunner:
-    """A TorchScript module ready to run batches in inference mode.
+    """A loaded model (TorchScript or an exported program) ready to run batches.
+
+    Built from a `signature` (what the model server does), or, for a one-input one-output
+    model, from `row_shape`/`dtype`/`output_row_shape` alone (then outputs are checked for
+    their dims only, and only when `output_row_shape` is given). `run` takes and answers
+    one array for a single-tensor model and NamedRows otherwise (`batching.rows`).
 
     `run` is called from the batcher's single worker thread, never from the event loop. On
-    CUDA the batch is staged in pinned host memory so the host-to-device copy can be
+    CUDA a single input is staged in pinned host memory so the host-to-device copy can be
     asynchronous; the result copy back synchronises the stream, so the staging buffer is
     free again when `run` returns.
     """
 
     def __init__(
         self,
-        module: torch.jit.ScriptModule | torch.nn.Module,
+        module: Callable[..., Any],
         *,
         model: str,
         version: str,
-        row_shape: tuple[int, ...],
+        signature: Signature | None = None,
+        row_shape: Sequence[int] | None = None,
         dtype: np.dtype[Any] | type = np.float32,
-        output_row_shape: tuple[int, ...] | None = None,
+        output_row_shape: Sequence[int] | None = None,
         max_batch_size: int = 64,
         device: torch.device | str | None = None,
         inject_latency_ms: float = 0.0,
@@ -67,21 +138,37 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.version = version
-        self.row_shape = tuple(row_shape)
-        self.dtype = np.dtype(dtype)
-        self.output_row_shape = tuple(output_row_shape) if output_row_shape is not None else None
+        self.signature = signature
+        if signature is not None:
+            if row_shape is not None or output_row_shape is not None:
+                raise ValueError("give a signature or row_shape/output_row_shape, not both")
+            self._inputs = [_Port(t.name, t.dims, t.dtype, t.datatype) for t in signature.inputs]
+            self._outputs = [_Port(t.name, t.dims, t.dtype, t.datatype) for t in signature.outputs]
+            self._single = signature.single
+        elif row_shape is not None:
+            self._inputs = [_Port("input", tuple(row_shape), np.dtype(dtype), None)]
+            wanted = tuple(output_row_shape) if output_row_shape is not None else None
+            self._outputs = [_Port("output", wanted, None, None)]
+            self._single = True
+        else:
+            raise ValueError("a signature or a row_shape is required")
+        first = self._inputs[0]
+        self.row_shape = first.dims or ()
+        self.dtype = first.dtype if first.dtype is not None else np.dtype(np.float32)
+        self.output_row_shape = self._outputs[0].dims
         self.max_batch_size = max_batch_size
         self.device = torch.device(device) if device is not None else default_device()
         self.inject_latency_s = inject_latency_ms / 1000.0
         self._sleep = sleep  # how the injected latency is spent (tests pass a recorder)
         self.num_threads = num_threads
-        self._module = module.to(self.device).eval()
+        if isinstance(module, torch.nn.Module):
+            module = module.to(self.device).eval()
+        self._module = module
         self._pinned: torch.Tensor | None = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self._single:
+            staged = to_tensor(np.zeros((0, *self.row_shape), self.dtype), first.datatype)
             self._pinned = torch.empty(
-                (max_batch_size, *self.row_shape),
-                dtype=torch.from_numpy(np.zeros(0, self.dtype)).dtype,
-                pin_memory=True,
+                (max_batch_size, *self.row_shape), dtype=staged.dtype, pin_memory=True
             )
         self._threads_set: set[int] = set()
 
@@ -93,7 +180,6 @@ class ModelRunner:
         sha256: str,
         model: str,
         version: str,
-        row_shape: tuple[int, ...],
         device: torch.device | str | None = None,
         **kwargs: Any,
     ) -> ModelRunner:
@@ -104,12 +190,15 @@ class ModelRunner:
         verify_artifact(data, sha256)
         target = torch.device(device) if device is not None else default_device()
         module = torch.jit.load(io.BytesIO(data), map_location=target)
-        return cls(
-            module, model=model, version=version, row_shape=row_shape, device=target, **kwargs
-        )
+        return cls(module, model=model, version=version, device=target, **kwargs)
 
-    def run(self, batch: np.ndarray) -> np.ndarray:
-        """The model's output for `batch` (rows first), as a numpy array on the host.
+    @property
+    def single(self) -> bool:
+        """One input and one output: rows are one array, not NamedRows."""
+        return self._single
+
+    def run(self, batch: Rows) -> Rows:
+        """The model's output for `batch` (rows first), as numpy arrays on the host.
 
         Sleeps `inject_latency_ms` first when set: a drill knob that makes every batch slow.
         """
@@ -117,25 +206,74 @@ class ModelRunner:
             self._sleep(self.inject_latency_s)
         return self._forward(batch)
 
-    def _forward(self, batch: np.ndarray) -> np.ndarray:
+    def _forward(self, batch: Rows) -> Rows:
         self._pin_threads()
-        if not batch.flags.writeable:
-            # torch.from_numpy refuses to share read-only memory (np.frombuffer views).
-            batch = np.array(batch)
+        if isinstance(batch, NamedRows):
+            missing = [port.name for port in self._inputs if port.name not in batch]
+            if missing or self._single:
+                raise TypeError(f"rows do not fit the model's inputs (missing {missing})")
+            arrays = [batch[port.name] for port in self._inputs]
+        elif self._single:
+            arrays = [batch]
+        else:
+            raise TypeError("a multi-tensor model takes NamedRows")
         with torch.inference_mode():
-            inputs = self._to_device(torch.from_numpy(batch))
-            output = self._module(inputs)
-            if isinstance(output, (tuple, list)) and len(output) == 1:
-                output = output[0]
-            if not isinstance(output, torch.Tensor):
-                raise TypeError(f"model returned {type(output).__name__}, expected one tensor")
-            result = output.detach().cpu().numpy()
-        wanted = self.output_row_shape
-        if wanted is not None and tuple(result.shape[1:]) != wanted:
+            if self._single:
+                tensors = [self._to_device(to_tensor(arrays[0], self._inputs[0].datatype))]
+            else:
+                tensors = [
+                    to_tensor(rows, port.datatype).to(self.device)
+                    for rows, port in zip(arrays, self._inputs, strict=True)
+                ]
+            outputs = self._outputs_of(self._module(*tensors))
+            for port, tensor in zip(self._outputs, outputs, strict=True):
+                self._check_datatype(port, tensor)
+            results = [to_array(tensor) for tensor in outputs]
+        for port, result in zip(self._outputs, results, strict=True):
+            self._check_dims(port, result)
+        if self._single:
+            return results[0]
+        names = [port.name for port in self._outputs]
+        return NamedRows(dict(zip(names, results, strict=True)))
+
+    def _outputs_of(self, output: Any) -> list[torch.Tensor]:
+        """The model's answer as tensors in the signature's output order."""
+        names = [port.name for port in self._outputs]
+        if isinstance(output, torch.Tensor):
+            found: list[Any] = [output]
+        elif isinstance(output, (tuple, list)):
+            found = list(output)
+        elif isinstance(output, dict):
+            unknown = sorted(set(output) - set(names))
+            absent = [name for name in names if name not in output]
+            if unknown or absent:
+                raise ValueError(
+                    f"model returned outputs {sorted(output)}, the signature declares {names}"
+                )
+            found = [output[name] for name in names]
+        else:
+            raise TypeError(f"model returned {type(output).__name__}, expected tensors")
+        if len(found) != len(names):
             raise ValueError(
-                f"model output rows are {list(result.shape[1:])}, expected {list(wanted)}"
+                f"model returned {len(found)} outputs, the signature declares {len(names)}"
             )
-        return result
+        for name, value in zip(names, found, strict=True):
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"model output {name!r} is {type(value).__name__}, not a tensor")
+        return found
+
+    def _what(self, port: _Port) -> str:
+        return "model output" if self._single else f"model output {port.name!r}"
+
+    def _check_datatype(self, port: _Port, tensor: torch.Tensor) -> None:
+        if port.datatype is not None and tensor.dtype != TORCH_DTYPES[port.datatype]:
+            got = oip_datatype(tensor.dtype) or str(tensor.dtype)
+            raise ValueError(f"{self._what(port)} is {got}, the signature says {port.datatype}")
+
+    def _check_dims(self, port: _Port, result: np.ndarray) -> None:
+        if port.dims is not None and (result.ndim < 1 or tuple(result.shape[1:]) != port.dims):
+            rows = list(result.shape[1:]) if result.ndim else "a scalar"
+            raise ValueError(f"{self._what(port)} rows are {rows}, expected {list(port.dims)}")
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
@@ -157,6 +295,21 @@ class ModelRunner:
             torch.set_num_threads(self.num_threads)
             self._threads_set.add(ident)
 
+    def zeros(self, rows: int, fill: int = 0) -> Rows:
+        """`rows` rows of every input filled with `fill` (0 or 1): warm-up and probe input."""
+        arrays: dict[str, np.ndarray] = {}
+        for port in self._inputs:
+            dtype = port.dtype if port.dtype is not None else self.dtype
+            shape = (rows, *(port.dims or ()))
+            if port.datatype == "BF16":
+                array = to_array(torch.full(shape, fill, dtype=torch.bfloat16))
+            else:
+                array = np.full(shape, fill, dtype=dtype)
+            arrays[port.name] = array
+        if self._single:
+            return arrays[self._inputs[0].name]
+        return NamedRows(arrays)
+
     def warm_up(self, sizes: Iterable[int]) -> dict[int, float]:
         """Run zeros at each batch size; returns the seconds per batch expected at each.
 
@@ -165,14 +318,14 @@ class ModelRunner:
         """
         timings: dict[int, float] = {}
         for size in sorted(set(sizes)):
-            batch = np.zeros((size, *self.row_shape), dtype=self.dtype)
+            batch = self.zeros(size)
             best = float("inf")
             for _ in range(_WARM_UP_RUNS):
                 started = time.perf_counter()
                 result = self._forward(batch)
                 best = min(best, time.perf_counter() - started)
-            if result.shape[0] != size:
-                raise ValueError(f"model returned {result.shape[0]} rows for a batch of {size}")
+            if row_count(result) != size:
+                raise ValueError(f"model returned {row_count(result)} rows for a batch of {size}")
             timings[size] = best + self.inject_latency_s
         log.info(
             "model warmed up",
