@@ -14,8 +14,9 @@ SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:/-]{0,63}")
 LABEL_KEY = re.compile(r"[a-z0-9][a-z0-9._/-]{0,62}")
 
-# TorchScript is the only format the model servers load without unpickling Python objects.
-FORMATS = frozenset({"torchscript"})
+# What the model servers load (services/model/artifacts.py): TorchScript archives, and
+# torch.export archives that pass the model server's allowlist before torch parses them.
+FORMATS = frozenset({"torchscript", "torch_export"})
 # OIP v2 tensor datatypes.
 DATATYPES = frozenset(
     {
@@ -29,6 +30,7 @@ DATATYPES = frozenset(
         "INT32",
         "INT64",
         "FP16",
+        "BF16",
         "FP32",
         "FP64",
         "BYTES",

@@ -10,7 +10,6 @@ signature fails warm-up, and so never serves.
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import threading
 import time
@@ -21,8 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from servemesh.services.model.artifacts import Format, load_module
 from servemesh.services.model.batching.rows import NamedRows, Rows, row_count
 from servemesh.services.model.tensors import Signature
+from servemesh.services.model.torch_types import TORCH_DTYPES, oip_datatype, to_array, to_tensor
 
 log = logging.getLogger(__name__)
 
@@ -35,50 +36,6 @@ DEFAULT_NUM_THREADS = 1
 _WARM_UP_RUNS = 3  # the TorchScript profiling executor specialises on the first calls
 
 
-# OIP datatype -> torch dtype. BF16 rows are held in numpy as uint16 bit patterns and viewed
-# (not converted) as bfloat16 on the way in, and back on the way out.
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "UINT8": torch.uint8,
-    "UINT16": torch.uint16,
-    "UINT32": torch.uint32,
-    "UINT64": torch.uint64,
-    "INT8": torch.int8,
-    "INT16": torch.int16,
-    "INT32": torch.int32,
-    "INT64": torch.int64,
-    "FP16": torch.float16,
-    "BF16": torch.bfloat16,
-    "FP32": torch.float32,
-    "FP64": torch.float64,
-}
-OIP_DATATYPES: dict[torch.dtype, str] = {dtype: name for name, dtype in TORCH_DTYPES.items()}
-
-
-def oip_datatype(dtype: torch.dtype) -> str | None:
-    """The OIP datatype of a torch dtype, None when OIP has none (complex, float8, ...)."""
-    return OIP_DATATYPES.get(dtype)
-
-
-def to_tensor(rows: np.ndarray, datatype: str | None = None) -> torch.Tensor:
-    """A CPU tensor sharing `rows`' memory when it can (a copy of read-only rows)."""
-    if not rows.flags.writeable:
-        # torch.from_numpy refuses to share read-only memory (np.frombuffer views).
-        rows = np.array(rows)
-    tensor = torch.from_numpy(rows)
-    if datatype == "BF16":
-        tensor = tensor.view(torch.bfloat16)
-    return tensor
-
-
-def to_array(tensor: torch.Tensor) -> np.ndarray:
-    """A host numpy array of `tensor` (bfloat16 as its uint16 bit patterns)."""
-    tensor = tensor.detach().cpu()
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.uint16)
-    return tensor.numpy()
-
-
 @dataclass(frozen=True)
 class _Port:
     """One tensor the runner passes in or checks coming out."""
@@ -87,6 +44,10 @@ class _Port:
     dims: tuple[int, ...] | None  # after the batch dim; None: not checked
     dtype: np.dtype[Any] | None  # how numpy holds it; None: not checked
     datatype: str | None  # the OIP datatype; None: unknown (the one-tensor legacy form)
+
+
+class SignatureViolation(ValueError):
+    """The model's answer does not keep its signature (count, datatype, dims or rows)."""
 
 
 class ArtifactMismatch(Exception):
@@ -162,7 +123,10 @@ class ModelRunner:
         self._sleep = sleep  # how the injected latency is spent (tests pass a recorder)
         self.num_threads = num_threads
         if isinstance(module, torch.nn.Module):
-            module = module.to(self.device).eval()
+            module = module.to(self.device)
+            # An exported program's module is already inference-only and refuses eval().
+            if not isinstance(module, torch.fx.GraphModule):
+                module = module.eval()
         self._module = module
         self._pinned: torch.Tensor | None = None
         if self.device.type == "cuda" and self._single:
@@ -180,16 +144,18 @@ class ModelRunner:
         sha256: str,
         model: str,
         version: str,
+        format: Format = "torchscript",
         device: torch.device | str | None = None,
         **kwargs: Any,
     ) -> ModelRunner:
-        """Verify the artifact's sha256 (again: defence in depth), then load it.
+        """Verify the artifact's sha256 (again: defence in depth), then load it (`artifacts`).
 
-        Raises ArtifactMismatch before torch ever parses bytes that are not the registry's.
+        Raises ArtifactMismatch before torch ever parses bytes that are not the registry's,
+        ArtifactError when they are not a model servemesh loads.
         """
         verify_artifact(data, sha256)
         target = torch.device(device) if device is not None else default_device()
-        module = torch.jit.load(io.BytesIO(data), map_location=target)
+        module = load_module(data, format, target)
         return cls(module, model=model, version=version, device=target, **kwargs)
 
     @property
@@ -247,19 +213,21 @@ class ModelRunner:
             unknown = sorted(set(output) - set(names))
             absent = [name for name in names if name not in output]
             if unknown or absent:
-                raise ValueError(
+                raise SignatureViolation(
                     f"model returned outputs {sorted(output)}, the signature declares {names}"
                 )
             found = [output[name] for name in names]
         else:
-            raise TypeError(f"model returned {type(output).__name__}, expected tensors")
+            raise SignatureViolation(f"model returned {type(output).__name__}, expected tensors")
         if len(found) != len(names):
-            raise ValueError(
+            raise SignatureViolation(
                 f"model returned {len(found)} outputs, the signature declares {len(names)}"
             )
         for name, value in zip(names, found, strict=True):
             if not isinstance(value, torch.Tensor):
-                raise TypeError(f"model output {name!r} is {type(value).__name__}, not a tensor")
+                raise SignatureViolation(
+                    f"model output {name!r} is {type(value).__name__}, not a tensor"
+                )
         return found
 
     def _what(self, port: _Port) -> str:
@@ -268,12 +236,16 @@ class ModelRunner:
     def _check_datatype(self, port: _Port, tensor: torch.Tensor) -> None:
         if port.datatype is not None and tensor.dtype != TORCH_DTYPES[port.datatype]:
             got = oip_datatype(tensor.dtype) or str(tensor.dtype)
-            raise ValueError(f"{self._what(port)} is {got}, the signature says {port.datatype}")
+            raise SignatureViolation(
+                f"{self._what(port)} is {got}, the signature says {port.datatype}"
+            )
 
     def _check_dims(self, port: _Port, result: np.ndarray) -> None:
         if port.dims is not None and (result.ndim < 1 or tuple(result.shape[1:]) != port.dims):
             rows = list(result.shape[1:]) if result.ndim else "a scalar"
-            raise ValueError(f"{self._what(port)} rows are {rows}, expected {list(port.dims)}")
+            raise SignatureViolation(
+                f"{self._what(port)} rows are {rows}, expected {list(port.dims)}"
+            )
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
@@ -325,7 +297,9 @@ class ModelRunner:
                 result = self._forward(batch)
                 best = min(best, time.perf_counter() - started)
             if row_count(result) != size:
-                raise ValueError(f"model returned {row_count(result)} rows for a batch of {size}")
+                raise SignatureViolation(
+                    f"model returned {row_count(result)} rows for a batch of {size}"
+                )
             timings[size] = best + self.inject_latency_s
         log.info(
             "model warmed up",

@@ -7,6 +7,7 @@ grpc.aio server on loopback.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -14,10 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from servemesh.services.model.artifacts import Format
 from servemesh.services.model.batching import Batcher, ManualClock, NamedRows, Rows, row_count
 from servemesh.services.model.errors import InferenceFailed, LoadError
 from servemesh.services.model.loader import LoadedModel, load_model
-from servemesh.services.model.runner import ModelRunner, to_array
+from servemesh.services.model.runner import ModelRunner
 from servemesh.services.model.servicer import InferenceServicer
 from servemesh.services.model.tensors import (
     RequestError,
@@ -26,6 +28,7 @@ from servemesh.services.model.tensors import (
     decode_request,
     encode_outputs,
 )
+from servemesh.services.model.torch_types import to_array
 from servemesh.spec import BatchingSpec
 from servemesh_api.inference import grpc_service_pb2 as oip
 from tests.model.model_helpers import Stub, serving
@@ -35,7 +38,10 @@ from tests.model.torch_models import (
     DTYPES_SIGNATURE,
     Churn,
     Dtypes,
+    churn_example,
     churn_reference,
+    dtypes_example,
+    exported,
     scripted,
 )
 
@@ -325,37 +331,42 @@ async def test_multi_tensor_requests_share_a_batch_and_a_bad_one_fails_alone() -
 # --- through the model server ------------------------------------------------------------
 
 
-def scripted_loader(models: dict[str, tuple[torch.nn.Module, Signature]]):  # type: ignore[no-untyped-def]
-    """A ModelLoader serving TorchScript archives of `models` as version v1."""
-    import hashlib
+Built = dict[str, tuple[torch.nn.Module, tuple[torch.Tensor, ...], Signature]]
+
+
+def artifact_loader(models: Built, format: Format):  # type: ignore[no-untyped-def]
+    """A ModelLoader serving `models` as version v1, saved in `format` first."""
 
     async def load(model: str, version: str) -> LoadedModel:
         if model not in models or version != "v1":
-            raise LoadError(
-                f"model {model!r} version {version!r}: none", code=grpc.StatusCode.NOT_FOUND
-            )
-        module, signature = models[model]
-        data = scripted(module)
+            where = f"model {model!r} version {version!r}"
+            raise LoadError(f"{where}: none", code=grpc.StatusCode.NOT_FOUND)
+        module, example, signature = models[model]
+        data = scripted(module) if format == "torchscript" else exported(module, example)
         return await load_model(
             data,
             model=model,
             version=version,
             sha256=hashlib.sha256(data).hexdigest(),
             signature=signature,
+            format=format,
             batching=BatchingSpec(max_batch_size=8),
         )
 
     return load
 
 
-@pytest.fixture
-async def multi() -> AsyncIterator[tuple[Stub, Churn]]:
+@pytest.fixture(params=["torchscript", "torch_export"])
+async def multi(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Stub, Churn]]:
+    """Churn and Dtypes served by one replica, as TorchScript or as exported programs."""
     churn = Churn(seed=3)
+    models: Built = {
+        "churn": (churn, churn_example(), CHURN_SIGNATURE),
+        "dtypes": (Dtypes(), dtypes_example(), DTYPES_SIGNATURE),
+    }
     servicer = InferenceServicer(
         replica="model-zone-a-0",
-        loader=scripted_loader(
-            {"churn": (churn, CHURN_SIGNATURE), "dtypes": (Dtypes(), DTYPES_SIGNATURE)}
-        ),
+        loader=artifact_loader(models, request.param),
         expected=[("churn", "v1"), ("dtypes", "v1")],
     )
     await servicer.repository.load_all()

@@ -17,8 +17,8 @@ from tests.registry.registry_kit import MAX_ARTIFACT_BYTES, RunningRegistry
 
 
 def _demo(seed: int) -> Artifact:
-    # torch deprecates torch.jit.script/save in favour of torch.export, but TorchScript
-    # stays the format the registry accepts; the warnings would fail the run under "error".
+    # torch deprecates torch.jit.script/save in favour of torch.export; the demo stays
+    # TorchScript, and the warnings would fail the run under "error".
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", r"`torch\.jit\.\w+` is deprecated", DeprecationWarning)
         return demo_artifact(seed)

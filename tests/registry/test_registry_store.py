@@ -300,3 +300,13 @@ def test_a_version_whose_blob_vanished_reports_it_missing(
     blob_path(store_root, record.sha256).unlink()
     with pytest.raises(BlobMissingError, match="fraud/v1"):
         store.open_artifact(record)
+
+
+def test_torch_export_archives_and_multi_tensor_signatures_are_recorded(
+    store: RegistryStore,
+) -> None:
+    inputs = (TensorSpec("features", "FP32", (-1, 4)), TensorSpec("category", "INT64", (-1,)))
+    outputs = (TensorSpec("probabilities", "BF16", (-1, 3)), TensorSpec("label", "BOOL", (-1,)))
+    record = upload(store, DATA, format="torch_export", inputs=inputs, outputs=outputs)
+    assert store.get_version("fraud", "v1") == record
+    assert (record.format, record.inputs, record.outputs) == ("torch_export", inputs, outputs)
