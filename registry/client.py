@@ -61,6 +61,8 @@ async def push_version(
     inputs: Sequence[TensorSpecLike],
     outputs: Sequence[TensorSpecLike],
     labels: Mapping[str, str] | None = None,
+    lineage: Mapping[str, str] | None = None,
+    metrics: Mapping[str, float] | None = None,
     format: str = "torchscript",
     chunk_size: int = DEFAULT_CHUNK_BYTES,
     timeout: float = 60.0,
@@ -84,6 +86,8 @@ async def push_version(
         inputs=[_tensor_proto(spec) for spec in inputs],
         outputs=[_tensor_proto(spec) for spec in outputs],
         labels=dict(labels or {}),
+        lineage=dict(lineage or {}),
+        metrics=dict(metrics or {}),
     )
 
     async def messages() -> AsyncIterator[registry_pb2.UploadVersionRequest]:
