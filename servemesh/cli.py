@@ -17,6 +17,7 @@ from rich.table import Table
 
 from servemesh.chaos.cli import add_chaos_parser
 from servemesh.credentials import authorization_value, read_edge_credentials
+from servemesh.models_cli import add_models_parser
 from servemesh.routes_cli import add_routes_parser
 from servemesh.spec import MeshSpec, SpecError, load_spec
 
@@ -235,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=cmd_check)
 
     add_routes_parser(sub)
+    add_models_parser(sub)
     add_chaos_parser(sub)
 
     envoy = sub.add_parser("envoy-config", help="print the Envoy config a spec renders")

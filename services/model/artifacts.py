@@ -13,7 +13,6 @@ would need unpickling, which can run any code.
 from __future__ import annotations
 
 import io
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -24,6 +23,7 @@ from servemesh.services.model.pt2_guard import (
     UnsafeArtifact,
     check_export_archive,
     check_loaded_program,
+    whole_zip,
 )
 from servemesh.services.model.tensors import Signature, TensorSig
 from servemesh.services.model.torch_types import oip_datatype
@@ -38,6 +38,7 @@ __all__ = [
     "exported_signature",
     "load_module",
     "open_artifact",
+    "reconcile_signature",
 ]
 
 Format = Literal["torchscript", "torch_export"]
@@ -70,12 +71,10 @@ def detect_format(data: bytes) -> Format:
             "not a model: neither a TorchScript (.pt) nor a torch.export (.pt2) archive"
         )
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        with whole_zip(data) as archive:
             names = archive.namelist()
-    except zipfile.BadZipFile:
-        raise ArtifactError(
-            "truncated or damaged archive: its zip directory is unreadable"
-        ) from None
+    except UnsafeArtifact as exc:
+        raise ArtifactError(str(exc)) from None
     paths = {name.partition("/")[2] for name in names}
     if "archive_format" in paths:
         return "torch_export"
@@ -215,3 +214,34 @@ def _tensor_sig(value: Any, what: str, name: str, batch: object) -> tuple[Tensor
             )
         dims.append(int(dim))
     return TensorSig(name, datatype, (-1, *dims)), symbol
+
+
+def reconcile_signature(recorded: Signature | None, declared: Signature | None) -> Signature:
+    """The signature to serve: the declared one (which may rename tensors), else the one the
+    artifact records. Both given, they must agree tensor by tensor on datatype and shape.
+
+    Raises ArtifactError naming the first disagreement, or when there is neither.
+    """
+    if declared is None:
+        if recorded is None:
+            raise ArtifactError(
+                "a TorchScript archive records no signature: declare one (--signature sig.yaml)"
+            )
+        return recorded
+    if recorded is None:
+        return declared
+    for kind in ("inputs", "outputs"):
+        mine: tuple[TensorSig, ...] = getattr(declared, kind)
+        theirs: tuple[TensorSig, ...] = getattr(recorded, kind)
+        if len(mine) != len(theirs):
+            raise ArtifactError(
+                f"the declared signature has {len(mine)} {kind}, the program {len(theirs)}"
+            )
+        for index, (ours, program) in enumerate(zip(mine, theirs, strict=True)):
+            if (ours.datatype, ours.shape) != (program.datatype, program.shape):
+                raise ArtifactError(
+                    f"declared {kind}[{index}] {ours.name!r} is {ours.datatype} "
+                    f"{list(ours.shape)}, the program's {program.name!r} is "
+                    f"{program.datatype} {list(program.shape)}"
+                )
+    return declared

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["UnsafeArtifact", "check_export_archive", "check_loaded_program"]
+__all__ = ["UnsafeArtifact", "check_export_archive", "check_loaded_program", "whole_zip"]
 
 # The layout torch 2.13 writes (torch.export.pt2_archive.constants), under one top folder.
 ARCHIVE_FORMAT = ("archive_format", b"pt2")
@@ -130,13 +130,35 @@ class UnsafeArtifact(ValueError):
     """The archive holds something servemesh will not let torch parse; the message says what."""
 
 
-def check_export_archive(data: bytes) -> None:
-    """Raise UnsafeArtifact unless `data` is a torch.export archive within the allowlist."""
+_EOCD = b"PK\x05\x06"
+_EOCD_SIZE = 22
+
+
+def whole_zip(data: bytes) -> zipfile.ZipFile:
+    """`data` opened as a zip archive that spans it exactly; UnsafeArtifact otherwise.
+
+    zipfile finds an archive by the last end-of-directory record it sees, so a truncated
+    .pt2 can open as the archive nested inside it (its sample inputs): the record must end
+    the data, and the first entry must start it.
+    """
+    eocd = data.rfind(_EOCD, max(0, len(data) - _EOCD_SIZE - 0xFFFF))
+    comment = int.from_bytes(data[eocd + 20 : eocd + 22], "little") if eocd >= 0 else -1
+    if eocd < 0 or eocd + _EOCD_SIZE + comment != len(data):
+        raise UnsafeArtifact("truncated or damaged archive: it does not end with its directory")
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
-    except zipfile.BadZipFile as exc:
-        raise UnsafeArtifact(f"not a readable archive ({exc})") from None
-    with archive:
+    except (zipfile.BadZipFile, ValueError) as exc:
+        raise UnsafeArtifact(f"truncated or damaged archive ({exc})") from None
+    entries = archive.infolist()
+    if not entries or min(info.header_offset for info in entries) != 0:
+        archive.close()
+        raise UnsafeArtifact("truncated or damaged archive: its entries do not start it")
+    return archive
+
+
+def check_export_archive(data: bytes) -> None:
+    """Raise UnsafeArtifact unless `data` is a torch.export archive within the allowlist."""
+    with whole_zip(data) as archive:
         members = _members(archive)
         for path, expected in (ARCHIVE_FORMAT, ARCHIVE_VERSION):
             got = members.get(path)

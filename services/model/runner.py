@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from servemesh.services.model.artifacts import Format, load_module
-from servemesh.services.model.batching.rows import NamedRows, Rows, row_count
+from servemesh.services.model.batching.rows import NamedRows, Rows, join_rows, row_count
 from servemesh.services.model.tensors import Signature
 from servemesh.services.model.torch_types import TORCH_DTYPES, oip_datatype, to_array, to_tensor
 
@@ -281,6 +281,19 @@ class ModelRunner:
         if self._single:
             return arrays[self._inputs[0].name]
         return NamedRows(arrays)
+
+    def probe(self) -> Rows:
+        """Run one batch of two rows (zeros, then ones) and check the answer against the
+        signature: what `servemesh models push` does before anything is uploaded.
+
+        Raises SignatureViolation when the outputs do not keep the signature; whatever the
+        model itself raises on such input passes through.
+        """
+        batch = join_rows([self.zeros(1, fill=0), self.zeros(1, fill=1)])
+        result = self._forward(batch)
+        if row_count(result) != 2:
+            raise SignatureViolation(f"model returned {row_count(result)} rows for a batch of 2")
+        return result
 
     def warm_up(self, sizes: Iterable[int]) -> dict[int, float]:
         """Run zeros at each batch size; returns the seconds per batch expected at each.

@@ -82,9 +82,16 @@ MAX_INPUT_BYTES = 1 << 31
 
 
 class _SpecLike(Protocol):
-    name: str
-    datatype: str
-    shape: Sequence[int]
+    """A tensor spec as the registry's records and protos both hold one (read-only)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def datatype(self) -> str: ...
+
+    @property
+    def shape(self) -> Sequence[int]: ...
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,8 @@ Stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub
 
 
 @asynccontextmanager
-async def serving(servicer: InferenceServicer) -> AsyncIterator[tuple[Stub, grpc.aio.Channel]]:
-    """`servicer` on a real grpc.aio server on 127.0.0.1 (a free port), and a stub to it."""
+async def serving_at(servicer: InferenceServicer) -> AsyncIterator[tuple[Stub, int]]:
+    """`servicer` on a real grpc.aio server on 127.0.0.1 (a free port): a stub, and the port."""
     server = ServiceServer(REPLICA, port=0, drain_grace_s=1.0)
     server.add_service(
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
@@ -50,10 +50,17 @@ async def serving(servicer: InferenceServicer) -> AsyncIterator[tuple[Stub, grpc
     port = await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield Stub(channel), channel
+        yield Stub(channel), port
     finally:
         await channel.close()
         await server.drain()
+
+
+@asynccontextmanager
+async def serving(servicer: InferenceServicer) -> AsyncIterator[tuple[Stub, None]]:
+    """`servicer` on a real grpc.aio server on 127.0.0.1 (a free port), and a stub to it."""
+    async with serving_at(servicer) as (stub, _):
+        yield stub, None
 
 
 def rows(n: int, seed: int = 0) -> np.ndarray:

@@ -50,9 +50,12 @@ def store(store_root: Path) -> Iterator[RegistryStore]:
 async def registry(store: RegistryStore) -> AsyncIterator[RunningRegistry]:
     server = registry_server(store, "registry-test", host="127.0.0.1", port=0)
     port = await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    address = f"127.0.0.1:{port}"
+    channel = grpc.aio.insecure_channel(address)
     try:
-        yield RunningRegistry(store, server, channel, registry_pb2_grpc.RegistryStub(channel))
+        yield RunningRegistry(
+            store, server, channel, registry_pb2_grpc.RegistryStub(channel), address
+        )
     finally:
         await channel.close()
         await server.drain()

@@ -46,7 +46,11 @@ ALLOWED: dict[str, set[str]] = {
     "bench": CONTRACT | TOOLING | {"launcher"},
     "model_bench": CONTRACT | TOOLING | SERVICES,
     "routes_cli": CONTRACT | TOOLING,
-    "cli": CONTRACT | TOOLING | {"launcher", "chaos", "bench", "model_bench", "routes_cli"},
+    # pushes check and probe a model with the model server's own loader before uploading
+    "models_cli": CONTRACT | TOOLING | {"registry", "services.model"},
+    "cli": CONTRACT
+    | TOOLING
+    | {"launcher", "chaos", "bench", "model_bench", "routes_cli", "models_cli"},
     "__main__": {"cli"},
     # development tools
     "protogen": set(),
