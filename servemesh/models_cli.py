@@ -25,7 +25,9 @@ from typing import Any
 import grpc
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from servemesh.proxy.admin import AdminError
 from servemesh.proxy.apply import ApplyError, MeshPaths, RouteManager
@@ -294,11 +296,12 @@ def cmd_push(args: argparse.Namespace) -> int:
         f"pushed {record.model} {record.version}: {record.format}, {_size(record.size_bytes)}, "
         f"sha256 {record.sha256}",
         highlight=False,
+        markup=False,
     )
     probe = ", ".join(f"{name} {shape}" for name, shape in pushed.probe_shapes.items())
-    out.print(f"probe: 2 rows (zeros, ones) answered {probe}", highlight=False)
+    out.print(f"probe: 2 rows (zeros, ones) answered {probe}", highlight=False, markup=False)
     out.print(_signature_table(record))
-    out.print(f"registry: {mesh.spec.registry_address}", highlight=False)
+    out.print(f"registry: {mesh.spec.registry_address}", highlight=False, markup=False)
     return 0
 
 
@@ -460,24 +463,31 @@ def cmd_list(args: argparse.Namespace) -> int:
     for model in listed.models:
         for record in listed.versions[model.name]:
             table.add_row(
-                model.name,
-                record.version,
-                ", ".join(_aliases_of(model, record.version)) or "-",
-                record.format,
-                _size(record.size_bytes),
-                found.replicas_of(model.name, record.version),
-                found.weight_of(model.name, record.version),
+                *_cells(
+                    model.name,
+                    record.version,
+                    ", ".join(_aliases_of(model, record.version)) or "-",
+                    record.format,
+                    _size(record.size_bytes),
+                    found.replicas_of(model.name, record.version),
+                    found.weight_of(model.name, record.version),
+                )
             )
     out.print(table)
     _notes(found)
     return 0
 
 
+def _cells(*values: str) -> list[Text]:
+    """Table cells shown as written: names and labels are not rich markup."""
+    return [Text(value) for value in values]
+
+
 def _notes(found: Holdings) -> None:
     if found.unreachable:
-        out.print(f"replicas that did not answer: {', '.join(found.unreachable)}")
+        out.print(f"replicas that did not answer: {', '.join(found.unreachable)}", markup=False)
     if found.weights_note:
-        out.print(found.weights_note, highlight=False)
+        out.print(found.weights_note, highlight=False, markup=False)
 
 
 def _signature_table(record: registry_pb2.ModelVersion) -> Table:
@@ -486,7 +496,7 @@ def _signature_table(record: registry_pb2.ModelVersion) -> Table:
         table.add_column(column)
     for kind, tensors in (("input", record.inputs), ("output", record.outputs)):
         for tensor in tensors:
-            table.add_row(kind, tensor.name, tensor.datatype, str(list(tensor.shape)))
+            table.add_row(*_cells(kind, tensor.name, tensor.datatype, str(list(tensor.shape))))
     return table
 
 
@@ -534,8 +544,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         ("replicas", found.replicas_of(record.model, record.version)),
         ("weight", found.weight_of(record.model, record.version)),
     ):
-        facts.add_row(label, value)
-    out.print(f"{record.model} {record.version}", highlight=False)
+        facts.add_row(*_cells(label, value))
+    out.print(f"{record.model} {record.version}", highlight=False, markup=False)
     out.print(facts, highlight=False)
     out.print(_signature_table(record))
     _notes(found)
@@ -566,7 +576,7 @@ def cmd_alias(args: argparse.Namespace) -> int:
     was = f" (was {previous})" if previous and previous != target else ""
     if previous == target:
         was = " (unchanged)"
-    out.print(f"{model.name}: {args.alias} -> {target}{was}", highlight=False)
+    out.print(f"{model.name}: {args.alias} -> {target}{was}", highlight=False, markup=False)
     return 0
 
 
@@ -580,7 +590,7 @@ def _run(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
         try:
             return int(func(args))
         except ModelsError as exc:
-            console.print(f"[red]models {args.verb}:[/red] {exc}", highlight=False)
+            console.print(f"[red]models {args.verb}:[/red] {escape(str(exc))}", highlight=False)
             return 1
 
     return wrapped

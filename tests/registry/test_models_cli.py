@@ -289,3 +289,19 @@ async def test_a_bad_artifact_is_refused_with_one_line_and_nothing_uploaded(
     assert blob_files(root) == [] and temp_files(root) == []
     assert list(mesh.tmp.iterdir()) == []  # the CLI left no temp file behind
     assert not (tmp_path / "ran").exists()
+
+
+async def test_malformed_lineage_is_refused_naming_the_flag_and_key(
+    mesh: Mesh, tmp_path: Path
+) -> None:
+    artifact = tmp_path / "churn.pt2"
+    artifact.write_bytes(exported(Churn(), churn_example()))
+    done = await mesh.run(
+        "push", str(artifact), "--model", "churn", "--version", "v1",
+        "--lineage", "data=md5:abc", "--metric", "auc=0.9",
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        "models push: --lineage[data]: 'md5:abc' is not sha256:<64 lowercase hex>"
+    )
+    assert mesh.registry.store.list_models() == []
