@@ -61,10 +61,15 @@ async def push_version(
     inputs: Sequence[TensorSpecLike],
     outputs: Sequence[TensorSpecLike],
     labels: Mapping[str, str] | None = None,
+    lineage: Mapping[str, str] | None = None,
+    metrics: Mapping[str, float] | None = None,
+    format: str = "torchscript",
     chunk_size: int = DEFAULT_CHUNK_BYTES,
     timeout: float = 60.0,
 ) -> registry_pb2.ModelVersion:
-    """Upload a TorchScript artifact as model/version (the model is created if new).
+    """Upload an artifact as model/version (the model is created if new).
+
+    `format` is "torchscript" or "torch_export" (registry.validation.FORMATS).
 
     Returns the stored version; re-pushing identical bytes returns the existing version.
     """
@@ -77,10 +82,12 @@ async def push_version(
         version=version,
         sha256=sha256,
         size_bytes=len(data),
-        format="torchscript",
+        format=format,
         inputs=[_tensor_proto(spec) for spec in inputs],
         outputs=[_tensor_proto(spec) for spec in outputs],
         labels=dict(labels or {}),
+        lineage=dict(lineage or {}),
+        metrics=dict(metrics or {}),
     )
 
     async def messages() -> AsyncIterator[registry_pb2.UploadVersionRequest]:

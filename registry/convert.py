@@ -24,6 +24,8 @@ def header_from_proto(message: registry_pb2.UploadHeader) -> UploadHeader:
         inputs=tuple(tensor_spec_from_proto(spec) for spec in message.inputs),
         outputs=tuple(tensor_spec_from_proto(spec) for spec in message.outputs),
         labels=dict(message.labels),
+        lineage=dict(message.lineage),
+        metrics=dict(message.metrics),
     )
 
 
@@ -38,6 +40,8 @@ def version_to_proto(record: VersionRecord) -> registry_pb2.ModelVersion:
         outputs=[tensor_spec_to_proto(spec) for spec in record.outputs],
         created_unix_ms=record.created_unix_ms,
         labels=dict(record.labels),
+        lineage=dict(record.lineage),
+        metrics=dict(record.metrics),
     )
 
 

@@ -35,6 +35,10 @@ class UploadHeader:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     labels: Mapping[str, str] = field(default_factory=dict)
+    # Where the version came from ("data" -> "sha256:<hex>", "code" -> a git commit).
+    lineage: Mapping[str, str] = field(default_factory=dict)
+    # Offline evaluation results ("auc" -> 0.91).
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class VersionRecord:
     outputs: tuple[TensorSpec, ...]
     labels: Mapping[str, str]
     created_unix_ms: int
+    lineage: Mapping[str, str] = field(default_factory=dict)
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,18 @@ CREATE TABLE IF NOT EXISTS aliases (
 );
 """
 
+# Schema migrations: step i brings a store from PRAGMA user_version i to i + 1, in one
+# transaction, when a RegistryStore opens it. Steps only add columns, with defaults, so rows
+# written before stay readable (and code that names its columns still reads a newer store).
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    # 1: each version's lineage and metrics, as JSON objects.
+    (
+        "ALTER TABLE versions ADD COLUMN lineage TEXT NOT NULL DEFAULT '{}'",
+        "ALTER TABLE versions ADD COLUMN metrics TEXT NOT NULL DEFAULT '{}'",
+    ),
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
 _COLUMNS = (
     "model",
     "version",
@@ -77,6 +89,8 @@ _COLUMNS = (
     "outputs",
     "labels",
     "created_unix_ms",
+    "lineage",
+    "metrics",
 )
 _VERSION_COLUMNS = ", ".join(_COLUMNS)
 _JOINED_VERSION_COLUMNS = ", ".join(f"v.{column}" for column in _COLUMNS)
@@ -101,6 +115,8 @@ def _version_from_row(row: sqlite3.Row) -> VersionRecord:
         outputs=tuple(TensorSpec.from_json(item) for item in json.loads(row["outputs"])),
         labels=json.loads(row["labels"]),
         created_unix_ms=row["created_unix_ms"],
+        lineage=json.loads(row["lineage"]),
+        metrics=json.loads(row["metrics"]),
     )
 
 
@@ -130,6 +146,18 @@ class RegistryStore:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Bring the schema up to SCHEMA_VERSION, one transaction per step."""
+        with self._transaction() as db:
+            current = int(db.execute("PRAGMA user_version").fetchone()[0])
+        for target in range(current + 1, SCHEMA_VERSION + 1):
+            with self._transaction(write=True) as db:
+                for statement in MIGRATIONS[target - 1]:
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version = {target}")
+            log.info("registry store migrated", extra={"schema_version": target})
 
     def close(self) -> None:
         """Close the database; safe to call twice."""
@@ -346,6 +374,8 @@ class RegistryStore:
                         outputs=header.outputs,
                         labels=dict(header.labels),
                         created_unix_ms=_now_ms(),
+                        lineage=dict(header.lineage),
+                        metrics=dict(header.metrics),
                     )
                     db.execute(
                         "INSERT INTO models (name, description, created_unix_ms) VALUES (?, '', ?) "
@@ -366,6 +396,8 @@ class RegistryStore:
                             _specs_json(record.outputs),
                             json.dumps(dict(record.labels), sort_keys=True),
                             record.created_unix_ms,
+                            json.dumps(dict(record.lineage), sort_keys=True),
+                            json.dumps(dict(record.metrics), sort_keys=True),
                         ),
                     )
             except BaseException:

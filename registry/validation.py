@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 
@@ -13,9 +14,17 @@ NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 TENSOR_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:/-]{0,63}")
 LABEL_KEY = re.compile(r"[a-z0-9][a-z0-9._/-]{0,62}")
+# Lineage values are references, not prose: no whitespace or control characters.
+LINEAGE_VALUE = re.compile(r"[\x21-\x7e]{1,256}")
+# Lineage keys with a known meaning, and the form their value must take.
+LINEAGE_FORMS = {
+    "data": (re.compile(r"sha256:[0-9a-f]{64}"), "sha256:<64 lowercase hex>"),
+    "code": (re.compile(r"[0-9a-f]{7,64}"), "a git commit (7-64 lowercase hex)"),
+}
 
-# TorchScript is the only format the model servers load without unpickling Python objects.
-FORMATS = frozenset({"torchscript"})
+# What the model servers load (services/model/artifacts.py): TorchScript archives, and
+# torch.export archives that pass the model server's allowlist before torch parses them.
+FORMATS = frozenset({"torchscript", "torch_export"})
 # OIP v2 tensor datatypes.
 DATATYPES = frozenset(
     {
@@ -29,6 +38,7 @@ DATATYPES = frozenset(
         "INT32",
         "INT64",
         "FP16",
+        "BF16",
         "FP32",
         "FP64",
         "BYTES",
@@ -40,6 +50,8 @@ MAX_TENSORS = 256
 MAX_DIMS = 16
 MAX_LABELS = 64
 MAX_LABEL_VALUE_CHARS = 256
+MAX_LINEAGE = 32
+MAX_METRICS = 64
 
 
 def _shown(value: str) -> str:
@@ -115,6 +127,38 @@ def check_labels(labels: Mapping[str, str], field: str) -> None:
             )
 
 
+def check_lineage(lineage: Mapping[str, str], field: str) -> None:
+    """Keys as label keys; values references without spaces; `data` and `code` in form."""
+    if len(lineage) > MAX_LINEAGE:
+        raise InvalidArgumentError(f"{field}: more than {MAX_LINEAGE} entries")
+    for key, value in lineage.items():
+        if not LABEL_KEY.fullmatch(key):
+            raise InvalidArgumentError(
+                f"{field}: key {_shown(key)} is not a valid key (1-63 of a-z 0-9 . _ / -)"
+            )
+        if not LINEAGE_VALUE.fullmatch(value):
+            raise InvalidArgumentError(
+                f"{field}[{key}]: {_shown(value)} is not a reference (1-256 printable "
+                "characters, no spaces)"
+            )
+        form = LINEAGE_FORMS.get(key)
+        if form is not None and not form[0].fullmatch(value):
+            raise InvalidArgumentError(f"{field}[{key}]: {_shown(value)} is not {form[1]}")
+
+
+def check_metrics(metrics: Mapping[str, float], field: str) -> None:
+    """Keys as label keys; values finite numbers."""
+    if len(metrics) > MAX_METRICS:
+        raise InvalidArgumentError(f"{field}: more than {MAX_METRICS} metrics")
+    for key, value in metrics.items():
+        if not LABEL_KEY.fullmatch(key):
+            raise InvalidArgumentError(
+                f"{field}: key {_shown(key)} is not a valid metric name (1-63 of a-z 0-9 . _ / -)"
+            )
+        if not math.isfinite(value):
+            raise InvalidArgumentError(f"{field}[{key}]: {value} is not a finite number")
+
+
 def check_header(header: UploadHeader, field: str = "header") -> None:
     """Every field of an upload header; the artifact size limit is the store's to check."""
     check_name(header.model, f"{field}.model")
@@ -130,3 +174,5 @@ def check_header(header: UploadHeader, field: str = "header") -> None:
     check_tensor_specs(header.inputs, f"{field}.inputs")
     check_tensor_specs(header.outputs, f"{field}.outputs")
     check_labels(header.labels, f"{field}.labels")
+    check_lineage(header.lineage, f"{field}.lineage")
+    check_metrics(header.metrics, f"{field}.metrics")

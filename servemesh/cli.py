@@ -18,6 +18,7 @@ from rich.table import Table
 from servemesh.chaos.cli import add_chaos_parser
 from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.features.cli import add_features_parser
+from servemesh.models_cli import add_models_parser
 from servemesh.routes_cli import add_routes_parser
 from servemesh.spec import MeshSpec, SpecError, load_spec
 
@@ -236,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=cmd_check)
 
     add_routes_parser(sub)
+    add_models_parser(sub)
     add_chaos_parser(sub)
     add_features_parser(sub)
 

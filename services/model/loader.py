@@ -12,15 +12,21 @@ from typing import Any
 import grpc
 import torch
 
+from servemesh.services.model.artifacts import FORMATS, PLATFORMS, ArtifactError, Format
 from servemesh.services.model.batching import Batcher
 from servemesh.services.model.errors import LoadError
-from servemesh.services.model.runner import DEFAULT_NUM_THREADS, ArtifactMismatch, ModelRunner
+from servemesh.services.model.runner import (
+    DEFAULT_NUM_THREADS,
+    ArtifactMismatch,
+    ModelRunner,
+    SignatureViolation,
+)
 from servemesh.services.model.tensors import Signature
 from servemesh.spec import BatchingSpec, MeshSpec
 
 log = logging.getLogger(__name__)
 
-PLATFORM = "pytorch_torchscript"
+PLATFORM = PLATFORMS["torchscript"]
 
 
 @dataclass
@@ -61,12 +67,14 @@ async def load_model(
     version: str,
     sha256: str,
     signature: Signature,
+    format: Format = "torchscript",
     batching: BatchingSpec | None = None,
     inject_latency_ms: float = 0.0,
     device: torch.device | str | None = None,
     num_threads: int | None = DEFAULT_NUM_THREADS,
 ) -> LoadedModel:
-    """Verify, load and warm up a TorchScript artifact; returns it ready to serve.
+    """Verify, load and warm up an artifact (`artifacts`: TorchScript or torch.export);
+    returns it ready to serve.
 
     The sha256 is checked here again even though the registry client already verified the
     download: the bytes are about to be parsed by torch, so this is the last gate. Loading
@@ -80,9 +88,8 @@ async def load_model(
         sha256=sha256,
         model=model,
         version=version,
-        row_shape=signature.input.dims,
-        dtype=signature.input.dtype,
-        output_row_shape=signature.output.dims,
+        format=format,
+        signature=signature,
         max_batch_size=batching.max_batch_size,
         device=device,
         inject_latency_ms=inject_latency_ms,
@@ -91,8 +98,15 @@ async def load_model(
     batcher = Batcher(runner, batching, name=f"{model}:{version}")
     try:
         await batcher.warm_up(warm_up_sizes(batching))
-    except BaseException:
+    except BaseException as exc:
         await batcher.close()
+        where = f"model {model!r} version {version!r}"
+        if isinstance(exc, SignatureViolation):
+            raise LoadError(f"{where}: warm-up: {exc}") from None
+        if isinstance(exc, Exception):
+            # The model's own error may carry internals: its type here, the rest in the log.
+            log.error("warm-up failed", extra={"model": model, "version": version}, exc_info=exc)
+            raise LoadError(f"{where}: warm-up failed ({type(exc).__name__})") from None
         raise
     log.info(
         "model loaded",
@@ -112,6 +126,7 @@ async def load_model(
         runner=runner,
         batcher=batcher,
         sha256=sha256,
+        platform=PLATFORMS[format],
     )
 
 
@@ -144,8 +159,9 @@ def registry_loader(
         version_spec = model_spec.versions.get(version) if model_spec else None
         batching = model_spec.batching if model_spec else BatchingSpec()
         record, data = await _fetch_with_retry(fetcher, channel, model, version, spec, retry_for_s)
-        if record.format != "torchscript":
-            raise LoadError(f"{where}: format {record.format!r} is not torchscript")
+        if record.format not in FORMATS:
+            raise LoadError(f"{where}: format {record.format!r} is not one of {list(FORMATS)}")
+        format: Format = "torch_export" if record.format == "torch_export" else "torchscript"
         if record.size_bytes and len(data) != record.size_bytes:
             raise LoadError(
                 f"{where}: artifact is {len(data)} bytes, registry says {record.size_bytes}"
@@ -169,12 +185,15 @@ def registry_loader(
                 version=record.version or version,
                 sha256=record.sha256,
                 signature=signature,
+                format=format,
                 batching=batching,
                 inject_latency_ms=version_spec.inject_latency_ms if version_spec else 0.0,
                 device=device,
             )
         except ArtifactMismatch as exc:
             raise LoadError(f"{where}: {exc}", code=grpc.StatusCode.DATA_LOSS) from None
+        except ArtifactError as exc:
+            raise LoadError(f"{where}: {exc}") from None
 
     return load
 

@@ -1,17 +1,29 @@
-"""One loaded TorchScript module for one (model, version), and the forward pass on a batch."""
+"""One loaded model for one (model, version), and the forward pass on a batch.
+
+The module is called with the signature's inputs as positional tensors, in order, and may
+answer one tensor, a tuple or list of them (in the signature's output order), or a dict
+keyed by output name. Every output is checked against the signature (count, datatype, dims
+after the batch dim) after every forward pass: a model that does not keep its declared
+signature fails warm-up, and so never serves.
+"""
 
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from servemesh.services.model.artifacts import Format, load_module
+from servemesh.services.model.batching.rows import NamedRows, Rows, join_rows, row_count
+from servemesh.services.model.tensors import Signature
+from servemesh.services.model.torch_types import TORCH_DTYPES, oip_datatype, to_array, to_tensor
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +34,20 @@ log = logging.getLogger(__name__)
 DEFAULT_NUM_THREADS = 1
 
 _WARM_UP_RUNS = 3  # the TorchScript profiling executor specialises on the first calls
+
+
+@dataclass(frozen=True)
+class _Port:
+    """One tensor the runner passes in or checks coming out."""
+
+    name: str
+    dims: tuple[int, ...] | None  # after the batch dim; None: not checked
+    dtype: np.dtype[Any] | None  # how numpy holds it; None: not checked
+    datatype: str | None  # the OIP datatype; None: unknown (the one-tensor legacy form)
+
+
+class SignatureViolation(ValueError):
+    """The model's answer does not keep its signature (count, datatype, dims or rows)."""
 
 
 class ArtifactMismatch(Exception):
@@ -42,23 +68,29 @@ def verify_artifact(data: bytes, sha256: str, size_bytes: int | None = None) -> 
 
 
 class ModelRunner:
-    """A TorchScript module ready to run batches in inference mode.
+    """A loaded model (TorchScript or an exported program) ready to run batches.
+
+    Built from a `signature` (what the model server does), or, for a one-input one-output
+    model, from `row_shape`/`dtype`/`output_row_shape` alone (then outputs are checked for
+    their dims only, and only when `output_row_shape` is given). `run` takes and answers
+    one array for a single-tensor model and NamedRows otherwise (`batching.rows`).
 
     `run` is called from the batcher's single worker thread, never from the event loop. On
-    CUDA the batch is staged in pinned host memory so the host-to-device copy can be
+    CUDA a single input is staged in pinned host memory so the host-to-device copy can be
     asynchronous; the result copy back synchronises the stream, so the staging buffer is
     free again when `run` returns.
     """
 
     def __init__(
         self,
-        module: torch.jit.ScriptModule | torch.nn.Module,
+        module: Callable[..., Any],
         *,
         model: str,
         version: str,
-        row_shape: tuple[int, ...],
+        signature: Signature | None = None,
+        row_shape: Sequence[int] | None = None,
         dtype: np.dtype[Any] | type = np.float32,
-        output_row_shape: tuple[int, ...] | None = None,
+        output_row_shape: Sequence[int] | None = None,
         max_batch_size: int = 64,
         device: torch.device | str | None = None,
         inject_latency_ms: float = 0.0,
@@ -67,21 +99,40 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.version = version
-        self.row_shape = tuple(row_shape)
-        self.dtype = np.dtype(dtype)
-        self.output_row_shape = tuple(output_row_shape) if output_row_shape is not None else None
+        self.signature = signature
+        if signature is not None:
+            if row_shape is not None or output_row_shape is not None:
+                raise ValueError("give a signature or row_shape/output_row_shape, not both")
+            self._inputs = [_Port(t.name, t.dims, t.dtype, t.datatype) for t in signature.inputs]
+            self._outputs = [_Port(t.name, t.dims, t.dtype, t.datatype) for t in signature.outputs]
+            self._single = signature.single
+        elif row_shape is not None:
+            self._inputs = [_Port("input", tuple(row_shape), np.dtype(dtype), None)]
+            wanted = tuple(output_row_shape) if output_row_shape is not None else None
+            self._outputs = [_Port("output", wanted, None, None)]
+            self._single = True
+        else:
+            raise ValueError("a signature or a row_shape is required")
+        first = self._inputs[0]
+        self.row_shape = first.dims or ()
+        self.dtype = first.dtype if first.dtype is not None else np.dtype(np.float32)
+        self.output_row_shape = self._outputs[0].dims
         self.max_batch_size = max_batch_size
         self.device = torch.device(device) if device is not None else default_device()
         self.inject_latency_s = inject_latency_ms / 1000.0
         self._sleep = sleep  # how the injected latency is spent (tests pass a recorder)
         self.num_threads = num_threads
-        self._module = module.to(self.device).eval()
+        if isinstance(module, torch.nn.Module):
+            module = module.to(self.device)
+            # An exported program's module is already inference-only and refuses eval().
+            if not isinstance(module, torch.fx.GraphModule):
+                module = module.eval()
+        self._module = module
         self._pinned: torch.Tensor | None = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self._single:
+            staged = to_tensor(np.zeros((0, *self.row_shape), self.dtype), first.datatype)
             self._pinned = torch.empty(
-                (max_batch_size, *self.row_shape),
-                dtype=torch.from_numpy(np.zeros(0, self.dtype)).dtype,
-                pin_memory=True,
+                (max_batch_size, *self.row_shape), dtype=staged.dtype, pin_memory=True
             )
         self._threads_set: set[int] = set()
 
@@ -93,23 +144,27 @@ class ModelRunner:
         sha256: str,
         model: str,
         version: str,
-        row_shape: tuple[int, ...],
+        format: Format = "torchscript",
         device: torch.device | str | None = None,
         **kwargs: Any,
     ) -> ModelRunner:
-        """Verify the artifact's sha256 (again: defence in depth), then load it.
+        """Verify the artifact's sha256 (again: defence in depth), then load it (`artifacts`).
 
-        Raises ArtifactMismatch before torch ever parses bytes that are not the registry's.
+        Raises ArtifactMismatch before torch ever parses bytes that are not the registry's,
+        ArtifactError when they are not a model servemesh loads.
         """
         verify_artifact(data, sha256)
         target = torch.device(device) if device is not None else default_device()
-        module = torch.jit.load(io.BytesIO(data), map_location=target)
-        return cls(
-            module, model=model, version=version, row_shape=row_shape, device=target, **kwargs
-        )
+        module = load_module(data, format, target)
+        return cls(module, model=model, version=version, device=target, **kwargs)
 
-    def run(self, batch: np.ndarray) -> np.ndarray:
-        """The model's output for `batch` (rows first), as a numpy array on the host.
+    @property
+    def single(self) -> bool:
+        """One input and one output: rows are one array, not NamedRows."""
+        return self._single
+
+    def run(self, batch: Rows) -> Rows:
+        """The model's output for `batch` (rows first), as numpy arrays on the host.
 
         Sleeps `inject_latency_ms` first when set: a drill knob that makes every batch slow.
         """
@@ -117,25 +172,80 @@ class ModelRunner:
             self._sleep(self.inject_latency_s)
         return self._forward(batch)
 
-    def _forward(self, batch: np.ndarray) -> np.ndarray:
+    def _forward(self, batch: Rows) -> Rows:
         self._pin_threads()
-        if not batch.flags.writeable:
-            # torch.from_numpy refuses to share read-only memory (np.frombuffer views).
-            batch = np.array(batch)
+        if isinstance(batch, NamedRows):
+            missing = [port.name for port in self._inputs if port.name not in batch]
+            if missing or self._single:
+                raise TypeError(f"rows do not fit the model's inputs (missing {missing})")
+            arrays = [batch[port.name] for port in self._inputs]
+        elif self._single:
+            arrays = [batch]
+        else:
+            raise TypeError("a multi-tensor model takes NamedRows")
         with torch.inference_mode():
-            inputs = self._to_device(torch.from_numpy(batch))
-            output = self._module(inputs)
-            if isinstance(output, (tuple, list)) and len(output) == 1:
-                output = output[0]
-            if not isinstance(output, torch.Tensor):
-                raise TypeError(f"model returned {type(output).__name__}, expected one tensor")
-            result = output.detach().cpu().numpy()
-        wanted = self.output_row_shape
-        if wanted is not None and tuple(result.shape[1:]) != wanted:
-            raise ValueError(
-                f"model output rows are {list(result.shape[1:])}, expected {list(wanted)}"
+            if self._single:
+                tensors = [self._to_device(to_tensor(arrays[0], self._inputs[0].datatype))]
+            else:
+                tensors = [
+                    to_tensor(rows, port.datatype).to(self.device)
+                    for rows, port in zip(arrays, self._inputs, strict=True)
+                ]
+            outputs = self._outputs_of(self._module(*tensors))
+            for port, tensor in zip(self._outputs, outputs, strict=True):
+                self._check_datatype(port, tensor)
+            results = [to_array(tensor) for tensor in outputs]
+        for port, result in zip(self._outputs, results, strict=True):
+            self._check_dims(port, result)
+        if self._single:
+            return results[0]
+        names = [port.name for port in self._outputs]
+        return NamedRows(dict(zip(names, results, strict=True)))
+
+    def _outputs_of(self, output: Any) -> list[torch.Tensor]:
+        """The model's answer as tensors in the signature's output order."""
+        names = [port.name for port in self._outputs]
+        if isinstance(output, torch.Tensor):
+            found: list[Any] = [output]
+        elif isinstance(output, (tuple, list)):
+            found = list(output)
+        elif isinstance(output, dict):
+            unknown = sorted(set(output) - set(names))
+            absent = [name for name in names if name not in output]
+            if unknown or absent:
+                raise SignatureViolation(
+                    f"model returned outputs {sorted(output)}, the signature declares {names}"
+                )
+            found = [output[name] for name in names]
+        else:
+            raise SignatureViolation(f"model returned {type(output).__name__}, expected tensors")
+        if len(found) != len(names):
+            raise SignatureViolation(
+                f"model returned {len(found)} outputs, the signature declares {len(names)}"
             )
-        return result
+        for name, value in zip(names, found, strict=True):
+            if not isinstance(value, torch.Tensor):
+                raise SignatureViolation(
+                    f"model output {name!r} is {type(value).__name__}, not a tensor"
+                )
+        return found
+
+    def _what(self, port: _Port) -> str:
+        return "model output" if self._single else f"model output {port.name!r}"
+
+    def _check_datatype(self, port: _Port, tensor: torch.Tensor) -> None:
+        if port.datatype is not None and tensor.dtype != TORCH_DTYPES[port.datatype]:
+            got = oip_datatype(tensor.dtype) or str(tensor.dtype)
+            raise SignatureViolation(
+                f"{self._what(port)} is {got}, the signature says {port.datatype}"
+            )
+
+    def _check_dims(self, port: _Port, result: np.ndarray) -> None:
+        if port.dims is not None and (result.ndim < 1 or tuple(result.shape[1:]) != port.dims):
+            rows = list(result.shape[1:]) if result.ndim else "a scalar"
+            raise SignatureViolation(
+                f"{self._what(port)} rows are {rows}, expected {list(port.dims)}"
+            )
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":
@@ -157,6 +267,34 @@ class ModelRunner:
             torch.set_num_threads(self.num_threads)
             self._threads_set.add(ident)
 
+    def zeros(self, rows: int, fill: int = 0) -> Rows:
+        """`rows` rows of every input filled with `fill` (0 or 1): warm-up and probe input."""
+        arrays: dict[str, np.ndarray] = {}
+        for port in self._inputs:
+            dtype = port.dtype if port.dtype is not None else self.dtype
+            shape = (rows, *(port.dims or ()))
+            if port.datatype == "BF16":
+                array = to_array(torch.full(shape, fill, dtype=torch.bfloat16))
+            else:
+                array = np.full(shape, fill, dtype=dtype)
+            arrays[port.name] = array
+        if self._single:
+            return arrays[self._inputs[0].name]
+        return NamedRows(arrays)
+
+    def probe(self) -> Rows:
+        """Run one batch of two rows (zeros, then ones) and check the answer against the
+        signature: what `servemesh models push` does before anything is uploaded.
+
+        Raises SignatureViolation when the outputs do not keep the signature; whatever the
+        model itself raises on such input passes through.
+        """
+        batch = join_rows([self.zeros(1, fill=0), self.zeros(1, fill=1)])
+        result = self._forward(batch)
+        if row_count(result) != 2:
+            raise SignatureViolation(f"model returned {row_count(result)} rows for a batch of 2")
+        return result
+
     def warm_up(self, sizes: Iterable[int]) -> dict[int, float]:
         """Run zeros at each batch size; returns the seconds per batch expected at each.
 
@@ -165,14 +303,16 @@ class ModelRunner:
         """
         timings: dict[int, float] = {}
         for size in sorted(set(sizes)):
-            batch = np.zeros((size, *self.row_shape), dtype=self.dtype)
+            batch = self.zeros(size)
             best = float("inf")
             for _ in range(_WARM_UP_RUNS):
                 started = time.perf_counter()
                 result = self._forward(batch)
                 best = min(best, time.perf_counter() - started)
-            if result.shape[0] != size:
-                raise ValueError(f"model returned {result.shape[0]} rows for a batch of {size}")
+            if row_count(result) != size:
+                raise SignatureViolation(
+                    f"model returned {row_count(result)} rows for a batch of {size}"
+                )
             timings[size] = best + self.inject_latency_s
         log.info(
             "model warmed up",

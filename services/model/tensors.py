@@ -1,14 +1,23 @@
 """Open Inference Protocol v2 tensors: validate a request against the model's signature,
-decode its input to numpy, encode the model's output.
+decode its inputs to numpy, encode the model's outputs.
 
-Validation happens before a request may join a batch, so one malformed request can never
-poison the rows of others. Every failure raises `RequestError` (INVALID_ARGUMENT) with a
-message that names the field, e.g. "inputs[0].shape: expected [-1, 64], got [2, 63]".
+A signature names one or more inputs and one or more outputs, each batched on dim 0 with
+fixed dims after it. Validation happens before a request may join a batch, so one malformed
+request can never poison the rows of others: every input is checked fully (known name, no
+duplicate, none missing, datatype, shape, dims that overflow, byte or value count, the same
+row count as the other inputs), and so are the requested outputs. Every failure raises
+`RequestError` (INVALID_ARGUMENT) with a message that names the field, e.g.
+"inputs[1].datatype: input 'category' expects INT64, got FP32".
+
+Decoded rows are one array for a one-input one-output model (the demo path, unchanged) and
+`NamedRows` otherwise (see `batching.rows`).
 
 Output encoding mirrors the request: a request that sent `raw_input_contents` gets
 `raw_output_contents` (little-endian, what tritonclient and the gateway read); a request that
 sent typed contents (`fp32_contents`, ... - what grpcurl users write) gets typed contents.
-Datatypes without a typed field (FP16) always come back raw.
+FP16 and BF16 have no typed field in OIP: they travel raw only (BF16 as the upper two bytes
+of an FP32, little-endian, held here as uint16), and a response with any such output is all
+raw, since OIP allows raw_output_contents only for every output or none.
 """
 
 from __future__ import annotations
@@ -19,13 +28,16 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from servemesh.services.model.batching.rows import NamedRows, Rows
 from servemesh.services.model.errors import RequestError
 from servemesh_api.inference import grpc_service_pb2 as oip
 
 __all__ = [
     "DATATYPES",
     "DecodedRequest",
+    "NamedRows",
     "RequestError",
+    "Rows",
     "Signature",
     "TensorSig",
     "decode_request",
@@ -36,7 +48,9 @@ __all__ = [
 @dataclass(frozen=True)
 class Datatype:
     name: str
-    dtype: np.dtype[Any]  # always little-endian: the wire order of OIP raw contents
+    # Always little-endian: the wire order of OIP raw contents. BF16, which numpy lacks, is
+    # held as its bit pattern in uint16 (the runner views it as torch.bfloat16).
+    dtype: np.dtype[Any]
     typed_field: str | None  # the InferTensorContents field holding typed values, if any
 
 
@@ -56,6 +70,7 @@ DATATYPES: dict[str, Datatype] = dict(
         _dt("INT32", "<i4", "int_contents"),
         _dt("INT64", "<i8", "int64_contents"),
         _dt("FP16", "<f2", None),
+        _dt("BF16", "<u2", None),
         _dt("FP32", "<f4", "fp32_contents"),
         _dt("FP64", "<f8", "fp64_contents"),
     ]
@@ -67,9 +82,16 @@ MAX_INPUT_BYTES = 1 << 31
 
 
 class _SpecLike(Protocol):
-    name: str
-    datatype: str
-    shape: Sequence[int]
+    """A tensor spec as the registry's records and protos both hold one (read-only)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def datatype(self) -> str: ...
+
+    @property
+    def shape(self) -> Sequence[int]: ...
 
 
 @dataclass(frozen=True)
@@ -97,39 +119,76 @@ class TensorSig:
         return DATATYPES[self.datatype].dtype
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Signature:
-    """What a model takes and gives: one input and one output, both batched on dim 0.
+    """What a model takes and gives: named inputs and outputs, all batched on dim 0.
 
-    The model server runs `module(batch)`, so it hosts single-input, single-output models;
-    signatures with more tensors are refused at load rather than half-served.
+    `Signature(input, output)` is a one-input one-output model (its rows travel as one
+    array); `Signature(inputs=[...], outputs=[...])` any other. Names are unique among the
+    inputs and among the outputs. The model is called with its inputs in this order and its
+    outputs are read in this order (or by name, when it returns a dict).
     """
 
-    input: TensorSig
-    output: TensorSig
+    inputs: tuple[TensorSig, ...]
+    outputs: tuple[TensorSig, ...]
+
+    def __init__(
+        self,
+        input: TensorSig | None = None,
+        output: TensorSig | None = None,
+        *,
+        inputs: Sequence[TensorSig] = (),
+        outputs: Sequence[TensorSig] = (),
+    ) -> None:
+        ins = ((input,) if input is not None else ()) + tuple(inputs)
+        outs = ((output,) if output is not None else ()) + tuple(outputs)
+        for kind, tensors in (("inputs", ins), ("outputs", outs)):
+            if not tensors:
+                raise ValueError(f"signature: at least one of {kind} is required")
+            names = [t.name for t in tensors]
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            if dupes:
+                raise ValueError(f"signature.{kind}: names must be unique, {dupes} repeat")
+        object.__setattr__(self, "inputs", ins)
+        object.__setattr__(self, "outputs", outs)
 
     @classmethod
     def from_specs(
         cls, inputs: Sequence[_SpecLike], outputs: Sequence[_SpecLike], where: str = "signature"
     ) -> Signature:
         """A validated signature from registry TensorSpecs; raises ValueError naming the field."""
-        if len(inputs) != 1 or len(outputs) != 1:
+        if not inputs or not outputs:
             raise ValueError(
-                f"{where}: the model server hosts single-input single-output models, "
+                f"{where}: a model needs at least one input and one output, "
                 f"got {len(inputs)} inputs and {len(outputs)} outputs"
             )
-        return cls(
-            input=_sig(inputs[0], f"{where}.inputs[0]"),
-            output=_sig(outputs[0], f"{where}.outputs[0]"),
-        )
+        sig_inputs = [_sig(spec, f"{where}.inputs[{i}]") for i, spec in enumerate(inputs)]
+        sig_outputs = [_sig(spec, f"{where}.outputs[{i}]") for i, spec in enumerate(outputs)]
+        try:
+            return cls(inputs=sig_inputs, outputs=sig_outputs)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("signature", where, 1)) from None
 
     @property
-    def inputs(self) -> tuple[TensorSig, ...]:
-        return (self.input,)
+    def single(self) -> bool:
+        """One input and one output: rows travel as one array instead of NamedRows."""
+        return len(self.inputs) == 1 and len(self.outputs) == 1
 
     @property
-    def outputs(self) -> tuple[TensorSig, ...]:
-        return (self.output,)
+    def input(self) -> TensorSig:
+        """The first input (the only one of a single-tensor model)."""
+        return self.inputs[0]
+
+    @property
+    def output(self) -> TensorSig:
+        """The first output (the only one of a single-tensor model)."""
+        return self.outputs[0]
+
+    def input_named(self, name: str) -> TensorSig | None:
+        return next((sig for sig in self.inputs if sig.name == name), None)
+
+    def output_named(self, name: str) -> TensorSig | None:
+        return next((sig for sig in self.outputs if sig.name == name), None)
 
 
 def _sig(spec: _SpecLike, where: str) -> TensorSig:
@@ -151,7 +210,9 @@ def _sig(spec: _SpecLike, where: str) -> TensorSig:
 class DecodedRequest:
     """A validated request: its input rows, how it sent them, which outputs it wants."""
 
-    rows: np.ndarray  # (n_rows, *input.dims), the signature's dtype
+    # (n_rows, *input.dims) in the signature's dtype for a single-tensor model; else
+    # NamedRows holding every input, in the signature's order.
+    rows: Rows
     raw: bool  # the request used raw_input_contents (and so gets raw_output_contents)
     outputs: tuple[str, ...]  # requested output names, in the request's order (all if none)
 
@@ -172,6 +233,7 @@ def decode_request(
         )
     known = {sig.name: sig for sig in signature.inputs}
     seen: dict[str, np.ndarray] = {}
+    first: tuple[int, str, int] | None = None  # (index, name, rows) of the first input
     for index, tensor in enumerate(request.inputs):
         where = f"inputs[{index}]"
         sig = known.get(tensor.name)
@@ -181,13 +243,25 @@ def decode_request(
             )
         if tensor.name in seen:
             raise RequestError(f"{where}.name: duplicate input {tensor.name!r}")
-        seen[tensor.name] = _decode_input(request, index, sig, max_rows, raw)
+        rows = _decode_input(request, index, sig, max_rows, raw)
+        n_rows = int(rows.shape[0])
+        if first is None:
+            first = (index, tensor.name, n_rows)
+        elif n_rows != first[2]:
+            raise RequestError(
+                f"{where}.shape[0]: input {tensor.name!r} has {n_rows} rows but "
+                f"inputs[{first[0]}] {first[1]!r} has {first[2]}; every input carries the "
+                "same rows"
+            )
+        seen[tensor.name] = rows
     for name in known:
         if name not in seen:
             raise RequestError(f"inputs: missing input {name!r}")
-    return DecodedRequest(
-        rows=seen[signature.input.name], raw=raw, outputs=_requested_outputs(request, signature)
-    )
+    outputs = _requested_outputs(request, signature)
+    if signature.single:
+        return DecodedRequest(rows=seen[signature.input.name], raw=raw, outputs=outputs)
+    named = NamedRows({sig.name: seen[sig.name] for sig in signature.inputs})
+    return DecodedRequest(rows=named, raw=raw, outputs=outputs)
 
 
 def _decode_input(
@@ -196,8 +270,10 @@ def _decode_input(
     where = f"inputs[{index}]"
     tensor = request.inputs[index]
     if tensor.datatype != sig.datatype:
+        # With several inputs the message names the one concerned as well as its index.
+        named = f" for input {sig.name!r}" if len(request.inputs) > 1 else ""
         raise RequestError(
-            f"{where}.datatype: expected {sig.datatype}, got {tensor.datatype or '(empty)'}"
+            f"{where}.datatype: expected {sig.datatype}{named}, got {tensor.datatype or '(empty)'}"
         )
     shape = [int(d) for d in tensor.shape]
     if any(d < 0 for d in shape):
@@ -288,25 +364,43 @@ def _requested_outputs(request: oip.ModelInferRequest, signature: Signature) -> 
 
 def encode_outputs(
     response: oip.ModelInferResponse,
-    result: np.ndarray,
+    result: Rows,
     signature: Signature,
     names: Iterable[str],
     raw: bool,
 ) -> None:
     """Add the model's output rows to `response`, raw or typed (see the module docstring).
 
-    Raises ValueError when `result` does not fit the output signature: that is the model's
-    fault, not the caller's, and becomes INTERNAL.
+    `result` is one array for a single-tensor signature, NamedRows otherwise. Raises
+    ValueError when it does not fit the output signature: that is the model's fault, not the
+    caller's, and becomes INTERNAL.
     """
-    sig = signature.output
-    if result.ndim < 1 or tuple(result.shape[1:]) != sig.dims:
-        raise ValueError(f"model output shape {list(result.shape)} does not fit {list(sig.shape)}")
-    values = np.ascontiguousarray(result, dtype=sig.dtype)
-    typed_field = DATATYPES[sig.datatype].typed_field
+    chosen: list[tuple[TensorSig, np.ndarray]] = []
     for name in names:
-        # One output today; the loop keeps the request's order should that change.
-        tensor = response.outputs.add(name=name, datatype=sig.datatype, shape=list(values.shape))
-        if raw or typed_field is None:
+        sig = signature.output_named(name)
+        if sig is None:
+            raise ValueError(f"output {name!r} is not in the signature")
+        if isinstance(result, NamedRows):
+            if name not in result:
+                raise ValueError(f"the model gave no output {name!r}")
+            values = result[name]
+        elif signature.single:
+            values = result
+        else:
+            raise ValueError("a multi-tensor model must answer NamedRows")
+        if values.ndim < 1 or tuple(values.shape[1:]) != sig.dims:
+            raise ValueError(
+                f"model output {name!r} shape {list(values.shape)} does not fit {list(sig.shape)}"
+            )
+        chosen.append((sig, np.ascontiguousarray(values, dtype=sig.dtype)))
+    # OIP: raw_output_contents holds every output or none.
+    fields = [DATATYPES[sig.datatype].typed_field for sig, _ in chosen]
+    raw = raw or None in fields
+    for (sig, values), field in zip(chosen, fields, strict=True):
+        tensor = response.outputs.add(
+            name=sig.name, datatype=sig.datatype, shape=list(values.shape)
+        )
+        if raw or field is None:
             response.raw_output_contents.append(values.tobytes())
         else:
-            getattr(tensor.contents, typed_field).extend(values.ravel().tolist())
+            getattr(tensor.contents, field).extend(values.ravel().tolist())

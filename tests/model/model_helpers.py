@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 
+import grpc
 import numpy as np
 import torch
 
@@ -19,8 +21,12 @@ from servemesh.demo import Artifact
 from servemesh.services.model.batching import MONOTONIC, Batcher, BatchRunner, Clock
 from servemesh.services.model.loader import LoadedModel, warm_up_sizes
 from servemesh.services.model.runner import ModelRunner
+from servemesh.services.model.service import SERVICE_NAME
+from servemesh.services.model.servicer import InferenceServicer
 from servemesh.services.model.tensors import Signature, TensorSig
+from servemesh.services.runtime import ServiceServer
 from servemesh.spec import BatchingSpec
+from servemesh_api.inference import grpc_service_pb2_grpc
 
 FEATURES = 64
 SIGNATURE = Signature(
@@ -29,6 +35,32 @@ SIGNATURE = Signature(
 )
 # A batch the test never lets through fails after this long instead of hanging the run.
 GATE_TIMEOUT_S = 30.0
+REPLICA = "model-zone-a-0"
+Stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub
+
+
+@asynccontextmanager
+async def serving_at(servicer: InferenceServicer) -> AsyncIterator[tuple[Stub, int]]:
+    """`servicer` on a real grpc.aio server on 127.0.0.1 (a free port): a stub, and the port."""
+    server = ServiceServer(REPLICA, port=0, drain_grace_s=1.0)
+    server.add_service(
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
+    )
+    server.on_stop(servicer.repository.close)
+    port = await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield Stub(channel), port
+    finally:
+        await channel.close()
+        await server.drain()
+
+
+@asynccontextmanager
+async def serving(servicer: InferenceServicer) -> AsyncIterator[tuple[Stub, None]]:
+    """`servicer` on a real grpc.aio server on 127.0.0.1 (a free port), and a stub to it."""
+    async with serving_at(servicer) as (stub, _):
+        yield stub, None
 
 
 def rows(n: int, seed: int = 0) -> np.ndarray:

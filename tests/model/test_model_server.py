@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 
 import grpc
 import numpy as np
@@ -19,21 +18,20 @@ from servemesh.services.model.loader import LoadedModel, load_model
 from servemesh.services.model.repository import natural_key
 from servemesh.services.model.service import SERVICE_NAME, build_server
 from servemesh.services.model.servicer import InferenceServicer
-from servemesh.services.runtime import ServiceServer
 from servemesh.spec import BatchingSpec, MeshSpec, Ports, resolve
 from servemesh_api.inference import grpc_service_pb2 as oip
-from servemesh_api.inference import grpc_service_pb2_grpc
 from tests.model.model_helpers import (
     FEATURES,
+    REPLICA,
     SIGNATURE,
     GatedLoader,
+    Stub,
     marked,
     reference_scores,
     rows,
+    serving,
 )
 
-REPLICA = "model-zone-a-0"
-Stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub
 Loader = Callable[[str, str], Awaitable[LoadedModel]]
 
 
@@ -62,22 +60,6 @@ def demo_loader(
         )
 
     return load
-
-
-@asynccontextmanager
-async def serving(servicer: InferenceServicer) -> AsyncIterator[tuple[Stub, grpc.aio.Channel]]:
-    server = ServiceServer(REPLICA, port=0, drain_grace_s=1.0)
-    server.add_service(
-        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
-    )
-    server.on_stop(servicer.repository.close)
-    port = await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield Stub(channel), channel
-    finally:
-        await channel.close()
-        await server.drain()
 
 
 @pytest.fixture

@@ -206,7 +206,8 @@ def test_signature_from_registry_specs() -> None:
 @pytest.mark.parametrize(
     ("inputs", "message"),
     [
-        ([("a", "FP32", [-1, 4]), ("b", "FP32", [-1, 4])], "single-input single-output"),
+        ([("a", "FP32", [-1, 4]), ("a", "INT64", [-1])], r"names must be unique, \['a'\] repeat"),
+        ([], "at least one input and one output"),
         ([("a", "FP32", [4, 4])], "the first dim must be the batch dim -1"),
         ([("a", "FP32", [-1, -1])], "only the batch dim may be variable"),
         ([("a", "BYTES", [-1, 1])], "'BYTES' is not supported"),

@@ -17,8 +17,8 @@ from tests.registry.registry_kit import MAX_ARTIFACT_BYTES, RunningRegistry
 
 
 def _demo(seed: int) -> Artifact:
-    # torch deprecates torch.jit.script/save in favour of torch.export, but TorchScript
-    # stays the format the registry accepts; the warnings would fail the run under "error".
+    # torch deprecates torch.jit.script/save in favour of torch.export; the demo stays
+    # TorchScript, and the warnings would fail the run under "error".
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", r"`torch\.jit\.\w+` is deprecated", DeprecationWarning)
         return demo_artifact(seed)
@@ -50,9 +50,12 @@ def store(store_root: Path) -> Iterator[RegistryStore]:
 async def registry(store: RegistryStore) -> AsyncIterator[RunningRegistry]:
     server = registry_server(store, "registry-test", host="127.0.0.1", port=0)
     port = await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    address = f"127.0.0.1:{port}"
+    channel = grpc.aio.insecure_channel(address)
     try:
-        yield RunningRegistry(store, server, channel, registry_pb2_grpc.RegistryStub(channel))
+        yield RunningRegistry(
+            store, server, channel, registry_pb2_grpc.RegistryStub(channel), address
+        )
     finally:
         await channel.close()
         await server.drain()

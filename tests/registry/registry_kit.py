@@ -29,6 +29,7 @@ class RunningRegistry:
     server: ServiceServer
     channel: grpc.aio.Channel
     stub: registry_pb2_grpc.RegistryStub
+    address: str = ""  # host:port it listens on
 
 
 def header_for(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import sqlite3
 from dataclasses import replace
 from pathlib import Path
 
@@ -300,3 +301,88 @@ def test_a_version_whose_blob_vanished_reports_it_missing(
     blob_path(store_root, record.sha256).unlink()
     with pytest.raises(BlobMissingError, match="fraud/v1"):
         store.open_artifact(record)
+
+
+def test_torch_export_archives_and_multi_tensor_signatures_are_recorded(
+    store: RegistryStore,
+) -> None:
+    inputs = (TensorSpec("features", "FP32", (-1, 4)), TensorSpec("category", "INT64", (-1,)))
+    outputs = (TensorSpec("probabilities", "BF16", (-1, 3)), TensorSpec("label", "BOOL", (-1,)))
+    record = upload(store, DATA, format="torch_export", inputs=inputs, outputs=outputs)
+    assert store.get_version("fraud", "v1") == record
+    assert (record.format, record.inputs, record.outputs) == ("torch_export", inputs, outputs)
+
+
+def test_lineage_and_metrics_are_stored_with_the_version(store: RegistryStore) -> None:
+    lineage = {"data": "sha256:" + "ab" * 32, "code": "9ce8f64", "notebook": "runs/42"}
+    record = upload(store, DATA, lineage=lineage, metrics={"auc": 0.91, "log_loss": 0.3})
+    assert store.get_version("fraud", "v1") == record
+    assert record.lineage == lineage and record.metrics == {"auc": 0.91, "log_loss": 0.3}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"lineage": {"data": "md5:abc"}}, "header.lineage[data]: 'md5:abc' is not sha256:<64"),
+        ({"lineage": {"code": "main"}}, "header.lineage[code]: 'main' is not a git commit"),
+        ({"lineage": {"run": "two words"}}, "header.lineage[run]: 'two words' is not a reference"),
+        ({"metrics": {"auc": float("nan")}}, "header.metrics[auc]: nan is not a finite number"),
+        ({"metrics": {"AUC": 0.5}}, "header.metrics: key 'AUC' is not a valid metric name"),
+    ],
+)
+def test_malformed_lineage_and_metrics_are_refused_naming_the_field(
+    store: RegistryStore, store_root: Path, changes: dict[str, object], message: str
+) -> None:
+    with pytest.raises(InvalidArgumentError) as refused:
+        store.begin_upload(replace(header_for(DATA), **changes))  # type: ignore[arg-type]
+    assert refused.value.message.startswith(message)
+    assert_nothing_left(store, store_root)
+
+
+# The schema a store had before lineage and metrics (PRAGMA user_version 0).
+SCHEMA_0 = """
+CREATE TABLE models (name TEXT PRIMARY KEY, description TEXT NOT NULL,
+                     created_unix_ms INTEGER NOT NULL);
+CREATE TABLE versions (
+    model TEXT NOT NULL REFERENCES models(name), version TEXT NOT NULL,
+    sha256 TEXT NOT NULL, size_bytes INTEGER NOT NULL CHECK (size_bytes > 0),
+    format TEXT NOT NULL, inputs TEXT NOT NULL, outputs TEXT NOT NULL, labels TEXT NOT NULL,
+    created_unix_ms INTEGER NOT NULL, PRIMARY KEY (model, version));
+CREATE TABLE aliases (model TEXT NOT NULL REFERENCES models(name), alias TEXT NOT NULL,
+                      version TEXT NOT NULL, PRIMARY KEY (model, alias),
+                      FOREIGN KEY (model, version) REFERENCES versions(model, version));
+"""
+
+
+def test_a_store_written_before_lineage_is_migrated_and_stays_readable(tmp_path: Path) -> None:
+    root = tmp_path / "old"
+    root.mkdir()
+    sha = hashlib.sha256(DATA).hexdigest()
+    (root / "blobs" / "sha256" / sha[:2]).mkdir(parents=True)
+    (root / "blobs" / "sha256" / sha[:2] / sha).write_bytes(DATA)
+    db = sqlite3.connect(root / "registry.db")
+    db.executescript(SCHEMA_0)
+    specs = '[{"name": "features", "datatype": "FP32", "shape": [-1, 64]}]'
+    with db:
+        db.execute("INSERT INTO models VALUES ('fraud', '', 1)")
+        db.execute(
+            "INSERT INTO versions VALUES ('fraud', 'v1', ?, ?, 'torchscript', ?, ?, '{}', 2)",
+            (sha, len(DATA), specs, specs.replace("features", "score")),
+        )
+        db.execute("INSERT INTO aliases VALUES ('fraud', 'production', 'v1')")
+    db.close()
+
+    store = RegistryStore(root, 1 << 20)
+    try:
+        old = store.get_version("fraud", "production")
+        assert (old.version, old.sha256, old.lineage, old.metrics) == ("v1", sha, {}, {})
+        with store.open_artifact(old) as blob:
+            assert blob.read() == DATA
+        new = upload(store, b"v2 bytes", version="v2", metrics={"auc": 0.5})
+        assert store.get_version("fraud", "v2").metrics == new.metrics == {"auc": 0.5}
+    finally:
+        store.close()
+    db = sqlite3.connect(root / "registry.db")
+    assert db.execute("PRAGMA user_version").fetchone()[0] == store_module.SCHEMA_VERSION
+    db.close()
+    RegistryStore(root, 1 << 20).close()  # opening a migrated store again changes nothing

@@ -48,9 +48,11 @@ ALLOWED: dict[str, set[str]] = {
     "routes_cli": CONTRACT | TOOLING,
     # loads a user's feature file through a running mesh's feature service (its row checks)
     "features": CONTRACT | {"proxy", "services.feature"},
+    # pushes check and probe a model with the model server's own loader before uploading
+    "models_cli": CONTRACT | TOOLING | {"registry", "services.model"},
     "cli": CONTRACT
     | TOOLING
-    | {"launcher", "chaos", "bench", "model_bench", "routes_cli", "features"},
+    | {"launcher", "chaos", "bench", "model_bench", "routes_cli", "features", "models_cli"},
     "__main__": {"cli"},
     # development tools
     "protogen": set(),

@@ -8,6 +8,7 @@ with what Ray lacks: deadlines, priorities, load shedding and failure isolation.
 | --- | --- |
 | `batcher` | Batcher: admission, dispatch policy, running batches, splitting failed ones |
 | `queues` | the record of one queued request; per-priority queues in deadline order |
+| `rows` | what is batched: one array, or NamedRows for multi-tensor models; join and cut |
 | `overlap` | ArrivalOverlap: whether arrivals overlap (adaptive dispatch waits then) |
 | `worker` | the thread that runs the model, results back as asyncio futures |
 | `stats` | counters and histograms read by OIP statistics and /metrics |
@@ -30,6 +31,7 @@ from servemesh.services.model.batching.clock import (
     Timer,
 )
 from servemesh.services.model.batching.overlap import ArrivalOverlap
+from servemesh.services.model.batching.rows import NamedRows, Rows, cut_rows, join_rows, row_count
 from servemesh.services.model.batching.stats import (
     BatcherStats,
     BatchSizeStats,
@@ -51,5 +53,10 @@ __all__ = [
     "Duration",
     "ManualClock",
     "MonotonicClock",
+    "NamedRows",
+    "Rows",
     "Timer",
+    "cut_rows",
+    "join_rows",
+    "row_count",
 ]

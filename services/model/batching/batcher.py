@@ -38,6 +38,7 @@ import numpy as np
 from servemesh.services.model.batching.clock import MONOTONIC, Clock
 from servemesh.services.model.batching.overlap import ArrivalOverlap
 from servemesh.services.model.batching.queues import Pending, RequestQueue, State
+from servemesh.services.model.batching.rows import NamedRows, Rows, cut_rows, join_rows, row_count
 from servemesh.services.model.batching.stats import BatcherStats
 from servemesh.services.model.batching.worker import Worker
 from servemesh.services.model.errors import DeadlineMissed, InferenceFailed, QueueFull, Unavailable
@@ -61,12 +62,15 @@ DISPATCH_SLACK_SHARE = 0.5
 
 
 class BatchRunner(Protocol):
-    """What the batcher runs: rows in, one output row per input row out (worker thread)."""
+    """What the batcher runs: rows in, one output row per input row out (worker thread).
 
-    def run(self, batch: np.ndarray) -> np.ndarray: ...
+    Rows are one array for a one-tensor model, NamedRows for a multi-tensor one (`rows`).
+    """
+
+    def run(self, batch: Rows) -> Rows: ...
 
 
-def _timed_run(clock: Clock, runner: BatchRunner, batch: np.ndarray) -> tuple[np.ndarray, float]:
+def _timed_run(clock: Clock, runner: BatchRunner, batch: Rows) -> tuple[Rows, float]:
     started = clock.now()
     result = runner.run(batch)
     return result, clock.now() - started
@@ -122,8 +126,8 @@ class Batcher:
         return self._queue.waiting
 
     def enqueue(
-        self, rows: np.ndarray, deadline: float, request_id: str, priority: int = 0
-    ) -> asyncio.Future[np.ndarray]:
+        self, rows: Rows, deadline: float, request_id: str, priority: int = 0
+    ) -> asyncio.Future[Rows]:
         """Admit a request or refuse it at once; the future resolves to its output rows.
 
         Admission never waits (this is not a coroutine). Raises QueueFull
@@ -146,7 +150,7 @@ class Batcher:
             )
             raise QueueFull(f"queue full ({waiting} waiting)")
         now = self.clock.now()
-        n_rows = int(rows.shape[0])
+        n_rows = row_count(rows)
         if self._adaptive:
             self.overlap.observe(now)
         if self._enforce:
@@ -173,9 +177,7 @@ class Batcher:
             self._wakeup.set()
         return item.future
 
-    async def submit(
-        self, rows: np.ndarray, deadline: float, request_id: str, priority: int = 0
-    ) -> np.ndarray:
+    async def submit(self, rows: Rows, deadline: float, request_id: str, priority: int = 0) -> Rows:
         """The model's output rows for `rows`, computed in some batch before `deadline`.
 
         `enqueue` and its answer; raises what either raises. Cancelling the caller
@@ -231,7 +233,7 @@ class Batcher:
         # Recompute the wait: the forming batch may have lost its earliest deadline.
         self._wakeup.set()
 
-    def _on_answered(self, item: Pending, future: asyncio.Future[np.ndarray]) -> None:
+    def _on_answered(self, item: Pending, future: asyncio.Future[Rows]) -> None:
         if future.cancelled():
             self._withdraw(item)
 
@@ -418,15 +420,16 @@ class Batcher:
                 return
         clock = self.clock
         started = clock.now()
-        batch = items[0].rows if len(items) == 1 else np.concatenate([i.rows for i in items])
+        batch = join_rows([item.rows for item in items])
         input_s = clock.now() - started
-        size = int(batch.shape[0])
+        size = row_count(batch)
         self.stats.executions += 1
         self.stats.batch_size_hist.observe(size)
         try:
             result, infer_s = await self._worker.call(_timed_run, clock, self.runner, batch)
-            if not isinstance(result, np.ndarray) or result.ndim < 1 or result.shape[0] != size:
-                got = result.shape[0] if isinstance(result, np.ndarray) and result.ndim else "no"
+            kind = NamedRows if isinstance(batch, NamedRows) else np.ndarray
+            if not isinstance(result, kind) or row_count(result) != size:
+                got = row_count(result) if isinstance(result, kind) else "no"
                 raise ValueError(f"model returned {got} rows for a batch of {size}")
         except Exception as exc:
             if len(items) == 1:
@@ -455,7 +458,7 @@ class Batcher:
         answered = 0
         stats = self.stats
         for item in items:
-            part = result[offset : offset + item.n_rows]
+            part = cut_rows(result, offset, offset + item.n_rows)
             offset += item.n_rows
             if item.timer is not None:
                 item.timer.cancel()

@@ -15,9 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from servemesh.services.model.batching.clock import Timer
+from servemesh.services.model.batching.rows import Rows
 
 
 class State(enum.Enum):
@@ -30,13 +29,13 @@ class State(enum.Enum):
 class Pending:
     """One request from admission to answer."""
 
-    rows: np.ndarray
+    rows: Rows
     n_rows: int
     deadline: float  # on the batcher's clock
     request_id: str
     priority: int
     enqueued: float
-    future: asyncio.Future[np.ndarray]
+    future: asyncio.Future[Rows]
     seq: int = 0  # arrival order, set by RequestQueue.push: ties in deadline go first come first
     state: State = State.QUEUED
     dispatched: float = 0.0

@@ -36,7 +36,7 @@ class Model(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., aliases: _Optional[_Mapping[str, str]] = ..., created_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ModelVersion(_message.Message):
-    __slots__ = ("model", "version", "sha256", "size_bytes", "format", "inputs", "outputs", "created_unix_ms", "labels")
+    __slots__ = ("model", "version", "sha256", "size_bytes", "format", "inputs", "outputs", "created_unix_ms", "labels", "lineage", "metrics")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,20 @@ class ModelVersion(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class LineageEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +67,8 @@ class ModelVersion(_message.Message):
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     sha256: str
@@ -62,7 +78,9 @@ class ModelVersion(_message.Message):
     outputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     created_unix_ms: int
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., format: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., created_unix_ms: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    lineage: _containers.ScalarMap[str, str]
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., format: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., created_unix_ms: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., lineage: _Optional[_Mapping[str, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class CreateModelRequest(_message.Message):
     __slots__ = ("name", "description")
@@ -83,7 +101,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
 
 class UploadHeader(_message.Message):
-    __slots__ = ("model", "version", "sha256", "size_bytes", "format", "inputs", "outputs", "labels")
+    __slots__ = ("model", "version", "sha256", "size_bytes", "format", "inputs", "outputs", "labels", "lineage", "metrics")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +109,20 @@ class UploadHeader(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class LineageEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +131,8 @@ class UploadHeader(_message.Message):
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     sha256: str
@@ -107,7 +141,9 @@ class UploadHeader(_message.Message):
     inputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     outputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., format: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    lineage: _containers.ScalarMap[str, str]
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., format: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., labels: _Optional[_Mapping[str, str]] = ..., lineage: _Optional[_Mapping[str, str]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class UploadVersionRequest(_message.Message):
     __slots__ = ("header", "chunk")

@@ -1,0 +1,638 @@
+"""`servemesh models ...`: push a model version (checked and probed first), list, show, alias.
+
+The commands talk to the running mesh: its registry's address (and the model servers')
+come from `<state dir>/mesh.resolved.yaml`, the state dir from `--state-dir` or the spec
+(default `.servemesh`), and live weights from Envoy's admin API, as `servemesh routes` reads
+them. `push` refuses, with one line naming the problem and nothing uploaded, a file that is
+not a model, a damaged or hostile archive, one over the mesh's artifact limit, a signature
+that is missing or disagrees with the program, and a model whose answer to one probe batch
+(two rows: zeros, then ones) does not keep its signature.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from servemesh.proxy.admin import AdminError
+from servemesh.proxy.apply import ApplyError, MeshPaths, RouteManager
+from servemesh.proxy.live_view import live_view
+from servemesh.registry.client import push_version, set_alias
+from servemesh.registry.errors import InvalidArgumentError
+from servemesh.registry.records import TensorSpec
+from servemesh.registry.validation import (
+    check_labels,
+    check_lineage,
+    check_metrics,
+    check_name,
+    check_tensor_specs,
+)
+from servemesh.services.model.artifacts import ArtifactError, open_artifact, reconcile_signature
+from servemesh.services.model.runner import ModelRunner, SignatureViolation
+from servemesh.services.model.tensors import Signature, TensorSig
+from servemesh.spec import ResolvedSpec, SpecError, load_resolved, load_spec
+from servemesh.wire import message_size_options
+from servemesh_api.inference import grpc_service_pb2 as oip
+from servemesh_api.inference import grpc_service_pb2_grpc
+from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
+
+# Off a terminal (pipes, logs, tests) rich would wrap at 80 columns: keep lines whole.
+console = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+
+RPC_TIMEOUT_S = 10.0
+REPLICA_TIMEOUT_S = 2.0
+UPLOAD_TIMEOUT_S = 600.0
+
+
+class ModelsError(Exception):
+    """The command was refused or failed; the message is one line naming why."""
+
+
+# --- the running mesh --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunningMesh:
+    """What the commands need of the running mesh: its resolved spec and state dir."""
+
+    spec: ResolvedSpec
+    state_dir: Path
+
+    def registry_channel(self) -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(
+            self.spec.registry_address,
+            options=message_size_options(self.spec.limits.max_message_bytes),
+        )
+
+
+def running_mesh(state_dir: str | None) -> RunningMesh:
+    """The mesh whose state lives in `state_dir` (default: the spec's, `.servemesh`)."""
+    try:
+        root = Path(state_dir) if state_dir else Path(load_spec(None).state_dir)
+        paths = MeshPaths(root)
+        if not paths.resolved_spec.is_file():
+            raise ModelsError(
+                f"no running mesh under {root} ({paths.resolved_spec.name} is missing): "
+                "start one with `servemesh up`, or name its --state-dir"
+            )
+        return RunningMesh(load_resolved(paths.resolved_spec), root)
+    except SpecError as exc:
+        raise ModelsError(_one_line(str(exc))) from None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _rpc_error(what: str, exc: grpc.aio.AioRpcError) -> ModelsError:
+    return ModelsError(_one_line(f"{what}: {exc.code().name}: {exc.details()}"))
+
+
+# --- push --------------------------------------------------------------------------------
+
+
+def _pairs(items: Sequence[str] | None, flag: str) -> dict[str, str]:
+    pairs: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ModelsError(f"{flag} {item[:60]!r}: expected KEY=VALUE")
+        if key in pairs:
+            raise ModelsError(f"{flag} {key}: given twice")
+        pairs[key] = value
+    return pairs
+
+
+def _metrics(items: Sequence[str] | None) -> dict[str, float]:
+    metrics: dict[str, float] = {}
+    for key, value in _pairs(items, "--metric").items():
+        try:
+            number = float(value)
+        except ValueError:
+            raise ModelsError(f"--metric {key}: {value[:40]!r} is not a number") from None
+        if not math.isfinite(number):
+            raise ModelsError(f"--metric {key}: {value[:40]!r} is not a finite number")
+        metrics[key] = number
+    return metrics
+
+
+def read_signature(path: Path) -> Signature:
+    """A signature file: `inputs:` and `outputs:`, each a list of name, datatype, shape."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ModelsError(f"{path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ModelsError(_one_line(f"{path}: malformed YAML: {exc}")) from None
+    if not isinstance(data, dict) or set(data) - {"inputs", "outputs"}:
+        raise ModelsError(f"{path}: expected a mapping with `inputs:` and `outputs:` lists")
+    specs: dict[str, tuple[TensorSpec, ...]] = {}
+    for kind in ("inputs", "outputs"):
+        items = data.get(kind)
+        if not isinstance(items, list):
+            raise ModelsError(f"{path}: {kind}: expected a list of name, datatype, shape")
+        parsed = []
+        for index, item in enumerate(items):
+            if (
+                not isinstance(item, dict)
+                or set(item) != {"name", "datatype", "shape"}
+                or not isinstance(item["shape"], list)
+                or not all(isinstance(d, int) and not isinstance(d, bool) for d in item["shape"])
+            ):
+                raise ModelsError(
+                    f"{path}: {kind}[{index}]: expected name, datatype and shape (a list of "
+                    "ints, -1 first for the batch dim)"
+                )
+            parsed.append(
+                TensorSpec(str(item["name"]), str(item["datatype"]), tuple(item["shape"]))
+            )
+        specs[kind] = tuple(parsed)
+    try:
+        check_tensor_specs(specs["inputs"], f"{path}: inputs")
+        check_tensor_specs(specs["outputs"], f"{path}: outputs")
+        return Signature.from_specs(specs["inputs"], specs["outputs"], where=str(path))
+    except InvalidArgumentError as exc:
+        raise ModelsError(exc.message) from None
+    except ValueError as exc:
+        raise ModelsError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class PushRequest:
+    file: Path
+    model: str
+    version: str
+    signature: Path | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    lineage: Mapping[str, str] = field(default_factory=dict)
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Pushed:
+    record: registry_pb2.ModelVersion
+    signature: Signature
+    probe_shapes: dict[str, list[int]]
+
+
+def check_push(
+    request: PushRequest, limit_bytes: int
+) -> tuple[bytes, str, Signature, dict[str, list[int]]]:
+    """Everything `push` checks before a byte leaves: (data, format, signature, probe shapes).
+
+    Raises ModelsError naming the first problem.
+    """
+    try:
+        check_name(request.model, "--model")
+        check_name(request.version, "--version")
+        check_labels(request.labels, "--label")
+        check_lineage(request.lineage, "--lineage")
+        check_metrics(request.metrics, "--metric")
+    except InvalidArgumentError as exc:
+        raise ModelsError(exc.message) from None
+    name = request.file.name
+    try:
+        size = request.file.stat().st_size
+    except OSError as exc:
+        raise ModelsError(f"{request.file}: cannot read: {exc.strerror}") from None
+    if size > limit_bytes:
+        raise ModelsError(
+            f"{name}: {size} bytes is over the mesh's artifact limit of {limit_bytes} bytes "
+            "(limits.max_artifact_bytes)"
+        )
+    declared = read_signature(request.signature) if request.signature else None
+    data = request.file.read_bytes()
+    try:
+        opened = open_artifact(data, "cpu")
+        signature = reconcile_signature(opened.signature, declared)
+    except ArtifactError as exc:
+        raise ModelsError(_one_line(f"{name}: {exc}")) from None
+    runner = ModelRunner(
+        opened.module,
+        model=request.model,
+        version=request.version,
+        signature=signature,
+        device="cpu",
+        max_batch_size=2,
+    )
+    try:
+        answer = runner.probe()
+    except SignatureViolation as exc:
+        raise ModelsError(_one_line(f"{name}: the probe batch: {exc}")) from None
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise ModelsError(
+            _one_line(
+                f"{name}: the model failed on the probe batch (2 rows: zeros, ones): "
+                f"{type(exc).__name__}: {first}"
+            )
+        ) from None
+    if isinstance(answer, Mapping):
+        shapes = {key: list(value.shape) for key, value in answer.items()}
+    else:
+        shapes = {signature.output.name: list(answer.shape)}
+    return data, opened.format, signature, shapes
+
+
+async def push(mesh: RunningMesh, request: PushRequest) -> Pushed:
+    """Check, probe, then upload `request.file` as model/version with its sha256."""
+    data, format, signature, shapes = await asyncio.to_thread(
+        check_push, request, mesh.spec.limits.max_artifact_bytes
+    )
+    async with mesh.registry_channel() as channel:
+        try:
+            record = await push_version(
+                channel,
+                model=request.model,
+                version=request.version,
+                data=data,
+                inputs=[_spec(t) for t in signature.inputs],
+                outputs=[_spec(t) for t in signature.outputs],
+                labels=request.labels,
+                lineage=request.lineage,
+                metrics=request.metrics,
+                format=format,
+                timeout=UPLOAD_TIMEOUT_S,
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error(f"the registry at {mesh.spec.registry_address} refused", exc) from None
+    return Pushed(record, signature, shapes)
+
+
+def _spec(sig: TensorSig) -> TensorSpec:
+    return TensorSpec(sig.name, sig.datatype, sig.shape)
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    mesh = running_mesh(args.state_dir)
+    request = PushRequest(
+        file=Path(args.file),
+        model=args.model,
+        version=args.version,
+        signature=Path(args.signature) if args.signature else None,
+        labels=_pairs(args.label, "--label"),
+        lineage=_pairs(args.lineage, "--lineage"),
+        metrics=_metrics(args.metric),
+    )
+    pushed = asyncio.run(push(mesh, request))
+    record = pushed.record
+    out.print(
+        f"pushed {record.model} {record.version}: {record.format}, {_size(record.size_bytes)}, "
+        f"sha256 {record.sha256}",
+        highlight=False,
+        markup=False,
+    )
+    probe = ", ".join(f"{name} {shape}" for name, shape in pushed.probe_shapes.items())
+    out.print(f"probe: 2 rows (zeros, ones) answered {probe}", highlight=False, markup=False)
+    out.print(_signature_table(record))
+    out.print(f"registry: {mesh.spec.registry_address}", highlight=False, markup=False)
+    return 0
+
+
+# --- reading what the mesh holds ---------------------------------------------------------
+
+
+@dataclass
+class Holdings:
+    """Which replica holds which version, and the live weights Envoy serves."""
+
+    replicas: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    unreachable: list[str] = field(default_factory=list)
+    weights: dict[tuple[str, str], int] | None = None  # None: Envoy did not answer
+    weights_note: str = ""
+
+    def replicas_of(self, model: str, version: str) -> str:
+        return ", ".join(self.replicas.get((model, version), [])) or "-"
+
+    def weight_of(self, model: str, version: str) -> str:
+        if self.weights is None:
+            return "?"
+        weight = self.weights.get((model, version))
+        return "-" if weight is None else f"{weight}%"
+
+
+async def _replica_index(
+    spec: ResolvedSpec, instance: str
+) -> tuple[str, list[tuple[str, str]] | None]:
+    async with grpc.aio.insecure_channel(spec.address_of(instance)) as channel:
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            index = await stub.RepositoryIndex(
+                oip.RepositoryIndexRequest(ready=True), timeout=REPLICA_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError:
+            return instance, None
+    return instance, [(m.name, m.version) for m in index.models]
+
+
+def _live_weights(mesh: RunningMesh, holdings: Holdings) -> None:
+    try:
+        manager = RouteManager(MeshPaths(mesh.state_dir))
+        rows = live_view(manager.admin, mesh.spec)
+    except (ApplyError, AdminError, OSError, KeyError, ValueError) as exc:
+        holdings.weights_note = _one_line(f"live weights unavailable: {exc}")
+        return
+    holdings.weights = {(row.model, row.version): row.weight for row in rows}
+
+
+async def holdings(mesh: RunningMesh) -> Holdings:
+    """Ask every model server what it holds, and Envoy what weights it serves."""
+    found = Holdings()
+    replicas = [i.name for i in mesh.spec.instances() if i.service == "model"]
+    answers = await asyncio.gather(*(_replica_index(mesh.spec, name) for name in replicas))
+    for instance, models in answers:
+        if models is None:
+            found.unreachable.append(instance)
+            continue
+        for key in models:
+            found.replicas.setdefault(key, []).append(instance)
+    await asyncio.to_thread(_live_weights, mesh, found)
+    return found
+
+
+@dataclass
+class Catalogue:
+    models: list[registry_pb2.Model]
+    versions: dict[str, list[registry_pb2.ModelVersion]]
+
+
+async def catalogue(mesh: RunningMesh) -> Catalogue:
+    """Every model and its versions, from the registry."""
+    async with mesh.registry_channel() as channel:
+        stub = registry_pb2_grpc.RegistryStub(channel)
+        try:
+            listed = await stub.ListModels(registry_pb2.ListModelsRequest(), timeout=RPC_TIMEOUT_S)
+            versions = await asyncio.gather(
+                *(
+                    stub.ListVersions(
+                        registry_pb2.ListVersionsRequest(model=m.name), timeout=RPC_TIMEOUT_S
+                    )
+                    for m in listed.models
+                )
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error(f"the registry at {mesh.spec.registry_address}", exc) from None
+    return Catalogue(
+        list(listed.models),
+        {m.name: list(v.versions) for m, v in zip(listed.models, versions, strict=True)},
+    )
+
+
+def _aliases_of(model: registry_pb2.Model, version: str) -> list[str]:
+    return sorted(alias for alias, target in model.aliases.items() if target == version)
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
+        value /= 1024
+        if value < 1024 or unit == "GiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+def _when(unix_ms: int) -> str:
+    moment = datetime.datetime.fromtimestamp(unix_ms / 1000, tz=datetime.UTC)
+    return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _version_json(
+    model: registry_pb2.Model, record: registry_pb2.ModelVersion, found: Holdings
+) -> dict[str, Any]:
+    weight = found.weights.get((record.model, record.version)) if found.weights else None
+    return {
+        "model": record.model,
+        "version": record.version,
+        "format": record.format,
+        "sha256": record.sha256,
+        "size_bytes": record.size_bytes,
+        "created_unix_ms": record.created_unix_ms,
+        "aliases": _aliases_of(model, record.version),
+        "labels": dict(record.labels),
+        "lineage": dict(record.lineage),
+        "metrics": dict(record.metrics),
+        "inputs": [_tensor_json(t) for t in record.inputs],
+        "outputs": [_tensor_json(t) for t in record.outputs],
+        "replicas": found.replicas.get((record.model, record.version), []),
+        "weight": weight,
+    }
+
+
+def _tensor_json(spec: registry_pb2.TensorSpec) -> dict[str, Any]:
+    return {"name": spec.name, "datatype": spec.datatype, "shape": list(spec.shape)}
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    mesh = running_mesh(args.state_dir)
+
+    async def gather() -> tuple[Catalogue, Holdings]:
+        return await asyncio.gather(catalogue(mesh), holdings(mesh))
+
+    listed, found = asyncio.run(gather())
+    if args.json:
+        rows = [
+            _version_json(model, record, found)
+            for model in listed.models
+            for record in listed.versions[model.name]
+        ]
+        sys.stdout.write(json.dumps(rows) + "\n")
+        return 0
+    table = Table(
+        title=f"models in the registry ({mesh.spec.registry_address})", title_justify="left"
+    )
+    for column in ("model", "version", "aliases", "format", "size", "replicas", "weight"):
+        table.add_column(column, justify="right" if column in ("size", "weight") else "left")
+    for model in listed.models:
+        for record in listed.versions[model.name]:
+            table.add_row(
+                *_cells(
+                    model.name,
+                    record.version,
+                    ", ".join(_aliases_of(model, record.version)) or "-",
+                    record.format,
+                    _size(record.size_bytes),
+                    found.replicas_of(model.name, record.version),
+                    found.weight_of(model.name, record.version),
+                )
+            )
+    out.print(table)
+    _notes(found)
+    return 0
+
+
+def _cells(*values: str) -> list[Text]:
+    """Table cells shown as written: names and labels are not rich markup."""
+    return [Text(value) for value in values]
+
+
+def _notes(found: Holdings) -> None:
+    if found.unreachable:
+        out.print(f"replicas that did not answer: {', '.join(found.unreachable)}", markup=False)
+    if found.weights_note:
+        out.print(found.weights_note, highlight=False, markup=False)
+
+
+def _signature_table(record: registry_pb2.ModelVersion) -> Table:
+    table = Table(title="signature", title_justify="left")
+    for column in ("", "name", "datatype", "shape"):
+        table.add_column(column)
+    for kind, tensors in (("input", record.inputs), ("output", record.outputs)):
+        for tensor in tensors:
+            table.add_row(*_cells(kind, tensor.name, tensor.datatype, str(list(tensor.shape))))
+    return table
+
+
+def _pairs_text(pairs: Mapping[str, Any]) -> str:
+    shown = [
+        f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
+        for key, value in sorted(pairs.items())
+    ]
+    return ", ".join(shown) or "-"
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    mesh = running_mesh(args.state_dir)
+
+    async def gather() -> tuple[Catalogue, registry_pb2.ModelVersion, Holdings]:
+        async with mesh.registry_channel() as channel:
+            stub = registry_pb2_grpc.RegistryStub(channel)
+            try:
+                record = await stub.GetVersion(
+                    registry_pb2.GetVersionRequest(model=args.model, version=args.version),
+                    timeout=RPC_TIMEOUT_S,
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise _rpc_error(f"the registry at {mesh.spec.registry_address}", exc) from None
+        listed, found = await asyncio.gather(catalogue(mesh), holdings(mesh))
+        return listed, record, found
+
+    listed, record, found = asyncio.run(gather())
+    model = next(m for m in listed.models if m.name == record.model)
+    if args.json:
+        sys.stdout.write(json.dumps(_version_json(model, record, found)) + "\n")
+        return 0
+    facts = Table.grid(padding=(0, 2))
+    facts.add_column(style="bold")
+    facts.add_column()
+    for label, value in (
+        ("format", record.format),
+        ("sha256", record.sha256),
+        ("size", f"{_size(record.size_bytes)} ({record.size_bytes} bytes)"),
+        ("created", _when(record.created_unix_ms)),
+        ("aliases", ", ".join(_aliases_of(model, record.version)) or "-"),
+        ("labels", _pairs_text(record.labels)),
+        ("lineage", _pairs_text(record.lineage)),
+        ("metrics", _pairs_text(record.metrics)),
+        ("replicas", found.replicas_of(record.model, record.version)),
+        ("weight", found.weight_of(record.model, record.version)),
+    ):
+        facts.add_row(*_cells(label, value))
+    out.print(f"{record.model} {record.version}", highlight=False, markup=False)
+    out.print(facts, highlight=False)
+    out.print(_signature_table(record))
+    _notes(found)
+    return 0
+
+
+def cmd_alias(args: argparse.Namespace) -> int:
+    mesh = running_mesh(args.state_dir)
+
+    async def apply() -> tuple[str | None, registry_pb2.Model]:
+        async with mesh.registry_channel() as channel:
+            stub = registry_pb2_grpc.RegistryStub(channel)
+            try:
+                listed = await stub.ListModels(
+                    registry_pb2.ListModelsRequest(), timeout=RPC_TIMEOUT_S
+                )
+                before = next((m for m in listed.models if m.name == args.model), None)
+                previous = before.aliases.get(args.alias) if before is not None else None
+                model = await set_alias(
+                    channel, args.model, args.alias, args.version, timeout=RPC_TIMEOUT_S
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise _rpc_error("the registry refused", exc) from None
+        return previous, model
+
+    previous, model = asyncio.run(apply())
+    target = model.aliases[args.alias]
+    was = f" (was {previous})" if previous and previous != target else ""
+    if previous == target:
+        was = " (unchanged)"
+    out.print(f"{model.name}: {args.alias} -> {target}{was}", highlight=False, markup=False)
+    return 0
+
+
+# --- the parser ----------------------------------------------------------------------------
+
+
+def _run(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Turn a refusal into one line on stderr and exit status 1."""
+
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return int(func(args))
+        except ModelsError as exc:
+            console.print(f"[red]models {args.verb}:[/red] {escape(str(exc))}", highlight=False)
+            return 1
+
+    return wrapped
+
+
+def add_models_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    models = sub.add_parser("models", help="push, list, show and alias model versions")
+    models.add_argument("--state-dir", help="state dir of the running mesh (default: the spec's)")
+    verbs = models.add_subparsers(dest="verb", required=True)
+
+    push_ = verbs.add_parser(
+        "push",
+        help="check and probe a TorchScript (.pt) or torch.export (.pt2) file, then upload it",
+    )
+    push_.add_argument("file")
+    push_.add_argument("--model", required=True)
+    push_.add_argument("--version", required=True)
+    push_.add_argument("--signature", help="inputs and outputs (YAML); required for TorchScript")
+    push_.add_argument("--label", action="append", metavar="KEY=VALUE", help="repeatable")
+    push_.add_argument(
+        "--lineage",
+        action="append",
+        metavar="KEY=VALUE",
+        help="e.g. data=sha256:<hex>, code=<git sha> (repeatable)",
+    )
+    push_.add_argument("--metric", action="append", metavar="NAME=NUMBER", help="repeatable")
+    push_.set_defaults(func=_run(cmd_push))
+
+    list_ = verbs.add_parser(
+        "list", help="models, versions, aliases, sizes, replicas holding each, live weight"
+    )
+    list_.add_argument("--json", action="store_true")
+    list_.set_defaults(func=_run(cmd_list))
+
+    show = verbs.add_parser("show", help="one version: signature, sha256, lineage, metrics, ...")
+    show.add_argument("model")
+    show.add_argument("version", help="a version or an alias")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(func=_run(cmd_show))
+
+    alias = verbs.add_parser("alias", help="point an alias at a version, e.g. production v2")
+    alias.add_argument("model")
+    alias.add_argument("alias")
+    alias.add_argument("version")
+    alias.set_defaults(func=_run(cmd_alias))

@@ -1,0 +1,93 @@
+"""`servemesh models` against a whole running mesh: live weights from Envoy, replicas that
+hold each version, and a pushed torch.export model loaded onto one replica."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from servemesh.launcher import Mesh
+from servemesh_api.inference import grpc_service_pb2 as oip
+from servemesh_api.inference import grpc_service_pb2_grpc
+from tests.mesh.conftest import SLOW_VERSION
+from tests.model.torch_models import CHURN_FEATURES, Churn, churn_example, exported
+
+
+def models(mesh: Mesh, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "servemesh", "models", "--state-dir", str(mesh.state_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def listed(mesh: Mesh) -> dict[tuple[str, str], dict[str, Any]]:
+    done = models(mesh, "list", "--json")
+    assert done.returncode == 0, done.stderr
+    return {(row["model"], row["version"]): row for row in json.loads(done.stdout)}
+
+
+def test_list_shows_live_weights_and_the_replicas_that_hold_each_version(
+    mesh: Mesh, tmp_path: Path
+) -> None:
+    replicas = sorted(i.name for i in mesh.spec.instances() if i.service == "model")
+    before = listed(mesh)
+    assert {key: row["weight"] for key, row in before.items()} == {
+        ("fraud", "v1"): 100,
+        ("fraud", "v2"): 0,
+        ("fraud", SLOW_VERSION): 0,
+    }
+    assert all(sorted(row["replicas"]) == replicas for row in before.values())
+
+    artifact = tmp_path / "churn.pt2"
+    artifact.write_bytes(exported(Churn(), churn_example()))
+    signature = tmp_path / "sig.yaml"
+    signature.write_text(
+        yaml.safe_dump(
+            {
+                "inputs": [
+                    {"name": "features", "datatype": "FP32", "shape": [-1, CHURN_FEATURES]},
+                    {"name": "category", "datatype": "INT64", "shape": [-1]},
+                ],
+                "outputs": [
+                    {"name": "probabilities", "datatype": "FP32", "shape": [-1, 3]},
+                    {"name": "label", "datatype": "INT64", "shape": [-1]},
+                ],
+            }
+        )
+    )
+    pushed = models(
+        mesh, "push", str(artifact), "--model", "churn", "--version", "v1",
+        "--signature", str(signature),
+    )  # fmt: skip
+    assert pushed.returncode == 0, pushed.stderr
+    with grpc.insecure_channel(mesh.spec.address_of(replicas[0])) as channel:
+        request = oip.RepositoryModelLoadRequest(model_name="churn")
+        request.parameters["version"].string_param = "v1"
+        grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(
+            request, timeout=120
+        )
+
+    try:
+        after = listed(mesh)
+        churn = after[("churn", "v1")]
+        assert churn["replicas"] == [replicas[0]] and churn["format"] == "torch_export"
+        assert churn["weight"] is None  # the spec routes no traffic to it
+        table = models(mesh, "list")
+        assert table.returncode == 0, table.stderr
+        lines = table.stdout.splitlines()
+        assert "100%" in next(line for line in lines if "fraud" in line and " v1 " in line)
+    finally:
+        # The session's mesh is shared: leave its replica serving what it served before.
+        with grpc.insecure_channel(mesh.spec.address_of(replicas[0])) as channel:
+            grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel).RepositoryModelUnload(
+                oip.RepositoryModelUnloadRequest(model_name="churn"), timeout=30
+            )
