@@ -48,22 +48,9 @@ class Artifact:
 
 def build_fraud_model(seed: int) -> torch.nn.Module:
     """MLP 64 -> 512 -> 512 -> 1 with a sigmoid: the same weights for the same seed."""
-    import torch
+    from servemesh.demo_model import fraud_mlp
 
-    generator = torch.Generator().manual_seed(seed)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(N_FEATURES, HIDDEN),
-        torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, HIDDEN),
-        torch.nn.ReLU(),
-        torch.nn.Linear(HIDDEN, 1),
-        torch.nn.Sigmoid(),
-    )
-    with torch.no_grad():
-        for param in model.parameters():
-            bound = 1.0 / np.sqrt(param.shape[-1])
-            param.copy_(torch.empty(param.shape).uniform_(-bound, bound, generator=generator))
-    return model.eval()
+    return fraud_mlp(seed, N_FEATURES, HIDDEN)
 
 
 def torchscript_artifact(model: torch.nn.Module) -> Artifact:

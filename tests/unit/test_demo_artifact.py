@@ -13,14 +13,20 @@ import torch
 
 from servemesh.demo import build_fraud_model, demo_artifact, demo_seed
 
-EXPORT = "from servemesh.demo import demo_artifact; print(demo_artifact(3).sha256)"
+EXPORT = "from servemesh.demo import demo_artifact; print(demo_artifact({seed}).sha256)"
+# An unrelated model with nn.Linear layers, scripted before the demo in the same process.
+SCRIPT_OTHER_FIRST = (
+    "import torch; "
+    "torch.jit.script(torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))); "
+)
 
 
-def exported_sha256(hash_seed: str, cwd: Path) -> str:
-    """The demo artifact's sha256 as a fresh interpreter with this hash seed computes it."""
+def exported_sha256(hash_seed: str, cwd: Path, seed: int = 3, prelude: str = "") -> str:
+    """The demo artifact's sha256 as a fresh interpreter with this hash seed computes it,
+    after running `prelude`."""
     env = {**os.environ, "PYTHONHASHSEED": hash_seed}
     done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", EXPORT],
+        [sys.executable, "-W", "ignore", "-c", prelude + EXPORT.format(seed=seed)],
         env=env,
         cwd=cwd,
         capture_output=True,
@@ -59,3 +65,10 @@ def test_different_seeds_give_different_artifacts() -> None:
 def test_demo_sources_name_their_seed() -> None:
     assert demo_seed("demo:7") == 7
     assert demo_seed("registry") is None
+
+
+def test_what_the_process_scripted_before_does_not_change_the_bytes(tmp_path: Path) -> None:
+    # TorchScript names a scripted nn.Linear after the shapes it met earlier in the process;
+    # the demo network has no such class, so an unrelated model scripted first changes nothing.
+    plain = exported_sha256("0", tmp_path, seed=4)
+    assert exported_sha256("0", tmp_path, seed=4, prelude=SCRIPT_OTHER_FIRST) == plain
