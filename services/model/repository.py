@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 
@@ -23,6 +23,7 @@ from servemesh_api.inference import grpc_service_pb2 as oip
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
+Listener = Callable[[], Awaitable[None]]
 
 
 def natural_key(version: str) -> tuple[object, ...]:
@@ -52,6 +53,15 @@ class ModelRepository:
         # RepositoryIndex states of versions not (or no longer) serving: LOADING, UNAVAILABLE.
         self._states: dict[Key, tuple[str, str]] = {}
         self._locks: dict[Key, asyncio.Lock] = {}
+        self._listeners: list[Listener] = []
+
+    def on_change(self, listener: Listener) -> None:
+        """Call `listener` after every install and unload (the replica's health follows)."""
+        self._listeners.append(listener)
+
+    async def _changed(self) -> None:
+        for listener in self._listeners:
+            await listener()
 
     # --- what is served ---------------------------------------------------------------
 
@@ -105,6 +115,7 @@ class ModelRepository:
         self._models[key] = loaded
         self._states.pop(key, None)
         self._latest[loaded.model] = self.versions_of(loaded.model)[-1]
+        await self._changed()
         if previous is not None and previous is not loaded:
             await previous.close()
 
@@ -159,6 +170,7 @@ class ModelRepository:
         for key in keys:
             self.expected.discard(key)
             self._states[key] = ("UNAVAILABLE", "unloaded")
+        await self._changed()  # before the drain of the batchers: health goes first
         for loaded in gone:
             await loaded.close()
         return gone

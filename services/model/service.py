@@ -10,6 +10,7 @@ import grpc
 
 from servemesh.services.model.loader import ModelLoader, registry_loader
 from servemesh.services.model.metrics import MetricsEndpoint, model_registry
+from servemesh.services.model.readiness import ModelServer, routed_versions
 from servemesh.services.model.servicer import InferenceServicer
 from servemesh.services.model.shadow import ShadowLedger, ShadowRecorder, ledger_path
 from servemesh.services.runtime import DeadlineBudget, ServiceServer
@@ -63,7 +64,9 @@ async def build_server(
     """The model server for `instance`, returned unstarted with every version loaded.
 
     It binds its port and turns its health SERVING only after every version is loaded and
-    warmed up, so Envoy never routes to a replica that cannot answer yet. Prometheus
+    warmed up, so Envoy never routes to a replica that cannot answer yet; afterwards its
+    health stays NOT_SERVING while any version the spec routes traffic to is unloaded
+    (see `readiness`). Prometheus
     metrics are served at http://<metrics_address_of(instance)>/metrics (a free port when
     the spec names none). Without `loader`
     versions come from the registry at spec.registry_address. On drain (SIGTERM) the
@@ -85,8 +88,10 @@ async def build_server(
         raise
     # Answers of shadowed calls (both sides) go to a ledger for `routes shadow-report`.
     ledger = ShadowLedger(ledger_path(Path(spec.state_dir), instance))
-    server = ServiceServer(
+    server = ModelServer(
         instance,
+        repository=servicer.repository,
+        routed=routed_versions(spec),
         host=spec.host,
         port=port,
         max_message_bytes=spec.limits.max_message_bytes,
