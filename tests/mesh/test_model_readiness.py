@@ -1,0 +1,95 @@
+"""A model replica that unloads its routed version fails Envoy's health check and is routed
+around; loading the version back brings it into rotation again."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from servemesh.launcher import Mesh
+from servemesh.proxy.admin import AdminClient
+from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from servemesh_api.inference import grpc_service_pb2 as oip
+from servemesh_api.inference import grpc_service_pb2_grpc
+from tests.waiting import wait_until
+
+VICTIM = "model-zone-a-0"
+OTHER = "model-zone-b-0"
+ROUTED = "v1"  # weight 100 in the test mesh's spec
+
+
+def _version() -> dict[str, oip.ModelRepositoryParameter]:
+    return {"version": oip.ModelRepositoryParameter(string_param=ROUTED)}
+
+
+def _hosts_of(admin: AdminClient, address: str) -> dict[str, bool]:
+    """Whether each cluster holding `address` calls that host healthy."""
+    return {
+        name: host.healthy
+        for name, cluster in admin.clusters().items()
+        for host in cluster.hosts
+        if host.address == address
+    }
+
+
+def _every_cluster(admin: AdminClient, address: str, *, healthy: bool) -> dict[str, bool] | None:
+    """The host's health per cluster once every cluster holding it agrees on `healthy`."""
+    seen = _hosts_of(admin, address)
+    return seen if seen and all(value == healthy for value in seen.values()) else None
+
+
+@pytest.fixture
+def victim(mesh: Mesh) -> Iterator[grpc_service_pb2_grpc.GRPCInferenceServiceStub]:
+    """An OIP stub straight to VICTIM's port; its routed version is loaded again after."""
+    address = f"{mesh.spec.host}:{mesh.spec.port_of(VICTIM)}"
+    with grpc.insecure_channel(address) as channel:
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            yield stub
+        finally:
+            ready = stub.ModelReady(oip.ModelReadyRequest(name="fraud", version=ROUTED), timeout=5)
+            if not ready.ready:
+                stub.RepositoryModelLoad(
+                    oip.RepositoryModelLoadRequest(model_name="fraud", parameters=_version()),
+                    timeout=120,
+                )
+
+
+def test_replica_missing_its_routed_version_is_taken_out_by_envoy_health_checks(
+    mesh: Mesh, victim: grpc_service_pb2_grpc.GRPCInferenceServiceStub
+) -> None:
+    admin = AdminClient(f"{mesh.spec.host}:{mesh.spec.ports.envoy_admin}")
+    address = f"{mesh.spec.host}:{mesh.spec.port_of(VICTIM)}"
+    wait_until(
+        lambda: _every_cluster(admin, address, healthy=True),
+        f"{VICTIM} healthy in every cluster before the test",
+    )
+
+    victim.RepositoryModelUnload(
+        oip.RepositoryModelUnloadRequest(model_name="fraud", parameters=_version()), timeout=10
+    )
+    wait_until(
+        lambda: _every_cluster(admin, address, healthy=False),
+        f"Envoy to mark {VICTIM} unhealthy in every cluster",
+    )
+    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+        gateway = gateway_pb2_grpc.GatewayStub(channel)
+        answers = [
+            gateway.Predict(
+                gateway_pb2.PredictRequest(model="fraud", entity_ids=[f"user-{i}"]), timeout=5
+            )
+            for i in range(40)
+        ]
+    assert {(a.model_replica, a.model_version, a.degraded) for a in answers} == {
+        (OTHER, ROUTED, False)
+    }
+
+    victim.RepositoryModelLoad(
+        oip.RepositoryModelLoadRequest(model_name="fraud", parameters=_version()), timeout=120
+    )
+    wait_until(
+        lambda: _every_cluster(admin, address, healthy=True),
+        f"Envoy to mark {VICTIM} healthy again in every cluster",
+    )
