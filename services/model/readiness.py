@@ -58,6 +58,11 @@ class ModelServer(ServiceServer):
     def draining(self) -> bool:
         return self._draining
 
+    def is_ready(self) -> bool:
+        """What the health service says now: started, every routed version loaded, and
+        not draining (OIP ServerReady answers the same)."""
+        return self._ready is True and not self._draining
+
     def missing(self) -> list[Key]:
         """Routed versions not loaded here, by model, then version in natural order."""
         served = self.repository.models()

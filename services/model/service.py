@@ -65,12 +65,12 @@ async def build_server(
 
     It binds its port and turns its health SERVING only after every version is loaded and
     warmed up, so Envoy never routes to a replica that cannot answer yet; afterwards its
-    health stays NOT_SERVING while any version the spec routes traffic to is unloaded
-    (see `readiness`). Prometheus
-    metrics are served at http://<metrics_address_of(instance)>/metrics (a free port when
-    the spec names none). Without `loader`
-    versions come from the registry at spec.registry_address. On drain (SIGTERM) the
-    batchers finish what is queued and in flight, then the registry channel closes.
+    health (and OIP ServerReady) stays NOT_SERVING while any version the spec routes
+    traffic to is unloaded (see `readiness`). Prometheus metrics are served at
+    http://<metrics_address_of(instance)>/metrics (a free port when the spec names none).
+    Without `loader` versions come from the registry at spec.registry_address. On drain
+    (SIGTERM) the batchers finish what is queued and in flight, then the registry channel
+    closes.
     """
     port = spec.port_of(instance)  # fail before minutes of loading, not after
     channel: grpc.aio.Channel | None = None
@@ -97,6 +97,7 @@ async def build_server(
         max_message_bytes=spec.limits.max_message_bytes,
         interceptors=[ShadowRecorder(ledger, instance)],
     )
+    servicer.readiness = server.is_ready
     server.add_service(
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
     )

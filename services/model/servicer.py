@@ -14,7 +14,7 @@ A bad request never crashes the replica.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from importlib import metadata
 
 import grpc
@@ -42,7 +42,8 @@ def _server_version() -> str:
 class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     """GRPCInferenceService for the models in `repository`, built from `loader`/`expected`.
 
-    The replica calls itself ready (ServerReady) once every expected version is served.
+    ServerReady answers `readiness()` when the server wires one in (the model server's
+    health rule, see `readiness`), else whether every expected version is served.
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         self.zone = zone
         self.budget = budget or DeadlineBudget()
         self.repository = ModelRepository(loader=loader, expected=expected)
+        self.readiness: Callable[[], bool] = self.repository.is_ready
         self._version = _server_version()
 
     # --- health and metadata --------------------------------------------------------
@@ -70,7 +72,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ServerReady(
         self, request: oip.ServerReadyRequest, context: grpc.aio.ServicerContext
     ) -> oip.ServerReadyResponse:
-        return oip.ServerReadyResponse(ready=self.repository.is_ready())
+        return oip.ServerReadyResponse(ready=self.readiness())
 
     async def ModelReady(
         self, request: oip.ModelReadyRequest, context: grpc.aio.ServicerContext

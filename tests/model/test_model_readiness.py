@@ -114,11 +114,14 @@ async def test_unloading_the_routed_version_turns_not_serving_and_loading_it_bac
     caplog.set_level(logging.INFO, logger="servemesh.services.model.readiness")
     await _unload(stub, "v1")
     assert await _status(channel) == (NOT_SERVING, NOT_SERVING)
+    # OIP's ServerReady tells the same story as gRPC health.
+    assert not (await stub.ServerReady(oip.ServerReadyRequest(), timeout=5)).ready
     [line] = [r for r in caplog.records if r.name == "servemesh.services.model.readiness"]
     assert line.getMessage() == "not ready: routed versions missing"
     assert line.missing == ["fraud:v1"]
     await _load(stub, "v1")
     assert await _status(channel) == (SERVING, SERVING)
+    assert (await stub.ServerReady(oip.ServerReadyRequest(), timeout=5)).ready
     assert server.missing() == []
     reply = await stub.ModelInfer(infer_request(rows(1), version="v1"), timeout=5)
     assert reply.model_version == "v1"
