@@ -52,10 +52,7 @@ class DrillMesh(Mesh):
 
     @property
     def redis_url(self) -> str:
-        url = self.spec.feature_store.redis_url
-        if not url:
-            raise RuntimeError("the mesh has no Redis URL yet")
-        return url
+        return self.spec.redis_url
 
     def redis_client(self, timeout_s: float = 0.5) -> redis.Redis:
         return redis.Redis.from_url(

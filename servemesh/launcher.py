@@ -82,7 +82,8 @@ class Mesh:
         cls, spec: MeshSpec, state_dir: Path | None = None, *, seed_steps: Sequence[SeedStep] = ()
     ) -> Self:
         root = Path(state_dir or spec.state_dir).resolve()
-        resolved = resolve(spec.model_copy(update={"state_dir": str(root)}))
+        spec = with_edge_credentials(spec.model_copy(update={"state_dir": str(root)}), root)
+        resolved = resolve(spec)
         mesh = cls(spec=resolved, state_dir=root)
         mesh.seed_steps.extend(seed_steps)
         return mesh
@@ -121,9 +122,8 @@ class Mesh:
                 can, why = netns_available()
                 if not can:
                     raise MeshStartError(f"zones in network namespaces are not possible: {why}")
-            if not self.spec.feature_store.redis_url:
-                self._start_redis(deadline)
-            self._resolve_edge_auth()
+            if self.spec.embedded_redis_port is not None:
+                self._start_redis(self.spec.embedded_redis_port, deadline)
             self.resolved_spec_path.write_text(dump_spec(self.spec))
             self._write_envoy_config()
             if self.spec.network.mode == "netns":
@@ -246,11 +246,11 @@ class Mesh:
         ready = GrpcHealth(self.spec.address_of(name))
         self.supervisor.start(name, argv, group=instance.service, ready=ready, timeout_s=None)
 
-    def _start_redis(self, deadline: float) -> None:
-        self.redis = RedisServer(self.supervisor, self.state_dir / "redis", host=self.spec.host)
+    def _start_redis(self, port: int, deadline: float) -> None:
+        self.redis = RedisServer(
+            self.supervisor, self.state_dir / "redis", host=self.spec.host, port=port
+        )
         self.redis.start(timeout_s=max(0.0, deadline - time.monotonic()))
-        store = self.spec.feature_store.model_copy(update={"redis_url": self.redis.url})
-        self.spec = self.spec.model_copy(update={"feature_store": store})
 
     def _join_zone_network(self) -> None:
         """Create the zones' namespaces and join them to the machine's loopback: each
@@ -264,24 +264,11 @@ class Mesh:
                 if inst.name in spec.metrics_ports:
                     zone_ports[inst.zone].append(spec.metrics_ports[inst.name])
         host_ports = [*spec.mesh_ports.values(), spec.port_of("registry-0"), spec.ports.edge]
-        if spec.feature_store.redis_url:
-            redis_port = urllib.parse.urlparse(spec.feature_store.redis_url).port
-            if redis_port:
-                host_ports.append(redis_port)
+        redis_port = urllib.parse.urlparse(spec.redis_url).port
+        if redis_port:
+            host_ports.append(redis_port)
         self.network = ZoneNetwork(list(spec.zones)).create()
         self.network.attach_host(zone_ports, host_ports)
-
-    def _resolve_edge_auth(self) -> None:
-        """With edge auth on and no users named, create this mesh's key; the spec (and so
-        Envoy's config) gets only its hash."""
-        auth = self.spec.traffic.edge_auth
-        if not auth.enabled or auth.users:
-            return
-        user, key = ensure_edge_credentials(self.state_dir)
-        traffic = self.spec.traffic.model_copy(
-            update={"edge_auth": auth.model_copy(update={"users": [htpasswd_line(user, key)]})}
-        )
-        self.spec = self.spec.model_copy(update={"traffic": traffic})
 
     def _write_envoy_config(self) -> None:
         """Validate the whole config inline, then write the watched files and the bootstrap."""
@@ -322,6 +309,19 @@ class Mesh:
         tmp = self.endpoints_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.endpoints(), indent=2))
         tmp.replace(self.endpoints_path)
+
+
+def with_edge_credentials(spec: MeshSpec, state_dir: Path) -> MeshSpec:
+    """With edge auth on and no users named, this mesh's key (created once, kept in the
+    state dir); the spec, and so Envoy's config, gets only its hash."""
+    auth = spec.traffic.edge_auth
+    if not auth.enabled or auth.users:
+        return spec
+    user, key = ensure_edge_credentials(state_dir)
+    traffic = spec.traffic.model_copy(
+        update={"edge_auth": auth.model_copy(update={"users": [htpasswd_line(user, key)]})}
+    )
+    return spec.model_copy(update={"traffic": traffic})
 
 
 @contextmanager

@@ -13,9 +13,9 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from servemesh.demo import DEMO_FEATURES, demo_features, demo_seed
-from servemesh.spec import MeshSpec
+from servemesh.spec import MeshSpec, ResolvedSpec
 
-SeedStep = Callable[[MeshSpec, grpc.aio.Channel], Awaitable[None]]
+SeedStep = Callable[[ResolvedSpec, grpc.aio.Channel], Awaitable[None]]
 
 
 class SeedConflict(Exception):
@@ -56,7 +56,7 @@ async def push_seed_version(
         ) from None
 
 
-async def seed_demo(spec: MeshSpec, registry: grpc.aio.Channel) -> None:
+async def seed_demo(spec: ResolvedSpec, registry: grpc.aio.Channel) -> None:
     """Push the demo model versions to the registry and demo features to Redis."""
     from servemesh.demo import demo_artifact, demo_signature
 
@@ -80,7 +80,7 @@ async def seed_demo(spec: MeshSpec, registry: grpc.aio.Channel) -> None:
     await seed_demo_features(spec, views)
 
 
-async def seed_demo_features(spec: MeshSpec, views: list[str], batch: int = 1000) -> None:
+async def seed_demo_features(spec: ResolvedSpec, views: list[str], batch: int = 1000) -> None:
     """Load the demo rows into each view as one new version (a load, like a user's file),
     observed now: what was there before is replaced."""
     import numpy as np
@@ -88,8 +88,7 @@ async def seed_demo_features(spec: MeshSpec, views: list[str], batch: int = 1000
 
     from servemesh.services.feature.store import RedisFeatureStore
 
-    assert spec.feature_store.redis_url, "the launcher sets the Redis URL before seeding"
-    client = aioredis.Redis.from_url(spec.feature_store.redis_url)
+    client = aioredis.Redis.from_url(spec.redis_url)
     try:
         store = RedisFeatureStore(client, spec.feature_store.key_prefix)
         rows = demo_features(spec.demo.entities)

@@ -342,16 +342,27 @@ class ResolvedSpec(MeshSpec):
     instance_ports: dict[str, Port]
     # The Prometheus /metrics side port of each model server, by instance name.
     metrics_ports: dict[str, Port]
+    # The port of the Redis the launcher runs itself; None when the spec names its own
+    # (feature_store.redis_url is set either way).
+    embedded_redis_port: Port | None = None
 
     @model_validator(mode="after")
     def _every_listener_has_a_port(self) -> ResolvedSpec:
         missing = [i.name for i in self.instances() if not self.instance_ports.get(i.name)]
+        if not self.feature_store.redis_url:
+            missing.append("feature_store.redis_url")
         missing += [f"mesh listener of {z}" for z in self.zones if not self.mesh_ports.get(z)]
         if self.ports.edge == 0 or self.ports.envoy_admin == 0:
             missing.append("ports.edge or ports.envoy_admin")
         if missing:
             raise ValueError(f"a resolved spec needs a port for: {', '.join(missing)}")
         return self
+
+    @property
+    def redis_url(self) -> str:
+        """The online store every feature service reads (always set once resolved)."""
+        assert self.feature_store.redis_url, "validated when the spec was resolved"
+        return self.feature_store.redis_url
 
     def port_of(self, instance_name: str) -> int:
         try:
@@ -398,7 +409,7 @@ class Instance(_Strict):
 
 
 # What a resolved spec has and a declared one does not.
-RESOLVED_FIELDS = {"mesh_ports", "instance_ports", "metrics_ports"}
+RESOLVED_FIELDS = {"mesh_ports", "instance_ports", "metrics_ports", "embedded_redis_port"}
 
 
 def free_port(host: str) -> int:
@@ -441,10 +452,20 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
         for inst in spec.instances()
         if inst.service == "model"
     }
+    # No Redis named: the launcher runs one, on a port chosen now with the others.
+    embedded_redis_port = known.embedded_redis_port if known else None
+    store = spec.feature_store
+    if not store.redis_url:
+        embedded_redis_port = pick(0)
+        store = store.model_copy(
+            update={"redis_url": f"redis://{spec.host}:{embedded_redis_port}/0"}
+        )
     fields = spec.model_dump(exclude=RESOLVED_FIELDS)
     return ResolvedSpec.model_validate(
         {
             **fields,
+            "feature_store": store.model_dump(),
+            "embedded_redis_port": embedded_redis_port,
             "ports": ports.model_dump(),
             "mesh_ports": mesh_ports,
             "instance_ports": instance_ports,
@@ -459,6 +480,8 @@ def declared(spec: MeshSpec) -> MeshSpec:
     if not isinstance(spec, ResolvedSpec):
         return spec
     fields = spec.model_dump(exclude=RESOLVED_FIELDS)
+    if spec.embedded_redis_port is not None:
+        fields["feature_store"]["redis_url"] = None  # the launcher's own, not declared
     return MeshSpec.model_validate(fields)
 
 

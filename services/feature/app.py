@@ -13,10 +13,8 @@ from servemesh_api.feature.v1 import feature_pb2_grpc
 
 
 async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
-    if not spec.feature_store.redis_url:
-        raise SystemExit("feature_store.redis_url is not set (servemesh up fills it in)")
     client = aioredis.Redis.from_url(
-        spec.feature_store.redis_url, socket_connect_timeout=1.0, health_check_interval=10
+        spec.redis_url, socket_connect_timeout=1.0, health_check_interval=10
     )
     store = RedisFeatureStore(client, spec.feature_store.key_prefix)
     servicer = FeatureServicer(

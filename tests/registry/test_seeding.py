@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from servemesh.seeding import SeedConflict, seed_demo
-from servemesh.spec import DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec
+from servemesh.spec import DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, ResolvedSpec, resolve
 from tests.registry.registry_kit import RunningRegistry
 
 
-def spec_with(source: str) -> MeshSpec:
+def spec_with(source: str) -> ResolvedSpec:
     """The demo model with one version built from `source`; no features to write."""
     model = ModelSpec(versions={"v1": ModelVersionSpec(source=source)}, traffic={"v1": 100})
-    return MeshSpec(models={"fraud": model}, demo=DemoSpec(entities=0))
+    return resolve(MeshSpec(models={"fraud": model}, demo=DemoSpec(entities=0)))
 
 
 async def test_seeding_twice_finds_its_own_version_and_succeeds(registry: RunningRegistry) -> None:

@@ -96,9 +96,8 @@ def test_a_resolved_spec_round_trips_through_its_file(tmp_path: Path) -> None:
     path = tmp_path / "resolved.yaml"
     path.write_text(dump_spec(spec))
     assert load_resolved(path) == spec
-    assert declared(spec) == MeshSpec.model_validate(
-        {**spec.model_dump(exclude={"mesh_ports", "instance_ports", "metrics_ports"})}
-    )
+    # What was declared, with the ports it was given: nothing the launcher added.
+    assert declared(spec) == MeshSpec(ports=spec.ports)
 
 
 def test_a_resolved_file_without_a_port_for_every_listener_is_refused() -> None:
@@ -108,3 +107,13 @@ def test_a_resolved_file_without_a_port_for_every_listener_is_refused() -> None:
     with pytest.raises(SpecError) as err:
         parse_resolved(yaml.safe_dump(broken), "<resolved>")
     assert "gateway-zone-b-0" in str(err.value)
+
+
+def test_a_spec_without_redis_gets_the_launchers_own_on_a_port_chosen_with_the_others() -> None:
+    spec = resolve(MeshSpec(ports={"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0}))
+    assert spec.embedded_redis_port
+    assert spec.redis_url == f"redis://127.0.0.1:{spec.embedded_redis_port}/0"
+    assert spec.embedded_redis_port not in spec.instance_ports.values()
+    assert declared(spec).feature_store.redis_url is None  # not something the file said
+    own = resolve(MeshSpec(feature_store={"redis_url": "redis://127.0.0.1:6400/0"}))
+    assert own.embedded_redis_port is None and own.redis_url == "redis://127.0.0.1:6400/0"
