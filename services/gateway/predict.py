@@ -6,12 +6,14 @@ Kept free of network code so every rule here is tested without a server.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from servemesh.services.runtime.errors import Internal, InvalidArgument, NotFound
 from servemesh.spec import MeshSpec, ModelSpec
+from servemesh_api.feature.v1 import feature_pb2
 from servemesh_api.gateway.v1 import gateway_pb2
 from servemesh_api.inference import grpc_service_pb2 as oip
 
@@ -106,6 +108,16 @@ def read_scores(response: oip.ModelInferResponse, n_rows: int) -> list[float]:
             return [float(v) for v in values]
         break
     raise Internal("model answered without one FP32 score per row")
+
+
+def stale_reason(entity_ids: Sequence[str], vectors: Sequence[feature_pb2.FeatureVector]) -> str:
+    """Why an answer is degraded by its features: the entities whose stored values are older
+    than their view allows (served under the view's `degraded` policy); "" when none are."""
+    stale = [entity for entity, vector in zip(entity_ids, vectors, strict=True) if vector.stale]
+    if not stale:
+        return ""
+    shown = ", ".join(stale[:5]) + (f" and {len(stale) - 5} more" if len(stale) > 5 else "")
+    return f"stale features for {shown}"
 
 
 def fallback_response(

@@ -14,6 +14,7 @@ from servemesh.services.gateway.predict import (
     fallback_response,
     plan_predict,
     read_scores,
+    stale_reason,
 )
 from servemesh.services.runtime import DeadlineBudget, bind_request_id, request_id_from
 from servemesh.services.runtime.errors import Internal, MeshError
@@ -74,7 +75,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # The request id and the trace context follow the request to every hop.
             metadata = [(REQUEST_ID_HEADER, request_id)]
             metadata += [(k, v) for k, v in incoming if k in TRACE_HEADERS]
-            features = await self._features(plan, deadline, metadata)
+            features, stale = await self._features(plan, deadline, metadata)
             answer = await self._infer(plan, features, deadline, metadata, request_id)
         except DownstreamError as exc:
             fallback = (
@@ -97,14 +98,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             },
         )
         answer.request_id = request_id
+        if stale:
+            # The model answered from features older than their view allows: say so.
+            answer.degraded = True
+            answer.degraded_reason = stale
         return answer
 
     async def _features(
         self, plan: PredictPlan, deadline: float, metadata: list[tuple[str, str]]
-    ) -> np.ndarray:
-        """Feature matrix: looked-up entities first, then the caller's own rows."""
+    ) -> tuple[np.ndarray, str]:
+        """Feature matrix (looked-up entities first, then the caller's own rows), and why
+        the answer is degraded by stale features ("" when it is not)."""
         if not plan.entity_ids:
-            return plan.rows
+            return plan.rows, ""
         lookup = feature_pb2.GetFeaturesRequest(
             view=plan.model.feature_view,
             entity_ids=plan.entity_ids,
@@ -119,7 +125,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         looked_up = np.array([v.values for v in reply.vectors], dtype=np.float32)
         if looked_up.shape != (len(plan.entity_ids), len(plan.model.features)):
             raise Internal("feature service answered a matrix of the wrong shape")
-        return np.concatenate([looked_up, plan.rows]) if len(plan.rows) else looked_up
+        matrix = np.concatenate([looked_up, plan.rows]) if len(plan.rows) else looked_up
+        return matrix, stale_reason(plan.entity_ids, reply.vectors)
 
     async def _infer(
         self,

@@ -11,9 +11,11 @@ from servemesh.services.gateway.predict import (
     fallback_response,
     plan_predict,
     read_scores,
+    stale_reason,
 )
 from servemesh.services.runtime.errors import MeshError
 from servemesh.spec import MeshSpec, ModelSpec
+from servemesh_api.feature.v1 import feature_pb2
 from servemesh_api.gateway.v1 import gateway_pb2
 from servemesh_api.inference import grpc_service_pb2 as oip
 
@@ -105,3 +107,13 @@ def test_fallback_only_when_the_spec_configures_one() -> None:
     reply = fallback_response(plan, "rid", "model down")
     assert reply is not None and reply.degraded and list(reply.scores) == [0.5, 0.5]
     assert reply.degraded_reason == "model down"
+
+
+def test_stale_features_name_their_entities_and_fresh_ones_give_no_reason() -> None:
+    vectors = [
+        feature_pb2.FeatureVector(values=[1.0], stale=stale) for stale in (False, True, True)
+    ]
+    assert stale_reason(["a", "b", "c"], vectors) == "stale features for b, c"
+    assert stale_reason(["a"], vectors[:1]) == ""
+    many = [feature_pb2.FeatureVector(stale=True) for _ in range(7)]
+    assert stale_reason([f"e{i}" for i in range(7)], many).endswith("e4 and 2 more")
