@@ -45,7 +45,7 @@ from servemesh.registry.validation import (
 from servemesh.services.model.artifacts import ArtifactError, open_artifact, reconcile_signature
 from servemesh.services.model.runner import ModelRunner, SignatureViolation
 from servemesh.services.model.tensors import Signature, TensorSig
-from servemesh.spec import ResolvedSpec, SpecError, load_resolved, load_spec
+from servemesh.spec import ResolvedSpec, SpecError, load_spec
 from servemesh.wire import message_size_options
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
@@ -85,13 +85,7 @@ def running_mesh(state_dir: str | None) -> RunningMesh:
     """The mesh whose state lives in `state_dir` (default: the spec's, `.servemesh`)."""
     try:
         root = Path(state_dir) if state_dir else Path(load_spec(None).state_dir)
-        paths = MeshPaths(root)
-        if not paths.resolved_spec.is_file():
-            raise ModelsError(
-                f"no running mesh under {root} ({paths.resolved_spec.name} is missing): "
-                "start one with `servemesh up`, or name its --state-dir"
-            )
-        return RunningMesh(load_resolved(paths.resolved_spec), root)
+        return RunningMesh(MeshPaths(root).running_spec(), root)
     except SpecError as exc:
         raise ModelsError(_one_line(str(exc))) from None
 

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 
 from servemesh.features._read import FeatureFile, FileError, FileRows, Layout
-from servemesh.spec import ResolvedSpec, load_resolved
+from servemesh.spec import ResolvedSpec
 from servemesh.wire import message_size_options
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 
@@ -70,15 +70,12 @@ class _Outcome:
 
 def running_mesh_spec(state_dir: Path) -> ResolvedSpec:
     """The resolved spec the running mesh under `state_dir` wrote."""
-    from servemesh.proxy.apply import MeshPaths
+    from servemesh.proxy.apply import MeshPaths, NoRunningMesh
 
-    path = MeshPaths(state_dir).resolved_spec
-    if not path.is_file():
-        raise LoadError(
-            f"no mesh under {state_dir} (no {path.name}): start one with `servemesh up`, "
-            "or give --state-dir"
-        )
-    return load_resolved(path)
+    try:
+        return MeshPaths(state_dir).running_spec()
+    except NoRunningMesh as exc:
+        raise LoadError(str(exc)) from None
 
 
 def feature_addresses(spec: ResolvedSpec) -> list[str]:

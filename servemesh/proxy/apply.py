@@ -50,11 +50,25 @@ class ApplyError(ValueError):
     """The change was refused; the live configuration is untouched."""
 
 
+class NoRunningMesh(SpecError):
+    """No mesh runs from this state dir: it holds no resolved spec."""
+
+
 @dataclass(frozen=True)
 class MeshPaths:
     """Where a running mesh keeps what `routes` commands read and write."""
 
     state_dir: Path
+
+    def running_spec(self) -> ResolvedSpec:
+        """The resolved spec the mesh running from this state dir wrote (what every
+        command that talks to a running mesh reads)."""
+        if not self.resolved_spec.is_file():
+            raise NoRunningMesh(
+                f"no running mesh under {self.state_dir} ({self.resolved_spec.name} is "
+                "missing): start one with `servemesh up`, or name its --state-dir"
+            )
+        return load_resolved(self.resolved_spec)
 
     @property
     def resolved_spec(self) -> Path:
@@ -155,11 +169,10 @@ class RouteManager:
     # --- state ---------------------------------------------------------------------
 
     def live_spec(self) -> ResolvedSpec:
-        if not self.paths.resolved_spec.is_file():
-            raise ApplyError(
-                f"no running mesh under {self.paths.state_dir} (start one with `servemesh up`)"
-            )
-        return load_resolved(self.paths.resolved_spec)
+        try:
+            return self.paths.running_spec()
+        except NoRunningMesh as exc:
+            raise ApplyError(str(exc)) from None
 
     @property
     def admin(self) -> AdminClient:

@@ -16,7 +16,7 @@ from servemesh.launcher import Mesh
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 from tests.mesh.conftest import SLOW_VERSION
-from tests.model.torch_models import CHURN_FEATURES, Churn, churn_example, exported
+from tests.model.torch_models import CHURN_SIGNATURE_YAML, Churn, churn_example, exported
 
 
 def models(mesh: Mesh, *args: str) -> subprocess.CompletedProcess[str]:
@@ -50,20 +50,7 @@ def test_list_shows_live_weights_and_the_replicas_that_hold_each_version(
     artifact = tmp_path / "churn.pt2"
     artifact.write_bytes(exported(Churn(), churn_example()))
     signature = tmp_path / "sig.yaml"
-    signature.write_text(
-        yaml.safe_dump(
-            {
-                "inputs": [
-                    {"name": "features", "datatype": "FP32", "shape": [-1, CHURN_FEATURES]},
-                    {"name": "category", "datatype": "INT64", "shape": [-1]},
-                ],
-                "outputs": [
-                    {"name": "probabilities", "datatype": "FP32", "shape": [-1, 3]},
-                    {"name": "label", "datatype": "INT64", "shape": [-1]},
-                ],
-            }
-        )
-    )
+    signature.write_text(yaml.safe_dump(CHURN_SIGNATURE_YAML))
     pushed = models(
         mesh, "push", str(artifact), "--model", "churn", "--version", "v1",
         "--signature", str(signature),

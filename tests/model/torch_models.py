@@ -29,6 +29,18 @@ CHURN_SIGNATURE = Signature(
     ],
 )
 
+# The same signature as a `--signature` file says it (`servemesh models push`).
+CHURN_SIGNATURE_YAML = {
+    "inputs": [
+        {"name": "features", "datatype": "FP32", "shape": [-1, CHURN_FEATURES]},
+        {"name": "category", "datatype": "INT64", "shape": [-1]},
+    ],
+    "outputs": [
+        {"name": "probabilities", "datatype": "FP32", "shape": [-1, 3]},
+        {"name": "label", "datatype": "INT64", "shape": [-1]},
+    ],
+}
+
 DTYPES_SIGNATURE = Signature(
     inputs=[
         TensorSig("half", "FP16", (-1, 3)),

@@ -27,6 +27,7 @@ from servemesh_api.inference import grpc_service_pb2 as oip
 from tests.model.model_helpers import REPLICA, Stub, serving_at
 from tests.model.torch_models import (
     CHURN_FEATURES,
+    CHURN_SIGNATURE_YAML,
     Churn,
     churn_example,
     churn_reference,
@@ -39,16 +40,6 @@ pytestmark = pytest.mark.timeout(300)
 
 DATA_SHA = "sha256:" + "3f" * 32
 CODE_SHA = "9ce8f64"
-SIGNATURE_YAML = {
-    "inputs": [
-        {"name": "features", "datatype": "FP32", "shape": [-1, CHURN_FEATURES]},
-        {"name": "category", "datatype": "INT64", "shape": [-1]},
-    ],
-    "outputs": [
-        {"name": "probabilities", "datatype": "FP32", "shape": [-1, 3]},
-        {"name": "label", "datatype": "INT64", "shape": [-1]},
-    ],
-}
 
 
 @dataclass
@@ -137,7 +128,7 @@ async def test_an_exported_model_pushed_with_the_cli_is_loaded_and_answers_both_
     artifact = tmp_path / "churn.pt2"
     artifact.write_bytes(exported(churn, churn_example()))
     signature = tmp_path / "sig.yaml"
-    signature.write_text(yaml.safe_dump(SIGNATURE_YAML))
+    signature.write_text(yaml.safe_dump(CHURN_SIGNATURE_YAML))
 
     pushed = await mesh.run(
         "push", str(artifact), "--model", "churn", "--version", "v1",
@@ -194,15 +185,15 @@ async def test_an_exported_model_pushed_with_the_cli_is_loaded_and_answers_both_
     assert version["aliases"] == ["production"] and version["sha256"] == record.sha256
     assert version["lineage"] == {"data": DATA_SHA, "code": CODE_SHA}
     assert version["metrics"] == {"auc": 0.91} and version["replicas"] == [REPLICA]
-    assert version["inputs"] == SIGNATURE_YAML["inputs"]
-    assert version["outputs"] == SIGNATURE_YAML["outputs"]
+    assert version["inputs"] == CHURN_SIGNATURE_YAML["inputs"]
+    assert version["outputs"] == CHURN_SIGNATURE_YAML["outputs"]
 
 
 async def test_list_and_show_print_tables_of_what_was_pushed(mesh: Mesh, tmp_path: Path) -> None:
     scripted_file = tmp_path / "churn.pt"
     scripted_file.write_bytes(scripted(Churn(seed=2)))
     signature = tmp_path / "sig.yaml"
-    signature.write_text(yaml.safe_dump(SIGNATURE_YAML))
+    signature.write_text(yaml.safe_dump(CHURN_SIGNATURE_YAML))
     exported_file = tmp_path / "churn.pt2"
     exported_file.write_bytes(exported(Churn(seed=3), churn_example()))
     first = await mesh.run(
@@ -259,7 +250,7 @@ async def test_a_bad_artifact_is_refused_with_one_line_and_nothing_uploaded(
     elif case == "truncated":
         artifact.write_bytes(good[: len(good) - 200])
     elif case == "probe-mismatch":
-        wrong = {**SIGNATURE_YAML, "outputs": [*SIGNATURE_YAML["outputs"][:1]]}
+        wrong = {**CHURN_SIGNATURE_YAML, "outputs": [*CHURN_SIGNATURE_YAML["outputs"][:1]]}
         wrong["outputs"].append({"name": "label", "datatype": "FP32", "shape": [-1]})
         (tmp_path / "sig.yaml").write_text(yaml.safe_dump(wrong))
         artifact = tmp_path / "model.pt"
