@@ -43,9 +43,13 @@ class ModelNotFound(NotFound):
 class QueueFull(ResourceExhausted):
     """The batcher's queue is at its bound; the request is shed without waiting."""
 
+    logged_at_source = True  # the batcher logs each shed request
+
 
 class DeadlineMissed(DeadlineExceeded):
     """The request's deadline passed, or cannot be met, before the model ran it."""
+
+    logged_at_source = True  # the batcher logs each dropped request
 
 
 class InferenceFailed(Internal):

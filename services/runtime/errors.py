@@ -57,6 +57,10 @@ class MeshError(Exception):
     """
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    # True for refusals whose raiser already logged them with more detail (the batcher's
+    # sheds and deadline drops): the interceptor then does not log them again, which under
+    # overload would double the log lines exactly when they cost the most.
+    logged_at_source: bool = False
 
     def __init__(self, message: str, *, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
@@ -116,12 +120,13 @@ async def _answer_failure(
     exc: Exception, context: grpc.aio.ServicerContext, method: str
 ) -> NoReturn:
     if isinstance(exc, MeshError):
-        level = logging.INFO if is_caller_error(exc.code) else logging.WARNING
-        log.log(
-            level,
-            "call refused",
-            extra={"method": method, "code": exc.code.name, "reason": exc.message},
-        )
+        if not exc.logged_at_source:
+            level = logging.INFO if is_caller_error(exc.code) else logging.WARNING
+            log.log(
+                level,
+                "call refused",
+                extra={"method": method, "code": exc.code.name, "reason": exc.message},
+            )
         await abort_with(context, exc)
     log.error("call failed", exc_info=exc, extra={"method": method})
     await context.abort(grpc.StatusCode.INTERNAL, "internal error")

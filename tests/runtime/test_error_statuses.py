@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -34,11 +35,17 @@ TREE: list[tuple[type[MeshError], grpc.StatusCode]] = [
 BY_NAME = {kind.__name__: kind for kind, _ in TREE}
 
 
+class AlreadyLogged(ResourceExhausted):
+    logged_at_source = True
+
+
 async def raise_named(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
     """Raises the tree class the request names, with a message naming a field."""
     name = request.decode()
     if name == "bug":
         raise KeyError("secret-internal-detail")
+    if name == "logged":
+        raise AlreadyLogged("field: the raiser logged this one")
     if name == "explicit":
         raise MeshError("field: told explicitly", code=grpc.StatusCode.PERMISSION_DENIED)
     raise BY_NAME[name](f"field: {name}")
@@ -119,3 +126,16 @@ async def test_a_client_stream_refusal_reaches_the_caller(channel: grpc.aio.Chan
         await channel.stream_unary(f"/{SERVICE}/Upload")(iter([b"x"]), timeout=5)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details().startswith("header:")
+
+
+async def test_a_refusal_is_logged_once_and_never_twice(
+    channel: grpc.aio.Channel, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="servemesh.services.runtime.errors")
+    call = channel.unary_unary(f"/{SERVICE}/Raise")
+    for name in ("NotFound", "logged"):
+        with pytest.raises(grpc.aio.AioRpcError):
+            await call(name.encode(), timeout=5)
+    refused = [r for r in caplog.records if r.getMessage() == "call refused"]
+    # The interceptor logs the plain refusal; the one its raiser logged is not logged again.
+    assert [r.reason for r in refused] == ["field: NotFound"]  # type: ignore[attr-defined]

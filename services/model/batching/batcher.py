@@ -265,6 +265,10 @@ class Batcher:
             # Already in the model: the answer would arrive too late to matter.
             self.stats.outcomes["late"] += 1
             self.stats.fail.add(now - item.enqueued)
+            log.info(
+                "answer late: deadline passed during inference",
+                extra={"model": self.name, "request_id": item.request_id},
+            )
             item.future.set_exception(DeadlineMissed("deadline exceeded during inference"))
 
     def _expire(self, item: Pending, now: float) -> None:
