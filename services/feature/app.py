@@ -37,5 +37,11 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         servicer,
         FEATURE_SERVICE,
     )
+
+    async def follow(new: ResolvedSpec) -> None:
+        # Views added or removed by `servemesh apply` (a view's data stays in Redis).
+        servicer.views = dict(new.feature_views)
+
+    server.on_spec_change(follow)
     server.on_stop(client.aclose)
     return server

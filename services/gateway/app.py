@@ -25,10 +25,10 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
     server = ServiceServer(
         instance, host=spec.host, port=spec.port_of(instance), max_message_bytes=limit
     )
-    server.add_service(
-        gateway_pb2_grpc.add_GatewayServicer_to_server,
-        GatewayServicer(spec, mesh_channel),
-        GATEWAY_SERVICE,
-    )
+    servicer = GatewayServicer(spec, mesh_channel)
+    server.add_service(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, GATEWAY_SERVICE)
+    # Models and versions added or removed by `servemesh apply` are served (or refused) as
+    # soon as the spec file says so.
+    server.on_spec_change(servicer.follow_spec)
     server.on_stop(mesh_channel.close)
     return server

@@ -61,6 +61,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.features = feature_pb2_grpc.FeatureServiceStub(mesh_channel)
         self.models = grpc_service_pb2_grpc.GRPCInferenceServiceStub(mesh_channel)
 
+    async def follow_spec(self, spec: MeshSpec) -> None:
+        """Serve the models of `spec` from the next call on (calls under way keep theirs)."""
+        self.spec = spec
+
     async def Predict(
         self, request: gateway_pb2.PredictRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.PredictResponse:

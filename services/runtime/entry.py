@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from servemesh.services.runtime.faults import control_file
+from servemesh.services.runtime.live_spec import LiveSpec
 from servemesh.services.runtime.logs import configure_logging
 from servemesh.services.runtime.server import ServiceServer, run_service
 from servemesh.spec import ResolvedSpec, load_resolved
@@ -29,6 +30,8 @@ def service_main(build: Builder, argv: list[str] | None = None) -> None:
     async def build_and_watch() -> ServiceServer:
         server = await build(spec, args.instance)
         server.watch_faults(control_file(Path(spec.state_dir), args.instance))
+        # `servemesh apply` rewrites this file; the builder's hooks follow it.
+        server.follow_spec(LiveSpec(Path(args.spec), spec))
         return server
 
     run_service(build_and_watch)

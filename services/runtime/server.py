@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from servemesh.services.runtime.errors import ErrorStatusInterceptor
 from servemesh.services.runtime.faults import FaultInjector
+from servemesh.services.runtime.live_spec import LiveSpec, SpecHook
 from servemesh.wire import message_size_options
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,8 @@ class ServiceServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names: list[str] = []
         self._stop_hooks: list[StopHook] = []
+        self._spec_hooks: list[SpecHook] = []
+        self.live_spec: LiveSpec | None = None
         self._stopping: asyncio.Event | None = None
         self.port = 0
 
@@ -109,6 +112,24 @@ class ServiceServer:
             task.cancel()
 
         self.on_stop(stop_watching)
+
+    def on_spec_change(self, hook: SpecHook) -> None:
+        """Call `hook(new_spec)` whenever the followed spec file changes (see `follow_spec`)."""
+        self._spec_hooks.append(hook)
+        if self.live_spec is not None:
+            self.live_spec.on_change(hook)
+
+    def follow_spec(self, live: LiveSpec) -> None:
+        """Poll `live`'s file until the server stops; registered hooks see each change."""
+        self.live_spec = live
+        for hook in self._spec_hooks:
+            live.on_change(hook)
+        task = asyncio.get_running_loop().create_task(live.watch())
+
+        async def stop_following() -> None:
+            task.cancel()
+
+        self.on_stop(stop_following)
 
     async def start(self) -> int:
         names = [*self._service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
