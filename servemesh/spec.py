@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from servemesh.demo import DEMO_FEATURES, DEMO_SOURCE_PREFIX
 from servemesh.policy import RoutePolicy, ShadowSpec, StrictModel, TrafficSpec
@@ -88,12 +95,50 @@ class ModelVersionSpec(_Strict):
     inject_latency_ms: Annotated[float, Field(ge=0, le=60_000)] = 0.0
 
 
+# A model's input or output tensor name, as its signature spells it.
+TensorName = Annotated[str, Field(min_length=1, max_length=128)]
+FeatureName = Annotated[str, Field(min_length=1, max_length=64)]
+# The input name the feature_view/features shorthand fills (the demo models' input).
+SHORTHAND_INPUT = "features"
+
+
+class ModelInputSpec(_Strict):
+    """How the gateway fills one input tensor of a model: from a feature view, or with what
+    the caller sends (`raw: true`). Exactly one of the two."""
+
+    # The view whose features fill the tensor, one row per entity, in `features`' order.
+    view: Name | None = None
+    features: Annotated[list[FeatureName], Field(min_length=1, max_length=4096)] | None = None
+    # The caller sends the tensor itself (PredictRequest.inputs), rows first.
+    raw: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelInputSpec:
+        from_view = self.view is not None or self.features is not None
+        if self.raw and from_view:
+            raise ValueError("raw: an input is raw or read from a view (view, features), not both")
+        if not self.raw:
+            if self.view is None:
+                raise ValueError("view: required (with features), or raw: true")
+            if self.features is None:
+                raise ValueError(f"features: required with view {self.view!r}")
+            repeated = sorted({f for f in self.features if self.features.count(f) > 1})
+            if repeated:
+                raise ValueError(f"features: named more than once: {repeated}")
+        return self
+
+
 class ModelSpec(_Strict):
-    # Feature view the gateway reads for entity ids, and the feature order the model takes.
+    # The shorthand for a model with one input tensor named `features`: the feature view
+    # the gateway reads for entity ids, and the feature order the model takes. Ignored (and
+    # refused when given) for a model that lists `inputs`.
     feature_view: Name = "user"
     features: list[Annotated[str, Field(min_length=1, max_length=64)]] = Field(
         default_factory=lambda: list(DEMO_FEATURES), min_length=1, max_length=4096
     )
+    # One entry per input tensor of the model, by tensor name (every version of a model
+    # takes the same inputs: Envoy's weighted split may pick any of them).
+    inputs: dict[TensorName, ModelInputSpec] | None = None
     versions: dict[Name, ModelVersionSpec] = Field(
         default_factory=lambda: {
             "v1": ModelVersionSpec(source=f"{DEMO_SOURCE_PREFIX}1"),
@@ -110,6 +155,49 @@ class ModelSpec(_Strict):
     # Overrides traffic.model for this model's routes and clusters.
     policy: RoutePolicy | None = None
     shadow: ShadowSpec | None = None
+
+    @model_validator(mode="after")
+    def _inputs_or_shorthand(self) -> ModelSpec:
+        if self.inputs is None:
+            return self
+        if not self.inputs:
+            raise ValueError("inputs: give at least one input tensor")
+        both = sorted({"feature_view", "features"} & self.model_fields_set)
+        if both:
+            raise ValueError(
+                f"{', '.join(both)}: the shorthand for one input named {SHORTHAND_INPUT!r}; "
+                "a model that lists inputs names its views there"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_unused_shorthand(self, handler: SerializerFunctionWrapHandler) -> object:
+        # A model with `inputs` does not write the shorthand's defaults: read back, they
+        # would look like a second, conflicting description of its inputs.
+        data = handler(self)
+        if self.inputs is not None and isinstance(data, dict):
+            data.pop("feature_view", None)
+            data.pop("features", None)
+        return data
+
+    @property
+    def effective_inputs(self) -> dict[str, ModelInputSpec]:
+        """Every input tensor of the model by name, how it is filled: `inputs` as listed, or
+        the shorthand's one input named `features` read from `feature_view`."""
+        if self.inputs is not None:
+            return dict(self.inputs)
+        return {
+            SHORTHAND_INPUT: ModelInputSpec(view=self.feature_view, features=list(self.features))
+        }
+
+    @property
+    def views(self) -> list[str]:
+        """The feature views the model reads, in the order its inputs first name them."""
+        found: list[str] = []
+        for spec in self.effective_inputs.values():
+            if spec.view is not None and spec.view not in found:
+                found.append(spec.view)
+        return found
 
     @model_validator(mode="after")
     def _traffic_names_known_versions(self) -> ModelSpec:
@@ -145,7 +233,6 @@ class Deadlines(_Strict):
     default_timeout_ms: Annotated[float, Field(gt=0, le=600_000)] = 5000.0
 
 
-FeatureName = Annotated[str, Field(min_length=1, max_length=64)]
 # A duration such as "90s", "15m", "24h", "7d" or "1h30m" (ms, s, m, h, d).
 Duration = Annotated[str, Field(pattern=r"^(\d+(ms|s|m|h|d))+$")]
 _DURATION_PART = re.compile(r"(\d+)(ms|s|m|h|d)")
@@ -164,6 +251,9 @@ class FeatureViewSpec(_Strict):
     (docs/features.md); the feature service reads it for the models that name it.
     """
 
+    # The entity the view is keyed by (a request names an id per entity); null: the view's
+    # own name. Views of one entity share its ids.
+    entity: Name | None = None
     # The features of a row, in the order they are stored and served; a file loaded into
     # the view has exactly these columns besides its key (and timestamp), in any order.
     # null: the view takes every other column of the file it is loaded from, in the
@@ -288,20 +378,43 @@ class MeshSpec(_Strict):
     @model_validator(mode="after")
     def _models_read_known_views(self) -> MeshSpec:
         for name, model in self.models.items():
-            view = self.feature_views.get(model.feature_view)
-            if view is None:
-                raise ValueError(
-                    f"models.{name}.feature_view: {model.feature_view!r} is not one of "
-                    f"feature_views {sorted(self.feature_views)}"
+            for tensor, spec in model.effective_inputs.items():
+                if spec.view is None or spec.features is None:
+                    continue
+                # The shorthand's errors name its own fields.
+                where = (
+                    f"models.{name}" if model.inputs is None else f"models.{name}.inputs.{tensor}"
                 )
-            if view.features is not None:
-                lacking = [f for f in model.features if f not in set(view.features)]
-                if lacking:
+                view_field = "feature_view" if model.inputs is None else "view"
+                view = self.feature_views.get(spec.view)
+                if view is None:
                     raise ValueError(
-                        f"models.{name}.features: not in feature view {model.feature_view!r}: "
-                        f"{lacking[:10]}"
+                        f"{where}.{view_field}: {spec.view!r} is not one of "
+                        f"feature_views {sorted(self.feature_views)}"
                     )
+                if view.features is not None:
+                    lacking = [f for f in spec.features if f not in set(view.features)]
+                    if lacking:
+                        raise ValueError(
+                            f"{where}.features: not in feature view {spec.view!r}: {lacking[:10]}"
+                        )
         return self
+
+    def entity_of(self, view: str) -> str:
+        """The entity `view` is keyed by: its `entity`, else its own name."""
+        spec = self.feature_views.get(view)
+        if spec is None:
+            raise SpecError(f"no feature view named {view!r}; views: {sorted(self.feature_views)}")
+        return spec.entity or view
+
+    def entities_of(self, model: ModelSpec) -> list[str]:
+        """The entities whose ids a request for `model` names, in the order its views are read."""
+        found: list[str] = []
+        for view in model.views:
+            entity = self.entity_of(view)
+            if entity not in found:
+                found.append(entity)
+        return found
 
     # --- derived views -------------------------------------------------------------
 

@@ -1,26 +1,90 @@
 """Pure Predict logic: validate a request against the spec, build the model call, read it back.
 
-Kept free of network code so every rule here is tested without a server.
+Kept free of network code so every rule here is tested without a server. A request is
+checked in two steps: `plan_predict` against the spec alone (model, version, entities, the
+caller's tensors on their own), then `conform_inputs` against the signature the gateway
+learned from the model (datatypes and per-row shapes of the raw inputs).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from servemesh.services.runtime.errors import Internal, InvalidArgument, NotFound
+from servemesh.model_contract import check_model_contract
+from servemesh.services.gateway.tensors import (
+    DATATYPES,
+    CallerTensor,
+    conform,
+    decode_output,
+    read_tensor,
+    to_public,
+    to_wire,
+)
+from servemesh.services.runtime.errors import (
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+)
 from servemesh.spec import MeshSpec, ModelSpec
 from servemesh_api.feature.v1 import feature_pb2
 from servemesh_api.gateway.v1 import gateway_pb2
 from servemesh_api.inference import grpc_service_pb2 as oip
 
-# The demo models' tensor names; a model's signature comes from the registry at load time,
-# and the gateway speaks to every model through this one input/output pair.
-INPUT_NAME = "features"
-OUTPUT_NAME = "score"
+MAX_ID_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One tensor of a model's signature, as its ModelMetadata answers it."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelSignature:
+    """What a model takes and gives, learned from a replica (OIP ModelMetadata)."""
+
+    inputs: tuple[TensorMeta, ...]
+    outputs: tuple[TensorMeta, ...]
+
+    def input_named(self, name: str) -> TensorMeta | None:
+        return next((t for t in self.inputs if t.name == name), None)
+
+
+def signature_from_metadata(
+    model_name: str, model: ModelSpec, metadata: oip.ModelMetadataResponse
+) -> ModelSignature:
+    """The signature a replica answered, checked against the spec's entry for the model;
+    FailedPrecondition naming every mismatch (the deployment's fault, not the caller's)."""
+    signature = ModelSignature(
+        inputs=tuple(TensorMeta(t.name, t.datatype, tuple(t.shape)) for t in metadata.inputs),
+        outputs=tuple(TensorMeta(t.name, t.datatype, tuple(t.shape)) for t in metadata.outputs),
+    )
+    problems = check_model_contract(model_name, model, signature.inputs, signature.outputs)
+    if problems:
+        raise FailedPrecondition(
+            f"model {model_name!r}: the spec and the served model disagree: "
+            + "; ".join(problems[:5])
+        )
+    return signature
+
+
+@dataclass(frozen=True)
+class ViewRead:
+    """One GetFeatures call: the ids of `entity` per entity row, the features every input
+    filled from `view` needs (their union, in first-named order)."""
+
+    view: str
+    entity: str
+    entity_ids: list[str]
+    features: list[str]
 
 
 @dataclass(frozen=True)
@@ -28,12 +92,22 @@ class PredictPlan:
     model_name: str
     model: ModelSpec
     version: str  # empty: the traffic split picks
-    entity_ids: list[str]
-    rows: np.ndarray  # caller-supplied rows, float32 (n, n_features)
+    entity_rows: int  # rows whose view inputs come from the feature store
+    reads: list[ViewRead]  # one per view the model reads (none without entity rows)
+    # The shorthand's caller-supplied rows (float32, n x n_features), after the entity rows.
+    rows: np.ndarray
+    raw: dict[str, CallerTensor]  # the model's raw inputs, by tensor name
+
+    @property
+    def n_rows(self) -> int:
+        if self.reads or self.rows.size or not self.raw:
+            return self.entity_rows + len(self.rows)
+        return next(iter(self.raw.values())).rows
 
 
 def plan_predict(request: gateway_pb2.PredictRequest, spec: MeshSpec) -> PredictPlan:
-    """Validate a PredictRequest; raise InvalidArgument or NotFound naming the first bad field."""
+    """Validate a PredictRequest against the spec; raise InvalidArgument or NotFound naming
+    the first bad field."""
     if not request.model:
         raise InvalidArgument("model: required")
     model = spec.models.get(request.model)
@@ -46,16 +120,31 @@ def plan_predict(request: gateway_pb2.PredictRequest, spec: MeshSpec) -> Predict
             f"version: model {request.model!r} has no version {request.version[:64]!r}; "
             f"versions: {sorted(model.versions)}",
         )
-    n_rows = len(request.entity_ids) + len(request.rows)
+    if model.inputs is None:
+        return _plan_shorthand(request, spec, model)
+    return _plan_inputs(request, spec, model)
+
+
+def _plan_shorthand(
+    request: gateway_pb2.PredictRequest, spec: MeshSpec, model: ModelSpec
+) -> PredictPlan:
+    """One input named `features` from one view: entity_ids (or entities), then rows."""
+    if request.inputs:
+        name = next(iter(request.inputs))
+        raise InvalidArgument(
+            f"inputs[{name[:64]!r}]: model {request.model!r} takes no raw inputs; its "
+            f"features come from view {model.feature_view!r} (entity_ids) or rows"
+        )
+    entity = spec.entity_of(model.feature_view)
+    ids = _entity_ids(request, [entity], request.model)
+    n_rows = len(ids[entity]) + len(request.rows)
     if n_rows == 0:
         raise InvalidArgument("entity_ids, rows: give at least one")
     if n_rows > spec.limits.max_rows_per_predict:
         raise InvalidArgument(
             f"entity_ids, rows: {n_rows} rows, at most {spec.limits.max_rows_per_predict} per call",
         )
-    for i, entity_id in enumerate(request.entity_ids):
-        if not entity_id or len(entity_id) > 256:
-            raise InvalidArgument(f"entity_ids[{i}]: empty or longer than 256")
+    _check_ids(request, ids)
     width = len(model.features)
     rows = np.empty((len(request.rows), width), dtype=np.float32)
     for i, row in enumerate(request.rows):
@@ -70,44 +159,230 @@ def plan_predict(request: gateway_pb2.PredictRequest, spec: MeshSpec) -> Predict
         raise InvalidArgument(
             f"rows[{bad_row}].values[{bad_col}]: not a finite number",
         )
+    entity_ids = ids[entity]
+    reads = (
+        [ViewRead(model.feature_view, entity, entity_ids, list(model.features))]
+        if entity_ids
+        else []
+    )
     return PredictPlan(
         model_name=request.model,
         model=model,
         version=request.version,
-        entity_ids=list(request.entity_ids),
+        entity_rows=len(entity_ids),
+        reads=reads,
         rows=rows,
+        raw={},
     )
+
+
+def _plan_inputs(
+    request: gateway_pb2.PredictRequest, spec: MeshSpec, model: ModelSpec
+) -> PredictPlan:
+    """A model that lists its inputs: entities for its views, raw inputs from the caller."""
+    name = request.model
+    if request.rows:
+        raise InvalidArgument(
+            f"rows: model {name!r} lists named inputs; send entities for its feature views "
+            "and its raw inputs in inputs"
+        )
+    entities = spec.entities_of(model)
+    ids = _entity_ids(request, entities, name)
+    entity_rows = len(next(iter(ids.values()))) if ids else 0
+    limit = spec.limits.max_rows_per_predict
+    if entities and entity_rows == 0:
+        raise InvalidArgument(
+            f"entities: model {name!r} reads entities {entities}; give one row of ids per row"
+        )
+    if entity_rows > limit:
+        raise InvalidArgument(f"entities: {entity_rows} rows, at most {limit} per call")
+    _check_ids(request, ids)
+    raw_names = [n for n, s in model.effective_inputs.items() if s.raw]
+    raw: dict[str, CallerTensor] = {}
+    for tensor_name in sorted(request.inputs):
+        where = f"inputs[{tensor_name[:64]!r}]"
+        input_spec = model.effective_inputs.get(tensor_name)
+        if input_spec is None:
+            raise InvalidArgument(
+                f"{where}: model {name!r} has no input {tensor_name[:64]!r}; "
+                f"its raw inputs: {raw_names}"
+            )
+        if not input_spec.raw:
+            raise InvalidArgument(
+                f"{where}: filled from feature view {input_spec.view!r}; name its entity "
+                f"{spec.entity_of(input_spec.view or '')!r} in entities instead"
+            )
+        raw[tensor_name] = read_tensor(request.inputs[tensor_name], where)
+    for tensor_name in raw_names:
+        if tensor_name not in raw:
+            raise InvalidArgument(
+                f"inputs[{tensor_name!r}]: required: model {name!r} takes it from the caller"
+            )
+    first: tuple[str, int] | None = None
+    for tensor_name, tensor in raw.items():
+        where = f"inputs[{tensor_name!r}].shape[0]"
+        if entities and tensor.rows != entity_rows:
+            raise InvalidArgument(
+                f"{where}: {tensor.rows} rows, but entities names {entity_rows}; "
+                "every input carries one row per entity row"
+            )
+        if first is None:
+            first = (tensor_name, tensor.rows)
+        elif tensor.rows != first[1]:
+            raise InvalidArgument(
+                f"{where}: {tensor.rows} rows, but inputs[{first[0]!r}] has {first[1]}; "
+                "every input carries the same rows"
+            )
+        if tensor.rows > limit:
+            raise InvalidArgument(f"{where}: {tensor.rows} rows, at most {limit} per call")
+    reads = []
+    for view in model.views:
+        features: list[str] = []
+        for input_spec in model.effective_inputs.values():
+            if input_spec.view == view:
+                features += [f for f in input_spec.features or () if f not in features]
+        entity = spec.entity_of(view)
+        reads.append(ViewRead(view, entity, ids[entity], features))
+    return PredictPlan(
+        model_name=name,
+        model=model,
+        version=request.version,
+        entity_rows=entity_rows,
+        reads=reads,
+        rows=np.empty((0, 0), dtype=np.float32),
+        raw=raw,
+    )
+
+
+def _entity_ids(
+    request: gateway_pb2.PredictRequest, entities: list[str], model: str
+) -> dict[str, list[str]]:
+    """The ids per entity the request names, one per row (entity_ids or entities)."""
+    if request.entity_ids and request.entities:
+        raise InvalidArgument("entities: give entity_ids or entities, not both")
+    if request.entity_ids:
+        if len(entities) != 1:
+            reads = f"reads entities {entities}" if entities else "reads no feature view"
+            raise InvalidArgument(
+                f"entity_ids: model {model!r} {reads}; "
+                + ("name each row's ids in entities" if entities else "send its inputs")
+            )
+        return {entities[0]: list(request.entity_ids)}
+    ids: dict[str, list[str]] = {entity: [] for entity in entities}
+    if request.entities and not entities:
+        raise InvalidArgument(f"entities: model {model!r} reads no feature view; send its inputs")
+    for i, row in enumerate(request.entities):
+        unknown = sorted(set(row.ids) - set(entities))
+        if unknown:
+            raise InvalidArgument(
+                f"entities[{i}]: unknown entity {unknown[0][:64]!r}; model {model!r} reads "
+                f"{entities}"
+            )
+        for entity in entities:
+            if entity not in row.ids:
+                raise InvalidArgument(f"entities[{i}]: names no id for entity {entity!r}")
+            ids[entity].append(row.ids[entity])
+    return ids
+
+
+def _check_ids(request: gateway_pb2.PredictRequest, ids: Mapping[str, list[str]]) -> None:
+    for entity, values in ids.items():
+        for i, entity_id in enumerate(values):
+            if not entity_id or len(entity_id) > MAX_ID_LENGTH:
+                where = (
+                    f"entity_ids[{i}]" if request.entity_ids else f"entities[{i}].ids[{entity!r}]"
+                )
+                raise InvalidArgument(f"{where}: empty or longer than {MAX_ID_LENGTH}")
+
+
+def conform_inputs(plan: PredictPlan, signature: ModelSignature) -> dict[str, np.ndarray]:
+    """The raw inputs as the model takes them (datatype, per-row shape), in wire layout;
+    InvalidArgument naming the field when one does not fit."""
+    conformed = {}
+    for name, tensor in plan.raw.items():
+        meta = signature.input_named(name)
+        if meta is None:  # signature_from_metadata checked every input is mapped
+            raise Internal(f"model {plan.model_name!r} has no input {name!r}")
+        conformed[name] = conform(
+            tensor, meta.datatype, meta.shape, f"inputs[{name!r}]", plan.model_name
+        )
+    return conformed
+
+
+def view_inputs(plan: PredictPlan, matrices: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each view-filled input's float32 matrix from the views' matrices (columns in each
+    read's `features` order), the shorthand's caller rows after the entity rows."""
+    by_view = {read.view: read for read in plan.reads}
+    filled: dict[str, np.ndarray] = {}
+    for name, spec in plan.model.effective_inputs.items():
+        if spec.view is None or spec.features is None:
+            continue
+        read = by_view.get(spec.view)
+        if read is None:  # no entity rows: the shorthand's caller rows alone
+            matrix = np.empty((0, len(spec.features)), dtype=np.float32)
+        else:
+            columns = [read.features.index(f) for f in spec.features]
+            matrix = matrices[spec.view][:, columns]
+        if plan.rows.size:
+            matrix = np.concatenate([matrix, plan.rows])
+        filled[name] = matrix
+    return filled
 
 
 def build_infer_request(
-    plan: PredictPlan, features: np.ndarray, request_id: str
+    plan: PredictPlan,
+    signature: ModelSignature,
+    views: Mapping[str, np.ndarray],
+    raw: Mapping[str, np.ndarray],
+    request_id: str,
 ) -> oip.ModelInferRequest:
-    """An OIP v2 request carrying the feature matrix as one raw FP32 tensor."""
-    batch = np.ascontiguousarray(features, dtype="<f4")
+    """An OIP v2 request with one raw tensor per model input, in the signature's order and
+    datatypes: `views` float32 matrices (converted here), `raw` already conformed. No
+    outputs are named, so the model answers all of them."""
     request = oip.ModelInferRequest(
         model_name=plan.model_name, model_version=plan.version, id=request_id
     )
-    request.inputs.add(name=INPUT_NAME, datatype="FP32", shape=list(batch.shape))
-    request.outputs.add(name=OUTPUT_NAME)
-    request.raw_input_contents.append(batch.tobytes())
+    for meta in signature.inputs:
+        if meta.name in raw:
+            wire = raw[meta.name]
+        else:
+            wire = to_wire(views[meta.name], meta.datatype, f"inputs[{meta.name!r}]")
+        request.inputs.add(name=meta.name, datatype=meta.datatype, shape=list(wire.shape))
+        request.raw_input_contents.append(wire.tobytes())
     return request
 
 
-def read_scores(response: oip.ModelInferResponse, n_rows: int) -> list[float]:
-    """Scores from the model's answer; raises Internal when it is not n_rows floats."""
+def read_outputs(response: oip.ModelInferResponse, n_rows: int) -> dict[str, gateway_pb2.Tensor]:
+    """Every output of the model's answer as a public Tensor; Internal when one does not
+    have one row per request row."""
+    outputs: dict[str, gateway_pb2.Tensor] = {}
     for index, output in enumerate(response.outputs):
-        if output.name != OUTPUT_NAME:
-            continue
-        if output.datatype != "FP32":
-            break
-        if index < len(response.raw_output_contents):
-            values = np.frombuffer(response.raw_output_contents[index], dtype="<f4")
-        else:
-            values = np.asarray(output.contents.fp32_contents, dtype=np.float32)
-        if values.size == n_rows:
-            return [float(v) for v in values]
-        break
-    raise Internal("model answered without one FP32 score per row")
+        values = decode_output(response, index)
+        if values.ndim < 1 or values.shape[0] != n_rows:
+            raise Internal(
+                f"model output {output.name!r} has shape {list(values.shape)} for {n_rows} rows"
+            )
+        outputs[output.name] = to_public(values, output.datatype)
+    if not outputs:
+        raise Internal("model answered no output")
+    return outputs
+
+
+def scores_of(outputs: Mapping[str, gateway_pb2.Tensor], n_rows: int) -> list[float]:
+    """`scores` for a model with one output of one number per row (the demo's `score`);
+    empty for every other model, which answers in `outputs` alone."""
+    if len(outputs) != 1:
+        return []
+    (tensor,) = outputs.values()
+    if tensor.datatype == "BOOL":
+        return []
+    values = [float(v) for v in _values(tensor)]
+    return values if len(values) == n_rows else []
+
+
+def _values(tensor: gateway_pb2.Tensor) -> Sequence[float | int | bool]:
+    values: Sequence[float | int | bool] = getattr(tensor, DATATYPES[tensor.datatype].public_field)
+    return values
 
 
 def stale_reason(entity_ids: Sequence[str], vectors: Sequence[feature_pb2.FeatureVector]) -> str:
@@ -127,9 +402,8 @@ def fallback_response(
     score = plan.model.fallback_score
     if score is None or not math.isfinite(score):
         return None
-    n_rows = len(plan.entity_ids) + len(plan.rows)
     return gateway_pb2.PredictResponse(
-        scores=[score] * n_rows,
+        scores=[score] * plan.n_rows,
         model_version="fallback",
         degraded=True,
         degraded_reason=reason,

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Mapping
 
 import grpc
 import numpy as np
 
 from servemesh.services.gateway.predict import (
+    ModelSignature,
     PredictPlan,
+    ViewRead,
     build_infer_request,
+    conform_inputs,
     fallback_response,
     plan_predict,
-    read_scores,
+    read_outputs,
+    scores_of,
+    signature_from_metadata,
     stale_reason,
+    view_inputs,
 )
 from servemesh.services.runtime import DeadlineBudget, bind_request_id, request_id_from
 from servemesh.services.runtime.errors import Internal, MeshError
@@ -60,9 +68,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         self.features = feature_pb2_grpc.FeatureServiceStub(mesh_channel)
         self.models = grpc_service_pb2_grpc.GRPCInferenceServiceStub(mesh_channel)
+        # Each model's signature (the datatype and shape of every tensor), learned from a
+        # replica through Envoy with OIP ModelMetadata on the model's first call and kept
+        # until the model's spec entry changes. Asking the replica rather than the registry
+        # keeps the gateway off the registry's path (it is not on the hot path, and an
+        # alias may move), and the spec's contract says every version takes the same
+        # inputs, so whichever version answers speaks for all.
+        self.signatures: dict[str, ModelSignature] = {}
 
     async def follow_spec(self, spec: MeshSpec) -> None:
-        """Serve the models of `spec` from the next call on (calls under way keep theirs)."""
+        """Serve the models of `spec` from the next call on (calls under way keep theirs);
+        a model whose entry changed has its signature learned again."""
+        for name in list(self.signatures):
+            if spec.models.get(name) != self.spec.models.get(name):
+                del self.signatures[name]
         self.spec = spec
 
     async def Predict(
@@ -79,8 +98,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # The request id and the trace context follow the request to every hop.
             metadata = [(REQUEST_ID_HEADER, request_id)]
             metadata += [(k, v) for k, v in incoming if k in TRACE_HEADERS]
-            features, stale = await self._features(plan, deadline, metadata)
-            answer = await self._infer(plan, features, deadline, metadata, request_id)
+            signature = await self._signature(plan, deadline, metadata)
+            raw = conform_inputs(plan, signature)
+            matrices, stale = await self._features(plan, deadline, metadata)
+            answer = await self._infer(
+                plan, signature, view_inputs(plan, matrices), raw, deadline, metadata, request_id
+            )
         except DownstreamError as exc:
             fallback = (
                 fallback_response(plan, request_id, str(exc))
@@ -97,7 +120,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 "model": plan.model_name,
                 "version": answer.model_version,
                 "replica": answer.model_replica,
-                "rows": len(answer.scores),
+                "rows": plan.n_rows,
                 "ms": round((time.perf_counter() - started) * 1000, 3),
             },
         )
@@ -108,17 +131,50 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             answer.degraded_reason = stale
         return answer
 
+    def _routing(self, plan: PredictPlan) -> list[tuple[str, str]]:
+        # Envoy routes on these headers: the model picks the route, a pinned version its cluster.
+        routing = [(MODEL_HEADER, plan.model_name)]
+        if plan.version:
+            routing.append((VERSION_HEADER, plan.version))
+        return routing
+
+    async def _signature(
+        self, plan: PredictPlan, deadline: float, metadata: list[tuple[str, str]]
+    ) -> ModelSignature:
+        known = self.signatures.get(plan.model_name)
+        if known is not None:
+            return known
+        try:
+            reply = await self.models.ModelMetadata(
+                oip.ModelMetadataRequest(name=plan.model_name, version=plan.version),
+                timeout=self.budget.remaining(deadline),
+                metadata=metadata + self._routing(plan),
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise DownstreamError("model service", exc) from None
+        signature = signature_from_metadata(plan.model_name, plan.model, reply)
+        # Kept only while the spec that planned this call is still the one served.
+        if self.spec.models.get(plan.model_name) == plan.model:
+            self.signatures[plan.model_name] = signature
+        return signature
+
     async def _features(
         self, plan: PredictPlan, deadline: float, metadata: list[tuple[str, str]]
+    ) -> tuple[dict[str, np.ndarray], str]:
+        """Each view's feature matrix (one GetFeatures per view, all at once), and why the
+        answer is degraded by stale features ("" when it is not)."""
+        if not plan.reads:
+            return {}, ""
+        read = await asyncio.gather(*(self._read_view(r, deadline, metadata) for r in plan.reads))
+        matrices = {r.view: matrix for r, (matrix, _) in zip(plan.reads, read, strict=True)}
+        reasons = [reason for _, reason in read if reason]
+        return matrices, "; ".join(reasons)
+
+    async def _read_view(
+        self, read: ViewRead, deadline: float, metadata: list[tuple[str, str]]
     ) -> tuple[np.ndarray, str]:
-        """Feature matrix (looked-up entities first, then the caller's own rows), and why
-        the answer is degraded by stale features ("" when it is not)."""
-        if not plan.entity_ids:
-            return plan.rows, ""
         lookup = feature_pb2.GetFeaturesRequest(
-            view=plan.model.feature_view,
-            entity_ids=plan.entity_ids,
-            feature_names=plan.model.features,
+            view=read.view, entity_ids=read.entity_ids, feature_names=read.features
         )
         try:
             reply = await self.features.GetFeatures(
@@ -126,34 +182,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )
         except grpc.aio.AioRpcError as exc:
             raise DownstreamError("feature service", exc) from None
-        looked_up = np.array([v.values for v in reply.vectors], dtype=np.float32)
-        if looked_up.shape != (len(plan.entity_ids), len(plan.model.features)):
-            raise Internal("feature service answered a matrix of the wrong shape")
-        matrix = np.concatenate([looked_up, plan.rows]) if len(plan.rows) else looked_up
-        return matrix, stale_reason(plan.entity_ids, reply.vectors)
+        matrix = np.array([v.values for v in reply.vectors], dtype=np.float32)
+        if matrix.shape != (len(read.entity_ids), len(read.features)):
+            raise Internal(f"feature service answered a matrix of the wrong shape for {read.view}")
+        return matrix, stale_reason(read.entity_ids, reply.vectors)
 
     async def _infer(
         self,
         plan: PredictPlan,
-        features: np.ndarray,
+        signature: ModelSignature,
+        views: Mapping[str, np.ndarray],
+        raw: Mapping[str, np.ndarray],
         deadline: float,
         metadata: list[tuple[str, str]],
         request_id: str,
     ) -> gateway_pb2.PredictResponse:
-        # Envoy routes on these headers: the model picks the route, a pinned version its cluster.
-        routing = [(MODEL_HEADER, plan.model_name)]
-        if plan.version:
-            routing.append((VERSION_HEADER, plan.version))
         try:
             reply = await self.models.ModelInfer(
-                build_infer_request(plan, features, request_id),
+                build_infer_request(plan, signature, views, raw, request_id),
                 timeout=self.budget.remaining(deadline),
-                metadata=metadata + routing,
+                metadata=metadata + self._routing(plan),
             )
         except grpc.aio.AioRpcError as exc:
             raise DownstreamError("model service", exc) from None
+        outputs = read_outputs(reply, plan.n_rows)
         return gateway_pb2.PredictResponse(
-            scores=read_scores(reply, len(features)),
+            scores=scores_of(outputs, plan.n_rows),
+            outputs=outputs,
             model_version=reply.model_version,
             model_replica=_string_parameter(reply, REPLICA_PARAMETER),
             model_zone=_string_parameter(reply, ZONE_PARAMETER),

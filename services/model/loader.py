@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import torch
 
+from servemesh.model_contract import check_model_contract
 from servemesh.services.model.artifacts import FORMATS, PLATFORMS, ArtifactError, Format
 from servemesh.services.model.batching import Batcher
 from servemesh.services.model.errors import LoadError
@@ -172,11 +173,12 @@ def registry_loader(
             )
         except ValueError as exc:
             raise LoadError(str(exc)) from None
-        if model_spec is not None and signature.input.dims != (len(model_spec.features),):
-            raise LoadError(
-                f"{where}: input {signature.input.name!r} has shape {list(signature.input.shape)} "
-                f"but the spec lists {len(model_spec.features)} features"
-            )
+        if model_spec is not None:
+            # Every input the spec fills from a view has its width, every input of the
+            # signature is filled: the gateway could not call the model otherwise.
+            problems = check_model_contract(model, model_spec, record.inputs, record.outputs)
+            if problems:
+                raise LoadError(f"{where}: " + "; ".join(problems))
         try:
             return await load_model(
                 data,

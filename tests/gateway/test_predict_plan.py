@@ -7,11 +7,15 @@ import numpy as np
 import pytest
 
 from servemesh.services.gateway.predict import (
+    ModelSignature,
+    TensorMeta,
     build_infer_request,
     fallback_response,
     plan_predict,
-    read_scores,
+    read_outputs,
+    scores_of,
     stale_reason,
+    view_inputs,
 )
 from servemesh.services.runtime.errors import MeshError
 from servemesh.spec import MeshSpec, ModelSpec
@@ -76,26 +80,45 @@ def test_bad_requests_name_the_field(
     assert str(err.value).startswith(field)
 
 
+DEMO_SIGNATURE = ModelSignature(
+    inputs=(TensorMeta("features", "FP32", (-1, 64)),),
+    outputs=(TensorMeta("score", "FP32", (-1, 1)),),
+)
+
+
 def test_infer_request_carries_rows_as_one_raw_fp32_tensor() -> None:
     plan = plan_predict(gateway_pb2.PredictRequest(model="fraud", rows=[_row(64, 0.25)] * 3), SPEC)
-    request = build_infer_request(plan, plan.rows, "rid-1")
+    views = view_inputs(plan, {})
+    request = build_infer_request(plan, DEMO_SIGNATURE, views, {}, "rid-1")
     assert request.model_name == "fraud" and request.id == "rid-1"
     assert list(request.inputs[0].shape) == [3, 64] and request.inputs[0].datatype == "FP32"
     decoded = np.frombuffer(request.raw_input_contents[0], dtype="<f4").reshape(3, 64)
     assert np.all(decoded == 0.25)
+    assert list(request.outputs) == []  # every output
+
+
+def test_entity_rows_come_before_the_callers_rows() -> None:
+    request = gateway_pb2.PredictRequest(model="fraud", entity_ids=["a", "b"], rows=[_row(64, 9)])
+    plan = plan_predict(request, SPEC)
+    assert plan.n_rows == 3 and [r.entity_ids for r in plan.reads] == [["a", "b"]]
+    looked_up = np.ones((2, 64), dtype=np.float32)
+    matrix = view_inputs(plan, {"user": looked_up})["features"]
+    assert matrix.shape == (3, 64) and matrix[2, 0] == 9 and matrix[0, 0] == 1
 
 
 def test_scores_are_read_from_raw_or_typed_outputs_and_checked_for_count() -> None:
     raw = oip.ModelInferResponse(raw_output_contents=[np.array([0.1, 0.9], dtype="<f4").tobytes()])
     raw.outputs.add(name="score", datatype="FP32", shape=[2, 1])
-    assert read_scores(raw, 2) == pytest.approx([0.1, 0.9])
+    outputs = read_outputs(raw, 2)
+    assert scores_of(outputs, 2) == pytest.approx([0.1, 0.9])
+    assert list(outputs["score"].shape) == [2, 1]
     typed = oip.ModelInferResponse()
     typed.outputs.add(name="score", datatype="FP32", shape=[2, 1]).contents.fp32_contents.extend(
         [0.3, 0.4]
     )
-    assert read_scores(typed, 2) == pytest.approx([0.3, 0.4])
+    assert scores_of(read_outputs(typed, 2), 2) == pytest.approx([0.3, 0.4])
     with pytest.raises(MeshError) as err:
-        read_scores(typed, 3)
+        read_outputs(typed, 3)
     assert err.value.code == grpc.StatusCode.INTERNAL
 
 

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # The contract every layer may use: wire names, the spec and its policy, demo names,
 # atomic file writes. It imports nothing of ours but itself.
-CONTRACT = {"wire", "spec", "policy", "demo", "demo_model", "atomic"}
+CONTRACT = {"wire", "spec", "policy", "demo", "demo_model", "atomic", "model_contract"}
 SERVICES = {"services.runtime", "services.gateway", "services.feature", "services.model"}
 TOOLING = {"procs", "netns", "load", "proxy", "credentials"}
 
@@ -27,6 +27,8 @@ ALLOWED: dict[str, set[str]] = {
     "demo_model": set(),
     "policy": set(),
     "spec": {"demo", "policy"},
+    # does a model's spec entry fit an artifact's signature (apply, loader, gateway)
+    "model_contract": {"spec"},
     # the services: the runtime under them, the contract, and nothing that runs a mesh
     "services.runtime": CONTRACT,
     "services.gateway": CONTRACT | {"services.runtime"},

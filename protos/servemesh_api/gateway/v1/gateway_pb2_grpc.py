@@ -45,8 +45,10 @@ class GatewayServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Predict(self, request, context):
-        """Score one or more rows with a model. Rows come from the feature store (entity_ids),
-        from the caller (rows), or both; the scores come back in the order entity_ids then rows.
+        """Score one or more rows with a model. Rows come from the feature store (entity_ids or
+        entities), from the caller (rows), or both; the scores come back in the order
+        entity_ids then rows. A model's other inputs come from the caller (inputs), one row per
+        entity row; every output comes back by name (outputs).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
