@@ -10,6 +10,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from rich.console import Console
@@ -99,6 +100,92 @@ def _edge_address(args: argparse.Namespace) -> str:
     return f"{spec.host}:{spec.ports.edge}"
 
 
+def _parse_entity(text: str) -> dict[str, str] | str:
+    """`--entity`: `user-42` (the model's only entity) or `lot=L-17,merchant=m-3`."""
+    if "=" not in text:
+        return text
+    ids: dict[str, str] = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise ValueError(f"--entity {text[:60]!r}: give name=id[,name=id]")
+        ids[name.strip()] = value.strip()
+    return ids
+
+
+def _parse_input(text: str) -> tuple[str, list[int] | list[float]]:
+    """`--input NAME=v1,v2,...`: one row of a raw input. Whole numbers travel as integers
+    (exact for INT64 ids), anything else as doubles; the gateway converts them to the
+    datatype the model takes, refusing a value it cannot hold."""
+    name, sep, values = text.partition("=")
+    if not sep or not name.strip():
+        raise ValueError(f"--input {text[:60]!r}: give NAME=v1,v2,...")
+    tokens = [v.strip() for v in values.split(",")]
+    try:
+        return name.strip(), [int(v) for v in tokens]
+    except ValueError:
+        pass
+    try:
+        return name.strip(), [float(v) for v in tokens]
+    except ValueError:
+        raise ValueError(f"--input {text[:60]!r}: not a comma-separated list of numbers") from None
+
+
+def _input_tensors(texts: list[str]) -> dict[str, Any]:
+    """The raw inputs of --input flags, by name: each flag one row, in order."""
+    from servemesh_api.gateway.v1 import gateway_pb2
+
+    rows: dict[str, list[list[int] | list[float]]] = {}
+    for text in texts:
+        name, values = _parse_input(text)
+        rows.setdefault(name, []).append(values)
+    tensors = {}
+    for name, values in rows.items():
+        widths = {len(row) for row in values}
+        if len(widths) != 1:
+            raise ValueError(
+                f"--input {name}: every row needs as many values, got {sorted(widths)}"
+            )
+        flat = [v for row in values for v in row]
+        tensor = gateway_pb2.Tensor(shape=[len(values), widths.pop()])
+        if all(isinstance(v, int) for v in flat):
+            tensor.int64_values.extend(int(v) for v in flat)
+        else:
+            tensor.double_values.extend(float(v) for v in flat)
+        tensors[name] = tensor
+    return tensors
+
+
+def _tensor_rows(tensor: Any) -> list[Any]:
+    """A public Tensor's values as nested lists, one per row."""
+    import numpy as np
+
+    for field in (
+        "float_values",
+        "double_values",
+        "int64_values",
+        "int_values",
+        "uint64_values",
+        "uint_values",
+        "bool_values",
+    ):
+        values = getattr(tensor, field)
+        if len(values):
+            rows: list[Any] = (
+                np.asarray(list(values), dtype=object).reshape(list(tensor.shape)).tolist()
+            )
+            return rows
+    return [[] for _ in range(tensor.shape[0] if tensor.shape else 0)]
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    if isinstance(value, float):
+        return f"{value:.6f}"
+    return str(value)
+
+
 def cmd_predict(args: argparse.Namespace) -> int:
     from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -109,9 +196,23 @@ def cmd_predict(args: argparse.Namespace) -> int:
         except ValueError:
             console.print(f"[red]--row {text[:40]!r}: not a comma-separated list of numbers[/red]")
             return 2
+    try:
+        entities = [_parse_entity(text) for text in args.entity or []]
+        inputs = _input_tensors(args.input or [])
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 2
     request = gateway_pb2.PredictRequest(
-        model=args.model, entity_ids=args.entity or [], rows=rows, version=args.version or ""
+        model=args.model, rows=rows, version=args.version or "", inputs=inputs
     )
+    if any(isinstance(e, dict) for e in entities):
+        # Named entities: every row names them (a bare id cannot say which entity it is).
+        if not all(isinstance(e, dict) for e in entities):
+            console.print("[red]--entity: name every entity (name=id) or none[/red]")
+            return 2
+        request.entities.extend(gateway_pb2.EntityRow(ids=e) for e in entities)  # type: ignore[misc]
+    else:
+        request.entity_ids.extend(str(e) for e in entities)
     address = _edge_address(args)
     metadata = []
     credentials = read_edge_credentials(Path(args.state_dir or _load(args.spec).state_dir))
@@ -125,22 +226,50 @@ def cmd_predict(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             console.print(f"[red]{exc.code().name}[/red]: {exc.details()}")
             return 1
+    outputs = {name: reply.outputs[name] for name in sorted(reply.outputs)}
     if args.json:
         answer = {
+            "outputs": {
+                name: {
+                    "datatype": tensor.datatype,
+                    "shape": list(tensor.shape),
+                    "values": _tensor_rows(tensor),
+                }
+                for name, tensor in outputs.items()
+            },
             "scores": list(reply.scores),
             "model_version": reply.model_version,
             "degraded": reply.degraded,
+            "degraded_reason": reply.degraded_reason,
             "request_id": reply.request_id,
         }
         sys.stdout.write(json.dumps(answer) + "\n")
         return 0
-    labels = [*(args.entity or []), *[f"row {i}" for i in range(len(rows))]]
-    for label, score in zip(labels, reply.scores, strict=True):
-        out.print(f"{label}: score {score:.6f}")
+    labels = [
+        e if isinstance(e, str) else ",".join(f"{k}={v}" for k, v in e.items()) for e in entities
+    ]
+    labels += [f"row {i}" for i in range(len(rows))]
+    n_rows = len(reply.scores) or max((t.shape[0] for t in outputs.values() if t.shape), default=0)
+    labels += [f"row {i}" for i in range(len(labels), n_rows)]
+    per_output = {name: _tensor_rows(tensor) for name, tensor in outputs.items()}
+    for i, label in enumerate(labels[:n_rows]):
+        if not outputs:  # a fallback: its scores alone
+            out.print(f"{label}: score {reply.scores[i]:.6f}", markup=False)
+            continue
+        shown = []
+        for name, values in per_output.items():
+            value = values[i]
+            # One number per row ([n] or [n, 1]) reads as a number.
+            if isinstance(value, list) and len(value) == 1:
+                value = value[0]
+            shown.append(f"{name} {_shown(value)}")
+        out.print(f"{label}: " + "  ".join(shown), markup=False)
     out.print(
         f"model version: {reply.model_version}"
         + ("  [yellow](degraded)[/yellow]" if reply.degraded else "")
     )
+    if reply.degraded_reason:
+        out.print(f"degraded: {reply.degraded_reason}", markup=False)
     out.print(f"request id: {reply.request_id}")
     return 0
 
@@ -220,7 +349,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     predict = sub.add_parser("predict", help="call Predict through the edge")
     predict.add_argument("--model", required=True)
-    predict.add_argument("--entity", action="append", help="entity id (repeatable)")
+    predict.add_argument(
+        "--entity",
+        action="append",
+        help="one row's entity ids: name=id[,name=id], or a bare id for a model of one "
+        "entity (repeatable, one row each)",
+    )
+    predict.add_argument(
+        "--input",
+        action="append",
+        metavar="NAME=v1,v2,...",
+        help="one row of a raw input tensor (repeatable, one row each, in order)",
+    )
     predict.add_argument(
         "--row", action="append", help="comma-separated feature values (repeatable)"
     )

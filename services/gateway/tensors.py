@@ -141,10 +141,9 @@ def conform(
             f"{where}.datatype: model {model!r} takes {datatype}, got {tensor.datatype}"
         )
     if not tensor.datatype and tensor.field != want.public_field:
-        raise InvalidArgument(
-            f"{where}: model {model!r} takes {datatype}, whose values belong in "
-            f"{want.public_field}; got {tensor.field}"
-        )
+        # No datatype named (the CLI's numbers, a quick grpcurl call): any field will do
+        # whose values the model's datatype holds exactly.
+        _check_exact(tensor.values, datatype, f"{where}.{tensor.field}", model)
     per_row = 1
     for dim in shape[1:]:
         per_row *= dim
@@ -157,6 +156,22 @@ def conform(
         )
     rows = tensor.values.reshape((got[0], *shape[1:]))
     return to_wire(rows, datatype, where)
+
+
+def _check_exact(values: np.ndarray, datatype: str, where: str, model: str) -> None:
+    kind = DATATYPES[datatype].wire.kind
+    if datatype == "BF16" or kind == "f":
+        return  # any number is a float, rounded to the model's precision
+    if kind == "b":
+        bad = values[(values != 0) & (values != 1)]
+    elif values.dtype.kind == "f":
+        bad = values[values != np.round(values)]
+    else:
+        return  # integers: to_wire checks their range
+    if bad.size:
+        raise InvalidArgument(
+            f"{where}: model {model!r} takes {datatype}; {bad.ravel()[0].item()!r} is not one"
+        )
 
 
 def to_wire(values: np.ndarray, datatype: str, where: str) -> np.ndarray:

@@ -216,8 +216,8 @@ def test_raw_inputs_of_different_row_counts_are_refused() -> None:
             r"inputs\['tasting'\].datatype: model 'wine' takes FP32, got FP64",
         ),
         (
-            gateway_pb2.Tensor(shape=[2, 3], int64_values=[1] * 6),
-            r"inputs\['tasting'\]: model 'wine' takes FP32, whose values belong in float_values",
+            gateway_pb2.Tensor(datatype="INT64", shape=[2, 3], int64_values=[1] * 6),
+            r"inputs\['tasting'\].datatype: model 'wine' takes FP32, got INT64",
         ),
     ],
 )

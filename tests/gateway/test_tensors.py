@@ -127,11 +127,28 @@ def test_a_value_the_models_datatype_cannot_hold_is_refused(
         conform(caller, datatype, (-1,), "inputs['x']", "m")
 
 
-def test_a_tensor_without_a_datatype_takes_the_models_when_its_field_fits() -> None:
-    caller = read_tensor(gateway_pb2.Tensor(shape=[1, 2], float_values=[0.5, 1.5]), "x")
-    assert conform(caller, "FP16", (-1, 2), "x", "m").dtype == np.dtype("<f2")
-    with pytest.raises(MeshError, match="x: model 'm' takes FP64, whose values belong in"):
-        conform(caller, "FP64", (-1, 2), "x", "m")
+def test_a_tensor_without_a_datatype_takes_the_models_when_its_values_fit() -> None:
+    caller = read_tensor(gateway_pb2.Tensor(shape=[1, 2], double_values=[0.5, 1.5]), "x")
+    assert conform(caller, "FP16", (-1, 2), "x", "m").tolist() == [[0.5, 1.5]]
+    with pytest.raises(MeshError, match=r"x.double_values: model 'm' takes INT64; 0.5 is not one"):
+        conform(caller, "INT64", (-1, 2), "x", "m")
+    whole = read_tensor(gateway_pb2.Tensor(shape=[2], double_values=[3.0, 4.0]), "x")
+    assert conform(whole, "INT64", (-1,), "x", "m").tolist() == [3, 4]
+    ints = read_tensor(gateway_pb2.Tensor(shape=[2], int64_values=[1, 0]), "x")
+    assert conform(ints, "BOOL", (-1,), "x", "m").tolist() == [True, False]
+    assert conform(ints, "FP32", (-1,), "x", "m").dtype == np.dtype("<f4")
+    with pytest.raises(MeshError, match="x.int64_values: model 'm' takes BOOL; 3 is not one"):
+        conform(
+            read_tensor(gateway_pb2.Tensor(shape=[1], int64_values=[3]), "x"),
+            "BOOL",
+            (-1,),
+            "x",
+            "m",
+        )
+    # A named datatype is held to: the caller said what it meant.
+    named = read_tensor(gateway_pb2.Tensor(datatype="FP64", shape=[1], double_values=[1.0]), "x")
+    with pytest.raises(MeshError, match="x.datatype: model 'm' takes FP32, got FP64"):
+        conform(named, "FP32", (-1,), "x", "m")
 
 
 @pytest.mark.parametrize(
