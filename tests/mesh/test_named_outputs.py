@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -212,4 +213,45 @@ def test_a_raw_input_that_does_not_fit_the_model_is_refused_naming_it(wine_mesh:
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith(
         "inputs['tasting'].shape: model 'wine' takes [-1, 3] (3 values per row), got [1, 2]"
+    )
+
+
+def test_the_cli_prints_each_output_per_row(wine_mesh: Mesh) -> None:
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "servemesh", "predict", "--model", "wine",
+            "--entity", "lot=L-2,seller=m-1", "--input", "tasting=1,2,3",
+            "--address", wine_mesh.spec.edge_address, "--state-dir", str(wine_mesh.state_dir),
+        ],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    probabilities, label = reference(["L-2"], ["m-1"], [[1, 2, 3]])
+    shown = ", ".join(f"{p:.6f}" for p in probabilities[0])
+    assert f"lot=L-2,seller=m-1: label {label[0]}  probabilities [{shown}]" in done.stdout
+
+
+def test_grpcurl_writes_entities_and_inputs_and_reads_named_outputs_as_json(
+    wine_mesh: Mesh,
+) -> None:
+    body = {
+        "model": "wine",
+        "entities": [{"ids": {"lot": "L-3", "seller": "m-2"}}],
+        "inputs": {"tasting": {"datatype": "FP32", "shape": [1, 3], "float_values": [1, 0, -1]}},
+    }
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "grpcurl"), "-plaintext", "-d", json.dumps(body),
+         wine_mesh.spec.edge_address, "servemesh.gateway.v1.Gateway/Predict"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    probabilities, label = reference(["L-3"], ["m-2"], [[1, 0, -1]])
+    assert answer["outputs"]["label"] == {
+        "datatype": "INT64",
+        "shape": ["1"],
+        "int64_values": [str(label[0])],
+    }
+    np.testing.assert_allclose(
+        answer["outputs"]["probabilities"]["float_values"], probabilities[0], rtol=1e-5
     )
