@@ -137,8 +137,8 @@ def _input_tensors(texts: list[str]) -> dict[str, Any]:
 
     rows: dict[str, list[list[int] | list[float]]] = {}
     for text in texts:
-        name, values = _parse_input(text)
-        rows.setdefault(name, []).append(values)
+        name, row = _parse_input(text)
+        rows.setdefault(name, []).append(row)
     tensors = {}
     for name, values in rows.items():
         widths = {len(row) for row in values}
@@ -205,14 +205,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
     request = gateway_pb2.PredictRequest(
         model=args.model, rows=rows, version=args.version or "", inputs=inputs
     )
-    if any(isinstance(e, dict) for e in entities):
-        # Named entities: every row names them (a bare id cannot say which entity it is).
-        if not all(isinstance(e, dict) for e in entities):
-            console.print("[red]--entity: name every entity (name=id) or none[/red]")
-            return 2
-        request.entities.extend(gateway_pb2.EntityRow(ids=e) for e in entities)  # type: ignore[misc]
-    else:
-        request.entity_ids.extend(str(e) for e in entities)
+    named = [e for e in entities if isinstance(e, dict)]
+    if named and len(named) != len(entities):
+        # A bare id cannot say which entity it is once the others are named.
+        console.print("[red]--entity: name every entity (name=id) or none[/red]")
+        return 2
+    request.entities.extend(gateway_pb2.EntityRow(ids=ids) for ids in named)
+    request.entity_ids.extend(e for e in entities if isinstance(e, str))
     address = _edge_address(args)
     metadata = []
     credentials = read_edge_credentials(Path(args.state_dir or _load(args.spec).state_dir))
