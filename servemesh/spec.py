@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import socket
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
 
@@ -122,8 +123,9 @@ class ModelInputSpec(_Strict):
                 raise ValueError("view: required (with features), or raw: true")
             if self.features is None:
                 raise ValueError(f"features: required with view {self.view!r}")
-            repeated = sorted({f for f in self.features if self.features.count(f) > 1})
-            if repeated:
+            if len(set(self.features)) != len(self.features):
+                counts = Counter(self.features)
+                repeated = sorted(f for f, n in counts.items() if n > 1)
                 raise ValueError(f"features: named more than once: {repeated}")
         return self
 
@@ -186,9 +188,10 @@ class ModelSpec(_Strict):
         the shorthand's one input named `features` read from `feature_view`."""
         if self.inputs is not None:
             return dict(self.inputs)
-        return {
-            SHORTHAND_INPUT: ModelInputSpec(view=self.feature_view, features=list(self.features))
-        }
+        # Built on every call (the gateway asks per request): the shorthand's fields were
+        # validated with the model, so it is constructed without validating them again.
+        shorthand = ModelInputSpec.model_construct(view=self.feature_view, features=self.features)
+        return {SHORTHAND_INPUT: shorthand}
 
     @property
     def views(self) -> list[str]:

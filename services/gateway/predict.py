@@ -320,9 +320,11 @@ def view_inputs(plan: PredictPlan, matrices: Mapping[str, np.ndarray]) -> dict[s
         read = by_view.get(spec.view)
         if read is None:  # no entity rows: the shorthand's caller rows alone
             matrix = np.empty((0, len(spec.features)), dtype=np.float32)
+        elif spec.features == read.features:
+            matrix = matrices[spec.view]  # the input reads the view's columns as asked
         else:
-            columns = [read.features.index(f) for f in spec.features]
-            matrix = matrices[spec.view][:, columns]
+            position = {feature: i for i, feature in enumerate(read.features)}
+            matrix = matrices[spec.view][:, [position[f] for f in spec.features]]
         if plan.rows.size:
             matrix = np.concatenate([matrix, plan.rows])
         filled[name] = matrix

@@ -178,6 +178,8 @@ def to_wire(values: np.ndarray, datatype: str, where: str) -> np.ndarray:
     """`values` (public or wider types) in the model's little-endian layout for `datatype`;
     raises InvalidArgument naming `where` for a value the datatype cannot hold."""
     want = DATATYPES[datatype]
+    if values.dtype == want.wire and datatype != "BF16":
+        return np.ascontiguousarray(values)  # already the model's (the demo's FP32 rows)
     if datatype == "BF16":
         return _bf16_bits(np.asarray(values, dtype=np.float32), where)
     if want.wire.kind in "iu" and values.size:
