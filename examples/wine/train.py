@@ -173,7 +173,7 @@ MESH_YAML = """\
 # The wine example, added to a running mesh: `servemesh apply mesh.yaml`.
 feature_views:
   {view}:
-    entity: {view}            # lots are looked up by their lot_id
+    entity: {view}             # lots are looked up by their lot_id
     features: [{chemistry}]
     max_age: 30d            # a lot measured more than 30 days ago is stale (error)
 models:
