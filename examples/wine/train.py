@@ -32,8 +32,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from sklearn.datasets import load_wine
-from sklearn.model_selection import train_test_split
+from sklearn.datasets import load_wine  # type: ignore[import-untyped]
+from sklearn.model_selection import train_test_split  # type: ignore[import-untyped]
 from torch import nn
 
 MODEL = "wine"
@@ -72,6 +72,9 @@ def lot_id(index: int) -> str:
 class WineNet(nn.Module):
     """Standardise both inputs (the training set's mean and std, kept in the program),
     then a small MLP over the thirteen measurements."""
+
+    mean: torch.Tensor
+    std: torch.Tensor
 
     def __init__(self, mean: torch.Tensor, std: torch.Tensor) -> None:
         super().__init__()
@@ -154,6 +157,11 @@ def export(model: WineNet, path: Path) -> None:
         example,
         dynamic_shapes={"chemistry": {0: batch}, "tasting": {0: batch}},
     )
+    # Each node records the Python stack that made it, with the training machine's paths:
+    # dropped, so the archive names no local file and its bytes do not depend on where
+    # the code was checked out.
+    for node in program.graph.nodes:
+        node.meta.pop("stack_trace", None)
     torch.export.save(program, str(path))
 
 
