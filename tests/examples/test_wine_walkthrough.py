@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -149,6 +150,14 @@ class Up:
         return data
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _lot_view(trained: Trained) -> FeatureViewSpec:
     """The example's view as today's spec reads it (fields it does not know yet dropped)."""
     view = yaml.safe_load(trained.mesh_yaml.read_text())["feature_views"]["lot"]
@@ -180,7 +189,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, trained: Trained) -> Iterator
         # endpoints.json is written once every service is SERVING and Envoy is ready.
         supervisor.start("up", argv, ready=Check(endpoints.exists, "endpoints.json"), timeout_s=180)
         yield Up(root / "state")
+        pids = json.loads(endpoints.read_text())["pids"]
         assert supervisor.stop("up", grace_s=60) == 0
+        assert [name for name, pid in pids.items() if _alive(pid)] == []
 
 
 def test_training_is_deterministic(runs: tuple[Trained, Trained]) -> None:
