@@ -1,0 +1,1 @@
+"""Models a new user could train and serve with the servemesh CLI alone."""

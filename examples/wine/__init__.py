@@ -1,0 +1,1 @@
+"""The wine example: train a classifier on scikit-learn's wine data and serve it (README.md)."""
