@@ -42,8 +42,6 @@ from servemesh.registry.validation import (
     check_name,
     check_tensor_specs,
 )
-from servemesh.services.model.artifacts import ArtifactError, open_artifact, reconcile_signature
-from servemesh.services.model.runner import ModelRunner, SignatureViolation
 from servemesh.services.model.tensors import Signature, TensorSig
 from servemesh.spec import ResolvedSpec, SpecError, load_spec
 from servemesh.wire import message_size_options
@@ -192,6 +190,14 @@ def check_push(
 
     Raises ModelsError naming the first problem.
     """
+    # torch loads here, for a push, not for every `servemesh` command (list, alias, ...).
+    from servemesh.services.model.artifacts import (
+        ArtifactError,
+        open_artifact,
+        reconcile_signature,
+    )
+    from servemesh.services.model.runner import ModelRunner, SignatureViolation
+
     try:
         check_name(request.model, "--model")
         check_name(request.version, "--version")

@@ -125,3 +125,16 @@ def test_the_floor_plan_has_no_cycles() -> None:
         return False
 
     assert [a for a in ALLOWED if reaches(a, a, {a})] == []
+
+
+def test_the_command_line_starts_without_importing_torch() -> None:
+    """Every `servemesh` command would pay seconds for torch; only the ones that run a
+    model (push, up's demo seeding, the model server) import it, when they run."""
+    import subprocess
+    import sys
+
+    probe = "import sys, servemesh.cli; print('torch' in sys.modules)"
+    answer = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    )
+    assert answer.stdout.strip() == "False"
