@@ -364,14 +364,24 @@ class RouteManager:
             for path in self.paths.xds.eds_files()
             if path not in files and path.suffix == ".yaml"
         ]
-        order = ("rds", "eds", "cds") if routes_first else ("eds", "cds", "rds")
+        route_files = [p for p in changed if p.parent.name == "rds"]
+        cluster_files = sorted(
+            (p for p in changed if p.parent.name != "rds"), key=lambda p: p.parent.name != "eds"
+        )
+        # A route naming a cluster Envoy does not serve (yet, or any more) answers no
+        # cluster: new clusters must be active (warmed: endpoints read, first health checks
+        # passed) before a route names them, and routes must stop naming clusters before
+        # those go. So the two halves are swapped and confirmed one after the other.
+        none: set[str] = set()
+        steps = [(cluster_files, none, clusters), (route_files, routes, none)]
+        if routes_first:
+            steps.reverse()
         started = time.perf_counter()
-        # Endpoints and clusters before the routes that name them (or, when clusters go,
-        # the routes that named them first).
-        for path in sorted(changed, key=lambda p: order.index(p.parent.name)):
-            atomic_write_text(path, _dump(changed[path]))
         try:
-            self._confirm(routes, clusters, version)
+            for paths, step_routes, step_clusters in steps:
+                for path in paths:  # endpoints before the clusters that read them
+                    atomic_write_text(path, _dump(changed[path]))
+                self._confirm(step_routes, step_clusters, version)
         finally:
             # The services follow the file: written once Envoy serves the change (or the
             # swapped files are what it will serve), so nothing relies on a route too early.
