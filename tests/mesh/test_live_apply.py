@@ -143,28 +143,35 @@ def _cli(mesh: Mesh, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_a_dry_run_prints_the_plan_and_changes_nothing(mesh: Mesh, tmp_path: Path) -> None:
+    add = _spec_file(tmp_path, "add.yaml", ADD)
+    before = _state(mesh)
+    dry = _cli(mesh, str(add), "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "dry run" in dry.stdout and "risk" in dry.stdout and "fraud v3" in dry.stdout
+    assert "v1=90 v2=0 v3=10" in dry.stdout
+    assert _state(mesh) == before
+    assert all(("fraud", "v3") not in _held(mesh, r) for r in _replicas(mesh))
+    refused = _cli(mesh, str(_spec_file(tmp_path, "shrink.yaml", "zones: [zone-a]\n")))
+    assert refused.returncode == 1
+    assert "refused:" in refused.stderr and "zones" in refused.stderr
+
+
 def test_models_and_versions_come_and_go_under_load_without_losing_a_request(
     mesh: Mesh, applier: LiveApply, tmp_path: Path
 ) -> None:
     add = _spec_file(tmp_path, "add.yaml", ADD)
+    remove = _spec_file(tmp_path, "remove.yaml", BASE)
     load = BackgroundLoad(predict_target(mesh.spec.edge_address, entities=ENTITIES), rate_per_s=200)
     load.start()
     try:
         wait_until(lambda: len(load.outcomes) >= 200, "a second of steady load")
 
-        # A dry run prints the plan and changes nothing.
-        before = _state(mesh)
-        dry = _cli(mesh, str(add), "--dry-run")
-        assert dry.returncode == 0, dry.stderr
-        assert "dry run" in dry.stdout and "risk" in dry.stdout and "fraud v3" in dry.stdout
-        assert _state(mesh) == before
-        assert all(("fraud", "v3") not in _held(mesh, r) for r in _replicas(mesh))
-
-        added = _cli(mesh, str(add))
+        added = applier.apply(add.read_text(), str(add))
         returned = time.monotonic()
-        assert added.returncode == 0, added.stderr
-        for replica in _replicas(mesh):
-            assert replica in added.stdout  # its load time is reported
+        assert sorted(added.plan.added_versions) == [("fraud", "v3"), ("risk", "v1")]
+        assert sorted(r.replica for r in added.loads) == _replicas(mesh)
+        assert all(r.loaded == added.plan.added_versions for r in added.loads)
         # Only the readiness (every replica loaded and warmed up before Envoy routed)
         # makes these answer at once; 5 s is a generous bound for the gateways' poll.
         assert _first_answer_s(mesh, "fraud", "v3", returned) < 5.0
@@ -172,9 +179,10 @@ def test_models_and_versions_come_and_go_under_load_without_losing_a_request(
         for replica in _replicas(mesh):
             assert {("fraud", "v3"), ("risk", "v1")} <= _held(mesh, replica)
         assert "+ version fraud v3" in applier.manager.history()[-1]["diff"]
+        # Envoy took v3 into the split: some of the load reaches it.
+        wait_until(lambda: any(o.version == "v3" for o in load.outcomes), "v3 in the split")
 
         # Removing v3 while it takes traffic is refused, and nothing changes.
-        remove = _spec_file(tmp_path, "remove.yaml", BASE)
         before = _state(mesh)
         with pytest.raises(ApplyError) as refused:
             applier.apply(remove.read_text(), str(remove), prune=True)
@@ -184,9 +192,9 @@ def test_models_and_versions_come_and_go_under_load_without_losing_a_request(
         assert all(("fraud", "v3") in _held(mesh, r) for r in _replicas(mesh))
 
         applier.manager.set_weights("fraud", {"v1": 100, "v2": 0, "v3": 0})
-        result = applier.apply(remove.read_text(), str(remove), prune=True)
-        assert result.plan.removed_models == ["risk"]
-        assert sorted(result.plan.removed_versions) == [("fraud", "v3"), ("risk", "v1")]
+        removed = applier.apply(remove.read_text(), str(remove), prune=True)
+        assert removed.plan.removed_models == ["risk"]
+        assert sorted(removed.plan.removed_versions) == [("fraud", "v3"), ("risk", "v1")]
         # Envoy no longer routes them; the replicas unload what the spec dropped.
         for replica in _replicas(mesh):
             wait_until(
@@ -208,8 +216,7 @@ def test_models_and_versions_come_and_go_under_load_without_losing_a_request(
     outcomes = load.snapshot()
     assert len(outcomes) >= 400
     lost = [o for o in outcomes if o.code != "OK"]
-    assert lost == [], lost[:5]
-    assert {o.version for o in outcomes} >= {"v1", "v3"}  # v3 took its share meanwhile
+    assert lost == [], (len(lost), len(outcomes), lost[:3])
 
 
 def test_a_version_missing_from_the_registry_is_refused_and_nothing_loads(
