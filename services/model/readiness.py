@@ -87,10 +87,6 @@ class ModelServer(ServiceServer):
             self.routed = frozenset(routed)
         await self.refresh_readiness()
 
-    def version_status(self, model: str, version: str) -> bool:
-        """Whether the version's own health is SERVING now."""
-        return self._versions.get(version_health_name(model, version), False)
-
     async def _report_versions(self, serving: bool) -> None:
         """Each loaded version SERVING (when `serving`), every other one reported before
         NOT_SERVING. Called with the health lock held."""
