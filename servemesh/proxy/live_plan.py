@@ -98,6 +98,10 @@ def natural_version_order(version: str) -> tuple[object, ...]:
     return tuple(int(part) if index % 2 else part for index, part in enumerate(parts))
 
 
+def _carrying(weights: dict[str, int]) -> dict[str, int]:
+    return {version: weight for version, weight in weights.items() if weight}
+
+
 def _weights(weights: dict[str, int]) -> str:
     return " ".join(f"{v}={w}" for v, w in sorted(weights.items(), key=lambda i: i[0]))
 
@@ -251,7 +255,8 @@ def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) ->
         # Kept versions keep the running entry (where it was seeded from, for one).
         kept = {v: live.versions.get(v, spec) for v, spec in wanted.versions.items()}
         models[name] = wanted.model_copy(update={"versions": kept})
-        if dict(live.traffic) != dict(wanted.traffic):
+        # A version leaving with weight 0 (or coming with it) moves no traffic.
+        if _carrying(live.traffic) != _carrying(wanted.traffic):
             weights[name] = (dict(live.traffic), dict(wanted.traffic))
         if live.fallback_score != wanted.fallback_score:
             fallback[name] = (live.fallback_score, wanted.fallback_score)

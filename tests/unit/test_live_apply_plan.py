@@ -95,6 +95,7 @@ models:
 """
     )
     assert plan.removed_versions == [("fraud", "v2")] and plan.removes and not plan.adds
+    assert plan.lines() == ["- version fraud v2"]  # its weight was 0: no traffic moves
 
 
 def test_removing_a_weighted_version_is_refused_with_the_command_that_moves_its_weight() -> None:
