@@ -132,7 +132,10 @@ class LiveApply:
         try:
             envoy = self._swap(live, plan, f"apply {source}", who)
         except BaseException:
-            if plan.added_versions:
+            # Refused before any file moved (Envoy's validator): undo the loads. Once the
+            # files moved (a confirmation that timed out), the spec lists the new versions
+            # and the replicas keep them.
+            if plan.added_versions and not _lists_all(self.manager.live_spec(), plan):
                 asyncio.run(self.unload_everywhere(live, loads))
             raise
         return LiveApplyResult(plan=plan, dry_run=False, loads=loads, envoy=envoy)
@@ -304,6 +307,13 @@ class LiveApply:
                         continue
 
         await asyncio.gather(*(undo(load) for load in loads))
+
+
+def _lists_all(spec: MeshSpec, plan: ApplyPlan) -> bool:
+    return all(
+        model in spec.models and version in spec.models[model].versions
+        for model, version in plan.added_versions
+    )
 
 
 def _ms(started: float) -> float:
