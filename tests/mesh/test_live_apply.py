@@ -162,7 +162,10 @@ def test_models_and_versions_come_and_go_under_load_without_losing_a_request(
 ) -> None:
     add = _spec_file(tmp_path, "add.yaml", ADD)
     remove = _spec_file(tmp_path, "remove.yaml", BASE)
-    load = BackgroundLoad(predict_target(mesh.spec.edge_address, entities=ENTITIES), rate_per_s=200)
+    # A 5 s deadline, the mesh's default: on a machine this test shares, a call may wait
+    # its turn for a core for a second or two; a lost call is one refused or failed.
+    target = predict_target(mesh.spec.edge_address, entities=ENTITIES, timeout_s=5.0)
+    load = BackgroundLoad(target, rate_per_s=200)
     load.start()
     try:
         wait_until(lambda: len(load.outcomes) >= 200, "a second of steady load")
