@@ -21,14 +21,24 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import ValidationError
 
 from servemesh.proxy.apply import ApplyError, ApplyResult, RouteManager
 from servemesh.proxy.live_plan import ApplyPlan, Key, PlanRefused, plan_apply
-from servemesh.spec import MeshSpec, ResolvedSpec, SpecError, parse_spec_or_resolved
+from servemesh.spec import (
+    RESOLVED_FIELDS,
+    MeshSpec,
+    ResolvedSpec,
+    SpecError,
+    declared,
+    parse_spec,
+    parse_spec_or_resolved,
+)
 from servemesh.wire import (
     LOAD_CONFIG_PARAMETER,
     LOAD_VERSION_PARAMETER,
@@ -102,15 +112,29 @@ class LiveApply:
         self, text: str, source: str, *, prune: bool = False
     ) -> tuple[ResolvedSpec, ApplyPlan]:
         """The running spec and the plan for the file's text; ApplyError when refused."""
-        try:
-            proposed = parse_spec_or_resolved(text, source)
-        except SpecError as exc:
-            raise ApplyError(str(exc)) from None
         live = self.manager.live_spec()
         try:
-            return live, plan_apply(live, proposed, prune=prune)
+            proposed = over_running(text, live, source, prune=prune)
+        except SpecError as exc:
+            raise ApplyError(str(exc)) from None
+        try:
+            plan = plan_apply(live, proposed, prune=prune)
         except PlanRefused as exc:
             raise ApplyError(f"{source}: {exc}") from None
+        if not prune:  # what the file's sections leave out, kept (shown to the operator)
+            sections = _sections(text)
+            plan = replace(
+                plan,
+                kept_models=[
+                    m for m in live.models if m not in sections.get("models", live.models)
+                ],
+                kept_views=[
+                    v
+                    for v in live.feature_views
+                    if v not in sections.get("feature_views", live.feature_views)
+                ],
+            )
+        return live, plan
 
     # --- the whole change -------------------------------------------------------------
 
@@ -307,6 +331,55 @@ class LiveApply:
                         continue
 
         await asyncio.gather(*(undo(load) for load in loads))
+
+
+def over_running(
+    text: str, running: MeshSpec, source: str = "<spec>", *, prune: bool = False
+) -> MeshSpec:
+    """The declared spec a file means for the running mesh.
+
+    Every top-level section the file leaves out is the running mesh's, so a file that
+    declares only `models:` and `feature_views:` applies to a mesh of any shape rather than
+    to the built-in defaults of what it omits (two zones, the demo model). Without
+    `prune`, the models and views the file leaves out of its sections are kept too (a file
+    may declare just the model it adds). A running mesh's resolved spec is taken whole.
+    """
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        data = None
+    if not isinstance(data, dict | type(None)) or RESOLVED_FIELDS & set(data or {}):
+        return parse_spec_or_resolved(text, source)
+    if data is None and text.strip():
+        return parse_spec(text, source)  # malformed: the parser says where
+    data = dict(data or {})
+    base = declared(running).model_dump(mode="json")
+    merged = {**base, **data}
+    if not prune:
+        for section in ("models", "feature_views"):
+            if isinstance(data.get(section), dict):
+                merged[section] = {**base[section], **data[section]}
+    try:
+        return MeshSpec.model_validate(merged)
+    except ValidationError as exc:
+        problems = [
+            f"{source}: {'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
+            for err in exc.errors()
+        ]
+        raise SpecError("invalid mesh spec\n  " + "\n  ".join(problems)) from None
+
+
+def _sections(text: str) -> dict[str, dict[str, object]]:
+    """The file's `models` and `feature_views` sections that it declares (by name)."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {
+        k: v for k, v in data.items() if k in ("models", "feature_views") and isinstance(v, dict)
+    }
 
 
 def _lists_all(spec: MeshSpec, plan: ApplyPlan) -> bool:

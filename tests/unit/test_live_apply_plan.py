@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from servemesh.demo import DEMO_FEATURES
-from servemesh.proxy.live_apply import _keeping_removed, resolved_target
+from servemesh.proxy.live_apply import _keeping_removed, over_running, resolved_target
 from servemesh.proxy.live_plan import PlanRefused, first_difference, plan_apply
 from servemesh.spec import FeatureViewSpec, MeshSpec, Ports, SpecError, parse_spec, resolve
 
@@ -201,3 +201,62 @@ def test_first_difference_names_the_deepest_field() -> None:
     assert first_difference({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}}, "x") == "x.a.c"
     assert first_difference({"a": 1}, {"a": 1, "b": 2}, "x") == "x.b"
     assert first_difference([1], [1], "x") is None
+
+
+def _one_zone() -> MeshSpec:
+    one = {"zone-a": 1}
+    return resolve(
+        MeshSpec(
+            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            zones=["zone-a"],
+            gateway={"per_zone": one},
+            feature={"per_zone": one},
+            model_servers={"per_zone": one},
+            models={},
+            feature_views={},
+        )
+    )
+
+
+def test_sections_a_file_leaves_out_are_the_running_mesh_s() -> None:
+    """A file of `models:` and `feature_views:` applies to a mesh of any shape, not only to
+    one matching the built-in defaults (two zones, the demo model)."""
+    running = _one_zone()
+    text = """
+feature_views:
+  lot: {features: [alcohol, malic_acid, ash]}
+models:
+  wine:
+    feature_view: lot
+    features: [alcohol, malic_acid, ash]
+    versions: {v1: {}}
+    traffic: {v1: 100}
+"""
+    with pytest.raises(PlanRefused, match="^zones: "):
+        _plan(text, running=running)  # read alone, the file means two zones
+    plan = plan_apply(running, over_running(text, running, "mesh.yaml"))
+    assert plan.added_models == ["wine"] and plan.added_views == ["lot"]
+    assert plan.target.zones == ["zone-a"]
+
+
+def test_without_prune_a_file_may_declare_only_what_it_adds() -> None:
+    text = "feature_views:\n  lot: {features: [a]}\n"
+    plan = plan_apply(RUNNING, over_running(text, RUNNING))
+    assert plan.added_views == ["lot"] and not plan.removes
+    assert sorted(plan.target.feature_views) == ["lot", "user"]
+
+
+def test_with_prune_a_view_a_model_reads_cannot_go() -> None:
+    text = "feature_views:\n  lot: {features: [a]}\n"
+    with pytest.raises(SpecError, match="models.fraud.feature_view: 'user' is not one of"):
+        over_running(text, RUNNING, "mesh.yaml", prune=True)
+
+
+def test_a_resolved_file_is_taken_whole_and_bad_yaml_named() -> None:
+    from servemesh.spec import dump_spec
+
+    assert over_running(dump_spec(RUNNING), RUNNING) == RUNNING
+    with pytest.raises(SpecError, match="malformed YAML"):
+        over_running("models: [\n", RUNNING, "mesh.yaml")
+    with pytest.raises(SpecError, match=r"mesh.yaml: models.fraud.*weights must sum to 100"):
+        over_running("models:\n  fraud:\n    traffic: {v1: 70}\n", RUNNING, "mesh.yaml")
