@@ -16,6 +16,7 @@ import grpc
 from rich.console import Console
 from rich.table import Table
 
+from servemesh.apply_cli import add_apply_parser
 from servemesh.chaos.cli import add_chaos_parser
 from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.features.cli import add_features_parser
@@ -376,6 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=cmd_check)
 
     add_routes_parser(sub)
+    add_apply_parser(sub)
     add_models_parser(sub)
     add_chaos_parser(sub)
     add_features_parser(sub)

@@ -32,6 +32,14 @@ AUTHORIZATION_HEADER: Final = "authorization"
 REPLICA_PARAMETER: Final = "servemesh_replica"
 ZONE_PARAMETER: Final = "servemesh_zone"
 
+# --- OIP model-repository parameters ------------------------------------------------------
+
+# RepositoryModelLoad/Unload: the version to load or unload (string_param).
+LOAD_VERSION_PARAMETER: Final = "version"
+# RepositoryModelLoad: the model's spec entry as JSON (string_param), so a replica can load
+# a version of a model (or a model) its spec does not list yet; `servemesh apply` sends it.
+LOAD_CONFIG_PARAMETER: Final = "config"
+
 # --- gRPC services and method paths ----------------------------------------------------------
 
 OIP_SERVICE: Final = "inference.GRPCInferenceService"
@@ -53,6 +61,15 @@ def method_path(service: str, method: str) -> str:
 
 
 OIP_PREFIX: Final = method_prefix(OIP_SERVICE)
+
+
+def version_health_name(model: str, version: str) -> str:
+    """The gRPC health service name under which a model replica reports one version:
+    SERVING exactly while that version is loaded and warmed up and the replica is not
+    draining. Each version's Envoy cluster health-checks this name."""
+    return f"{OIP_SERVICE}/{model}/{version}"
+
+
 MODEL_INFER_METHOD: Final = method_path(OIP_SERVICE, "ModelInfer")
 HEALTH_PREFIX: Final = method_prefix(HEALTH_SERVICE)
 # Envoy's per-method gRPC stats name a method `<package>.<Service>.<Method>`.

@@ -297,15 +297,53 @@ class RouteManager:
                 raise ApplyError(f"models.{name}: {exc}") from None
         return self._apply(live, live.model_copy(update={"models": models}), action, who)
 
+    def swap(
+        self,
+        live: ResolvedSpec,
+        proposed: ResolvedSpec,
+        action: str,
+        who: str | None = None,
+        *,
+        routes_first: bool = False,
+        changes: list[str] | None = None,
+        record: bool = True,
+    ) -> ApplyResult:
+        """Make Envoy serve `proposed`: render, validate, swap the changed files, confirm,
+        then write the resolved spec (the services follow it) and record the change.
+
+        Clusters are written before the routes that name them; with `routes_first` the
+        routes go first, for a change that only removes clusters (no route may name a
+        cluster that is gone). `changes` are lines that describe the change beyond routing
+        (models, versions, views added or removed), shown and recorded with the diff; a
+        step of a larger change is not recorded on its own (`record=False`).
+        """
+        return self._apply(
+            live,
+            proposed,
+            action,
+            who,
+            routes_first=routes_first,
+            changes=changes,
+            record=record,
+        )
+
     def _apply(
-        self, live: ResolvedSpec, proposed: ResolvedSpec, action: str, who: str | None
+        self,
+        live: ResolvedSpec,
+        proposed: ResolvedSpec,
+        action: str,
+        who: str | None,
+        *,
+        routes_first: bool = False,
+        changes: list[str] | None = None,
+        record: bool = True,
     ) -> ApplyResult:
         # Round-trip through the validator: model_copy does not re-run validation.
         try:
             proposed = parse_resolved(dump_spec(proposed), "proposed change")
         except SpecError as exc:
             raise ApplyError(str(exc)) from None
-        diff = diff_lines(live, proposed)
+        diff = [*(changes or []), *diff_lines(live, proposed)]
         resources = render_resources(proposed, self.paths.logs)
         self._validate(proposed, resources)
         version = str(int(time.time() * 1000))
@@ -320,15 +358,39 @@ class RouteManager:
                 for r in changed[self.paths.xds.cds]["resources"]
                 if before.get(r["name"]) != r
             }
+        # Endpoint files of clusters the change removes (deleted once Envoy confirmed).
+        stale = [
+            path
+            for path in self.paths.xds.eds_files()
+            if path not in files and path.suffix == ".yaml"
+        ]
+        route_files = [p for p in changed if p.parent.name == "rds"]
+        cluster_files = sorted(
+            (p for p in changed if p.parent.name != "rds"), key=lambda p: p.parent.name != "eds"
+        )
+        # A route naming a cluster Envoy does not serve (yet, or any more) answers no
+        # cluster: new clusters must be active (warmed: endpoints read, first health checks
+        # passed) before a route names them, and routes must stop naming clusters before
+        # those go. So the two halves are swapped and confirmed one after the other.
+        none: set[str] = set()
+        steps = [(cluster_files, none, clusters), (route_files, routes, none)]
+        if routes_first:
+            steps.reverse()
         started = time.perf_counter()
-        # Endpoints and clusters before the routes that name them.
-        for path in sorted(changed, key=lambda p: ("eds", "cds", "rds").index(p.parent.name)):
-            atomic_write_text(path, _dump(changed[path]))
-        atomic_write_text(self.paths.resolved_spec, dump_spec(proposed))
-        self._confirm(routes, clusters, version)
+        try:
+            for paths, step_routes, step_clusters in steps:
+                for path in paths:  # endpoints before the clusters that read them
+                    atomic_write_text(path, _dump(changed[path]))
+                self._confirm(step_routes, step_clusters, version)
+        finally:
+            # The services follow the file: written once Envoy serves the change (or the
+            # swapped files are what it will serve), so nothing relies on a route too early.
+            atomic_write_text(self.paths.resolved_spec, dump_spec(proposed))
         confirm_ms = (time.perf_counter() - started) * 1000
+        for path in stale:
+            path.unlink(missing_ok=True)
         entry_id = None
-        if diff:
+        if diff and record:
             entry_id = self._record(action, who, live, proposed, diff, confirm_ms, version)
         return ApplyResult(
             version=version,

@@ -46,6 +46,7 @@ from servemesh.wire import (
     model_cluster,
     model_servers_cluster,
     shadow_cluster,
+    version_health_name,
 )
 
 _T = "type.googleapis.com/envoy."
@@ -161,9 +162,17 @@ def _shadow_marking(version: str) -> list[dict[str, Any]]:
 
 
 def _cluster(
-    name: str, policy: RoutePolicy, eds: bool, upstream_filters: list[dict[str, Any]] | None = None
+    name: str,
+    policy: RoutePolicy,
+    eds: bool,
+    upstream_filters: list[dict[str, Any]] | None = None,
+    health_name: str = "",
 ) -> dict[str, Any]:
-    """A gRPC upstream cluster: HTTP/2, active gRPC health checks, breakers, ejection."""
+    """A gRPC upstream cluster: HTTP/2, active gRPC health checks, breakers, ejection.
+
+    `health_name` is the gRPC health service the checks ask about ("" is the replica's
+    overall health); a model version's cluster asks for that version's own status, so a
+    replica counts as a host of the version only while it holds it."""
     health = policy.health_checks
     breakers = policy.circuit_breakers
     cluster: dict[str, Any] = {
@@ -186,7 +195,7 @@ def _cluster(
                 "no_traffic_interval": _ms(health.no_traffic_interval_ms),
                 "unhealthy_threshold": health.unhealthy_threshold,
                 "healthy_threshold": health.healthy_threshold,
-                "grpc_health_check": {},
+                "grpc_health_check": {"service_name": health_name} if health_name else {},
             }
         ],
         "circuit_breakers": {
@@ -530,8 +539,11 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
         policy: RoutePolicy,
         local_zone: str | None,
         upstream_filters: list[dict[str, Any]] | None = None,
+        health_name: str = "",
     ) -> None:
-        cluster = _cluster(name, policy, eds=True, upstream_filters=upstream_filters)
+        cluster = _cluster(
+            name, policy, eds=True, upstream_filters=upstream_filters, health_name=health_name
+        )
         if local_zone is not None and spec.network.mode == "netns":
             # Zones in network namespaces: a zone's clusters send from a loopback source of
             # their own, which the namespaces see as that zone's address, so a partition
@@ -549,8 +561,9 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
     for zone in spec.zones:
         add(feature_cluster(zone), of("feature"), spec.traffic.feature, zone)
         add(model_servers_cluster(zone), model_servers, spec.traffic.model, zone)
-        # Every model server hosts every version; a cluster per version is what lets a
-        # weighted route pick the version and keeps its retries within it.
+        # Every model server may host every version; a cluster per version is what lets a
+        # weighted route pick the version and keeps its retries within it, and its health
+        # checks ask for the version's own status, so only replicas holding it count.
         for model_name, model in sorted(spec.models.items()):
             for version in sorted(model.versions):
                 add(
@@ -558,6 +571,7 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
                     model_servers,
                     _policy_for(spec, model),
                     zone,
+                    health_name=version_health_name(model_name, version),
                 )
             if model.shadow is not None:
                 add(
@@ -566,6 +580,7 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
                     _policy_for(spec, model),
                     zone,
                     _shadow_marking(model.shadow.version),
+                    health_name=version_health_name(model_name, model.shadow.version),
                 )
 
     route_configs = {
@@ -668,6 +683,11 @@ class XdsLayout:
 
     def rds(self, route_config: str) -> Path:
         return self.root / "rds" / f"{route_config}.yaml"
+
+    def eds_files(self) -> list[Path]:
+        """Every endpoint file on disk now."""
+        folder = self.root / "eds"
+        return sorted(folder.iterdir()) if folder.is_dir() else []
 
 
 def dynamic_bootstrap(

@@ -140,7 +140,7 @@ def _registry_fetch() -> FetchVerified:
 
 def registry_loader(
     channel: grpc.aio.Channel,
-    spec: MeshSpec,
+    spec: MeshSpec | Callable[[], MeshSpec],
     *,
     fetch: FetchVerified | None = None,
     device: torch.device | str | None = None,
@@ -149,17 +149,22 @@ def registry_loader(
     """A ModelLoader that downloads versions from the registry behind `channel`.
 
     Batching and injected latency come from the spec's entry for the model (defaults for a
-    model the spec does not list). An unreachable registry (UNAVAILABLE) is retried with
-    backoff for `retry_for_s`, since replicas may start while the registry still is.
+    model the spec does not list); `spec` may be a function answering the current spec, read
+    at each load, so a replica that follows live changes loads by the spec of now. An
+    unreachable registry (UNAVAILABLE) is retried with backoff for `retry_for_s`, since
+    replicas may start while the registry still is.
     """
+
+    current = spec if callable(spec) else (lambda: spec)
 
     async def load(model: str, version: str) -> LoadedModel:
         fetcher = fetch or _registry_fetch()
         where = f"model {model!r} version {version!r}"
-        model_spec = spec.models.get(model)
+        live = current()
+        model_spec = live.models.get(model)
         version_spec = model_spec.versions.get(version) if model_spec else None
         batching = model_spec.batching if model_spec else BatchingSpec()
-        record, data = await _fetch_with_retry(fetcher, channel, model, version, spec, retry_for_s)
+        record, data = await _fetch_with_retry(fetcher, channel, model, version, live, retry_for_s)
         if record.format not in FORMATS:
             raise LoadError(f"{where}: format {record.format!r} is not one of {list(FORMATS)}")
         format: Format = "torch_export" if record.format == "torch_export" else "torchscript"

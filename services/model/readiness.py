@@ -5,6 +5,11 @@ version, one with weight > 0 in `models.<m>.traffic` or a shadow target, is not 
 on it. A version counts as loaded only after loading ran it through its batcher (the
 warm-up in `loader.load_model`), so a load that completes is also a passed probe
 inference. Draining (SIGTERM) turns the replica NOT_SERVING for good.
+
+Each version also has a health status of its own, under `wire.version_health_name`:
+SERVING exactly while that version is loaded (and warmed up) and the replica is not
+draining. Envoy's cluster of a version health-checks that name, so it routes a version
+only to the replicas that hold it. The routed set follows the live spec (`set_routed`).
 """
 
 from __future__ import annotations
@@ -14,9 +19,12 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from grpc_health.v1 import health_pb2
+
 from servemesh.services.model.repository import Key, ModelRepository, natural_key
 from servemesh.services.runtime import ServiceServer
 from servemesh.spec import MeshSpec
+from servemesh.wire import version_health_name
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,8 @@ class ModelServer(ServiceServer):
         self._started = False
         self._draining = False
         self._ready: bool | None = None
+        # Per-version health as last reported: name -> serving.
+        self._versions: dict[str, bool] = {}
         repository.on_change(self.refresh_readiness)
 
     @property
@@ -71,6 +81,27 @@ class ModelServer(ServiceServer):
             key=lambda key: (key[0], natural_key(key[1])),
         )
 
+    async def set_routed(self, routed: Iterable[Key]) -> None:
+        """The spec now routes traffic to `routed`: readiness follows at once."""
+        async with self._health_lock:
+            self.routed = frozenset(routed)
+        await self.refresh_readiness()
+
+    async def _report_versions(self, serving: bool) -> None:
+        """Each loaded version SERVING (when `serving`), every other one reported before
+        NOT_SERVING. Called with the health lock held."""
+        loaded = {version_health_name(m, v) for m, v in self.repository.models()}
+        wanted = {name: serving and name in loaded for name in loaded | set(self._versions)}
+        for name, up in sorted(wanted.items()):
+            if self._versions.get(name) != up:
+                await self.health.set(
+                    name,
+                    health_pb2.HealthCheckResponse.SERVING
+                    if up
+                    else health_pb2.HealthCheckResponse.NOT_SERVING,
+                )
+                self._versions[name] = up
+
     async def start(self) -> int:
         port = await super().start()
         async with self._health_lock:
@@ -82,12 +113,14 @@ class ModelServer(ServiceServer):
     async def drain(self) -> None:
         async with self._health_lock:  # a refresh under way finishes before the drain
             self._draining = True
+            await self._report_versions(False)
         await super().drain()
 
     async def refresh_readiness(self) -> None:
         async with self._health_lock:
             if not self._started or self._draining:
                 return
+            await self._report_versions(True)
             missing = self.missing()
             ready = not missing
             if ready == self._ready:

@@ -18,12 +18,16 @@ from servemesh.services.model.batching import Batcher
 from servemesh.services.model.errors import ModelNotFound, RequestError, ServingError
 from servemesh.services.model.loader import LoadedModel, ModelLoader
 from servemesh.services.runtime.errors import Internal
+from servemesh.spec import ModelSpec
+from servemesh.wire import LOAD_CONFIG_PARAMETER, LOAD_VERSION_PARAMETER
 from servemesh_api.inference import grpc_service_pb2 as oip
 
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]
 Listener = Callable[[], Awaitable[None]]
+# Takes the spec entry a RepositoryModelLoad brought for a model, before the load runs.
+ConfigSink = Callable[[str, ModelSpec], None]
 
 
 def natural_key(version: str) -> tuple[object, ...]:
@@ -54,6 +58,8 @@ class ModelRepository:
         self._states: dict[Key, tuple[str, str]] = {}
         self._locks: dict[Key, asyncio.Lock] = {}
         self._listeners: list[Listener] = []
+        # Where a load request's `config` goes (the replica's load specs); None: refused.
+        self.configure: ConfigSink | None = None
 
     def on_change(self, listener: Listener) -> None:
         """Call `listener` after every install and unload (the replica's health follows)."""
@@ -196,22 +202,27 @@ class ModelRepository:
         return response
 
     async def load_requested(self, request: oip.RepositoryModelLoadRequest) -> None:
-        """RepositoryModelLoad: the version named in `parameters['version']`.
+        """RepositoryModelLoad: the version named in `parameters['version']`, loaded by
+        the model's spec entry in `parameters['config']` (JSON) when one is given.
 
         A loader's own refusal keeps its status (an unknown version is NOT_FOUND); any
         other failure answers INTERNAL naming only the exception's type.
         """
         if not request.model_name:
             raise RequestError("model_name: required")
-        param = request.parameters.get("version")
+        param = request.parameters.get(LOAD_VERSION_PARAMETER)
         if (
             param is None
             or param.WhichOneof("parameter_choice") != "string_param"
             or not param.string_param
         ):
             raise RequestError(
-                "parameters['version']: a string_param naming the version is required"
+                f"parameters['{LOAD_VERSION_PARAMETER}']: a string_param naming the version "
+                "is required"
             )
+        config = request.parameters.get(LOAD_CONFIG_PARAMETER)
+        if config is not None:
+            self._take_config(request.model_name, config)
         try:
             await self.load(request.model_name, param.string_param)
         except ServingError:
@@ -219,8 +230,24 @@ class ModelRepository:
         except Exception as exc:
             raise Internal(f"load failed: {type(exc).__name__}") from exc
 
+    def _take_config(self, model: str, param: oip.ModelRepositoryParameter) -> None:
+        field = f"parameters['{LOAD_CONFIG_PARAMETER}']"
+        if param.WhichOneof("parameter_choice") != "string_param":
+            raise RequestError(f"{field}: a string_param holding the model's spec entry as JSON")
+        try:
+            config = ModelSpec.model_validate_json(param.string_param)
+        except ValueError as exc:
+            first = str(exc).splitlines()
+            raise RequestError(f"{field}: not a model spec entry: {' '.join(first[:3])}") from None
+        if self.configure is None:
+            raise ServingError(
+                f"{field}: this replica loads by its spec only",
+                code=grpc.StatusCode.UNIMPLEMENTED,
+            )
+        self.configure(model, config)
+
     async def unload_requested(self, request: oip.RepositoryModelUnloadRequest) -> None:
         """RepositoryModelUnload: one version (`parameters['version']`) or the whole model."""
-        param = request.parameters.get("version")
+        param = request.parameters.get(LOAD_VERSION_PARAMETER)
         version = param.string_param if param is not None and param.string_param else None
         await self.unload(request.model_name, version)

@@ -8,12 +8,16 @@ from pathlib import Path
 
 import grpc
 
+from servemesh.services.model.errors import ServingError
+from servemesh.services.model.load_specs import LoadSpecs
 from servemesh.services.model.loader import ModelLoader, registry_loader
 from servemesh.services.model.metrics import MetricsEndpoint, model_registry
 from servemesh.services.model.readiness import ModelServer, routed_versions
+from servemesh.services.model.repository import Key, ModelRepository, natural_key
 from servemesh.services.model.servicer import InferenceServicer
 from servemesh.services.model.shadow import ShadowLedger, ShadowRecorder, ledger_path
 from servemesh.services.runtime import DeadlineBudget, ServiceServer
+from servemesh.services.runtime.live_spec import SpecHook
 from servemesh.spec import MeshSpec, ResolvedSpec, SpecError
 from servemesh.wire import OIP_SERVICE, message_size_options
 from servemesh_api.inference import grpc_service_pb2_grpc
@@ -74,12 +78,14 @@ async def build_server(
     """
     port = spec.port_of(instance)  # fail before minutes of loading, not after
     channel: grpc.aio.Channel | None = None
+    specs = LoadSpecs(spec)
     if loader is None:
         size = spec.limits.max_message_bytes
         channel = grpc.aio.insecure_channel(
             spec.registry_address, options=message_size_options(size)
         )
-        loader = registry_loader(channel, spec)
+        # Batching and latency of the spec of now, including entries a load brought.
+        loader = registry_loader(channel, specs.current)
     try:
         servicer = await build_servicer(spec, instance, loader)
     except BaseException:
@@ -98,6 +104,8 @@ async def build_server(
         interceptors=[ShadowRecorder(ledger, instance)],
     )
     servicer.readiness = server.is_ready
+    servicer.repository.configure = specs.bring
+    server.on_spec_change(follow_spec(server, servicer.repository, specs))
     server.add_service(
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
     )
@@ -115,3 +123,42 @@ async def build_server(
         server.on_stop(channel.close)
     server.on_stop(servicer.repository.close)
     return server
+
+
+def _ordered(keys: set[Key]) -> list[Key]:
+    return sorted(keys, key=lambda key: (key[0], natural_key(key[1])))
+
+
+def follow_spec(server: ModelServer, repository: ModelRepository, specs: LoadSpecs) -> SpecHook:
+    """The replica's hook for a new resolved spec (`servemesh apply`, `routes set`).
+
+    Readiness follows the new routed set first (a routed version this replica lacks turns
+    it NOT_SERVING at once); then versions the spec dropped are unloaded (their queued
+    requests finish; Envoy stopped routing to them before the spec was written), and
+    versions it lists that are not loaded are loaded, so a replica that missed a step (a
+    restart, a failed load) catches up. Versions loaded outside the spec and never part of
+    it (a RepositoryModelLoad of `servemesh apply` that has not written the spec yet) stay.
+    """
+
+    async def follow(spec: ResolvedSpec) -> None:
+        before = set(expected_versions(specs.spec))
+        specs.follow(spec)
+        wanted = set(expected_versions(spec))
+        await server.set_routed(routed_versions(spec))
+        loaded = set(repository.models())
+        for model, version in _ordered((before - wanted) & loaded):
+            log.info("unloading: no longer in the spec", extra={"model": model, "version": version})
+            try:
+                await repository.unload(model, version)
+            except ServingError:  # unloaded meanwhile (RepositoryModelUnload)
+                continue
+        for model, version in _ordered(wanted - loaded):
+            if server.draining:
+                return
+            log.info("loading: new in the spec", extra={"model": model, "version": version})
+            try:
+                await repository.load(model, version)
+            except Exception:  # the repository logged why; readiness says the rest
+                continue
+
+    return follow

@@ -28,10 +28,13 @@ def service_main(build: Builder, argv: list[str] | None = None) -> None:
     configure_logging(args.instance, args.log_level)
 
     async def build_and_watch() -> ServiceServer:
+        # Stamped before the build (a model server loads for a while): a change written
+        # meanwhile is one the first poll sees, not one the service never hears of.
+        live = LiveSpec(Path(args.spec), spec)
         server = await build(spec, args.instance)
         server.watch_faults(control_file(Path(spec.state_dir), args.instance))
         # `servemesh apply` rewrites this file; the builder's hooks follow it.
-        server.follow_spec(LiveSpec(Path(args.spec), spec))
+        server.follow_spec(live)
         return server
 
     run_service(build_and_watch)

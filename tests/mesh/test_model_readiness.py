@@ -1,5 +1,9 @@
 """A model replica that unloads its routed version fails Envoy's health check and is routed
-around; loading the version back brings it into rotation again."""
+around; loading the version back brings it into rotation again.
+
+The version's own clusters check the version's health, the model-servers clusters the
+replica's overall health (NOT_SERVING while a routed version is missing); the clusters of
+the versions it still holds keep it."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import pytest
 
 from servemesh.launcher import Mesh
 from servemesh.proxy.admin import AdminClient
+from servemesh.wire import model_cluster, model_servers_cluster
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
@@ -34,10 +39,19 @@ def _hosts_of(admin: AdminClient, address: str) -> dict[str, bool]:
     }
 
 
-def _every_cluster(admin: AdminClient, address: str, *, healthy: bool) -> dict[str, bool] | None:
-    """The host's health per cluster once every cluster holding it agrees on `healthy`."""
-    seen = _hosts_of(admin, address)
+def _every_cluster(
+    admin: AdminClient, address: str, *, healthy: bool, where: tuple[str, ...] = ("",)
+) -> dict[str, bool] | None:
+    """The host's health per cluster once every cluster holding it whose name starts with
+    one of `where` agrees on `healthy`."""
+    seen = {n: h for n, h in _hosts_of(admin, address).items() if n.startswith(where)}
     return seen if seen and all(value == healthy for value in seen.values()) else None
+
+
+# The clusters that lose the replica: the routed version's, and any-model-server's.
+LOSING = (model_cluster("fraud", ROUTED, ""), model_servers_cluster(""))
+# The clusters of a version it still holds keep it.
+KEEPING = (model_cluster("fraud", "v2", ""),)
 
 
 @pytest.fixture
@@ -71,9 +85,10 @@ def test_replica_missing_its_routed_version_is_taken_out_by_envoy_health_checks(
         oip.RepositoryModelUnloadRequest(model_name="fraud", parameters=_version()), timeout=10
     )
     wait_until(
-        lambda: _every_cluster(admin, address, healthy=False),
-        f"Envoy to mark {VICTIM} unhealthy in every cluster",
+        lambda: _every_cluster(admin, address, healthy=False, where=LOSING),
+        f"Envoy to mark {VICTIM} unhealthy in the {ROUTED} and model-servers clusters",
     )
+    assert _every_cluster(admin, address, healthy=True, where=KEEPING)
     with grpc.insecure_channel(mesh.spec.edge_address) as channel:
         gateway = gateway_pb2_grpc.GatewayStub(channel)
         answers = [

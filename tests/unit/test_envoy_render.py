@@ -21,7 +21,13 @@ from servemesh.proxy.render import (
     xds_files,
 )
 from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, NetworkSpec, resolve
-from servemesh.wire import model_cluster, zone_of_cluster
+from servemesh.wire import (
+    model_cluster,
+    model_servers_cluster,
+    shadow_cluster,
+    version_health_name,
+    zone_of_cluster,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -155,6 +161,29 @@ def test_every_cluster_has_health_checks_breakers_and_a_retry_budget() -> None:
         [thresholds] = cluster["circuit_breakers"]["thresholds"]
         assert thresholds["retry_budget"]["budget_percent"]["value"] == 25.0
         assert cluster["outlier_detection"]["max_ejection_percent"] == 50
+
+
+def test_a_version_cluster_checks_that_version_s_own_health() -> None:
+    spec = _spec(
+        models={"fraud": ModelSpec(traffic={"v1": 100, "v2": 0}, shadow=ShadowSpec(version="v2"))}
+    )
+    clusters = {c["name"]: c for c in render_resources(spec, Path("/tmp")).clusters}
+
+    def checked(name: str) -> dict[str, Any]:
+        [check] = clusters[name]["health_checks"]
+        return dict(check["grpc_health_check"])
+
+    for zone in ("zone-a", "zone-b"):
+        for version in ("v1", "v2"):
+            assert checked(model_cluster("fraud", version, zone)) == {
+                "service_name": version_health_name("fraud", version)
+            }
+        assert checked(shadow_cluster("fraud", "v2", zone)) == {
+            "service_name": version_health_name("fraud", "v2")
+        }
+        # Any model server will do for OIP calls without a model: its overall health.
+        assert checked(model_servers_cluster(zone)) == {}
+    assert checked("gateway") == {}
 
 
 def test_a_model_policy_overrides_the_default_for_its_clusters_only(tmp_path: Path) -> None:

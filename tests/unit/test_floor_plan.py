@@ -49,13 +49,23 @@ ALLOWED: dict[str, set[str]] = {
     "bench": CONTRACT | TOOLING | {"launcher"},
     "model_bench": CONTRACT | TOOLING | SERVICES,
     "routes_cli": CONTRACT | TOOLING,
+    "apply_cli": CONTRACT | TOOLING,
     # loads a user's feature file through a running mesh's feature service (its row checks)
     "features": CONTRACT | {"proxy", "services.feature"},
     # pushes check and probe a model with the model server's own loader before uploading
     "models_cli": CONTRACT | TOOLING | {"registry", "services.model"},
     "cli": CONTRACT
     | TOOLING
-    | {"launcher", "chaos", "bench", "model_bench", "routes_cli", "features", "models_cli"},
+    | {
+        "launcher",
+        "chaos",
+        "bench",
+        "model_bench",
+        "routes_cli",
+        "apply_cli",
+        "features",
+        "models_cli",
+    },
     "__main__": {"cli"},
     # development tools
     "protogen": set(),

@@ -1,0 +1,424 @@
+"""`servemesh apply FILE`: make a running mesh match a spec file, live.
+
+The order is what keeps every request answered:
+
+1. plan (`live_plan`): what changes, or a one-line refusal naming the field;
+2. the registry: every new version exists (an alias is refused: a spec names versions), and
+   takes the same inputs as the model's other versions;
+3. every model replica loads every new version (RepositoryModelLoad with the model's spec
+   entry), in parallel, and reports the version's own health SERVING, which it does only
+   once the load ran a probe batch through the batcher. A failure anywhere unloads what
+   was loaded and refuses, naming the replica and its reason;
+4. only then does Envoy route to it: the config is rendered, validated, swapped and
+   confirmed (`RouteManager.swap`). Versions and models that go leave the routes before
+   their clusters do;
+5. the resolved spec is written: gateways and feature services take the new models and
+   views, replicas unload what the spec no longer lists; the change is recorded in the
+   history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field, replace
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import ValidationError
+
+from servemesh.model_contract import check_model_contract
+from servemesh.proxy.apply import ApplyError, ApplyResult, RouteManager
+from servemesh.proxy.live_plan import ApplyPlan, Key, PlanRefused, plan_apply
+from servemesh.spec import (
+    RESOLVED_FIELDS,
+    MeshSpec,
+    ResolvedSpec,
+    SpecError,
+    declared,
+    parse_spec,
+    parse_spec_or_resolved,
+)
+from servemesh.wire import (
+    LOAD_CONFIG_PARAMETER,
+    LOAD_VERSION_PARAMETER,
+    message_size_options,
+    version_health_name,
+)
+from servemesh_api.inference import grpc_service_pb2 as oip
+from servemesh_api.inference import grpc_service_pb2_grpc
+from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """How loading the new versions went on one replica."""
+
+    replica: str
+    loaded: list[Key]
+    load_ms: float
+    # "models.m.versions.v: reason" when a load failed; None when all loaded.
+    failure: str | None = None
+
+
+@dataclass(frozen=True)
+class LiveApplyResult:
+    plan: ApplyPlan
+    dry_run: bool
+    loads: list[ReplicaLoad] = field(default_factory=list)
+    envoy: ApplyResult | None = None
+
+
+def _signature(record: registry_pb2.ModelVersion) -> list[tuple[str, str, list[int]]]:
+    return [(t.name, t.datatype, list(t.shape)) for t in record.inputs]
+
+
+def _signature_text(signature: list[tuple[str, str, list[int]]]) -> str:
+    return ", ".join(f"{name} {dtype} {shape}" for name, dtype, shape in signature) or "none"
+
+
+def model_contract_problem(
+    spec: MeshSpec, model: str, record: registry_pb2.ModelVersion
+) -> str | None:
+    """Why a registry version cannot serve `spec.models[model]` as the spec declares it
+    (its `inputs` against the version's signature: every tensor mapped, view inputs as wide
+    as their features and of a float type), or None when it can."""
+    problems = check_model_contract(model, spec.models[model], record.inputs, record.outputs)
+    if not problems:
+        return None
+    shown = "; ".join(problems[:3])
+    more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+    return f"{shown}{more}"
+
+
+class LiveApply:
+    """Applies spec files to the mesh running from `manager.paths`."""
+
+    def __init__(
+        self,
+        manager: RouteManager,
+        *,
+        load_timeout_s: float = 300.0,
+        ready_timeout_s: float = 30.0,
+    ) -> None:
+        self.manager = manager
+        self.load_timeout_s = load_timeout_s
+        self.ready_timeout_s = ready_timeout_s
+
+    # --- planning ---------------------------------------------------------------------
+
+    def plan(
+        self, text: str, source: str, *, prune: bool = False
+    ) -> tuple[ResolvedSpec, ApplyPlan]:
+        """The running spec and the plan for the file's text; ApplyError when refused."""
+        live = self.manager.live_spec()
+        try:
+            proposed = over_running(text, live, source, prune=prune)
+        except SpecError as exc:
+            raise ApplyError(str(exc)) from None
+        try:
+            plan = plan_apply(live, proposed, prune=prune)
+        except PlanRefused as exc:
+            raise ApplyError(f"{source}: {exc}") from None
+        if not prune:  # what the file's sections leave out, kept (shown to the operator)
+            sections = _sections(text)
+            plan = replace(
+                plan,
+                kept_models=[
+                    m for m in live.models if m not in sections.get("models", live.models)
+                ],
+                kept_views=[
+                    v
+                    for v in live.feature_views
+                    if v not in sections.get("feature_views", live.feature_views)
+                ],
+            )
+        return live, plan
+
+    # --- the whole change -------------------------------------------------------------
+
+    def apply(
+        self,
+        text: str,
+        source: str,
+        *,
+        prune: bool = False,
+        dry_run: bool = False,
+        who: str | None = None,
+    ) -> LiveApplyResult:
+        live, plan = self.plan(text, source, prune=prune)
+        if plan.added_versions:
+            asyncio.run(self.check_registry(live, plan))
+        if dry_run or not plan.changed:
+            return LiveApplyResult(plan=plan, dry_run=dry_run)
+        loads = asyncio.run(self.load_everywhere(live, plan)) if plan.added_versions else []
+        try:
+            envoy = self._swap(live, plan, f"apply {source}", who)
+        except BaseException:
+            # Refused before any file moved (Envoy's validator): undo the loads. Once the
+            # files moved (a confirmation that timed out), the spec lists the new versions
+            # and the replicas keep them.
+            if plan.added_versions and not _lists_all(self.manager.live_spec(), plan):
+                asyncio.run(self.unload_everywhere(live, loads))
+            raise
+        return LiveApplyResult(plan=plan, dry_run=False, loads=loads, envoy=envoy)
+
+    def _swap(
+        self, live: ResolvedSpec, plan: ApplyPlan, action: str, who: str | None
+    ) -> ApplyResult:
+        target = resolved_target(live, plan.target)
+        changes = plan.lines()
+        if plan.adds and plan.removes:
+            # New clusters go in before the routes that name them, old ones out after the
+            # routes that named them: two swaps, the first keeping what goes.
+            union = resolved_target(live, _keeping_removed(plan, live))
+            self.manager.swap(live, union, action, who, record=False)
+        return self.manager.swap(
+            live, target, action, who, routes_first=plan.removes, changes=changes
+        )
+
+    # --- the registry -----------------------------------------------------------------
+
+    async def check_registry(self, live: ResolvedSpec, plan: ApplyPlan) -> None:
+        """Every new version is in the registry, named as such, with the model's inputs."""
+        options = message_size_options(live.limits.max_message_bytes)
+        async with grpc.aio.insecure_channel(live.registry_address, options=options) as channel:
+            stub = registry_pb2_grpc.RegistryStub(channel)
+            records: dict[Key, registry_pb2.ModelVersion] = {}
+            for model, version in plan.added_versions:
+                records[(model, version)] = await self._version(stub, model, version)
+            for model, version in plan.added_versions:
+                record = records[(model, version)]
+                where = f"models.{model}.versions.{version}"
+                reference = next(
+                    (v for v in plan.target.models[model].versions if (model, v) not in records),
+                    None,
+                )
+                if reference is None:  # a new model: its first version sets its inputs
+                    reference = next(v for m, v in plan.added_versions if m == model)
+                    known = records[(model, reference)]
+                else:
+                    known = await self._version(stub, model, reference)
+                if _signature(record) != _signature(known):
+                    raise ApplyError(
+                        f"{where}: inputs ({_signature_text(_signature(record))}) differ from "
+                        f"{reference}'s ({_signature_text(_signature(known))}); every version "
+                        "of a model takes the same inputs"
+                    )
+                problem = model_contract_problem(plan.target, model, record)
+                if problem:
+                    raise ApplyError(f"{where}: {problem}")
+
+    async def _version(
+        self, stub: registry_pb2_grpc.RegistryStub, model: str, version: str
+    ) -> registry_pb2.ModelVersion:
+        where = f"models.{model}.versions.{version}"
+        try:
+            record: registry_pb2.ModelVersion = await stub.GetVersion(
+                registry_pb2.GetVersionRequest(model=model, version=version), timeout=10
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise ApplyError(
+                    f"{where}: not in the registry ({exc.details()}); push it first: "
+                    f"servemesh models push FILE --model {model} --version {version}"
+                ) from None
+            raise ApplyError(
+                f"{where}: the registry answered {exc.code().name}: {exc.details()}"
+            ) from None
+        if record.version != version:
+            raise ApplyError(
+                f"{where}: {version!r} is an alias of {record.version!r} in the registry; a "
+                f"spec names versions: {record.version}"
+            )
+        return record
+
+    # --- the replicas -----------------------------------------------------------------
+
+    def _replicas(self, live: ResolvedSpec) -> list[str]:
+        return [i.name for i in live.instances() if i.service == "model"]
+
+    async def load_everywhere(self, live: ResolvedSpec, plan: ApplyPlan) -> list[ReplicaLoad]:
+        """Load every new version on every replica in parallel; refuse (after unloading
+        what was loaded) when any replica could not."""
+        loads = await asyncio.gather(
+            *(self._load_on(live, replica, plan) for replica in self._replicas(live))
+        )
+        failed = [load for load in loads if load.failure]
+        if failed:
+            await self.unload_everywhere(live, loads)
+            first = failed[0]
+            others = f" (and {len(failed) - 1} more replicas)" if len(failed) > 1 else ""
+            raise ApplyError(
+                f"{first.replica}: {first.failure}{others}; nothing changed: the versions "
+                "loaded for this apply were unloaded"
+            )
+        return list(loads)
+
+    async def _load_on(self, live: ResolvedSpec, replica: str, plan: ApplyPlan) -> ReplicaLoad:
+        loaded: list[Key] = []
+        started = time.perf_counter()
+        options = message_size_options(live.limits.max_message_bytes)
+        async with grpc.aio.insecure_channel(live.address_of(replica), options=options) as channel:
+            stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            for model, version in plan.added_versions:
+                where = f"models.{model}.versions.{version}"
+                config = plan.target.models[model].model_dump_json()
+                request = oip.RepositoryModelLoadRequest(
+                    model_name=model,
+                    parameters={
+                        LOAD_VERSION_PARAMETER: oip.ModelRepositoryParameter(string_param=version),
+                        LOAD_CONFIG_PARAMETER: oip.ModelRepositoryParameter(string_param=config),
+                    },
+                )
+                try:
+                    await stub.RepositoryModelLoad(request, timeout=self.load_timeout_s)
+                    loaded.append((model, version))
+                    await self._until_serving(health, model, version)
+                except grpc.aio.AioRpcError as exc:
+                    return ReplicaLoad(
+                        replica,
+                        loaded,
+                        _ms(started),
+                        f"{where}: {exc.code().name}: {exc.details()}",
+                    )
+                except TimeoutError as exc:
+                    return ReplicaLoad(replica, loaded, _ms(started), f"{where}: {exc}")
+        return ReplicaLoad(replica, loaded, _ms(started))
+
+    async def _until_serving(
+        self, health: health_pb2_grpc.HealthStub, model: str, version: str
+    ) -> None:
+        """The version's own health SERVING: loaded and warmed up (a probe batch ran)."""
+        name = version_health_name(model, version)
+        give_up = time.monotonic() + self.ready_timeout_s
+        while True:
+            try:
+                answer = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+                if answer.status == SERVING:
+                    return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:  # not reported yet
+                    raise
+            if time.monotonic() > give_up:
+                raise TimeoutError(
+                    f"loaded, but its health {name!r} did not turn SERVING within "
+                    f"{self.ready_timeout_s:.0f} s"
+                )
+            await asyncio.sleep(0.05)
+
+    async def unload_everywhere(self, live: ResolvedSpec, loads: list[ReplicaLoad]) -> None:
+        """Undo the loads of a refused apply (best effort: a replica that is down has
+        nothing to undo, and it loads by the unchanged spec when it returns)."""
+        options = message_size_options(live.limits.max_message_bytes)
+
+        async def undo(load: ReplicaLoad) -> None:
+            if not load.loaded:
+                return
+            address = live.address_of(load.replica)
+            async with grpc.aio.insecure_channel(address, options=options) as channel:
+                stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+                for model, version in load.loaded:
+                    param = oip.ModelRepositoryParameter(string_param=version)
+                    request = oip.RepositoryModelUnloadRequest(
+                        model_name=model, parameters={LOAD_VERSION_PARAMETER: param}
+                    )
+                    try:
+                        await stub.RepositoryModelUnload(request, timeout=30)
+                    except grpc.aio.AioRpcError:
+                        continue
+
+        await asyncio.gather(*(undo(load) for load in loads))
+
+
+def over_running(
+    text: str, running: MeshSpec, source: str = "<spec>", *, prune: bool = False
+) -> MeshSpec:
+    """The declared spec a file means for the running mesh.
+
+    Every top-level section the file leaves out is the running mesh's, so a file that
+    declares only `models:` and `feature_views:` applies to a mesh of any shape rather than
+    to the built-in defaults of what it omits (two zones, the demo model). Without
+    `prune`, the models and views the file leaves out of its sections are kept too (a file
+    may declare just the model it adds). A running mesh's resolved spec is taken whole.
+    """
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        data = None
+    if not isinstance(data, dict | type(None)) or RESOLVED_FIELDS & set(data or {}):
+        return parse_spec_or_resolved(text, source)
+    if data is None and text.strip():
+        return parse_spec(text, source)  # malformed: the parser says where
+    data = dict(data or {})
+    base = declared(running).model_dump(mode="json")
+    merged = {**base, **data}
+    if not prune:
+        for section in ("models", "feature_views"):
+            if isinstance(data.get(section), dict):
+                merged[section] = {**base[section], **data[section]}
+    try:
+        return MeshSpec.model_validate(merged)
+    except ValidationError as exc:
+        problems = [
+            f"{source}: {'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
+            for err in exc.errors()
+        ]
+        raise SpecError("invalid mesh spec\n  " + "\n  ".join(problems)) from None
+
+
+def _sections(text: str) -> dict[str, dict[str, object]]:
+    """The file's `models` and `feature_views` sections that it declares (by name)."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {
+        k: v for k, v in data.items() if k in ("models", "feature_views") and isinstance(v, dict)
+    }
+
+
+def _lists_all(spec: MeshSpec, plan: ApplyPlan) -> bool:
+    return all(
+        model in spec.models and version in spec.models[model].versions
+        for model, version in plan.added_versions
+    )
+
+
+def _ms(started: float) -> float:
+    return (time.perf_counter() - started) * 1000
+
+
+def resolved_target(live: ResolvedSpec, target: MeshSpec) -> ResolvedSpec:
+    """The running mesh with the target's models, views and traffic (processes and ports
+    cannot change live, so the rest is the running mesh's own)."""
+    return live.model_copy(
+        update={
+            "models": dict(target.models),
+            "feature_views": dict(target.feature_views),
+            "traffic": target.traffic,
+        }
+    )
+
+
+def _keeping_removed(plan: ApplyPlan, live: MeshSpec) -> MeshSpec:
+    """The target, but still serving what the plan removes (their weight is already 0)."""
+    models = dict(plan.target.models)
+    for name in plan.removed_models:
+        models[name] = live.models[name]
+    for name, version in plan.removed_versions:
+        if name in plan.removed_models:
+            continue
+        model = models[name]
+        versions = {**model.versions, version: live.models[name].versions[version]}
+        models[name] = model.model_copy(update={"versions": versions})
+    views = dict(plan.target.feature_views)
+    for name in plan.removed_views:
+        views[name] = live.feature_views[name]
+    return plan.target.model_copy(update={"models": models, "feature_views": views})

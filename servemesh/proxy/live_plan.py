@@ -1,0 +1,326 @@
+"""What `servemesh apply FILE` may change in a running mesh, decided without a network.
+
+`plan_apply(running, declared, prune=...)` compares the file's declared spec with the
+running one and answers the plan (models, versions and feature views added or removed,
+weights and fallback scores changed, and the spec the mesh will run), or refuses with one
+line naming the field and what to do instead.
+
+Allowed live: routing and policy (`traffic`, `models.*.traffic|shadow|policy`), models added
+(removed only with `--prune`; without it a model the file leaves out keeps running),
+versions added and removed, feature views added (removed only with `--prune`, and never
+while a model reads them), a model's `fallback_score`. Everything else describes processes
+or what a served version computes: zones, replicas, ports and limits need a restart; a
+served version's inputs, features or batching change only as a new version.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from servemesh.spec import MeshSpec, ModelSpec
+from servemesh.spec import declared as declared_part
+
+Key = tuple[str, str]
+
+# Top-level fields a live apply may change (the rest describe processes).
+LIVE_TOP = {"models", "feature_views", "traffic"}
+# Resolved by the launcher (or set by `up --netns`): a file usually leaves them out, and the
+# running mesh keeps its own, as `routes apply` does.
+IGNORED_TOP = {"ports", "state_dir", "feature_store", "demo", "network"}
+# Per model: what may change while its versions serve.
+LIVE_MODEL = {"traffic", "shadow", "policy", "versions", "fallback_score"}
+# Per version: where it was seeded from is history, not what it computes.
+IGNORED_VERSION = {"source"}
+
+
+class PlanRefused(ValueError):
+    """The file asks for a change a running mesh cannot take; one line names the field."""
+
+
+@dataclass(frozen=True)
+class ApplyPlan:
+    """What an apply changes, and the declared spec the mesh runs afterwards."""
+
+    target: MeshSpec
+    added_models: list[str] = field(default_factory=list)
+    removed_models: list[str] = field(default_factory=list)
+    # Models the file leaves out that keep running (no --prune).
+    kept_models: list[str] = field(default_factory=list)
+    # Every version to load, those of added models included.
+    added_versions: list[Key] = field(default_factory=list)
+    # Every version to stop serving, those of removed models included.
+    removed_versions: list[Key] = field(default_factory=list)
+    added_views: list[str] = field(default_factory=list)
+    removed_views: list[str] = field(default_factory=list)
+    kept_views: list[str] = field(default_factory=list)
+    # model -> (weights before, weights after), for models whose weights change.
+    weights: dict[str, tuple[dict[str, int], dict[str, int]]] = field(default_factory=dict)
+    # model -> (before, after), for kept models whose fallback score changes.
+    fallback: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+    # True when routing or policy changes beyond weights (shadow, policy, mesh traffic).
+    routing_changed: bool = False
+
+    @property
+    def adds(self) -> bool:
+        return bool(self.added_versions or self.added_views)
+
+    @property
+    def removes(self) -> bool:
+        return bool(self.removed_versions or self.removed_views)
+
+    @property
+    def changed(self) -> bool:
+        return bool(
+            self.adds or self.removes or self.weights or self.fallback or self.routing_changed
+        )
+
+    def lines(self) -> list[str]:
+        """One line per change, `+` added, `-` removed, `~` changed (history and output)."""
+        found: list[str] = []
+        found += [f"+ model {m}" for m in self.added_models]
+        found += [f"- model {m}" for m in self.removed_models]
+        found += [f"+ version {m} {v}" for m, v in self.added_versions]
+        found += [f"- version {m} {v}" for m, v in self.removed_versions]
+        found += [f"+ feature view {v}" for v in self.added_views]
+        found += [f"- feature view {v}" for v in self.removed_views]
+        for model, (before, after) in sorted(self.weights.items()):
+            found.append(f"~ weights {model}: {_weights(before) or '-'} -> {_weights(after)}")
+        for model, (old, new) in sorted(self.fallback.items()):
+            found.append(f"~ fallback_score {model}: {old} -> {new}")
+        return found
+
+
+def natural_version_order(version: str) -> tuple[object, ...]:
+    """Sort key under which v10 comes after v9."""
+    parts = re.split(r"(\d+)", version)
+    return tuple(int(part) if index % 2 else part for index, part in enumerate(parts))
+
+
+def _carrying(weights: dict[str, int]) -> dict[str, int]:
+    return {version: weight for version, weight in weights.items() if weight}
+
+
+def _weights(weights: dict[str, int]) -> str:
+    return " ".join(f"{v}={w}" for v, w in sorted(weights.items(), key=lambda i: i[0]))
+
+
+def first_difference(before: Any, after: Any, path: str) -> str | None:
+    """The dotted path of the first place two plain-data trees differ; None when equal."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        for key in [*before, *(k for k in after if k not in before)]:
+            if key not in before or key not in after:
+                return f"{path}.{key}"
+            found = first_difference(before[key], after[key], f"{path}.{key}")
+            if found:
+                return found
+        return None
+    return None if before == after else path
+
+
+def views_read_by(model: ModelSpec) -> set[str]:
+    """The feature views a model reads (its `inputs`, or the shorthand's `feature_view`)."""
+    return set(model.views)
+
+
+def _model_fixed(model: ModelSpec) -> dict[str, Any]:
+    data = model.model_dump(mode="json")
+    return {k: v for k, v in data.items() if k not in LIVE_MODEL}
+
+
+def _version_fixed(model: ModelSpec, version: str) -> dict[str, Any]:
+    data = model.versions[version].model_dump(mode="json")
+    return {k: v for k, v in data.items() if k not in IGNORED_VERSION}
+
+
+def _routing_of(spec: MeshSpec, name: str) -> dict[str, Any]:
+    model = spec.models[name]
+    return {
+        "shadow": model.shadow.model_dump(mode="json") if model.shadow else None,
+        "policy": model.policy.model_dump(mode="json") if model.policy else None,
+    }
+
+
+def weight_suggestion(live: ModelSpec, declared: ModelSpec | None, leaving: str) -> str:
+    """VERSION=WEIGHT pairs that move all traffic off `leaving` (for a refusal's hint)."""
+    staying = [
+        v for v in live.versions if v != leaving and (declared is None or v in declared.versions)
+    ]
+    if not staying:
+        staying = [v for v in live.versions if v != leaving]
+    if declared is not None:
+        wanted = {v: declared.traffic.get(v, 0) for v in staying}
+        if sum(wanted.values()) == 100:
+            return _weights({v: w for v, w in wanted.items() if w} or wanted)
+    if not staying:
+        return "<another version>=100"
+    best = max(staying, key=lambda v: (live.traffic.get(v, 0), natural_version_order(v)))
+    return f"{best}=100"
+
+
+def _check_fixed_top(running: MeshSpec, declared: MeshSpec) -> None:
+    before = running.model_dump(mode="json")
+    after = declared.model_dump(mode="json")
+    for key in before:
+        if key in LIVE_TOP or key in IGNORED_TOP:
+            continue
+        where = first_difference(before[key], after.get(key), key)
+        if where:
+            raise PlanRefused(
+                f"{where}: differs from the running mesh; processes, ports, zones and limits "
+                "change only with a restart (servemesh up)"
+            )
+
+
+def _plan_versions(
+    name: str, live: ModelSpec, wanted: ModelSpec, plan: dict[str, list[Key]]
+) -> None:
+    fixed_before, fixed_after = _model_fixed(live), _model_fixed(wanted)
+    where = first_difference(fixed_before, fixed_after, f"models.{name}")
+    if where:
+        served = ", ".join(sorted(live.versions, key=natural_version_order))
+        raise PlanRefused(
+            f"{where}: changes how the versions already served ({served}) take their inputs "
+            "or batch; push a new version (or a new model) with it and move traffic there"
+        )
+    for version in wanted.versions:
+        if version not in live.versions:
+            plan["added"].append((name, version))
+            continue
+        where = first_difference(
+            _version_fixed(live, version),
+            _version_fixed(wanted, version),
+            f"models.{name}.versions.{version}",
+        )
+        if where:
+            raise PlanRefused(
+                f"{where}: changes a version already served; push a new version instead"
+            )
+    for version in live.versions:
+        if version not in wanted.versions:
+            refuse_removal(name, version, live, wanted)
+            plan["removed"].append((name, version))
+
+
+def refuse_removal(name: str, version: str, live: ModelSpec, declared: ModelSpec | None) -> None:
+    """Refuse removing a version that takes traffic or is the shadow target."""
+    weight = live.traffic.get(version, 0)
+    if weight > 0:
+        raise PlanRefused(
+            f"models.{name}.versions.{version}: still takes {weight}% of traffic; move its "
+            f"weight first: servemesh routes set {name} "
+            f"{weight_suggestion(live, declared, version)}"
+        )
+    if live.shadow is not None and live.shadow.version == version:
+        raise PlanRefused(
+            f"models.{name}.versions.{version}: is the shadow target of {name}; turn the "
+            f"shadow off first: servemesh routes shadow {name} --off"
+        )
+
+
+def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) -> ApplyPlan:
+    """The plan that makes the running mesh match `declared` (a declared spec, without the
+    running mesh's ports); raises PlanRefused naming the field when it cannot be live."""
+    running = declared_part(running)
+    declared = declared_part(declared)
+    _check_fixed_top(running, declared)
+
+    models: dict[str, ModelSpec] = {}
+    added_models: list[str] = []
+    removed_models: list[str] = []
+    kept_models: list[str] = []
+    versions: dict[str, list[Key]] = {"added": [], "removed": []}
+    weights: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
+    fallback: dict[str, tuple[float | None, float | None]] = {}
+    routing_changed = running.traffic != declared.traffic
+
+    for name, live in running.models.items():
+        wanted = declared.models.get(name)
+        if wanted is None:
+            if prune:
+                removed_models.append(name)
+                versions["removed"] += [(name, v) for v in live.versions]
+            else:
+                kept_models.append(name)
+                models[name] = live
+            continue
+        _plan_versions(name, live, wanted, versions)
+        # Kept versions keep the running entry (where it was seeded from, for one).
+        kept = {v: live.versions.get(v, spec) for v, spec in wanted.versions.items()}
+        models[name] = wanted.model_copy(update={"versions": kept})
+        # A version leaving with weight 0 (or coming with it) moves no traffic.
+        if _carrying(live.traffic) != _carrying(wanted.traffic):
+            weights[name] = (dict(live.traffic), dict(wanted.traffic))
+        if live.fallback_score != wanted.fallback_score:
+            fallback[name] = (live.fallback_score, wanted.fallback_score)
+        routing_changed |= _routing_of(running, name) != _routing_of(declared, name)
+    for name, wanted in declared.models.items():
+        if name not in running.models:
+            added_models.append(name)
+            models[name] = wanted
+            versions["added"] += [(name, v) for v in wanted.versions]
+            weights[name] = ({}, dict(wanted.traffic))
+
+    views = {}
+    added_views: list[str] = []
+    removed_views: list[str] = []
+    kept_views: list[str] = []
+    for name, live_view in running.feature_views.items():
+        wanted_view = declared.feature_views.get(name)
+        if wanted_view is None:
+            readers = sorted(m for m, spec in models.items() if name in views_read_by(spec))
+            if not prune:
+                kept_views.append(name)
+                views[name] = live_view
+                continue
+            if readers:
+                raise PlanRefused(
+                    f"feature_views.{name}: still read by models.{readers[0]}; a view a model "
+                    "reads cannot go (remove the model with it: --prune)"
+                )
+            removed_views.append(name)
+            continue
+        where = first_difference(
+            live_view.model_dump(mode="json"),
+            wanted_view.model_dump(mode="json"),
+            f"feature_views.{name}",
+        )
+        if where:
+            raise PlanRefused(
+                f"{where}: changes a feature view already served; add a view under a new name "
+                "and point a new model at it"
+            )
+        views[name] = live_view
+    for name, wanted_view in declared.feature_views.items():
+        if name not in running.feature_views:
+            added_views.append(name)
+            views[name] = wanted_view
+
+    try:
+        target = MeshSpec.model_validate(
+            {
+                **running.model_dump(),
+                "models": {n: m.model_dump() for n, m in models.items()},
+                "feature_views": {n: v.model_dump() for n, v in views.items()},
+                "traffic": declared.traffic.model_dump(),
+            }
+        )
+    except ValueError as exc:
+        # pydantic's first line counts the errors; the next says which and why.
+        lines = [line.strip() for line in str(exc).splitlines()[1:3]]
+        raise PlanRefused(" ".join(lines) or str(exc)) from None
+    return ApplyPlan(
+        target=target,
+        added_models=added_models,
+        removed_models=removed_models,
+        kept_models=kept_models,
+        added_versions=versions["added"],
+        removed_versions=versions["removed"],
+        added_views=added_views,
+        removed_views=removed_views,
+        kept_views=kept_views,
+        weights=weights,
+        fallback=fallback,
+        routing_changed=routing_changed,
+    )

@@ -1,0 +1,276 @@
+"""`servemesh apply` on a running mesh: models and versions come and go under load.
+
+A mesh of its own (the demo `fraud` model, v1 takes all traffic). New versions are pushed to
+the registry with the registry client first, as `servemesh models push` would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from servemesh.demo import demo_artifact, demo_signature
+from servemesh.launcher import Mesh
+from servemesh.load import BackgroundLoad, predict_target
+from servemesh.proxy.admin import AdminClient
+from servemesh.proxy.apply import ApplyError, RouteManager
+from servemesh.proxy.live_apply import LiveApply
+from servemesh.registry.client import push_version
+from servemesh.spec import MeshSpec, Ports
+from servemesh.wire import LOAD_VERSION_PARAMETER, message_size_options
+from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from servemesh_api.inference import grpc_service_pb2 as oip
+from servemesh_api.inference import grpc_service_pb2_grpc
+from tests.waiting import wait_until
+
+ENTITIES = 300
+REPO = Path(__file__).resolve().parents[2]
+
+BASE = """
+models:
+  fraud:
+    versions: {v1: {source: "demo:1"}, v2: {source: "demo:2"}}
+    traffic: {v1: 100, v2: 0}
+"""
+# fraud v3 takes a tenth of the traffic the moment Envoy routes to it; `risk` is a new model
+# reading the demo's `user` view.
+ADD = """
+models:
+  fraud:
+    versions: {v1: {source: "demo:1"}, v2: {source: "demo:2"}, v3: {}}
+    traffic: {v1: 90, v2: 0, v3: 10}
+  risk:
+    versions: {v1: {}}
+    traffic: {v1: 100}
+"""
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    spec = MeshSpec(
+        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        state_dir=str(tmp_path_factory.mktemp("live-apply")),
+        demo={"enabled": True, "entities": ENTITIES},
+    )
+    with Mesh.from_spec(spec) as running:
+        asyncio.run(_push_all(running))
+        yield running
+
+
+async def _push(mesh: Mesh, model: str, version: str, data: bytes) -> None:
+    options = message_size_options(mesh.spec.limits.max_message_bytes)
+    async with grpc.aio.insecure_channel(mesh.spec.registry_address, options=options) as channel:
+        await push_version(channel, model=model, version=version, data=data, **demo_signature())
+
+
+async def _push_all(mesh: Mesh) -> None:
+    await _push(mesh, "fraud", "v3", demo_artifact(3).data)
+    await _push(mesh, "risk", "v1", demo_artifact(4).data)
+    # Passes the registry's checks (format, digest); no replica can load it.
+    await _push(mesh, "fraud", "v8", b"not a TorchScript archive")
+
+
+@pytest.fixture
+def applier(mesh: Mesh) -> LiveApply:
+    admin = AdminClient(f"{mesh.spec.host}:{mesh.spec.ports.envoy_admin}")
+    return LiveApply(RouteManager(mesh.paths, admin))
+
+
+def _spec_file(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _held(mesh: Mesh, replica: str) -> set[tuple[str, str]]:
+    """What a replica serves (READY), from its OIP repository index."""
+    with grpc.insecure_channel(mesh.spec.address_of(replica)) as channel:
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        index = stub.RepositoryIndex(oip.RepositoryIndexRequest(ready=True), timeout=5)
+    return {(m.name, m.version) for m in index.models}
+
+
+def _replicas(mesh: Mesh) -> list[str]:
+    return [i.name for i in mesh.spec.instances() if i.service == "model"]
+
+
+def _state(mesh: Mesh) -> dict[Path, bytes]:
+    """Every file a change writes: Envoy's watched files, the resolved spec, the history."""
+    files = {p: p.read_bytes() for p in (mesh.state_dir / "xds").rglob("*.yaml")}
+    for path in (mesh.paths.resolved_spec, mesh.paths.history):
+        if path.is_file():
+            files[path] = path.read_bytes()
+    return files
+
+
+def _pinned(
+    stub: gateway_pb2_grpc.GatewayStub, model: str, version: str = ""
+) -> gateway_pb2.PredictResponse:
+    request = gateway_pb2.PredictRequest(model=model, entity_ids=["user-7"], version=version)
+    reply: gateway_pb2.PredictResponse = stub.Predict(request, timeout=5)
+    return reply
+
+
+def _first_answer_s(mesh: Mesh, model: str, version: str, since: float) -> float:
+    """Seconds from `since` until a pinned Predict through the edge answers from `version`."""
+    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        def answered() -> bool:
+            try:
+                return _pinned(stub, model, version).model_version == version
+            except grpc.RpcError:
+                return False
+
+        wait_until(answered, f"{model} {version} to answer through the edge", every_s=0.02)
+    return time.monotonic() - since
+
+
+def _cli(mesh: Mesh, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "servemesh", "apply", "--state-dir", str(mesh.state_dir), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_dry_run_prints_the_plan_and_changes_nothing(mesh: Mesh, tmp_path: Path) -> None:
+    add = _spec_file(tmp_path, "add.yaml", ADD)
+    before = _state(mesh)
+    dry = _cli(mesh, str(add), "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "dry run" in dry.stdout and "risk" in dry.stdout and "fraud v3" in dry.stdout
+    assert "v1=90 v2=0 v3=10" in dry.stdout
+    assert _state(mesh) == before
+    assert all(("fraud", "v3") not in _held(mesh, r) for r in _replicas(mesh))
+    refused = _cli(mesh, str(_spec_file(tmp_path, "shrink.yaml", "zones: [zone-a]\n")))
+    assert refused.returncode == 1
+    assert "refused:" in refused.stderr and "zones" in refused.stderr
+
+
+def test_models_and_versions_come_and_go_under_load_without_losing_a_request(
+    mesh: Mesh, applier: LiveApply, tmp_path: Path
+) -> None:
+    add = _spec_file(tmp_path, "add.yaml", ADD)
+    remove = _spec_file(tmp_path, "remove.yaml", BASE)
+    # A 5 s deadline, the mesh's default: on a machine this test shares, a call may wait
+    # its turn for a core for a second or two; a lost call is one refused or failed.
+    target = predict_target(mesh.spec.edge_address, entities=ENTITIES, timeout_s=5.0)
+    load = BackgroundLoad(target, rate_per_s=200)
+    load.start()
+    try:
+        wait_until(lambda: len(load.outcomes) >= 200, "a second of steady load")
+
+        added = applier.apply(add.read_text(), str(add))
+        returned = time.monotonic()
+        assert sorted(added.plan.added_versions) == [("fraud", "v3"), ("risk", "v1")]
+        assert sorted(r.replica for r in added.loads) == _replicas(mesh)
+        assert all(r.loaded == added.plan.added_versions for r in added.loads)
+        # Only the readiness (every replica loaded and warmed up before Envoy routed)
+        # makes these answer at once; 5 s is a generous bound for the gateways' poll.
+        assert _first_answer_s(mesh, "fraud", "v3", returned) < 5.0
+        assert _first_answer_s(mesh, "risk", "v1", returned) < 5.0
+        for replica in _replicas(mesh):
+            assert {("fraud", "v3"), ("risk", "v1")} <= _held(mesh, replica)
+        assert "+ version fraud v3" in applier.manager.history()[-1]["diff"]
+        # Envoy took v3 into the split: some of the load reaches it.
+        wait_until(lambda: any(o.version == "v3" for o in load.outcomes), "v3 in the split")
+
+        # Removing v3 while it takes traffic is refused, and nothing changes.
+        before = _state(mesh)
+        with pytest.raises(ApplyError) as refused:
+            applier.apply(remove.read_text(), str(remove), prune=True)
+        assert "models.fraud.versions.v3: still takes 10% of traffic" in str(refused.value)
+        assert "servemesh routes set fraud v1=100" in str(refused.value)
+        assert _state(mesh) == before
+        assert all(("fraud", "v3") in _held(mesh, r) for r in _replicas(mesh))
+
+        applier.manager.set_weights("fraud", {"v1": 100, "v2": 0, "v3": 0})
+        removed = applier.apply(remove.read_text(), str(remove), prune=True)
+        assert removed.plan.removed_models == ["risk"]
+        assert sorted(removed.plan.removed_versions) == [("fraud", "v3"), ("risk", "v1")]
+        # Envoy no longer routes them; the replicas unload what the spec dropped.
+        for replica in _replicas(mesh):
+            wait_until(
+                lambda replica=replica: (
+                    not {("fraud", "v3"), ("risk", "v1")} & _held(mesh, replica)
+                ),
+                f"{replica} to unload fraud v3 and risk v1",
+            )
+        with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            with pytest.raises(grpc.RpcError) as gone:
+                _pinned(stub, "risk")
+            assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+        after_s = load.now_s()
+        wait_until(lambda: load.now_s() > after_s + 1.0, "a second of load after the removal")
+    finally:
+        load.stop()
+    assert not load.error
+    outcomes = load.snapshot()
+    assert len(outcomes) >= 400
+    lost = [o for o in outcomes if o.code != "OK"]
+    assert lost == [], (len(lost), len(outcomes), lost[:3])
+
+
+def test_a_version_missing_from_the_registry_is_refused_and_nothing_loads(
+    mesh: Mesh, applier: LiveApply
+) -> None:
+    text = BASE.replace('v2: {source: "demo:2"}}', 'v2: {source: "demo:2"}, v9: {}}')
+    before = _state(mesh)
+    with pytest.raises(ApplyError) as refused:
+        applier.apply(text, "missing.yaml")
+    assert "models.fraud.versions.v9: not in the registry" in str(refused.value)
+    assert "servemesh models push" in str(refused.value)
+    assert _state(mesh) == before
+    for replica in _replicas(mesh):
+        assert ("fraud", "v9") not in _held(mesh, replica)
+
+
+def test_a_bad_artifact_is_refused_with_the_replica_s_reason_and_unloaded_everywhere(
+    mesh: Mesh, applier: LiveApply
+) -> None:
+    text = BASE.replace('v2: {source: "demo:2"}}', 'v2: {source: "demo:2"}, v8: {}}')
+    before = _state(mesh)
+    with pytest.raises(ApplyError) as refused:
+        applier.apply(text, "bad.yaml")
+    message = str(refused.value)
+    assert message.startswith("model-zone-"), message
+    assert "models.fraud.versions.v8: " in message
+    assert "nothing changed" in message
+    assert _state(mesh) == before
+    for replica in _replicas(mesh):
+        assert ("fraud", "v8") not in _held(mesh, replica)
+        # The replica keeps serving what it served.
+        assert {("fraud", "v1"), ("fraud", "v2")} <= _held(mesh, replica)
+
+
+def test_unloading_a_version_no_apply_asked_for_is_caught_up_by_the_next_change(
+    mesh: Mesh, applier: LiveApply
+) -> None:
+    """A replica that lost a version the spec lists loads it again when the spec changes."""
+    victim = _replicas(mesh)[0]
+    with grpc.insecure_channel(mesh.spec.address_of(victim)) as channel:
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        param = oip.ModelRepositoryParameter(string_param="v2")
+        stub.RepositoryModelUnload(
+            oip.RepositoryModelUnloadRequest(
+                model_name="fraud", parameters={LOAD_VERSION_PARAMETER: param}
+            ),
+            timeout=10,
+        )
+    assert ("fraud", "v2") not in _held(mesh, victim)
+    applier.manager.set_weights("fraud", {"v1": 90, "v2": 10})
+    try:
+        wait_until(lambda: ("fraud", "v2") in _held(mesh, victim), f"{victim} to reload v2")
+    finally:
+        applier.manager.set_weights("fraud", {"v1": 100, "v2": 0})
