@@ -71,6 +71,7 @@ class DependencyWatch:
         *,
         what: str,
         interval_s: float = 0.5,
+        down_interval_s: float = 0.1,
         failures_to_fail: int = 3,
         min_gap_s: float = 0.05,
     ) -> None:
@@ -78,6 +79,9 @@ class DependencyWatch:
         self.probe = probe
         self.what = what
         self.interval_s = interval_s
+        # While down, probe more often: every moment out of rotation after the dependency
+        # returned is capacity lost (and Envoy's own checks still come on top).
+        self.down_interval_s = down_interval_s
         # A burst of failing requests pokes many times; probes stay this far apart.
         self.min_gap_s = min_gap_s
         self.debounce = Debounce(failures_to_fail)
@@ -132,8 +136,9 @@ class DependencyWatch:
             started = time.monotonic()
             self._poked.clear()
             await self.round()
+            interval = self.interval_s if self.up else self.down_interval_s
             try:
-                await asyncio.wait_for(self._poked.wait(), self.interval_s)
+                await asyncio.wait_for(self._poked.wait(), interval)
             except TimeoutError:
                 continue
             # Poked: probe again soon, but not sooner than min_gap_s after the last one.
