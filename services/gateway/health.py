@@ -10,11 +10,11 @@ never takes the gateway down: the "feature store down" drill depends on those an
 
 How the gateway learns its dependencies' health:
 - **Replicas: their own gRPC health service, probed directly** at the addresses the spec
-  names, every `PROBE_INTERVAL_S`. That is the same signal Envoy's active health checks
-  act on, so the gateway agrees with Envoy about who may serve, and it needs nothing
-  Envoy does not expose on the mesh listener (its health routes go to replicas, not to a
-  chosen one). Asking Envoy's admin API instead would tie the gateway to one Envoy's
-  admin port and to its cluster names; the replicas' answer is the one Envoy copies.
+  names, every `PROBE_INTERVAL_S`. That is the signal Envoy's active health checks act
+  on, so the gateway agrees with Envoy about who may serve. A health call through the
+  mesh listener would reach at most the one replica Envoy picks (and the listener has no
+  route for it), not say whether any is SERVING; asking Envoy's admin API instead would
+  tie the gateway to one Envoy's admin port and its cluster names, for the same answer.
 - **The mesh listener: a TCP connect**, not the mesh channel's state. The channel is
   lazy (IDLE says nothing about Envoy until a call is made) and, after a failure, waits
   out gRPC's reconnect backoff (up to two minutes) before it tries again; a connect

@@ -95,8 +95,9 @@ async def test_feature_service_follows_its_redis_down_and_back(
 
 
 async def test_a_feature_service_whose_redis_is_absent_starts_not_serving(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="servemesh.services.runtime.dependencies")
     # A port nothing listens on: the replica must never say SERVING.
     with Supervisor(tmp_path / "logs") as supervisor:
         redis = RedisServer(supervisor, tmp_path / "redis")
@@ -109,8 +110,16 @@ async def test_a_feature_service_whose_redis_is_absent_starts_not_serving(
     channel = grpc.aio.insecure_channel(spec.address_of(INSTANCE))
     stub = health_pb2_grpc.HealthStub(channel)
     try:
-        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
-        assert reply.status == NOT_SERVING
+        # The first PING failed: the replica has judged its store, and says so.
+        await wait_until_async(
+            lambda: any(
+                r.getMessage() == "not ready: a dependency does not answer" for r in caplog.records
+            ),
+            "the failed PING logged",
+        )
+        for service in ("", FEATURE_SERVICE):
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == NOT_SERVING, service
     finally:
         await channel.close()
         await server.drain()
