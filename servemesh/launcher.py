@@ -136,8 +136,12 @@ class Mesh:
             later = [i.name for i in self.spec.instances() if i.service != "registry"]
             for name in later:
                 self._start_service(name)
-            self.supervisor.wait_ready(later, deadline)
+            # A gateway is SERVING only once its zone's mesh listener (Envoy's) accepts
+            # connections: wait for it after Envoy, whose own readiness needs one of them.
+            gateways = [n for n in later if self.spec.instance(n).service == "gateway"]
+            self.supervisor.wait_ready([n for n in later if n not in gateways], deadline)
             self._start_envoy(deadline)
+            self.supervisor.wait_ready(gateways, deadline)
             self._write_endpoints()
         except BaseException:
             self.stop()

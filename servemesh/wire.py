@@ -131,3 +131,13 @@ def message_size_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
     ]
+
+
+def reconnect_backoff_options(max_ms: int) -> list[tuple[str, int]]:
+    """Channel options that retry a lost connection at least every `max_ms` (gRPC's default
+    backoff grows to two minutes: a health probe would miss a replica's return that long)."""
+    return [
+        ("grpc.initial_reconnect_backoff_ms", min(100, max_ms)),
+        ("grpc.min_reconnect_backoff_ms", min(100, max_ms)),
+        ("grpc.max_reconnect_backoff_ms", max_ms),
+    ]

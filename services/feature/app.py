@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from servemesh.services.feature.health import watch_store
 from servemesh.services.feature.service import FeatureServicer
 from servemesh.services.feature.store import RedisFeatureStore
 from servemesh.services.runtime import DeadlineBudget, ServiceServer
@@ -44,4 +45,6 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
 
     server.on_spec_change(follow)
     server.on_stop(client.aclose)
+    # SERVING only while Redis answers; a read that cannot reach it probes at once.
+    servicer.store_unreachable = watch_store(server, spec.redis_url).poke
     return server

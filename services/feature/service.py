@@ -304,9 +304,14 @@ def refuse_rows(problems: list[str], more: bool) -> InvalidArgument:
     )
 
 
+def _nobody() -> None:
+    pass
+
+
 @contextlib.contextmanager
-def store_statuses() -> Iterator[None]:
-    """Map the store's refusals and Redis failures to the statuses callers see."""
+def store_statuses(unreachable: Callable[[], None] = _nobody) -> Iterator[None]:
+    """Map the store's refusals and Redis failures to the statuses callers see; call
+    `unreachable` when Redis could not be reached (the replica's health probes at once)."""
     try:
         yield
     except LoadInProgress as exc:
@@ -321,6 +326,7 @@ def store_statuses() -> Iterator[None]:
         raise FailedPrecondition(str(exc)) from None
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
         log.warning("feature store unreachable", extra={"error": str(exc)})
+        unreachable()
         raise Unavailable("feature store unavailable") from None
 
 
@@ -341,6 +347,8 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         self.max_entities = max_entities
         # Milliseconds since the epoch; event times and max_age are measured with it.
         self.clock = clock
+        # Called when a store call could not reach Redis (the health watch pokes its probe).
+        self.store_unreachable: Callable[[], None] = _nobody
 
     def _view(self, name: str) -> FeatureViewSpec:
         view = self.views.get(name)
@@ -412,7 +420,7 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         started = time.perf_counter()
         load: StagedLoad | None = None
         try:
-            with store_statuses():
+            with store_statuses(self.store_unreachable):
                 load, committed = await self._receive(request_iterator)
                 if not committed:
                     raise InvalidArgument(
@@ -523,7 +531,7 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         except DeadlineExhausted as exc:
             call.close()
             raise DeadlineExceeded(f"no time left for the store: {exc}") from None
-        with store_statuses():
+        with store_statuses(self.store_unreachable):
             try:
                 return await asyncio.wait_for(call, timeout)
             except TimeoutError:

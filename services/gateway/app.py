@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from servemesh.services.gateway.health import watch_dependencies
 from servemesh.services.gateway.service import GatewayServicer
 from servemesh.services.runtime import ServiceServer
 from servemesh.spec import ResolvedSpec
@@ -31,4 +32,6 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
     # soon as the spec file says so.
     server.on_spec_change(servicer.follow_spec)
     server.on_stop(mesh_channel.close)
+    # SERVING only while it can answer: the mesh listener and the replicas it needs.
+    watch_dependencies(server, spec, instance)
     return server

@@ -93,6 +93,11 @@ class ServiceServer:
         self.live_spec: LiveSpec | None = None
         self._stopping: asyncio.Event | None = None
         self.port = 0
+        # The service's own verdict on what it needs to answer (its store, its path
+        # downstream); None: no deep health, SERVING from the start (see set_dependencies_ok).
+        self._dependencies_ok: bool | None = None
+        self._drain_begun = False
+        self._verdict_lock = asyncio.Lock()
 
     def add_service(
         self, register: Callable[[Any, grpc.aio.Server], None], servicer: Any, full_name: str
@@ -142,7 +147,8 @@ class ServiceServer:
         if not self.port:
             raise OSError(f"{self.name}: cannot bind {self.host}:{self.requested_port}")
         await self.server.start()
-        await self.set_serving(True)
+        async with self._verdict_lock:
+            await self.set_serving(self._dependencies_ok is not False)
         log.info("serving", extra={"port": self.port, "services": self._service_names})
         return self.port
 
@@ -155,11 +161,28 @@ class ServiceServer:
         for name in ["", *self._service_names]:
             await self.health.set(name, status)
 
+    def expect_dependency_check(self) -> None:
+        """Report NOT_SERVING from the start until the first `set_dependencies_ok(True)`
+        (a service with deep health calls this while it is built)."""
+        if self._dependencies_ok is None:
+            self._dependencies_ok = False
+
+    async def set_dependencies_ok(self, ok: bool) -> None:
+        """The service's verdict on its dependencies: the health service (overall and every
+        service name) says SERVING only while it is True; once draining, nothing turns it
+        SERVING again. Before `start` the verdict is kept for start to report."""
+        async with self._verdict_lock:
+            self._dependencies_ok = ok
+            if self.port and not self._drain_begun:
+                await self.set_serving(ok)
+
     async def drain(self) -> None:
         if self._stopping is not None and self._stopping.is_set():
             return
         log.info("draining", extra={"grace_s": self.drain_grace_s})
-        await self.set_serving(False)
+        async with self._verdict_lock:
+            self._drain_begun = True
+            await self.set_serving(False)
         await self.server.stop(self.drain_grace_s)
         for hook in reversed(self._stop_hooks):
             try:

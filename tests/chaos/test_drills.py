@@ -117,9 +117,12 @@ def test_feature_store_down_answers_fallbacks_then_real_scores(tmp_path: Path) -
     # While Redis is down (past the first second) callers get the fallback, marked degraded.
     assert method_output(result, "fallback-answers-while-down-pct") >= 95
     assert outage["degraded"] >= 0.8 * outage["sent"]
-    # Real scores again after the restart (from its snapshot: entities still found).
+    # Real scores again after the restart (from its snapshot: entities still found). The
+    # feature replicas said NOT_SERVING while Redis was down, so fallbacks go on until they
+    # probe it back and Envoy's health checks let them in again: about a second, within the
+    # three the recovery may take.
     after = summary["phases"]["after faults"]
-    assert after["failed"] == 0 and after["degraded"] <= 0.005 * after["sent"]
+    assert after["failed"] == 0 and after["degraded"] <= 3 * SHORT["rate"], after
     assert summary["numbers"]["time_to_recover_s"] is not None
     assert summary["numbers"]["time_to_recover_s"] <= 3
 

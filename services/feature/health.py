@@ -1,0 +1,72 @@
+"""The feature service is SERVING only while its Redis answers.
+
+Without Redis every read fails, so a replica that still said SERVING would keep Envoy
+routing to it (and the gateway waiting on it) for nothing. The probe is a PING on a
+client of its own (one connection, no retries, a short timeout), so a pool busy with
+reads neither delays it nor hides an outage behind redis-py's reconnect-and-retry. The
+servicer pokes the watch whenever a store call fails to reach Redis, so an outage under
+traffic is confirmed by PINGs at once rather than at the next interval; only PINGs
+decide, several failed in a row (see `Debounce`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from servemesh.services.runtime import ServiceServer
+from servemesh.services.runtime.dependencies import DependencyWatch, Verdict
+
+# A healthy local Redis answers PING in well under a millisecond; 250 ms is an outage or a
+# machine so loaded that the replica is better out of rotation anyway.
+PING_TIMEOUT_S = 0.25
+PROBE_INTERVAL_S = 0.5
+# Three failed PINGs in a row (about 1.5 s without traffic) before going down.
+FAILURES_TO_FAIL = 3
+
+
+def ping_client(url: str, timeout_s: float = PING_TIMEOUT_S) -> aioredis.Redis:
+    """A client for health PINGs only: no retries, every wait bounded by `timeout_s`."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_connect_timeout=timeout_s,
+        socket_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        single_connection_client=True,
+    )
+
+
+class RedisProbe:
+    """PING the store; a Verdict naming the failure when it does not answer in time."""
+
+    def __init__(self, client: aioredis.Redis, timeout_s: float = PING_TIMEOUT_S) -> None:
+        self.client = client
+        self.timeout_s = timeout_s
+
+    async def __call__(self) -> Verdict:
+        try:
+            await asyncio.wait_for(self.client.ping(), self.timeout_s)
+        except TimeoutError:
+            return Verdict(False, f"Redis did not answer PING within {self.timeout_s} s")
+        except (redis.exceptions.RedisError, OSError) as exc:
+            return Verdict(False, f"Redis PING failed: {exc}"[:300])
+        return Verdict(True)
+
+
+def watch_store(server: ServiceServer, url: str) -> DependencyWatch:
+    """The feature service's health follows its Redis (started; stopped with the server)."""
+    client = ping_client(url)
+    watch = DependencyWatch(
+        server,
+        RedisProbe(client),
+        what="feature store (Redis)",
+        interval_s=PROBE_INTERVAL_S,
+        failures_to_fail=FAILURES_TO_FAIL,
+    )
+    server.on_stop(client.aclose)
+    watch.start()
+    return watch
