@@ -51,15 +51,9 @@ FAILURES_TO_FAIL = 2
 
 
 def reads_features(model: ModelSpec) -> bool:
-    """Whether a prediction of `model` looks up a feature view.
-
-    A spec with per-tensor `inputs` reads features only through entries that name a view
-    (raw inputs come from the caller); the `feature_view` shorthand always reads its view.
-    """
-    inputs = getattr(model, "inputs", None)
-    if inputs:
-        return any(getattr(entry, "view", None) for entry in dict(inputs).values())
-    return True
+    """Whether a prediction of `model` looks up a feature view (a model whose inputs are all
+    raw, sent by the caller, does not)."""
+    return bool(model.views)
 
 
 @dataclass(frozen=True)
