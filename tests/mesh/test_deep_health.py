@@ -45,16 +45,16 @@ def _all(mesh: Mesh, service: str, status: str) -> dict[str, str] | None:
     return seen if seen and set(seen.values()) == {status} else None
 
 
-def _feature_hosts_healthy(admin: AdminClient, mesh: Mesh) -> set[bool]:
-    """Envoy's verdicts on the feature replicas, over every zone's feature cluster."""
-    features = {
-        mesh.spec.address_of(i.name) for i in mesh.spec.instances() if i.service == "feature"
+def _hosts_healthy(admin: AdminClient, mesh: Mesh, service: str = "feature") -> set[bool]:
+    """Envoy's verdicts on the replicas of `service`, over every cluster that holds them."""
+    addresses = {
+        mesh.spec.address_of(i.name) for i in mesh.spec.instances() if i.service == service
     }
     return {
         host.healthy
         for cluster in admin.clusters().values()
         for host in cluster.hosts
-        if host.address in features
+        if host.address in addresses
     }
 
 
@@ -89,7 +89,7 @@ def test_without_redis_features_go_not_serving_and_predict_fails_fast_then_recov
     admin = AdminClient(f"{mesh.spec.host}:{mesh.spec.ports.envoy_admin}")
     wait_until(lambda: _all(mesh, "feature", "NOT_SERVING"), "every feature replica NOT_SERVING")
     wait_until(
-        lambda: _feature_hosts_healthy(admin, mesh) == {False},
+        lambda: _hosts_healthy(admin, mesh) == {False},
         "Envoy to hold every feature replica unhealthy",
     )
     # fraud has no fallback_score and reads features: no gateway can answer.
@@ -102,4 +102,14 @@ def test_without_redis_features_go_not_serving_and_predict_fails_fast_then_recov
     mesh.redis.start(timeout_s=30)
     wait_until(lambda: _all(mesh, "feature", "SERVING"), "feature replicas SERVING again")
     wait_until(lambda: _all(mesh, "gateway", "SERVING"), "gateways SERVING again")
+    # Every zone's Envoy clusters take the replicas back, not only the one this call used:
+    # the tests after this one share the mesh and may go through any zone.
+    wait_until(
+        lambda: _hosts_healthy(admin, mesh) == {True},
+        "Envoy to hold every feature replica healthy again",
+    )
+    wait_until(
+        lambda: _hosts_healthy(admin, mesh, "gateway") == {True},
+        "Envoy to hold every gateway healthy again",
+    )
     wait_until(lambda: _predict(gateway)[0] == "ok", "Predict answering real scores again")
