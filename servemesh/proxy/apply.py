@@ -9,14 +9,19 @@ API; every applied change is appended to the history with who, when and what.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import fcntl
+import functools
 import getpass
 import json
+import os
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import yaml
 
@@ -46,6 +51,13 @@ ROUTING_FIELDS_TOP = {"traffic"}
 ROUTING_FIELDS_MODEL = {"traffic", "shadow", "policy"}
 
 
+# State dirs whose change lock this process holds, and how deeply (see change_lock).
+_HELD: dict[Path, int] = {}
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
 class ApplyError(ValueError):
     """The change was refused; the live configuration is untouched."""
 
@@ -69,6 +81,43 @@ class MeshPaths:
                 "missing): start one with `servemesh up`, or name its --state-dir"
             )
         return load_resolved(self.resolved_spec)
+
+    @contextlib.contextmanager
+    def change_lock(self) -> Iterator[None]:
+        """Hold the mesh's one change at a time: a second `apply`, `routes set` or
+        `rollback` while one is under way is refused at once instead of interleaving its
+        Envoy swap and spec write with the first one's. Re-entrant within a process (an
+        apply holds it across its loads and the swap it then asks for)."""
+        key = self.state_dir.resolve()
+        if _HELD.get(key):
+            _HELD[key] += 1
+            try:
+                yield
+            finally:
+                _HELD[key] -= 1
+            return
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.state_dir / "changes.lock", "a+") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "?"
+                raise ApplyError(
+                    f"another change to this mesh is under way (pid {holder}); "
+                    "run this one when it has finished"
+                ) from None
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(os.getpid()))
+            handle.flush()
+            _HELD[key] = 1
+            try:
+                yield
+            finally:
+                del _HELD[key]
+                handle.truncate(0)
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     @property
     def resolved_spec(self) -> Path:
@@ -157,6 +206,20 @@ def diff_lines(before: MeshSpec, after: MeshSpec) -> list[str]:
     ]
 
 
+def one_change_at_a_time(
+    method: Callable[Concatenate[RouteManager, P], R],
+) -> Callable[Concatenate[RouteManager, P], R]:
+    """Run a RouteManager change under its mesh's change lock, from reading the live spec
+    to recording the result, so no other change slips in between."""
+
+    @functools.wraps(method)
+    def locked(self: RouteManager, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self.paths.change_lock():
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class RouteManager:
     """Reads and changes the routing of the mesh running from `paths`."""
 
@@ -194,6 +257,7 @@ class RouteManager:
 
     # --- changes -------------------------------------------------------------------
 
+    @one_change_at_a_time
     def set_weights(
         self, model: str, weights: dict[str, int], *, who: str | None = None
     ) -> ApplyResult:
@@ -216,6 +280,7 @@ class RouteManager:
             live, {model: {"traffic": full}}, f"set {model} " + _weights_text(full), who
         )
 
+    @one_change_at_a_time
     def set_shadow(
         self, model: str, version: str | None, percent: float = 100.0, *, who: str | None = None
     ) -> ApplyResult:
@@ -230,6 +295,7 @@ class RouteManager:
         )
         return self._apply_models(live, {model: {"shadow": shadow}}, action, who)
 
+    @one_change_at_a_time
     def apply_spec_text(self, text: str, source: str, *, who: str | None = None) -> ApplyResult:
         """Apply a spec file's routing and policy. The file may be a declared spec or a
         running mesh's resolved one (edited in place); only its declared part counts."""
@@ -257,6 +323,7 @@ class RouteManager:
             live, live.model_copy(update={**update, "models": models}), f"apply {source}", who
         )
 
+    @one_change_at_a_time
     def rollback(self, entry_id: int | None = None, *, who: str | None = None) -> ApplyResult:
         """No id: undo the last change. With an id: return to the state right after it."""
         history = self.history()
@@ -297,6 +364,7 @@ class RouteManager:
                 raise ApplyError(f"models.{name}: {exc}") from None
         return self._apply(live, live.model_copy(update={"models": models}), action, who)
 
+    @one_change_at_a_time
     def swap(
         self,
         live: ResolvedSpec,

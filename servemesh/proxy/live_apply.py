@@ -149,6 +149,14 @@ class LiveApply:
         dry_run: bool = False,
         who: str | None = None,
     ) -> LiveApplyResult:
+        if dry_run:
+            return self._apply(text, source, prune=prune, dry_run=True, who=who)
+        with self.manager.paths.change_lock():
+            return self._apply(text, source, prune=prune, dry_run=False, who=who)
+
+    def _apply(
+        self, text: str, source: str, *, prune: bool, dry_run: bool, who: str | None
+    ) -> LiveApplyResult:
         live, plan = self.plan(text, source, prune=prune)
         if plan.added_versions:
             asyncio.run(self.check_registry(live, plan))
