@@ -71,6 +71,21 @@ def version_health_name(model: str, version: str) -> str:
 
 
 MODEL_INFER_METHOD: Final = method_path(OIP_SERVICE, "ModelInfer")
+
+# Calls that change what the mesh serves: registry writes, model loads and unloads, feature
+# writes. They are control calls, not data-plane calls: refused on Envoy's edge and mesh
+# listeners, and answered by a service only to a caller holding the mesh's control credential.
+CONTROL_METHODS: Final = frozenset(
+    {
+        method_path(REGISTRY_SERVICE, "CreateModel"),
+        method_path(REGISTRY_SERVICE, "UploadVersion"),
+        method_path(REGISTRY_SERVICE, "SetAlias"),
+        method_path(OIP_SERVICE, "RepositoryModelLoad"),
+        method_path(OIP_SERVICE, "RepositoryModelUnload"),
+        method_path(FEATURE_SERVICE, "WriteFeatures"),
+        method_path(FEATURE_SERVICE, "LoadFeatures"),
+    }
+)
 HEALTH_PREFIX: Final = method_prefix(HEALTH_SERVICE)
 # Envoy's per-method gRPC stats name a method `<package>.<Service>.<Method>`.
 MODEL_INFER_STAT: Final = f"{OIP_SERVICE}.ModelInfer"
