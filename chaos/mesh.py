@@ -56,7 +56,10 @@ class DrillMesh(Mesh):
 
     def redis_client(self, timeout_s: float = 0.5) -> redis.Redis:
         return redis.Redis.from_url(
-            self.redis_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
+            self.redis_url,
+            password=self.spec.redis_password(),
+            socket_connect_timeout=timeout_s,
+            socket_timeout=timeout_s,
         )
 
     def owns_redis(self) -> bool:

@@ -6,6 +6,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 
+from servemesh.echo import shown
 from servemesh.registry.errors import InvalidArgumentError
 from servemesh.registry.records import TensorSpec, UploadHeader
 
@@ -54,9 +55,8 @@ MAX_LINEAGE = 32
 MAX_METRICS = 64
 
 
-def _shown(value: str) -> str:
-    """The value quoted for an error message, bounded so a caller cannot flood the logs."""
-    return repr(value if len(value) <= 64 else value[:64] + "...")
+# The value quoted for an error message, bounded so a caller cannot flood the logs.
+_shown = shown
 
 
 def check_name(value: str, field: str) -> str:

@@ -219,7 +219,8 @@ class Mesh:
             "mesh": spec.mesh_address,
             "mesh_by_zone": {zone: spec.mesh_address_for(zone) for zone in spec.zones},
             "envoy_admin": f"{spec.host}:{spec.ports.envoy_admin}",
-            "redis": spec.feature_store.redis_url,
+            "redis": spec.feature_store.redis_url,  # never with the password in it
+            "redis_password_file": spec.feature_store.password_file,
             "services": {i.name: spec.address_of(i.name) for i in spec.instances()},
             "metrics": {name: spec.metrics_address_of(name) for name in spec.metrics_ports},
             "logs": str(self.logs_dir),
@@ -251,8 +252,13 @@ class Mesh:
         self.supervisor.start(name, argv, group=instance.service, ready=ready, timeout_s=None)
 
     def _start_redis(self, port: int, deadline: float) -> None:
+        password_file = self.spec.feature_store.password_file
         self.redis = RedisServer(
-            self.supervisor, self.state_dir / "redis", host=self.spec.host, port=port
+            self.supervisor,
+            self.state_dir / "redis",
+            host=self.spec.host,
+            port=port,
+            password_file=Path(password_file) if password_file else None,
         )
         self.redis.start(timeout_s=max(0.0, deadline - time.monotonic()))
 

@@ -88,7 +88,7 @@ async def seed_demo_features(spec: ResolvedSpec, views: list[str], batch: int = 
 
     from servemesh.services.feature.store import RedisFeatureStore
 
-    client = aioredis.Redis.from_url(spec.redis_url)
+    client = aioredis.Redis.from_url(spec.redis_url, password=spec.redis_password())
     try:
         store = RedisFeatureStore(client, spec.feature_store.key_prefix)
         rows = demo_features(spec.demo.entities)

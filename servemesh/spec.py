@@ -227,6 +227,9 @@ class Limits(_Strict):
     max_artifact_bytes: Annotated[int, Field(ge=1024, le=16 * 1024**3)] = 512 * 1024 * 1024
     # Entities plus rows in one Predict.
     max_rows_per_predict: Annotated[int, Field(ge=1, le=65536)] = 1024
+    # Feature names one GetFeatures may ask for, and entities x features it may read.
+    max_feature_names: Annotated[int, Field(ge=1, le=65536)] = 1024
+    max_feature_cells: Annotated[int, Field(ge=1, le=64 * 1024 * 1024)] = 1024 * 1024
 
 
 class Deadlines(_Strict):
@@ -304,8 +307,12 @@ def _demo_views() -> dict[str, FeatureViewSpec]:
 
 
 class FeatureStoreSpec(_Strict):
-    # None: `servemesh up` starts its own redis-server on a free port.
+    # None: `servemesh up` starts its own redis-server on a free port, with a password.
+    # The URL is printed (endpoints.json, the resolved spec): never put a password in it.
     redis_url: str | None = None
+    # A file whose first line is the Redis password (keep it owner-only). The launcher's
+    # own Redis always has one: `<state_dir>/redis-password`, set when the spec resolves.
+    password_file: str | None = None
     # What to do with an entity missing from the store: "error" answers NOT_FOUND naming
     # it; "defaults" answers the view's default values with `defaulted` set.
     missing_entity: Literal["error", "defaults"] = "error"
@@ -480,6 +487,17 @@ class ResolvedSpec(MeshSpec):
         assert self.feature_store.redis_url, "validated when the spec was resolved"
         return self.feature_store.redis_url
 
+    def redis_password(self) -> str | None:
+        """The Redis password from feature_store.password_file (None: no file named). Read
+        at each call: clients pass it to redis-py, it never joins the URL."""
+        path = self.feature_store.password_file
+        if path is None:
+            return None
+        try:
+            return Path(path).read_text().strip() or None
+        except FileNotFoundError:
+            raise SpecError("feature_store.password_file: no such file") from None
+
     def port_of(self, instance_name: str) -> int:
         try:
             return self.instance_ports[instance_name]
@@ -523,6 +541,9 @@ class Instance(_Strict):
     service: ServiceKind
     zone: ZoneName
 
+
+# The embedded Redis's password, in the state dir (owner-only; created by the launcher).
+REDIS_PASSWORD_FILE = "redis-password"
 
 # What a resolved spec has and a declared one does not.
 RESOLVED_FIELDS = {"mesh_ports", "instance_ports", "metrics_ports", "embedded_redis_port"}
@@ -574,7 +595,10 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
     if not store.redis_url:
         embedded_redis_port = pick(0)
         store = store.model_copy(
-            update={"redis_url": f"redis://{spec.host}:{embedded_redis_port}/0"}
+            update={
+                "redis_url": f"redis://{spec.host}:{embedded_redis_port}/0",
+                "password_file": str(Path(spec.state_dir) / REDIS_PASSWORD_FILE),
+            }
         )
     fields = spec.model_dump(exclude=RESOLVED_FIELDS)
     return ResolvedSpec.model_validate(
@@ -598,6 +622,7 @@ def declared(spec: MeshSpec) -> MeshSpec:
     fields = spec.model_dump(exclude=RESOLVED_FIELDS)
     if spec.embedded_redis_port is not None:
         fields["feature_store"]["redis_url"] = None  # the launcher's own, not declared
+        fields["feature_store"]["password_file"] = None
     return MeshSpec.model_validate(fields)
 
 

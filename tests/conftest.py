@@ -11,9 +11,12 @@ from servemesh.procs import RedisServer, Supervisor
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real redis-server of our own on a free loopback port, for the whole session."""
+    """A real redis-server of our own on a free loopback port, for the whole session.
+
+    Its URL carries the password (a spec-given external URL may): the tests' clients and
+    feature services connect with it as they are."""
     root = tmp_path_factory.mktemp("redis")
     with Supervisor(root / "logs") as supervisor:
         server = RedisServer(supervisor, root / "data")
         server.start(timeout_s=10)
-        yield server.url
+        yield f"redis://:{server.password}@{server.host}:{server.port}/0"

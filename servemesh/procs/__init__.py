@@ -20,7 +20,7 @@ Errors: `ProcessError` (no such child, still running, not running) and its subcl
 from __future__ import annotations
 
 from servemesh.procs.ready import All, Check, GrpcHealth, Readiness, RedisPing, TcpPort
-from servemesh.procs.redis_server import RedisServer, redis_server_binary
+from servemesh.procs.redis_server import RedisServer, ensure_redis_password, redis_server_binary
 from servemesh.procs.supervisor import Child, ProcessError, StartError, Supervisor
 
 __all__ = [
@@ -35,5 +35,6 @@ __all__ = [
     "StartError",
     "Supervisor",
     "TcpPort",
+    "ensure_redis_password",
     "redis_server_binary",
 ]

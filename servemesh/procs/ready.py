@@ -85,9 +85,10 @@ class TcpPort:
 class RedisPing:
     """Redis at `url` answers PING (and has finished loading its snapshot)."""
 
-    def __init__(self, url: str, timeout_s: float = 0.2) -> None:
+    def __init__(self, url: str, timeout_s: float = 0.2, password: str | None = None) -> None:
         self.url = url
         self.timeout_s = timeout_s
+        self._password = password
         self._client: redis.Redis | None = None
 
     @property
@@ -97,7 +98,10 @@ class RedisPing:
     def check(self) -> bool:
         if self._client is None:
             self._client = redis.Redis.from_url(
-                self.url, socket_connect_timeout=self.timeout_s, socket_timeout=self.timeout_s
+                self.url,
+                password=self._password,
+                socket_connect_timeout=self.timeout_s,
+                socket_timeout=self.timeout_s,
             )
         try:
             return bool(self._client.ping())

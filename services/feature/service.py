@@ -21,6 +21,7 @@ import numpy as np
 import redis.exceptions
 from prometheus_client import Counter
 
+from servemesh.echo import brief_list, shown
 from servemesh.services.feature.rows import (
     MAX_ID_LENGTH,
     Problem,
@@ -47,19 +48,21 @@ from servemesh.services.runtime.errors import (
     DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     MeshError,
     NotFound,
     Unavailable,
 )
-from servemesh.spec import FeatureStoreSpec, FeatureViewSpec
+from servemesh.spec import FeatureStoreSpec, FeatureViewSpec, Limits
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_VIEW = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+# Checked with fullmatch: `$` would let a trailing newline through.
+_VIEW = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 MAX_FEATURE_NAME = 64
 MAX_SOURCE_LENGTH = 1024
 # Problems one refused load lists; the rest are counted.
@@ -77,8 +80,12 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def validate_get(request: feature_pb2.GetFeaturesRequest, max_entities: int) -> None:
-    """Raise InvalidArgument naming the first bad field of a GetFeatures request."""
+def validate_get(
+    request: feature_pb2.GetFeaturesRequest, max_entities: int, limits: Limits | None = None
+) -> None:
+    """Raise InvalidArgument naming the first bad field of a GetFeatures request. The
+    sizes are checked before any element: an oversized request costs no more than that."""
+    limits = limits or Limits()
     _check_view(request.view)
     if not request.entity_ids:
         raise InvalidArgument("entity_ids: give at least one entity")
@@ -86,10 +93,22 @@ def validate_get(request: feature_pb2.GetFeaturesRequest, max_entities: int) -> 
         raise InvalidArgument(
             f"entity_ids: {len(request.entity_ids)} entities, at most {max_entities} per call",
         )
-    for i, entity_id in enumerate(request.entity_ids):
-        _check_id(f"entity_ids[{i}]", entity_id)
     if not request.feature_names:
         raise InvalidArgument("feature_names: give at least one feature")
+    if len(request.feature_names) > limits.max_feature_names:
+        raise InvalidArgument(
+            f"feature_names: {len(request.feature_names)} names, at most "
+            f"{limits.max_feature_names} per call (limits.max_feature_names)"
+        )
+    cells = len(request.entity_ids) * len(request.feature_names)
+    if cells > limits.max_feature_cells:
+        raise InvalidArgument(
+            f"feature_names: {len(request.entity_ids)} entities x "
+            f"{len(request.feature_names)} features = {cells} values, at most "
+            f"{limits.max_feature_cells} per call (limits.max_feature_cells)"
+        )
+    for i, entity_id in enumerate(request.entity_ids):
+        _check_id(f"entity_ids[{i}]", entity_id)
     for i, name in enumerate(request.feature_names):
         _check_id(f"feature_names[{i}]", name)
 
@@ -110,9 +129,9 @@ def validate_write(request: feature_pb2.WriteFeaturesRequest, max_entities: int)
 
 
 def _check_view(view: str) -> None:
-    if not _VIEW.match(view):
+    if not _VIEW.fullmatch(view):
         raise InvalidArgument(
-            f"view: {view!r} is not a view name (lowercase letters, digits, '-' and '_')",
+            f"view: {shown(view)} is not a view name (lowercase letters, digits, '-' and '_')",
         )
 
 
@@ -123,9 +142,8 @@ def _check_id(field: str, value: str) -> None:
         raise InvalidArgument(f"{field}: longer than {MAX_ID_LENGTH}")
 
 
-def _listed(items: Sequence[str], shown: int = 10) -> str:
-    more = f" and {len(items) - shown} more" if len(items) > shown else ""
-    return ", ".join(items[:shown]) + more
+def _listed(items: Sequence[str]) -> str:
+    return brief_list(items)
 
 
 def positions_of(
@@ -244,19 +262,28 @@ def write_rows(
     return [e.entity_id for e in request.entities], values, event_ms
 
 
-def check_header(header: feature_pb2.LoadHeader, view: FeatureViewSpec) -> list[str]:
+def check_header(
+    header: feature_pb2.LoadHeader, view: FeatureViewSpec, max_names: int | None = None
+) -> list[str]:
     """The load's feature names, checked against the view; InvalidArgument naming the field."""
     names = list(header.feature_names)
     if not names:
         raise InvalidArgument("header.feature_names: give at least one feature")
+    max_names = max_names or Limits().max_feature_names
+    if len(names) > max_names:
+        raise InvalidArgument(
+            f"header.feature_names: {len(names)} names, at most {max_names} "
+            "(limits.max_feature_names)"
+        )
     for i, name in enumerate(names):
         if not name or len(name) > MAX_FEATURE_NAME:
             raise InvalidArgument(
-                f"header.feature_names[{i}]: {name!r} is not 1 to {MAX_FEATURE_NAME} characters"
+                f"header.feature_names[{i}]: {shown(name)} is not 1 to {MAX_FEATURE_NAME} "
+                "characters"
             )
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
-        raise InvalidArgument(f"header.feature_names: named more than once: {repeated}")
+        raise InvalidArgument(f"header.feature_names: named more than once: {_listed(repeated)}")
     if view.features is not None and names != view.features:
         lacking = [f for f in view.features if f not in set(names)]
         unknown = [f for f in names if f not in set(view.features)]
@@ -325,9 +352,16 @@ def store_statuses(unreachable: Callable[[], None] = _nobody) -> Iterator[None]:
     except StoreError as exc:
         raise FailedPrecondition(str(exc)) from None
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+        # Refused, reset, timed out, or refused our password (AuthenticationError is a
+        # ConnectionError): the caller learns only that the store is unavailable.
         log.warning("feature store unreachable", extra={"error": str(exc)})
         unreachable()
         raise Unavailable("feature store unavailable") from None
+    except redis.exceptions.RedisError as exc:
+        # Redis answered with an error (a script, a type, a permission): a fault of ours,
+        # whose text (keys, scripts) stays in the log.
+        log.error("feature store error", extra={"error": str(exc), "kind": type(exc).__name__})
+        raise Internal("feature store error") from None
 
 
 class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
@@ -339,8 +373,11 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         budget: DeadlineBudget,
         max_entities: int,
         clock: Callable[[], int] = now_ms,
+        limits: Limits | None = None,
     ) -> None:
         self.store = store
+        # The per-call caps of GetFeatures (feature names, entities x features).
+        self.limits = limits or Limits()
         self.views = dict(views)
         self.policy = policy
         self.budget = budget
@@ -354,7 +391,8 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         view = self.views.get(name)
         if view is None:
             raise NotFound(
-                f"view: {name!r} is not a feature view of this mesh; known: {sorted(self.views)}"
+                f"view: {shown(name)} is not a feature view of this mesh; "
+                f"known: {sorted(self.views)}"
             )
         return view
 
@@ -362,7 +400,7 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         self, request: feature_pb2.GetFeaturesRequest, context: grpc.aio.ServicerContext
     ) -> feature_pb2.GetFeaturesResponse:
         bind_request_id(request_id_from(context.invocation_metadata()))
-        validate_get(request, self.max_entities)
+        validate_get(request, self.max_entities, self.limits)
         view = self._view(request.view)
         version, rows = await self._call_store(
             context, self.store.read(request.view, request.entity_ids)
@@ -469,7 +507,7 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
                     if part != "header":
                         raise InvalidArgument(f"{part}: the stream starts with a header")
                     view = self._view(message.header.view)
-                    names = check_header(message.header, view)
+                    names = check_header(message.header, view, self.limits.max_feature_names)
                     label = _LABELS.get(message.header.row_label, "row")
                     load = await self.store.begin_load(
                         message.header.view, names, message.header.source
@@ -517,7 +555,7 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         ]
         if not problems:
             for i in await load.add(ids, values, event_ms):
-                problems.append(Problem(i, "key", f"{ids[i]!r} appears more than once"))
+                problems.append(Problem(i, "key", f"{shown(ids[i])} appears more than once"))
         if problems:
             problems.sort(key=lambda p: p.row)
             raise refuse_rows([p.at(label, chunk.first_row) for p in problems], more=False)

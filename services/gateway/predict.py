@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from servemesh.echo import shown
 from servemesh.model_contract import check_model_contract
 from servemesh.services.gateway.tensors import (
     DATATYPES,
@@ -113,11 +114,11 @@ def plan_predict(request: gateway_pb2.PredictRequest, spec: MeshSpec) -> Predict
     model = spec.models.get(request.model)
     if model is None:
         raise NotFound(
-            f"model: {request.model[:64]!r} is not served; served models: {sorted(spec.models)}",
+            f"model: {shown(request.model)} is not served; served models: {sorted(spec.models)}",
         )
     if request.version and request.version not in model.versions:
         raise NotFound(
-            f"version: model {request.model!r} has no version {request.version[:64]!r}; "
+            f"version: model {request.model!r} has no version {shown(request.version)}; "
             f"versions: {sorted(model.versions)}",
         )
     if model.inputs is None:
@@ -132,7 +133,7 @@ def _plan_shorthand(
     if request.inputs:
         name = next(iter(request.inputs))
         raise InvalidArgument(
-            f"inputs[{name[:64]!r}]: model {request.model!r} takes no raw inputs; its "
+            f"inputs[{shown(name)}]: model {request.model!r} takes no raw inputs; its "
             f"features come from view {model.feature_view!r} (entity_ids) or rows"
         )
     entity = spec.entity_of(model.feature_view)
@@ -200,11 +201,11 @@ def _plan_inputs(
     raw_names = [n for n, s in model.effective_inputs.items() if s.raw]
     raw: dict[str, CallerTensor] = {}
     for tensor_name in sorted(request.inputs):
-        where = f"inputs[{tensor_name[:64]!r}]"
+        where = f"inputs[{shown(tensor_name)}]"
         input_spec = model.effective_inputs.get(tensor_name)
         if input_spec is None:
             raise InvalidArgument(
-                f"{where}: model {name!r} has no input {tensor_name[:64]!r}; "
+                f"{where}: model {name!r} has no input {shown(tensor_name)}; "
                 f"its raw inputs: {raw_names}"
             )
         if not input_spec.raw:
@@ -275,7 +276,7 @@ def _entity_ids(
         unknown = sorted(set(row.ids) - set(entities))
         if unknown:
             raise InvalidArgument(
-                f"entities[{i}]: unknown entity {unknown[0][:64]!r}; model {model!r} reads "
+                f"entities[{i}]: unknown entity {shown(unknown[0])}; model {model!r} reads "
                 f"{entities}"
             )
         for entity in entities:

@@ -77,6 +77,8 @@ def features_spec(
     views: Mapping[str, FeatureViewSpec],
     missing: str = "error",
     max_message_bytes: int = 4 * 1024 * 1024,
+    password_file: Path | None = None,
+    limits: Limits | None = None,
 ) -> ResolvedSpec:
     """A one-zone mesh whose feature store has `views` (and the demo's user view)."""
     return resolve(
@@ -93,8 +95,9 @@ def features_spec(
                 missing_entity=missing,
                 default_value=-1.0,
                 key_prefix=f"t{uuid.uuid4().hex[:8]}",
+                password_file=str(password_file) if password_file else None,
             ),
-            limits=Limits(max_message_bytes=max_message_bytes),
+            limits=limits or Limits(max_message_bytes=max_message_bytes),
         )
     )
 

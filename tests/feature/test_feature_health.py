@@ -60,7 +60,8 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
 async def feature_server(
     own_redis: RedisServer, tmp_path: Path
 ) -> AsyncIterator[tuple[ServiceServer, grpc.aio.Channel]]:
-    spec = features_spec(own_redis.url, tmp_path, {})
+    # The service reads the password from the file the spec names, as in a mesh.
+    spec = features_spec(own_redis.url, tmp_path, {}, password_file=own_redis.password_path)
     server = await build_server(spec, INSTANCE)
     await server.start()
     channel = grpc.aio.insecure_channel(spec.address_of(INSTANCE))
@@ -129,7 +130,7 @@ async def test_each_transition_is_logged_once_not_every_probe(
     own_redis: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     server = ServiceServer("feature-under-test")
-    watch = watch_store(server, own_redis.url)
+    watch = watch_store(server, own_redis.url, own_redis.password)
     await server.start()
     caplog.set_level(logging.INFO, logger="servemesh.services.runtime.dependencies")
     try:

@@ -38,7 +38,12 @@ ALL_UP = Seen(mesh_listener=True, feature_serving=2, feature_total=2, model_serv
               model_total=2)  # fmt: skip
 
 
-def one_zone(redis_url: str, state_dir: Path, models: dict[str, ModelSpec]) -> MeshSpec:
+def one_zone(
+    redis_url: str,
+    state_dir: Path,
+    models: dict[str, ModelSpec],
+    password_file: Path | None = None,
+) -> MeshSpec:
     one = Replicas(per_zone={"zone-a": 1})
     return MeshSpec(
         zones=["zone-a"],
@@ -48,7 +53,9 @@ def one_zone(redis_url: str, state_dir: Path, models: dict[str, ModelSpec]) -> M
         feature=one,
         model_servers=one,
         models=models,
-        feature_store=FeatureStoreSpec(redis_url=redis_url),
+        feature_store=FeatureStoreSpec(
+            redis_url=redis_url, password_file=str(password_file) if password_file else None
+        ),
     )
 
 
@@ -136,7 +143,9 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 @pytest.fixture
 async def deps(own_redis: RedisServer, tmp_path: Path) -> AsyncIterator[Dependencies]:
-    spec = resolve(one_zone(own_redis.url, tmp_path, {"fraud": ModelSpec()}))
+    spec = resolve(
+        one_zone(own_redis.url, tmp_path, {"fraud": ModelSpec()}, own_redis.password_path)
+    )
     spec_path = tmp_path / "mesh.resolved.yaml"
     atomic_write_text(spec_path, dump_spec(spec))
     feature = await build_feature(spec, FEATURE)

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # The contract every layer may use: wire names, the spec and its policy, demo names,
 # atomic file writes. It imports nothing of ours but itself.
-CONTRACT = {"wire", "spec", "policy", "demo", "demo_model", "atomic", "model_contract"}
+CONTRACT = {"wire", "spec", "policy", "demo", "demo_model", "atomic", "model_contract", "echo"}
 SERVICES = {"services.runtime", "services.gateway", "services.feature", "services.model"}
 TOOLING = {"procs", "netns", "load", "proxy", "credentials"}
 
@@ -23,6 +23,7 @@ ALLOWED: dict[str, set[str]] = {
     # the contract
     "wire": set(),
     "atomic": set(),
+    "echo": set(),  # caller strings quoted and bounded in error messages
     "demo": {"demo_model"},  # torch only when a demo model is built
     "demo_model": set(),
     "policy": set(),
