@@ -17,6 +17,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     feature services connect with it as they are."""
     root = tmp_path_factory.mktemp("redis")
     with Supervisor(root / "logs") as supervisor:
-        server = RedisServer(supervisor, root / "data")
+        # Keyspace events for the tests that watch a load's keys (CONFIG SET is disabled).
+        server = RedisServer(supervisor, root / "data", settings=('notify-keyspace-events "K$g"',))
         server.start(timeout_s=10)
         yield f"redis://:{server.password}@{server.host}:{server.port}/0"

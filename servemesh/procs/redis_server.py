@@ -118,6 +118,9 @@ class RedisServer:
     port: int = 0  # 0: a free port, picked at the first start and kept after
     name: str = "redis"
     password_file: Path | None = None
+    # Extra config lines ("notify-keyspace-events K$g"): CONFIG is disabled, so a server
+    # option a test or drill needs is set here, at start.
+    settings: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
@@ -180,6 +183,7 @@ class RedisServer:
             "appendonly no",
             f"dir {_quote(str(self.data_dir))}",
             *(f'rename-command {command} ""' for command in DISABLED_COMMANDS),
+            *self.settings,
         ]
         _write_private(self.config_path, "\n".join(lines) + "\n")
 

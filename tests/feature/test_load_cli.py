@@ -311,7 +311,7 @@ async def test_a_caller_that_hangs_up_mid_load_leaves_nothing_behind(
     """Redis keyspace events say when the chunk is staged and when the clean-up ended."""
     running = await start_features(CUSTOMER)
     p = running.prefix
-    await running.redis.config_set("notify-keyspace-events", "K$g")
+    # The session's Redis publishes keyspace events (tests/conftest.py; CONFIG is disabled).
     events = running.redis.pubsub()
     await events.psubscribe(f"__keyspace@0__:{p}:customer*")
     hang = asyncio.Event()
@@ -342,5 +342,4 @@ async def test_a_caller_that_hangs_up_mid_load_leaves_nothing_behind(
         await asyncio.wait_for(event(f"{p}:customer:load", "del"), 30)
     finally:
         await events.aclose()
-        await running.redis.config_set("notify-keyspace-events", "")
     assert await running.keys() == {f"{p}:customer:seq"}
