@@ -114,16 +114,20 @@ def cmd_history(args: argparse.Namespace) -> int:
         print(json.dumps(history))
         return 0
     table = Table(title="applied route changes", title_justify="left")
-    for column in ("#", "when", "who", "action", "ms", "change"):
+    for column in ("#", "when", "who", "action", "status", "ms", "change"):
         table.add_column(column)
     for entry in history:
+        status = entry.get("status", "applied")
+        if entry.get("error"):
+            status += f": {entry['error']}"
         table.add_row(
             str(entry["id"]),
-            entry["when"],
-            entry["who"],
-            entry["action"],
-            str(entry["apply_ms"]),
-            "\n".join(entry["diff"]),
+            str(entry.get("when", "")),
+            str(entry.get("who", "")),
+            str(entry.get("action", "")),
+            status,
+            str(entry.get("apply_ms")),
+            "\n".join(entry.get("diff", [])),
         )
     out.print(table)
     return 0
