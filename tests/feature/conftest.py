@@ -113,7 +113,8 @@ async def start_features(redis_url: str, tmp_path: Path) -> AsyncIterator[StartF
     async def start(views: Mapping[str, FeatureViewSpec], **options: Any) -> RunningFeatures:
         state_dir = tmp_path / f"state-{len(started)}"
         state_dir.mkdir()
-        spec = features_spec(redis_url, state_dir, views, **options)
+        url = options.pop("redis_url", redis_url)  # a Redis of the test's own
+        spec = features_spec(url, state_dir, views, **options)
         MeshPaths(state_dir).resolved_spec.write_text(dump_spec(spec))
         server = await build_server(spec, INSTANCE)
         await server.start()
