@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -69,10 +68,7 @@ log = logging.getLogger(__name__)
 
 
 # State dirs whose change lock this process holds, and how deeply (see change_lock).
-# Keyed by thread too: re-entry is for one call chain (an apply and the swap it asks
-# for), not for another thread of the same process, which must wait its turn like any
-# other change (a second open file's flock conflicts with the first even in one process).
-_HELD: dict[tuple[Path, int], int] = {}
+_HELD: dict[Path, int] = {}
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -106,10 +102,9 @@ class MeshPaths:
     def change_lock(self) -> Iterator[None]:
         """Hold the mesh's one change at a time: a second `apply`, `routes set` or
         `rollback` while one is under way is refused at once instead of interleaving its
-        Envoy swap and spec write with the first one's. Re-entrant within a thread (an
-        apply holds it across its loads and the swap it then asks for); another thread
-        of the same process is refused like another process."""
-        key = (self.state_dir.resolve(), threading.get_ident())
+        Envoy swap and spec write with the first one's. Re-entrant within a process (an
+        apply holds it across its loads and the swap it then asks for)."""
+        key = self.state_dir.resolve()
         if _HELD.get(key):
             _HELD[key] += 1
             try:
