@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from servemesh.control_credential import read_control_token
 from servemesh.registry.service import SERVICE_NAME, RegistryServicer
 from servemesh.registry.store import RegistryStore
 from servemesh.services.runtime import ServiceServer
@@ -19,9 +20,17 @@ def registry_server(
     host: str = "127.0.0.1",
     port: int = 0,
     max_message_bytes: int = 4 * 1024 * 1024,
+    control_token: str | None = None,
 ) -> ServiceServer:
-    """A not yet started server for `store`; it closes the store when it stops."""
-    server = ServiceServer(name, host=host, port=port, max_message_bytes=max_message_bytes)
+    """A not yet started server for `store`; it closes the store when it stops. Its control
+    calls (CreateModel, UploadVersion, SetAlias) answer only to `control_token`."""
+    server = ServiceServer(
+        name,
+        host=host,
+        port=port,
+        max_message_bytes=max_message_bytes,
+        control_token=control_token,
+    )
     server.add_service(
         registry_pb2_grpc.add_RegistryServicer_to_server, RegistryServicer(store), SERVICE_NAME
     )
@@ -46,4 +55,5 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         host=spec.host,
         port=spec.port_of(instance),
         max_message_bytes=spec.limits.max_message_bytes,
+        control_token=read_control_token(spec.state_dir),
     )
