@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 from servemesh.control_credential import read_control_token
-from servemesh.registry.service import SERVICE_NAME, RegistryServicer
+from servemesh.registry.service import SERVICE_NAME, UPLOAD_IDLE_TIMEOUT_S, RegistryServicer
 from servemesh.registry.store import RegistryStore
 from servemesh.services.runtime import ServiceServer
 from servemesh.spec import ResolvedSpec, SpecError
@@ -21,6 +21,7 @@ def registry_server(
     port: int = 0,
     max_message_bytes: int = 4 * 1024 * 1024,
     control_token: str | None = None,
+    upload_idle_timeout_s: float = UPLOAD_IDLE_TIMEOUT_S,
 ) -> ServiceServer:
     """A not yet started server for `store`; it closes the store when it stops. Its control
     calls (CreateModel, UploadVersion, SetAlias) answer only to `control_token`."""
@@ -32,7 +33,9 @@ def registry_server(
         control_token=control_token,
     )
     server.add_service(
-        registry_pb2_grpc.add_RegistryServicer_to_server, RegistryServicer(store), SERVICE_NAME
+        registry_pb2_grpc.add_RegistryServicer_to_server,
+        RegistryServicer(store, upload_idle_timeout_s=upload_idle_timeout_s),
+        SERVICE_NAME,
     )
 
     async def close_store() -> None:
@@ -47,7 +50,10 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
     if spec.instance(instance).service != "registry":
         raise SpecError(f"instance {instance!r} is not a registry instance")
     store = await asyncio.to_thread(
-        RegistryStore, Path(spec.state_dir) / "registry", spec.limits.max_artifact_bytes
+        RegistryStore,
+        Path(spec.state_dir) / "registry",
+        spec.limits.max_artifact_bytes,
+        spec.limits.registry_quota_bytes,
     )
     return registry_server(
         store,
@@ -56,4 +62,5 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         port=spec.port_of(instance),
         max_message_bytes=spec.limits.max_message_bytes,
         control_token=read_control_token(spec.state_dir),
+        upload_idle_timeout_s=spec.limits.upload_idle_timeout_s,
     )

@@ -107,6 +107,9 @@ async def build_server(
     )
     servicer.readiness = server.is_ready
     servicer.repository.configure = specs.bring
+    servicer.repository.spec_names = lambda model, version: (
+        version in (specs.spec.models[model].versions if model in specs.spec.models else ())
+    )
     server.on_spec_change(follow_spec(server, servicer.repository, specs))
     server.add_service(
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
