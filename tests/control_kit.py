@@ -1,0 +1,85 @@
+"""The control credential in tests: a token for in-process servers, and channels that send it.
+
+Tests that exercise control calls as a side matter (uploads, loads, feature writes) talk
+through a channel that adds the credential to every call, as the mesh's own callers do;
+the tests of the credential itself use bare channels and explicit metadata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from servemesh.control_credential import Metadata, control_metadata
+
+# The token of in-process test servers (a mesh of processes makes its own, at random).
+TEST_TOKEN = "test-control-token-0123456789abcdef"
+TEST_CREDENTIAL: Metadata = control_metadata(TEST_TOKEN)
+
+
+def _with_credential(details: Any, credential: Metadata) -> Any:
+    metadata = [*(details.metadata or ()), *credential]
+    return grpc.aio.ClientCallDetails(
+        method=details.method,
+        timeout=details.timeout,
+        metadata=grpc.aio.Metadata(*metadata),
+        credentials=details.credentials,
+        wait_for_ready=details.wait_for_ready,
+    )
+
+
+# grpc.aio files an interceptor under the first of the four kinds it is: one class per kind.
+class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, credential: Metadata) -> None:
+        self.credential = credential
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_with_credential(details, self.credential), request)
+
+
+class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, credential: Metadata) -> None:
+        self.credential = credential
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_with_credential(details, self.credential), request)
+
+
+class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, credential: Metadata) -> None:
+        self.credential = credential
+
+    async def intercept_stream_unary(
+        self, continuation: Any, details: Any, request_iterator: Any
+    ) -> Any:
+        return await continuation(_with_credential(details, self.credential), request_iterator)
+
+
+class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, credential: Metadata) -> None:
+        self.credential = credential
+
+    async def intercept_stream_stream(
+        self, continuation: Any, details: Any, request_iterator: Any
+    ) -> Any:
+        return await continuation(_with_credential(details, self.credential), request_iterator)
+
+
+def credentialed_channel(
+    address: str,
+    credential: Metadata = TEST_CREDENTIAL,
+    options: Sequence[tuple[str, Any]] | None = None,
+) -> grpc.aio.Channel:
+    """An insecure aio channel to `address` whose every call carries `credential`."""
+    return grpc.aio.insecure_channel(
+        address,
+        options=options,
+        interceptors=[
+            _UnaryUnary(credential),
+            _UnaryStream(credential),
+            _StreamUnary(credential),
+            _StreamStream(credential),
+        ],
+    )
