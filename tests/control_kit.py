@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from servemesh.control_credential import Metadata, control_metadata
+from servemesh.services.runtime import ServiceServer
 
 # The token of in-process test servers (a mesh of processes makes its own, at random).
 TEST_TOKEN = "test-control-token-0123456789abcdef"
@@ -83,3 +84,9 @@ def credentialed_channel(
             _StreamStream(credential),
         ],
     )
+
+
+def accept_test_credential(server: ServiceServer) -> None:
+    """Make an in-process server (built from a spec whose state dir holds no token of the
+    test's) check the test token."""
+    server.control.token = TEST_TOKEN
