@@ -7,12 +7,14 @@ the tests of the credential itself use bare channels and explicit metadata.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
 
-from servemesh.control_credential import Metadata, control_metadata
+from servemesh.control_credential import Metadata, control_metadata, control_token_path
 from servemesh.services.runtime import ServiceServer
 
 # The token of in-process test servers (a mesh of processes makes its own, at random).
@@ -90,3 +92,14 @@ def accept_test_credential(server: ServiceServer) -> None:
     """Make an in-process server (built from a spec whose state dir holds no token of the
     test's) check the test token."""
     server.control.token = TEST_TOKEN
+
+
+def install_test_token(state_dir: Path) -> Path:
+    """Leave TEST_TOKEN in `state_dir` as `servemesh up` leaves its own (owner-only), so
+    commands run against a state dir of in-process servers send what those servers check."""
+    path = control_token_path(state_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(TEST_TOKEN + "\n")
+    return path
