@@ -4,6 +4,7 @@ nothing changes; with it the call works. The token itself is owner-only and in n
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -20,7 +21,15 @@ from servemesh.control_credential import (
 )
 from servemesh.demo import DEMO_FEATURES
 from servemesh.launcher import Mesh
-from servemesh.wire import CONTROL_METHODS, LOAD_VERSION_PARAMETER, version_health_name
+from servemesh.wire import (
+    CONTROL_METHODS,
+    FEATURE_SERVICE,
+    LOAD_VERSION_PARAMETER,
+    OIP_SERVICE,
+    REGISTRY_SERVICE,
+    method_path,
+    version_health_name,
+)
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
@@ -62,8 +71,6 @@ def _calls(channels: dict[str, grpc.Channel]) -> dict[str, Callable[[Metadata], 
     data = b"\x00" * 64
 
     def upload() -> Iterator[pb.UploadVersionRequest]:
-        import hashlib
-
         yield pb.UploadVersionRequest(
             header=pb.UploadHeader(
                 model="fraud",
@@ -88,28 +95,28 @@ def _calls(channels: dict[str, grpc.Channel]) -> dict[str, Callable[[Metadata], 
         yield feature_pb2.LoadFeaturesRequest(commit=feature_pb2.LoadCommit(rows=1))
 
     return {
-        "/servemesh.registry.v1.Registry/CreateModel": lambda md: registry.CreateModel(
+        method_path(REGISTRY_SERVICE, "CreateModel"): lambda md: registry.CreateModel(
             pb.CreateModelRequest(name="intruder"), metadata=md, timeout=10
         ),
-        "/servemesh.registry.v1.Registry/UploadVersion": lambda md: registry.UploadVersion(
+        method_path(REGISTRY_SERVICE, "UploadVersion"): lambda md: registry.UploadVersion(
             upload(), metadata=md, timeout=10
         ),
-        "/servemesh.registry.v1.Registry/SetAlias": lambda md: registry.SetAlias(
+        method_path(REGISTRY_SERVICE, "SetAlias"): lambda md: registry.SetAlias(
             pb.SetAliasRequest(model="fraud", alias="production", version="v2"),
             metadata=md,
             timeout=10,
         ),
-        "/inference.GRPCInferenceService/RepositoryModelLoad": lambda md: model.RepositoryModelLoad(
+        method_path(OIP_SERVICE, "RepositoryModelLoad"): lambda md: model.RepositoryModelLoad(
             oip.RepositoryModelLoadRequest(model_name="fraud", parameters=_version("v2")),
             metadata=md,
             timeout=120,
         ),
-        "/inference.GRPCInferenceService/RepositoryModelUnload": (
+        method_path(OIP_SERVICE, "RepositoryModelUnload"): (
             lambda md: model.RepositoryModelUnload(
                 oip.RepositoryModelUnloadRequest(model_name="fraud"), metadata=md, timeout=30
             )
         ),
-        "/servemesh.feature.v1.FeatureService/WriteFeatures": lambda md: features.WriteFeatures(
+        method_path(FEATURE_SERVICE, "WriteFeatures"): lambda md: features.WriteFeatures(
             feature_pb2.WriteFeaturesRequest(
                 view="user",
                 entities=[
@@ -121,7 +128,7 @@ def _calls(channels: dict[str, grpc.Channel]) -> dict[str, Callable[[Metadata], 
             metadata=md,
             timeout=10,
         ),
-        "/servemesh.feature.v1.FeatureService/LoadFeatures": lambda md: features.LoadFeatures(
+        method_path(FEATURE_SERVICE, "LoadFeatures"): lambda md: features.LoadFeatures(
             load_rows(), metadata=md, timeout=30
         ),
     }
