@@ -210,8 +210,10 @@ class ModelRepository:
         """RepositoryModelLoad: the version named in `parameters['version']`, loaded by
         the model's spec entry in `parameters['config']` (JSON) when one is given.
 
-        A loader's own refusal keeps its status (an unknown version is NOT_FOUND); any
-        other failure answers INTERNAL naming only the exception's type.
+        A version neither the replica's spec nor that entry names is refused
+        (FAILED_PRECONDITION, `NotInSpec`). A loader's own refusal keeps its status (an
+        unknown version is NOT_FOUND); any other failure answers INTERNAL naming only the
+        exception's type.
         """
         if not request.model_name:
             raise RequestError("model_name: required")
@@ -256,8 +258,8 @@ class ModelRepository:
         if self.spec_names is None or self.spec_names(model, version):
             return
         raise NotInSpec(
-            f"{model}/{version}: the mesh's spec does not name this version; add it to the "
-            "spec's models and run `servemesh apply`, which loads it on every replica"
+            f"{model[:128]}/{version[:128]}: the mesh's spec does not name this version; add "
+            "it to the spec's models and run `servemesh apply`, which loads it on every replica"
         )
 
     def _bring(self, model: str, config: ModelSpec) -> None:
