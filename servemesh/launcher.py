@@ -29,8 +29,8 @@ from servemesh.credentials import ensure_edge_credentials, htpasswd_line
 from servemesh.netns import ZoneNetwork
 from servemesh.netns import available as netns_available
 from servemesh.procs import All, Check, Child, GrpcHealth, RedisServer, StartError, Supervisor
-from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.admin import admin_socket_path, prepare_admin_dir
+from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
 from servemesh.proxy.render import dynamic_bootstrap, render_resources, static_bootstrap
 from servemesh.seeding import SeedConflict, SeedStep, seed_demo

@@ -126,6 +126,11 @@ class AdminClient:
         self.socket_path = Path(socket_path)
         self.timeout_s = timeout_s
 
+    @property
+    def address(self) -> str:
+        """Where the API is, for people: `unix:<socket path>`."""
+        return f"unix:{self.socket_path}"
+
     @classmethod
     def of_mesh(cls, state_dir: Path | str, timeout_s: float = 2.0) -> AdminClient:
         """The admin API of the mesh running from `state_dir`."""

@@ -18,10 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from grpc_health.v1 import health_pb2
-from servemesh_api.feature.v1 import feature_pb2
-from servemesh_api.gateway.v1 import gateway_pb2
-from servemesh_api.inference import grpc_service_pb2
-from servemesh_api.registry.v1 import registry_pb2
 
 from servemesh.netns import zone_source_address
 from servemesh.policy import (
@@ -58,6 +54,10 @@ from servemesh.wire import (
     shadow_cluster,
     version_health_name,
 )
+from servemesh_api.feature.v1 import feature_pb2
+from servemesh_api.gateway.v1 import gateway_pb2
+from servemesh_api.inference import grpc_service_pb2
+from servemesh_api.registry.v1 import registry_pb2
 
 _T = "type.googleapis.com/envoy."
 _HCM = _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -460,7 +460,8 @@ def _edge_routes(spec: MeshSpec) -> list[dict[str, Any]]:
 # --- listeners ---------------------------------------------------------------------------
 
 # A documentation-only address (TEST-NET-1): the one "internal" range, which no caller has.
-# An empty list would mean Envoy's default (loopback and private ranges are internal).
+# Named explicitly because Envoy's default has changed across versions (older ones treat
+# loopback and private ranges as internal, and would obey a local caller's x-envoy-*).
 _NOBODY = {"address_prefix": "192.0.2.0", "prefix_len": 32}
 
 

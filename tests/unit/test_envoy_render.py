@@ -389,9 +389,11 @@ def test_per_method_stats_only_for_the_mesh_s_own_methods() -> None:
 def test_edge_rate_limit_comes_before_auth_and_health_check_alone_is_open() -> None:
     spec = _spec(traffic=TrafficSpec(edge_auth=EdgeAuth(enabled=True, users=[_USER])))
     names = _filter_names(_hcms(spec)["edge"])
-    assert names.index("envoy.filters.http.local_ratelimit") < names.index(
-        "envoy.filters.http.rbac"
-    ) < names.index("envoy.filters.http.basic_auth")
+    assert (
+        names.index("envoy.filters.http.local_ratelimit")
+        < names.index("envoy.filters.http.rbac")
+        < names.index("envoy.filters.http.basic_auth")
+    )
     [health] = [r for r in _routes(spec, "edge") if r["name"] == "health"]
     assert health["match"] == {"path": method_path(HEALTH_SERVICE, "Check")}
 
@@ -404,12 +406,13 @@ def test_the_edge_caps_a_caller_s_deadline() -> None:
 def test_the_overload_manager_bounds_heap_and_client_connections() -> None:
     spec = _spec(traffic=TrafficSpec(overload=Overload(max_heap_mb=512)))
     bootstrap = static_bootstrap(spec, render_resources(spec, Path("/tmp")), Path("/tmp"))
-    monitors = {m["name"]: m["typed_config"] for m in bootstrap["overload_manager"]["resource_monitors"]}
+    overload = bootstrap["overload_manager"]
+    monitors = {m["name"]: m["typed_config"] for m in overload["resource_monitors"]}
     heap = monitors["envoy.resource_monitors.fixed_heap"]
     assert heap["max_heap_size_bytes"] == 512 * 1024 * 1024
     connections = monitors["envoy.resource_monitors.global_downstream_max_connections"]
     assert connections["max_active_downstream_connections"] == 10_000
-    actions = {a["name"] for a in bootstrap["overload_manager"]["actions"]}
+    actions = {a["name"] for a in overload["actions"]}
     assert "envoy.overload_actions.stop_accepting_requests" in actions
 
 
