@@ -676,6 +676,9 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
     route_configs = {
         "edge": {
             "name": "edge",
+            # Removals on the virtual host run before a route's own additions (Envoy's
+            # default is the reverse: the least specific level would win).
+            "most_specific_header_mutations_wins": True,
             "virtual_hosts": [
                 {
                     "name": "edge",
@@ -702,6 +705,9 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
         name = mesh_route_config(zone)
         route_configs[name] = {
             "name": name,
+            # The virtual host removes a caller's shadow role before the route marks the
+            # primary call and the split names the version.
+            "most_specific_header_mutations_wins": True,
             "virtual_hosts": [
                 {
                     "name": name,

@@ -28,7 +28,15 @@ from grpc_health.v1 import health_pb2
 
 from servemesh.credentials import authorization_value, htpasswd_line
 from servemesh.launcher import Mesh
-from servemesh.policy import EdgeAuth, Overload, RateLimit, RetryPolicy, RoutePolicy, TrafficSpec
+from servemesh.policy import (
+    EdgeAuth,
+    Overload,
+    RateLimit,
+    RetryPolicy,
+    RoutePolicy,
+    ShadowSpec,
+    TrafficSpec,
+)
 from servemesh.procs import All, Check, Supervisor, TcpPort
 from servemesh.proxy.admin import AdminClient, AdminError, admin_dir, prepare_admin_dir
 from servemesh.proxy.process import envoy_command, validate_config
@@ -44,6 +52,8 @@ from servemesh.wire import (
     REGISTRY_SERVICE,
     REQUEST_ID_HEADER,
     SHADOW_ROLE_HEADER,
+    SHADOW_ROLE_PRIMARY,
+    SHADOW_ROLE_SHADOW,
     VERSION_HEADER,
     fault_runtime_prefix,
     method_path,
@@ -136,11 +146,15 @@ FrontFactory = Callable[[TrafficSpec], Front]
 
 
 def _front_spec(state_dir: Path, traffic: TrafficSpec) -> ResolvedSpec:
+    # The default model, with every call mirrored to v2: Envoy marks the primary call and
+    # the copy itself, whatever role a caller claims.
+    fraud = MeshSpec().models["fraud"].model_copy(update={"shadow": ShadowSpec(version="v2")})
     return resolve(
         MeshSpec(
             ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
             state_dir=str(state_dir),
             traffic=traffic,
+            models={"fraud": fraud},
         )
     )
 
@@ -431,14 +445,23 @@ def test_internal_headers_from_callers_never_reach_a_service(front: Front) -> No
     assert _call(front.edge, PREDICT, (*AUTH, *forged)) == grpc.StatusCode.OK
     reached = front.recorder.seen(PREDICT)[-1].metadata
     assert not [k for k in reached if k.startswith("x-servemesh-")], reached
-    # Inside, the model header is the gateway's to send; the shadow role is Envoy's alone,
-    # and the split (v1: 100) names the version whatever the caller claimed.
+    # Inside, the model header is the gateway's to send; the shadow role is Envoy's alone:
+    # the served call says "primary" (v1, the split's choice) and only the mirrored copy
+    # (v2) says "shadow", whatever the caller claimed.
     for zone in front.spec.zones:
-        inside = ((MODEL_HEADER, "fraud"), (SHADOW_ROLE_HEADER, "shadow"))
+        before = len(front.recorder.seen(MODEL_INFER))
+        inside = ((MODEL_HEADER, "fraud"), (SHADOW_ROLE_HEADER, SHADOW_ROLE_SHADOW))
         assert _call(front.mesh(zone), MODEL_INFER, inside) == grpc.StatusCode.OK
-        reached = front.recorder.seen(MODEL_INFER)[-1].metadata
-        assert SHADOW_ROLE_HEADER not in reached, reached
-        assert reached[VERSION_HEADER] == "v1"
+
+        def both(before: int = before) -> list[Seen] | None:
+            calls = front.recorder.seen(MODEL_INFER)[before:]
+            return calls if len(calls) >= 2 else None
+
+        roles = {
+            c.metadata[VERSION_HEADER]: c.metadata.get(SHADOW_ROLE_HEADER)
+            for c in wait_until(both, "the primary call and its mirrored copy")
+        }
+        assert roles == {"v1": SHADOW_ROLE_PRIMARY, "v2": SHADOW_ROLE_SHADOW}, roles
 
 
 def _http1_answer(host: str, port: int) -> bytes:

@@ -361,6 +361,8 @@ def test_the_edge_trusts_nothing_the_caller_says_about_itself() -> None:
 def test_internal_headers_are_removed_from_callers_on_every_virtual_host() -> None:
     resources = render_resources(_spec(), Path("/tmp"))
     for name, config in resources.route_configs.items():
+        # The removal runs before the routes' own additions (the primary's shadow role).
+        assert config["most_specific_header_mutations_wins"] is True, name
         for host in config["virtual_hosts"]:
             assert SHADOW_ROLE_HEADER in host["request_headers_to_remove"], name
     [edge] = resources.route_configs["edge"]["virtual_hosts"]
