@@ -146,7 +146,7 @@ class Drill:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.mesh = DrillMesh.from_spec(self._mesh_spec(), self.out_dir / "mesh")
         self.mesh.start()
-        self.admin = AdminClient(f"{self.mesh.spec.host}:{self.mesh.spec.ports.envoy_admin}")
+        self.admin = AdminClient.of_mesh(self.mesh.state_dir)
         self.routes = RouteManager(self.mesh.paths, self.admin)
         self.initial_weights = {
             name: dict(model.traffic) for name, model in self.mesh.spec.models.items()

@@ -3,6 +3,9 @@
 - Versions whose source is `flaky:<percent>[:<seed>]` are seeded into the registry as a
   defective build of the demo model (`chaos.canary`), for the bad-canary drill: one more
   seed step after the launcher's demo seeding.
+- Envoy runs the drill profile (`traffic.runtime_overrides`): route faults and shadow
+  shares are runtime keys the drill sets through the admin API, which a mesh without the
+  profile refuses.
 - Redis can be stopped (snapshot, SIGKILL: an outage) and started again on the same port,
   from its snapshot, through the mesh's supervisor, so `stop()` still stops everything.
 
@@ -12,7 +15,10 @@ launcher does it for any mesh, the drill only sets the field.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Self
 
 import grpc
 import redis
@@ -49,6 +55,16 @@ class DrillMesh(Mesh):
     """A Mesh that also seeds defective canary builds and can take its Redis down."""
 
     seed_steps: list[SeedStep] = field(default_factory=lambda: [seed_flaky_versions])
+
+    @classmethod
+    def from_spec(
+        cls, spec: MeshSpec, state_dir: Path | None = None, *, seed_steps: Sequence[SeedStep] = ()
+    ) -> Self:
+        # Drills inject route faults through Envoy's runtime: every drill mesh has the
+        # drill profile, whatever the spec file says.
+        traffic = spec.traffic.model_copy(update={"runtime_overrides": True})
+        drill_spec = spec.model_copy(update={"traffic": traffic})
+        return super().from_spec(drill_spec, state_dir, seed_steps=seed_steps)
 
     @property
     def redis_url(self) -> str:

@@ -67,7 +67,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     table.add_row("edge (clients, grpcurl)", str(endpoints["edge"]), str(pids.get("envoy", "")))
     for zone in mesh.spec.zones:
         table.add_row(f"mesh listener of {zone}", mesh.spec.mesh_address_for(zone), "")
-    table.add_row("envoy admin", f"http://{endpoints['envoy_admin']}", "")
+    # A Unix socket (curl --unix-socket PATH http://localhost/...), not a TCP port.
+    table.add_row("envoy admin", f"unix:{endpoints['envoy_admin']}", "")
     table.add_row("redis", str(endpoints["redis"]), str(pids.get("redis", "")))
     for inst in mesh.spec.instances():
         table.add_row(inst.name, mesh.spec.address_of(inst.name), str(pids.get(inst.name, "")))

@@ -30,6 +30,7 @@ from servemesh.credentials import ensure_edge_credentials, htpasswd_line
 from servemesh.netns import ZoneNetwork
 from servemesh.netns import available as netns_available
 from servemesh.procs import All, Check, Child, GrpcHealth, RedisServer, StartError, Supervisor
+from servemesh.proxy.admin import admin_socket_path, prepare_admin_dir
 from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
 from servemesh.proxy.render import dynamic_bootstrap, render_resources, static_bootstrap
@@ -223,7 +224,8 @@ class Mesh:
             "edge": spec.edge_address,
             "mesh": spec.mesh_address,
             "mesh_by_zone": {zone: spec.mesh_address_for(zone) for zone in spec.zones},
-            "envoy_admin": f"{spec.host}:{spec.ports.envoy_admin}",
+            # Envoy's admin API: a Unix socket only this user can reach (AdminClient).
+            "envoy_admin": str(admin_socket_path(self.state_dir)),
             "redis": spec.feature_store.redis_url,  # never with the password in it
             "redis_password_file": spec.feature_store.password_file,
             "services": {i.name: spec.address_of(i.name) for i in spec.instances()},
@@ -301,7 +303,7 @@ class Mesh:
 
     def _start_envoy(self, deadline: float) -> None:
         argv = envoy_command(self.envoy_config_path, base_id=self.spec.ports.envoy_admin)
-        admin = f"{self.spec.host}:{self.spec.ports.envoy_admin}"
+        admin = prepare_admin_dir(self.state_dir)
         # Ready means Envoy finished its first health-check round; then confirm the edge
         # path end to end: Envoy -> a gateway answering SERVING.
         ready = All(

@@ -146,8 +146,11 @@ def _edge_policy() -> RoutePolicy:
     # The gateway's own calls are retried on the mesh listener; retrying at the edge too
     # would multiply attempts, so the edge retries only what never reached a gateway, and
     # has no per-try timeout: a gateway busy with its downstream calls is not a failure.
+    # A caller's grpc-timeout is capped at the edge: a client asking for an hour must not
+    # hold a gateway (and its downstream calls) that long.
     return RoutePolicy(
-        retries=RetryPolicy(retry_on=["connect-failure", "refused-stream"], per_try_timeout_ms=0)
+        retries=RetryPolicy(retry_on=["connect-failure", "refused-stream"], per_try_timeout_ms=0),
+        grpc_timeout_header_max_ms=60_000,
     )
 
 
@@ -183,6 +186,17 @@ class EdgeAuth(StrictModel):
     ] = Field(default_factory=list)
 
 
+class Overload(StrictModel):
+    """Envoy's overload manager: what one Envoy accepts before it sheds.
+
+    Past `max_heap_mb` of heap Envoy stops accepting new requests (and tries to give memory
+    back first, at 95%); past `max_downstream_connections` it refuses new connections on
+    every listener, so a connection flood cannot exhaust file descriptors or memory."""
+
+    max_heap_mb: Annotated[int, Field(ge=64, le=1_048_576)] = 1024
+    max_downstream_connections: Annotated[int, Field(ge=1, le=10_000_000)] = 10_000
+
+
 class TrafficSpec(StrictModel):
     edge: RoutePolicy = Field(default_factory=_edge_policy)
     rate_limit: RateLimit = Field(default_factory=RateLimit)
@@ -190,3 +204,10 @@ class TrafficSpec(StrictModel):
     feature: RoutePolicy = Field(default_factory=RoutePolicy)
     # Default for every model route and version cluster; a model may override it.
     model: RoutePolicy = Field(default_factory=RoutePolicy)
+    overload: Overload = Field(default_factory=Overload)
+    # The drill profile: Envoy gets an admin runtime layer, so fault percentages
+    # (`fault.<route>.*`) and shadow shares (`shadow.<model>.percent`) can be changed live
+    # through the admin API. Off, the admin API refuses every runtime change and only the
+    # spec (through `servemesh apply` / `routes`) changes what Envoy does. The chaos drills
+    # turn it on for their own meshes; never turn it on for a mesh that serves real traffic.
+    runtime_overrides: bool = False

@@ -349,6 +349,9 @@ class Ports(_Strict):
     edge: Port = 8080
     # The first zone's mesh listener; zone i listens on mesh + i.
     mesh: Port = 8081
+    # Kept so older spec files still load; used only as Envoy's --base-id. Envoy's admin API
+    # listens on no TCP port: it is the Unix socket <state_dir>/admin/envoy.sock, in a
+    # directory of mode 0700 (servemesh.proxy.admin.admin_socket_path).
     envoy_admin: Port = 9901
     # Services take consecutive ports from here, in the order `instances()` lists them.
     services_base: Port = 50051

@@ -1,17 +1,90 @@
-"""Envoy's admin API, read as data: what config it serves, host health, counters, runtime."""
+"""Envoy's admin API, read as data: what config it serves, host health, counters, runtime.
+
+The admin API can stop Envoy, drain its listeners and rewrite its runtime, so it is not on
+the network: Envoy serves it on a Unix socket in a directory only the mesh's user may enter
+(`admin_socket_path`), and this client speaks HTTP over that socket.
+"""
 
 from __future__ import annotations
 
+import http.client
 import json
-import urllib.error
+import os
+import socket
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+# Linux's limit on a Unix socket path (sun_path holds 108 bytes, one for the NUL).
+_MAX_SOCKET_PATH = 107
+# Envoy creates the socket with this mode; the directory's 0700 is what keeps others out.
+ADMIN_SOCKET_MODE = 0o600
 
 
 class AdminError(RuntimeError):
     """Envoy's admin API did not answer as expected."""
+
+
+def admin_dir(state_dir: Path | str) -> Path:
+    """The directory of a mesh's admin socket: mode 0700, so only its owner can connect."""
+    return Path(state_dir) / "admin"
+
+
+def admin_socket_path(state_dir: Path | str) -> Path:
+    """Where the Envoy of the mesh with this state dir serves its admin API."""
+    path = admin_dir(state_dir) / "envoy.sock"
+    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+        raise ValueError(
+            f"state_dir: {state_dir} is too long for Envoy's admin socket "
+            f"({path} is over {_MAX_SOCKET_PATH} bytes); choose a shorter state dir"
+        )
+    return path
+
+
+def prepare_admin_dir(state_dir: Path | str) -> Path:
+    """Create the admin socket's directory (0700, even if it existed with another mode) and
+    remove a socket a previous Envoy left; the socket's path."""
+    path = admin_socket_path(state_dir)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    path.unlink(missing_ok=True)
+    return path
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP/1.1 to a server listening on a Unix socket."""
+
+    def __init__(self, socket_path: str, timeout_s: float) -> None:
+        super().__init__("localhost", timeout=timeout_s)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def admin_request(socket_path: Path | str, method: str, path: str, timeout_s: float) -> str:
+    """One request to Envoy's admin API on its Unix socket; the body of a 2xx answer.
+    Raises OSError (no socket, refused, timeout) or AdminError (any other status)."""
+    connection = _UnixHTTPConnection(str(socket_path), timeout_s)
+    try:
+        connection.request(method, path, body=b"" if method == "POST" else None)
+        reply = connection.getresponse()
+        body = reply.read().decode()
+    except http.client.HTTPException as exc:
+        raise OSError(str(exc)) from None
+    finally:
+        connection.close()
+    if not 200 <= reply.status < 300:
+        raise AdminError(f"HTTP {reply.status}: {body.strip()[:200]}")
+    return body
 
 
 @dataclass(frozen=True)
@@ -46,28 +119,44 @@ class ClusterView:
 
 
 class AdminClient:
-    def __init__(self, address: str, timeout_s: float = 2.0) -> None:
-        self.address = address
+    """Envoy's admin API on its Unix socket (`admin_socket_path`, `endpoints.json`'s
+    `envoy_admin`)."""
+
+    def __init__(self, socket_path: Path | str, timeout_s: float = 2.0) -> None:
+        self.socket_path = Path(socket_path)
         self.timeout_s = timeout_s
 
-    def get(self, path: str) -> str:
+    @property
+    def address(self) -> str:
+        """Where the API is, for people: `unix:<socket path>`."""
+        return f"unix:{self.socket_path}"
+
+    @classmethod
+    def of_mesh(cls, state_dir: Path | str, timeout_s: float = 2.0) -> AdminClient:
+        """The admin API of the mesh running from `state_dir`."""
+        return cls(admin_socket_path(state_dir), timeout_s)
+
+    def _call(self, method: str, path: str) -> str:
         try:
-            with urllib.request.urlopen(
-                f"http://{self.address}{path}", timeout=self.timeout_s
-            ) as reply:
-                return reply.read().decode()
-        except (urllib.error.URLError, OSError) as exc:
+            return admin_request(self.socket_path, method, path, self.timeout_s)
+        except (AdminError, OSError) as exc:
+            verb = "did not answer" if method == "GET" else "refused"
             raise AdminError(
-                f"Envoy admin at {self.address} did not answer {path}: {exc}"
+                f"Envoy admin at {self.socket_path} {verb} {path.partition('?')[0]}: {exc}"
             ) from None
 
+    def get(self, path: str) -> str:
+        return self._call("GET", path)
+
     def post(self, path: str) -> str:
-        request = urllib.request.Request(f"http://{self.address}{path}", method="POST", data=b"")
+        return self._call("POST", path)
+
+    def is_ready(self) -> bool:
+        """Envoy is up and finished its first round of initialisation (health checks)."""
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
-                return reply.read().decode()
-        except (urllib.error.URLError, OSError) as exc:
-            raise AdminError(f"Envoy admin at {self.address} refused {path}: {exc}") from None
+            return admin_request(self.socket_path, "GET", "/ready", 0.5).strip() == "LIVE"
+        except (AdminError, OSError):
+            return False
 
     def config_dump(self, resource: str) -> list[dict[str, Any]]:
         return list(json.loads(self.get(f"/config_dump?resource={resource}")).get("configs", []))
@@ -128,7 +217,9 @@ class AdminClient:
         return views
 
     def set_runtime(self, values: dict[str, str | int | float]) -> None:
-        """Set runtime keys (admin layer), e.g. fault percentages for a drill."""
+        """Set runtime keys (admin layer), e.g. fault percentages for a drill. Only a mesh
+        whose spec has `traffic.runtime_overrides: true` has that layer; any other Envoy
+        refuses, and this raises AdminError."""
         self.post(
             "/runtime_modify?" + urllib.parse.urlencode({k: str(v) for k, v in values.items()})
         )

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import subprocess
-import urllib.error
-import urllib.request
 from pathlib import Path
+
+from servemesh.proxy.admin import AdminClient
 
 
 def envoy_binary() -> str:
@@ -61,14 +61,10 @@ def envoy_command(
     ]
 
 
-def admin_get(admin_address: str, path: str, timeout_s: float = 2.0) -> str:
-    """GET a path of Envoy's admin API on loopback and return the body."""
-    with urllib.request.urlopen(f"http://{admin_address}{path}", timeout=timeout_s) as reply:
-        return reply.read().decode()
+def admin_get(admin_socket: Path | str, path: str, timeout_s: float = 2.0) -> str:
+    """GET a path of Envoy's admin API on its Unix socket and return the body."""
+    return AdminClient(admin_socket, timeout_s).get(path)
 
 
-def is_ready(admin_address: str) -> bool:
-    try:
-        return admin_get(admin_address, "/ready", timeout_s=0.5).strip() == "LIVE"
-    except (urllib.error.URLError, OSError):
-        return False
+def is_ready(admin_socket: Path | str) -> bool:
+    return AdminClient(admin_socket).is_ready()

@@ -17,20 +17,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpc_health.v1 import health_pb2
+
 from servemesh.netns import zone_source_address
 from servemesh.policy import (
     GRPC_CODES,
     EdgeAuth,
     FaultPolicy,
+    Overload,
     RateLimit,
     RetryPolicy,
     RoutePolicy,
 )
+from servemesh.proxy.admin import ADMIN_SOCKET_MODE, admin_socket_path
 from servemesh.spec import Instance, MeshSpec, ModelSpec, ResolvedSpec
 from servemesh.wire import (
+    CONTROL_METHODS,
     FEATURE_SERVICE,
     GATEWAY_CLUSTER,
-    HEALTH_PREFIX,
+    HEALTH_SERVICE,
     MODEL_HEADER,
     OIP_PREFIX,
     REGISTRY_CLUSTER,
@@ -42,12 +47,17 @@ from servemesh.wire import (
     fault_runtime_prefix,
     feature_cluster,
     mesh_route_config,
+    method_path,
     method_prefix,
     model_cluster,
     model_servers_cluster,
     shadow_cluster,
     version_health_name,
 )
+from servemesh_api.feature.v1 import feature_pb2
+from servemesh_api.gateway.v1 import gateway_pb2
+from servemesh_api.inference import grpc_service_pb2
+from servemesh_api.registry.v1 import registry_pb2
 
 _T = "type.googleapis.com/envoy."
 _HCM = _T + "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -56,6 +66,11 @@ _FAULT = _T + "extensions.filters.http.fault.v3.HTTPFault"
 _GRPC_STATS = _T + "extensions.filters.http.grpc_stats.v3.FilterConfig"
 _RATE_LIMIT = _T + "extensions.filters.http.local_ratelimit.v3.LocalRateLimit"
 _BASIC_AUTH = _T + "extensions.filters.http.basic_auth.v3.BasicAuth"
+_RBAC = _T + "extensions.filters.http.rbac.v3.RBAC"
+_FIXED_HEAP = _T + "extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig"
+_DOWNSTREAM_CONNECTIONS = (
+    _T + "extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"
+)
 _FILTER_CONFIG = _T + "config.route.v3.FilterConfig"
 _HTTP_OPTIONS = _T + "extensions.upstreams.http.v3.HttpProtocolOptions"
 _HEADER_MUTATION = _T + "extensions.filters.http.header_mutation.v3.HeaderMutation"
@@ -68,6 +83,21 @@ _PREVIOUS_PRIORITIES = (
 CLUSTER_TYPE = _T + "config.cluster.v3.Cluster"
 ENDPOINTS_TYPE = _T + "config.endpoint.v3.ClusterLoadAssignment"
 ROUTES_TYPE = _T + "config.route.v3.RouteConfiguration"
+
+# The gRPC services whose methods get per-method stats; any other path is counted in one
+# bucket, so a caller inventing method names cannot grow Envoy's stats without bound.
+_KNOWN_SERVICES = (
+    gateway_pb2.DESCRIPTOR,
+    feature_pb2.DESCRIPTOR,
+    grpc_service_pb2.DESCRIPTOR,
+    registry_pb2.DESCRIPTOR,
+    health_pb2.DESCRIPTOR,
+)
+# Headers only the mesh itself sets. A caller's copy is removed on every virtual host, so
+# it can neither mark a call as a shadow copy nor reach a service that trusts the header.
+_MESH_SET_HEADERS = (SHADOW_ROLE_HEADER,)
+# At the edge no x-servemesh-* header is the caller's to send: the gateway sets its own.
+_EDGE_REMOVED_HEADERS = (MODEL_HEADER, VERSION_HEADER, SHADOW_ROLE_HEADER)
 
 # One JSON object per request: enough to follow a request id through every listener.
 _ACCESS_LOG_FORMAT = {
@@ -405,7 +435,8 @@ def _edge_routes(spec: MeshSpec) -> list[dict[str, Any]]:
     edge = spec.traffic.edge
     open_health = {
         "name": "health",
-        "match": {"prefix": HEALTH_PREFIX},
+        # Exactly the unary Check: Watch (a stream a caller can hold open) needs credentials.
+        "match": {"path": method_path(HEALTH_SERVICE, "Check")},
         "route": {"cluster": GATEWAY_CLUSTER, **_route_action(edge)},
         # Load balancers and probes check health without credentials.
         "typed_per_filter_config": {
@@ -428,6 +459,11 @@ def _edge_routes(spec: MeshSpec) -> list[dict[str, Any]]:
 
 # --- listeners ---------------------------------------------------------------------------
 
+# A documentation-only address (TEST-NET-1): the one "internal" range, which no caller has.
+# Named explicitly because Envoy's default has changed across versions (older ones treat
+# loopback and private ranges as internal, and would obey a local caller's x-envoy-*).
+_NOBODY = {"address_prefix": "192.0.2.0", "prefix_len": 32}
+
 
 def _basic_auth_filter(auth: EdgeAuth) -> dict[str, Any]:
     if not auth.users:
@@ -436,6 +472,43 @@ def _basic_auth_filter(auth: EdgeAuth) -> dict[str, Any]:
         "name": "envoy.filters.http.basic_auth",
         "typed_config": {"@type": _BASIC_AUTH, "users": {"inline_string": "\n".join(auth.users)}},
     }
+
+
+def _control_calls_denied() -> dict[str, Any]:
+    """Control calls (registry writes, model loads and unloads, feature writes) are never
+    proxied: anyone who can reach a listener could otherwise change what the mesh serves.
+    gRPC callers get PERMISSION_DENIED; operators reach the services directly."""
+    return {
+        "name": "envoy.filters.http.rbac",
+        "typed_config": {
+            "@type": _RBAC,
+            "rules": {
+                "action": "DENY",
+                "policies": {
+                    "control-calls": {
+                        "permissions": [
+                            {"url_path": {"path": {"exact": path}}}
+                            for path in sorted(CONTROL_METHODS)
+                        ],
+                        "principals": [{"any": True}],
+                    }
+                },
+            },
+        },
+    }
+
+
+def _known_methods() -> list[dict[str, Any]]:
+    services = []
+    for file in _KNOWN_SERVICES:
+        for service in file.services_by_name.values():
+            services.append(
+                {
+                    "name": service.full_name,
+                    "method_names": sorted(m.name for m in service.methods),
+                }
+            )
+    return sorted(services, key=lambda s: str(s["name"]))
 
 
 def _rate_limit_filter(limit: RateLimit) -> dict[str, Any]:
@@ -471,13 +544,18 @@ def _listener(
     route_config: str,
     log_dir: Path,
     extra_filters: list[dict[str, Any]],
+    edge: bool,
 ) -> dict[str, Any]:
     filters = [
         *extra_filters,
-        # Per-cluster gRPC success/failure counters (cluster.<name>.grpc.<service>.<method>.*).
+        # Per-cluster gRPC success/failure counters (cluster.<name>.grpc.<service>.<method>.*),
+        # per method only for the mesh's own methods.
         {
             "name": "envoy.filters.http.grpc_stats",
-            "typed_config": {"@type": _GRPC_STATS, "stats_for_all_methods": True},
+            "typed_config": {
+                "@type": _GRPC_STATS,
+                "individual_method_stats_allowlist": {"services": _known_methods()},
+            },
         },
         # Inert until a route's percentages (or their runtime keys) are raised.
         {"name": "envoy.filters.http.fault", "typed_config": _fault_config(name, FaultPolicy())},
@@ -494,11 +572,23 @@ def _listener(
                         "typed_config": {
                             "@type": _HCM,
                             "stat_prefix": name,
-                            "codec_type": "AUTO",
+                            # Services speak gRPC to the mesh listeners: HTTP/2 only there.
+                            "codec_type": "AUTO" if edge else "HTTP2",
+                            # The caller's address is the peer's, never a forwarded one, and
+                            # no caller is internal (loopback included): Envoy then removes
+                            # a caller's x-envoy-* control headers (retries, timeouts).
+                            "use_remote_address": True,
+                            "internal_address_config": {"cidr_ranges": [_NOBODY]},
                             "generate_request_id": True,
-                            # Keep a caller's x-request-id so one id follows the request
-                            # through the edge, the gateway and the mesh.
-                            "preserve_external_request_id": True,
+                            # The edge makes a fresh id for every request (a caller's id is
+                            # not trusted: it would name another request in the logs); the
+                            # mesh listeners keep the gateway's so one id follows a request.
+                            "preserve_external_request_id": not edge,
+                            # One spelling per path, so the control-call rule cannot be
+                            # dodged with `//`, `.` segments or percent-encoding.
+                            "normalize_path": True,
+                            "merge_slashes": True,
+                            "path_with_escaped_slashes_action": "REJECT_REQUEST",
                             "http2_protocol_options": {"max_concurrent_streams": 1024},
                             "access_log": [
                                 {
@@ -586,23 +676,58 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
     route_configs = {
         "edge": {
             "name": "edge",
-            "virtual_hosts": [{"name": "edge", "domains": ["*"], "routes": _edge_routes(spec)}],
+            # Removals on the virtual host run before a route's own additions (Envoy's
+            # default is the reverse: the least specific level would win).
+            "most_specific_header_mutations_wins": True,
+            "virtual_hosts": [
+                {
+                    "name": "edge",
+                    "domains": ["*"],
+                    "routes": _edge_routes(spec),
+                    "request_headers_to_remove": list(_EDGE_REMOVED_HEADERS),
+                }
+            ],
         }
     }
     listeners = []
+    # Rate limiting first, so a flood of bad credentials is shed before any auth work;
+    # control calls are refused whatever credentials they carry.
     edge_filters = []
-    if spec.traffic.edge_auth.enabled:
-        edge_filters.append(_basic_auth_filter(spec.traffic.edge_auth))
     if spec.traffic.rate_limit.enabled:
         edge_filters.append(_rate_limit_filter(spec.traffic.rate_limit))
-    listeners.append(_listener("edge", spec, spec.ports.edge, "edge", log_dir, edge_filters))
+    edge_filters.append(_control_calls_denied())
+    if spec.traffic.edge_auth.enabled:
+        edge_filters.append(_basic_auth_filter(spec.traffic.edge_auth))
+    listeners.append(
+        _listener("edge", spec, spec.ports.edge, "edge", log_dir, edge_filters, edge=True)
+    )
     for zone in spec.zones:
         name = mesh_route_config(zone)
         route_configs[name] = {
             "name": name,
-            "virtual_hosts": [{"name": name, "domains": ["*"], "routes": _mesh_routes(spec, zone)}],
+            # The virtual host removes a caller's shadow role before the route marks the
+            # primary call and the split names the version.
+            "most_specific_header_mutations_wins": True,
+            "virtual_hosts": [
+                {
+                    "name": name,
+                    "domains": ["*"],
+                    "routes": _mesh_routes(spec, zone),
+                    "request_headers_to_remove": list(_MESH_SET_HEADERS),
+                }
+            ],
         }
-        listeners.append(_listener(name, spec, spec.mesh_ports[zone], name, log_dir, []))
+        listeners.append(
+            _listener(
+                name,
+                spec,
+                spec.mesh_ports[zone],
+                name,
+                log_dir,
+                [_control_calls_denied()],
+                edge=False,
+            )
+        )
     return EnvoyResources(
         listeners=listeners,
         route_configs=route_configs,
@@ -611,11 +736,62 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
     )
 
 
+def _overload_manager(overload: Overload) -> dict[str, Any]:
+    heap = "envoy.resource_monitors.fixed_heap"
+    connections = "envoy.resource_monitors.global_downstream_max_connections"
+    return {
+        "refresh_interval": "0.25s",
+        "resource_monitors": [
+            {
+                "name": heap,
+                "typed_config": {
+                    "@type": _FIXED_HEAP,
+                    "max_heap_size_bytes": overload.max_heap_mb * 1024 * 1024,
+                },
+            },
+            {
+                "name": connections,
+                "typed_config": {
+                    "@type": _DOWNSTREAM_CONNECTIONS,
+                    "max_active_downstream_connections": overload.max_downstream_connections,
+                },
+            },
+        ],
+        "actions": [
+            {
+                "name": "envoy.overload_actions.shrink_heap",
+                "triggers": [{"name": heap, "threshold": {"value": 0.95}}],
+            },
+            {
+                "name": "envoy.overload_actions.stop_accepting_requests",
+                "triggers": [{"name": heap, "threshold": {"value": 0.98}}],
+            },
+        ],
+    }
+
+
+def _runtime_layers(spec: MeshSpec) -> list[dict[str, Any]]:
+    layers: list[dict[str, Any]] = [{"name": "static", "static_layer": {}}]
+    if spec.traffic.runtime_overrides:
+        # The drill profile: the admin layer lets drills flip runtime keys (fault
+        # percentages, shadow shares) without a restart. Without it, Envoy refuses
+        # /runtime_modify and only the spec changes what it does.
+        layers.append({"name": "admin", "admin_layer": {}})
+    return layers
+
+
 def _bootstrap_base(spec: ResolvedSpec, log_dir: Path) -> dict[str, Any]:
     return {
         "node": {"id": spec.name, "cluster": spec.name},
         "admin": {
-            "address": _address(spec.host, spec.ports.envoy_admin),
+            # A Unix socket in a 0700 directory, never a TCP port: only the mesh's user can
+            # reach the API that stops Envoy and rewrites its runtime.
+            "address": {
+                "pipe": {
+                    "path": str(admin_socket_path(spec.state_dir)),
+                    "mode": ADMIN_SOCKET_MODE,
+                }
+            },
             "access_log": [
                 {
                     "name": "envoy.access_loggers.file",
@@ -626,13 +802,8 @@ def _bootstrap_base(spec: ResolvedSpec, log_dir: Path) -> dict[str, Any]:
                 }
             ],
         },
-        # The admin layer lets drills flip runtime keys (fault percentages) without a restart.
-        "layered_runtime": {
-            "layers": [
-                {"name": "static", "static_layer": {}},
-                {"name": "admin", "admin_layer": {}},
-            ]
-        },
+        "layered_runtime": {"layers": _runtime_layers(spec)},
+        "overload_manager": _overload_manager(spec.traffic.overload),
     }
 
 

@@ -25,7 +25,7 @@ START = {"v1": 100, "v2": 0, "v3": 0}
 
 @pytest.fixture
 def admin(mesh: Mesh) -> AdminClient:
-    return AdminClient(f"{mesh.spec.host}:{mesh.spec.ports.envoy_admin}")
+    return AdminClient.of_mesh(mesh.state_dir)
 
 
 @pytest.fixture

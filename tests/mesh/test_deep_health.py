@@ -86,7 +86,7 @@ def _predict(gateway: gateway_pb2_grpc.GatewayStub) -> tuple[str, float]:
 def test_without_redis_features_go_not_serving_and_predict_fails_fast_then_recovers(
     mesh: Mesh, gateway: gateway_pb2_grpc.GatewayStub, redis_down: None
 ) -> None:
-    admin = AdminClient(f"{mesh.spec.host}:{mesh.spec.ports.envoy_admin}")
+    admin = AdminClient.of_mesh(mesh.state_dir)
     wait_until(lambda: _all(mesh, "feature", "NOT_SERVING"), "every feature replica NOT_SERVING")
     wait_until(
         lambda: _hosts_healthy(admin, mesh) == {False},

@@ -87,7 +87,7 @@ async def _push_all(mesh: Mesh) -> None:
 
 @pytest.fixture
 def applier(mesh: Mesh) -> LiveApply:
-    admin = AdminClient(f"{mesh.spec.host}:{mesh.spec.ports.envoy_admin}")
+    admin = AdminClient.of_mesh(mesh.state_dir)
     return LiveApply(RouteManager(mesh.paths, admin))
 
 

@@ -76,7 +76,7 @@ def victim(mesh: Mesh) -> Iterator[grpc_service_pb2_grpc.GRPCInferenceServiceStu
 def test_replica_missing_its_routed_version_is_taken_out_by_envoy_health_checks(
     mesh: Mesh, victim: grpc_service_pb2_grpc.GRPCInferenceServiceStub
 ) -> None:
-    admin = AdminClient(f"{mesh.spec.host}:{mesh.spec.ports.envoy_admin}")
+    admin = AdminClient.of_mesh(mesh.state_dir)
     address = f"{mesh.spec.host}:{mesh.spec.port_of(VICTIM)}"
     wait_until(
         lambda: _every_cluster(admin, address, healthy=True),

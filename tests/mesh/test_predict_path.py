@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import time
 import uuid
 
@@ -56,18 +57,19 @@ def test_pinned_version_answers_with_that_version(
     )
 
 
-def test_callers_request_id_follows_the_request_to_the_model_replica(
+def test_the_edge_s_request_id_follows_the_request_to_the_gateway(
     mesh: Mesh, gateway: gateway_pb2_grpc.GatewayStub
 ) -> None:
-    request_id = f"trace-{uuid.uuid4().hex}"
+    # The edge makes its own id (a caller's is not trusted) and the answer names it.
+    callers_id = f"trace-{uuid.uuid4().hex}"
     reply = gateway.Predict(
         gateway_pb2.PredictRequest(model="fraud", entity_ids=["user-1"]),
         timeout=5,
-        metadata=[("x-request-id", request_id)],
+        metadata=[("x-request-id", callers_id)],
     )
-    assert reply.request_id == request_id
+    assert reply.request_id and reply.request_id != callers_id
     gateway_logs = "".join(p.read_text() for p in mesh.logs_dir.glob("gateway-*.log"))
-    assert request_id in gateway_logs
+    assert reply.request_id in gateway_logs
 
 
 def _rows_computed(mesh: Mesh, version: str) -> int:
@@ -84,17 +86,49 @@ def _rows_computed(mesh: Mesh, version: str) -> int:
     return total
 
 
+def _dropped_ids(mesh: Mesh) -> set[str]:
+    """Request ids the model replicas logged as dropped."""
+    ids = set()
+    for path in mesh.logs_dir.glob("model-*.log"):
+        for line in path.read_text().splitlines():
+            if "dropped" in line:
+                ids.add(str(_json_line(line).get("request_id", "")))
+    return ids - {""}
+
+
+def _edge_ids(mesh: Mesh, version: str) -> set[str]:
+    """Request ids the edge gave to Predict calls that reached `version`'s replicas (the
+    mesh listeners' access logs carry the gateway's call with the edge's id)."""
+    ids = set()
+    for path in mesh.logs_dir.glob("envoy-mesh-*-access.log"):
+        for line in path.read_text().splitlines():
+            entry = _json_line(line)
+            if entry.get("version") == version:
+                ids.add(str(entry.get("request_id", "")))
+    return ids - {""}
+
+
+def _json_line(line: str) -> dict[str, object]:
+    """One JSON log line; {} for anything else (or a line still being written)."""
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def test_deadline_shorter_than_the_model_is_deadline_exceeded_and_the_replica_drops_it(
     mesh: Mesh, gateway: gateway_pb2_grpc.GatewayStub
 ) -> None:
-    request_id = f"late-{uuid.uuid4().hex}"
+    # The edge names the request (a caller's id is not kept), so the drop is found as a
+    # new id in the replicas' drop lines that the edge's access log shows as this call's.
+    dropped_before = _dropped_ids(mesh)
     computed_before = _rows_computed(mesh, SLOW_VERSION)
     started = time.perf_counter()
     with pytest.raises(grpc.RpcError) as err:
         gateway.Predict(
             gateway_pb2.PredictRequest(model="fraud", version=SLOW_VERSION, entity_ids=["user-3"]),
             timeout=0.050,
-            metadata=[("x-request-id", request_id)],
         )
     elapsed_ms = (time.perf_counter() - started) * 1000
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -104,14 +138,10 @@ def test_deadline_shorter_than_the_model_is_deadline_exceeded_and_the_replica_dr
 
     # The replica refused to run it rather than computing a late answer (it knows a batch
     # takes ~200 ms); the line may land a moment after the client gave up.
-    def dropped() -> bool:
-        return any(
-            request_id in line and "dropped" in line
-            for path in mesh.logs_dir.glob("model-*.log")
-            for line in path.read_text().splitlines()
-        )
+    def dropped() -> set[str]:
+        return (_dropped_ids(mesh) - dropped_before) & _edge_ids(mesh, SLOW_VERSION)
 
-    wait_until(dropped, f"a replica to log dropping {request_id}")
+    wait_until(dropped, "a replica to log dropping the late request")
     assert _rows_computed(mesh, SLOW_VERSION) == computed_before
 
 

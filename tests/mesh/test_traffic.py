@@ -74,7 +74,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 @pytest.fixture
 def admin(mesh: Mesh) -> AdminClient:
-    return AdminClient(f"{mesh.spec.host}:{mesh.spec.ports.envoy_admin}")
+    return AdminClient.of_mesh(mesh.state_dir)
 
 
 @pytest.fixture

@@ -139,12 +139,13 @@ def test_up_serves_predictions_and_stops_cleanly_on_sigterm(
         for a in [
             endpoints["edge"],
             endpoints["mesh"],
-            endpoints["envoy_admin"],
             endpoints["redis"].rsplit("/", 1)[0],
             *endpoints["services"].values(),
         ]
     ]
     assert [p for p in ports if not _port_is_free("127.0.0.1", p)] == []
+    # Envoy's admin API was a Unix socket in the state dir, never a port.
+    assert endpoints["envoy_admin"].endswith(".sock")
 
 
 def _bind_configs(state: Path) -> tuple[int, int]:

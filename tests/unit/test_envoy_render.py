@@ -11,7 +11,15 @@ import pytest
 import yaml
 
 from servemesh.netns import zone_source_address
-from servemesh.policy import CircuitBreakers, RoutePolicy, ShadowSpec
+from servemesh.policy import (
+    CircuitBreakers,
+    EdgeAuth,
+    Overload,
+    RoutePolicy,
+    ShadowSpec,
+    TrafficSpec,
+)
+from servemesh.proxy.admin import admin_socket_path
 from servemesh.proxy.process import EnvoyConfigError, validate_config
 from servemesh.proxy.render import (
     XdsLayout,
@@ -22,6 +30,15 @@ from servemesh.proxy.render import (
 )
 from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, NetworkSpec, resolve
 from servemesh.wire import (
+    CONTROL_METHODS,
+    GATEWAY_SERVICE,
+    HEALTH_SERVICE,
+    MODEL_HEADER,
+    OIP_SERVICE,
+    REGISTRY_SERVICE,
+    SHADOW_ROLE_HEADER,
+    VERSION_HEADER,
+    method_path,
     model_cluster,
     model_servers_cluster,
     shadow_cluster,
@@ -30,6 +47,8 @@ from servemesh.wire import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+# An htpasswd line for user "edge" (any 27 base64 characters and "=" pass the spec's check).
+_USER = "edge:{SHA}" + "A" * 27 + "="
 
 
 def _spec(**overrides: object) -> MeshSpec:
@@ -263,3 +282,146 @@ def test_the_committed_example_config_is_what_the_default_spec_renders() -> None
     assert rendered == (REPO / "envoy" / "mesh-default.yaml").read_text(), (
         "refresh with: servemesh envoy-config --spec mesh.yaml > envoy/mesh-default.yaml"
     )
+
+
+# --- control calls, admin, runtime, the hardened edge ------------------------------------
+
+
+def _hcms(spec: MeshSpec) -> dict[str, dict[str, Any]]:
+    return {
+        listener["name"]: listener["filter_chains"][0]["filters"][0]["typed_config"]
+        for listener in render_resources(spec, Path("/tmp")).listeners
+    }
+
+
+def _filter_names(hcm: dict[str, Any]) -> list[str]:
+    return [f["name"] for f in hcm["http_filters"]]
+
+
+def test_every_listener_denies_exactly_the_control_methods() -> None:
+    hcms = _hcms(_spec())
+    assert set(hcms) == {"edge", "mesh-zone-a", "mesh-zone-b"}
+    for name, hcm in hcms.items():
+        [rbac] = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.rbac"]
+        rules = rbac["typed_config"]["rules"]
+        assert rules["action"] == "DENY", name
+        [policy] = rules["policies"].values()
+        denied = {p["url_path"]["path"]["exact"] for p in policy["permissions"]}
+        assert denied == set(CONTROL_METHODS), name
+        assert method_path(REGISTRY_SERVICE, "DownloadArtifact") not in denied
+        # Paths are normalised before the rule sees them: no `//` or %2F spelling dodges it.
+        assert hcm["normalize_path"] and hcm["merge_slashes"], name
+        assert hcm["path_with_escaped_slashes_action"] == "REJECT_REQUEST", name
+
+
+def test_admin_is_a_unix_socket_in_the_state_dir_never_a_port(tmp_path: Path) -> None:
+    spec = resolve(
+        MeshSpec(
+            ports={"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0},
+            state_dir=str(tmp_path),
+        )
+    )
+    admin = static_bootstrap(spec, render_resources(spec, tmp_path), tmp_path)["admin"]
+    assert admin["address"] == {
+        "pipe": {"path": str(tmp_path / "admin" / "envoy.sock"), "mode": 0o600}
+    }
+
+
+def test_a_state_dir_too_long_for_a_socket_is_refused_naming_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="state_dir"):
+        admin_socket_path(tmp_path / ("x" * 120))
+
+
+def test_the_admin_runtime_layer_exists_only_in_the_drill_profile() -> None:
+    def layers(spec: MeshSpec) -> list[str]:
+        bootstrap = static_bootstrap(spec, render_resources(spec, Path("/tmp")), Path("/tmp"))
+        return [layer["name"] for layer in bootstrap["layered_runtime"]["layers"]]
+
+    assert layers(_spec()) == ["static"]
+    drill = _spec(traffic=TrafficSpec(runtime_overrides=True))
+    assert layers(drill) == ["static", "admin"]
+
+
+def test_the_edge_trusts_nothing_the_caller_says_about_itself() -> None:
+    hcms = _hcms(_spec())
+    for name, hcm in hcms.items():
+        assert hcm["use_remote_address"] is True, name
+        # Not even loopback is internal: Envoy drops a caller's x-envoy-* headers.
+        [nobody] = hcm["internal_address_config"]["cidr_ranges"]
+        assert nobody["address_prefix"] == "192.0.2.0", name
+        assert hcm["generate_request_id"] is True, name
+    # The edge makes its own request ids; the mesh keeps the gateway's.
+    assert hcms["edge"]["preserve_external_request_id"] is False
+    assert hcms["mesh-zone-a"]["preserve_external_request_id"] is True
+    # gRPC only between services.
+    assert hcms["edge"]["codec_type"] == "AUTO"
+    assert hcms["mesh-zone-a"]["codec_type"] == hcms["mesh-zone-b"]["codec_type"] == "HTTP2"
+
+
+def test_internal_headers_are_removed_from_callers_on_every_virtual_host() -> None:
+    resources = render_resources(_spec(), Path("/tmp"))
+    for name, config in resources.route_configs.items():
+        # The removal runs before the routes' own additions (the primary's shadow role).
+        assert config["most_specific_header_mutations_wins"] is True, name
+        for host in config["virtual_hosts"]:
+            assert SHADOW_ROLE_HEADER in host["request_headers_to_remove"], name
+    [edge] = resources.route_configs["edge"]["virtual_hosts"]
+    assert set(edge["request_headers_to_remove"]) == {
+        MODEL_HEADER,
+        VERSION_HEADER,
+        SHADOW_ROLE_HEADER,
+    }
+
+
+def test_per_method_stats_only_for_the_mesh_s_own_methods() -> None:
+    for name, hcm in _hcms(_spec()).items():
+        [stats] = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.grpc_stats"]
+        config = stats["typed_config"]
+        assert "stats_for_all_methods" not in config, name
+        allowed = {
+            (s["name"], m)
+            for s in config["individual_method_stats_allowlist"]["services"]
+            for m in s["method_names"]
+        }
+        assert (OIP_SERVICE, "ModelInfer") in allowed
+        assert (GATEWAY_SERVICE, "Predict") in allowed
+        assert (HEALTH_SERVICE, "Check") in allowed
+
+
+def test_edge_rate_limit_comes_before_auth_and_health_check_alone_is_open() -> None:
+    spec = _spec(traffic=TrafficSpec(edge_auth=EdgeAuth(enabled=True, users=[_USER])))
+    names = _filter_names(_hcms(spec)["edge"])
+    assert (
+        names.index("envoy.filters.http.local_ratelimit")
+        < names.index("envoy.filters.http.rbac")
+        < names.index("envoy.filters.http.basic_auth")
+    )
+    [health] = [r for r in _routes(spec, "edge") if r["name"] == "health"]
+    assert health["match"] == {"path": method_path(HEALTH_SERVICE, "Check")}
+
+
+def test_the_edge_caps_a_caller_s_deadline() -> None:
+    [gateway] = [r for r in _routes(_spec(), "edge") if r["name"] == "gateway"]
+    assert gateway["route"]["max_stream_duration"]["grpc_timeout_header_max"] == "60.000s"
+
+
+def test_the_overload_manager_bounds_heap_and_client_connections() -> None:
+    spec = _spec(traffic=TrafficSpec(overload=Overload(max_heap_mb=512)))
+    bootstrap = static_bootstrap(spec, render_resources(spec, Path("/tmp")), Path("/tmp"))
+    overload = bootstrap["overload_manager"]
+    monitors = {m["name"]: m["typed_config"] for m in overload["resource_monitors"]}
+    heap = monitors["envoy.resource_monitors.fixed_heap"]
+    assert heap["max_heap_size_bytes"] == 512 * 1024 * 1024
+    connections = monitors["envoy.resource_monitors.global_downstream_max_connections"]
+    assert connections["max_active_downstream_connections"] == 10_000
+    actions = {a["name"] for a in overload["actions"]}
+    assert "envoy.overload_actions.stop_accepting_requests" in actions
+
+
+def test_every_hardening_switch_on_at_once_is_a_config_envoy_accepts(tmp_path: Path) -> None:
+    traffic = TrafficSpec(
+        edge_auth=EdgeAuth(enabled=True, users=[_USER]),
+        runtime_overrides=True,
+        overload=Overload(max_heap_mb=256, max_downstream_connections=100),
+    )
+    _validate(_spec(traffic=traffic), tmp_path)
