@@ -14,6 +14,7 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from servemesh.services.runtime.decode import DecodeRequestInterceptor
 from servemesh.services.runtime.errors import ErrorStatusInterceptor
 from servemesh.services.runtime.faults import FaultInjector
 from servemesh.services.runtime.live_spec import LiveSpec, SpecHook
@@ -77,7 +78,14 @@ class ServiceServer:
         self.faults = FaultInjector()
         self.server = grpc.aio.server(
             # Faults first, so an injected error never looks like a handler's own error.
-            interceptors=[self.faults, ErrorStatusInterceptor(), *(interceptors or [])],
+            # Bodies are decoded inside ErrorStatusInterceptor: an undecodable one is
+            # INVALID_ARGUMENT like any other bad input.
+            interceptors=[
+                self.faults,
+                ErrorStatusInterceptor(),
+                DecodeRequestInterceptor(),
+                *(interceptors or []),
+            ],
             options=[
                 *message_size_options(max_message_bytes),
                 # grpc turns SO_REUSEPORT on by default, which lets a second process bind a
