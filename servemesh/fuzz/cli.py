@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,8 @@ from rich.console import Console
 
 from servemesh.spec import Ports, load_spec
 
-console = Console()
+# Wide enough for the statuses column when the report goes to a file or a pipe.
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 def add_fuzz_parser(sub: Any) -> None:
