@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import re
 import time
-from functools import partial
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import grpc
@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.fuzz.rpcs import RPCS, Api, Rpc
-from servemesh.fuzz.strategies import Known, raw, structured
+from servemesh.fuzz.strategies import Known, near_valid, raw, structured
 from servemesh.fuzz.watch import MemoryWatch, ValidTrickle
 from servemesh.launcher import Mesh
 from servemesh.spec import ResolvedSpec
@@ -54,6 +54,12 @@ LEAK = re.compile(
 )
 # gRPC's own answer to a body that is no protobuf of the method's type: not the service's.
 UNDECODABLE = "Exception deserializing request!"
+# How a request is made: near-valid (past the name checks), structured, or raw bytes.
+MODES: dict[str, Callable[[Rpc, Known], st.SearchStrategy[list[bytes]]]] = {
+    "near_valid": near_valid,
+    "structured": structured,
+    "raw": lambda rpc, known: raw(rpc),
+}
 RESET = re.compile(r"reset|Socket closed|Connection refused|disconnect", re.IGNORECASE)
 
 
@@ -149,8 +155,7 @@ def routes_of(spec: ResolvedSpec) -> dict[Api, list[Route]]:
     others, and each replica's own port."""
     direct: dict[Api, list[Route]] = {"gateway": [], "model": [], "feature": [], "registry": []}
     for inst in spec.instances():
-        service: Api = inst.service  # type: ignore[assignment]
-        direct[service].append(Route("direct", inst.name, spec.address_of(inst.name)))
+        direct[inst.service].append(Route("direct", inst.name, spec.address_of(inst.name)))
     mesh = [Route("envoy", f"mesh-{z}", spec.mesh_address_for(z)) for z in spec.zones]
     return {
         "gateway": [Route("envoy", "edge", spec.edge_address, edge_metadata(spec))]
@@ -164,7 +169,7 @@ def routes_of(spec: ResolvedSpec) -> dict[Api, list[Route]]:
 def known_of(spec: ResolvedSpec) -> Known:
     """The names the mesh serves, and the served model's inputs from a replica."""
     models = {name: sorted(m.versions) for name, m in spec.models.items()}
-    views = {name: list(v.features) for name, v in spec.feature_views.items()}
+    views = {name: list(v.features or []) for name, v in spec.feature_views.items()}
     entities = [f"user-{i}" for i in range(max(1, min(spec.demo.entities, 50)))]
     inputs: dict[str, str] = {}
     model_replica = next(i.name for i in spec.instances() if i.service == "model")
@@ -260,7 +265,10 @@ class Campaign:
         choices: list[Metadata] = [
             (),
             ((MODEL_HEADER, model),),
-            ((MODEL_HEADER, model), (VERSION_HEADER, data.draw(st.sampled_from(self.known.versions)))),
+            (
+                (MODEL_HEADER, model),
+                (VERSION_HEADER, data.draw(st.sampled_from(self.known.versions))),
+            ),
             ((MODEL_HEADER, "no-such-model"),),
         ]
         return data.draw(st.sampled_from(choices))
@@ -270,9 +278,8 @@ class Campaign:
         metadata = route.metadata
         if rpc.api == "model" and route.via == "envoy":
             metadata += self.oip_headers(data)
-        mode = data.draw(st.sampled_from(["structured", "structured", "raw"]))
-        strategy = structured(rpc, self.known) if mode == "structured" else raw(rpc)
-        bodies = data.draw(strategy)
+        mode = data.draw(st.sampled_from(list(MODES)))
+        bodies = data.draw(MODES[mode](rpc, self.known))
         outcome = send(self.channel(route.address), rpc, bodies, metadata, self.timeout_s)
         self.record(rpc, route, bodies, outcome)
         self.sent += 1
@@ -347,7 +354,7 @@ def run_campaign(
     """Fuzz a running mesh with `requests` generated requests; the report says what broke."""
     spec = mesh.spec
     pids = {name: pid for name, pid in mesh.pids().items() if name != "redis"}
-    services = {i.name: i.service for i in spec.instances()}
+    services: dict[str, str] = {i.name: i.service for i in spec.instances()}
     services["envoy"] = "envoy"
     known = known_of(spec)
     campaign = Campaign(spec, known, timeout_s=timeout_s, on_progress=on_progress)

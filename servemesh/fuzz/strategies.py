@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from google.protobuf.message import Message
 from hypothesis import strategies as st
@@ -122,6 +123,34 @@ def public_tensor(draw: st.DrawFn, known: Known) -> gateway_pb2.Tensor:
 
 
 @st.composite
+def near_valid_predict(draw: st.DrawFn, known: Known) -> list[bytes]:
+    """A Predict that passes the name checks, with at most one odd part: these reach the
+    feature lookups, the tensor conversion and the model server behind them."""
+    entities = known.entities or ["user-1"]
+    request = gateway_pb2.PredictRequest(
+        model=draw(st.sampled_from(known.model_names)),
+        version=draw(st.sampled_from(["", *known.versions])),
+    )
+    request.entity_ids.extend(draw(st.lists(st.sampled_from(entities), min_size=1, max_size=8)))
+    width = len(next(iter(known.views.values()), [])) or 64
+    odd = draw(st.sampled_from(["none", "rows", "entity", "count", "inputs", "both"]))
+    if odd == "rows":
+        del request.entity_ids[:]
+        for _ in range(draw(st.integers(1, 4))):
+            values = draw(st.lists(floats32, min_size=width, max_size=width))
+            request.rows.add().values.extend(values)
+    elif odd == "entity":
+        request.entity_ids.append(draw(odd_text))
+    elif odd == "count":
+        request.entity_ids.extend(entities[:1] * draw(st.sampled_from([1023, 1024, 1025, 5000])))
+    elif odd == "inputs":
+        request.inputs[draw(names(sorted(known.inputs)))].CopyFrom(draw(public_tensor(known)))
+    elif odd == "both":
+        request.entities.add().ids.update({next(iter(known.views), "user"): entities[0]})
+    return _serialize(request)
+
+
+@st.composite
 def predict(draw: st.DrawFn, known: Known) -> list[bytes]:
     request = gateway_pb2.PredictRequest(
         model=draw(names(known.model_names)),
@@ -194,6 +223,39 @@ def infer_input(draw: st.DrawFn, known: Known) -> oip.ModelInferRequest.InferInp
 
 
 @st.composite
+def near_valid_model_infer(draw: st.DrawFn, known: Known) -> list[bytes]:
+    """A ModelInfer for a served model and its input, right in all but (maybe) one part:
+    the values, the shape, the datatype, a parameter, or raw contents for typed ones."""
+    name, datatype = draw(st.sampled_from(sorted(known.inputs.items()) or [("x", "FP32")]))
+    width = len(next(iter(known.views.values()), [])) or 64
+    rows = draw(st.sampled_from([1, 2, 7, 64, 1024, 1025]))
+    request = oip.ModelInferRequest(
+        model_name=draw(st.sampled_from(known.model_names)),
+        model_version=draw(st.sampled_from(["", *known.versions])),
+    )
+    tensor = request.inputs.add(name=name, datatype=datatype, shape=[rows, width])
+    value = draw(floats32)
+    tensor.contents.fp32_contents.extend([value] * (rows * width))
+    odd = draw(st.sampled_from(["none", "shape", "datatype", "short", "raw", "param", "output"]))
+    if odd == "shape":
+        del tensor.shape[:]
+        tensor.shape.extend(draw(shapes))
+    elif odd == "datatype":
+        tensor.datatype = draw(st.sampled_from(DATATYPES))
+    elif odd == "short":
+        del tensor.contents.fp32_contents[-1:]
+    elif odd == "raw":
+        tensor.ClearField("contents")
+        size = rows * width * 4 + draw(st.sampled_from([0, -1, 1, 4]))
+        request.raw_input_contents.append(bytes(max(0, size)))
+    elif odd == "param":
+        request.parameters[draw(st.sampled_from(PARAMETER_NAMES))].CopyFrom(draw(infer_parameter))
+    elif odd == "output":
+        request.outputs.add(name=draw(odd_text))
+    return _serialize(request)
+
+
+@st.composite
 def model_infer(draw: st.DrawFn, known: Known) -> list[bytes]:
     request = oip.ModelInferRequest(
         model_name=draw(names(known.model_names)),
@@ -250,6 +312,24 @@ def repository_change(draw: st.DrawFn, known: Known, cls: type[Message]) -> list
 
 
 @st.composite
+def near_valid_get_features(draw: st.DrawFn, known: Known) -> list[bytes]:
+    view, features = draw(st.sampled_from(sorted(known.views.items()) or [("user", ["f00"])]))
+    request = feature_pb2.GetFeaturesRequest(view=view)
+    request.entity_ids.extend(
+        draw(st.lists(st.sampled_from(known.entities or ["user-1"]), min_size=1, max_size=8))
+    )
+    request.feature_names.extend(draw(st.lists(st.sampled_from(features), max_size=70)))
+    odd = draw(st.sampled_from(["none", "feature", "entity", "many"]))
+    if odd == "feature":
+        request.feature_names.append(draw(odd_text))
+    elif odd == "entity":
+        request.entity_ids.append(draw(odd_text))
+    elif odd == "many":
+        request.entity_ids.extend(request.entity_ids[:1] * draw(st.sampled_from([1000, 20_000])))
+    return _serialize(request)
+
+
+@st.composite
 def get_features(draw: st.DrawFn, known: Known) -> list[bytes]:
     request = feature_pb2.GetFeaturesRequest(view=draw(names(sorted(known.views))))
     request.entity_ids.extend(draw(st.lists(names(known.entities), max_size=8)))
@@ -282,7 +362,8 @@ def load_features(draw: st.DrawFn, known: Known) -> list[bytes]:
         header = feature_pb2.LoadHeader(
             view=draw(names(sorted(known.views), allow_known=False)),
             source=draw(odd_text),
-            row_label=draw(st.sampled_from([0, 1, 7, -1])),
+            # Open enums: values beyond the two the proto names reach the service too.
+            row_label=cast(Any, draw(st.sampled_from([0, 1, 7, -1]))),
         )
         header.feature_names.extend(draw(st.lists(names(features), max_size=70)))
         messages.append(feature_pb2.LoadFeaturesRequest(header=header))
@@ -364,7 +445,9 @@ def empty(known: Known, cls: type[Message]) -> st.SearchStrategy[list[bytes]]:
 
 @st.composite
 def repository_index(draw: st.DrawFn, known: Known) -> list[bytes]:
-    return _serialize(oip.RepositoryIndexRequest(repository_name=draw(odd_text), ready=draw(st.booleans())))
+    return _serialize(
+        oip.RepositoryIndexRequest(repository_name=draw(odd_text), ready=draw(st.booleans()))
+    )
 
 
 # --- raw -------------------------------------------------------------------------------------
@@ -384,6 +467,19 @@ def raw(rpc: Rpc) -> st.SearchStrategy[list[bytes]]:
 
 
 Structured = Callable[[Known], st.SearchStrategy[list[bytes]]]
+
+NEAR_VALID: dict[str, Structured] = {
+    "Predict": near_valid_predict,
+    "ModelInfer": near_valid_model_infer,
+    "GetFeatures": near_valid_get_features,
+}
+
+
+def near_valid(rpc: Rpc, known: Known) -> st.SearchStrategy[list[bytes]]:
+    """Requests that pass the name checks (the data-plane calls with deep handling);
+    other RPCs' structured requests."""
+    build = NEAR_VALID.get(rpc.method)
+    return build(known) if build is not None else structured(rpc, known)
 
 
 def structured(rpc: Rpc, known: Known) -> st.SearchStrategy[list[bytes]]:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from servemesh.fuzz.campaign import UNDECODABLE, Outcome, judge
 from servemesh.fuzz.rpcs import RPCS, Rpc
-from servemesh.fuzz.strategies import Known, raw, structured
+from servemesh.fuzz.strategies import Known, near_valid, raw, structured
 from servemesh.wire import CONTROL_METHODS
 
 KNOWN = Known(
@@ -30,7 +30,12 @@ KNOWN = Known(
         (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", 30.0, "hang"),
         (grpc.StatusCode.UNKNOWN, "Unexpected <class 'KeyError'>: 'x'", 0.01, "unknown"),
         (grpc.StatusCode.INVALID_ARGUMENT, "ValueError: could not convert", 0.01, "leak"),
-        (grpc.StatusCode.INVALID_ARGUMENT, 'Traceback (most recent call last):\n  File "', 0, "leak"),
+        (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            'Traceback (most recent call last):\n  File "',
+            0,
+            "leak",
+        ),
         (grpc.StatusCode.NOT_FOUND, "<servemesh.Thing object at 0x7f00>", 0.01, "leak"),
         (grpc.StatusCode.UNAVAILABLE, "upstream connect error or disconnect/reset", 0.1, "reset"),
         (grpc.StatusCode.UNAVAILABLE, "no healthy upstream", 0.01, None),
@@ -56,7 +61,8 @@ def test_every_public_rpc_is_fuzzed_and_every_control_method_among_them() -> Non
 def test_structured_requests_parse_as_the_methods_request_type(
     rpc: Rpc, data: st.DataObject
 ) -> None:
-    bodies = data.draw(structured(rpc, KNOWN))
+    strategy = data.draw(st.sampled_from([structured, near_valid]))
+    bodies = data.draw(strategy(rpc, KNOWN))
     if rpc.shape != "client_stream":
         assert len(bodies) == 1
     for body in bodies:
