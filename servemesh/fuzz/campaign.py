@@ -91,6 +91,8 @@ class RpcTally:
     requests: int = 0
     by_via: Counter[str] = field(default_factory=Counter)
     statuses: Counter[str] = field(default_factory=Counter)
+    # "envoy CODE" / "direct CODE": control calls may be refused on one path and not the other.
+    statuses_by_via: Counter[str] = field(default_factory=Counter)
     max_elapsed_s: float = 0.0
 
 
@@ -127,6 +129,7 @@ class CampaignReport:
                     "requests": t.requests,
                     "via": dict(t.by_via),
                     "statuses": dict(t.statuses.most_common()),
+                    "statuses_by_via": dict(sorted(t.statuses_by_via.items())),
                     "max_elapsed_s": round(t.max_elapsed_s, 3),
                 }
                 for name, t in self.rpcs.items()
@@ -291,6 +294,7 @@ class Campaign:
         tally.requests += 1
         tally.by_via[route.via] += 1
         tally.statuses[outcome.code.name] += 1
+        tally.statuses_by_via[f"{route.via} {outcome.code.name}"] += 1
         tally.max_elapsed_s = max(tally.max_elapsed_s, outcome.elapsed_s)
         kind = judge(outcome, self.timeout_s)
         if kind is None:
