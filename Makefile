@@ -48,12 +48,7 @@ fuzz: $(STAMP)
 protos: $(STAMP)
 	$(BIN)/python -m servemesh.protogen
 
-check-# The long fuzz campaign on a mesh of its own (docs/security.md, "Fuzzing"); tests/fuzz/
-# runs a short one in `make test`.
-fuzz: $(STAMP)
-	$(BIN)/servemesh fuzz --requests 10000 --json-out fuzz-report.json
-
-protos: $(STAMP)
+check-protos: $(STAMP)
 	$(BIN)/python -m servemesh.protogen --check
 
 clean:
