@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servemesh.chaos.drill import current
 from servemesh.chaos.errors import DrillError
 from servemesh.chaos.report import envoy_deltas
+from servemesh.control_credential import control_metadata_for
 from servemesh.load import WindowStats, window_stats
 from servemesh.proxy.admin import AdminError
 from servemesh.wire import (
@@ -252,7 +253,9 @@ def try_model_load(
     with grpc.insecure_channel(spec.address_of(name)) as channel:
         stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
         try:
-            stub.RepositoryModelLoad(request, timeout=timeout_s)
+            stub.RepositoryModelLoad(
+                request, timeout=timeout_s, metadata=control_metadata_for(spec.state_dir)
+            )
             code, details = "OK", ""
         except grpc.RpcError as exc:
             code, details = exc.code().name, exc.details() or ""

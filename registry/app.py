@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from servemesh.registry.service import SERVICE_NAME, RegistryServicer
+from servemesh.control_credential import read_control_token
+from servemesh.registry.service import SERVICE_NAME, UPLOAD_IDLE_TIMEOUT_S, RegistryServicer
 from servemesh.registry.store import RegistryStore
 from servemesh.services.runtime import ServiceServer
 from servemesh.spec import ResolvedSpec, SpecError
@@ -19,11 +20,22 @@ def registry_server(
     host: str = "127.0.0.1",
     port: int = 0,
     max_message_bytes: int = 4 * 1024 * 1024,
+    control_token: str | None = None,
+    upload_idle_timeout_s: float = UPLOAD_IDLE_TIMEOUT_S,
 ) -> ServiceServer:
-    """A not yet started server for `store`; it closes the store when it stops."""
-    server = ServiceServer(name, host=host, port=port, max_message_bytes=max_message_bytes)
+    """A not yet started server for `store`; it closes the store when it stops. Its control
+    calls (CreateModel, UploadVersion, SetAlias) answer only to `control_token`."""
+    server = ServiceServer(
+        name,
+        host=host,
+        port=port,
+        max_message_bytes=max_message_bytes,
+        control_token=control_token,
+    )
     server.add_service(
-        registry_pb2_grpc.add_RegistryServicer_to_server, RegistryServicer(store), SERVICE_NAME
+        registry_pb2_grpc.add_RegistryServicer_to_server,
+        RegistryServicer(store, upload_idle_timeout_s=upload_idle_timeout_s),
+        SERVICE_NAME,
     )
 
     async def close_store() -> None:
@@ -38,7 +50,10 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
     if spec.instance(instance).service != "registry":
         raise SpecError(f"instance {instance!r} is not a registry instance")
     store = await asyncio.to_thread(
-        RegistryStore, Path(spec.state_dir) / "registry", spec.limits.max_artifact_bytes
+        RegistryStore,
+        Path(spec.state_dir) / "registry",
+        spec.limits.max_artifact_bytes,
+        spec.limits.registry_quota_bytes,
     )
     return registry_server(
         store,
@@ -46,4 +61,6 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         host=spec.host,
         port=spec.port_of(instance),
         max_message_bytes=spec.limits.max_message_bytes,
+        control_token=read_control_token(spec.state_dir),
+        upload_idle_timeout_s=spec.limits.upload_idle_timeout_s,
     )

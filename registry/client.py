@@ -13,6 +13,7 @@ from typing import Any, Union
 
 import grpc
 
+from servemesh.control_credential import Metadata
 from servemesh.registry.convert import tensor_spec_to_proto
 from servemesh.registry.errors import ArtifactTooLargeError
 from servemesh.registry.records import TensorSpec
@@ -60,6 +61,7 @@ async def push_version(
     data: bytes,
     inputs: Sequence[TensorSpecLike],
     outputs: Sequence[TensorSpecLike],
+    credential: Metadata,
     labels: Mapping[str, str] | None = None,
     lineage: Mapping[str, str] | None = None,
     metrics: Mapping[str, float] | None = None,
@@ -70,6 +72,7 @@ async def push_version(
     """Upload an artifact as model/version (the model is created if new).
 
     `format` is "torchscript" or "torch_export" (registry.validation.FORMATS).
+    `credential` is the mesh's control call metadata (`control_credential.control_metadata`).
 
     Returns the stored version; re-pushing identical bytes returns the existing version.
     """
@@ -97,7 +100,7 @@ async def push_version(
             yield registry_pb2.UploadVersionRequest(chunk=bytes(view[start : start + chunk_size]))
 
     stub = registry_pb2_grpc.RegistryStub(channel)
-    return await stub.UploadVersion(messages(), timeout=timeout)
+    return await stub.UploadVersion(messages(), timeout=timeout, metadata=credential)
 
 
 async def fetch_verified(
@@ -165,10 +168,19 @@ async def fetch_verified(
 
 
 async def set_alias(
-    channel: grpc.aio.Channel, model: str, alias: str, version: str, timeout: float = 10.0
+    channel: grpc.aio.Channel,
+    model: str,
+    alias: str,
+    version: str,
+    *,
+    credential: Metadata,
+    timeout: float = 10.0,
 ) -> registry_pb2.Model:
-    """Point `alias` at `version` (a version or another alias); returns the model."""
+    """Point `alias` at `version` (a version or another alias); returns the model.
+    `credential` is the mesh's control call metadata."""
     stub = registry_pb2_grpc.RegistryStub(channel)
     return await stub.SetAlias(
-        registry_pb2.SetAliasRequest(model=model, alias=alias, version=version), timeout=timeout
+        registry_pb2.SetAliasRequest(model=model, alias=alias, version=version),
+        timeout=timeout,
+        metadata=credential,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 from servemesh.services.runtime.errors import (
     AlreadyExists,
     DataLoss,
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     MeshError,
@@ -38,6 +39,14 @@ class AlreadyExistsError(AlreadyExists):
 
 class ArtifactTooLargeError(ResourceExhausted):
     """An artifact exceeds a size limit (the registry's, or the caller's)."""
+
+
+class QuotaExceededError(ResourceExhausted):
+    """Storing an artifact would pass the registry's quota on stored bytes."""
+
+
+class UploadIdleError(DeadlineExceeded):
+    """An upload stream sent nothing for longer than the registry waits."""
 
 
 class UploadProtocolError(FailedPrecondition):

@@ -11,7 +11,13 @@ Status codes:
   FAILED_PRECONDITION  an upload stream whose first message is not a header, that carries
                        a second header, or that ends without one.
   RESOURCE_EXHAUSTED   an artifact over the registry's max_artifact_bytes: refused at the
-                       header when declared so, else at the first chunk past the limit.
+                       header when declared so, else at the first chunk past the limit;
+                       an artifact that would pass the quota on stored bytes
+                       (limits.registry_quota_bytes), refused at the header.
+  DEADLINE_EXCEEDED    an upload stream that sent nothing for limits.upload_idle_timeout_s:
+                       aborted, leaving no temp file, row or blob.
+  UNAUTHENTICATED,     CreateModel, UploadVersion and SetAlias without (or with a wrong)
+  PERMISSION_DENIED    control credential (services/runtime/control_auth.py).
   DATA_LOSS            a version whose artifact file is missing on disk.
 """
 
@@ -28,6 +34,7 @@ import grpc
 from servemesh.registry.convert import header_from_proto, model_to_proto, version_to_proto
 from servemesh.registry.errors import (
     RegistryError,
+    UploadIdleError,
     UploadProtocolError,
 )
 from servemesh.registry.records import UploadHeader
@@ -39,6 +46,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = REGISTRY_SERVICE
 DOWNLOAD_CHUNK_BYTES = 256 * 1024
+UPLOAD_IDLE_TIMEOUT_S = 30.0
 
 T = TypeVar("T")
 
@@ -68,10 +76,15 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     """Every Registry RPC; store calls run in threads so the event loop never waits on disk."""
 
     def __init__(
-        self, store: RegistryStore, *, download_chunk_bytes: int = DOWNLOAD_CHUNK_BYTES
+        self,
+        store: RegistryStore,
+        *,
+        download_chunk_bytes: int = DOWNLOAD_CHUNK_BYTES,
+        upload_idle_timeout_s: float = UPLOAD_IDLE_TIMEOUT_S,
     ) -> None:
         self.store = store
         self.download_chunk_bytes = download_chunk_bytes
+        self.upload_idle_timeout_s = upload_idle_timeout_s
 
     async def _call(
         self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: object
@@ -131,8 +144,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         Auto-creates the model, so one stream publishes a new model's first version.
         """
         receiving = _Receiving()
+        messages = aiter(request_iterator)
         try:
-            async for message in request_iterator:
+            while (message := await self._next_message(messages)) is not None:
                 await self._accept(receiving, message)
             if receiving.upload is None:
                 raise UploadProtocolError("header: the upload stream ended without one")
@@ -163,6 +177,21 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             },
         )
         return version_to_proto(record)
+
+    async def _next_message(
+        self, messages: AsyncIterator[registry_pb2.UploadVersionRequest]
+    ) -> registry_pb2.UploadVersionRequest | None:
+        """The stream's next message, None at its end; an uploader that goes quiet for
+        longer than the idle timeout holds a temp file and a stream no longer."""
+        try:
+            return await asyncio.wait_for(anext(messages), self.upload_idle_timeout_s)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            raise UploadIdleError(
+                f"upload: no message for {self.upload_idle_timeout_s:g} s "
+                "(limits.upload_idle_timeout_s); nothing was stored"
+            ) from None
 
     async def _accept(
         self, receiving: _Receiving, message: registry_pb2.UploadVersionRequest

@@ -30,6 +30,7 @@ from servemesh.registry.errors import (
     DigestMismatchError,
     InvalidArgumentError,
     NotFoundError,
+    QuotaExceededError,
 )
 from servemesh.registry.records import ModelRecord, TensorSpec, UploadHeader, VersionRecord
 from servemesh.registry.validation import (
@@ -121,13 +122,17 @@ def _version_from_row(row: sqlite3.Row) -> VersionRecord:
 
 
 class RegistryStore:
-    """Models, versions and aliases under `root`; artifacts up to `max_artifact_bytes`."""
+    """Models, versions and aliases under `root`; artifacts up to `max_artifact_bytes`,
+    and up to `quota_bytes` stored in all (None: no quota)."""
 
-    def __init__(self, root: Path, max_artifact_bytes: int) -> None:
+    def __init__(self, root: Path, max_artifact_bytes: int, quota_bytes: int | None = None) -> None:
         if max_artifact_bytes <= 0:
             raise ValueError("max_artifact_bytes must be positive")
+        if quota_bytes is not None and quota_bytes <= 0:
+            raise ValueError("quota_bytes must be positive")
         self.root = Path(root)
         self.max_artifact_bytes = max_artifact_bytes
+        self.quota_bytes = quota_bytes
         self.root.mkdir(parents=True, exist_ok=True)
         self.blobs = BlobStore(self.root)
         # Only this process writes under root, so whatever temp file exists now is a
@@ -330,7 +335,38 @@ class RegistryStore:
             )
         with self._transaction() as db:
             self._check_version_free(db, header)
+            self._check_quota(db, header)
         return Upload(self, header)
+
+    def stored_bytes(self) -> int:
+        """The bytes of every distinct artifact the registry holds (what the quota counts)."""
+        with self._transaction() as db:
+            return self._stored_bytes(db)
+
+    def _stored_bytes(self, db: sqlite3.Connection) -> int:
+        row = db.execute(
+            "SELECT COALESCE(SUM(size_bytes), 0) FROM "
+            "(SELECT DISTINCT sha256, size_bytes FROM versions)"
+        ).fetchone()
+        return int(row[0])
+
+    def _check_quota(self, db: sqlite3.Connection, header: UploadHeader) -> None:
+        """Refuse an artifact whose bytes would pass the quota (bytes already stored under
+        the same sha256 cost nothing more)."""
+        if self.quota_bytes is None:
+            return
+        stored = db.execute(
+            "SELECT 1 FROM versions WHERE sha256 = ? LIMIT 1", (header.sha256,)
+        ).fetchone()
+        if stored is not None:
+            return
+        used = self._stored_bytes(db)
+        if used + header.size_bytes > self.quota_bytes:
+            raise QuotaExceededError(
+                f"header.size_bytes: {header.size_bytes} more bytes would pass the registry "
+                f"quota of {self.quota_bytes} bytes (limits.registry_quota_bytes); "
+                f"{used} bytes are used"
+            )
 
     def _check_version_free(
         self, db: sqlite3.Connection, header: UploadHeader
@@ -360,6 +396,10 @@ class RegistryStore:
             try:
                 with self._transaction(write=True) as db:
                     existing = self._check_version_free(db, header)
+                    if existing is None:
+                        # Again here, under the lock: uploads that began together each
+                        # passed the first check alone.
+                        self._check_quota(db, header)
                     if existing is not None:
                         # The same verified bytes: replacing the file repairs a damaged copy.
                         self.blobs.install(staged, header.sha256)

@@ -25,6 +25,7 @@ from typing import Self
 import grpc
 import yaml
 
+from servemesh.control_credential import ensure_control_token
 from servemesh.credentials import ensure_edge_credentials, htpasswd_line
 from servemesh.netns import ZoneNetwork
 from servemesh.netns import available as netns_available
@@ -83,6 +84,8 @@ class Mesh:
     ) -> Self:
         root = Path(state_dir or spec.state_dir).resolve()
         spec = with_edge_credentials(spec.model_copy(update={"state_dir": str(root)}), root)
+        # Control calls (loads, uploads, feature writes) need this mesh's token.
+        ensure_control_token(root)
         resolved = resolve(spec)
         mesh = cls(spec=resolved, state_dir=root)
         mesh.seed_steps.extend(seed_steps)
@@ -124,6 +127,8 @@ class Mesh:
                     raise MeshStartError(f"zones in network namespaces are not possible: {why}")
             if self.spec.embedded_redis_port is not None:
                 self._start_redis(self.spec.embedded_redis_port, deadline)
+            # Before any service starts: each reads it once, at start.
+            ensure_control_token(self.state_dir)
             self.resolved_spec_path.write_text(dump_spec(self.spec))
             self._write_envoy_config()
             if self.spec.network.mode == "netns":

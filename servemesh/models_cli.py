@@ -29,6 +29,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from servemesh.control_credential import ControlCredentialMissing, Metadata, control_metadata_for
 from servemesh.proxy.admin import AdminError
 from servemesh.proxy.apply import ApplyError, MeshPaths, RouteManager
 from servemesh.proxy.live_view import live_view
@@ -77,6 +78,13 @@ class RunningMesh:
             self.spec.registry_address,
             options=message_size_options(self.spec.limits.max_message_bytes),
         )
+
+    def credential(self) -> Metadata:
+        """The control call metadata of this mesh (pushes and aliases are control calls)."""
+        try:
+            return control_metadata_for(self.state_dir)
+        except ControlCredentialMissing as exc:
+            raise ModelsError(_one_line(str(exc))) from None
 
 
 def running_mesh(state_dir: str | None) -> RunningMesh:
@@ -264,6 +272,7 @@ async def push(mesh: RunningMesh, request: PushRequest) -> Pushed:
                 data=data,
                 inputs=[_spec(t) for t in signature.inputs],
                 outputs=[_spec(t) for t in signature.outputs],
+                credential=mesh.credential(),
                 labels=request.labels,
                 lineage=request.lineage,
                 metrics=request.metrics,
@@ -565,7 +574,12 @@ def cmd_alias(args: argparse.Namespace) -> int:
                 before = next((m for m in listed.models if m.name == args.model), None)
                 previous = before.aliases.get(args.alias) if before is not None else None
                 model = await set_alias(
-                    channel, args.model, args.alias, args.version, timeout=RPC_TIMEOUT_S
+                    channel,
+                    args.model,
+                    args.alias,
+                    args.version,
+                    credential=mesh.credential(),
+                    timeout=RPC_TIMEOUT_S,
                 )
             except grpc.aio.AioRpcError as exc:
                 raise _rpc_error("the registry refused", exc) from None

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from servemesh.control_credential import control_metadata_for
 from servemesh.demo import DEMO_FEATURES, demo_features, demo_seed
 from servemesh.spec import MeshSpec, ResolvedSpec
 
@@ -45,6 +46,7 @@ async def push_seed_version(
             data=data,
             inputs=signature["inputs"],
             outputs=signature["outputs"],
+            credential=control_metadata_for(spec.state_dir),
             labels={"source": source},
         )
     except grpc.aio.AioRpcError as exc:

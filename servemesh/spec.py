@@ -225,6 +225,12 @@ class Limits(_Strict):
     max_message_bytes: Annotated[int, Field(ge=1024, le=256 * 1024 * 1024)] = 4 * 1024 * 1024
     # Registry uploads above this are refused.
     max_artifact_bytes: Annotated[int, Field(ge=1024, le=16 * 1024**3)] = 512 * 1024 * 1024
+    # Bytes the registry stores in all (distinct artifacts); an upload that would pass it is
+    # refused before its bytes arrive.
+    registry_quota_bytes: Annotated[int, Field(ge=1024, le=1024**5)] = 8 * 1024**3
+    # An upload that sends no message for this long is aborted (DEADLINE_EXCEEDED), and
+    # leaves nothing behind.
+    upload_idle_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
     # Entities plus rows in one Predict.
     max_rows_per_predict: Annotated[int, Field(ge=1, le=65536)] = 1024
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from servemesh.control_credential import Metadata
 from servemesh.features._read import FeatureFile, FileError, FileRows, Layout
 from servemesh.spec import ResolvedSpec
 from servemesh.wire import message_size_options
@@ -127,10 +128,12 @@ def load_file(
     view: str,
     allow_nan: bool,
     max_message_bytes: int,
+    credential: Metadata,
     progress: Callable[[int], None] | None = None,
     timeout: float | None = None,
 ) -> LoadSummary:
     """Stream `file` into `view` through the first feature service that answers.
+    `credential` is the mesh's control call metadata (a load is a control call).
 
     BadFile when the file has problems (nothing was loaded); LoadError when the service
     refused or failed the load (nothing was loaded either).
@@ -170,7 +173,7 @@ def load_file(
     channel = _ready_channel(addresses, options)
     try:
         stub = feature_pb2_grpc.FeatureServiceStub(channel)
-        reply = stub.LoadFeatures(messages(), timeout=timeout)
+        reply = stub.LoadFeatures(messages(), timeout=timeout, metadata=credential)
     except grpc.RpcError as exc:
         if outcome.fatal is not None:
             raise LoadError(f"{outcome.fatal}; nothing was loaded") from None

@@ -18,6 +18,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from servemesh.control_credential import ControlCredentialMissing, control_metadata_for
 from servemesh.spec import SpecError, load_spec
 
 if TYPE_CHECKING:
@@ -50,6 +51,10 @@ def cmd_load(args: argparse.Namespace) -> int:
 
     try:
         spec = running_mesh_spec(_state_dir(args))
+        try:
+            credential = control_metadata_for(_state_dir(args))
+        except ControlCredentialMissing as exc:
+            raise LoadError(str(exc)) from None
         view = spec.feature_views.get(args.view)
         if view is None:
             raise LoadError(
@@ -67,6 +72,7 @@ def cmd_load(args: argparse.Namespace) -> int:
                 view=args.view,
                 allow_nan=view.allow_nan,
                 max_message_bytes=spec.limits.max_message_bytes,
+                credential=credential,
                 progress=progress,
                 timeout=args.timeout,
             )

@@ -17,6 +17,7 @@ import getpass
 import json
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -51,8 +52,17 @@ ROUTING_FIELDS_TOP = {"traffic"}
 ROUTING_FIELDS_MODEL = {"traffic", "shadow", "policy"}
 
 
-# State dirs whose change lock this process holds, and how deeply (see change_lock).
-_HELD: dict[Path, int] = {}
+# Per thread: the state dirs whose change lock it holds, and how deeply (see change_lock).
+_HELD = threading.local()
+_PROCESS_LOCKS: dict[Path, threading.Lock] = {}
+_PROCESS_LOCKS_GUARD = threading.Lock()
+
+
+def _process_lock(state_dir: Path) -> threading.Lock:
+    """The lock this process's threads take turns on for one mesh's changes."""
+    with _PROCESS_LOCKS_GUARD:
+        return _PROCESS_LOCKS.setdefault(state_dir, threading.Lock())
+
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -85,39 +95,42 @@ class MeshPaths:
     @contextlib.contextmanager
     def change_lock(self) -> Iterator[None]:
         """Hold the mesh's one change at a time: a second `apply`, `routes set` or
-        `rollback` while one is under way is refused at once instead of interleaving its
-        Envoy swap and spec write with the first one's. Re-entrant within a process (an
-        apply holds it across its loads and the swap it then asks for)."""
+        `rollback` from another process while one is under way is refused at once instead
+        of interleaving its Envoy swap and spec write with the first one's. Threads of one
+        process take turns; the lock is re-entrant within a thread (an apply holds it across
+        its loads and the swap it then asks for)."""
         key = self.state_dir.resolve()
-        if _HELD.get(key):
-            _HELD[key] += 1
+        depth: dict[Path, int] = _HELD.__dict__.setdefault("depth", {})
+        if depth.get(key):
+            depth[key] += 1
             try:
                 yield
             finally:
-                _HELD[key] -= 1
+                depth[key] -= 1
             return
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.state_dir / "changes.lock", "a+") as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+        with _process_lock(key):
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.state_dir / "changes.lock", "a+") as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    handle.seek(0)
+                    holder = handle.read().strip() or "?"
+                    raise ApplyError(
+                        f"another change to this mesh is under way (pid {holder}); "
+                        "run this one when it has finished"
+                    ) from None
                 handle.seek(0)
-                holder = handle.read().strip() or "?"
-                raise ApplyError(
-                    f"another change to this mesh is under way (pid {holder}); "
-                    "run this one when it has finished"
-                ) from None
-            handle.seek(0)
-            handle.truncate()
-            handle.write(str(os.getpid()))
-            handle.flush()
-            _HELD[key] = 1
-            try:
-                yield
-            finally:
-                del _HELD[key]
-                handle.truncate(0)
-                fcntl.flock(handle, fcntl.LOCK_UN)
+                handle.truncate()
+                handle.write(str(os.getpid()))
+                handle.flush()
+                depth[key] = 1
+                try:
+                    yield
+                finally:
+                    del depth[key]
+                    handle.truncate(0)
+                    fcntl.flock(handle, fcntl.LOCK_UN)
 
     @property
     def resolved_spec(self) -> Path:

@@ -28,6 +28,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 
+from servemesh.control_credential import ControlCredentialMissing, Metadata, control_metadata_for
 from servemesh.model_contract import check_model_contract
 from servemesh.proxy.apply import ApplyError, ApplyResult, RouteManager
 from servemesh.proxy.live_plan import ApplyPlan, Key, PlanRefused, plan_apply
@@ -107,6 +108,13 @@ class LiveApply:
         self.manager = manager
         self.load_timeout_s = load_timeout_s
         self.ready_timeout_s = ready_timeout_s
+
+    def credential(self) -> Metadata:
+        """The mesh's control call metadata: loads and unloads are control calls."""
+        try:
+            return control_metadata_for(self.manager.paths.state_dir)
+        except ControlCredentialMissing as exc:
+            raise ApplyError(str(exc)) from None
 
     # --- planning ---------------------------------------------------------------------
 
@@ -269,6 +277,7 @@ class LiveApply:
     async def _load_on(self, live: ResolvedSpec, replica: str, plan: ApplyPlan) -> ReplicaLoad:
         loaded: list[Key] = []
         started = time.perf_counter()
+        credential = self.credential()
         options = message_size_options(live.limits.max_message_bytes)
         async with grpc.aio.insecure_channel(live.address_of(replica), options=options) as channel:
             stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
@@ -284,7 +293,9 @@ class LiveApply:
                     },
                 )
                 try:
-                    await stub.RepositoryModelLoad(request, timeout=self.load_timeout_s)
+                    await stub.RepositoryModelLoad(
+                        request, timeout=self.load_timeout_s, metadata=credential
+                    )
                     loaded.append((model, version))
                     await self._until_serving(health, model, version)
                 except grpc.aio.AioRpcError as exc:
@@ -323,6 +334,7 @@ class LiveApply:
         """Undo the loads of a refused apply (best effort: a replica that is down has
         nothing to undo, and it loads by the unchanged spec when it returns)."""
         options = message_size_options(live.limits.max_message_bytes)
+        credential = self.credential()
 
         async def undo(load: ReplicaLoad) -> None:
             if not load.loaded:
@@ -336,7 +348,7 @@ class LiveApply:
                         model_name=model, parameters={LOAD_VERSION_PARAMETER: param}
                     )
                     try:
-                        await stub.RepositoryModelUnload(request, timeout=30)
+                        await stub.RepositoryModelUnload(request, timeout=30, metadata=credential)
                     except grpc.aio.AioRpcError:
                         continue
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
+from servemesh.control_credential import read_control_token
 from servemesh.services.feature.health import watch_store
 from servemesh.services.feature.service import FeatureServicer
 from servemesh.services.feature.store import RedisFeatureStore
@@ -32,6 +33,7 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         host=spec.host,
         port=spec.port_of(instance),
         max_message_bytes=spec.limits.max_message_bytes,
+        control_token=read_control_token(spec.state_dir),
     )
     server.add_service(
         feature_pb2_grpc.add_FeatureServiceServicer_to_server,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from servemesh.control_credential import read_control_token
 from servemesh.services.gateway.health import watch_dependencies
 from servemesh.services.gateway.service import GatewayServicer
 from servemesh.services.runtime import ServiceServer
@@ -24,7 +25,11 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         ],
     )
     server = ServiceServer(
-        instance, host=spec.host, port=spec.port_of(instance), max_message_bytes=limit
+        instance,
+        host=spec.host,
+        port=spec.port_of(instance),
+        max_message_bytes=limit,
+        control_token=read_control_token(spec.state_dir),
     )
     servicer = GatewayServicer(spec, mesh_channel)
     server.add_service(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, GATEWAY_SERVICE)

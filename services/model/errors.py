@@ -25,6 +25,7 @@ __all__ = [
     "InferenceFailed",
     "LoadError",
     "ModelNotFound",
+    "NotInSpec",
     "QueueFull",
     "RequestError",
     "ServingError",
@@ -58,3 +59,8 @@ class InferenceFailed(Internal):
 
 class LoadError(FailedPrecondition):
     """A model version could not be loaded; the message says which and why."""
+
+
+class NotInSpec(FailedPrecondition):
+    """A load asked for a version the replica's spec does not name (and no apply's spec
+    entry came with it): what a replica serves changes through `servemesh apply`."""

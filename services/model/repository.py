@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import grpc
 
 from servemesh.services.model.batching import Batcher
-from servemesh.services.model.errors import ModelNotFound, RequestError, ServingError
+from servemesh.services.model.errors import ModelNotFound, NotInSpec, RequestError, ServingError
 from servemesh.services.model.loader import LoadedModel, ModelLoader
 from servemesh.services.runtime.errors import Internal
 from servemesh.spec import ModelSpec
@@ -28,6 +28,8 @@ Key = tuple[str, str]
 Listener = Callable[[], Awaitable[None]]
 # Takes the spec entry a RepositoryModelLoad brought for a model, before the load runs.
 ConfigSink = Callable[[str, ModelSpec], None]
+# Does the replica's spec name (model, version)?
+SpecNames = Callable[[str, str], bool]
 
 
 def natural_key(version: str) -> tuple[object, ...]:
@@ -60,6 +62,9 @@ class ModelRepository:
         self._listeners: list[Listener] = []
         # Where a load request's `config` goes (the replica's load specs); None: refused.
         self.configure: ConfigSink | None = None
+        # Which versions a RepositoryModelLoad without `config` may load: those its spec
+        # names. None (a repository with no spec, built in-process): any.
+        self.spec_names: SpecNames | None = None
 
     def on_change(self, listener: Listener) -> None:
         """Call `listener` after every install and unload (the replica's health follows)."""
@@ -205,8 +210,10 @@ class ModelRepository:
         """RepositoryModelLoad: the version named in `parameters['version']`, loaded by
         the model's spec entry in `parameters['config']` (JSON) when one is given.
 
-        A loader's own refusal keeps its status (an unknown version is NOT_FOUND); any
-        other failure answers INTERNAL naming only the exception's type.
+        A version neither the replica's spec nor that entry names is refused
+        (FAILED_PRECONDITION, `NotInSpec`). A loader's own refusal keeps its status (an
+        unknown version is NOT_FOUND); any other failure answers INTERNAL naming only the
+        exception's type.
         """
         if not request.model_name:
             raise RequestError("model_name: required")
@@ -220,28 +227,45 @@ class ModelRepository:
                 f"parameters['{LOAD_VERSION_PARAMETER}']: a string_param naming the version "
                 "is required"
             )
+        model, version = request.model_name, param.string_param
         config = request.parameters.get(LOAD_CONFIG_PARAMETER)
-        if config is not None:
-            self._take_config(request.model_name, config)
+        brought = self._read_config(config) if config is not None else None
+        self._check_named(model, version, brought)
+        if brought is not None:
+            self._bring(model, brought)
         try:
-            await self.load(request.model_name, param.string_param)
+            await self.load(model, version)
         except ServingError:
             raise
         except Exception as exc:
             raise Internal(f"load failed: {type(exc).__name__}") from exc
 
-    def _take_config(self, model: str, param: oip.ModelRepositoryParameter) -> None:
+    def _read_config(self, param: oip.ModelRepositoryParameter) -> ModelSpec:
         field = f"parameters['{LOAD_CONFIG_PARAMETER}']"
         if param.WhichOneof("parameter_choice") != "string_param":
             raise RequestError(f"{field}: a string_param holding the model's spec entry as JSON")
         try:
-            config = ModelSpec.model_validate_json(param.string_param)
+            return ModelSpec.model_validate_json(param.string_param)
         except ValueError as exc:
             first = str(exc).splitlines()
             raise RequestError(f"{field}: not a model spec entry: {' '.join(first[:3])}") from None
+
+    def _check_named(self, model: str, version: str, brought: ModelSpec | None) -> None:
+        """Refuse a version neither the replica's spec nor the load's own spec entry (an
+        apply in progress) names: a control credential alone does not choose what runs."""
+        if brought is not None and version in brought.versions:
+            return
+        if self.spec_names is None or self.spec_names(model, version):
+            return
+        raise NotInSpec(
+            f"{model[:128]}/{version[:128]}: the mesh's spec does not name this version; add "
+            "it to the spec's models and run `servemesh apply`, which loads it on every replica"
+        )
+
+    def _bring(self, model: str, config: ModelSpec) -> None:
         if self.configure is None:
             raise ServingError(
-                f"{field}: this replica loads by its spec only",
+                f"parameters['{LOAD_CONFIG_PARAMETER}']: this replica loads by its spec only",
                 code=grpc.StatusCode.UNIMPLEMENTED,
             )
         self.configure(model, config)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 
+from servemesh.control_credential import read_control_token
 from servemesh.services.model.errors import ServingError
 from servemesh.services.model.load_specs import LoadSpecs
 from servemesh.services.model.loader import ModelLoader, registry_loader
@@ -102,9 +103,13 @@ async def build_server(
         port=port,
         max_message_bytes=spec.limits.max_message_bytes,
         interceptors=[ShadowRecorder(ledger, instance)],
+        control_token=read_control_token(spec.state_dir),
     )
     servicer.readiness = server.is_ready
     servicer.repository.configure = specs.bring
+    servicer.repository.spec_names = lambda model, version: (
+        version in (specs.spec.models[model].versions if model in specs.spec.models else ())
+    )
     server.on_spec_change(follow_spec(server, servicer.repository, specs))
     server.add_service(
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME

@@ -14,6 +14,7 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from servemesh.services.runtime.control_auth import ControlAuthInterceptor
 from servemesh.services.runtime.decode import DecodeRequestInterceptor
 from servemesh.services.runtime.errors import ErrorStatusInterceptor
 from servemesh.services.runtime.faults import FaultInjector
@@ -70,17 +71,22 @@ class ServiceServer:
         max_message_bytes: int = 4 * 1024 * 1024,
         drain_grace_s: float = 10.0,
         interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+        control_token: str | None = None,
     ) -> None:
         self.name = name
         self.host = host
         self.requested_port = port
         self.drain_grace_s = drain_grace_s
         self.faults = FaultInjector()
+        # Control calls answer only to the mesh's control credential (None: to nobody).
+        self.control = ControlAuthInterceptor(control_token)
         self.server = grpc.aio.server(
-            # Faults first, so an injected error never looks like a handler's own error.
+            # The credential check first: a refused control call reaches nothing else.
+            # Faults next, so an injected error never looks like a handler's own error.
             # Bodies are decoded inside ErrorStatusInterceptor: an undecodable one is
             # INVALID_ARGUMENT like any other bad input.
             interceptors=[
+                self.control,
                 self.faults,
                 ErrorStatusInterceptor(),
                 DecodeRequestInterceptor(),
@@ -158,6 +164,8 @@ class ServiceServer:
         async with self._verdict_lock:
             await self.set_serving(self._dependencies_ok is not False)
         log.info("serving", extra={"port": self.port, "services": self._service_names})
+        if self.control.token is None:
+            log.warning("no control credential: every control call will be refused")
         return self.port
 
     async def set_serving(self, serving: bool) -> None:

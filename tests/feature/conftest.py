@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
+from servemesh.control_credential import control_metadata, ensure_control_token
 from servemesh.demo import DEMO_FEATURES
 from servemesh.proxy.apply import MeshPaths
 from servemesh.services.feature.app import build_server
@@ -33,6 +34,7 @@ from servemesh.spec import (
     resolve,
 )
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
+from tests.control_kit import credentialed_channel
 
 INSTANCE = "feature-zone-a-0"
 
@@ -112,9 +114,11 @@ async def start_features(redis_url: str, tmp_path: Path) -> AsyncIterator[StartF
         state_dir.mkdir()
         spec = features_spec(redis_url, state_dir, views, **options)
         MeshPaths(state_dir).resolved_spec.write_text(dump_spec(spec))
+        # As `servemesh up` does: the service reads it at start, the CLI when it loads.
+        token = ensure_control_token(state_dir)
         server = await build_server(spec, INSTANCE)
         await server.start()
-        channel = grpc.aio.insecure_channel(spec.address_of(INSTANCE))
+        channel = credentialed_channel(spec.address_of(INSTANCE), control_metadata(token))
         client = aioredis.Redis.from_url(redis_url)
         started.append((server, channel, client))
         stub = feature_pb2_grpc.FeatureServiceStub(channel)

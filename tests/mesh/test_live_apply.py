@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from servemesh.control_credential import control_metadata_for
 from servemesh.demo import demo_artifact, demo_signature
 from servemesh.launcher import Mesh
 from servemesh.load import BackgroundLoad, predict_target
@@ -67,7 +68,14 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 async def _push(mesh: Mesh, model: str, version: str, data: bytes) -> None:
     options = message_size_options(mesh.spec.limits.max_message_bytes)
     async with grpc.aio.insecure_channel(mesh.spec.registry_address, options=options) as channel:
-        await push_version(channel, model=model, version=version, data=data, **demo_signature())
+        await push_version(
+            channel,
+            model=model,
+            version=version,
+            data=data,
+            credential=control_metadata_for(mesh.state_dir),
+            **demo_signature(),
+        )
 
 
 async def _push_all(mesh: Mesh) -> None:
@@ -267,6 +275,7 @@ def test_unloading_a_version_no_apply_asked_for_is_caught_up_by_the_next_change(
                 model_name="fraud", parameters={LOAD_VERSION_PARAMETER: param}
             ),
             timeout=10,
+            metadata=control_metadata_for(mesh.state_dir),
         )
     assert ("fraud", "v2") not in _held(mesh, victim)
     applier.manager.set_weights("fraud", {"v1": 90, "v2": 10})

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from servemesh.control_credential import control_metadata_for
 from servemesh.launcher import Mesh
 from servemesh.proxy.admin import AdminClient
 from servemesh.wire import model_cluster, model_servers_cluster
@@ -68,6 +69,7 @@ def victim(mesh: Mesh) -> Iterator[grpc_service_pb2_grpc.GRPCInferenceServiceStu
                 stub.RepositoryModelLoad(
                     oip.RepositoryModelLoadRequest(model_name="fraud", parameters=_version()),
                     timeout=120,
+                    metadata=control_metadata_for(mesh.state_dir),
                 )
 
 
@@ -82,7 +84,9 @@ def test_replica_missing_its_routed_version_is_taken_out_by_envoy_health_checks(
     )
 
     victim.RepositoryModelUnload(
-        oip.RepositoryModelUnloadRequest(model_name="fraud", parameters=_version()), timeout=10
+        oip.RepositoryModelUnloadRequest(model_name="fraud", parameters=_version()),
+        timeout=10,
+        metadata=control_metadata_for(mesh.state_dir),
     )
     wait_until(
         lambda: _every_cluster(admin, address, healthy=False, where=LOSING),
@@ -102,7 +106,9 @@ def test_replica_missing_its_routed_version_is_taken_out_by_envoy_health_checks(
     }
 
     victim.RepositoryModelLoad(
-        oip.RepositoryModelLoadRequest(model_name="fraud", parameters=_version()), timeout=120
+        oip.RepositoryModelLoadRequest(model_name="fraud", parameters=_version()),
+        timeout=120,
+        metadata=control_metadata_for(mesh.state_dir),
     )
     wait_until(
         lambda: _every_cluster(admin, address, healthy=True),

@@ -12,11 +12,21 @@ from typing import Any
 import grpc
 import yaml
 
+from servemesh.control_credential import control_metadata_for
 from servemesh.launcher import Mesh
+from servemesh.spec import ModelInputSpec, ModelSpec, ModelVersionSpec
+from servemesh.wire import LOAD_CONFIG_PARAMETER, LOAD_VERSION_PARAMETER
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 from tests.mesh.conftest import SLOW_VERSION
 from tests.model.torch_models import CHURN_SIGNATURE_YAML, Churn, churn_example, exported
+
+# churn's spec entry: both inputs sent by the caller, v1 from the registry.
+CHURN_ENTRY = ModelSpec(
+    inputs={"features": ModelInputSpec(raw=True), "category": ModelInputSpec(raw=True)},
+    versions={"v1": ModelVersionSpec()},
+    traffic={"v1": 100},
+)
 
 
 def models(mesh: Mesh, *args: str) -> subprocess.CompletedProcess[str]:
@@ -56,11 +66,15 @@ def test_list_shows_live_weights_and_the_replicas_that_hold_each_version(
         "--signature", str(signature),
     )  # fmt: skip
     assert pushed.returncode == 0, pushed.stderr
+    credential = control_metadata_for(mesh.state_dir)
     with grpc.insecure_channel(mesh.spec.address_of(replicas[0])) as channel:
+        # The spec does not name churn: the load carries its entry, as `servemesh apply`
+        # sends it (without one the replica refuses, FAILED_PRECONDITION).
         request = oip.RepositoryModelLoadRequest(model_name="churn")
-        request.parameters["version"].string_param = "v1"
+        request.parameters[LOAD_VERSION_PARAMETER].string_param = "v1"
+        request.parameters[LOAD_CONFIG_PARAMETER].string_param = CHURN_ENTRY.model_dump_json()
         grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(
-            request, timeout=120
+            request, timeout=120, metadata=credential
         )
 
     try:
@@ -76,5 +90,7 @@ def test_list_shows_live_weights_and_the_replicas_that_hold_each_version(
         # The session's mesh is shared: leave its replica serving what it served before.
         with grpc.insecure_channel(mesh.spec.address_of(replicas[0])) as channel:
             grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel).RepositoryModelUnload(
-                oip.RepositoryModelUnloadRequest(model_name="churn"), timeout=30
+                oip.RepositoryModelUnloadRequest(model_name="churn"),
+                timeout=30,
+                metadata=credential,
             )

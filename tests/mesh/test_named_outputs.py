@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from servemesh.control_credential import control_metadata_for
 from servemesh.launcher import Mesh
 from servemesh.registry.client import push_version
 from servemesh.spec import MeshSpec, Ports, ResolvedSpec, parse_spec
@@ -128,6 +129,7 @@ def wine_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
                         ],
                     ),
                     timeout=30,
+                    metadata=control_metadata_for(mesh.state_dir),
                 )
         yield mesh
 
@@ -142,6 +144,7 @@ async def push_wine(spec: ResolvedSpec, registry: grpc.aio.Channel) -> None:
         inputs=SIGNATURE["inputs"],  # type: ignore[arg-type]
         outputs=SIGNATURE["outputs"],  # type: ignore[arg-type]
         format="torch_export",
+        credential=control_metadata_for(spec.state_dir),
     )
 
 

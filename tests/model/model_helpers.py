@@ -13,7 +13,6 @@ import threading
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
-import grpc
 import numpy as np
 import torch
 
@@ -27,6 +26,7 @@ from servemesh.services.model.tensors import Signature, TensorSig
 from servemesh.services.runtime import ServiceServer
 from servemesh.spec import BatchingSpec
 from servemesh_api.inference import grpc_service_pb2_grpc
+from tests.control_kit import TEST_TOKEN, credentialed_channel
 
 FEATURES = 64
 SIGNATURE = Signature(
@@ -42,13 +42,13 @@ Stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub
 @asynccontextmanager
 async def serving_at(servicer: InferenceServicer) -> AsyncIterator[tuple[Stub, int]]:
     """`servicer` on a real grpc.aio server on 127.0.0.1 (a free port): a stub, and the port."""
-    server = ServiceServer(REPLICA, port=0, drain_grace_s=1.0)
+    server = ServiceServer(REPLICA, port=0, drain_grace_s=1.0, control_token=TEST_TOKEN)
     server.add_service(
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
     )
     server.on_stop(servicer.repository.close)
     port = await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    channel = credentialed_channel(f"127.0.0.1:{port}")
     try:
         yield Stub(channel), port
     finally:

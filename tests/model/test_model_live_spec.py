@@ -34,6 +34,7 @@ from servemesh.spec import (
 )
 from servemesh.wire import LOAD_CONFIG_PARAMETER, LOAD_VERSION_PARAMETER, version_health_name
 from servemesh_api.inference import grpc_service_pb2 as oip
+from tests.control_kit import accept_test_credential, credentialed_channel
 from tests.model.model_helpers import Stub
 from tests.model.test_model_loader import CHANNEL, FakeRegistry, record
 from tests.model.test_model_readiness import HeldLoader
@@ -57,7 +58,7 @@ def _spec(
 class Replica:
     def __init__(self, server: ModelServer, loader: HeldLoader, path: Path, live: LiveSpec) -> None:
         self.server, self.loader, self.path, self.live = server, loader, path, live
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        self.channel = credentialed_channel(f"127.0.0.1:{server.port}")
         self.stub = Stub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -83,6 +84,7 @@ async def replica(artifacts: dict[int, Artifact], tmp_path: Path) -> AsyncIterat
     loader = HeldLoader(artifacts)
     server = await build_server(spec, REPLICA, loader=loader)
     assert isinstance(server, ModelServer)
+    accept_test_credential(server)
     # What service_main does: follow the file; the test refreshes instead of polling.
     live = LiveSpec(path, spec, interval_s=3600)
     server.follow_spec(live)

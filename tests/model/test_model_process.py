@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from servemesh.control_credential import control_metadata_for, ensure_control_token
 from servemesh.demo import demo_artifact
 from servemesh.procs import Child, GrpcHealth, Supervisor
 from servemesh.registry.client import push_version
@@ -80,6 +81,8 @@ async def test_model_server_process_drains_in_flight_batches_on_sigterm(tmp_path
     )
     spec_file = tmp_path / "mesh.yaml"
     spec_file.write_text(dump_spec(spec))
+    # What `servemesh up` does first: the services read the control credential at start.
+    ensure_control_token(spec.state_dir)
     artifact = demo_artifact(1)
 
     with Supervisor(tmp_path) as supervisor:
@@ -99,6 +102,7 @@ async def test_model_server_process_drains_in_flight_batches_on_sigterm(tmp_path
                 data=artifact.data,
                 inputs=[registry_pb2.TensorSpec(name="features", datatype="FP32", shape=[-1, 64])],
                 outputs=[registry_pb2.TensorSpec(name="score", datatype="FP32", shape=[-1, 1])],
+                credential=control_metadata_for(spec.state_dir),
             )
         model = await asyncio.to_thread(
             start_service,

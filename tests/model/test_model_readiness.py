@@ -19,6 +19,7 @@ from servemesh.services.model.readiness import ModelServer, routed_versions
 from servemesh.services.model.service import SERVICE_NAME, build_server
 from servemesh.spec import MeshSpec, ModelSpec, Ports, resolve
 from servemesh_api.inference import grpc_service_pb2 as oip
+from tests.control_kit import accept_test_credential, credentialed_channel
 from tests.model.model_helpers import Stub, rows
 from tests.model.test_model_server import demo_loader, infer_request
 from tests.waiting import wait_until_async
@@ -60,8 +61,9 @@ async def replica(
     loader = HeldLoader(artifacts)
     server = await build_server(_spec(), "model-zone-a-0", loader=loader)
     assert isinstance(server, ModelServer)
+    accept_test_credential(server)
     await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    channel = credentialed_channel(f"127.0.0.1:{server.port}")
     try:
         yield server, loader, channel
     finally:

@@ -6,13 +6,13 @@ import warnings
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
 from servemesh.demo import Artifact, demo_artifact
 from servemesh.registry.app import registry_server
 from servemesh.registry.store import RegistryStore
 from servemesh_api.registry.v1 import registry_pb2_grpc
+from tests.control_kit import TEST_TOKEN, credentialed_channel
 from tests.registry.registry_kit import MAX_ARTIFACT_BYTES, RunningRegistry
 
 
@@ -48,10 +48,13 @@ def store(store_root: Path) -> Iterator[RegistryStore]:
 
 @pytest.fixture
 async def registry(store: RegistryStore) -> AsyncIterator[RunningRegistry]:
-    server = registry_server(store, "registry-test", host="127.0.0.1", port=0)
+    server = registry_server(
+        store, "registry-test", host="127.0.0.1", port=0, control_token=TEST_TOKEN
+    )
     port = await server.start()
     address = f"127.0.0.1:{port}"
-    channel = grpc.aio.insecure_channel(address)
+    # Every call carries the control credential, as the mesh's own callers send it.
+    channel = credentialed_channel(address)
     try:
         yield RunningRegistry(
             store, server, channel, registry_pb2_grpc.RegistryStub(channel), address

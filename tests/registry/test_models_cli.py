@@ -24,6 +24,7 @@ from servemesh.services.model.loader import registry_loader
 from servemesh.services.model.servicer import InferenceServicer
 from servemesh.spec import MeshSpec, Replicas, ResolvedSpec, dump_spec, resolve
 from servemesh_api.inference import grpc_service_pb2 as oip
+from tests.control_kit import install_test_token
 from tests.model.model_helpers import REPLICA, Stub, serving_at
 from tests.model.torch_models import (
     CHURN_FEATURES,
@@ -69,6 +70,7 @@ def mesh_state(
     spec = ResolvedSpec.model_validate({**resolved.model_dump(), "instance_ports": ports})
     root.mkdir(parents=True, exist_ok=True)
     (root / "mesh.resolved.yaml").write_text(dump_spec(spec))
+    install_test_token(root)  # what the test registry checks
     return root
 
 

@@ -19,6 +19,7 @@ from servemesh.registry.client import (
     set_alias,
 )
 from servemesh_api.registry.v1 import registry_pb2 as pb
+from tests.control_kit import TEST_CREDENTIAL
 from tests.registry.registry_kit import (
     MAX_ARTIFACT_BYTES,
     RunningRegistry,
@@ -75,7 +76,13 @@ async def refused(call: Awaitable[object]) -> grpc.aio.AioRpcError:
 
 async def push(registry: RunningRegistry, data: bytes, version: str = "v1") -> pb.ModelVersion:
     return await push_version(
-        registry.channel, model="fraud", version=version, data=data, inputs=INPUTS, outputs=OUTPUTS
+        registry.channel,
+        model="fraud",
+        version=version,
+        data=data,
+        inputs=INPUTS,
+        outputs=OUTPUTS,
+        credential=TEST_CREDENTIAL,
     )
 
 
@@ -100,6 +107,7 @@ async def test_round_trip_of_the_demo_artifact_is_byte_identical(
         data=demo1.data,
         inputs=INPUTS,
         outputs=OUTPUTS,
+        credential=TEST_CREDENTIAL,
         labels={"source": "demo:1"},
     )
     assert (pushed.sha256, pushed.size_bytes, pushed.format) == (
@@ -181,7 +189,9 @@ async def test_an_alias_is_resolved_by_get_version_and_download(
     await push(registry, demo1.data, "v1")
     v2 = await push(registry, demo2.data, "v2")
 
-    model = await set_alias(registry.channel, "fraud", "production", "v2")
+    model = await set_alias(
+        registry.channel, "fraud", "production", "v2", credential=TEST_CREDENTIAL
+    )
     assert dict(model.aliases) == {"production": "v2"}
 
     got = await registry.stub.GetVersion(pb.GetVersionRequest(model="fraud", version="production"))

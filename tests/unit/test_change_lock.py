@@ -47,3 +47,35 @@ def test_the_lock_is_reentrant_within_one_process(tmp_path: Path) -> None:
         pass
     with paths.change_lock():  # and free again afterwards
         pass
+
+
+def test_threads_of_one_process_take_turns(tmp_path: Path) -> None:
+    import threading
+
+    paths = MeshPaths(tmp_path)
+    inside = threading.Event()
+    release = threading.Event()
+    order: list[str] = []
+
+    def first() -> None:
+        with paths.change_lock():
+            order.append("first in")
+            inside.set()
+            release.wait(timeout=30)
+            order.append("first out")
+
+    def second() -> None:
+        with paths.change_lock(), paths.change_lock():  # re-entrant in its own thread too
+            order.append("second in")
+
+    one = threading.Thread(target=first)
+    one.start()
+    assert inside.wait(timeout=30)
+    two = threading.Thread(target=second)
+    two.start()
+    two.join(timeout=0.2)  # it must be waiting, not inside, while the first holds the lock
+    assert order == ["first in"]
+    release.set()
+    one.join(timeout=30)
+    two.join(timeout=30)
+    assert order == ["first in", "first out", "second in"]

@@ -14,8 +14,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 # The contract every layer may use: wire names, the spec and its policy, demo names,
-# atomic file writes. It imports nothing of ours but itself.
-CONTRACT = {"wire", "spec", "policy", "demo", "demo_model", "atomic", "model_contract"}
+# atomic file writes, the control credential. It imports nothing of ours but itself.
+CONTRACT = {
+    "wire",
+    "spec",
+    "policy",
+    "demo",
+    "demo_model",
+    "atomic",
+    "model_contract",
+    "control_credential",
+}
 SERVICES = {"services.runtime", "services.gateway", "services.feature", "services.model"}
 TOOLING = {"procs", "netns", "load", "proxy", "credentials"}
 
@@ -29,6 +38,8 @@ ALLOWED: dict[str, set[str]] = {
     "spec": {"demo", "policy"},
     # does a model's spec entry fit an artifact's signature (apply, loader, gateway)
     "model_contract": {"spec"},
+    # the control credential: services check it, every control caller sends it
+    "control_credential": {"wire"},
     # the services: the runtime under them, the contract, and nothing that runs a mesh
     "services.runtime": CONTRACT,
     "services.gateway": CONTRACT | {"services.runtime"},
