@@ -40,7 +40,11 @@ def test_a_short_campaign_finds_nothing_and_valid_predicts_keep_succeeding(
     assert report.ok
 
 
-@pytest.mark.parametrize("rpc", [r for r in RPCS if r.shape == "unary"], ids=lambda r: r.name)
+# Control calls without the control credential are refused before their body is read.
+DATA_PLANE_UNARY = [r for r in RPCS if r.shape == "unary" and not r.control]
+
+
+@pytest.mark.parametrize("rpc", DATA_PLANE_UNARY, ids=lambda r: r.name)
 def test_an_undecodable_body_through_envoy_is_invalid_argument(fuzz_mesh: Mesh, rpc: Rpc) -> None:
     """Found by the campaign: was UNKNOWN "Unexpected <class '...DecodeError'>"."""
     route = routes_of(fuzz_mesh.spec)[rpc.api][0]
