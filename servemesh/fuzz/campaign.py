@@ -217,13 +217,21 @@ def send(
     return Outcome(code, details, time.monotonic() - started)
 
 
-def judge(outcome: Outcome, timeout_s: float) -> str | None:
+def leaks(details: str, sent: bytes) -> bool:
+    """Details that show implementation, not counting what the caller itself sent (a
+    model named "RequestError" echoed back is no leak)."""
+    if details == UNDECODABLE:
+        return False
+    return any(m.group().encode() not in sent for m in LEAK.finditer(details))
+
+
+def judge(outcome: Outcome, timeout_s: float, sent: bytes = b"") -> str | None:
     """What is wrong with an answer, or None: hang, unknown, reset, internal, leak."""
     if outcome.elapsed_s > timeout_s + HANG_GRACE_S:
         return "hang"
     if outcome.code == grpc.StatusCode.UNKNOWN:
         return "unknown"
-    if outcome.details != UNDECODABLE and LEAK.search(outcome.details):
+    if leaks(outcome.details, sent):
         return "leak"
     if outcome.code == grpc.StatusCode.UNAVAILABLE and RESET.search(outcome.details):
         return "reset"
@@ -296,7 +304,7 @@ class Campaign:
         tally.statuses[outcome.code.name] += 1
         tally.statuses_by_via[f"{route.via} {outcome.code.name}"] += 1
         tally.max_elapsed_s = max(tally.max_elapsed_s, outcome.elapsed_s)
-        kind = judge(outcome, self.timeout_s)
+        kind = judge(outcome, self.timeout_s, b"".join(bodies))
         if kind is None:
             return
         key = (rpc.name, route.via, kind, outcome.details[:160])

@@ -48,6 +48,13 @@ def test_a_finding_is_a_hang_an_unknown_a_reset_an_internal_or_a_leak(
     assert judge(Outcome(code, details, elapsed), timeout_s=5.0) == kind
 
 
+def test_a_name_the_caller_sent_echoed_back_is_no_leak() -> None:
+    details = "model: 'RequestError' is not a valid name"
+    outcome = Outcome(grpc.StatusCode.INVALID_ARGUMENT, details, 0.01)
+    assert judge(outcome, 5.0, sent=b"\x0a\x0cRequestError") is None
+    assert judge(outcome, 5.0, sent=b"\x0a\x03abc") == "leak"
+
+
 def test_every_public_rpc_is_fuzzed_and_every_control_method_among_them() -> None:
     paths = {rpc.path for rpc in RPCS}
     assert CONTROL_METHODS <= paths
