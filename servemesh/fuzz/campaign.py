@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
+from servemesh.control_credential import control_metadata, read_control_token
 from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.fuzz.rpcs import RPCS, Api, Rpc
 from servemesh.fuzz.strategies import Known, near_valid, raw, structured
@@ -248,6 +249,8 @@ class Campaign:
     known: Known
     timeout_s: float = 5.0
     rpcs: tuple[Rpc, ...] = RPCS
+    # The mesh's control credential, sent on half the control calls (None: on none).
+    control_token: str | None = None
     tallies: dict[str, RpcTally] = field(default_factory=dict)
     findings: dict[tuple[str, str, str, str], Finding] = field(default_factory=dict)
     sent: int = 0
@@ -289,6 +292,10 @@ class Campaign:
         metadata = route.metadata
         if rpc.api == "model" and route.via == "envoy":
             metadata += self.oip_headers(data)
+        if rpc.control and self.control_token and data.draw(st.booleans()):
+            # Half the control calls carry the mesh's credential: the other half prove the
+            # refusal, these reach the input handling behind it.
+            metadata += control_metadata(self.control_token)
         mode = data.draw(st.sampled_from(list(MODES)))
         bodies = data.draw(MODES[mode](rpc, self.known))
         outcome = send(self.channel(route.address), rpc, bodies, metadata, self.timeout_s)
@@ -369,7 +376,13 @@ def run_campaign(
     services: dict[str, str] = {i.name: i.service for i in spec.instances()}
     services["envoy"] = "envoy"
     known = known_of(spec)
-    campaign = Campaign(spec, known, timeout_s=timeout_s, on_progress=on_progress)
+    campaign = Campaign(
+        spec,
+        known,
+        timeout_s=timeout_s,
+        control_token=read_control_token(spec.state_dir),
+        on_progress=on_progress,
+    )
     memory = MemoryWatch(pids)
     model = known.model_names[0]
     trickle = ValidTrickle(spec.edge_address, model, known.entities, edge_metadata(spec))
