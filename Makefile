@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TRITON_VENV  := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.installed
 
-.PHONY: up test typecheck lint install triton-venv protos check-protos bench clean
+.PHONY: up test typecheck lint install triton-venv protos check-protos bench fuzz clean
 
 up: $(STAMP)
 	$(BIN)/servemesh up
@@ -39,6 +39,11 @@ $(TRITON_STAMP):
 	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
 	$(TRITON_VENV)/bin/pip install --quiet 'tritonclient[grpc]>=2.50,<3' 'numpy<3'
 	touch $(TRITON_STAMP)
+
+# The long fuzz campaign on a mesh of its own (docs/security.md, "Fuzzing"); tests/fuzz/
+# runs a short one in `make test`.
+fuzz: $(STAMP)
+	$(BIN)/servemesh fuzz --requests 10000 --json-out fuzz-report.json
 
 protos: $(STAMP)
 	$(BIN)/python -m servemesh.protogen

@@ -110,9 +110,22 @@ def is_caller_error(code: grpc.StatusCode) -> bool:
     return code in _CALLER_CODES
 
 
+# The longest status message sent. A message can echo what the caller sent (a name of
+# 70,000 characters): as the grpc-message trailer that exceeds Envoy's header limit, and
+# Envoy answers the caller with a reset instead of the status.
+MAX_WIRE_MESSAGE_CHARS = 1024
+
+
+def wire_message(message: str) -> str:
+    """The message as sent: cut to MAX_WIRE_MESSAGE_CHARS, marked where it was cut."""
+    if len(message) <= MAX_WIRE_MESSAGE_CHARS:
+        return message
+    return message[: MAX_WIRE_MESSAGE_CHARS - 20] + f"... ({len(message)} chars)"
+
+
 async def abort_with(context: grpc.aio.ServicerContext, error: MeshError) -> NoReturn:
-    """End the call with the error's status and message."""
-    await context.abort(error.code, error.message)
+    """End the call with the error's status and message (bounded in length)."""
+    await context.abort(error.code, wire_message(error.message))
     raise AssertionError("unreachable: context.abort raises")
 
 

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from servemesh.services.runtime.control_auth import ControlAuthInterceptor
+from servemesh.services.runtime.decode import DecodeRequestInterceptor
 from servemesh.services.runtime.errors import ErrorStatusInterceptor
 from servemesh.services.runtime.faults import FaultInjector
 from servemesh.services.runtime.live_spec import LiveSpec, SpecHook
@@ -82,10 +83,13 @@ class ServiceServer:
         self.server = grpc.aio.server(
             # The credential check first: a refused control call reaches nothing else.
             # Faults next, so an injected error never looks like a handler's own error.
+            # Bodies are decoded inside ErrorStatusInterceptor: an undecodable one is
+            # INVALID_ARGUMENT like any other bad input.
             interceptors=[
                 self.control,
                 self.faults,
                 ErrorStatusInterceptor(),
+                DecodeRequestInterceptor(),
                 *(interceptors or []),
             ],
             options=[

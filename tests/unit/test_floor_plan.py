@@ -61,6 +61,8 @@ ALLOWED: dict[str, set[str]] = {
     # what runs meshes and measures them; the chaos suite is imported by the CLI alone
     "chaos": CONTRACT | TOOLING | {"launcher", "seeding", "services.runtime"},
     "bench": CONTRACT | TOOLING | {"launcher"},
+    # fuzzes a mesh of its own (launcher) through Envoy and straight to its replicas
+    "fuzz": CONTRACT | TOOLING | {"launcher"},
     "model_bench": CONTRACT | TOOLING | SERVICES,
     "routes_cli": CONTRACT | TOOLING,
     "apply_cli": CONTRACT | TOOLING,
@@ -74,6 +76,7 @@ ALLOWED: dict[str, set[str]] = {
         "launcher",
         "chaos",
         "bench",
+        "fuzz",
         "model_bench",
         "routes_cli",
         "apply_cli",

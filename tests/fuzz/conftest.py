@@ -1,0 +1,30 @@
+"""One small mesh for the fuzz tests (one replica of each service per zone, the demo model)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from servemesh.launcher import Mesh
+from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, Ports
+
+
+@pytest.fixture(scope="session")
+def fuzz_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    spec = MeshSpec(
+        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        state_dir=str(tmp_path_factory.mktemp("fuzz-mesh")),
+        models={
+            "fraud": ModelSpec(
+                versions={
+                    "v1": ModelVersionSpec(source="demo:1"),
+                    "v2": ModelVersionSpec(source="demo:2"),
+                },
+                traffic={"v1": 100, "v2": 0},
+            )
+        },
+        demo={"enabled": True, "entities": 50},
+    )
+    with Mesh.from_spec(spec) as running:
+        yield running
