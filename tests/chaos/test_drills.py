@@ -19,6 +19,7 @@ import yaml
 
 from servemesh.chaos.drill import DEFAULTS
 from servemesh.chaos.runner import DrillResult, load_experiment, resolve_experiment, run_drill
+from servemesh.proxy.admin import admin_socket_path
 
 pytestmark = pytest.mark.mesh
 
@@ -55,18 +56,29 @@ def _listening(host: str, port: int) -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
+def _unix_listening(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(0.2)
+        try:
+            sock.connect(str(path))
+        except OSError:  # no file, or nobody accepting on it
+            return False
+        return True
+
+
 def assert_nothing_left(result: DrillResult) -> None:
-    """No process of the drill's mesh is alive and none of its ports still listens."""
+    """No process of the drill's mesh is alive, none of its ports still listens, and its
+    Envoy admin socket answers no more."""
     mesh_dir = result.out_dir.resolve() / "mesh"
     assert not _processes_mentioning(str(mesh_dir)), _processes_mentioning(str(mesh_dir))
     resolved = yaml.safe_load((mesh_dir / "mesh.resolved.yaml").read_text())
     ports = [
         resolved["ports"]["edge"],
-        resolved["ports"]["envoy_admin"],
         *resolved["mesh_ports"].values(),
         *resolved["instance_ports"].values(),
     ]
     assert not [p for p in ports if _listening(resolved["host"], p)]
+    assert not _unix_listening(admin_socket_path(mesh_dir))
 
 
 def drill(name: str | Path, tmp_path: Path, **variables: Any) -> DrillResult:
