@@ -21,9 +21,11 @@ from redis.backoff import NoBackoff
 from servemesh.services.runtime import ServiceServer
 from servemesh.services.runtime.dependencies import DependencyWatch, Verdict
 
-# A healthy local Redis answers PING in well under a millisecond; 250 ms is an outage or a
-# machine so loaded that the replica is better out of rotation anyway.
-PING_TIMEOUT_S = 0.25
+# A healthy local Redis answers PING in well under a millisecond, and a dead one refuses the
+# connection at once, so the timeout only judges a stalled Redis. It is generous because
+# every feature replica shares the one Redis: a timeout short enough to trip on a busy
+# machine takes all of them out together, which is an outage of its own.
+PING_TIMEOUT_S = 1.0
 PROBE_INTERVAL_S = 0.5
 # Three failed PINGs in a row (about 1.5 s without traffic) before going down.
 FAILURES_TO_FAIL = 3

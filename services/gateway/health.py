@@ -43,8 +43,10 @@ from servemesh.spec import MeshSpec, ModelSpec, ResolvedSpec
 from servemesh.wire import reconnect_backoff_options
 
 PROBE_INTERVAL_S = 0.5
-# Each replica's Check and the listener's connect: far above a healthy local answer.
-PROBE_TIMEOUT_S = 0.3
+# Each replica's Check and the listener's connect: far above a healthy local answer (a dead
+# peer refuses at once; the timeout only judges a stalled one), and above what a busy
+# machine adds, since every gateway would time out together.
+PROBE_TIMEOUT_S = 1.0
 # Two rounds in a row (about 1 s): the replicas' own health is already debounced, and a
 # dead listener refuses at once; one slow round still does not take a gateway out.
 FAILURES_TO_FAIL = 2
