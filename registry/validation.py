@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from servemesh.echo import shown
 from servemesh.registry.errors import InvalidArgumentError
 from servemesh.registry.records import TensorSpec, UploadHeader
+from servemesh.wire import OIP_DATATYPES
 
 # Model, version and alias names double as path-safe identifiers in logs and URLs.
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
@@ -27,24 +28,7 @@ LINEAGE_FORMS = {
 # torch.export archives that pass the model server's allowlist before torch parses them.
 FORMATS = frozenset({"torchscript", "torch_export"})
 # OIP v2 tensor datatypes.
-DATATYPES = frozenset(
-    {
-        "BOOL",
-        "UINT8",
-        "UINT16",
-        "UINT32",
-        "UINT64",
-        "INT8",
-        "INT16",
-        "INT32",
-        "INT64",
-        "FP16",
-        "BF16",
-        "FP32",
-        "FP64",
-        "BYTES",
-    }
-)
+DATATYPES = OIP_DATATYPES
 
 MAX_DESCRIPTION_CHARS = 1024
 MAX_TENSORS = 256

@@ -12,25 +12,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from servemesh.spec import ModelSpec
+from servemesh.wire import OIP_DATATYPES
 
 # The datatypes the gateway carries in its public Tensor (docs/models.md).
-GATEWAY_DATATYPES = frozenset(
-    {
-        "BOOL",
-        "UINT8",
-        "UINT16",
-        "UINT32",
-        "UINT64",
-        "INT8",
-        "INT16",
-        "INT32",
-        "INT64",
-        "FP16",
-        "BF16",
-        "FP32",
-        "FP64",
-    }
-)
+GATEWAY_DATATYPES = OIP_DATATYPES - {"BYTES"}
 # A view's features are floats: an input filled from a view takes one of these.
 FLOAT_DATATYPES = frozenset({"FP16", "BF16", "FP32", "FP64"})
 

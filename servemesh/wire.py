@@ -40,6 +40,14 @@ LOAD_VERSION_PARAMETER: Final = "version"
 # a version of a model (or a model) its spec does not list yet; `servemesh apply` sends it.
 LOAD_CONFIG_PARAMETER: Final = "config"
 
+# --- tensors --------------------------------------------------------------------------------
+
+# The OIP v2 tensor datatypes (the registry records them; the gateway carries all but BYTES).
+OIP_DATATYPES: Final = frozenset(
+    {"BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"}
+    | {"FP16", "BF16", "FP32", "FP64", "BYTES"}
+)
+
 # --- gRPC services and method paths ----------------------------------------------------------
 
 OIP_SERVICE: Final = "inference.GRPCInferenceService"

@@ -40,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "policy": set(),
     "spec": {"demo", "policy"},
     # does a model's spec entry fit an artifact's signature (apply, loader, gateway)
-    "model_contract": {"spec"},
+    "model_contract": {"spec", "wire"},
     # the control credential: services check it, every control caller sends it
     "control_credential": {"wire"},
     # the services: the runtime under them, the contract, and nothing that runs a mesh
