@@ -17,12 +17,12 @@ from rich.console import Console
 from rich.table import Table
 
 from servemesh.apply_cli import add_apply_parser
+from servemesh.certs_cli import add_certs_parser
 from servemesh.chaos.cli import add_chaos_parser
 from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.features.cli import add_features_parser
 from servemesh.fuzz.cli import add_fuzz_parser
 from servemesh.identity import Dial, dial_edge_at
-from servemesh.identity.cli import add_certs_parser
 from servemesh.models_cli import add_models_parser
 from servemesh.proxy.apply import MeshPaths, NoRunningMesh
 from servemesh.routes_cli import add_routes_parser
@@ -294,19 +294,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Validate a spec: the typed model, then the rendered Envoy config by Envoy itself."""
-    import yaml
-
-    from servemesh.proxy.process import EnvoyConfigError, validate_config
-    from servemesh.proxy.render import render_resources, static_bootstrap
+    from servemesh.proxy.offline import validate_offline
+    from servemesh.proxy.process import EnvoyConfigError
     from servemesh.spec import resolve
 
     spec = resolve(_load(args.spec))
     with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "envoy.yaml"
-        resources = render_resources(spec, Path(tmp))
-        config.write_text(yaml.safe_dump(static_bootstrap(spec, resources, Path(tmp))))
         try:
-            validate_config(config)
+            validate_offline(spec, Path(tmp))
         except EnvoyConfigError as exc:
             console.print(f"[red]Envoy refuses the rendered config:[/red]\n{exc}")
             return 1

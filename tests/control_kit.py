@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from servemesh.control_credential import Metadata, control_metadata, control_token_path
+from servemesh.identity import Dial
 from servemesh.services.runtime import ServiceServer
 
 # The token of in-process test servers (a mesh of processes makes its own, at random).
@@ -71,14 +72,15 @@ class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
 
 
 def credentialed_channel(
-    address: str,
+    target: str | Dial,
     credential: Metadata = TEST_CREDENTIAL,
     options: Sequence[tuple[str, Any]] | None = None,
 ) -> grpc.aio.Channel:
-    """An insecure aio channel to `address` whose every call carries `credential`."""
-    return grpc.aio.insecure_channel(
-        address,
-        options=options,
+    """An aio channel to `target` (an address: plaintext) whose every call carries
+    `credential`."""
+    dial = Dial(target, None) if isinstance(target, str) else target
+    return dial.aio_channel(
+        options=options or (),
         interceptors=[
             _UnaryUnary(credential),
             _UnaryStream(credential),

@@ -25,8 +25,8 @@ def _sds(identity: MeshIdentity, secret: str) -> dict[str, Any]:
         "sds_config": {
             # Re-read when a file is renamed into the folder (the store's atomic swap).
             "path_config_source": {
-                "path": str(path.resolve()),
-                "watched_directory": {"path": str(path.parent.resolve())},
+                "path": str(path),
+                "watched_directory": {"path": str(path.parent)},
             },
             "resource_api_version": "V3",
         },

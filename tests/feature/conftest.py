@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 
 from servemesh.control_credential import control_metadata, ensure_control_token
 from servemesh.demo import DEMO_FEATURES
+from servemesh.identity import dial_service
 from servemesh.proxy.apply import MeshPaths
 from servemesh.services.feature.app import build_server
 from servemesh.services.runtime import ServiceServer
@@ -120,9 +121,10 @@ async def start_features(redis_url: str, tmp_path: Path) -> AsyncIterator[StartF
         MeshPaths(state_dir).resolved_spec.write_text(dump_spec(spec))
         # As `servemesh up` does: the service reads it at start, the CLI when it loads.
         token = ensure_control_token(state_dir)
+        # As a running mesh's: mutual TLS on its port (the CLI dials it as the operator).
         server = await build_server(spec, INSTANCE)
         await server.start()
-        channel = credentialed_channel(spec.address_of(INSTANCE), control_metadata(token))
+        channel = credentialed_channel(dial_service(spec, INSTANCE), control_metadata(token))
         client = aioredis.Redis.from_url(redis_url)
         started.append((server, channel, client))
         stub = feature_pb2_grpc.FeatureServiceStub(channel)

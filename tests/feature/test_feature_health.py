@@ -62,7 +62,7 @@ async def feature_server(
 ) -> AsyncIterator[tuple[ServiceServer, grpc.aio.Channel]]:
     # The service reads the password from the file the spec names, as in a mesh.
     spec = features_spec(own_redis.url, tmp_path, {}, password_file=own_redis.password_path)
-    server = await build_server(spec, INSTANCE)
+    server = await build_server(spec, INSTANCE, tls=False)
     await server.start()
     channel = grpc.aio.insecure_channel(spec.address_of(INSTANCE))
     yield server, channel
@@ -106,7 +106,7 @@ async def test_a_feature_service_whose_redis_is_absent_starts_not_serving(
         url = redis.url
         await asyncio.to_thread(redis.stop)
     spec = features_spec(url, tmp_path, {})
-    server = await build_server(spec, INSTANCE)
+    server = await build_server(spec, INSTANCE, tls=False)
     await server.start()
     channel = grpc.aio.insecure_channel(spec.address_of(INSTANCE))
     stub = health_pb2_grpc.HealthStub(channel)

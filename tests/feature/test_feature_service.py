@@ -203,7 +203,7 @@ async def test_a_write_gives_every_feature_of_the_view(start_features: StartFeat
 
 async def test_unreachable_redis_is_unavailable_not_a_crash(tmp_path: Path) -> None:
     spec = features_spec(f"redis://127.0.0.1:{free_port('127.0.0.1')}/0", tmp_path, {})
-    server = await build_server(spec, INSTANCE)
+    server = await build_server(spec, INSTANCE, tls=False)
     await server.start()
     async with grpc.aio.insecure_channel(spec.address_of(INSTANCE)) as channel:
         stub = feature_pb2_grpc.FeatureServiceStub(channel)

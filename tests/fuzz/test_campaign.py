@@ -10,6 +10,7 @@ import pytest
 
 from servemesh.fuzz.campaign import routes_of, run_campaign, send
 from servemesh.fuzz.rpcs import RPCS, Rpc
+from servemesh.identity import dial_mesh
 from servemesh.launcher import Mesh
 from servemesh.services.runtime.errors import MAX_WIRE_MESSAGE_CHARS
 from servemesh_api.inference import grpc_service_pb2 as oip
@@ -48,7 +49,7 @@ DATA_PLANE_UNARY = [r for r in RPCS if r.shape == "unary" and not r.control]
 def test_an_undecodable_body_through_envoy_is_invalid_argument(fuzz_mesh: Mesh, rpc: Rpc) -> None:
     """Found by the campaign: was UNKNOWN "Unexpected <class '...DecodeError'>"."""
     route = routes_of(fuzz_mesh.spec)[rpc.api][0]
-    with grpc.insecure_channel(route.address) as channel:
+    with route.dial.channel() as channel:
         outcome = send(channel, rpc, [CORRUPT], route.metadata, timeout_s=5)
     assert outcome.code == grpc.StatusCode.INVALID_ARGUMENT, outcome.details
     assert outcome.details == f"request: not a {rpc.request.DESCRIPTOR.full_name} message"
@@ -61,8 +62,7 @@ def test_a_huge_name_through_a_mesh_listener_gets_its_status_not_a_reset(
     fit Envoy's header limit, and the caller got "upstream ... reset"."""
     request = oip.ModelStatisticsRequest(name="a" * 70_000)
     rpc = next(r for r in RPCS if r.method == "ModelStatistics")
-    address = fuzz_mesh.spec.mesh_address_for(fuzz_mesh.spec.zones[0])
-    with grpc.insecure_channel(address) as channel:
+    with dial_mesh(fuzz_mesh.spec, fuzz_mesh.spec.zones[0]).channel() as channel:
         outcome = send(channel, rpc, [request.SerializeToString()], (), timeout_s=5)
     assert outcome.code == grpc.StatusCode.NOT_FOUND, outcome.details
     assert len(outcome.details) <= MAX_WIRE_MESSAGE_CHARS

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from servemesh.atomic import atomic_write_text
+from servemesh.identity import dial_service, serving_credentials
 from servemesh.procs import RedisServer, Supervisor
 from servemesh.services.feature.app import build_server as build_feature
 from servemesh.services.gateway.app import build_server as build_gateway
@@ -150,12 +151,17 @@ async def deps(own_redis: RedisServer, tmp_path: Path) -> AsyncIterator[Dependen
     atomic_write_text(spec_path, dump_spec(spec))
     feature = await build_feature(spec, FEATURE)
     await feature.start()
-    model = ServiceServer(MODEL, host=spec.host, port=spec.port_of(MODEL))
+    model = ServiceServer(
+        MODEL,
+        host=spec.host,
+        port=spec.port_of(MODEL),
+        credentials=serving_credentials(spec, MODEL),
+    )
     await model.start()
     gateway = await build_gateway(spec, GATEWAY)
     gateway.follow_spec(LiveSpec(spec_path, spec))
     await gateway.start()
-    channel = grpc.aio.insecure_channel(spec.address_of(GATEWAY))
+    channel = dial_service(spec, GATEWAY).aio_channel()
     world = Dependencies(spec, spec_path, own_redis, model, channel)
     await world.open_listener()
     yield world

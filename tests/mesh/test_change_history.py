@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
 from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.apply import APPLIED, FAILED, ApplyError, RouteManager
@@ -43,7 +44,7 @@ def _xds(mesh: Mesh) -> dict[Path, bytes]:
 
 def _predicts(mesh: Mesh) -> bool:
     try:
-        with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+        with dial_edge(mesh.spec).channel() as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
             stub.Predict(
                 gateway_pb2.PredictRequest(model="fraud", entity_ids=["user-1"]), timeout=2

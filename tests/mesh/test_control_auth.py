@@ -20,6 +20,7 @@ from servemesh.control_credential import (
     read_control_token,
 )
 from servemesh.demo import DEMO_FEATURES
+from servemesh.identity import dial_service
 from servemesh.launcher import Mesh
 from servemesh.wire import (
     CONTROL_METHODS,
@@ -53,7 +54,7 @@ def _first(mesh: Mesh, service: str) -> str:
 def channels(mesh: Mesh) -> Iterator[dict[str, grpc.Channel]]:
     """Plain channels straight to one registry, model server and feature service."""
     opened = {
-        service: grpc.insecure_channel(mesh.spec.address_of(_first(mesh, service)))
+        service: dial_service(mesh.spec, _first(mesh, service)).channel()
         for service in ("registry", "model", "feature")
     }
     try:
@@ -191,7 +192,7 @@ def test_the_unload_of_the_issue_leaves_fraud_loaded(
     """The report that started this: an unload sent by any local process unloaded fraud.
     Now every replica refuses it, and fraud stays loaded and SERVING everywhere."""
     for replica in (i.name for i in mesh.spec.instances() if i.service == "model"):
-        with grpc.insecure_channel(mesh.spec.address_of(replica)) as channel:
+        with dial_service(mesh.spec, replica).channel() as channel:
             stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
             with pytest.raises(grpc.RpcError) as refused:
                 stub.RepositoryModelUnload(

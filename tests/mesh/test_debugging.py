@@ -6,46 +6,49 @@ import subprocess
 import sys
 from pathlib import Path
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servemesh.identity import dial_edge, dial_service, mesh_identity
 from servemesh.launcher import Mesh
 
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 
 
-def _grpcurl(*args: str) -> str:
+def _grpcurl(mesh: Mesh, *args: str) -> str:
+    """grpcurl against the edge, trusting the mesh's CA (the edge serves TLS)."""
+    trust = str(mesh_identity(mesh.spec).trust_file)
     result = subprocess.run(
-        [GRPCURL, "-plaintext", *args], capture_output=True, text=True, timeout=30, check=False
-    )
+        [GRPCURL, "-cacert", trust, *args], capture_output=True, text=True, timeout=30,
+        check=False,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     return result.stdout
 
 
 def test_grpcurl_lists_and_describes_through_envoy(mesh: Mesh) -> None:
-    listed = _grpcurl(mesh.spec.edge_address, "list").split()
+    listed = _grpcurl(mesh, mesh.spec.edge_address, "list").split()
     assert "servemesh.gateway.v1.Gateway" in listed
     assert "grpc.health.v1.Health" in listed
-    described = _grpcurl(mesh.spec.edge_address, "describe", "servemesh.gateway.v1.Gateway.Predict")
+    described = _grpcurl(
+        mesh, mesh.spec.edge_address, "describe", "servemesh.gateway.v1.Gateway.Predict"
+    )
     assert "PredictRequest" in described and "PredictResponse" in described
 
 
 def test_grpcurl_can_call_predict_through_envoy(mesh: Mesh) -> None:
-    out = _grpcurl("-d", '{"model": "fraud", "entity_ids": ["user-42"]}', mesh.spec.edge_address,
-                   "servemesh.gateway.v1.Gateway/Predict")  # fmt: skip
+    body = '{"model": "fraud", "entity_ids": ["user-42"]}'
+    out = _grpcurl(mesh, "-d", body, mesh.spec.edge_address, "servemesh.gateway.v1.Gateway/Predict")
     assert '"model_version": "v1"' in out and '"scores"' in out
 
 
 def test_every_service_and_the_edge_answer_health_checks(mesh: Mesh) -> None:
-    addresses = [mesh.spec.address_of(i.name) for i in mesh.spec.instances()] + [
-        mesh.spec.edge_address
-    ]
-    for address in addresses:
-        with grpc.insecure_channel(address) as channel:
+    dials = [dial_service(mesh.spec, i.name) for i in mesh.spec.instances()]
+    for dial in [*dials, dial_edge(mesh.spec)]:
+        with dial.channel() as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=2
             )
-        assert reply.status == health_pb2.HealthCheckResponse.SERVING, address
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING, dial.address
 
 
 def test_every_service_exposes_reflection(mesh: Mesh) -> None:

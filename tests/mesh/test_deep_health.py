@@ -11,6 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servemesh.identity import dial_service
 from servemesh.launcher import Mesh
 from servemesh.proxy.admin import AdminClient
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -27,7 +28,7 @@ def _statuses(mesh: Mesh, service: str) -> dict[str, str]:
     for instance in mesh.spec.instances():
         if instance.service != service:
             continue
-        with grpc.insecure_channel(mesh.spec.address_of(instance.name)) as channel:
+        with dial_service(mesh.spec, instance.name).channel() as channel:
             try:
                 reply = health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(), timeout=2

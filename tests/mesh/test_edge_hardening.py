@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import stat
 import threading
 import time
@@ -27,6 +28,18 @@ import yaml
 from grpc_health.v1 import health_pb2
 
 from servemesh.credentials import authorization_value, htpasswd_line
+from servemesh.identity import (
+    EDGE_IDENTITY,
+    ENVOY_IDENTITY,
+    OPERATOR_IDENTITY,
+    Dial,
+    dial_edge,
+    dial_mesh,
+    dial_service,
+    issue_mesh_certificates,
+    mesh_identity,
+    serving_credentials,
+)
 from servemesh.launcher import Mesh
 from servemesh.policy import (
     EdgeAuth,
@@ -135,11 +148,11 @@ class Front:
     admin: AdminClient
 
     @property
-    def edge(self) -> str:
-        return self.spec.edge_address
+    def edge(self) -> Dial:
+        return dial_edge(self.spec)
 
-    def mesh(self, zone: str) -> str:
-        return self.spec.mesh_address_for(zone)
+    def mesh(self, zone: str) -> Dial:
+        return dial_mesh(self.spec, zone)
 
 
 FrontFactory = Callable[[TrafficSpec], Front]
@@ -169,8 +182,13 @@ def front_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FrontFac
         recorder = Recorder()
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
         server.add_generic_rpc_handlers((recorder,))
+        # Envoy dials every replica with mutual TLS and checks its name: each port shows
+        # the certificate of the instance it stands in for.
+        issue_mesh_certificates(spec)
         for instance in spec.instances():
-            server.add_insecure_port(spec.address_of(instance.name))
+            server.add_secure_port(
+                spec.address_of(instance.name), serving_credentials(spec, instance.name)
+            )
         server.start()
         config = state / "envoy.yaml"
         resources = render_resources(spec, state)
@@ -224,13 +242,13 @@ AUTH = ((AUTHORIZATION_HEADER, authorization_value(USER, KEY)),)
 
 
 def _call(
-    address: str,
+    dial: Dial,
     path: str,
     metadata: tuple[tuple[str, str], ...] = (),
     timeout_s: float = 10.0,
 ) -> grpc.StatusCode:
     """Send an empty message to `path`; the status that came back."""
-    with grpc.insecure_channel(address) as channel:
+    with dial.channel() as channel:
         method = channel.unary_unary(path)
         try:
             method(b"", metadata=metadata, timeout=timeout_s)
@@ -288,23 +306,23 @@ def test_unloading_a_model_through_envoy_is_refused_and_changes_nothing(mesh: Me
     to the edge) unloaded `fraud` on the replicas. Now every one is PERMISSION_DENIED and
     each replica still holds and serves the model."""
     request = oip.RepositoryModelUnloadRequest(model_name="fraud")
-    addresses = [mesh.spec.edge_address] + [mesh.spec.mesh_address_for(z) for z in mesh.spec.zones]
-    for address in addresses:
+    dials = [dial_edge(mesh.spec)] + [dial_mesh(mesh.spec, z) for z in mesh.spec.zones]
+    for dial in dials:
         for _ in range(2):
-            with grpc.insecure_channel(address) as channel:
+            with dial.channel() as channel:
                 with pytest.raises(grpc.RpcError) as refused:
                     oip_grpc.GRPCInferenceServiceStub(channel).RepositoryModelUnload(
                         request, timeout=10
                     )
-            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, address
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, dial.address
     replicas = [i.name for i in mesh.spec.instances() if i.service == "model"]
     for name in replicas:
-        with grpc.insecure_channel(mesh.spec.address_of(name)) as channel:
+        with dial_service(mesh.spec, name).channel() as channel:
             ready = oip_grpc.GRPCInferenceServiceStub(channel).ModelReady(
                 oip.ModelReadyRequest(name="fraud", version="v1"), timeout=10
             )
         assert ready.ready, name
-    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+    with dial_edge(mesh.spec).channel() as channel:
         answer = gateway_pb2_grpc.GatewayStub(channel).Predict(
             gateway_pb2.PredictRequest(model="fraud", entity_ids=["user-1"]), timeout=10
         )
@@ -350,7 +368,7 @@ def test_a_runtime_override_is_refused_without_the_drill_profile(mesh: Mesh) -> 
     with pytest.raises(AdminError):
         admin.set_runtime({key: 100})
     assert key not in admin.runtime()
-    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+    with dial_edge(mesh.spec).channel() as channel:
         answer = gateway_pb2_grpc.GatewayStub(channel).Predict(
             gateway_pb2.PredictRequest(model="fraud", entity_ids=["user-2"]), timeout=10
         )
@@ -381,8 +399,8 @@ def test_random_method_paths_do_not_grow_envoy_s_stats(front: Front) -> None:
     assert _call(front.mesh(zone), MODEL_INFER) == grpc.StatusCode.OK
     before = _stat_names(front.admin)
     with (
-        grpc.insecure_channel(front.edge) as edge,
-        grpc.insecure_channel(front.mesh(zone)) as inside,
+        front.edge.channel() as edge,
+        front.mesh(zone).channel() as inside,
     ):
         for i in range(500):
             name = uuid.uuid4().hex
@@ -425,7 +443,7 @@ def test_a_caller_s_deadline_is_capped_at_the_edge(front: Front) -> None:
 
 
 def test_only_health_check_is_open_at_the_edge(front: Front) -> None:
-    with grpc.insecure_channel(front.edge) as channel:
+    with front.edge.channel() as channel:
         check = channel.unary_unary(HEALTH_CHECK)
         answer = health_pb2.HealthCheckResponse.FromString(
             check(health_pb2.HealthCheckRequest().SerializeToString(), timeout=10)
@@ -464,8 +482,18 @@ def test_internal_headers_from_callers_never_reach_a_service(front: Front) -> No
         assert roles == {"v1": SHADOW_ROLE_PRIMARY, "v2": SHADOW_ROLE_SHADOW}, roles
 
 
-def _http1_answer(host: str, port: int) -> bytes:
-    with socket.create_connection((host, port), timeout=10) as sock:
+def _http1_answer(spec: ResolvedSpec, port: int, server: str) -> bytes:
+    """What a TLS client offering only HTTP/1.1 (with the operator's certificate) hears."""
+    identity = mesh_identity(spec)
+    context = ssl.create_default_context(cafile=str(identity.trust_file))
+    context.set_alpn_protocols(["http/1.1"])
+    operator = identity.leaf(OPERATOR_IDENTITY)
+    context.load_cert_chain(operator.cert, operator.key)
+    with socket.create_connection((spec.host, port), timeout=10) as raw:
+        try:
+            sock = context.wrap_socket(raw, server_hostname=f"{server}.{spec.name}.internal")
+        except ssl.SSLError as exc:  # no protocol in common: the handshake itself fails
+            return f"TLS refused: {exc.reason}".encode()
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         chunks = []
         while chunk := sock.recv(4096):
@@ -474,12 +502,12 @@ def _http1_answer(host: str, port: int) -> bytes:
 
 
 def test_mesh_listeners_speak_http2_only(front: Front) -> None:
-    host = front.spec.host
     for zone in front.spec.zones:
-        answer = _http1_answer(host, front.spec.mesh_ports[zone])
+        answer = _http1_answer(front.spec, front.spec.mesh_ports[zone], ENVOY_IDENTITY)
         assert not answer.startswith(b"HTTP/1"), answer[:80]
     # The edge still answers HTTP/1.1 (with 401: no credentials).
-    assert _http1_answer(host, front.spec.ports.edge).startswith(b"HTTP/1.1 401")
+    answer = _http1_answer(front.spec, front.spec.ports.edge, EDGE_IDENTITY)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:80]
 
 
 def test_the_edge_sheds_a_flood_of_bad_credentials_before_checking_them(

@@ -18,6 +18,7 @@ import pytest
 
 from servemesh.control_credential import control_metadata_for
 from servemesh.demo import demo_artifact, demo_signature
+from servemesh.identity import dial_edge, dial_registry, dial_service
 from servemesh.launcher import Mesh
 from servemesh.load import BackgroundLoad, predict_target
 from servemesh.proxy.admin import AdminClient
@@ -67,7 +68,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 async def _push(mesh: Mesh, model: str, version: str, data: bytes) -> None:
     options = message_size_options(mesh.spec.limits.max_message_bytes)
-    async with grpc.aio.insecure_channel(mesh.spec.registry_address, options=options) as channel:
+    async with dial_registry(mesh.spec).aio_channel(options=options) as channel:
         await push_version(
             channel,
             model=model,
@@ -99,7 +100,7 @@ def _spec_file(tmp_path: Path, name: str, text: str) -> Path:
 
 def _held(mesh: Mesh, replica: str) -> set[tuple[str, str]]:
     """What a replica serves (READY), from its OIP repository index."""
-    with grpc.insecure_channel(mesh.spec.address_of(replica)) as channel:
+    with dial_service(mesh.spec, replica).channel() as channel:
         stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
         index = stub.RepositoryIndex(oip.RepositoryIndexRequest(ready=True), timeout=5)
     return {(m.name, m.version) for m in index.models}
@@ -128,7 +129,7 @@ def _pinned(
 
 def _first_answer_s(mesh: Mesh, model: str, version: str, since: float) -> float:
     """Seconds from `since` until a pinned Predict through the edge answers from `version`."""
-    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+    with dial_edge(mesh.spec).channel() as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         def answered() -> bool:
@@ -172,7 +173,7 @@ def test_models_and_versions_come_and_go_under_load_without_losing_a_request(
     remove = _spec_file(tmp_path, "remove.yaml", BASE)
     # A 5 s deadline, the mesh's default: on a machine this test shares, a call may wait
     # its turn for a core for a second or two; a lost call is one refused or failed.
-    target = predict_target(mesh.spec.edge_address, entities=ENTITIES, timeout_s=5.0)
+    target = predict_target(dial_edge(mesh.spec), entities=ENTITIES, timeout_s=5.0)
     load = BackgroundLoad(target, rate_per_s=200)
     load.start()
     try:
@@ -214,7 +215,7 @@ def test_models_and_versions_come_and_go_under_load_without_losing_a_request(
                 ),
                 f"{replica} to unload fraud v3 and risk v1",
             )
-        with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+        with dial_edge(mesh.spec).channel() as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
             with pytest.raises(grpc.RpcError) as gone:
                 _pinned(stub, "risk")
@@ -267,7 +268,7 @@ def test_unloading_a_version_no_apply_asked_for_is_caught_up_by_the_next_change(
 ) -> None:
     """A replica that lost a version the spec lists loads it again when the spec changes."""
     victim = _replicas(mesh)[0]
-    with grpc.insecure_channel(mesh.spec.address_of(victim)) as channel:
+    with dial_service(mesh.spec, victim).channel() as channel:
         stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
         param = oip.ModelRepositoryParameter(string_param="v2")
         stub.RepositoryModelUnload(

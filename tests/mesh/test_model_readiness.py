@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import grpc
 import pytest
 
 from servemesh.control_credential import control_metadata_for
+from servemesh.identity import dial_edge, dial_service
 from servemesh.launcher import Mesh
 from servemesh.proxy.admin import AdminClient
 from servemesh.wire import model_cluster, model_servers_cluster
@@ -58,8 +58,7 @@ KEEPING = (model_cluster("fraud", "v2", ""),)
 @pytest.fixture
 def victim(mesh: Mesh) -> Iterator[grpc_service_pb2_grpc.GRPCInferenceServiceStub]:
     """An OIP stub straight to VICTIM's port; its routed version is loaded again after."""
-    address = f"{mesh.spec.host}:{mesh.spec.port_of(VICTIM)}"
-    with grpc.insecure_channel(address) as channel:
+    with dial_service(mesh.spec, VICTIM).channel() as channel:
         stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
         try:
             yield stub
@@ -93,7 +92,7 @@ def test_replica_missing_its_routed_version_is_taken_out_by_envoy_health_checks(
         f"Envoy to mark {VICTIM} unhealthy in the {ROUTED} and model-servers clusters",
     )
     assert _every_cluster(admin, address, healthy=True, where=KEEPING)
-    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+    with dial_edge(mesh.spec).channel() as channel:
         gateway = gateway_pb2_grpc.GatewayStub(channel)
         answers = [
             gateway.Predict(

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import grpc
 import yaml
 
 from servemesh.control_credential import control_metadata_for
+from servemesh.identity import dial_service
 from servemesh.launcher import Mesh
 from servemesh.spec import ModelInputSpec, ModelSpec, ModelVersionSpec
 from servemesh.wire import LOAD_CONFIG_PARAMETER, LOAD_VERSION_PARAMETER
@@ -67,7 +67,7 @@ def test_list_shows_live_weights_and_the_replicas_that_hold_each_version(
     )  # fmt: skip
     assert pushed.returncode == 0, pushed.stderr
     credential = control_metadata_for(mesh.state_dir)
-    with grpc.insecure_channel(mesh.spec.address_of(replicas[0])) as channel:
+    with dial_service(mesh.spec, replicas[0]).channel() as channel:
         # The spec does not name churn: the load carries its entry, as `servemesh apply`
         # sends it (without one the replica refuses, FAILED_PRECONDITION).
         request = oip.RepositoryModelLoadRequest(model_name="churn")
@@ -88,7 +88,7 @@ def test_list_shows_live_weights_and_the_replicas_that_hold_each_version(
         assert "100%" in next(line for line in lines if "fraud" in line and " v1 " in line)
     finally:
         # The session's mesh is shared: leave its replica serving what it served before.
-        with grpc.insecure_channel(mesh.spec.address_of(replicas[0])) as channel:
+        with dial_service(mesh.spec, replicas[0]).channel() as channel:
             grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel).RepositoryModelUnload(
                 oip.RepositoryModelUnloadRequest(model_name="churn"),
                 timeout=30,

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from servemesh.control_credential import control_metadata_for
+from servemesh.identity import dial_edge, dial_service
 from servemesh.launcher import Mesh
 from servemesh.registry.client import push_version
 from servemesh.spec import MeshSpec, Ports, ResolvedSpec, parse_spec
@@ -112,7 +113,7 @@ def wine_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     )
     # Pushed before the model servers start, as the demo seeding does (a seed step).
     with Mesh.from_spec(spec, seed_steps=[push_wine]) as mesh:
-        with grpc.insecure_channel(mesh.spec.address_of("feature-zone-a-0")) as channel:
+        with dial_service(mesh.spec, "feature-zone-a-0").channel() as channel:
             features = feature_pb2_grpc.FeatureServiceStub(channel)
             for view, rows, names in (
                 ("lot", LOTS, ["alcohol", "malic_acid", "ash"]),
@@ -163,7 +164,7 @@ def test_named_outputs_match_the_model_run_locally(wine_mesh: Mesh) -> None:
             datatype="FP32", shape=[3, 3], float_values=[v for row in tasting for v in row]
         )
     )
-    with grpc.insecure_channel(wine_mesh.spec.edge_address) as channel:
+    with dial_edge(wine_mesh.spec).channel() as channel:
         reply = gateway_pb2_grpc.GatewayStub(channel).Predict(request, timeout=30)
     probabilities, label = reference(lots, merchants, tasting)
     assert len(set(label.tolist())) == 3  # rows that tell the classes apart
@@ -210,7 +211,7 @@ def test_a_raw_input_that_does_not_fit_the_model_is_refused_naming_it(wine_mesh:
         model="wine", entities=[gateway_pb2.EntityRow(ids={"lot": "L-1", "seller": "m-1"})]
     )
     request.inputs["tasting"].CopyFrom(gateway_pb2.Tensor(shape=[1, 2], float_values=[1, 2]))
-    with grpc.insecure_channel(wine_mesh.spec.edge_address) as channel:
+    with dial_edge(wine_mesh.spec).channel() as channel:
         with pytest.raises(grpc.RpcError) as err:
             gateway_pb2_grpc.GatewayStub(channel).Predict(request, timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

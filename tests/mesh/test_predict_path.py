@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from servemesh.demo import demo_artifact, demo_features
+from servemesh.identity import dial_service
 from servemesh.launcher import Mesh
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.inference import grpc_service_pb2 as oip
@@ -78,7 +79,7 @@ def _rows_computed(mesh: Mesh, version: str) -> int:
     for inst in mesh.spec.instances():
         if inst.service != "model":
             continue
-        with grpc.insecure_channel(mesh.spec.address_of(inst.name)) as channel:
+        with dial_service(mesh.spec, inst.name).channel() as channel:
             stats = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelStatistics(
                 oip.ModelStatisticsRequest(name="fraud", version=version), timeout=2
             )

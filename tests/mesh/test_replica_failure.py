@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -15,7 +16,7 @@ def test_sigkilled_model_replica_is_masked_by_retries(mesh: Mesh) -> None:
     victim = "model-zone-a-0"
     total, kill_after = 200, 60
     outcomes: list[str] = []
-    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+    with dial_edge(mesh.spec).channel() as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         def call(i: int) -> str:

@@ -9,11 +9,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 
 from servemesh.demo import DEMO_FEATURES
+from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
 from servemesh.spec import MeshSpec
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -56,7 +56,7 @@ def test_old_features_degrade_the_answer_and_name_the_entity(mesh: Mesh, tmp_pat
     )  # fmt: skip
     assert load.returncode == 0, load.stderr
 
-    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+    with dial_edge(mesh.spec).channel() as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         def predict(*entities: str) -> gateway_pb2.PredictResponse:

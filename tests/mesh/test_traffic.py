@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
 from servemesh.load import (
     BackgroundLoad,
@@ -114,7 +115,7 @@ def _predict(
 def _many(
     mesh: Mesh, model: str, n: int, workers: int = 16
 ) -> list[gateway_pb2.PredictResponse | str]:
-    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+    with dial_edge(mesh.spec).channel() as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         def call(i: int) -> gateway_pb2.PredictResponse | str:
@@ -149,7 +150,7 @@ def test_weight_changes_under_load_lose_nothing_and_take_effect_within_a_second(
     # take seconds, and the windows below are measured from when it finished.
     # The mesh's default 5 s deadline: on a shared machine a call may wait its turn for a
     # core for a second or two; a lost call is one refused or failed.
-    target = predict_target(mesh.spec.edge_address, entities=ENTITIES, timeout_s=5.0)
+    target = predict_target(dial_edge(mesh.spec), entities=ENTITIES, timeout_s=5.0)
     load = BackgroundLoad(target, rate_per_s=150)
     load.start()
     try:
@@ -285,7 +286,7 @@ def test_a_replica_failing_every_call_is_ejected_and_callers_never_notice(
 def test_an_overloaded_cluster_trips_the_breaker_and_callers_fail_fast(
     mesh: Mesh, admin: AdminClient
 ) -> None:
-    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+    with dial_edge(mesh.spec).channel() as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         def call(i: int) -> tuple[str, float]:
@@ -326,7 +327,7 @@ def test_retries_never_carry_a_call_past_the_callers_deadline(
         return sum(v for k, v in counters.items() if k.endswith(".upstream_rq_retry"))
 
     before = retries()
-    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+    with dial_edge(mesh.spec).channel() as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         started = time.perf_counter()
         with pytest.raises(grpc.RpcError) as err:
@@ -361,7 +362,7 @@ def test_zone_outage_fails_over_to_the_other_zone_and_comes_back(
     watcher.start()
     asyncio.run(
         open_loop(
-            predict_target(mesh.spec.edge_address, entities=ENTITIES),
+            predict_target(dial_edge(mesh.spec), entities=ENTITIES),
             FixedRate(rate_per_s=100),
             events=[
                 Event(1.5, lambda: mesh.kill(victim, signal.SIGKILL), "kill"),

@@ -20,6 +20,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servemesh.identity import dial_edge_at
 from servemesh.netns import available
 from servemesh.policy import EdgeAuth
 from servemesh.procs import Check, Supervisor
@@ -111,7 +112,7 @@ def test_up_serves_predictions_and_stops_cleanly_on_sigterm(
     assert credentials.stat().st_mode & 0o777 == 0o600
     key = credentials.read_text().strip().split(":", 1)[1]
     assert key not in (tmp_path / "state" / "envoy" / "envoy.static.yaml").read_text()
-    with grpc.insecure_channel(endpoints["edge"]) as channel:
+    with dial_edge_at(spec, endpoints["edge"]).channel() as channel:
         with pytest.raises(grpc.RpcError) as refused:
             gateway_pb2_grpc.GatewayStub(channel).Predict(
                 gateway_pb2.PredictRequest(model="fraud", entity_ids=["user-1"]), timeout=5

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from servemesh.demo import Artifact
+from servemesh.identity import dial_address, serving_credentials
 from servemesh.services.model.batching import MONOTONIC, Batcher, BatchRunner, Clock
 from servemesh.services.model.loader import LoadedModel, warm_up_sizes
 from servemesh.services.model.runner import ModelRunner
@@ -24,7 +25,7 @@ from servemesh.services.model.service import SERVICE_NAME
 from servemesh.services.model.servicer import InferenceServicer
 from servemesh.services.model.tensors import Signature, TensorSig
 from servemesh.services.runtime import ServiceServer
-from servemesh.spec import BatchingSpec
+from servemesh.spec import BatchingSpec, MeshSpec
 from servemesh_api.inference import grpc_service_pb2_grpc
 from tests.control_kit import TEST_TOKEN, credentialed_channel
 
@@ -40,15 +41,25 @@ Stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub
 
 
 @asynccontextmanager
-async def serving_at(servicer: InferenceServicer) -> AsyncIterator[tuple[Stub, int]]:
-    """`servicer` on a real grpc.aio server on 127.0.0.1 (a free port): a stub, and the port."""
-    server = ServiceServer(REPLICA, port=0, drain_grace_s=1.0, control_token=TEST_TOKEN)
+async def serving_at(
+    servicer: InferenceServicer, spec: MeshSpec | None = None
+) -> AsyncIterator[tuple[Stub, int]]:
+    """`servicer` on a real grpc.aio server on 127.0.0.1 (a free port): a stub, and the port.
+    With `spec`, the port is mutual TLS with REPLICA's certificate of that mesh, as in a
+    running one, and the stub dials it as the operator."""
+    credentials = serving_credentials(spec, REPLICA) if spec is not None else None
+    server = ServiceServer(
+        REPLICA, port=0, drain_grace_s=1.0, control_token=TEST_TOKEN, credentials=credentials
+    )
     server.add_service(
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
     )
     server.on_stop(servicer.repository.close)
     port = await server.start()
-    channel = credentialed_channel(f"127.0.0.1:{port}")
+    address = f"127.0.0.1:{port}"
+    channel = credentialed_channel(
+        address if spec is None else dial_address(spec, address, REPLICA)
+    )
     try:
         yield Stub(channel), port
     finally:

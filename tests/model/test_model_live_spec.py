@@ -82,7 +82,7 @@ async def replica(artifacts: dict[int, Artifact], tmp_path: Path) -> AsyncIterat
     path = tmp_path / "mesh.resolved.yaml"
     atomic_write_text(path, dump_spec(spec))
     loader = HeldLoader(artifacts)
-    server = await build_server(spec, REPLICA, loader=loader)
+    server = await build_server(spec, REPLICA, loader=loader, tls=False)
     assert isinstance(server, ModelServer)
     accept_test_credential(server)
     # What service_main does: follow the file; the test refreshes instead of polling.

@@ -67,7 +67,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 async def model_server(
     spec: MeshSpec, loader: ModelLoader
 ) -> AsyncIterator[grpc_service_pb2_grpc.GRPCInferenceServiceStub]:
-    server = await build_server(spec, INSTANCE, loader=loader)
+    server = await build_server(spec, INSTANCE, loader=loader, tls=False)
     await server.start()
     channel = grpc.aio.insecure_channel(spec.address_of(INSTANCE))
     try:

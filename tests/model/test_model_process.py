@@ -11,11 +11,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-import grpc
 import numpy as np
 
 from servemesh.control_credential import control_metadata_for, ensure_control_token
 from servemesh.demo import demo_artifact
+from servemesh.identity import Dial, dial_registry, dial_service
 from servemesh.procs import Child, GrpcHealth, Supervisor
 from servemesh.registry.client import push_version
 from servemesh.spec import (
@@ -39,11 +39,11 @@ SLOW_MS = 300.0  # every batch takes this long: requests are surely in flight at
 
 
 def start_service(
-    supervisor: Supervisor, module: str, instance: str, spec_file: Path, address: str
+    supervisor: Supervisor, module: str, instance: str, spec_file: Path, dial: Dial
 ) -> Child:
     """Start a service as the launcher does, and wait until it answers SERVING."""
     argv = [sys.executable, "-m", module, "--spec", str(spec_file), "--instance", instance]
-    return supervisor.start(instance, argv, ready=GrpcHealth(address), timeout_s=60)
+    return supervisor.start(instance, argv, ready=GrpcHealth(dial), timeout_s=60)
 
 
 async def all_in_flight(metrics_address: str, count: int) -> None:
@@ -92,9 +92,9 @@ async def test_model_server_process_drains_in_flight_batches_on_sigterm(tmp_path
             "servemesh.registry",
             "registry-0",
             spec_file,
-            spec.registry_address,
+            dial_registry(spec),
         )
-        async with grpc.aio.insecure_channel(spec.registry_address) as channel:
+        async with dial_registry(spec).aio_channel() as channel:
             await push_version(
                 channel,
                 model="fraud",
@@ -110,13 +110,13 @@ async def test_model_server_process_drains_in_flight_batches_on_sigterm(tmp_path
             "servemesh.services.model",
             MODEL_INSTANCE,
             spec_file,
-            spec.address_of(MODEL_INSTANCE),
+            dial_service(spec, MODEL_INSTANCE),
         )
         url = f"http://{spec.metrics_address_of(MODEL_INSTANCE)}/metrics"
         with urllib.request.urlopen(url, timeout=5) as reply:
             assert b"servemesh_model_queue_depth" in reply.read()
 
-        async with grpc.aio.insecure_channel(spec.address_of(MODEL_INSTANCE)) as channel:
+        async with dial_service(spec, MODEL_INSTANCE).aio_channel() as channel:
             stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
             batches = [rows(1, seed=i) for i in range(6)]
             in_flight = [

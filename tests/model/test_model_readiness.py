@@ -59,7 +59,7 @@ async def replica(
     artifacts: dict[int, Artifact],
 ) -> AsyncIterator[tuple[ModelServer, HeldLoader, grpc.aio.Channel]]:
     loader = HeldLoader(artifacts)
-    server = await build_server(_spec(), "model-zone-a-0", loader=loader)
+    server = await build_server(_spec(), "model-zone-a-0", loader=loader, tls=False)
     assert isinstance(server, ModelServer)
     accept_test_credential(server)
     await server.start()

@@ -20,11 +20,15 @@ import numpy as np
 import pytest
 import yaml
 
+from servemesh.identity import dial_address, serving_credentials
+from servemesh.registry.app import registry_server
+from servemesh.registry.store import RegistryStore
 from servemesh.services.model.loader import registry_loader
 from servemesh.services.model.servicer import InferenceServicer
 from servemesh.spec import MeshSpec, Replicas, ResolvedSpec, dump_spec, resolve
 from servemesh_api.inference import grpc_service_pb2 as oip
-from tests.control_kit import install_test_token
+from servemesh_api.registry.v1 import registry_pb2_grpc
+from tests.control_kit import TEST_TOKEN, credentialed_channel, install_test_token
 from tests.model.model_helpers import REPLICA, Stub, serving_at
 from tests.model.torch_models import (
     CHURN_FEATURES,
@@ -50,18 +54,23 @@ class Done:
     stderr: str
 
 
-def mesh_state(
-    root: Path, registry: str, model_server: str, max_artifact_bytes: int = MAX_ARTIFACT_BYTES
-) -> Path:
-    """A state dir as `servemesh up` leaves it, naming these registry and model server."""
+def planned_spec(root: Path, max_artifact_bytes: int = MAX_ARTIFACT_BYTES) -> ResolvedSpec:
+    """The mesh of the state dir `root`: one replica of each service in one zone."""
     one = Replicas(per_zone={"zone-a": 1})
-    declared = MeshSpec(zones=["zone-a"], gateway=one, feature=one, model_servers=one)
+    declared = MeshSpec(
+        zones=["zone-a"], gateway=one, feature=one, model_servers=one, state_dir=str(root)
+    )
     declared = declared.model_copy(
         update={
             "limits": declared.limits.model_copy(update={"max_artifact_bytes": max_artifact_bytes})
         }
     )
-    resolved = resolve(declared)
+    return resolve(declared)
+
+
+def mesh_state(resolved: ResolvedSpec, registry: str, model_server: str) -> Path:
+    """A state dir as `servemesh up` leaves it, naming these registry and model server."""
+    root = Path(resolved.state_dir)
     ports = {
         **resolved.instance_ports,
         "registry-0": int(registry.rsplit(":", 1)[1]),
@@ -106,13 +115,32 @@ class Mesh:
 
 
 @pytest.fixture
-async def mesh(registry: RunningRegistry, tmp_path: Path) -> AsyncIterator[Mesh]:
-    """A registry and a model server that loads from it, and a state dir naming both."""
-    loader = registry_loader(registry.channel, MeshSpec(models={}), retry_for_s=0)
+async def mesh(store: RegistryStore, tmp_path: Path) -> AsyncIterator[Mesh]:
+    """A registry and a model server that loads from it, and a state dir naming both; both
+    serve mutual TLS with the state dir's certificates, as a running mesh's do."""
+    spec = planned_spec(tmp_path / "state")
+    registry = registry_server(
+        store,
+        spec.registry_instance,
+        port=0,
+        control_token=TEST_TOKEN,
+        credentials=serving_credentials(spec, spec.registry_instance),
+    )
+    address = f"127.0.0.1:{await registry.start()}"
+    channel = credentialed_channel(
+        dial_address(spec, address, spec.registry_instance, caller=REPLICA)
+    )
+    running = RunningRegistry(store, registry, channel, registry_pb2_grpc.RegistryStub(channel),
+                              address)  # fmt: skip
+    loader = registry_loader(channel, MeshSpec(models={}), retry_for_s=0)
     servicer = InferenceServicer(replica=REPLICA, zone="zone-a", loader=loader)
-    async with serving_at(servicer) as (stub, port):
-        state = mesh_state(tmp_path / "state", registry.address, f"127.0.0.1:{port}")
-        yield Mesh(registry, stub, state, tmp_path / "cli-tmp")
+    try:
+        async with serving_at(servicer, spec) as (stub, port):
+            state = mesh_state(spec, address, f"127.0.0.1:{port}")
+            yield Mesh(running, stub, state, tmp_path / "cli-tmp")
+    finally:
+        await channel.close()
+        await registry.drain()
 
 
 def churn_request(features: np.ndarray, category: np.ndarray) -> oip.ModelInferRequest:

@@ -6,8 +6,7 @@ import signal
 import sys
 from pathlib import Path
 
-import grpc
-
+from servemesh.identity import dial_registry
 from servemesh.procs import GrpcHealth, Supervisor
 from servemesh.spec import MeshSpec, Ports, dump_spec, resolve
 from servemesh.wire import REGISTRY_SERVICE
@@ -28,9 +27,9 @@ def test_the_registry_process_serves_then_exits_cleanly_on_sigterm(tmp_path: Pat
 
     with Supervisor(tmp_path) as supervisor:
         # Ready: the registry's own service (not only the server) answers SERVING.
-        ready = GrpcHealth(spec.registry_address, service=REGISTRY_SERVICE)
+        ready = GrpcHealth(dial_registry(spec), service=REGISTRY_SERVICE)
         registry = supervisor.start("registry", argv, ready=ready, timeout_s=20)
-        with grpc.insecure_channel(spec.registry_address) as channel:
+        with dial_registry(spec).channel() as channel:
             stub = registry_pb2_grpc.RegistryStub(channel)
             assert stub.ListModels(registry_pb2.ListModelsRequest(), timeout=5).models == []
         assert (tmp_path / "state" / "registry" / "registry.db").is_file()

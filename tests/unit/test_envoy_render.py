@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from servemesh.identity import issue_mesh_certificates
 from servemesh.netns import zone_source_address
 from servemesh.policy import (
     CircuitBreakers,
@@ -20,6 +21,7 @@ from servemesh.policy import (
     TrafficSpec,
 )
 from servemesh.proxy.admin import admin_socket_path
+from servemesh.proxy.offline import validate_offline
 from servemesh.proxy.process import EnvoyConfigError, validate_config
 from servemesh.proxy.render import (
     XdsLayout,
@@ -28,13 +30,23 @@ from servemesh.proxy.render import (
     static_bootstrap,
     xds_files,
 )
-from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, NetworkSpec, resolve
+from servemesh.spec import (
+    MeshSpec,
+    ModelSpec,
+    ModelVersionSpec,
+    NetworkSpec,
+    ResolvedSpec,
+    TlsSpec,
+    resolve,
+)
 from servemesh.wire import (
     CONTROL_METHODS,
+    GATEWAY_CLUSTER,
     GATEWAY_SERVICE,
     HEALTH_SERVICE,
     MODEL_HEADER,
     OIP_SERVICE,
+    REGISTRY_CLUSTER,
     REGISTRY_SERVICE,
     SHADOW_ROLE_HEADER,
     VERSION_HEADER,
@@ -51,7 +63,7 @@ REPO = Path(__file__).resolve().parents[2]
 _USER = "edge:{SHA}" + "A" * 27 + "="
 
 
-def _spec(**overrides: object) -> MeshSpec:
+def _spec(**overrides: object) -> ResolvedSpec:
     ports = {"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0}
     return resolve(MeshSpec(ports=ports, **overrides))
 
@@ -61,11 +73,8 @@ def _routes(spec: MeshSpec, config: str) -> list[dict[str, Any]]:
     return resources.route_configs[config]["virtual_hosts"][0]["routes"]
 
 
-def _validate(spec: MeshSpec, tmp_path: Path) -> None:
-    config = tmp_path / "envoy.yaml"
-    resources = render_resources(spec, tmp_path)
-    config.write_text(yaml.safe_dump(static_bootstrap(spec, resources, tmp_path)))
-    validate_config(config)
+def _validate(spec: ResolvedSpec, tmp_path: Path) -> None:
+    validate_offline(spec, tmp_path)
 
 
 def test_default_spec_renders_a_config_envoy_accepts(tmp_path: Path) -> None:
@@ -73,7 +82,8 @@ def test_default_spec_renders_a_config_envoy_accepts(tmp_path: Path) -> None:
 
 
 def test_dynamic_bootstrap_and_watched_files_are_accepted_too(tmp_path: Path) -> None:
-    spec = _spec()
+    spec = _spec(state_dir=str(tmp_path / "state"))
+    issue_mesh_certificates(spec)  # Envoy refuses SDS files that are not there
     resources = render_resources(spec, tmp_path)
     layout = XdsLayout(tmp_path / "xds")
     for path, content in xds_files(resources, layout, "7").items():
@@ -425,3 +435,44 @@ def test_every_hardening_switch_on_at_once_is_a_config_envoy_accepts(tmp_path: P
         overload=Overload(max_heap_mb=256, max_downstream_connections=100),
     )
     _validate(_spec(traffic=traffic), tmp_path)
+
+
+# --- TLS ---------------------------------------------------------------------------------
+
+
+def _tls_of(listener: dict[str, Any]) -> dict[str, Any] | None:
+    socket = listener["filter_chains"][0].get("transport_socket")
+    return None if socket is None else socket["typed_config"]
+
+
+def test_mesh_listeners_demand_client_certificates_and_the_edge_serves_tls() -> None:
+    listeners = {lst["name"]: lst for lst in render_resources(_spec(), Path("/tmp")).listeners}
+    edge = _tls_of(listeners["edge"])
+    assert edge is not None and not edge.get("require_client_certificate", False)
+    assert edge["common_tls_context"]["tls_certificate_sds_secret_configs"][0]["name"] == "edge"
+    for zone in ("zone-a", "zone-b"):
+        mesh = _tls_of(listeners[f"mesh-{zone}"])
+        assert mesh is not None and mesh["require_client_certificate"] is True
+        context = mesh["common_tls_context"]
+        assert context["alpn_protocols"] == ["h2"]
+        assert context["validation_context_sds_secret_config"]["name"] == "mesh-trust"
+
+
+def test_every_cluster_dials_mtls_and_accepts_only_its_service_kind() -> None:
+    for cluster in render_resources(_spec(), Path("/tmp")).clusters:
+        context = cluster["transport_socket"]["typed_config"]["common_tls_context"]
+        assert context["tls_certificate_sds_secret_configs"][0]["name"] == "envoy"
+        matcher = context["combined_validation_context"]["default_validation_context"]
+        prefix = matcher["match_typed_subject_alt_names"][0]["matcher"]["prefix"]
+        name = cluster["name"]
+        kind = name if name in (GATEWAY_CLUSTER, REGISTRY_CLUSTER) else None
+        kind = kind or ("feature" if name.startswith("feature") else "model")
+        assert prefix == f"spiffe://servemesh/{kind}-", cluster["name"]
+
+
+def test_a_plaintext_edge_keeps_mtls_inside(tmp_path: Path) -> None:
+    spec = _spec(tls=TlsSpec(edge=False))
+    listeners = {lst["name"]: lst for lst in render_resources(spec, tmp_path).listeners}
+    assert _tls_of(listeners["edge"]) is None
+    assert all(_tls_of(lst) is not None for name, lst in listeners.items() if name != "edge")
+    _validate(spec, tmp_path)

@@ -26,6 +26,7 @@ CONTRACT = {
     "model_contract",
     "control_credential",
     "echo",
+    "identity",
 }
 SERVICES = {"services.runtime", "services.gateway", "services.feature", "services.model"}
 TOOLING = {"procs", "netns", "load", "proxy", "credentials"}
@@ -43,6 +44,8 @@ ALLOWED: dict[str, set[str]] = {
     "model_contract": {"spec", "wire"},
     # the control credential: services check it, every control caller sends it
     "control_credential": {"wire"},
+    # the mesh's CA and certificates, and how every hop dials and serves TLS
+    "identity": {"spec", "policy", "demo", "demo_model"},
     # the services: the runtime under them, the contract, and nothing that runs a mesh
     "services.runtime": CONTRACT,
     "services.gateway": CONTRACT | {"services.runtime"},
@@ -65,6 +68,7 @@ ALLOWED: dict[str, set[str]] = {
     "fuzz": CONTRACT | TOOLING | {"launcher"},
     "model_bench": CONTRACT | TOOLING | SERVICES,
     "routes_cli": CONTRACT | TOOLING,
+    "certs_cli": CONTRACT | TOOLING,
     "apply_cli": CONTRACT | TOOLING,
     # loads a user's feature file through a running mesh's feature service (its row checks)
     "features": CONTRACT | {"proxy", "services.feature"},
@@ -79,6 +83,7 @@ ALLOWED: dict[str, set[str]] = {
         "fuzz",
         "model_bench",
         "routes_cli",
+        "certs_cli",
         "apply_cli",
         "features",
         "models_cli",

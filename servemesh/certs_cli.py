@@ -1,8 +1,8 @@
 """`servemesh certs`: the running mesh's certificates, and replacing them without a stop.
 
-    servemesh certs show              # identity, serial, expiry, generation
-    servemesh certs rotate            # a new certificate for every identity, live
-    servemesh certs rotate envoy gateway-zone-a-0
+servemesh certs show              # identity, serial, expiry, generation
+servemesh certs rotate            # a new certificate for every identity, live
+servemesh certs rotate envoy gateway-zone-a-0
 """
 
 from __future__ import annotations
