@@ -8,7 +8,7 @@ from pathlib import Path
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servemesh.identity import dial_edge, dial_service, mesh_identity
+from servemesh.identity import OPERATOR_IDENTITY, dial_edge, dial_service, mesh_identity
 from servemesh.launcher import Mesh
 
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
@@ -52,7 +52,15 @@ def test_every_service_and_the_edge_answer_health_checks(mesh: Mesh) -> None:
 
 
 def test_every_service_exposes_reflection(mesh: Mesh) -> None:
+    """Straight to each replica, grpcurl shows the operator's certificate and checks the
+    replica's name (its port is mutual TLS)."""
+    identity = mesh_identity(mesh.spec)
+    operator = identity.leaf(OPERATOR_IDENTITY)
     for inst in mesh.spec.instances():
-        listed = _grpcurl(mesh.spec.address_of(inst.name), "list").split()
+        listed = _grpcurl(
+            mesh, "-cert", str(operator.cert), "-key", str(operator.key),
+            "-servername", f"{inst.name}.{mesh.spec.name}.internal",
+            mesh.spec.address_of(inst.name), "list",
+        ).split()  # fmt: skip
         assert "grpc.health.v1.Health" in listed, inst.name
         assert len(listed) >= 3, (inst.name, listed)

@@ -494,11 +494,12 @@ def _http1_answer(spec: ResolvedSpec, port: int, server: str) -> bytes:
             sock = context.wrap_socket(raw, server_hostname=f"{server}.{spec.name}.internal")
         except ssl.SSLError as exc:  # no protocol in common: the handshake itself fails
             return f"TLS refused: {exc.reason}".encode()
-        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        chunks = []
-        while chunk := sock.recv(4096):
-            chunks.append(chunk)
-        return b"".join(chunks)
+        with sock:
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            chunks = []
+            while chunk := sock.recv(4096):
+                chunks.append(chunk)
+            return b"".join(chunks)
 
 
 def test_mesh_listeners_speak_http2_only(front: Front) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from servemesh.control_credential import control_metadata_for
-from servemesh.identity import dial_edge, dial_service
+from servemesh.identity import dial_edge, dial_service, mesh_identity
 from servemesh.launcher import Mesh
 from servemesh.registry.client import push_version
 from servemesh.spec import MeshSpec, Ports, ResolvedSpec, parse_spec
@@ -244,7 +244,8 @@ def test_grpcurl_writes_entities_and_inputs_and_reads_named_outputs_as_json(
         "inputs": {"tasting": {"datatype": "FP32", "shape": [1, 3], "float_values": [1, 0, -1]}},
     }
     done = subprocess.run(
-        [str(Path(sys.executable).parent / "grpcurl"), "-plaintext", "-d", json.dumps(body),
+        [str(Path(sys.executable).parent / "grpcurl"), "-d", json.dumps(body),
+         "-cacert", str(mesh_identity(wine_mesh.spec).trust_file),
          wine_mesh.spec.edge_address, "servemesh.gateway.v1.Gateway/Predict"],
         capture_output=True, text=True, timeout=30, check=False,
     )  # fmt: skip
