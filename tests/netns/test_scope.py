@@ -187,7 +187,8 @@ def test_route_localnet_is_set_on_the_bridge_link_only_and_goes_with_it(tmp_path
     finally:
         net.close()
     assert [sysctl(name) for name in LOCALNET] == before
-    assert not [c for c in chains("nat") + chains("filter") if c.startswith(net.prefix.upper())]
+    ours = f"SM{net.pid}-{net.tag}-"
+    assert not [c for c in chains("nat") + chains("filter") if c.startswith(ours)]
 
 
 @needs_netns
