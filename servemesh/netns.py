@@ -35,7 +35,6 @@ import re
 import shutil
 import string
 import subprocess
-import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
