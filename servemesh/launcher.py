@@ -297,8 +297,9 @@ class Mesh:
 
     def _join_zone_network(self) -> None:
         """Create the zones' namespaces and join them to the machine's loopback: each
-        zone's service and metrics ports lead into its namespace; Envoy's listeners, the
-        registry and Redis lead out of every zone to the machine."""
+        zone's service and metrics ports lead into its namespace; out of a zone lead only
+        the ports its services call: that zone's Envoy mesh listener (gateways), the
+        registry (model servers) and Redis (feature services)."""
         spec = self.spec
         zone_ports: dict[str, list[int]] = {zone: [] for zone in spec.zones}
         for inst in spec.instances():
@@ -306,10 +307,11 @@ class Mesh:
                 zone_ports[inst.zone].append(spec.port_of(inst.name))
                 if inst.name in spec.metrics_ports:
                     zone_ports[inst.zone].append(spec.metrics_ports[inst.name])
-        host_ports = [*spec.mesh_ports.values(), spec.port_of("registry-0"), spec.ports.edge]
+        shared = [spec.port_of("registry-0")]
         redis_port = urllib.parse.urlparse(spec.redis_url).port
         if redis_port:
-            host_ports.append(redis_port)
+            shared.append(redis_port)
+        host_ports = {zone: [spec.mesh_ports[zone], *shared] for zone in spec.zones}
         self.network = ZoneNetwork(list(spec.zones)).create()
         self.network.attach_host(zone_ports, host_ports)
 
