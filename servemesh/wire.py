@@ -102,6 +102,11 @@ MODEL_INFER_STAT: Final = f"{OIP_SERVICE}.ModelInfer"
 
 GATEWAY_CLUSTER: Final = "gateway"
 REGISTRY_CLUSTER: Final = "registry"
+# Envoy's stats in Prometheus form: a loopback listener whose one route leads to the admin
+# socket, and the one path it serves.
+ENVOY_STATS_LISTENER: Final = "envoy-stats"
+ENVOY_ADMIN_CLUSTER: Final = "admin-socket"
+ENVOY_STATS_PATH: Final = "/stats/prometheus"
 _VIA: Final = "-via-"
 
 

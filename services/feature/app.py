@@ -6,6 +6,7 @@ import redis.asyncio as aioredis
 
 from servemesh.control_credential import read_control_token
 from servemesh.services.feature.health import watch_store
+from servemesh.services.feature.metrics import FeatureMetrics
 from servemesh.services.feature.service import FeatureServicer
 from servemesh.services.feature.store import RedisFeatureStore
 from servemesh.services.runtime import DeadlineBudget, ServiceServer
@@ -20,6 +21,14 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         spec.redis_url, password=password, socket_connect_timeout=1.0, health_check_interval=10
     )
     store = RedisFeatureStore(client, spec.feature_store.key_prefix)
+    server = ServiceServer(
+        instance,
+        host=spec.host,
+        port=spec.port_of(instance),
+        max_message_bytes=spec.limits.max_message_bytes,
+        control_token=read_control_token(spec.state_dir),
+        service="feature",
+    )
     servicer = FeatureServicer(
         store,
         spec.feature_views,
@@ -29,13 +38,7 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         ),
         max_entities=spec.limits.max_rows_per_predict,
         limits=spec.limits,
-    )
-    server = ServiceServer(
-        instance,
-        host=spec.host,
-        port=spec.port_of(instance),
-        max_message_bytes=spec.limits.max_message_bytes,
-        control_token=read_control_token(spec.state_dir),
+        metrics=FeatureMetrics(server.metrics.registry),
     )
     server.add_service(
         feature_pb2_grpc.add_FeatureServiceServicer_to_server,
@@ -51,4 +54,5 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
     server.on_stop(client.aclose)
     # SERVING only while Redis answers; a read that cannot reach it probes at once.
     servicer.store_unreachable = watch_store(server, spec.redis_url, password).poke
+    server.serve_metrics(spec.metrics_ports.get(instance, 0))
     return server

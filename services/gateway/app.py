@@ -6,6 +6,7 @@ import grpc
 
 from servemesh.control_credential import read_control_token
 from servemesh.services.gateway.health import watch_dependencies
+from servemesh.services.gateway.metrics import PredictMetrics
 from servemesh.services.gateway.service import GatewayServicer
 from servemesh.services.runtime import ServiceServer
 from servemesh.spec import ResolvedSpec
@@ -30,8 +31,9 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         port=spec.port_of(instance),
         max_message_bytes=limit,
         control_token=read_control_token(spec.state_dir),
+        service="gateway",
     )
-    servicer = GatewayServicer(spec, mesh_channel)
+    servicer = GatewayServicer(spec, mesh_channel, PredictMetrics(server.metrics.registry))
     server.add_service(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, GATEWAY_SERVICE)
     # Models and versions added or removed by `servemesh apply` are served (or refused) as
     # soon as the spec file says so.
@@ -39,4 +41,5 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
     server.on_stop(mesh_channel.close)
     # SERVING only while it can answer: the mesh listener and the replicas it needs.
     watch_dependencies(server, spec, instance)
+    server.serve_metrics(spec.metrics_ports.get(instance, 0))
     return server

@@ -12,7 +12,7 @@ from servemesh.control_credential import read_control_token
 from servemesh.services.model.errors import ServingError
 from servemesh.services.model.load_specs import LoadSpecs
 from servemesh.services.model.loader import ModelLoader, registry_loader
-from servemesh.services.model.metrics import MetricsEndpoint, model_registry
+from servemesh.services.model.metrics import add_batcher_metrics
 from servemesh.services.model.readiness import ModelServer, routed_versions
 from servemesh.services.model.repository import Key, ModelRepository, natural_key
 from servemesh.services.model.servicer import InferenceServicer
@@ -104,6 +104,7 @@ async def build_server(
         max_message_bytes=spec.limits.max_message_bytes,
         interceptors=[ShadowRecorder(ledger, instance)],
         control_token=read_control_token(spec.state_dir),
+        service="model",
     )
     servicer.readiness = server.is_ready
     servicer.repository.configure = specs.bring
@@ -114,15 +115,10 @@ async def build_server(
     server.add_service(
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
     )
-    metrics = MetricsEndpoint(
-        model_registry(servicer.repository.batchers),
-        host=spec.host,
-        port=spec.metrics_ports.get(instance, 0),
-    )
-    log.info("metrics endpoint", extra={"address": f"http://{metrics.address}/metrics"})
+    add_batcher_metrics(server.metrics.registry, servicer.repository.batchers)
     # Stop hooks run last-registered first: the batchers drain, then the channel and the
     # metrics endpoint close (scrapes see the drain's last counts).
-    server.on_stop(metrics.close)
+    server.serve_metrics(spec.metrics_ports.get(instance, 0))
     server.on_stop(_as_hook(ledger.close))
     if channel is not None:
         server.on_stop(channel.close)
