@@ -24,6 +24,7 @@ from servemesh.features.cli import add_features_parser
 from servemesh.fuzz.cli import add_fuzz_parser
 from servemesh.identity import Dial, dial_edge_at
 from servemesh.models_cli import add_models_parser
+from servemesh.observe.top import add_top_parser
 from servemesh.proxy.apply import MeshPaths, NoRunningMesh
 from servemesh.routes_cli import add_routes_parser
 from servemesh.spec import MeshSpec, SpecError, load_spec
@@ -396,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chaos_parser(sub)
     add_features_parser(sub)
     add_fuzz_parser(sub)
+    add_top_parser(sub)
 
     envoy = sub.add_parser("envoy-config", help="print the Envoy config a spec renders")
     envoy.add_argument("--spec")

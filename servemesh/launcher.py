@@ -38,13 +38,14 @@ from servemesh.identity import (
 from servemesh.netns import ZoneNetwork
 from servemesh.netns import available as netns_available
 from servemesh.procs import All, Check, Child, GrpcHealth, RedisServer, StartError, Supervisor
+from servemesh.procs.prometheus import PrometheusServer, prometheus_binary
 from servemesh.proxy.admin import admin_socket_path, prepare_admin_dir
 from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
 from servemesh.proxy.render import dynamic_bootstrap, render_resources, static_bootstrap
 from servemesh.seeding import SeedConflict, SeedStep, seed_demo
 from servemesh.spec import MeshSpec, ResolvedSpec, dump_spec, resolve
-from servemesh.wire import message_size_options
+from servemesh.wire import ENVOY_STATS_PATH, message_size_options
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,15 @@ SERVICE_MODULES = {
 }
 # Stop order, a tier of groups at a time: the reverse of the start order, so Envoy stops
 # taking calls first and Redis goes last.
-STOP_ORDER = [["envoy"], ["gateway"], ["feature"], ["model"], ["registry"], ["redis"]]
+STOP_ORDER = [
+    ["prometheus"],
+    ["envoy"],
+    ["gateway"],
+    ["feature"],
+    ["model"],
+    ["registry"],
+    ["redis"],
+]
 
 
 class MeshStartError(StartError):
@@ -81,6 +90,8 @@ class Mesh:
     redis: RedisServer | None = field(default=None, init=False)
     # The zones' namespaces, with `network: {mode: netns}` (None on one loopback).
     network: ZoneNetwork | None = field(default=None, init=False)
+    # The mesh's Prometheus (None: metrics.prometheus is off, or no binary is installed).
+    prometheus: PrometheusServer | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(
@@ -159,6 +170,7 @@ class Mesh:
             self.supervisor.wait_ready([n for n in later if n not in gateways], deadline)
             self._start_envoy(deadline)
             self.supervisor.wait_ready(gateways, deadline)
+            self._start_prometheus(deadline)
             self._write_endpoints()
         except BaseException:
             self.stop()
@@ -241,6 +253,8 @@ class Mesh:
             "redis_password_file": spec.feature_store.password_file,
             "services": {i.name: spec.address_of(i.name) for i in spec.instances()},
             "metrics": {name: spec.metrics_address_of(name) for name in spec.metrics_ports},
+            "envoy_stats": f"http://{spec.envoy_stats_address}{ENVOY_STATS_PATH}",
+            "prometheus": spec.prometheus_address if self.prometheus is not None else None,
             "logs": str(self.logs_dir),
             "tls": self._tls_files(),
             "pids": self.pids(),
@@ -341,6 +355,19 @@ class Mesh:
         self.supervisor.start(
             "envoy", argv, ready=ready, timeout_s=max(0.0, deadline - time.monotonic())
         )
+
+    def _start_prometheus(self, deadline: float) -> None:
+        """Prometheus scraping every service and Envoy, when the spec wants one and the
+        binary is installed; without it the services' own /metrics still answer."""
+        binary = prometheus_binary() if self.spec.metrics.prometheus == "auto" else None
+        if binary is None:
+            if self.spec.metrics.prometheus == "auto":
+                log.info("no prometheus binary on PATH: the services' /metrics only")
+            return
+        self.prometheus = PrometheusServer(
+            self.supervisor, self.spec, self.state_dir / "prometheus", binary
+        )
+        self.prometheus.start(timeout_s=max(0.0, deadline - time.monotonic()))
 
     async def _seed(self) -> None:
         async with self.registry_channel() as channel:

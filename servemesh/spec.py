@@ -375,6 +375,36 @@ class Ports(_Strict):
     envoy_admin: Port = 9901
     # Services take consecutive ports from here, in the order `instances()` lists them.
     services_base: Port = 50051
+    # Envoy's stats as Prometheus text (GET /stats/prometheus, loopback; nothing else of
+    # the admin API is reachable there).
+    envoy_stats: Port = 9902
+    # The mesh's Prometheus (metrics.prometheus); 9090, Prometheus's own default, is left
+    # to a Prometheus of the machine's.
+    prometheus: Port = 9190
+
+    @model_validator(mode="before")
+    @classmethod
+    def _free_with_the_edge(cls, data: object) -> object:
+        # A mesh on free ports (edge: 0, as tests and drills run several at once) gets free
+        # metrics ports too, unless it names them.
+        if isinstance(data, dict) and data.get("edge") == 0:
+            data = {"envoy_stats": 0, "prometheus": 0, **data}
+        return data
+
+
+class MetricsSpec(_Strict):
+    """Metrics: every service's /metrics, the mesh's Prometheus, and what a prediction costs."""
+
+    # auto: `servemesh up` starts a Prometheus (scraping every service and Envoy, with the
+    # SLI recording rules) when a `prometheus` binary is on PATH; off: never.
+    prometheus: Literal["auto", "off"] = "auto"
+    # How often Prometheus scrapes each target (a local mesh: small).
+    scrape_interval_s: Annotated[float, Field(ge=0.5, le=300)] = 2.0
+    # How long Prometheus keeps samples (its storage lives under the state dir).
+    retention: Duration = "1d"
+    # Prices for the cost per million predictions (`servemesh top`, `bench predict`).
+    price_per_core_hour: Annotated[float, Field(ge=0)] = 0.04
+    price_per_gpu_hour: Annotated[float, Field(ge=0)] = 2.50
 
 
 class MeshSpec(_Strict):
@@ -396,6 +426,7 @@ class MeshSpec(_Strict):
     demo: DemoSpec = Field(default_factory=DemoSpec)
     network: NetworkSpec = Field(default_factory=NetworkSpec)
     tls: TlsSpec = Field(default_factory=TlsSpec)
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
 
     @field_validator("host")
     @classmethod
@@ -493,7 +524,7 @@ class ResolvedSpec(MeshSpec):
     mesh_ports: dict[ZoneName, Port]
     # The port of every service instance, by instance name.
     instance_ports: dict[str, Port]
-    # The Prometheus /metrics side port of each model server, by instance name.
+    # The Prometheus /metrics side port of every service instance, by instance name.
     metrics_ports: dict[str, Port]
     # The port of the Redis the launcher runs itself; None when the spec names its own
     # (feature_store.redis_url is set either way).
@@ -507,6 +538,11 @@ class ResolvedSpec(MeshSpec):
         missing += [f"mesh listener of {z}" for z in self.zones if not self.mesh_ports.get(z)]
         if self.ports.edge == 0 or self.ports.envoy_admin == 0:
             missing.append("ports.edge or ports.envoy_admin")
+        missing += [
+            f"metrics of {i.name}" for i in self.instances() if not self.metrics_ports.get(i.name)
+        ]
+        if self.ports.envoy_stats == 0 or self.ports.prometheus == 0:
+            missing.append("ports.envoy_stats or ports.prometheus")
         if missing:
             raise ValueError(f"a resolved spec needs a port for: {', '.join(missing)}")
         return self
@@ -538,11 +574,21 @@ class ResolvedSpec(MeshSpec):
         return f"{self.host}:{self.port_of(instance_name)}"
 
     def metrics_address_of(self, instance_name: str) -> str:
-        """host:port of a model server's Prometheus /metrics endpoint."""
+        """host:port of an instance's Prometheus /metrics endpoint."""
         port = self.metrics_ports.get(instance_name)
         if not port:
-            raise SpecError(f"{instance_name!r} is not a model server: it has no metrics port")
+            raise SpecError(f"no instance named {instance_name!r}: it has no metrics port")
         return f"{self.host}:{port}"
+
+    @property
+    def envoy_stats_address(self) -> str:
+        """host:port of Envoy's stats listener (GET /stats/prometheus)."""
+        return f"{self.host}:{self.ports.envoy_stats}"
+
+    @property
+    def prometheus_address(self) -> str:
+        """host:port of the mesh's Prometheus (when metrics.prometheus started one)."""
+        return f"{self.host}:{self.ports.prometheus}"
 
     @property
     def mesh_address(self) -> str:
@@ -613,15 +659,18 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
         mesh=mesh_ports[spec.zones[0]],
         envoy_admin=pick(spec.ports.envoy_admin),
         services_base=spec.ports.services_base,
+        envoy_stats=pick(spec.ports.envoy_stats),
+        prometheus=pick(spec.ports.prometheus),
     )
     instance_ports = {}
     for offset, inst in enumerate(spec.instances()):
         wanted = spec.ports.services_base + offset if spec.ports.services_base else 0
         instance_ports[inst.name] = pick(known.port_of(inst.name) if known else wanted)
+    # Model servers first, as when they alone had a metrics port; a resolved spec (even one
+    # written before the other services had one) keeps the ports it has.
+    by_kind = sorted(spec.instances(), key=lambda inst: inst.service != "model")
     metrics_ports = {
-        inst.name: pick(known.metrics_ports[inst.name] if known else 0)
-        for inst in spec.instances()
-        if inst.service == "model"
+        inst.name: pick(known.metrics_ports.get(inst.name, 0) if known else 0) for inst in by_kind
     }
     # No Redis named: the launcher runs one, on a port chosen now with the others.
     embedded_redis_port = known.embedded_redis_port if known else None

@@ -98,10 +98,28 @@ HEALTH_PREFIX: Final = method_prefix(HEALTH_SERVICE)
 # Envoy's per-method gRPC stats name a method `<package>.<Service>.<Method>`.
 MODEL_INFER_STAT: Final = f"{OIP_SERVICE}.ModelInfer"
 
+# Status codes that count against a service's success SLI (the recording rules, `servemesh
+# top`): the service failed. A caller's own errors (INVALID_ARGUMENT, NOT_FOUND, ...) and
+# a caller giving up (CANCELLED) do not.
+SLI_FAILURE_CODES: Final = (
+    "UNAVAILABLE",
+    "INTERNAL",
+    "UNKNOWN",
+    "DEADLINE_EXCEEDED",
+    "RESOURCE_EXHAUSTED",
+    "DATA_LOSS",
+    "UNIMPLEMENTED",
+)
+
 # --- Envoy cluster and route names -----------------------------------------------------------
 
 GATEWAY_CLUSTER: Final = "gateway"
 REGISTRY_CLUSTER: Final = "registry"
+# Envoy's stats in Prometheus form: a loopback listener whose one route leads to the admin
+# socket, and the one path it serves.
+ENVOY_STATS_LISTENER: Final = "envoy-stats"
+ENVOY_ADMIN_CLUSTER: Final = "admin-socket"
+ENVOY_STATS_PATH: Final = "/stats/prometheus"
 _VIA: Final = "-via-"
 
 

@@ -10,6 +10,7 @@ from servemesh.control_credential import read_control_token
 from servemesh.identity import dial_mesh, mesh_identity, serving_credentials
 from servemesh.identity.watch import follow_certificate
 from servemesh.services.gateway.health import watch_dependencies
+from servemesh.services.gateway.metrics import PredictMetrics
 from servemesh.services.gateway.service import GatewayServicer
 from servemesh.services.runtime import ServiceServer
 from servemesh.spec import ResolvedSpec
@@ -37,8 +38,9 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         max_message_bytes=limit,
         control_token=read_control_token(spec.state_dir),
         credentials=serving_credentials(spec, instance) if tls else None,
+        service="gateway",
     )
-    servicer = GatewayServicer(spec, mesh_channel)
+    servicer = GatewayServicer(spec, mesh_channel, PredictMetrics(server.metrics.registry))
     server.add_service(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, GATEWAY_SERVICE)
     # Models and versions added or removed by `servemesh apply` are served (or refused) as
     # soon as the spec file says so.
@@ -63,6 +65,7 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
 
     server.on_stop(close_all)
     server.run_in_background(follow_certificate(mesh_identity(spec), instance, redial))
+    server.serve_metrics(spec.metrics_ports.get(instance, 0))
     return server
 
 

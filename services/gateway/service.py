@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import grpc
 import numpy as np
 
+from servemesh.services.gateway.metrics import PredictMetrics, observed
 from servemesh.services.gateway.predict import (
     ModelSignature,
     PredictPlan,
@@ -61,8 +62,14 @@ class DownstreamError(MeshError):
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, spec: MeshSpec, mesh_channel: grpc.aio.Channel) -> None:
+    def __init__(
+        self,
+        spec: MeshSpec,
+        mesh_channel: grpc.aio.Channel,
+        metrics: PredictMetrics | None = None,
+    ) -> None:
         self.spec = spec
+        self.metrics = metrics or PredictMetrics()
         self.budget = DeadlineBudget(
             spec.deadlines.hop_budget_ms / 1000, spec.deadlines.default_timeout_ms / 1000
         )
@@ -88,6 +95,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 del self.signatures[name]
         self.spec = spec
 
+    @observed
     async def Predict(
         self, request: gateway_pb2.PredictRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.PredictResponse:

@@ -13,7 +13,7 @@ from servemesh.identity import dial_registry, serving_credentials
 from servemesh.services.model.errors import ServingError
 from servemesh.services.model.load_specs import LoadSpecs
 from servemesh.services.model.loader import ModelLoader, registry_loader
-from servemesh.services.model.metrics import MetricsEndpoint, model_registry
+from servemesh.services.model.metrics import add_batcher_metrics
 from servemesh.services.model.readiness import ModelServer, routed_versions
 from servemesh.services.model.repository import Key, ModelRepository, natural_key
 from servemesh.services.model.servicer import InferenceServicer
@@ -108,6 +108,7 @@ async def build_server(
         interceptors=[ShadowRecorder(ledger, instance)],
         control_token=read_control_token(spec.state_dir),
         credentials=serving_credentials(spec, instance) if tls else None,
+        service="model",
     )
     servicer.readiness = server.is_ready
     servicer.repository.configure = specs.bring
@@ -118,15 +119,10 @@ async def build_server(
     server.add_service(
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
     )
-    metrics = MetricsEndpoint(
-        model_registry(servicer.repository.batchers),
-        host=spec.host,
-        port=spec.metrics_ports.get(instance, 0),
-    )
-    log.info("metrics endpoint", extra={"address": f"http://{metrics.address}/metrics"})
+    add_batcher_metrics(server.metrics.registry, servicer.repository.batchers)
     # Stop hooks run last-registered first: the batchers drain, then the channel and the
     # metrics endpoint close (scrapes see the drain's last counts).
-    server.on_stop(metrics.close)
+    server.serve_metrics(spec.metrics_ports.get(instance, 0))
     server.on_stop(_as_hook(ledger.close))
     if channel is not None:
         server.on_stop(channel.close)

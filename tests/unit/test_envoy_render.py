@@ -41,6 +41,8 @@ from servemesh.spec import (
 )
 from servemesh.wire import (
     CONTROL_METHODS,
+    ENVOY_ADMIN_CLUSTER,
+    ENVOY_STATS_LISTENER,
     GATEWAY_CLUSTER,
     GATEWAY_SERVICE,
     HEALTH_SERVICE,
@@ -184,7 +186,8 @@ def test_every_cluster_has_health_checks_breakers_and_a_retry_budget() -> None:
     clusters = render_resources(_spec(), Path("/tmp")).clusters
     names = {c["name"] for c in clusters}
     assert {"gateway", "registry", "feature-via-zone-a", "model-fraud-v2-via-zone-b"} <= names
-    for cluster in clusters:
+    # The admin socket's cluster (Envoy's stats listener) is Envoy itself, not a service.
+    for cluster in (c for c in clusters if c["name"] != ENVOY_ADMIN_CLUSTER):
         [check] = cluster["health_checks"]
         assert "grpc_health_check" in check and check["no_traffic_interval"] == "1.000s"
         [thresholds] = cluster["circuit_breakers"]["thresholds"]
@@ -298,9 +301,11 @@ def test_the_committed_example_config_is_what_the_default_spec_renders() -> None
 
 
 def _hcms(spec: MeshSpec) -> dict[str, dict[str, Any]]:
+    """The gRPC listeners' connection managers (not Envoy's own stats listener)."""
     return {
         listener["name"]: listener["filter_chains"][0]["filters"][0]["typed_config"]
         for listener in render_resources(spec, Path("/tmp")).listeners
+        if listener["name"] != ENVOY_STATS_LISTENER
     }
 
 
@@ -371,6 +376,8 @@ def test_the_edge_trusts_nothing_the_caller_says_about_itself() -> None:
 def test_internal_headers_are_removed_from_callers_on_every_virtual_host() -> None:
     resources = render_resources(_spec(), Path("/tmp"))
     for name, config in resources.route_configs.items():
+        if name == ENVOY_STATS_LISTENER:  # one route, to Envoy's own stats
+            continue
         # The removal runs before the routes' own additions (the primary's shadow role).
         assert config["most_specific_header_mutations_wins"] is True, name
         for host in config["virtual_hosts"]:

@@ -29,7 +29,7 @@ CONTRACT = {
     "identity",
 }
 SERVICES = {"services.runtime", "services.gateway", "services.feature", "services.model"}
-TOOLING = {"procs", "netns", "load", "proxy", "credentials"}
+TOOLING = {"procs", "netns", "load", "proxy", "credentials", "observe"}
 
 ALLOWED: dict[str, set[str]] = {
     # the contract
@@ -58,6 +58,8 @@ ALLOWED: dict[str, set[str]] = {
     "netns": CONTRACT,
     "load": CONTRACT,
     "proxy": CONTRACT | {"load", "netns"},
+    # reads a running mesh's metrics, its Prometheus and /proc (`servemesh top`, cost)
+    "observe": CONTRACT | {"proxy"},
     # running a mesh
     "seeding": CONTRACT | {"registry", "services.feature"},
     "launcher": CONTRACT | TOOLING | {"seeding"},
