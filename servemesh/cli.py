@@ -21,6 +21,7 @@ from servemesh.chaos.cli import add_chaos_parser
 from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.features.cli import add_features_parser
 from servemesh.fuzz.cli import add_fuzz_parser
+from servemesh.log_cli import add_log_parser
 from servemesh.models_cli import add_models_parser
 from servemesh.routes_cli import add_routes_parser
 from servemesh.spec import MeshSpec, SpecError, load_spec
@@ -384,6 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chaos_parser(sub)
     add_features_parser(sub)
     add_fuzz_parser(sub)
+    add_log_parser(sub)
 
     envoy = sub.add_parser("envoy-config", help="print the Envoy config a spec renders")
     envoy.add_argument("--spec")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from servemesh.control_credential import read_control_token
+from servemesh.predlog import gateway_prediction_log
 from servemesh.services.gateway.health import watch_dependencies
 from servemesh.services.gateway.service import GatewayServicer
 from servemesh.services.runtime import ServiceServer
@@ -31,12 +32,17 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         max_message_bytes=limit,
         control_token=read_control_token(spec.state_dir),
     )
-    servicer = GatewayServicer(spec, mesh_channel)
+    predictions = gateway_prediction_log(spec, instance, spec.instance(instance).zone)
+    predictions.start()
+    servicer = GatewayServicer(spec, mesh_channel, predictions)
     server.add_service(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, GATEWAY_SERVICE)
     # Models and versions added or removed by `servemesh apply` are served (or refused) as
     # soon as the spec file says so.
     server.on_spec_change(servicer.follow_spec)
+    server.on_spec_change(predictions.follow_spec)
     server.on_stop(mesh_channel.close)
+    # Stop hooks run last-added first: the log flushes once every call has ended.
+    server.on_stop(predictions.close)
     # SERVING only while it can answer: the mesh listener and the replicas it needs.
     watch_dependencies(server, spec, instance)
     return server

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import grpc
 import numpy as np
 
+from servemesh.predlog import PredictionLog
 from servemesh.services.gateway.predict import (
     ModelSignature,
     PredictPlan,
@@ -61,8 +62,14 @@ class DownstreamError(MeshError):
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, spec: MeshSpec, mesh_channel: grpc.aio.Channel) -> None:
+    def __init__(
+        self,
+        spec: MeshSpec,
+        mesh_channel: grpc.aio.Channel,
+        predictions: PredictionLog | None = None,
+    ) -> None:
         self.spec = spec
+        self.predictions = predictions or PredictionLog.disabled()
         self.budget = DeadlineBudget(
             spec.deadlines.hop_budget_ms / 1000, spec.deadlines.default_timeout_ms / 1000
         )
@@ -92,6 +99,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         bind_request_id(request_id)
         deadline = self.budget.absolute_deadline(context)
         started = time.perf_counter()
+        # One record per call, whatever its end: the watch only appends to a bounded buffer.
+        watch = self.predictions.watch(request, request_id, incoming)
         plan: PredictPlan | None = None
         try:
             plan = plan_predict(request, self.spec)
@@ -100,9 +109,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             metadata += [(k, v) for k, v in incoming if k in TRACE_HEADERS]
             signature = await self._signature(plan, deadline, metadata)
             raw = conform_inputs(plan, signature)
-            matrices, stale = await self._features(plan, deadline, metadata)
-            answer = await self._infer(
-                plan, signature, view_inputs(plan, matrices), raw, deadline, metadata, request_id
+            matrices, stale = await watch.features(self._features(plan, deadline, metadata))
+            answer = await watch.inference(
+                self._infer(
+                    plan,
+                    signature,
+                    view_inputs(plan, matrices),
+                    raw,
+                    deadline,
+                    metadata,
+                    request_id,
+                )
             )
         except DownstreamError as exc:
             fallback = (
@@ -112,7 +129,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )
             if fallback is not None:
                 log.warning("predict degraded", extra={"hop": exc.hop, "code": exc.code.name})
-                return fallback
+                return watch.answered(fallback)
+            watch.failed(exc)
+            raise
+        except BaseException as exc:
+            watch.failed(exc)
             raise
         log.info(
             "predict",
@@ -129,7 +150,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # The model answered from features older than their view allows: say so.
             answer.degraded = True
             answer.degraded_reason = stale
-        return answer
+        return watch.answered(answer)
 
     def _routing(self, plan: PredictPlan) -> list[tuple[str, str]]:
         # Envoy routes on these headers: the model picks the route, a pinned version its cluster.
