@@ -1,0 +1,55 @@
+"""Captured calls made by hand, as a gateway's watch would make them."""
+
+from __future__ import annotations
+
+from servemesh.predlog.record import Captured, Row, RowContext, to_row
+from servemesh_api.gateway.v1 import gateway_pb2
+
+CONTEXT = RowContext("gateway-zone-a-0", "zone-a", entity_of_model={"fraud": "user"})
+
+
+def answer(score: float = 0.5, version: str = "v1") -> gateway_pb2.PredictResponse:
+    return gateway_pb2.PredictResponse(
+        scores=[score],
+        model_version=version,
+        model_replica="model-zone-a-0",
+        model_zone="zone-a",
+        outputs={"score": gateway_pb2.Tensor(datatype="FP32", shape=[1, 1], float_values=[score])},
+    )
+
+
+def captured(
+    at: float,
+    *,
+    request_id: str = "r",
+    total_ms: float = 5.0,
+    status: str = "OK",
+    entity_ids: tuple[str, ...] = ("user-1",),
+    entity_rows: tuple[dict[str, str], ...] = (),
+    model: str = "fraud",
+    version: str = "v1",
+    degraded: bool = False,
+) -> Captured:
+    reply = answer(version=version) if status == "OK" else None
+    if reply is not None and degraded:
+        reply.degraded = True
+        reply.degraded_reason = "feature service: down"
+    return Captured(
+        at=at,
+        request_id=request_id,
+        metadata=(),
+        model=model,
+        pinned_version="" if status == "OK" else version,
+        entity_ids=list(entity_ids),
+        entity_rows=[dict(r) for r in entity_rows],
+        answer=reply,
+        status=status,
+        message="" if status == "OK" else f"{status.lower()}: something",
+        feature_s=0.001,
+        inference_s=0.002 if status == "OK" else None,
+        total_s=total_ms / 1000,
+    )
+
+
+def row(at: float, **kwargs: object) -> Row:
+    return to_row(captured(at, **kwargs), CONTEXT)  # type: ignore[arg-type]
