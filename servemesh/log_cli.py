@@ -50,6 +50,7 @@ def cmd_query(args: argparse.Namespace) -> int:
             model=args.model,
             version=args.version,
             request_id=args.request_id,
+            trace_id=args.trace_id,
             limit=args.limit,
         )
         if args.version and not args.model:
@@ -200,6 +201,7 @@ def add_log_parser(sub: Any) -> None:
     query.add_argument("--model")
     query.add_argument("--version")
     query.add_argument("--request-id")
+    query.add_argument("--trace-id", help="the trace id of the caller's traceparent")
     query.add_argument("--limit", type=int, default=50, help="rows shown (default 50)")
     common(query)
     query.set_defaults(func=cmd_query)

@@ -62,6 +62,7 @@ class LogQuery:
     model: str | None = None
     version: str | None = None
     request_id: str | None = None
+    trace_id: str | None = None
     limit: int = 50
 
 
@@ -97,6 +98,7 @@ def _filters(q: LogQuery, now: float, mark: str, entity_sql: str) -> tuple[str, 
         ("model", q.model),
         ("version", q.version),
         ("request_id", q.request_id),
+        ("trace_id", q.trace_id),
     )
     for column, value in chosen:
         if value is not None:

@@ -1,6 +1,10 @@
-"""Captured calls made by hand, as a gateway's watch would make them."""
+"""Captured calls made by hand, as a gateway's watch would make them, and a store the
+test holds."""
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
 
 from servemesh.predlog.record import Captured, Row, RowContext, to_row
 from servemesh_api.gateway.v1 import gateway_pb2
@@ -53,3 +57,37 @@ def captured(
 
 def row(at: float, **kwargs: object) -> Row:
     return to_row(captured(at, **kwargs), CONTEXT)  # type: ignore[arg-type]
+
+
+class BlockedStore:
+    """A store whose writes wait until the test releases them."""
+
+    kind = "blocked"
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.rows: list[Row] = []
+        self.fail = False
+        self.expired_before: list[int] = []
+
+    def describe(self) -> str:
+        return "a store held by the test"
+
+    def write(self, rows: Sequence[Row]) -> None:
+        self.entered.set()
+        if not self.release.wait(timeout=60):
+            raise TimeoutError("the test never released the store")
+        if self.fail:
+            raise OSError("disk full")
+        self.rows.extend(rows)
+
+    def compact(self) -> None:
+        pass
+
+    def expire(self, before_ms: int) -> int:
+        self.expired_before.append(before_ms)
+        return 0
+
+    def close(self) -> None:
+        pass

@@ -5,53 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from servemesh.predlog.buffer import PredictionLog
-from servemesh.predlog.record import Row
 from servemesh.spec import PredictionLogSpec
-from tests.predlog.records import CONTEXT, captured
+from tests.predlog.records import CONTEXT, BlockedStore, captured
 from tests.waiting import wait_until_async
 
 NOW = 1_800_000_000.0
-
-
-class BlockedStore:
-    """A store whose writes wait until the test releases them."""
-
-    kind = "blocked"
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-        self.rows: list[Row] = []
-        self.fail = False
-        self.expired_before: list[int] = []
-
-    def describe(self) -> str:
-        return "a store held by the test"
-
-    def write(self, rows: Sequence[Row]) -> None:
-        self.entered.set()
-        if not self.release.wait(timeout=60):
-            raise TimeoutError("the test never released the store")
-        if self.fail:
-            raise OSError("disk full")
-        self.rows.extend(rows)
-
-    def compact(self) -> None:
-        pass
-
-    def expire(self, before_ms: int) -> int:
-        self.expired_before.append(before_ms)
-        return 0
-
-    def close(self) -> None:
-        pass
 
 
 def _log(store: BlockedStore, status: Path | None = None, **settings: object) -> PredictionLog:
