@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from servemesh.atomic import atomic_write_text
-from servemesh.predlog.record import Captured, PredictWatch, Row, RowContext, to_row
+from servemesh.predlog.record import PredictWatch, Row, RowContext, to_row
 from servemesh.spec import MeshSpec, PredictionLogSpec
 from servemesh_api.gateway.v1 import gateway_pb2
 
@@ -74,7 +74,7 @@ class PredictionLog:
         self.context = context
         self.status_path = status_path
         self.clock = clock
-        self._buffer: list[Captured] = []
+        self._buffer: list[PredictWatch] = []
         self._capacity = settings.buffer_records
         self._flush_at = settings.flush_records
         self._in_flight = 0
@@ -106,7 +106,7 @@ class PredictionLog:
         """A watch for one Predict: it times the call and appends its record at the end."""
         return PredictWatch(self.append, self.context.max_entity_ids, request, request_id, metadata)
 
-    def append(self, record: Captured) -> None:
+    def append(self, record: PredictWatch) -> None:
         """Keep `record` for the writer, or drop and count it when the buffer is full."""
         if not self.enabled:
             return
@@ -183,7 +183,7 @@ class PredictionLog:
         finally:
             self._in_flight = 0
 
-    def _write(self, batch: list[Captured]) -> None:
+    def _write(self, batch: list[PredictWatch]) -> None:
         """In the writer thread: rows, the store, its upkeep, the status file."""
         assert self.store is not None
         now = self.clock()

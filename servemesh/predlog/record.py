@@ -1,7 +1,8 @@
 """One prediction's record: what a request captures, and the row the writer makes of it.
 
-The request path only captures (a few references and floats in a tuple: `Captured`); the
-writer's thread turns a batch of captures into rows (`to_row`): JSON, caps, trace ids.
+The request path only captures (a few references, floats and the entity ids, in the
+`PredictWatch` of the call); the writer's thread turns a batch of them into rows
+(`to_row`): JSON, caps, trace ids.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -47,6 +48,8 @@ COLUMNS: tuple[str, ...] = (
 
 Row = tuple[Any, ...]
 
+# One encoder for every row (json.dumps with options builds a new one per call).
+_JSON = json.JSONEncoder(separators=(",", ":"))
 _TRACEPARENT = "traceparent"
 _TRACE_ID = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
 # The typed fields a public Tensor may hold its values in (one per datatype family).
@@ -61,55 +64,50 @@ _VALUE_FIELDS = (
 )
 
 
-class Captured(NamedTuple):
-    """What the request path keeps of one call: no formatting, no copies of tensors."""
-
-    at: float  # time.time() at arrival
-    request_id: str
-    metadata: Sequence[tuple[str, Any]]  # the call's incoming metadata (traceparent)
-    model: str
-    pinned_version: str
-    entity_ids: list[str]  # the shorthand's ids (capped)
-    entity_rows: list[dict[str, str]]  # ids by entity name, one per row (capped)
-    answer: gateway_pb2.PredictResponse | None
-    status: str
-    message: str
-    feature_s: float | None
-    inference_s: float | None
-    total_s: float
-
-
 class PredictWatch:
-    """One Predict under way: times its feature and model calls, and hands the log one
-    `Captured` when the call ends, answered or failed."""
+    """One Predict: times its feature and model calls while it runs, and once it ends
+    (answered or failed) is itself the record the log keeps.
+
+    Built for the request path: slots, no formatting, no copies beyond the entity ids (a
+    reference to the request would keep its tensors alive in the buffer). The writer's
+    thread reads the fields; nothing writes them after the watch is handed to the sink.
+    """
 
     __slots__ = (
         "_sink",
         "_cap",
-        "_at",
         "_t0",
         "_request",
-        "_request_id",
-        "_metadata",
+        "at",
+        "request_id",
+        "metadata",
+        "model",
+        "pinned_version",
+        "entity_ids",
+        "entity_rows",
+        "answer",
+        "status",
+        "message",
         "feature_s",
         "inference_s",
+        "total_s",
     )
 
     def __init__(
         self,
-        sink: Callable[[Captured], None],
+        sink: Callable[[PredictWatch], None],
         cap: int,
         request: gateway_pb2.PredictRequest,
         request_id: str,
         metadata: Sequence[tuple[str, Any]],
     ) -> None:
         self._sink = sink
-        self._cap = cap
-        self._at = time.time()
+        self._cap = cap  # entity ids kept
+        self.at = time.time()  # arrival, for the record's time
         self._t0 = time.perf_counter()
-        self._request = request
-        self._request_id = request_id
-        self._metadata = metadata
+        self._request: gateway_pb2.PredictRequest | None = request
+        self.request_id = request_id
+        self.metadata = metadata  # the call's incoming metadata: its traceparent, if any
         self.feature_s: float | None = None
         self.inference_s: float | None = None
 
@@ -148,24 +146,22 @@ class PredictWatch:
 
     def _end(self, answer: gateway_pb2.PredictResponse | None, status: str, message: str) -> None:
         request = self._request
+        if request is None:
+            return  # recorded already
+        self._request = None
+        self.total_s = time.perf_counter() - self._t0
+        self.model = request.model
+        self.pinned_version = request.version
+        # Copies, capped: a request of a thousand rows must not cost a thousand dicts here.
         cap = self._cap
-        self._sink(
-            Captured(
-                self._at,
-                self._request_id,
-                self._metadata,
-                request.model,
-                request.version,
-                list(request.entity_ids[:cap]) if request.entity_ids else [],
-                [dict(row.ids) for row in request.entities[:cap]] if request.entities else [],
-                answer,
-                status,
-                message,
-                self.feature_s,
-                self.inference_s,
-                time.perf_counter() - self._t0,
-            )
-        )
+        ids = request.entity_ids
+        self.entity_ids = list(ids) if len(ids) <= cap else list(ids[:cap])
+        rows = request.entities
+        self.entity_rows = [dict(row.ids) for row in rows[:cap]] if rows else []
+        self.answer = answer
+        self.status = status
+        self.message = message
+        self._sink(self)
 
 
 @dataclass
@@ -193,7 +189,7 @@ def trace_id_of(metadata: Sequence[tuple[str, Any]]) -> str:
     return ""
 
 
-def to_row(c: Captured, ctx: RowContext) -> Row:
+def to_row(c: PredictWatch, ctx: RowContext) -> Row:
     """The stored row of one capture, in COLUMNS order."""
     entities = _entities(c, ctx)
     answer = c.answer
@@ -210,7 +206,7 @@ def to_row(c: Captured, ctx: RowContext) -> Row:
         (answer.model_version if answer is not None else c.pinned_version)[:128],
         answer.model_replica if answer is not None else "",
         answer.model_zone if answer is not None else "",
-        json.dumps(entities, separators=(",", ":")),
+        _JSON.encode(entities),
         [f"{name}={i}" for name, ids in entities.items() for i in ids],
         _outputs_json(answer, ctx.max_output_bytes) if answer is not None else "{}",
         None if c.feature_s is None else round(c.feature_s * 1000, 3),
@@ -223,14 +219,14 @@ def to_row(c: Captured, ctx: RowContext) -> Row:
     )
 
 
-def _entities(c: Captured, ctx: RowContext) -> dict[str, list[str]]:
+def _entities(c: PredictWatch, ctx: RowContext) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     kept = 0
     if c.entity_ids:
         name = ctx.entity_of_model.get(c.model, "entity")
         found[name] = [i[:128] for i in c.entity_ids[: ctx.max_entity_ids]]
         kept = len(found[name])
-    for row in c.entity_rows:
+    for row in c.entity_rows[: ctx.max_entity_ids]:
         for name, value in row.items():
             if kept >= ctx.max_entity_ids:
                 return found
@@ -265,11 +261,11 @@ def _outputs_json(answer: gateway_pb2.PredictResponse, max_bytes: int) -> str:
     if not answer.outputs and answer.scores:
         # A fallback answers in scores alone.
         shown["scores"] = [_compact(v) for v in answer.scores[:budget]]
-    text = json.dumps(shown, separators=(",", ":"))
+    text = _JSON.encode(shown)
     if len(text) <= max_bytes:
         return text
     sizes = {name: {"shape": list(t.shape)} for name, t in answer.outputs.items()}
-    text = json.dumps({"truncated": True, "outputs": sizes}, separators=(",", ":"))
+    text = _JSON.encode({"truncated": True, "outputs": sizes})
     return text if len(text) <= max_bytes else '{"truncated":true}'
 
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from servemesh.predlog.record import Captured, Row, RowContext, to_row
+import grpc
+
+from servemesh.predlog.record import PredictWatch, Row, RowContext, to_row
+from servemesh.services.runtime.errors import MeshError
 from servemesh_api.gateway.v1 import gateway_pb2
 
 CONTEXT = RowContext("gateway-zone-a-0", "zone-a", entity_of_model={"fraud": "user"})
@@ -33,26 +36,29 @@ def captured(
     model: str = "fraud",
     version: str = "v1",
     degraded: bool = False,
-) -> Captured:
-    reply = answer(version=version) if status == "OK" else None
-    if reply is not None and degraded:
-        reply.degraded = True
-        reply.degraded_reason = "feature service: down"
-    return Captured(
-        at=at,
-        request_id=request_id,
-        metadata=(),
+) -> PredictWatch:
+    """A finished call at time `at`, as its watch hands it to the log."""
+    ended: list[PredictWatch] = []
+    request = gateway_pb2.PredictRequest(
         model=model,
-        pinned_version="" if status == "OK" else version,
+        version="" if status == "OK" else version,
         entity_ids=list(entity_ids),
-        entity_rows=[dict(r) for r in entity_rows],
-        answer=reply,
-        status=status,
-        message="" if status == "OK" else f"{status.lower()}: something",
-        feature_s=0.001,
-        inference_s=0.002 if status == "OK" else None,
-        total_s=total_ms / 1000,
+        entities=[gateway_pb2.EntityRow(ids=r) for r in entity_rows],
     )
+    watch = PredictWatch(ended.append, 64, request, request_id, ())
+    watch.feature_s = 0.001
+    if status == "OK":
+        reply = answer(version=version)
+        if degraded:
+            reply.degraded = True
+            reply.degraded_reason = "feature service: down"
+        watch.inference_s = 0.002
+        watch.answered(reply)
+    else:
+        watch.failed(MeshError(f"{status.lower()}: something", code=grpc.StatusCode[status]))
+    watch.at = at
+    watch.total_s = total_ms / 1000
+    return ended[0]
 
 
 def row(at: float, **kwargs: object) -> Row:

@@ -9,7 +9,6 @@ import pytest
 
 from servemesh.predlog.record import (
     COLUMNS,
-    Captured,
     PredictWatch,
     RowContext,
     to_row,
@@ -22,12 +21,12 @@ from tests.predlog.records import CONTEXT, answer
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 
-def _watch(request: gateway_pb2.PredictRequest, sink: list[Captured]) -> PredictWatch:
+def _watch(request: gateway_pb2.PredictRequest, sink: list[PredictWatch]) -> PredictWatch:
     metadata = (("traceparent", f"00-{TRACE}-00f067aa0ba902b7-01"), ("x-request-id", "r-1"))
     return PredictWatch(sink.append, 64, request, "r-1", metadata)
 
 
-def _as_dict(c: Captured, ctx: RowContext = CONTEXT) -> dict[str, object]:
+def _as_dict(c: PredictWatch, ctx: RowContext = CONTEXT) -> dict[str, object]:
     return dict(zip(COLUMNS, to_row(c, ctx), strict=True))
 
 
@@ -48,7 +47,7 @@ def test_the_trace_id_comes_from_a_valid_traceparent_only(
 
 
 async def test_an_answer_becomes_a_row_with_its_replica_zone_outputs_and_timings() -> None:
-    sink: list[Captured] = []
+    sink: list[PredictWatch] = []
     watch = _watch(gateway_pb2.PredictRequest(model="fraud", entity_ids=["user-42"]), sink)
     await watch.features(asyncio.sleep(0))
     await watch.inference(asyncio.sleep(0))
@@ -69,7 +68,7 @@ async def test_an_answer_becomes_a_row_with_its_replica_zone_outputs_and_timings
 
 
 async def test_a_failed_call_keeps_its_status_and_the_time_of_the_part_that_failed() -> None:
-    sink: list[Captured] = []
+    sink: list[PredictWatch] = []
     watch = _watch(gateway_pb2.PredictRequest(model="fraud", entity_ids=["user-x"]), sink)
 
     async def missing() -> None:
@@ -85,7 +84,7 @@ async def test_a_failed_call_keeps_its_status_and_the_time_of_the_part_that_fail
 
 
 def test_a_refused_request_names_its_entities_and_a_bounded_message() -> None:
-    sink: list[Captured] = []
+    sink: list[PredictWatch] = []
     request = gateway_pb2.PredictRequest(
         model="wine", entities=[gateway_pb2.EntityRow(ids={"lot": "L-3", "seller": "m-2"})]
     )
@@ -98,7 +97,7 @@ def test_a_refused_request_names_its_entities_and_a_bounded_message() -> None:
 
 
 def test_other_exceptions_and_cancellation_get_the_status_the_caller_sees() -> None:
-    sink: list[Captured] = []
+    sink: list[PredictWatch] = []
     request = gateway_pb2.PredictRequest(model="fraud")
     _watch(request, sink).failed(ValueError("boom"))
     _watch(request, sink).failed(asyncio.CancelledError())
@@ -107,7 +106,7 @@ def test_other_exceptions_and_cancellation_get_the_status_the_caller_sees() -> N
 
 
 def test_large_outputs_and_many_entities_stay_within_their_bounds() -> None:
-    sink: list[Captured] = []
+    sink: list[PredictWatch] = []
     ids = [f"user-{i}" for i in range(1000)]
     watch = _watch(gateway_pb2.PredictRequest(model="fraud", entity_ids=ids), sink)
     big = gateway_pb2.PredictResponse(
@@ -126,3 +125,11 @@ def test_large_outputs_and_many_entities_stay_within_their_bounds() -> None:
     assert json.loads(str(row["entities"])) == {"entity": ids[:10]}  # the model is unknown here
     # The request path capped the ids it copied: no 1,000-id lists wait in the buffer.
     assert len(sink[0].entity_ids) == 64
+
+
+def test_a_call_is_recorded_once() -> None:
+    sink: list[PredictWatch] = []
+    watch = _watch(gateway_pb2.PredictRequest(model="fraud"), sink)
+    watch.answered(answer())
+    watch.failed(ValueError("late"))
+    assert len(sink) == 1 and sink[0].status == "OK"
