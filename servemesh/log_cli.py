@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -59,8 +60,11 @@ def cmd_query(args: argparse.Namespace) -> int:
             raise ValueError("--limit: give 1 or more")
         spec, state_dir = _spec_and_state(args)
         reader = reader_for(spec.prediction_log, state_dir)
-        reader.expire(spec.prediction_log.retention_s)
-        result = reader.query(query)
+        retention_s = spec.prediction_log.retention_s
+        reader.expire(retention_s)
+        # Files are deleted whole, once their newest record is past the retention: the
+        # query itself never reaches further back than the retention.
+        result = reader.query(replace(query, since_s=min(query.since_s, retention_s)))
     except (ValueError, SpecError) as exc:
         console.print(f"[red]{exc}[/red]")
         return 2
@@ -152,6 +156,10 @@ def _table(rows: list[dict[str, Any]]) -> Table:
     table.add_column("status")
     table.add_column("degraded")
     table.add_column("entities")
+    # Errors say why: their message, when the rows hold any.
+    with_message = any(row["status"] != "OK" for row in rows)
+    if with_message:
+        table.add_column("message", overflow="ellipsis", max_width=60)
     for row in rows:
         entities = ", ".join(row["entity_keys"][:4]) + (
             f" (+{len(row['entity_keys']) - 4})" if len(row["entity_keys"]) > 4 else ""
@@ -169,6 +177,7 @@ def _table(rows: list[dict[str, Any]]) -> Table:
             status,
             "yes" if row["degraded"] else "",
             entities,
+            *([row["message"] or row["degraded_reason"]] if with_message else []),
         )
     return table
 
