@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from servemesh.wire import TRACE_HEADERS
 from servemesh_api.gateway.v1 import gateway_pb2
 
 T = TypeVar("T")
@@ -50,7 +51,7 @@ Row = tuple[Any, ...]
 
 # One encoder for every row (json.dumps with options builds a new one per call).
 _JSON = json.JSONEncoder(separators=(",", ":"))
-_TRACEPARENT = "traceparent"
+_TRACEPARENT = TRACE_HEADERS[0]  # W3C traceparent: version-traceid-spanid-flags
 _TRACE_ID = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
 # The typed fields a public Tensor may hold its values in (one per datatype family).
 _VALUE_FIELDS = (
