@@ -29,6 +29,7 @@ from servemesh.chaos.mesh import DrillMesh
 from servemesh.chaos.scope import select
 from servemesh.chaos.timeline import FaultWindow, Mark, Timeline
 from servemesh.credentials import authorization_value, read_edge_credentials
+from servemesh.identity import dial_edge
 from servemesh.load import BackgroundLoad, WindowStats, window_stats
 from servemesh.netns import ZoneNetwork
 from servemesh.proxy.admin import AdminClient, AdminError
@@ -156,7 +157,7 @@ class Drill:
         if model not in self.mesh.spec.models:
             raise DrillError(f"model {model!r} is not in the spec {self.spec_path}")
         self.load = drill_load(
-            self.mesh.spec.edge_address,
+            dial_edge(self.mesh.spec),
             rate_per_s=float(self.config["rate"]),
             model=model,
             entities=min(self.mesh.spec.demo.entities or 1, 1000),

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from servemesh.identity import Dial
 from servemesh.load import BackgroundLoad, predict_target
 
 
 def drill_load(
-    address: str,
+    edge: Dial,
     *,
     rate_per_s: float,
     model: str = "fraud",
@@ -20,9 +21,9 @@ def drill_load(
     timeout_s: float = 2.0,
     metadata: Sequence[tuple[str, str]] = (),
 ) -> BackgroundLoad:
-    """The load a drill runs against its mesh's edge `address`, with each call's deadline
+    """The load a drill runs against its mesh's edge (where `edge` leads), with each call's deadline
     `timeout_s`; on stop, calls in flight get their deadline and 5 s more to answer."""
     target = predict_target(
-        address, model=model, entities=entities, timeout_s=timeout_s, metadata=metadata
+        edge, model=model, entities=entities, timeout_s=timeout_s, metadata=metadata
     )
     return BackgroundLoad(target, rate_per_s=rate_per_s, drain_s=timeout_s + 5)

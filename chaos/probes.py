@@ -27,6 +27,7 @@ from servemesh.chaos.drill import current
 from servemesh.chaos.errors import DrillError
 from servemesh.chaos.report import envoy_deltas
 from servemesh.control_credential import control_metadata_for
+from servemesh.identity import Dial, dial_service
 from servemesh.load import WindowStats, window_stats
 from servemesh.proxy.admin import AdminError
 from servemesh.wire import (
@@ -206,8 +207,8 @@ def healthy_hosts(service: str = "model", zone: str | None = None, via: str | No
 # --- services and Redis ----------------------------------------------------------------------
 
 
-def _serving(address: str, timeout_s: float = 1.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def _serving(dial: Dial, timeout_s: float = 1.0) -> bool:
+    with dial.channel() as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=timeout_s
@@ -226,7 +227,7 @@ def services_healthy(service: str | None = None, zone: str | None = None) -> boo
         for i in spec.instances()
         if (service is None or i.service == service) and (zone is None or i.zone == zone)
     ]
-    return all(_serving(spec.address_of(i.name)) for i in chosen)
+    return all(_serving(dial_service(spec, i.name)) for i in chosen)
 
 
 def redis_reachable(timeout_s: float = 0.5) -> bool:
@@ -250,7 +251,7 @@ def try_model_load(
     request = oip.RepositoryModelLoadRequest(model_name=model)
     request.parameters["version"].string_param = version
     started = time.perf_counter()
-    with grpc.insecure_channel(spec.address_of(name)) as channel:
+    with dial_service(spec, name).channel() as channel:
         stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
         try:
             stub.RepositoryModelLoad(
@@ -264,7 +265,7 @@ def try_model_load(
         "code": code,
         "details": details[:300],
         "ms": round((time.perf_counter() - started) * 1000, 1),
-        "serving_after": _serving(spec.address_of(name)),
+        "serving_after": _serving(dial_service(spec, name)),
     }
 
 

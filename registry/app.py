@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import grpc
+
 from servemesh.control_credential import read_control_token
+from servemesh.identity import serving_credentials
 from servemesh.registry.service import SERVICE_NAME, UPLOAD_IDLE_TIMEOUT_S, RegistryServicer
 from servemesh.registry.store import RegistryStore
 from servemesh.services.runtime import ServiceServer
@@ -22,6 +25,7 @@ def registry_server(
     max_message_bytes: int = 4 * 1024 * 1024,
     control_token: str | None = None,
     upload_idle_timeout_s: float = UPLOAD_IDLE_TIMEOUT_S,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> ServiceServer:
     """A not yet started server for `store`; it closes the store when it stops. Its control
     calls (CreateModel, UploadVersion, SetAlias) answer only to `control_token`."""
@@ -31,6 +35,7 @@ def registry_server(
         port=port,
         max_message_bytes=max_message_bytes,
         control_token=control_token,
+        credentials=credentials,
     )
     server.add_service(
         registry_pb2_grpc.add_RegistryServicer_to_server,
@@ -63,4 +68,5 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         max_message_bytes=spec.limits.max_message_bytes,
         control_token=read_control_token(spec.state_dir),
         upload_idle_timeout_s=spec.limits.upload_idle_timeout_s,
+        credentials=serving_credentials(spec, instance),
     )

@@ -14,8 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import grpc
-
+from servemesh.identity import Dial, dial_edge, dial_service
 from servemesh.launcher import Mesh
 from servemesh.load import ClosedLoop, closed_loop, predict_target, summarize
 from servemesh.proxy.apply import RouteManager
@@ -40,7 +39,7 @@ class LoadResult:
 
 
 async def measure_closed_loop(
-    address: str,
+    dial: Dial,
     target: str,
     concurrency: int,
     seconds: float,
@@ -50,7 +49,7 @@ async def measure_closed_loop(
     """`concurrency` callers each sending Predict back to back: `warmup_s`, then `seconds`
     measured (the callers run on from the warm-up into the measurement: no ramp-up dip)."""
     run = await closed_loop(
-        predict_target(address, entities=entities, timeout_s=5.0),
+        predict_target(dial, entities=entities, timeout_s=5.0),
         ClosedLoop(workers=concurrency, duration_s=warmup_s + seconds),
     )
     summary = summarize(run.window(warmup_s, warmup_s + seconds), seconds)
@@ -76,7 +75,7 @@ def weight_change_times(mesh: Mesh, count: int) -> list[tuple[float, float]]:
     first, second = sorted(model.versions)[:2]
     manager = RouteManager(mesh.paths)
     times = []
-    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+    with dial_edge(mesh.spec).channel() as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         request = gateway_pb2.PredictRequest(model=model_name, entity_ids=["user-0"])
         for flip in range(count):
@@ -105,16 +104,15 @@ def bench_predict(
         startup_s = time.perf_counter() - started
         try:
             entities = max(1, spec.demo.entities)
+            gateway = next(i.name for i in mesh.spec.instances() if i.service == "gateway")
             targets = {
-                "edge (Envoy -> gateway)": mesh.spec.edge_address,
-                "gateway direct": mesh.spec.address_of(
-                    next(i.name for i in mesh.spec.instances() if i.service == "gateway")
-                ),
+                "edge (Envoy -> gateway)": dial_edge(mesh.spec),
+                "gateway direct": dial_service(mesh.spec, gateway),
             }
             results = [
-                asyncio.run(measure_closed_loop(address, name, c, seconds, entities))
+                asyncio.run(measure_closed_loop(dial, name, c, seconds, entities))
                 for c in concurrencies
-                for name, address in targets.items()
+                for name, dial in targets.items()
             ]
             changes = weight_change_times(mesh, weight_changes) if weight_changes else []
         finally:

@@ -21,8 +21,11 @@ from servemesh.chaos.cli import add_chaos_parser
 from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.features.cli import add_features_parser
 from servemesh.fuzz.cli import add_fuzz_parser
+from servemesh.identity import Dial, dial_edge_at
+from servemesh.identity.cli import add_certs_parser
 from servemesh.log_cli import add_log_parser
 from servemesh.models_cli import add_models_parser
+from servemesh.proxy.apply import MeshPaths, NoRunningMesh
 from servemesh.routes_cli import add_routes_parser
 from servemesh.spec import MeshSpec, SpecError, load_spec
 
@@ -88,6 +91,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             mesh.stop()
     out.print("stopped")
     return 0
+
+
+def _edge_dial(spec: MeshSpec, address: str) -> Dial:
+    """How to reach the edge: as the running mesh serves it (TLS or not) when one runs on
+    this state dir, else as `spec` says."""
+    try:
+        spec = MeshPaths(Path(spec.state_dir)).running_spec()
+    except NoRunningMesh:
+        pass
+    return dial_edge_at(spec, address)
 
 
 def _edge_address(args: argparse.Namespace) -> str:
@@ -218,10 +231,13 @@ def cmd_predict(args: argparse.Namespace) -> int:
     request.entity_ids.extend(e for e in entities if isinstance(e, str))
     address = _edge_address(args)
     metadata = []
-    credentials = read_edge_credentials(Path(args.state_dir or _load(args.spec).state_dir))
+    spec = _load(args.spec)
+    if args.state_dir:
+        spec = spec.model_copy(update={"state_dir": args.state_dir})
+    credentials = read_edge_credentials(Path(spec.state_dir))
     if credentials is not None:
         metadata.append(("authorization", authorization_value(*credentials)))
-    with grpc.insecure_channel(address) as channel:
+    with _edge_dial(spec, address).channel() as channel:
         try:
             reply = gateway_pb2_grpc.GatewayStub(channel).Predict(
                 request, timeout=args.timeout, metadata=metadata
@@ -382,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_routes_parser(sub)
     add_apply_parser(sub)
     add_models_parser(sub)
+    add_certs_parser(sub)
     add_chaos_parser(sub)
     add_features_parser(sub)
     add_fuzz_parser(sub)

@@ -27,6 +27,14 @@ import yaml
 
 from servemesh.control_credential import ensure_control_token
 from servemesh.credentials import ensure_edge_credentials, htpasswd_line
+from servemesh.identity import (
+    OPERATOR_IDENTITY,
+    dial_edge,
+    dial_registry,
+    dial_service,
+    issue_mesh_certificates,
+    mesh_identity,
+)
 from servemesh.netns import ZoneNetwork
 from servemesh.netns import available as netns_available
 from servemesh.procs import All, Check, Child, GrpcHealth, RedisServer, StartError, Supervisor
@@ -130,6 +138,9 @@ class Mesh:
                 self._start_redis(self.spec.embedded_redis_port, deadline)
             # Before any service starts: each reads it once, at start.
             ensure_control_token(self.state_dir)
+            # The mesh CA and a certificate per service, Envoy and the operator's tools
+            # (kept across runs; renewed when their life runs low or their names change).
+            issue_mesh_certificates(self.spec)
             self.resolved_spec_path.write_text(dump_spec(self.spec))
             self._write_envoy_config()
             if self.spec.network.mode == "netns":
@@ -231,13 +242,28 @@ class Mesh:
             "services": {i.name: spec.address_of(i.name) for i in spec.instances()},
             "metrics": {name: spec.metrics_address_of(name) for name in spec.metrics_ports},
             "logs": str(self.logs_dir),
+            "tls": self._tls_files(),
             "pids": self.pids(),
+        }
+
+    def _tls_files(self) -> dict[str, object]:
+        """What a client needs to dial the mesh: the CA to trust, and for the services'
+        own ports the operator's certificate (grpcurl -cacert/-cert/-key)."""
+        identity = mesh_identity(self.spec)
+        if not identity.exists(OPERATOR_IDENTITY):
+            return {}
+        operator = identity.current(OPERATOR_IDENTITY)
+        return {
+            "edge": self.spec.tls.edge,
+            "trust": str(identity.trust_file),
+            "operator_cert": str(operator / "cert.pem"),
+            "operator_key": str(operator / "key.pem"),
         }
 
     def registry_channel(self) -> grpc.aio.Channel:
         """A channel to the registry that carries artifacts up to the spec's message limit."""
         options = message_size_options(self.spec.limits.max_message_bytes)
-        return grpc.aio.insecure_channel(self.spec.registry_address, options=options)
+        return dial_registry(self.spec).aio_channel(options=options)
 
     # --- internals -----------------------------------------------------------------
 
@@ -255,7 +281,7 @@ class Mesh:
         ]
         if self.network is not None and instance.service != "registry":
             argv = self.network.exec_argv(instance.zone, argv)
-        ready = GrpcHealth(self.spec.address_of(name))
+        ready = GrpcHealth(dial_service(self.spec, name))
         self.supervisor.start(name, argv, group=instance.service, ready=ready, timeout_s=None)
 
     def _start_redis(self, port: int, deadline: float) -> None:
@@ -308,7 +334,7 @@ class Mesh:
         # path end to end: Envoy -> a gateway answering SERVING.
         ready = All(
             Check(lambda: is_ready(admin), f"Envoy admin at {admin} ready"),
-            GrpcHealth(self.spec.edge_address),
+            GrpcHealth(dial_edge(self.spec)),
         )
         self.supervisor.start(
             "envoy", argv, ready=ready, timeout_s=max(0.0, deadline - time.monotonic())

@@ -30,6 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from servemesh.control_credential import ControlCredentialMissing, Metadata, control_metadata_for
+from servemesh.identity import dial_registry, dial_service
 from servemesh.proxy.admin import AdminError
 from servemesh.proxy.apply import ApplyError, MeshPaths, RouteManager
 from servemesh.proxy.live_view import live_view
@@ -74,9 +75,8 @@ class RunningMesh:
     state_dir: Path
 
     def registry_channel(self) -> grpc.aio.Channel:
-        return grpc.aio.insecure_channel(
-            self.spec.registry_address,
-            options=message_size_options(self.spec.limits.max_message_bytes),
+        return dial_registry(self.spec).aio_channel(
+            options=message_size_options(self.spec.limits.max_message_bytes)
         )
 
     def credential(self) -> Metadata:
@@ -339,7 +339,7 @@ class Holdings:
 async def _replica_index(
     spec: ResolvedSpec, instance: str
 ) -> tuple[str, list[tuple[str, str]] | None]:
-    async with grpc.aio.insecure_channel(spec.address_of(instance)) as channel:
+    async with dial_service(spec, instance).aio_channel() as channel:
         stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
         try:
             index = await stub.RepositoryIndex(

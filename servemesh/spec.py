@@ -33,6 +33,10 @@ ServiceKind = Literal["registry", "model", "feature", "gateway"]
 Spec = TypeVar("Spec", bound="MeshSpec")
 
 
+# The mesh's one registry process.
+REGISTRY_INSTANCE = "registry-0"
+
+
 class SpecError(ValueError):
     """The mesh spec is malformed; the message names the file and the field."""
 
@@ -343,6 +347,22 @@ class NetworkSpec(_Strict):
     mode: Literal["loopback", "netns"] = "loopback"
 
 
+class TlsSpec(_Strict):
+    """Certificates. Every hop inside the mesh is mutual TLS with certificates from a CA
+    that `servemesh up` creates under <state_dir>/tls; there is no switch for that."""
+
+    # The edge listener serves TLS (false: plaintext, for local debugging only).
+    edge: bool = True
+    # More DNS names or IP addresses the edge certificate carries (besides localhost,
+    # 127.0.0.1 and ::1), for callers that reach the edge by another name.
+    edge_names: list[Annotated[str, Field(min_length=1, max_length=253)]] = Field(
+        default_factory=list, max_length=64
+    )
+    # Life of each service certificate; `up` renews one with a third of its life left, and
+    # `servemesh certs rotate` replaces them on a running mesh.
+    leaf_days: Annotated[int, Field(ge=1, le=825)] = 30
+
+
 class PredictionLogSpec(_Strict):
     """One record per Predict a gateway answers, kept for `servemesh log query`."""
 
@@ -422,6 +442,7 @@ class MeshSpec(_Strict):
     deadlines: Deadlines = Field(default_factory=Deadlines)
     demo: DemoSpec = Field(default_factory=DemoSpec)
     network: NetworkSpec = Field(default_factory=NetworkSpec)
+    tls: TlsSpec = Field(default_factory=TlsSpec)
     prediction_log: PredictionLogSpec = Field(default_factory=PredictionLogSpec)
 
     @field_validator("host")
@@ -487,7 +508,7 @@ class MeshSpec(_Strict):
 
     def instances(self) -> list[Instance]:
         """Every service process of the mesh, in start order (registry first)."""
-        found = [Instance(name="registry-0", service="registry", zone=self.zones[0])]
+        found = [Instance(name=REGISTRY_INSTANCE, service="registry", zone=self.zones[0])]
         processes: tuple[tuple[ServiceKind, Replicas], ...] = (
             ("model", self.model_servers),
             ("feature", self.feature),
@@ -589,8 +610,12 @@ class ResolvedSpec(MeshSpec):
         return f"{self.host}:{self.ports.edge}"
 
     @property
+    def registry_instance(self) -> str:
+        return REGISTRY_INSTANCE
+
+    @property
     def registry_address(self) -> str:
-        return self.address_of("registry-0")
+        return self.address_of(REGISTRY_INSTANCE)
 
 
 class Instance(_Strict):

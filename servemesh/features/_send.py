@@ -12,6 +12,7 @@ import numpy as np
 
 from servemesh.control_credential import Metadata
 from servemesh.features._read import FeatureFile, FileError, FileRows, Layout
+from servemesh.identity import Dial, dial_service
 from servemesh.spec import ResolvedSpec
 from servemesh.wire import message_size_options
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
@@ -79,21 +80,30 @@ def running_mesh_spec(state_dir: Path) -> ResolvedSpec:
         raise LoadError(str(exc)) from None
 
 
-def feature_addresses(spec: ResolvedSpec) -> list[str]:
-    """Every feature service of the mesh, in spec order."""
-    return [spec.address_of(i.name) for i in spec.instances() if i.service == "feature"]
+def feature_addresses(spec: ResolvedSpec, address: str | None = None) -> list[Dial]:
+    """Every feature service of the mesh, in spec order (only the one at `address`, when
+    given: it must be one of the mesh's, whose certificate the load then checks)."""
+    dials = [dial_service(spec, i.name) for i in spec.instances() if i.service == "feature"]
+    if address is None:
+        return dials
+    chosen = [d for d in dials if d.address == address]
+    if not chosen:
+        known = ", ".join(d.address for d in dials)
+        raise LoadError(f"--address {address}: not a feature service of the mesh ({known})")
+    return chosen
 
 
-def _ready_channel(addresses: list[str], options: list[tuple[str, int]]) -> grpc.Channel:
+def _ready_channel(dials: list[Dial], options: list[tuple[str, int]]) -> grpc.Channel:
     """A channel to the first feature service that accepts a connection."""
-    for address in addresses:
-        channel = grpc.insecure_channel(address, options=options)
+    for dial in dials:
+        channel = dial.channel(options=options)
         try:
             grpc.channel_ready_future(channel).result(timeout=CONNECT_TIMEOUT_S)
             return channel
         except grpc.FutureTimeoutError:
             channel.close()
-    raise LoadError(f"no feature service answers at {', '.join(addresses) or '(none)'}")
+    where = ", ".join(d.address for d in dials) or "(none)"
+    raise LoadError(f"no feature service answers at {where}")
 
 
 def rows_per_message(rows: FileRows, max_message_bytes: int) -> int:
@@ -121,7 +131,7 @@ def chunks(rows: FileRows, max_message_bytes: int) -> Iterator[feature_pb2.LoadF
 
 
 def load_file(
-    addresses: list[str],
+    addresses: list[Dial],
     file: FeatureFile,
     layout: Layout,
     *,

@@ -63,7 +63,7 @@ def cmd_load(args: argparse.Namespace) -> int:
             )
         file = FeatureFile(args.file, args.format, args.batch_rows or DEFAULT_BATCH_ROWS)
         layout = file.layout(args.key, args.timestamp, view.features)
-        addresses = [args.address] if args.address else feature_addresses(spec)
+        addresses = feature_addresses(spec, args.address)
         with _progress(file.total_rows) as progress:
             summary = load_file(
                 addresses,

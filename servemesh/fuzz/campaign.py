@@ -28,6 +28,7 @@ from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.fuzz.rpcs import RPCS, Api, Rpc
 from servemesh.fuzz.strategies import Known, near_valid, raw, structured
 from servemesh.fuzz.watch import MemoryWatch, ValidTrickle
+from servemesh.identity import Dial, dial_edge, dial_mesh, dial_service
 from servemesh.launcher import Mesh
 from servemesh.spec import ResolvedSpec
 from servemesh.wire import (
@@ -70,7 +71,7 @@ class Route:
 
     via: Via
     name: str
-    address: str
+    dial: Dial
     metadata: Metadata = ()
 
 
@@ -159,10 +160,10 @@ def routes_of(spec: ResolvedSpec) -> dict[Api, list[Route]]:
     others, and each replica's own port."""
     direct: dict[Api, list[Route]] = {"gateway": [], "model": [], "feature": [], "registry": []}
     for inst in spec.instances():
-        direct[inst.service].append(Route("direct", inst.name, spec.address_of(inst.name)))
-    mesh = [Route("envoy", f"mesh-{z}", spec.mesh_address_for(z)) for z in spec.zones]
+        direct[inst.service].append(Route("direct", inst.name, dial_service(spec, inst.name)))
+    mesh = [Route("envoy", f"mesh-{z}", dial_mesh(spec, z)) for z in spec.zones]
     return {
-        "gateway": [Route("envoy", "edge", spec.edge_address, edge_metadata(spec))]
+        "gateway": [Route("envoy", "edge", dial_edge(spec), edge_metadata(spec))]
         + direct["gateway"],
         "model": mesh + direct["model"],
         "feature": mesh + direct["feature"],
@@ -177,7 +178,7 @@ def known_of(spec: ResolvedSpec) -> Known:
     entities = [f"user-{i}" for i in range(max(1, min(spec.demo.entities, 50)))]
     inputs: dict[str, str] = {}
     model_replica = next(i.name for i in spec.instances() if i.service == "model")
-    with grpc.insecure_channel(spec.address_of(model_replica)) as channel:
+    with dial_service(spec, model_replica).channel() as channel:
         metadata = channel.unary_unary(
             method_path(OIP_SERVICE, "ModelMetadata"),
             request_serializer=oip.ModelMetadataRequest.SerializeToString,
@@ -263,11 +264,11 @@ class Campaign:
         for rpc in self.rpcs:
             self.tallies[rpc.name] = RpcTally(rpc.api, rpc.control)
 
-    def channel(self, address: str) -> grpc.Channel:
-        if address not in self._channels:
+    def channel(self, dial: Dial) -> grpc.Channel:
+        if dial.address not in self._channels:
             options = message_size_options(CLIENT_MESSAGE_BYTES)
-            self._channels[address] = grpc.insecure_channel(address, options=options)
-        return self._channels[address]
+            self._channels[dial.address] = dial.channel(options=options)
+        return self._channels[dial.address]
 
     def close(self) -> None:
         for channel in self._channels.values():
@@ -298,7 +299,7 @@ class Campaign:
             metadata += control_metadata(self.control_token)
         mode = data.draw(st.sampled_from(list(MODES)))
         bodies = data.draw(MODES[mode](rpc, self.known))
-        outcome = send(self.channel(route.address), rpc, bodies, metadata, self.timeout_s)
+        outcome = send(self.channel(route.dial), rpc, bodies, metadata, self.timeout_s)
         self.record(rpc, route, bodies, outcome)
         self.sent += 1
         if self.on_progress is not None:
@@ -385,7 +386,7 @@ def run_campaign(
     )
     memory = MemoryWatch(pids)
     model = known.model_names[0]
-    trickle = ValidTrickle(spec.edge_address, model, known.entities, edge_metadata(spec))
+    trickle = ValidTrickle(dial_edge(spec), model, known.entities, edge_metadata(spec))
     started = time.monotonic()
     memory.start()
     trickle.start()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 
+from servemesh.identity import Dial
 from servemesh.wire import GATEWAY_SERVICE, method_path
 from servemesh_api.gateway.v1 import gateway_pb2
 
@@ -72,7 +73,7 @@ class ValidTrickle:
     """Sends one real Predict through the edge every `every_s` until stopped; every one
     must succeed, whatever the fuzzed calls beside it do."""
 
-    address: str
+    edge: Dial
     model: str
     entities: Sequence[str]
     metadata: tuple[tuple[str, str], ...] = ()
@@ -93,7 +94,7 @@ class ValidTrickle:
             self._thread.join()
 
     def _run(self) -> None:
-        with grpc.insecure_channel(self.address) as channel:
+        with self.edge.channel() as channel:
             predict = channel.unary_unary(
                 PREDICT,
                 request_serializer=gateway_pb2.PredictRequest.SerializeToString,

@@ -8,8 +8,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-import grpc
-
 from servemesh.load.outcome import Request, refused, timed
 from servemesh.load.run import Event, EventRecord, LoadRun
 from servemesh.load.schedule import ClosedLoop, OpenSchedule
@@ -40,7 +38,7 @@ async def open_loop(
         raise ValueError("a schedule without an end needs a stop event")
     run = run if run is not None else LoadRun()
     origin = run.origin
-    async with grpc.aio.insecure_channel(target.address, options=target.options) as channel:
+    async with target.open_channel() as channel:
         request = target.request(channel)
         outstanding: set[asyncio.Task[None]] = set()
         event_tasks = _start_events(events, run)
@@ -89,7 +87,7 @@ async def closed_loop(
     for, which is why it cannot show a stall as latency: use an open loop for that)."""
     run = run if run is not None else LoadRun()
     origin = run.origin
-    async with grpc.aio.insecure_channel(target.address, options=target.options) as channel:
+    async with target.open_channel() as channel:
         request: Request = target.request(channel)
         until = origin + schedule.duration_s
         event_tasks = _start_events(events, run)

@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from servemesh.identity.channels import Dial
 from servemesh.load.outcome import Reply, Request
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -23,10 +24,17 @@ class Target:
     address: str
     request: Callable[[grpc.aio.Channel], Request]
     options: ChannelOptions = field(default_factory=tuple)
+    # TLS for the channel (None: plaintext).
+    credentials: grpc.ChannelCredentials | None = None
+
+    def open_channel(self) -> grpc.aio.Channel:
+        if self.credentials is None:
+            return grpc.aio.insecure_channel(self.address, options=self.options)
+        return grpc.aio.secure_channel(self.address, self.credentials, options=self.options)
 
 
 def predict_target(
-    address: str,
+    edge: Dial | str,
     *,
     model: str = "fraud",
     entities: int = 100,
@@ -34,7 +42,8 @@ def predict_target(
     metadata: Sequence[tuple[str, str]] = (),
 ) -> Target:
     """Gateway Predict for one entity per call, cycling through `user-0`..`user-<entities-1>`
-    (the demo's seeded entities)."""
+    (the demo's seeded entities), to the edge `edge` leads to (an address: plaintext)."""
+    dial = Dial(edge, None) if isinstance(edge, str) else edge
     count = max(1, entities)
     sent_metadata = tuple(metadata) or None
 
@@ -48,7 +57,7 @@ def predict_target(
 
         return predict
 
-    return Target(address, build)
+    return Target(dial.address, build, dial.options, dial.credentials)
 
 
 def raw_target(

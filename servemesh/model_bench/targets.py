@@ -128,7 +128,7 @@ async def serve(
     spec = bench_spec(batching)
     if kind == "model":
         loader = demo_loader(batching, inject_latency_ms)
-        server = await build_server(spec, INSTANCE, loader=loader)
+        server = await build_server(spec, INSTANCE, loader=loader, tls=False)
         ports = {"port": 0, "metrics_port": spec.metrics_ports[INSTANCE]}
     else:
         server = ServiceServer(INSTANCE, host=spec.host, port=spec.port_of(INSTANCE))

@@ -1,7 +1,7 @@
 """Child processes: the one place servemesh starts, watches and stops them.
 
     sup = Supervisor(logs_dir)                  # one forking thread, logs per child
-    sup.start("registry-0", argv, group="registry", ready=GrpcHealth(address))
+    sup.start("registry-0", argv, group="registry", ready=GrpcHealth(dial))
     sup.kill("registry-0"); sup.restart("registry-0")   # an outage and the way back
     sup.stop_all([["envoy"], ["gateway"], ...])          # tier by tier, by PID
     RedisServer(sup, data_dir).start()          # redis-server on a free port, PING-ready

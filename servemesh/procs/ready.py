@@ -15,6 +15,8 @@ import grpc
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servemesh.identity.channels import Dial
+
 
 class Readiness(Protocol):
     """What "ready" means for one child."""
@@ -28,10 +30,12 @@ class Readiness(Protocol):
 
 
 class GrpcHealth:
-    """grpc.health.v1 answers SERVING at `address` (for `service`; "" is the whole server)."""
+    """grpc.health.v1 answers SERVING where `dial` leads (for `service`; "" is the whole
+    server)."""
 
-    def __init__(self, address: str, service: str = "", timeout_s: float = 0.5) -> None:
-        self.address = address
+    def __init__(self, dial: Dial, service: str = "", timeout_s: float = 0.5) -> None:
+        self.dial = dial
+        self.address = dial.address
         self.service = service
         self.timeout_s = timeout_s
         self._channel: grpc.Channel | None = None
@@ -43,7 +47,7 @@ class GrpcHealth:
 
     def check(self) -> bool:
         if self._channel is None:
-            self._channel = grpc.insecure_channel(self.address)
+            self._channel = self.dial.channel()
         stub = health_pb2_grpc.HealthStub(self._channel)
         try:
             reply = stub.Check(

@@ -29,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 
 from servemesh.control_credential import ControlCredentialMissing, Metadata, control_metadata_for
+from servemesh.identity import dial_registry, dial_service
 from servemesh.model_contract import check_model_contract
 from servemesh.proxy.apply import ApplyError, ApplyResult, RouteManager
 from servemesh.proxy.live_plan import ApplyPlan, Key, PlanRefused, plan_apply
@@ -201,7 +202,7 @@ class LiveApply:
     async def check_registry(self, live: ResolvedSpec, plan: ApplyPlan) -> None:
         """Every new version is in the registry, named as such, with the model's inputs."""
         options = message_size_options(live.limits.max_message_bytes)
-        async with grpc.aio.insecure_channel(live.registry_address, options=options) as channel:
+        async with dial_registry(live).aio_channel(options=options) as channel:
             stub = registry_pb2_grpc.RegistryStub(channel)
             records: dict[Key, registry_pb2.ModelVersion] = {}
             for model, version in plan.added_versions:
@@ -279,7 +280,7 @@ class LiveApply:
         started = time.perf_counter()
         credential = self.credential()
         options = message_size_options(live.limits.max_message_bytes)
-        async with grpc.aio.insecure_channel(live.address_of(replica), options=options) as channel:
+        async with dial_service(live, replica).aio_channel(options=options) as channel:
             stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
             for model, version in plan.added_versions:
@@ -339,8 +340,8 @@ class LiveApply:
         async def undo(load: ReplicaLoad) -> None:
             if not load.loaded:
                 return
-            address = live.address_of(load.replica)
-            async with grpc.aio.insecure_channel(address, options=options) as channel:
+            dial = dial_service(live, load.replica)
+            async with dial.aio_channel(options=options) as channel:
                 stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
                 for model, version in load.loaded:
                     param = oip.ModelRepositoryParameter(string_param=version)

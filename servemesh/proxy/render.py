@@ -30,6 +30,7 @@ from servemesh.policy import (
     RoutePolicy,
 )
 from servemesh.proxy.admin import ADMIN_SOCKET_MODE, admin_socket_path
+from servemesh.proxy.tls import downstream_tls, upstream_tls
 from servemesh.spec import Instance, MeshSpec, ModelSpec, ResolvedSpec
 from servemesh.wire import (
     CONTROL_METHODS,
@@ -546,6 +547,11 @@ def _listener(
     extra_filters: list[dict[str, Any]],
     edge: bool,
 ) -> dict[str, Any]:
+    chain: dict[str, Any] = {}
+    if not edge or spec.tls.edge:
+        # Mutual TLS on the mesh listeners always; TLS at the edge unless the spec turns it
+        # off for local debugging.
+        chain["transport_socket"] = downstream_tls(spec, edge=edge)
     filters = [
         *extra_filters,
         # Per-cluster gRPC success/failure counters (cluster.<name>.grpc.<service>.<method>.*),
@@ -566,6 +572,7 @@ def _listener(
         "address": _address(spec.host, port),
         "filter_chains": [
             {
+                **chain,
                 "filters": [
                     {
                         "name": "envoy.filters.network.http_connection_manager",
@@ -604,7 +611,7 @@ def _listener(
                             "http_filters": filters,
                         },
                     }
-                ]
+                ],
             }
         ],
     }
@@ -625,6 +632,7 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
 
     def add(
         name: str,
+        kind: str,
         members: list[Instance],
         policy: RoutePolicy,
         local_zone: str | None,
@@ -634,6 +642,9 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
         cluster = _cluster(
             name, policy, eds=True, upstream_filters=upstream_filters, health_name=health_name
         )
+        # Every replica of a cluster is of one service kind; Envoy accepts only a
+        # certificate naming an instance of that kind.
+        cluster["transport_socket"] = upstream_tls(spec, kind)
         if local_zone is not None and spec.network.mode == "netns":
             # Zones in network namespaces: a zone's clusters send from a loopback source of
             # their own, which the namespaces see as that zone's address, so a partition
@@ -645,12 +656,12 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
         clusters.append(cluster)
         assignments[name] = _load_assignment(spec, name, members, local_zone)
 
-    add(GATEWAY_CLUSTER, of("gateway"), spec.traffic.edge, None)
-    add(REGISTRY_CLUSTER, of("registry"), spec.traffic.model, None)
+    add(GATEWAY_CLUSTER, "gateway", of("gateway"), spec.traffic.edge, None)
+    add(REGISTRY_CLUSTER, "registry", of("registry"), spec.traffic.model, None)
     model_servers = of("model")
     for zone in spec.zones:
-        add(feature_cluster(zone), of("feature"), spec.traffic.feature, zone)
-        add(model_servers_cluster(zone), model_servers, spec.traffic.model, zone)
+        add(feature_cluster(zone), "feature", of("feature"), spec.traffic.feature, zone)
+        add(model_servers_cluster(zone), "model", model_servers, spec.traffic.model, zone)
         # Every model server may host every version; a cluster per version is what lets a
         # weighted route pick the version and keeps its retries within it, and its health
         # checks ask for the version's own status, so only replicas holding it count.
@@ -658,6 +669,7 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
             for version in sorted(model.versions):
                 add(
                     model_cluster(model_name, version, zone),
+                    "model",
                     model_servers,
                     _policy_for(spec, model),
                     zone,
@@ -666,6 +678,7 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
             if model.shadow is not None:
                 add(
                     shadow_cluster(model_name, model.shadow.version, zone),
+                    "model",
                     model_servers,
                     _policy_for(spec, model),
                     zone,
@@ -816,9 +829,8 @@ def static_bootstrap(
         hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
         inline = {k: v for k, v in hcm.items() if k != "rds"}
         inline["route_config"] = resources.route_configs[hcm["rds"]["route_config_name"]]
-        chain = {
-            "filters": [{**listener["filter_chains"][0]["filters"][0], "typed_config": inline}]
-        }
+        first = listener["filter_chains"][0]
+        chain = {**first, "filters": [{**first["filters"][0], "typed_config": inline}]}
         listeners.append({**listener, "filter_chains": [chain]})
     clusters = [
         {**c, "type": "STATIC", "load_assignment": resources.load_assignments[c["name"]]}
@@ -870,11 +882,8 @@ def dynamic_bootstrap(
         hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
         name = hcm["rds"]["route_config_name"]
         rds = {"route_config_name": name, "config_source": _file_source(layout.rds(name))}
-        chain = {
-            "filters": [
-                {**listener["filter_chains"][0]["filters"][0], "typed_config": {**hcm, "rds": rds}}
-            ]
-        }
+        first = listener["filter_chains"][0]
+        chain = {**first, "filters": [{**first["filters"][0], "typed_config": {**hcm, "rds": rds}}]}
         listeners.append({**listener, "filter_chains": [chain]})
     return {
         **_bootstrap_base(spec, log_dir),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from servemesh.control_credential import read_control_token
+from servemesh.identity import serving_credentials
 from servemesh.services.feature.health import watch_store
 from servemesh.services.feature.service import FeatureServicer
 from servemesh.services.feature.store import RedisFeatureStore
@@ -14,7 +15,9 @@ from servemesh.wire import FEATURE_SERVICE
 from servemesh_api.feature.v1 import feature_pb2_grpc
 
 
-async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
+async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -> ServiceServer:
+    """The instance's server, unstarted; mutual TLS on its port (`tls=False`: plaintext, for
+    tests of the service's own behaviour, never a running mesh)."""
     password = spec.redis_password()
     client = aioredis.Redis.from_url(
         spec.redis_url, password=password, socket_connect_timeout=1.0, health_check_interval=10
@@ -36,6 +39,7 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         port=spec.port_of(instance),
         max_message_bytes=spec.limits.max_message_bytes,
         control_token=read_control_token(spec.state_dir),
+        credentials=serving_credentials(spec, instance) if tls else None,
     )
     server.add_service(
         feature_pb2_grpc.add_FeatureServiceServicer_to_server,

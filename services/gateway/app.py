@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from servemesh.control_credential import read_control_token
+from servemesh.identity import dial_mesh, mesh_identity, serving_credentials
+from servemesh.identity.watch import follow_certificate
 from servemesh.predlog import gateway_prediction_log
 from servemesh.services.gateway.health import watch_dependencies
 from servemesh.services.gateway.service import GatewayServicer
@@ -14,23 +18,26 @@ from servemesh.wire import GATEWAY_SERVICE, message_size_options
 from servemesh_api.gateway.v1 import gateway_pb2_grpc
 
 
-async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
+async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -> ServiceServer:
+    """The instance's server, unstarted; mutual TLS on its port (`tls=False`: plaintext, for
+    tests of the service's own behaviour, never a running mesh)."""
     limit = spec.limits.max_message_bytes
-    # Every downstream call goes through Envoy, which owns retries and load balancing.
-    mesh_channel = grpc.aio.insecure_channel(
-        # This zone's mesh listener: its clusters prefer replicas in the same zone.
-        spec.mesh_address_for(spec.instance(instance).zone),
-        options=[
-            *message_size_options(limit),
-            ("grpc.enable_retries", 0),
-        ],
-    )
+
+    def dial() -> grpc.aio.Channel:
+        # Every downstream call goes through Envoy, which owns retries and load balancing:
+        # this zone's mesh listener, whose clusters prefer replicas in the same zone.
+        return dial_mesh(spec, spec.instance(instance).zone, caller=instance).aio_channel(
+            options=[*message_size_options(limit), ("grpc.enable_retries", 0)]
+        )
+
+    mesh_channel = dial()
     server = ServiceServer(
         instance,
         host=spec.host,
         port=spec.port_of(instance),
         max_message_bytes=limit,
         control_token=read_control_token(spec.state_dir),
+        credentials=serving_credentials(spec, instance) if tls else None,
     )
     predictions = gateway_prediction_log(spec, instance, spec.instance(instance).zone)
     predictions.start()
@@ -40,9 +47,37 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
     # soon as the spec file says so.
     server.on_spec_change(servicer.follow_spec)
     server.on_spec_change(predictions.follow_spec)
-    server.on_stop(mesh_channel.close)
-    # Stop hooks run last-added first: the log flushes once every call has ended.
+    # Stop hooks run once every call has ended: the log flushes what is left.
     server.on_stop(predictions.close)
     # SERVING only while it can answer: the mesh listener and the replicas it needs.
-    watch_dependencies(server, spec, instance)
+    health = watch_dependencies(server, spec, instance)
+    channels = [mesh_channel]
+
+    async def redial() -> None:
+        # A rotated certificate: new calls go out on a channel that presents it; calls
+        # under way finish on the old one, closed once they are surely done.
+        fresh = dial()
+        servicer.use_channel(fresh)
+        channels.append(fresh)
+        await health.redial()
+        old = channels.pop(0)
+        server.run_in_background(_close_later(old, CLOSE_AFTER_S))
+
+    async def close_all() -> None:
+        for channel in channels:
+            await channel.close()
+
+    server.on_stop(close_all)
+    server.run_in_background(follow_certificate(mesh_identity(spec), instance, redial))
     return server
+
+
+# Calls in flight on a channel replaced by a rotation finish within their deadline.
+CLOSE_AFTER_S = 60.0
+
+
+async def _close_later(channel: grpc.aio.Channel, after_s: float) -> None:
+    try:
+        await asyncio.sleep(after_s)
+    finally:
+        await channel.close()

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servemesh.identity import OPERATOR_IDENTITY, dial_service
 from servemesh.services.runtime import ServiceServer
 from servemesh.services.runtime.dependencies import DependencyWatch, Verdict
 from servemesh.spec import MeshSpec, ModelSpec, ResolvedSpec
@@ -125,31 +126,42 @@ async def accepts_connections(host: str, port: int, timeout_s: float) -> bool:
 class GatewayHealth:
     """The gateway's probe: one round checks the listener and every replica it needs."""
 
-    def __init__(self, spec: ResolvedSpec, zone: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        spec: ResolvedSpec,
+        zone: str,
+        timeout_s: float = PROBE_TIMEOUT_S,
+        *,
+        caller: str = OPERATOR_IDENTITY,
+    ) -> None:
         self.spec = spec
         self.zone = zone
         self.timeout_s = timeout_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        # The identity the probes present (the gateway's own certificate).
+        self.caller = caller
+        # One channel per replica, keyed by (instance, address): a moved replica gets a new one.
+        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
 
     async def follow_spec(self, spec: ResolvedSpec) -> None:
         """Judge by `spec` from the next round on (models, fallbacks, replicas)."""
         self.spec = spec
-        wanted = {spec.address_of(i.name) for i in spec.instances()}
-        for address in set(self._channels) - wanted:
-            await self._channels.pop(address).close()
+        wanted = {(i.name, spec.address_of(i.name)) for i in spec.instances()}
+        for key in set(self._channels) - wanted:
+            await self._channels.pop(key).close()
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
+    def _channel(self, instance: str) -> grpc.aio.Channel:
+        key = (instance, self.spec.address_of(instance))
+        channel = self._channels.get(key)
         if channel is None:
             # Retry a lost replica often, or its return is noticed only after gRPC's backoff.
-            channel = grpc.aio.insecure_channel(
-                address, options=reconnect_backoff_options(int(PROBE_INTERVAL_S * 1000))
+            channel = dial_service(self.spec, instance, caller=self.caller).aio_channel(
+                options=reconnect_backoff_options(int(PROBE_INTERVAL_S * 1000))
             )
-            self._channels[address] = channel
+            self._channels[key] = channel
         return channel
 
-    async def _serving(self, address: str) -> bool:
-        stub = health_pb2_grpc.HealthStub(self._channel(address))
+    async def _serving(self, instance: str) -> bool:
+        stub = health_pb2_grpc.HealthStub(self._channel(instance))
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError:
@@ -158,11 +170,11 @@ class GatewayHealth:
 
     async def _count(self, spec: ResolvedSpec, service: str, wanted: bool) -> tuple[int, int]:
         """(SERVING, all) replicas of `service`; not probed when no model needs them."""
-        addresses = [spec.address_of(i.name) for i in spec.instances() if i.service == service]
+        names = [i.name for i in spec.instances() if i.service == service]
         if not wanted:
-            return 0, len(addresses)
-        answers = await asyncio.gather(*(self._serving(a) for a in addresses))
-        return sum(answers), len(addresses)
+            return 0, len(names)
+        answers = await asyncio.gather(*(self._serving(name) for name in names))
+        return sum(answers), len(names)
 
     async def __call__(self) -> Verdict:
         spec = self.spec
@@ -176,6 +188,10 @@ class GatewayHealth:
         seen = Seen(listener, features[0], features[1], models[0], models[1])
         return judge(needs, seen, mesh)
 
+    async def redial(self) -> None:
+        """Drop every probe channel; the next round dials with the current certificate."""
+        await self.close()
+
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
@@ -185,7 +201,7 @@ class GatewayHealth:
 def watch_dependencies(server: ServiceServer, spec: ResolvedSpec, instance: str) -> GatewayHealth:
     """SERVING only while the gateway can answer; follows the running spec; stops with
     the server."""
-    health = GatewayHealth(spec, spec.instance(instance).zone)
+    health = GatewayHealth(spec, spec.instance(instance).zone, caller=instance)
     watch = DependencyWatch(
         server,
         health,

@@ -73,8 +73,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.budget = DeadlineBudget(
             spec.deadlines.hop_budget_ms / 1000, spec.deadlines.default_timeout_ms / 1000
         )
-        self.features = feature_pb2_grpc.FeatureServiceStub(mesh_channel)
-        self.models = grpc_service_pb2_grpc.GRPCInferenceServiceStub(mesh_channel)
+        self.use_channel(mesh_channel)
         # Each model's signature (the datatype and shape of every tensor), learned from a
         # replica through Envoy with OIP ModelMetadata on the model's first call and kept
         # until the model's spec entry changes. Asking the replica rather than the registry
@@ -82,6 +81,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # alias may move), and the spec's contract says every version takes the same
         # inputs, so whichever version answers speaks for all.
         self.signatures: dict[str, ModelSignature] = {}
+
+    def use_channel(self, mesh_channel: grpc.aio.Channel) -> None:
+        """Send calls from now on over `mesh_channel` (a re-dial after a rotation)."""
+        self.features = feature_pb2_grpc.FeatureServiceStub(mesh_channel)
+        self.models = grpc_service_pb2_grpc.GRPCInferenceServiceStub(mesh_channel)
 
     async def follow_spec(self, spec: MeshSpec) -> None:
         """Serve the models of `spec` from the next call on (calls under way keep theirs);

@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 
 from servemesh.control_credential import read_control_token
+from servemesh.identity import dial_registry, serving_credentials
 from servemesh.services.model.errors import ServingError
 from servemesh.services.model.load_specs import LoadSpecs
 from servemesh.services.model.loader import ModelLoader, registry_loader
@@ -64,7 +65,7 @@ async def build_servicer(spec: MeshSpec, instance: str, loader: ModelLoader) -> 
 
 
 async def build_server(
-    spec: ResolvedSpec, instance: str, *, loader: ModelLoader | None = None
+    spec: ResolvedSpec, instance: str, *, loader: ModelLoader | None = None, tls: bool = True
 ) -> ServiceServer:
     """The model server for `instance`, returned unstarted with every version loaded.
 
@@ -73,17 +74,19 @@ async def build_server(
     health (and OIP ServerReady) stays NOT_SERVING while any version the spec routes
     traffic to is unloaded (see `readiness`). Prometheus metrics are served at
     http://<metrics_address_of(instance)>/metrics (a free port when the spec names none).
-    Without `loader` versions come from the registry at spec.registry_address. On drain
-    (SIGTERM) the batchers finish what is queued and in flight, then the registry channel
-    closes.
+    Its port is mutual TLS with the instance's mesh certificate; `tls=False` serves
+    plaintext, for the side-by-side bench only (its peers, Triton and the echo server, are
+    plaintext too). Without `loader` versions come from the registry at
+    spec.registry_address. On drain (SIGTERM) the batchers finish what is queued and in
+    flight, then the registry channel closes.
     """
     port = spec.port_of(instance)  # fail before minutes of loading, not after
     channel: grpc.aio.Channel | None = None
     specs = LoadSpecs(spec)
     if loader is None:
         size = spec.limits.max_message_bytes
-        channel = grpc.aio.insecure_channel(
-            spec.registry_address, options=message_size_options(size)
+        channel = dial_registry(spec, caller=instance).aio_channel(
+            options=message_size_options(size)
         )
         # Batching and latency of the spec of now, including entries a load brought.
         loader = registry_loader(channel, specs.current)
@@ -104,6 +107,7 @@ async def build_server(
         max_message_bytes=spec.limits.max_message_bytes,
         interceptors=[ShadowRecorder(ledger, instance)],
         control_token=read_control_token(spec.state_dir),
+        credentials=serving_credentials(spec, instance) if tls else None,
     )
     servicer.readiness = server.is_ready
     servicer.repository.configure = specs.bring

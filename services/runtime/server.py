@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +72,12 @@ class ServiceServer:
         drain_grace_s: float = 10.0,
         interceptors: list[grpc.aio.ServerInterceptor] | None = None,
         control_token: str | None = None,
+        credentials: grpc.ServerCredentials | None = None,
     ) -> None:
         self.name = name
+        # Mutual TLS on the service's port (servemesh.identity.server_credentials); None
+        # serves plaintext, which only in-process tests of a bare server do.
+        self.credentials = credentials
         self.host = host
         self.requested_port = port
         self.drain_grace_s = drain_grace_s
@@ -132,6 +136,15 @@ class ServiceServer:
 
         self.on_stop(stop_watching)
 
+    def run_in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` on the server's loop until the server stops (then it is cancelled)."""
+        task = asyncio.get_running_loop().create_task(work)
+
+        async def stop_it() -> None:
+            task.cancel()
+
+        self.on_stop(stop_it)
+
     def on_spec_change(self, hook: SpecHook) -> None:
         """Call `hook(new_spec)` whenever the followed spec file changes (see `follow_spec`)."""
         self._spec_hooks.append(hook)
@@ -157,7 +170,11 @@ class ServiceServer:
             self.server,
             pool=_MethodAwarePool(descriptor_pool.Default()),
         )
-        self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        address = f"{self.host}:{self.requested_port}"
+        if self.credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, self.credentials)
         if not self.port:
             raise OSError(f"{self.name}: cannot bind {self.host}:{self.requested_port}")
         await self.server.start()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import grpc
 import pytest
 
+from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
 from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, Ports
 from servemesh_api.gateway.v1 import gateway_pb2_grpc
@@ -47,5 +47,5 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 @pytest.fixture
 def gateway(mesh: Mesh) -> Iterator[gateway_pb2_grpc.GatewayStub]:
     """A Predict stub talking to Envoy's edge listener."""
-    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+    with dial_edge(mesh.spec).channel() as channel:
         yield gateway_pb2_grpc.GatewayStub(channel)

@@ -14,6 +14,7 @@ import pytest
 
 from servemesh.cli import main
 from servemesh.demo import demo_features
+from servemesh.identity import dial_mesh
 from servemesh.launcher import Mesh
 from servemesh.predlog.buffer import PredictionLog, predictions_dir
 from servemesh.predlog.query import LogQuery, ParquetReader
@@ -135,7 +136,9 @@ async def test_a_full_buffer_drops_records_and_the_request_still_succeeds(mesh: 
     settings = PredictionLogSpec(buffer_records=2, flush_records=1, flush_interval_ms=60_000)
     predictions = PredictionLog(settings, store, CONTEXT)
     predictions.start()
-    channel = grpc.aio.insecure_channel(mesh.spec.mesh_address_for(mesh.spec.zones[0]))
+    # Through the mesh listener as the mesh's own first gateway (mutual TLS, its certificate).
+    caller = next(i for i in mesh.spec.instances() if i.service == "gateway")
+    channel = dial_mesh(mesh.spec, caller.zone, caller=caller.name).aio_channel()
     server = ServiceServer("gateway-test", port=0)
     servicer = GatewayServicer(mesh.spec, channel, predictions)
     server.add_service(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, GATEWAY_SERVICE)
