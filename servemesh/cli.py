@@ -23,6 +23,7 @@ from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.features.cli import add_features_parser
 from servemesh.fuzz.cli import add_fuzz_parser
 from servemesh.identity import Dial, dial_edge_at
+from servemesh.log_cli import add_log_parser
 from servemesh.models_cli import add_models_parser
 from servemesh.observe.top import add_top_parser
 from servemesh.proxy.apply import MeshPaths, NoRunningMesh
@@ -398,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_features_parser(sub)
     add_fuzz_parser(sub)
     add_top_parser(sub)
+    add_log_parser(sub)
 
     envoy = sub.add_parser("envoy-config", help="print the Envoy config a spec renders")
     envoy.add_argument("--spec")

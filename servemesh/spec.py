@@ -363,6 +363,53 @@ class TlsSpec(_Strict):
     leaf_days: Annotated[int, Field(ge=1, le=825)] = 30
 
 
+class PredictionLogSpec(_Strict):
+    """One record per Predict a gateway answers, kept for `servemesh log query`."""
+
+    enabled: bool = True
+    # Records waiting for the writer; past this, new records are dropped (and counted)
+    # rather than slowing or failing a request.
+    buffer_records: Annotated[int, Field(ge=1, le=10_000_000)] = 10_000
+    # The writer flushes every this many ms, or sooner once flush_records are waiting.
+    flush_interval_ms: Annotated[float, Field(ge=10, le=600_000)] = 500.0
+    flush_records: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
+    # Records older than this are deleted, by the writers and by `servemesh log` itself.
+    retention: Duration = "7d"
+    # PostgreSQL instead of Parquet files under <state_dir>/predictions/: a libpq DSN
+    # (keep passwords out of it: use postgres_dsn_file, or ~/.pgpass), or a file whose
+    # first line is the DSN.
+    postgres_dsn: str | None = None
+    postgres_dsn_file: str | None = None
+    postgres_table: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_]{0,62}$")] = "predictions"
+    # Bounds on what one record keeps of an answer's outputs (as JSON), of its entity ids,
+    # and of a status message.
+    max_output_bytes: Annotated[int, Field(ge=64, le=1024 * 1024)] = 1024
+    max_entity_ids: Annotated[int, Field(ge=1, le=65536)] = 64
+    max_message_chars: Annotated[int, Field(ge=16, le=65536)] = 256
+
+    @model_validator(mode="after")
+    def _one_dsn(self) -> PredictionLogSpec:
+        if self.postgres_dsn is not None and self.postgres_dsn_file is not None:
+            raise ValueError("postgres_dsn, postgres_dsn_file: give one, not both")
+        return self
+
+    @property
+    def retention_s(self) -> float:
+        return duration_seconds(self.retention)
+
+    def dsn(self) -> str | None:
+        """The PostgreSQL DSN (read from postgres_dsn_file at each call); None: Parquet."""
+        if self.postgres_dsn_file is None:
+            return self.postgres_dsn
+        try:
+            lines = Path(self.postgres_dsn_file).read_text().splitlines()
+        except FileNotFoundError:
+            raise SpecError("prediction_log.postgres_dsn_file: no such file") from None
+        if not lines or not lines[0].strip():
+            raise SpecError("prediction_log.postgres_dsn_file: the first line holds no DSN")
+        return lines[0].strip()
+
+
 class Ports(_Strict):
     """Fixed listening ports; 0 picks a free port at start (what the tests use)."""
 
@@ -427,6 +474,7 @@ class MeshSpec(_Strict):
     network: NetworkSpec = Field(default_factory=NetworkSpec)
     tls: TlsSpec = Field(default_factory=TlsSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    prediction_log: PredictionLogSpec = Field(default_factory=PredictionLogSpec)
 
     @field_validator("host")
     @classmethod

@@ -9,6 +9,7 @@ import grpc
 from servemesh.control_credential import read_control_token
 from servemesh.identity import dial_mesh, mesh_identity, serving_credentials
 from servemesh.identity.watch import follow_certificate
+from servemesh.predlog import gateway_prediction_log
 from servemesh.services.gateway.health import watch_dependencies
 from servemesh.services.gateway.metrics import PredictMetrics
 from servemesh.services.gateway.service import GatewayServicer
@@ -40,11 +41,18 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         credentials=serving_credentials(spec, instance) if tls else None,
         service="gateway",
     )
-    servicer = GatewayServicer(spec, mesh_channel, PredictMetrics(server.metrics.registry))
+    predictions = gateway_prediction_log(spec, instance, spec.instance(instance).zone)
+    predictions.start()
+    servicer = GatewayServicer(
+        spec, mesh_channel, PredictMetrics(server.metrics.registry), predictions
+    )
     server.add_service(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, GATEWAY_SERVICE)
     # Models and versions added or removed by `servemesh apply` are served (or refused) as
     # soon as the spec file says so.
     server.on_spec_change(servicer.follow_spec)
+    server.on_spec_change(predictions.follow_spec)
+    # Stop hooks run once every call has ended: the log flushes what is left.
+    server.on_stop(predictions.close)
     # SERVING only while it can answer: the mesh listener and the replicas it needs.
     health = watch_dependencies(server, spec, instance)
     channels = [mesh_channel]

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 import grpc
 import numpy as np
 
+from servemesh.predlog import PredictionLog
 from servemesh.services.gateway.metrics import PredictMetrics, observed
 from servemesh.services.gateway.predict import (
     ModelSignature,
@@ -67,9 +68,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         spec: MeshSpec,
         mesh_channel: grpc.aio.Channel,
         metrics: PredictMetrics | None = None,
+        predictions: PredictionLog | None = None,
     ) -> None:
         self.spec = spec
         self.metrics = metrics or PredictMetrics()
+        self.predictions = predictions or PredictionLog.disabled()
         self.budget = DeadlineBudget(
             spec.deadlines.hop_budget_ms / 1000, spec.deadlines.default_timeout_ms / 1000
         )
@@ -104,6 +107,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         bind_request_id(request_id)
         deadline = self.budget.absolute_deadline(context)
         started = time.perf_counter()
+        # One record per call, whatever its end: the watch only appends to a bounded buffer.
+        watch = self.predictions.watch(request, request_id, incoming)
         plan: PredictPlan | None = None
         try:
             plan = plan_predict(request, self.spec)
@@ -112,9 +117,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             metadata += [(k, v) for k, v in incoming if k in TRACE_HEADERS]
             signature = await self._signature(plan, deadline, metadata)
             raw = conform_inputs(plan, signature)
-            matrices, stale = await self._features(plan, deadline, metadata)
-            answer = await self._infer(
-                plan, signature, view_inputs(plan, matrices), raw, deadline, metadata, request_id
+            matrices, stale = await watch.features(self._features(plan, deadline, metadata))
+            answer = await watch.inference(
+                self._infer(
+                    plan,
+                    signature,
+                    view_inputs(plan, matrices),
+                    raw,
+                    deadline,
+                    metadata,
+                    request_id,
+                )
             )
         except DownstreamError as exc:
             fallback = (
@@ -124,7 +137,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )
             if fallback is not None:
                 log.warning("predict degraded", extra={"hop": exc.hop, "code": exc.code.name})
-                return fallback
+                return watch.answered(fallback)
+            watch.failed(exc)
+            raise
+        except BaseException as exc:
+            watch.failed(exc)
             raise
         log.info(
             "predict",
@@ -141,7 +158,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # The model answered from features older than their view allows: say so.
             answer.degraded = True
             answer.degraded_reason = stale
-        return answer
+        return watch.answered(answer)
 
     def _routing(self, plan: PredictPlan) -> list[tuple[str, str]]:
         # Envoy routes on these headers: the model picks the route, a pinned version its cluster.

@@ -48,10 +48,12 @@ ALLOWED: dict[str, set[str]] = {
     "identity": {"spec", "policy", "demo", "demo_model"},
     # the services: the runtime under them, the contract, and nothing that runs a mesh
     "services.runtime": CONTRACT,
-    "services.gateway": CONTRACT | {"services.runtime"},
+    "services.gateway": CONTRACT | {"services.runtime", "predlog"},
     "services.feature": CONTRACT | {"services.runtime"},
     "services.model": CONTRACT | {"services.runtime", "registry"},  # its artifact client
     "registry": CONTRACT | {"services.runtime"},
+    # the prediction log: the gateways write it, `servemesh log` reads it
+    "predlog": CONTRACT,
     # libraries for running and driving a mesh, usable without one
     "credentials": set(),
     "procs": CONTRACT,
@@ -72,6 +74,7 @@ ALLOWED: dict[str, set[str]] = {
     "routes_cli": CONTRACT | TOOLING,
     "certs_cli": CONTRACT | TOOLING,
     "apply_cli": CONTRACT | TOOLING,
+    "log_cli": CONTRACT | TOOLING | {"predlog"},
     # loads a user's feature file through a running mesh's feature service (its row checks)
     "features": CONTRACT | {"proxy", "services.feature"},
     # pushes check and probe a model with the model server's own loader before uploading
@@ -89,6 +92,7 @@ ALLOWED: dict[str, set[str]] = {
         "apply_cli",
         "features",
         "models_cli",
+        "log_cli",
     },
     "__main__": {"cli"},
     # development tools
