@@ -48,7 +48,17 @@ SERVICE_MODULES = {
 }
 # Stop order, a tier of groups at a time: the reverse of the start order, so Envoy stops
 # taking calls first and Redis goes last.
-STOP_ORDER = [["envoy"], ["gateway"], ["feature"], ["model"], ["registry"], ["redis"]]
+# The trace store stops after every service, so the spans they flush on the way out land.
+STOP_ORDER = [
+    ["envoy"],
+    ["gateway"],
+    ["feature"],
+    ["model"],
+    ["registry"],
+    ["tracestore"],
+    ["redis"],
+]
+TRACE_STORE = "tracestore"
 
 
 class MeshStartError(StartError):
@@ -131,6 +141,7 @@ class Mesh:
             # Before any service starts: each reads it once, at start.
             ensure_control_token(self.state_dir)
             self.resolved_spec_path.write_text(dump_spec(self.spec))
+            self._start_trace_store(deadline)
             self._write_envoy_config()
             if self.spec.network.mode == "netns":
                 self._join_zone_network()
@@ -230,6 +241,7 @@ class Mesh:
             "redis_password_file": spec.feature_store.password_file,
             "services": {i.name: spec.address_of(i.name) for i in spec.instances()},
             "metrics": {name: spec.metrics_address_of(name) for name in spec.metrics_ports},
+            "trace_store": spec.tracing.otlp_endpoint if spec.tracing.enabled else None,
             "logs": str(self.logs_dir),
             "pids": self.pids(),
         }
@@ -258,6 +270,21 @@ class Mesh:
         ready = GrpcHealth(self.spec.address_of(name))
         self.supervisor.start(name, argv, group=instance.service, ready=ready, timeout_s=None)
 
+    def _start_trace_store(self, deadline: float) -> None:
+        """The embedded OTLP receiver (`servemesh.tracestore`), when the spec names no
+        collector: ready before any service that exports to it starts."""
+        port = self.spec.embedded_trace_store_port
+        if port is None:
+            return
+        argv = [sys.executable, "-m", "servemesh.tracestore", "--spec"]
+        ready = GrpcHealth(f"{self.spec.host}:{port}")
+        self.supervisor.start(
+            TRACE_STORE,
+            [*argv, str(self.resolved_spec_path)],
+            ready=ready,
+            timeout_s=max(0.0, deadline - time.monotonic()),
+        )
+
     def _start_redis(self, port: int, deadline: float) -> None:
         password_file = self.spec.feature_store.password_file
         self.redis = RedisServer(
@@ -281,6 +308,8 @@ class Mesh:
                 if inst.name in spec.metrics_ports:
                     zone_ports[inst.zone].append(spec.metrics_ports[inst.name])
         host_ports = [*spec.mesh_ports.values(), spec.port_of("registry-0"), spec.ports.edge]
+        if spec.embedded_trace_store_port is not None:
+            host_ports.append(spec.embedded_trace_store_port)
         redis_port = urllib.parse.urlparse(spec.redis_url).port
         if redis_port:
             host_ports.append(redis_port)

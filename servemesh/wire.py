@@ -26,6 +26,18 @@ REQUEST_ID_HEADER: Final = "x-request-id"
 TRACE_HEADERS: Final = ("traceparent", "tracestate")
 AUTHORIZATION_HEADER: Final = "authorization"
 
+# --- trace span attributes (the services set them, the trace store reads them) ---------------
+
+SPAN_REQUEST_ID: Final = "servemesh.request_id"
+SPAN_MODEL: Final = "servemesh.model"
+SPAN_VERSION: Final = "servemesh.version"
+# The model server: a request's time in the batcher's queue; a batch's size and forward pass.
+SPAN_QUEUE_WAIT_MS: Final = "servemesh.queue_wait_ms"
+SPAN_BATCH_SIZE: Final = "servemesh.batch_size"
+SPAN_FORWARD_MS: Final = "servemesh.forward_ms"
+# Envoy's listeners name themselves envoy-<listener> in their spans (service.name).
+ENVOY_SERVICE_PREFIX: Final = "envoy-"
+
 # --- OIP v2 response parameters the model server sets ----------------------------------------
 
 # Which replica and zone computed the answer.
@@ -102,6 +114,8 @@ MODEL_INFER_STAT: Final = f"{OIP_SERVICE}.ModelInfer"
 
 GATEWAY_CLUSTER: Final = "gateway"
 REGISTRY_CLUSTER: Final = "registry"
+# Envoy's OTLP exporter sends its spans to the trace collector through this cluster.
+TRACE_COLLECTOR_CLUSTER: Final = "trace_collector"
 _VIA: Final = "-via-"
 
 

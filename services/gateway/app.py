@@ -8,6 +8,7 @@ from servemesh.control_credential import read_control_token
 from servemesh.services.gateway.health import watch_dependencies
 from servemesh.services.gateway.service import GatewayServicer
 from servemesh.services.runtime import ServiceServer
+from servemesh.services.runtime.tracing import client_interceptors
 from servemesh.spec import ResolvedSpec
 from servemesh.wire import GATEWAY_SERVICE, message_size_options
 from servemesh_api.gateway.v1 import gateway_pb2_grpc
@@ -23,6 +24,7 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
             *message_size_options(limit),
             ("grpc.enable_retries", 0),
         ],
+        interceptors=client_interceptors(),
     )
     server = ServiceServer(
         instance,

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 import grpc
 import numpy as np
+from opentelemetry import trace
 
 from servemesh.services.gateway.predict import (
     ModelSignature,
@@ -31,7 +32,9 @@ from servemesh.wire import (
     MODEL_HEADER,
     REPLICA_PARAMETER,
     REQUEST_ID_HEADER,
-    TRACE_HEADERS,
+    SPAN_MODEL,
+    SPAN_REQUEST_ID,
+    SPAN_VERSION,
     VERSION_HEADER,
     ZONE_PARAMETER,
 )
@@ -92,12 +95,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         bind_request_id(request_id)
         deadline = self.budget.absolute_deadline(context)
         started = time.perf_counter()
+        span = trace.get_current_span()  # the call's server span: what an SRE searches by
+        span.set_attribute(SPAN_REQUEST_ID, request_id)
         plan: PredictPlan | None = None
         try:
             plan = plan_predict(request, self.spec)
-            # The request id and the trace context follow the request to every hop.
+            # The request id follows the request to every hop; the trace context goes with
+            # each call's own client span (the channel's tracing interceptors).
             metadata = [(REQUEST_ID_HEADER, request_id)]
-            metadata += [(k, v) for k, v in incoming if k in TRACE_HEADERS]
+            span.set_attribute(SPAN_MODEL, plan.model_name)
             signature = await self._signature(plan, deadline, metadata)
             raw = conform_inputs(plan, signature)
             matrices, stale = await self._features(plan, deadline, metadata)
@@ -125,6 +131,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             },
         )
         answer.request_id = request_id
+        span.set_attribute(SPAN_VERSION, answer.model_version)
         if stale:
             # The model answered from features older than their view allows: say so.
             answer.degraded = True

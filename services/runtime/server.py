@@ -19,6 +19,7 @@ from servemesh.services.runtime.decode import DecodeRequestInterceptor
 from servemesh.services.runtime.errors import ErrorStatusInterceptor
 from servemesh.services.runtime.faults import FaultInjector
 from servemesh.services.runtime.live_spec import LiveSpec, SpecHook
+from servemesh.services.runtime.tracing import TracingServerInterceptor
 from servemesh.wire import message_size_options
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class ServiceServer:
             # Bodies are decoded inside ErrorStatusInterceptor: an undecodable one is
             # INVALID_ARGUMENT like any other bad input.
             interceptors=[
+                # Outermost: the call's server span covers everything below, refusals too.
+                TracingServerInterceptor(),
                 self.control,
                 self.faults,
                 ErrorStatusInterceptor(),

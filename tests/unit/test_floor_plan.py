@@ -49,6 +49,8 @@ ALLOWED: dict[str, set[str]] = {
     "services.feature": CONTRACT | {"services.runtime"},
     "services.model": CONTRACT | {"services.runtime", "registry"},  # its artifact client
     "registry": CONTRACT | {"services.runtime"},
+    # the embedded trace store: an OTLP receiver on the service runtime, and its reader
+    "tracestore": CONTRACT | {"services.runtime"},
     # libraries for running and driving a mesh, usable without one
     "credentials": set(),
     "procs": CONTRACT,
@@ -82,6 +84,7 @@ ALLOWED: dict[str, set[str]] = {
         "apply_cli",
         "features",
         "models_cli",
+        "tracestore",
     },
     "__main__": {"cli"},
     # development tools
