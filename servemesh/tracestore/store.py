@@ -14,6 +14,7 @@ back to the file system (incremental vacuum). The clock is injectable.
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import threading
 import time
@@ -184,14 +185,19 @@ class TraceStore:
             deleted += self._db.execute(
                 "DELETE FROM spans WHERE received_ns < ?", (cutoff,)
             ).rowcount
-            while self._live_bytes() > max_bytes:
+            while (live := self._live_bytes()) > max_bytes:
+                (traces,) = self._db.execute(
+                    "SELECT COUNT(DISTINCT trace_id) FROM spans"
+                ).fetchone()
+                if not traces:
+                    break
+                # The share of traces the overage is, assuming traces of a like size.
+                share = (live - max_bytes) / live
                 oldest = self._db.execute(
                     "SELECT trace_id FROM spans GROUP BY trace_id ORDER BY MIN(received_ns) "
                     "LIMIT ?",
-                    (_PRUNE_BATCH,),
+                    (max(1, min(_PRUNE_BATCH, math.ceil(traces * share))),),
                 ).fetchall()
-                if not oldest:
-                    break
                 deleted += self._db.executemany(
                     "DELETE FROM spans WHERE trace_id = ?", oldest
                 ).rowcount

@@ -63,9 +63,14 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 _EXPORT_TIMEOUT_S = 2.0
 
 
+# A proxy: the no-op tracer until a provider is installed, then that provider's tracer
+# (looked up once; asking the SDK provider for a tracer per span cost ~100 µs a call).
+_TRACER = trace.get_tracer(TRACER_NAME)
+
+
 def tracer() -> trace.Tracer:
     """The servemesh tracer (the no-op tracer until `configure_tracing` ran)."""
-    return trace.get_tracer(TRACER_NAME)
+    return _TRACER
 
 
 # --- sampling ------------------------------------------------------------------------------
