@@ -666,7 +666,13 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
     tracing = spec.tracing
     embedded_trace_store_port = known.embedded_trace_store_port if known else None
     if tracing.enabled and not tracing.otlp_endpoint:
-        embedded_trace_store_port = pick(0)
+        # The port after the services' (Envoy's rendered config names it), else a free one.
+        base = spec.ports.services_base
+        embedded_trace_store_port = pick(
+            known.embedded_trace_store_port
+            if known and known.embedded_trace_store_port
+            else (base + len(spec.instances()) if base else 0)
+        )
         tracing = tracing.model_copy(
             update={"otlp_endpoint": f"{spec.host}:{embedded_trace_store_port}"}
         )

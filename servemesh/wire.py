@@ -28,15 +28,29 @@ AUTHORIZATION_HEADER: Final = "authorization"
 
 # --- trace span attributes (the services set them, the trace store reads them) ---------------
 
-SPAN_REQUEST_ID: Final = "servemesh.request_id"
-SPAN_MODEL: Final = "servemesh.model"
-SPAN_VERSION: Final = "servemesh.version"
-# The model server: a request's time in the batcher's queue; a batch's size and forward pass.
-SPAN_QUEUE_WAIT_MS: Final = "servemesh.queue_wait_ms"
-SPAN_BATCH_SIZE: Final = "servemesh.batch_size"
-SPAN_FORWARD_MS: Final = "servemesh.forward_ms"
-# Envoy's listeners name themselves envoy-<listener> in their spans (service.name).
-ENVOY_SERVICE_PREFIX: Final = "envoy-"
+
+class Span:
+    """Attribute names on servemesh's spans. A namespace rather than module constants:
+    "servemesh.model" also begins module paths (servemesh.model_bench), which the
+    one-spelling check would take for second spellings."""
+
+    REQUEST_ID: Final = "servemesh.request_id"
+    MODEL: Final = "servemesh.model"
+    VERSION: Final = "servemesh.version"
+    # The model server: a request's time in the batcher's queue (a batch: the longest and
+    # the mean), a batch's rows, requests, forward pass and the version it ran.
+    QUEUE_WAIT_MS: Final = "servemesh.queue_wait_ms"
+    QUEUE_WAIT_MEAN_MS: Final = "servemesh.queue_wait_mean_ms"
+    BATCH_SIZE: Final = "servemesh.batch_size"
+    BATCH_REQUESTS: Final = "servemesh.batch_requests"
+    FORWARD_MS: Final = "servemesh.forward_ms"
+    BATCHER: Final = "servemesh.batcher"
+
+
+def envoy_trace_service(listener: str) -> str:
+    """How an Envoy listener names itself in its spans (service.name): envoy-<listener>."""
+    return f"envoy-{listener}"
+
 
 # --- OIP v2 response parameters the model server sets ----------------------------------------
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from servemesh.spec import ResolvedSpec
-from servemesh.wire import ENVOY_SERVICE_PREFIX, TRACE_COLLECTOR_CLUSTER
+from servemesh.wire import TRACE_COLLECTOR_CLUSTER, envoy_trace_service
 
 _OTEL_CONFIG = "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig"
 _SAMPLERS = "type.googleapis.com/envoy.extensions.tracers.opentelemetry.samplers.v3."
@@ -63,7 +63,7 @@ def hcm_tracing(spec: ResolvedSpec, listener: str) -> dict[str, Any]:
                         "envoy_grpc": {"cluster_name": TRACE_COLLECTOR_CLUSTER},
                         "timeout": _EXPORT_TIMEOUT,
                     },
-                    "service_name": f"{ENVOY_SERVICE_PREFIX}{listener}",
+                    "service_name": envoy_trace_service(listener),
                     "sampler": {
                         "name": "envoy.tracers.opentelemetry.samplers.parent_based",
                         "typed_config": {

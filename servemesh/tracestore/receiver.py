@@ -24,7 +24,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from servemesh.services.runtime import ServiceServer, configure_logging, run_service
 from servemesh.spec import ResolvedSpec, load_resolved
 from servemesh.tracestore.store import SpanRecord, TraceStore
-from servemesh.wire import SPAN_MODEL, SPAN_REQUEST_ID
+from servemesh.wire import Span as SpanAttr
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ def spans_of(request: trace_service_pb2.ExportTraceServiceRequest) -> tuple[list
                     rejected += 1
                     continue
                 attributes = _attributes(span.attributes)
-                request_id = attributes.get(SPAN_REQUEST_ID)
-                model = attributes.get(SPAN_MODEL)
+                request_id = attributes.get(SpanAttr.REQUEST_ID)
+                model = attributes.get(SpanAttr.MODEL)
                 found.append(
                     SpanRecord(
                         trace_id=span.trace_id.hex(),

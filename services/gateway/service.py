@@ -32,11 +32,11 @@ from servemesh.wire import (
     MODEL_HEADER,
     REPLICA_PARAMETER,
     REQUEST_ID_HEADER,
-    SPAN_MODEL,
-    SPAN_REQUEST_ID,
-    SPAN_VERSION,
     VERSION_HEADER,
     ZONE_PARAMETER,
+)
+from servemesh.wire import (
+    Span as SpanAttr,
 )
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -96,14 +96,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         deadline = self.budget.absolute_deadline(context)
         started = time.perf_counter()
         span = trace.get_current_span()  # the call's server span: what an SRE searches by
-        span.set_attribute(SPAN_REQUEST_ID, request_id)
+        span.set_attribute(SpanAttr.REQUEST_ID, request_id)
         plan: PredictPlan | None = None
         try:
             plan = plan_predict(request, self.spec)
             # The request id follows the request to every hop; the trace context goes with
             # each call's own client span (the channel's tracing interceptors).
             metadata = [(REQUEST_ID_HEADER, request_id)]
-            span.set_attribute(SPAN_MODEL, plan.model_name)
+            span.set_attribute(SpanAttr.MODEL, plan.model_name)
             signature = await self._signature(plan, deadline, metadata)
             raw = conform_inputs(plan, signature)
             matrices, stale = await self._features(plan, deadline, metadata)
@@ -131,7 +131,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             },
         )
         answer.request_id = request_id
-        span.set_attribute(SPAN_VERSION, answer.model_version)
+        span.set_attribute(SpanAttr.VERSION, answer.model_version)
         if stale:
             # The model answered from features older than their view allows: say so.
             answer.degraded = True

@@ -14,7 +14,7 @@ from servemesh.cli import main
 from servemesh.launcher import Mesh
 from servemesh.tracestore.receiver import store_path
 from servemesh.tracestore.store import SpanRecord, TraceStore
-from servemesh.wire import SPAN_BATCH_SIZE, SPAN_FORWARD_MS, SPAN_QUEUE_WAIT_MS
+from servemesh.wire import Span as SpanAttr
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.mesh.conftest import SLOW_VERSION, test_mesh_spec
 from tests.waiting import wait_until
@@ -92,8 +92,8 @@ def test_a_forced_trace_holds_every_hop_in_one_tree(traced_mesh: Mesh, store: Tr
     predict_span = next(s for s in own if s.name.endswith("Gateway/Predict"))
     assert parent(predict_span) is edge
     assert predict_span.request_id == request_id
-    assert predict_span.attributes["servemesh.model"] == "fraud"
-    assert predict_span.attributes["servemesh.version"] == "v1"
+    assert predict_span.attributes[SpanAttr.MODEL] == "fraud"
+    assert predict_span.attributes[SpanAttr.VERSION] == "v1"
     # gateway client span -> Envoy mesh -> feature server span -> Redis read
     redis = next(s for s in own if s.name == "redis MGET")
     feature = parent(redis)
@@ -110,14 +110,14 @@ def test_a_forced_trace_holds_every_hop_in_one_tree(traced_mesh: Mesh, store: Tr
     model = next(s for s in own if s.service == "model" and s.name.endswith("/ModelInfer"))
     assert parent(parent(model)).name.endswith("/ModelInfer")
     assert parent(parent(parent(model))) is predict_span
-    assert model.attributes[SPAN_QUEUE_WAIT_MS] >= 0
+    assert model.attributes[SpanAttr.QUEUE_WAIT_MS] >= 0
     # The batch: a trace of its own, linked to the model server's request span.
     batch = next(s for s in spans if s.name == "batch")
     assert batch.trace_id != trace_id
     assert (trace_id, model.span_id) in batch.links
-    assert batch.attributes[SPAN_BATCH_SIZE] >= 1
-    assert batch.attributes[SPAN_FORWARD_MS] > 0
-    assert batch.attributes[SPAN_QUEUE_WAIT_MS] >= 0
+    assert batch.attributes[SpanAttr.BATCH_SIZE] >= 1
+    assert batch.attributes[SpanAttr.FORWARD_MS] > 0
+    assert batch.attributes[SpanAttr.QUEUE_WAIT_MS] >= 0
     # Every span ends inside the edge's (one request, one clock on one machine).
     assert all(edge.start_ns <= s.start_ns and s.end_ns <= edge.end_ns for s in own)
 

@@ -23,7 +23,7 @@ from servemesh.services.runtime import ServiceServer
 from servemesh.spec import MeshSpec, Ports, resolve
 from servemesh.tracestore.receiver import build_server, store_path
 from servemesh.tracestore.store import TraceStore
-from servemesh.wire import SPAN_MODEL, SPAN_REQUEST_ID
+from servemesh.wire import Span as SpanAttr
 
 
 @pytest.fixture
@@ -53,8 +53,8 @@ async def test_exported_spans_land_with_parents_links_and_attributes(
 
     def record() -> tuple[str, str]:
         with tracer.start_as_current_span("Predict", kind=SpanKind.SERVER) as root:
-            root.set_attribute(SPAN_REQUEST_ID, "req-1")
-            root.set_attribute(SPAN_MODEL, "fraud")
+            root.set_attribute(SpanAttr.REQUEST_ID, "req-1")
+            root.set_attribute(SpanAttr.MODEL, "fraud")
             with tracer.start_as_current_span("ModelInfer", kind=SpanKind.CLIENT) as child:
                 request = child.get_span_context()
         batch = tracer.start_span("batch", context=None, links=[Link(request)])

@@ -48,7 +48,7 @@ from servemesh.services.model.errors import DeadlineMissed, InferenceFailed, Que
 from servemesh.services.model.latency import LatencyTable
 from servemesh.services.runtime.tracing import tracer
 from servemesh.spec import BatchingSpec
-from servemesh.wire import SPAN_BATCH_SIZE, SPAN_FORWARD_MS, SPAN_QUEUE_WAIT_MS
+from servemesh.wire import Span as SpanAttr
 
 log = logging.getLogger(__name__)
 
@@ -400,7 +400,7 @@ class Batcher:
             item.dispatched = now
             self.stats.queue_wait_hist.observe(now - item.enqueued)
             if item.span.is_recording():
-                item.span.set_attribute(SPAN_QUEUE_WAIT_MS, (now - item.enqueued) * 1000)
+                item.span.set_attribute(SpanAttr.QUEUE_WAIT_MS, (now - item.enqueued) * 1000)
             taken.append(item)
         return taken
 
@@ -445,7 +445,7 @@ class Batcher:
                 got = row_count(result) if isinstance(result, kind) else "no"
                 raise ValueError(f"model returned {got} rows for a batch of {size}")
             if span is not None:
-                span.set_attribute(SPAN_FORWARD_MS, infer_s * 1000)
+                span.set_attribute(SpanAttr.FORWARD_MS, infer_s * 1000)
                 span.end()
         except Exception as exc:
             if span is not None:
@@ -506,11 +506,11 @@ class Batcher:
             context=Context(),  # a new trace, not the first request's (the loop's context)
             links=[Link(ctx) for ctx in contexts if ctx.is_valid],
             attributes={
-                "servemesh.model_version": self.name,
-                SPAN_BATCH_SIZE: size,
-                "servemesh.batch_requests": len(items),
-                SPAN_QUEUE_WAIT_MS: max(waits),
-                "servemesh.queue_wait_mean_ms": sum(waits) / len(waits),
+                SpanAttr.BATCHER: self.name,
+                SpanAttr.BATCH_SIZE: size,
+                SpanAttr.BATCH_REQUESTS: len(items),
+                SpanAttr.QUEUE_WAIT_MS: max(waits),
+                SpanAttr.QUEUE_WAIT_MEAN_MS: sum(waits) / len(waits),
             },
         )
 
