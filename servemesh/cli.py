@@ -73,6 +73,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     # A Unix socket (curl --unix-socket PATH http://localhost/...), not a TCP port.
     table.add_row("envoy admin", f"unix:{endpoints['envoy_admin']}", "")
     table.add_row("redis", str(endpoints["redis"]), str(pids.get("redis", "")))
+    if endpoints.get("trace_store"):
+        # `servemesh trace` reads what it stores; a collector of the spec's when no pid.
+        table.add_row(
+            "trace store (OTLP)", str(endpoints["trace_store"]), str(pids.get("tracestore", ""))
+        )
     for inst in mesh.spec.instances():
         table.add_row(inst.name, mesh.spec.address_of(inst.name), str(pids.get(inst.name, "")))
     out.print(table)

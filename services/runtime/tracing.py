@@ -16,9 +16,9 @@ gRPC metadata, and the tracer provider every service process sets up from the sp
   is recorded, so a sampled request's batch is never missing from its trace.
 
 Small interceptors over the SDK rather than `opentelemetry-instrumentation-grpc`: that
-package pins one beta release per SDK version, patches grpc globally, and cannot name our
-attributes (request id, model, version); measured on this stack the two cost the same per
-call (docs/observability.md, "Traces").
+package is a beta paired with one SDK release, and its spans cannot carry our attributes
+(request id, model, version) or the batch links. Measured (docs/observability.md,
+"Traces"): most of the per-call cost is grpc.aio's intercepted-call path, not the spans.
 """
 
 from __future__ import annotations
