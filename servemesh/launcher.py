@@ -57,6 +57,7 @@ SERVICE_MODULES = {
 }
 # Stop order, a tier of groups at a time: the reverse of the start order, so Envoy stops
 # taking calls first and Redis goes last.
+# The trace store stops after every service, so the spans they flush on the way out land.
 STOP_ORDER = [
     ["prometheus"],
     ["envoy"],
@@ -64,8 +65,10 @@ STOP_ORDER = [
     ["feature"],
     ["model"],
     ["registry"],
+    ["tracestore"],
     ["redis"],
 ]
+TRACE_STORE = "tracestore"
 
 
 class MeshStartError(StartError):
@@ -153,6 +156,7 @@ class Mesh:
             # (kept across runs; renewed when their life runs low or their names change).
             issue_mesh_certificates(self.spec)
             self.resolved_spec_path.write_text(dump_spec(self.spec))
+            self._start_trace_store(deadline)
             self._write_envoy_config()
             if self.spec.network.mode == "netns":
                 self._join_zone_network()
@@ -255,6 +259,7 @@ class Mesh:
             "metrics": {name: spec.metrics_address_of(name) for name in spec.metrics_ports},
             "envoy_stats": f"http://{spec.envoy_stats_address}{ENVOY_STATS_PATH}",
             "prometheus": spec.prometheus_address if self.prometheus is not None else None,
+            "trace_store": spec.tracing.otlp_endpoint if spec.tracing.enabled else None,
             "logs": str(self.logs_dir),
             "tls": self._tls_files(),
             "pids": self.pids(),
@@ -298,6 +303,21 @@ class Mesh:
         ready = GrpcHealth(dial_service(self.spec, name))
         self.supervisor.start(name, argv, group=instance.service, ready=ready, timeout_s=None)
 
+    def _start_trace_store(self, deadline: float) -> None:
+        """The embedded OTLP receiver (`servemesh.tracestore`), when the spec names no
+        collector: ready before any service that exports to it starts."""
+        port = self.spec.embedded_trace_store_port
+        if port is None:
+            return
+        argv = [sys.executable, "-m", "servemesh.tracestore", "--spec"]
+        ready = GrpcHealth(f"{self.spec.host}:{port}")
+        self.supervisor.start(
+            TRACE_STORE,
+            [*argv, str(self.resolved_spec_path)],
+            ready=ready,
+            timeout_s=max(0.0, deadline - time.monotonic()),
+        )
+
     def _start_redis(self, port: int, deadline: float) -> None:
         password_file = self.spec.feature_store.password_file
         self.redis = RedisServer(
@@ -322,6 +342,8 @@ class Mesh:
                 if inst.name in spec.metrics_ports:
                     zone_ports[inst.zone].append(spec.metrics_ports[inst.name])
         shared = [spec.port_of("registry-0")]
+        if spec.embedded_trace_store_port is not None:
+            shared.append(spec.embedded_trace_store_port)
         redis_port = urllib.parse.urlparse(spec.redis_url).port
         if redis_port:
             shared.append(redis_port)

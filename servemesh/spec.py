@@ -410,6 +410,49 @@ class PredictionLogSpec(_Strict):
         return lines[0].strip()
 
 
+# An OTLP/gRPC collector's address: an IP (or localhost) and a port; Envoy's exporter
+# cluster takes no other names.
+OtlpEndpoint = Annotated[
+    str, Field(pattern=r"^(localhost|\d{1,3}(\.\d{1,3}){3}|\[[0-9a-fA-F:]+\]):\d{1,5}$")
+]
+
+
+class TraceRetention(_Strict):
+    """How long the embedded trace store keeps spans, and how large it may grow."""
+
+    # Spans older than this (by arrival) are deleted.
+    max_age: Duration = "24h"
+    # Past this size the oldest traces go first, until it fits again.
+    max_mb: Annotated[int, Field(ge=1, le=1024 * 1024)] = 256
+
+
+class TracingSpec(_Strict):
+    """OpenTelemetry traces of every hop: services (OTLP) and Envoy (its own tracer).
+
+    Each service names itself by its kind (`service.name`: gateway, feature, model,
+    registry) and its instance (`service.instance.id`: e.g. gateway-zone-a-0); Envoy's
+    listeners as envoy-edge and envoy-<mesh listener>.
+    """
+
+    enabled: bool = True
+    # Share of new traces (requests arriving without a trace context) that are recorded.
+    # A caller's sampled `traceparent` is always honoured (parent-based), and an unsampled
+    # one never recorded. 1%: an unsampled request costs next to nothing, a sampled one its
+    # spans' CPU (docs/observability.md, "Traces"), and 1% of a busy mesh is still many
+    # traces a minute; force the rest with `servemesh predict --trace`.
+    sample_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 0.01
+    # An OTLP/gRPC collector (IP:port). null: the embedded trace store `servemesh up`
+    # runs (`servemesh trace`).
+    otlp_endpoint: OtlpEndpoint | None = None
+    # A service sends its finished spans at least this often (BatchSpanProcessor).
+    export_interval_ms: Annotated[int, Field(ge=10, le=60_000)] = 1000
+    retention: TraceRetention = Field(default_factory=TraceRetention)
+
+    @property
+    def retention_s(self) -> float:
+        return duration_seconds(self.retention.max_age)
+
+
 class Ports(_Strict):
     """Fixed listening ports; 0 picks a free port at start (what the tests use)."""
 
@@ -475,6 +518,7 @@ class MeshSpec(_Strict):
     tls: TlsSpec = Field(default_factory=TlsSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     prediction_log: PredictionLogSpec = Field(default_factory=PredictionLogSpec)
+    tracing: TracingSpec = Field(default_factory=TracingSpec)
 
     @field_validator("host")
     @classmethod
@@ -577,6 +621,9 @@ class ResolvedSpec(MeshSpec):
     # The port of the Redis the launcher runs itself; None when the spec names its own
     # (feature_store.redis_url is set either way).
     embedded_redis_port: Port | None = None
+    # The port of the trace store the launcher runs itself; None when the spec names an
+    # OTLP collector of its own, or tracing is off (tracing.otlp_endpoint is set when on).
+    embedded_trace_store_port: Port | None = None
 
     @model_validator(mode="after")
     def _every_listener_has_a_port(self) -> ResolvedSpec:
@@ -674,7 +721,13 @@ class Instance(_Strict):
 REDIS_PASSWORD_FILE = "redis-password"
 
 # What a resolved spec has and a declared one does not.
-RESOLVED_FIELDS = {"mesh_ports", "instance_ports", "metrics_ports", "embedded_redis_port"}
+RESOLVED_FIELDS = {
+    "mesh_ports",
+    "instance_ports",
+    "metrics_ports",
+    "embedded_redis_port",
+    "embedded_trace_store_port",
+}
 
 
 def free_port(host: str) -> int:
@@ -731,12 +784,28 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
                 "password_file": str(Path(spec.state_dir) / REDIS_PASSWORD_FILE),
             }
         )
+    # No collector named: the launcher runs the embedded trace store, on a port chosen now.
+    tracing = spec.tracing
+    embedded_trace_store_port = known.embedded_trace_store_port if known else None
+    if tracing.enabled and not tracing.otlp_endpoint:
+        # The port after the services' (Envoy's rendered config names it), else a free one.
+        base = spec.ports.services_base
+        embedded_trace_store_port = pick(
+            known.embedded_trace_store_port
+            if known and known.embedded_trace_store_port
+            else (base + len(spec.instances()) if base else 0)
+        )
+        tracing = tracing.model_copy(
+            update={"otlp_endpoint": f"{spec.host}:{embedded_trace_store_port}"}
+        )
     fields = spec.model_dump(exclude=RESOLVED_FIELDS)
     return ResolvedSpec.model_validate(
         {
             **fields,
             "feature_store": store.model_dump(),
             "embedded_redis_port": embedded_redis_port,
+            "tracing": tracing.model_dump(),
+            "embedded_trace_store_port": embedded_trace_store_port,
             "ports": ports.model_dump(),
             "mesh_ports": mesh_ports,
             "instance_ports": instance_ports,
@@ -754,6 +823,8 @@ def declared(spec: MeshSpec) -> MeshSpec:
     if spec.embedded_redis_port is not None:
         fields["feature_store"]["redis_url"] = None  # the launcher's own, not declared
         fields["feature_store"]["password_file"] = None
+    if spec.embedded_trace_store_port is not None:
+        fields["tracing"]["otlp_endpoint"] = None  # the launcher's own store, not declared
     return MeshSpec.model_validate(fields)
 
 

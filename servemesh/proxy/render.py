@@ -31,6 +31,7 @@ from servemesh.policy import (
 )
 from servemesh.proxy.admin import ADMIN_SOCKET_MODE, admin_socket_path
 from servemesh.proxy.tls import downstream_tls, upstream_tls
+from servemesh.proxy.tracing import collector_cluster, hcm_tracing
 from servemesh.spec import Instance, MeshSpec, ModelSpec, ResolvedSpec
 from servemesh.wire import (
     CONTROL_METHODS,
@@ -612,6 +613,7 @@ def _listener(
                             ],
                             "rds": {"route_config_name": route_config},
                             "http_filters": filters,
+                            **hcm_tracing(spec, name),
                         },
                     }
                 ],
@@ -688,6 +690,10 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
                     _shadow_marking(model.shadow.version),
                     health_name=version_health_name(model_name, model.shadow.version),
                 )
+
+    if (collector := collector_cluster(spec)) is not None:
+        clusters.append(collector[0])
+        assignments[collector[0]["name"]] = collector[1]
 
     route_configs = {
         "edge": {

@@ -14,6 +14,7 @@ from servemesh.services.gateway.health import watch_dependencies
 from servemesh.services.gateway.metrics import PredictMetrics
 from servemesh.services.gateway.service import GatewayServicer
 from servemesh.services.runtime import ServiceServer
+from servemesh.services.runtime.tracing import client_interceptors
 from servemesh.spec import ResolvedSpec
 from servemesh.wire import GATEWAY_SERVICE, message_size_options
 from servemesh_api.gateway.v1 import gateway_pb2_grpc
@@ -28,7 +29,8 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         # Every downstream call goes through Envoy, which owns retries and load balancing:
         # this zone's mesh listener, whose clusters prefer replicas in the same zone.
         return dial_mesh(spec, spec.instance(instance).zone, caller=instance).aio_channel(
-            options=[*message_size_options(limit), ("grpc.enable_retries", 0)]
+            options=[*message_size_options(limit), ("grpc.enable_retries", 0)],
+            interceptors=client_interceptors(),
         )
 
     mesh_channel = dial()

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 import grpc
 import numpy as np
+from opentelemetry import trace
 
 from servemesh.predlog import PredictionLog
 from servemesh.services.gateway.metrics import PredictMetrics, observed
@@ -33,9 +34,11 @@ from servemesh.wire import (
     MODEL_HEADER,
     REPLICA_PARAMETER,
     REQUEST_ID_HEADER,
-    TRACE_HEADERS,
     VERSION_HEADER,
     ZONE_PARAMETER,
+)
+from servemesh.wire import (
+    Span as SpanAttr,
 )
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -109,12 +112,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         started = time.perf_counter()
         # One record per call, whatever its end: the watch only appends to a bounded buffer.
         watch = self.predictions.watch(request, request_id, incoming)
+        span = trace.get_current_span()  # the call's server span: what an SRE searches by
+        span.set_attribute(SpanAttr.REQUEST_ID, request_id)
         plan: PredictPlan | None = None
         try:
             plan = plan_predict(request, self.spec)
-            # The request id and the trace context follow the request to every hop.
+            # The request id follows the request to every hop; the trace context goes with
+            # each call's own client span (the channel's tracing interceptors).
             metadata = [(REQUEST_ID_HEADER, request_id)]
-            metadata += [(k, v) for k, v in incoming if k in TRACE_HEADERS]
+            span.set_attribute(SpanAttr.MODEL, plan.model_name)
             signature = await self._signature(plan, deadline, metadata)
             raw = conform_inputs(plan, signature)
             matrices, stale = await watch.features(self._features(plan, deadline, metadata))
@@ -154,6 +160,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             },
         )
         answer.request_id = request_id
+        span.set_attribute(SpanAttr.VERSION, answer.model_version)
         if stale:
             # The model answered from features older than their view allows: say so.
             answer.degraded = True

@@ -20,6 +20,7 @@ from servemesh.services.model.servicer import InferenceServicer
 from servemesh.services.model.shadow import ShadowLedger, ShadowRecorder, ledger_path
 from servemesh.services.runtime import DeadlineBudget, ServiceServer
 from servemesh.services.runtime.live_spec import SpecHook
+from servemesh.services.runtime.tracing import client_interceptors
 from servemesh.spec import MeshSpec, ResolvedSpec, SpecError
 from servemesh.wire import OIP_SERVICE, message_size_options
 from servemesh_api.inference import grpc_service_pb2_grpc
@@ -86,7 +87,8 @@ async def build_server(
     if loader is None:
         size = spec.limits.max_message_bytes
         channel = dial_registry(spec, caller=instance).aio_channel(
-            options=message_size_options(size)
+            options=message_size_options(size),
+            interceptors=client_interceptors(),
         )
         # Batching and latency of the spec of now, including entries a load brought.
         loader = registry_loader(channel, specs.current)

@@ -20,6 +20,7 @@ from servemesh.services.runtime.errors import ErrorStatusInterceptor
 from servemesh.services.runtime.faults import FaultInjector
 from servemesh.services.runtime.live_spec import LiveSpec, SpecHook
 from servemesh.services.runtime.metrics import ServiceMetrics
+from servemesh.services.runtime.tracing import TracingServerInterceptor
 from servemesh.wire import message_size_options
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class ServiceServer:
             # INVALID_ARGUMENT like any other bad input.
             # Metrics outermost: they see the status of every refusal beneath them.
             interceptors=[
+                # Outermost: the call's server span covers everything below, refusals too.
+                TracingServerInterceptor(),
                 self.metrics.interceptor,
                 self.control,
                 self.faults,

@@ -51,6 +51,7 @@ from servemesh.wire import (
     REGISTRY_CLUSTER,
     REGISTRY_SERVICE,
     SHADOW_ROLE_HEADER,
+    TRACE_COLLECTOR_CLUSTER,
     VERSION_HEADER,
     method_path,
     model_cluster,
@@ -186,8 +187,10 @@ def test_every_cluster_has_health_checks_breakers_and_a_retry_budget() -> None:
     clusters = render_resources(_spec(), Path("/tmp")).clusters
     names = {c["name"] for c in clusters}
     assert {"gateway", "registry", "feature-via-zone-a", "model-fraud-v2-via-zone-b"} <= names
-    # The admin socket's cluster (Envoy's stats listener) is Envoy itself, not a service.
-    for cluster in (c for c in clusters if c["name"] != ENVOY_ADMIN_CLUSTER):
+    # The admin socket's cluster (Envoy's stats listener) is Envoy itself, not a service;
+    # spans are best effort: no checks, breakers or ejection for the trace collector.
+    skipped = (ENVOY_ADMIN_CLUSTER, TRACE_COLLECTOR_CLUSTER)
+    for cluster in (c for c in clusters if c["name"] not in skipped):
         [check] = cluster["health_checks"]
         assert "grpc_health_check" in check and check["no_traffic_interval"] == "1.000s"
         [thresholds] = cluster["circuit_breakers"]["thresholds"]
@@ -466,7 +469,10 @@ def test_mesh_listeners_demand_client_certificates_and_the_edge_serves_tls() -> 
 
 
 def test_every_cluster_dials_mtls_and_accepts_only_its_service_kind() -> None:
-    for cluster in render_resources(_spec(), Path("/tmp")).clusters:
+    # Envoy's own admin socket and the trace collector are not mesh services.
+    skipped = (ENVOY_ADMIN_CLUSTER, TRACE_COLLECTOR_CLUSTER)
+    clusters = render_resources(_spec(), Path("/tmp")).clusters
+    for cluster in (c for c in clusters if c["name"] not in skipped):
         context = cluster["transport_socket"]["typed_config"]["common_tls_context"]
         assert context["tls_certificate_sds_secret_configs"][0]["name"] == "envoy"
         matcher = context["combined_validation_context"]["default_validation_context"]

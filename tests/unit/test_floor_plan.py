@@ -54,6 +54,8 @@ ALLOWED: dict[str, set[str]] = {
     "registry": CONTRACT | {"services.runtime"},
     # the prediction log: the gateways write it, `servemesh log` reads it
     "predlog": CONTRACT,
+    # the embedded trace store: an OTLP receiver on the service runtime, and its reader
+    "tracestore": CONTRACT | {"services.runtime"},
     # libraries for running and driving a mesh, usable without one
     "credentials": set(),
     "procs": CONTRACT,
@@ -93,6 +95,7 @@ ALLOWED: dict[str, set[str]] = {
         "features",
         "models_cli",
         "log_cli",
+        "tracestore",
     },
     "__main__": {"cli"},
     # development tools
