@@ -203,10 +203,21 @@ class Drill:
 
     def close(self) -> None:
         """Undo what faults left running, stop the load and the mesh. Idempotent."""
-        global _current
         if self._closed:
             return
         self._closed = True
+        # A second SIGTERM (Chaos Toolkit turns each into an interruption) must not cut the
+        # cleanup short and leave the zones' namespaces and rules behind.
+        ignoring = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if ignoring else None
+        try:
+            self._close()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _close(self) -> None:
+        global _current
         self.guard.close()
         try:
             self.leftovers.close()

@@ -9,6 +9,7 @@ import grpc
 
 from servemesh.control_credential import read_control_token
 from servemesh.identity import serving_credentials
+from servemesh.registry.metrics import RegistryMetrics
 from servemesh.registry.service import SERVICE_NAME, UPLOAD_IDLE_TIMEOUT_S, RegistryServicer
 from servemesh.registry.store import RegistryStore
 from servemesh.services.runtime import ServiceServer
@@ -36,12 +37,14 @@ def registry_server(
         max_message_bytes=max_message_bytes,
         control_token=control_token,
         credentials=credentials,
+        service="registry",
     )
-    server.add_service(
-        registry_pb2_grpc.add_RegistryServicer_to_server,
-        RegistryServicer(store, upload_idle_timeout_s=upload_idle_timeout_s),
-        SERVICE_NAME,
+    servicer = RegistryServicer(
+        store,
+        upload_idle_timeout_s=upload_idle_timeout_s,
+        metrics=RegistryMetrics(server.metrics.registry),
     )
+    server.add_service(registry_pb2_grpc.add_RegistryServicer_to_server, servicer, SERVICE_NAME)
 
     async def close_store() -> None:
         await asyncio.to_thread(store.close)
@@ -60,7 +63,7 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         spec.limits.max_artifact_bytes,
         spec.limits.registry_quota_bytes,
     )
-    return registry_server(
+    server = registry_server(
         store,
         instance,
         host=spec.host,
@@ -70,3 +73,5 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         upload_idle_timeout_s=spec.limits.upload_idle_timeout_s,
         credentials=serving_credentials(spec, instance),
     )
+    server.serve_metrics(spec.metrics_ports.get(instance, 0))
+    return server

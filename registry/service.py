@@ -37,6 +37,7 @@ from servemesh.registry.errors import (
     UploadIdleError,
     UploadProtocolError,
 )
+from servemesh.registry.metrics import RegistryMetrics
 from servemesh.registry.records import UploadHeader
 from servemesh.registry.store import RegistryStore, Upload
 from servemesh.wire import REGISTRY_SERVICE
@@ -81,8 +82,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         *,
         download_chunk_bytes: int = DOWNLOAD_CHUNK_BYTES,
         upload_idle_timeout_s: float = UPLOAD_IDLE_TIMEOUT_S,
+        metrics: RegistryMetrics | None = None,
     ) -> None:
         self.store = store
+        self.metrics = metrics or RegistryMetrics()
         self.download_chunk_bytes = download_chunk_bytes
         self.upload_idle_timeout_s = upload_idle_timeout_s
 
@@ -90,7 +93,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: object
     ) -> T:
         """fn(*args) in a thread (a store refusal reaches the caller with its status)."""
-        return await asyncio.to_thread(fn, *args)
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except RegistryError as exc:
+            self.metrics.errors.labels(fn.__name__, exc.code.name).inc()
+            raise
 
     async def CreateModel(
         self, request: registry_pb2.CreateModelRequest, context: grpc.aio.ServicerContext
@@ -124,6 +131,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         record = await self._call(
             context, self.store.set_alias, request.model, request.alias, request.version
         )
+        self.metrics.aliases.inc()
         log.info(
             "alias set",
             extra={
@@ -153,12 +161,15 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             upload = receiving.upload
             record = await asyncio.to_thread(upload.commit)
         except RegistryError as exc:
+            self.metrics.uploads["refused"].inc()
+            self.metrics.errors.labels("upload", exc.code.name).inc()
             log.warning(
                 "upload refused",
                 extra={**receiving.log_fields(), "code": exc.code.name, "reason": exc.message},
             )
             raise
         except asyncio.CancelledError:
+            self.metrics.uploads["cancelled"].inc()
             log.info("upload cancelled by the client", extra=receiving.log_fields())
             raise
         finally:
@@ -166,6 +177,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             # A no-op after a commit, and while a commit still runs in its thread.
             if receiving.upload is not None:
                 receiving.upload.abort()
+        if upload.created:
+            self.metrics.uploads["accepted"].inc()
+            self.metrics.upload_bytes.inc(record.size_bytes)
+        else:
+            self.metrics.uploads["existing"].inc()
         log.info(
             "upload accepted",
             extra={
@@ -216,13 +232,16 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
 
         Read a chunk at a time in a thread: a large artifact never sits in memory whole.
         """
-        record = await asyncio.to_thread(self.store.get_version, request.model, request.version)
+        record = await self._call(context, self.store.get_version, request.model, request.version)
+        self.metrics.downloads.inc()
         # Opened here, not in a thread: a cancellation mid-open would leak the handle.
         blob = self.store.open_artifact(record)
         with blob:
             data = await asyncio.to_thread(blob.read, self.download_chunk_bytes)
+            self.metrics.download_bytes.inc(len(data))
             yield registry_pb2.ArtifactChunk(version=version_to_proto(record), data=data)
             while data:
                 data = await asyncio.to_thread(blob.read, self.download_chunk_bytes)
                 if data:
+                    self.metrics.download_bytes.inc(len(data))
                     yield registry_pb2.ArtifactChunk(data=data)

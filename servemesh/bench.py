@@ -11,12 +11,13 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from servemesh.identity import Dial, dial_edge, dial_service
 from servemesh.launcher import Mesh
 from servemesh.load import ClosedLoop, closed_loop, predict_target, summarize
+from servemesh.observe.top import MeshSnapshot, cost_between
 from servemesh.proxy.apply import RouteManager
 from servemesh.spec import MeshSpec, Ports, load_spec
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -32,6 +33,10 @@ class LoadResult:
     p50_ms: float
     p95_ms: float
     p99_ms: float
+    # CPU-seconds of every mesh process (services' own counters; Envoy, Redis from /proc)
+    # per million successful predictions over the run, and its price (metrics.price_*).
+    cpu_s_per_million: float | None = None
+    price_per_million: float | None = None
 
     @property
     def rps(self) -> float:
@@ -62,6 +67,22 @@ async def measure_closed_loop(
         p50_ms=summary.p50_ms,
         p95_ms=summary.p95_ms,
         p99_ms=summary.p99_ms,
+    )
+
+
+def _with_cost(
+    mesh: Mesh, dial: Dial, target: str, concurrency: int, seconds: float, entities: int
+) -> LoadResult:
+    """One closed-loop measurement, with the CPU the whole mesh spent on it."""
+    before = MeshSnapshot.take(mesh.spec, mesh.pids())
+    result = asyncio.run(measure_closed_loop(dial, target, concurrency, seconds, entities))
+    cost = cost_between(before, MeshSnapshot.take(mesh.spec, mesh.pids()), mesh.spec).as_dict()
+    per_million = cost["cpu_seconds_per_million"]
+    price = cost["price_per_million"]
+    return replace(
+        result,
+        cpu_s_per_million=per_million if isinstance(per_million, float) else None,
+        price_per_million=price if isinstance(price, float) else None,
     )
 
 
@@ -96,7 +117,13 @@ def bench_predict(
     weight_changes: int = 10,
 ) -> dict[str, object]:
     """Start a mesh, time its start, then load the edge (through Envoy) and a gateway directly."""
-    spec = spec.model_copy(update={"ports": Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)})
+    # Free ports; no Prometheus, whose scrapes would take CPU from the mesh being measured.
+    spec = spec.model_copy(
+        update={
+            "ports": Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            "metrics": spec.metrics.model_copy(update={"prometheus": "off"}),
+        }
+    )
     with tempfile.TemporaryDirectory() as state:
         mesh = Mesh.from_spec(spec, Path(state))
         started = time.perf_counter()
@@ -110,7 +137,7 @@ def bench_predict(
                 "gateway direct": dial_service(mesh.spec, gateway),
             }
             results = [
-                asyncio.run(measure_closed_loop(dial, name, c, seconds, entities))
+                _with_cost(mesh, dial, name, c, seconds, entities)
                 for c in concurrencies
                 for name, dial in targets.items()
             ]
@@ -141,7 +168,8 @@ def print_report(report: dict[str, object]) -> None:
     console = Console()
     console.print(f"mesh start-up: {report['startup_s']} s")
     table = Table(title="Predict, closed loop (one entity per call)")
-    for column in ("target", "conc.", "req/s", "p50 ms", "p95 ms", "p99 ms", "errors", "vs direct"):
+    columns = ("target", "conc.", "req/s", "p50 ms", "p95 ms", "p99 ms", "errors", "vs direct")
+    for column in (*columns, "CPU-s/1M", "$/1M"):
         table.add_column(column, justify="right" if column != "target" else "left")
     rows = report["results"]
     assert isinstance(rows, list)
@@ -158,6 +186,8 @@ def print_report(report: dict[str, object]) -> None:
             f"{r['p99_ms']:.2f}",
             str(r["errors"]),
             ratio,
+            f"{r['cpu_s_per_million']:.0f}" if r.get("cpu_s_per_million") else "-",
+            f"{r['price_per_million']:.4f}" if r.get("price_per_million") else "-",
         )
     console.print(table)
     changes = report.get("weight_changes")

@@ -23,10 +23,14 @@ from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.features.cli import add_features_parser
 from servemesh.fuzz.cli import add_fuzz_parser
 from servemesh.identity import Dial, dial_edge_at
+from servemesh.log_cli import add_log_parser
 from servemesh.models_cli import add_models_parser
+from servemesh.observe.top import add_top_parser
 from servemesh.proxy.apply import MeshPaths, NoRunningMesh
 from servemesh.routes_cli import add_routes_parser
 from servemesh.spec import MeshSpec, SpecError, load_spec
+from servemesh.tracestore.cli import add_trace_parser, new_traceparent
+from servemesh.wire import TRACE_HEADERS
 
 console = Console(stderr=True)
 out = Console()
@@ -74,6 +78,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     # A Unix socket (curl --unix-socket PATH http://localhost/...), not a TCP port.
     table.add_row("envoy admin", f"unix:{endpoints['envoy_admin']}", "")
     table.add_row("redis", str(endpoints["redis"]), str(pids.get("redis", "")))
+    if endpoints.get("trace_store"):
+        # `servemesh trace` reads what it stores; a collector of the spec's when no pid.
+        table.add_row(
+            "trace store (OTLP)", str(endpoints["trace_store"]), str(pids.get("tracestore", ""))
+        )
     for inst in mesh.spec.instances():
         table.add_row(inst.name, mesh.spec.address_of(inst.name), str(pids.get(inst.name, "")))
     out.print(table)
@@ -236,6 +245,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
     credentials = read_edge_credentials(Path(spec.state_dir))
     if credentials is not None:
         metadata.append(("authorization", authorization_value(*credentials)))
+    trace_id = None
+    if args.trace:
+        traceparent, trace_id = new_traceparent()
+        metadata.append((TRACE_HEADERS[0], traceparent))
     with _edge_dial(spec, address).channel() as channel:
         try:
             reply = gateway_pb2_grpc.GatewayStub(channel).Predict(
@@ -260,6 +273,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
             "degraded": reply.degraded,
             "degraded_reason": reply.degraded_reason,
             "request_id": reply.request_id,
+            **({"trace_id": trace_id} if trace_id else {}),
         }
         sys.stdout.write(json.dumps(answer) + "\n")
         return 0
@@ -289,6 +303,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if reply.degraded_reason:
         out.print(f"degraded: {reply.degraded_reason}", markup=False)
     out.print(f"request id: {reply.request_id}")
+    if trace_id:
+        out.print(f"trace id: {trace_id}  (servemesh trace {reply.request_id})")
     return 0
 
 
@@ -383,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument("--state-dir", help="the running mesh's state dir (edge credentials)")
     predict.add_argument("--timeout", type=float, default=5.0, help="deadline in seconds")
     predict.add_argument("--json", action="store_true", help="print the answer as JSON")
+    predict.add_argument(
+        "--trace", action="store_true", help="force a trace of this call (prints its trace id)"
+    )
     predict.set_defaults(func=cmd_predict)
 
     check = sub.add_parser("check", help="validate a mesh spec and the Envoy config it renders")
@@ -396,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_chaos_parser(sub)
     add_features_parser(sub)
     add_fuzz_parser(sub)
+    add_top_parser(sub)
+    add_log_parser(sub)
+    add_trace_parser(sub)
 
     envoy = sub.add_parser("envoy-config", help="print the Envoy config a spec renders")
     envoy.add_argument("--spec")

@@ -38,13 +38,14 @@ from servemesh.identity import (
 from servemesh.netns import ZoneNetwork
 from servemesh.netns import available as netns_available
 from servemesh.procs import All, Check, Child, GrpcHealth, RedisServer, StartError, Supervisor
+from servemesh.procs.prometheus import PrometheusServer, prometheus_binary
 from servemesh.proxy.admin import admin_socket_path, prepare_admin_dir
 from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
 from servemesh.proxy.render import dynamic_bootstrap, render_resources, static_bootstrap
 from servemesh.seeding import SeedConflict, SeedStep, seed_demo
 from servemesh.spec import MeshSpec, ResolvedSpec, dump_spec, resolve
-from servemesh.wire import message_size_options
+from servemesh.wire import ENVOY_STATS_PATH, message_size_options
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,18 @@ SERVICE_MODULES = {
 }
 # Stop order, a tier of groups at a time: the reverse of the start order, so Envoy stops
 # taking calls first and Redis goes last.
-STOP_ORDER = [["envoy"], ["gateway"], ["feature"], ["model"], ["registry"], ["redis"]]
+# The trace store stops after every service, so the spans they flush on the way out land.
+STOP_ORDER = [
+    ["prometheus"],
+    ["envoy"],
+    ["gateway"],
+    ["feature"],
+    ["model"],
+    ["registry"],
+    ["tracestore"],
+    ["redis"],
+]
+TRACE_STORE = "tracestore"
 
 
 class MeshStartError(StartError):
@@ -81,6 +93,8 @@ class Mesh:
     redis: RedisServer | None = field(default=None, init=False)
     # The zones' namespaces, with `network: {mode: netns}` (None on one loopback).
     network: ZoneNetwork | None = field(default=None, init=False)
+    # The mesh's Prometheus (None: metrics.prometheus is off, or no binary is installed).
+    prometheus: PrometheusServer | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(
@@ -142,6 +156,7 @@ class Mesh:
             # (kept across runs; renewed when their life runs low or their names change).
             issue_mesh_certificates(self.spec)
             self.resolved_spec_path.write_text(dump_spec(self.spec))
+            self._start_trace_store(deadline)
             self._write_envoy_config()
             if self.spec.network.mode == "netns":
                 self._join_zone_network()
@@ -159,6 +174,7 @@ class Mesh:
             self.supervisor.wait_ready([n for n in later if n not in gateways], deadline)
             self._start_envoy(deadline)
             self.supervisor.wait_ready(gateways, deadline)
+            self._start_prometheus(deadline)
             self._write_endpoints()
         except BaseException:
             self.stop()
@@ -241,6 +257,9 @@ class Mesh:
             "redis_password_file": spec.feature_store.password_file,
             "services": {i.name: spec.address_of(i.name) for i in spec.instances()},
             "metrics": {name: spec.metrics_address_of(name) for name in spec.metrics_ports},
+            "envoy_stats": f"http://{spec.envoy_stats_address}{ENVOY_STATS_PATH}",
+            "prometheus": spec.prometheus_address if self.prometheus is not None else None,
+            "trace_store": spec.tracing.otlp_endpoint if spec.tracing.enabled else None,
             "logs": str(self.logs_dir),
             "tls": self._tls_files(),
             "pids": self.pids(),
@@ -284,6 +303,21 @@ class Mesh:
         ready = GrpcHealth(dial_service(self.spec, name))
         self.supervisor.start(name, argv, group=instance.service, ready=ready, timeout_s=None)
 
+    def _start_trace_store(self, deadline: float) -> None:
+        """The embedded OTLP receiver (`servemesh.tracestore`), when the spec names no
+        collector: ready before any service that exports to it starts."""
+        port = self.spec.embedded_trace_store_port
+        if port is None:
+            return
+        argv = [sys.executable, "-m", "servemesh.tracestore", "--spec"]
+        ready = GrpcHealth(f"{self.spec.host}:{port}")
+        self.supervisor.start(
+            TRACE_STORE,
+            [*argv, str(self.resolved_spec_path)],
+            ready=ready,
+            timeout_s=max(0.0, deadline - time.monotonic()),
+        )
+
     def _start_redis(self, port: int, deadline: float) -> None:
         password_file = self.spec.feature_store.password_file
         self.redis = RedisServer(
@@ -297,8 +331,9 @@ class Mesh:
 
     def _join_zone_network(self) -> None:
         """Create the zones' namespaces and join them to the machine's loopback: each
-        zone's service and metrics ports lead into its namespace; Envoy's listeners, the
-        registry and Redis lead out of every zone to the machine."""
+        zone's service and metrics ports lead into its namespace; out of a zone lead only
+        the ports its services call: that zone's Envoy mesh listener (gateways), the
+        registry (model servers) and Redis (feature services)."""
         spec = self.spec
         zone_ports: dict[str, list[int]] = {zone: [] for zone in spec.zones}
         for inst in spec.instances():
@@ -306,10 +341,13 @@ class Mesh:
                 zone_ports[inst.zone].append(spec.port_of(inst.name))
                 if inst.name in spec.metrics_ports:
                     zone_ports[inst.zone].append(spec.metrics_ports[inst.name])
-        host_ports = [*spec.mesh_ports.values(), spec.port_of("registry-0"), spec.ports.edge]
+        shared = [spec.port_of("registry-0")]
+        if spec.embedded_trace_store_port is not None:
+            shared.append(spec.embedded_trace_store_port)
         redis_port = urllib.parse.urlparse(spec.redis_url).port
         if redis_port:
-            host_ports.append(redis_port)
+            shared.append(redis_port)
+        host_ports = {zone: [spec.mesh_ports[zone], *shared] for zone in spec.zones}
         self.network = ZoneNetwork(list(spec.zones)).create()
         self.network.attach_host(zone_ports, host_ports)
 
@@ -339,6 +377,19 @@ class Mesh:
         self.supervisor.start(
             "envoy", argv, ready=ready, timeout_s=max(0.0, deadline - time.monotonic())
         )
+
+    def _start_prometheus(self, deadline: float) -> None:
+        """Prometheus scraping every service and Envoy, when the spec wants one and the
+        binary is installed; without it the services' own /metrics still answer."""
+        binary = prometheus_binary() if self.spec.metrics.prometheus == "auto" else None
+        if binary is None:
+            if self.spec.metrics.prometheus == "auto":
+                log.info("no prometheus binary on PATH: the services' /metrics only")
+            return
+        self.prometheus = PrometheusServer(
+            self.supervisor, self.spec, self.state_dir / "prometheus", binary
+        )
+        self.prometheus.start(timeout_s=max(0.0, deadline - time.monotonic()))
 
     async def _seed(self) -> None:
         async with self.registry_channel() as channel:

@@ -363,6 +363,96 @@ class TlsSpec(_Strict):
     leaf_days: Annotated[int, Field(ge=1, le=825)] = 30
 
 
+class PredictionLogSpec(_Strict):
+    """One record per Predict a gateway answers, kept for `servemesh log query`."""
+
+    enabled: bool = True
+    # Records waiting for the writer; past this, new records are dropped (and counted)
+    # rather than slowing or failing a request.
+    buffer_records: Annotated[int, Field(ge=1, le=10_000_000)] = 10_000
+    # The writer flushes every this many ms, or sooner once flush_records are waiting.
+    flush_interval_ms: Annotated[float, Field(ge=10, le=600_000)] = 500.0
+    flush_records: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
+    # Records older than this are deleted, by the writers and by `servemesh log` itself.
+    retention: Duration = "7d"
+    # PostgreSQL instead of Parquet files under <state_dir>/predictions/: a libpq DSN
+    # (keep passwords out of it: use postgres_dsn_file, or ~/.pgpass), or a file whose
+    # first line is the DSN.
+    postgres_dsn: str | None = None
+    postgres_dsn_file: str | None = None
+    postgres_table: Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_]{0,62}$")] = "predictions"
+    # Bounds on what one record keeps of an answer's outputs (as JSON), of its entity ids,
+    # and of a status message.
+    max_output_bytes: Annotated[int, Field(ge=64, le=1024 * 1024)] = 1024
+    max_entity_ids: Annotated[int, Field(ge=1, le=65536)] = 64
+    max_message_chars: Annotated[int, Field(ge=16, le=65536)] = 256
+
+    @model_validator(mode="after")
+    def _one_dsn(self) -> PredictionLogSpec:
+        if self.postgres_dsn is not None and self.postgres_dsn_file is not None:
+            raise ValueError("postgres_dsn, postgres_dsn_file: give one, not both")
+        return self
+
+    @property
+    def retention_s(self) -> float:
+        return duration_seconds(self.retention)
+
+    def dsn(self) -> str | None:
+        """The PostgreSQL DSN (read from postgres_dsn_file at each call); None: Parquet."""
+        if self.postgres_dsn_file is None:
+            return self.postgres_dsn
+        try:
+            lines = Path(self.postgres_dsn_file).read_text().splitlines()
+        except FileNotFoundError:
+            raise SpecError("prediction_log.postgres_dsn_file: no such file") from None
+        if not lines or not lines[0].strip():
+            raise SpecError("prediction_log.postgres_dsn_file: the first line holds no DSN")
+        return lines[0].strip()
+
+
+# An OTLP/gRPC collector's address: an IP (or localhost) and a port; Envoy's exporter
+# cluster takes no other names.
+OtlpEndpoint = Annotated[
+    str, Field(pattern=r"^(localhost|\d{1,3}(\.\d{1,3}){3}|\[[0-9a-fA-F:]+\]):\d{1,5}$")
+]
+
+
+class TraceRetention(_Strict):
+    """How long the embedded trace store keeps spans, and how large it may grow."""
+
+    # Spans older than this (by arrival) are deleted.
+    max_age: Duration = "24h"
+    # Past this size the oldest traces go first, until it fits again.
+    max_mb: Annotated[int, Field(ge=1, le=1024 * 1024)] = 256
+
+
+class TracingSpec(_Strict):
+    """OpenTelemetry traces of every hop: services (OTLP) and Envoy (its own tracer).
+
+    Each service names itself by its kind (`service.name`: gateway, feature, model,
+    registry) and its instance (`service.instance.id`: e.g. gateway-zone-a-0); Envoy's
+    listeners as envoy-edge and envoy-<mesh listener>.
+    """
+
+    enabled: bool = True
+    # Share of new traces (requests arriving without a trace context) that are recorded.
+    # A caller's sampled `traceparent` is always honoured (parent-based), and an unsampled
+    # one never recorded. 1%: an unsampled request costs next to nothing, a sampled one its
+    # spans' CPU (docs/observability.md, "Traces"), and 1% of a busy mesh is still many
+    # traces a minute; force the rest with `servemesh predict --trace`.
+    sample_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 0.01
+    # An OTLP/gRPC collector (IP:port). null: the embedded trace store `servemesh up`
+    # runs (`servemesh trace`).
+    otlp_endpoint: OtlpEndpoint | None = None
+    # A service sends its finished spans at least this often (BatchSpanProcessor).
+    export_interval_ms: Annotated[int, Field(ge=10, le=60_000)] = 1000
+    retention: TraceRetention = Field(default_factory=TraceRetention)
+
+    @property
+    def retention_s(self) -> float:
+        return duration_seconds(self.retention.max_age)
+
+
 class Ports(_Strict):
     """Fixed listening ports; 0 picks a free port at start (what the tests use)."""
 
@@ -375,6 +465,36 @@ class Ports(_Strict):
     envoy_admin: Port = 9901
     # Services take consecutive ports from here, in the order `instances()` lists them.
     services_base: Port = 50051
+    # Envoy's stats as Prometheus text (GET /stats/prometheus, loopback; nothing else of
+    # the admin API is reachable there).
+    envoy_stats: Port = 9902
+    # The mesh's Prometheus (metrics.prometheus); 9090, Prometheus's own default, is left
+    # to a Prometheus of the machine's.
+    prometheus: Port = 9190
+
+    @model_validator(mode="before")
+    @classmethod
+    def _free_with_the_edge(cls, data: object) -> object:
+        # A mesh on free ports (edge: 0, as tests and drills run several at once) gets free
+        # metrics ports too, unless it names them.
+        if isinstance(data, dict) and data.get("edge") == 0:
+            data = {"envoy_stats": 0, "prometheus": 0, **data}
+        return data
+
+
+class MetricsSpec(_Strict):
+    """Metrics: every service's /metrics, the mesh's Prometheus, and what a prediction costs."""
+
+    # auto: `servemesh up` starts a Prometheus (scraping every service and Envoy, with the
+    # SLI recording rules) when a `prometheus` binary is on PATH; off: never.
+    prometheus: Literal["auto", "off"] = "auto"
+    # How often Prometheus scrapes each target (a local mesh: small).
+    scrape_interval_s: Annotated[float, Field(ge=0.5, le=300)] = 2.0
+    # How long Prometheus keeps samples (its storage lives under the state dir).
+    retention: Duration = "1d"
+    # Prices for the cost per million predictions (`servemesh top`, `bench predict`).
+    price_per_core_hour: Annotated[float, Field(ge=0)] = 0.04
+    price_per_gpu_hour: Annotated[float, Field(ge=0)] = 2.50
 
 
 class MeshSpec(_Strict):
@@ -396,6 +516,9 @@ class MeshSpec(_Strict):
     demo: DemoSpec = Field(default_factory=DemoSpec)
     network: NetworkSpec = Field(default_factory=NetworkSpec)
     tls: TlsSpec = Field(default_factory=TlsSpec)
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    prediction_log: PredictionLogSpec = Field(default_factory=PredictionLogSpec)
+    tracing: TracingSpec = Field(default_factory=TracingSpec)
 
     @field_validator("host")
     @classmethod
@@ -493,11 +616,14 @@ class ResolvedSpec(MeshSpec):
     mesh_ports: dict[ZoneName, Port]
     # The port of every service instance, by instance name.
     instance_ports: dict[str, Port]
-    # The Prometheus /metrics side port of each model server, by instance name.
+    # The Prometheus /metrics side port of every service instance, by instance name.
     metrics_ports: dict[str, Port]
     # The port of the Redis the launcher runs itself; None when the spec names its own
     # (feature_store.redis_url is set either way).
     embedded_redis_port: Port | None = None
+    # The port of the trace store the launcher runs itself; None when the spec names an
+    # OTLP collector of its own, or tracing is off (tracing.otlp_endpoint is set when on).
+    embedded_trace_store_port: Port | None = None
 
     @model_validator(mode="after")
     def _every_listener_has_a_port(self) -> ResolvedSpec:
@@ -507,6 +633,11 @@ class ResolvedSpec(MeshSpec):
         missing += [f"mesh listener of {z}" for z in self.zones if not self.mesh_ports.get(z)]
         if self.ports.edge == 0 or self.ports.envoy_admin == 0:
             missing.append("ports.edge or ports.envoy_admin")
+        missing += [
+            f"metrics of {i.name}" for i in self.instances() if not self.metrics_ports.get(i.name)
+        ]
+        if self.ports.envoy_stats == 0 or self.ports.prometheus == 0:
+            missing.append("ports.envoy_stats or ports.prometheus")
         if missing:
             raise ValueError(f"a resolved spec needs a port for: {', '.join(missing)}")
         return self
@@ -538,11 +669,21 @@ class ResolvedSpec(MeshSpec):
         return f"{self.host}:{self.port_of(instance_name)}"
 
     def metrics_address_of(self, instance_name: str) -> str:
-        """host:port of a model server's Prometheus /metrics endpoint."""
+        """host:port of an instance's Prometheus /metrics endpoint."""
         port = self.metrics_ports.get(instance_name)
         if not port:
-            raise SpecError(f"{instance_name!r} is not a model server: it has no metrics port")
+            raise SpecError(f"no instance named {instance_name!r}: it has no metrics port")
         return f"{self.host}:{port}"
+
+    @property
+    def envoy_stats_address(self) -> str:
+        """host:port of Envoy's stats listener (GET /stats/prometheus)."""
+        return f"{self.host}:{self.ports.envoy_stats}"
+
+    @property
+    def prometheus_address(self) -> str:
+        """host:port of the mesh's Prometheus (when metrics.prometheus started one)."""
+        return f"{self.host}:{self.ports.prometheus}"
 
     @property
     def mesh_address(self) -> str:
@@ -580,7 +721,13 @@ class Instance(_Strict):
 REDIS_PASSWORD_FILE = "redis-password"
 
 # What a resolved spec has and a declared one does not.
-RESOLVED_FIELDS = {"mesh_ports", "instance_ports", "metrics_ports", "embedded_redis_port"}
+RESOLVED_FIELDS = {
+    "mesh_ports",
+    "instance_ports",
+    "metrics_ports",
+    "embedded_redis_port",
+    "embedded_trace_store_port",
+}
 
 
 def free_port(host: str) -> int:
@@ -613,15 +760,18 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
         mesh=mesh_ports[spec.zones[0]],
         envoy_admin=pick(spec.ports.envoy_admin),
         services_base=spec.ports.services_base,
+        envoy_stats=pick(spec.ports.envoy_stats),
+        prometheus=pick(spec.ports.prometheus),
     )
     instance_ports = {}
     for offset, inst in enumerate(spec.instances()):
         wanted = spec.ports.services_base + offset if spec.ports.services_base else 0
         instance_ports[inst.name] = pick(known.port_of(inst.name) if known else wanted)
+    # Model servers first, as when they alone had a metrics port; a resolved spec (even one
+    # written before the other services had one) keeps the ports it has.
+    by_kind = sorted(spec.instances(), key=lambda inst: inst.service != "model")
     metrics_ports = {
-        inst.name: pick(known.metrics_ports[inst.name] if known else 0)
-        for inst in spec.instances()
-        if inst.service == "model"
+        inst.name: pick(known.metrics_ports.get(inst.name, 0) if known else 0) for inst in by_kind
     }
     # No Redis named: the launcher runs one, on a port chosen now with the others.
     embedded_redis_port = known.embedded_redis_port if known else None
@@ -634,12 +784,28 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
                 "password_file": str(Path(spec.state_dir) / REDIS_PASSWORD_FILE),
             }
         )
+    # No collector named: the launcher runs the embedded trace store, on a port chosen now.
+    tracing = spec.tracing
+    embedded_trace_store_port = known.embedded_trace_store_port if known else None
+    if tracing.enabled and not tracing.otlp_endpoint:
+        # The port after the services' (Envoy's rendered config names it), else a free one.
+        base = spec.ports.services_base
+        embedded_trace_store_port = pick(
+            known.embedded_trace_store_port
+            if known and known.embedded_trace_store_port
+            else (base + len(spec.instances()) if base else 0)
+        )
+        tracing = tracing.model_copy(
+            update={"otlp_endpoint": f"{spec.host}:{embedded_trace_store_port}"}
+        )
     fields = spec.model_dump(exclude=RESOLVED_FIELDS)
     return ResolvedSpec.model_validate(
         {
             **fields,
             "feature_store": store.model_dump(),
             "embedded_redis_port": embedded_redis_port,
+            "tracing": tracing.model_dump(),
+            "embedded_trace_store_port": embedded_trace_store_port,
             "ports": ports.model_dump(),
             "mesh_ports": mesh_ports,
             "instance_ports": instance_ports,
@@ -657,6 +823,8 @@ def declared(spec: MeshSpec) -> MeshSpec:
     if spec.embedded_redis_port is not None:
         fields["feature_store"]["redis_url"] = None  # the launcher's own, not declared
         fields["feature_store"]["password_file"] = None
+    if spec.embedded_trace_store_port is not None:
+        fields["tracing"]["otlp_endpoint"] = None  # the launcher's own store, not declared
     return MeshSpec.model_validate(fields)
 
 

@@ -26,6 +26,32 @@ REQUEST_ID_HEADER: Final = "x-request-id"
 TRACE_HEADERS: Final = ("traceparent", "tracestate")
 AUTHORIZATION_HEADER: Final = "authorization"
 
+# --- trace span attributes (the services set them, the trace store reads them) ---------------
+
+
+class Span:
+    """Attribute names on servemesh's spans. A namespace rather than module constants:
+    "servemesh.model" also begins module paths (servemesh.model_bench), which the
+    one-spelling check would take for second spellings."""
+
+    REQUEST_ID: Final = "servemesh.request_id"
+    MODEL: Final = "servemesh.model"
+    VERSION: Final = "servemesh.version"
+    # The model server: a request's time in the batcher's queue (a batch: the longest and
+    # the mean), a batch's rows, requests, forward pass and the version it ran.
+    QUEUE_WAIT_MS: Final = "servemesh.queue_wait_ms"
+    QUEUE_WAIT_MEAN_MS: Final = "servemesh.queue_wait_mean_ms"
+    BATCH_SIZE: Final = "servemesh.batch_size"
+    BATCH_REQUESTS: Final = "servemesh.batch_requests"
+    FORWARD_MS: Final = "servemesh.forward_ms"
+    BATCHER: Final = "servemesh.batcher"
+
+
+def envoy_trace_service(listener: str) -> str:
+    """How an Envoy listener names itself in its spans (service.name): envoy-<listener>."""
+    return f"envoy-{listener}"
+
+
 # --- OIP v2 response parameters the model server sets ----------------------------------------
 
 # Which replica and zone computed the answer.
@@ -98,10 +124,31 @@ HEALTH_PREFIX: Final = method_prefix(HEALTH_SERVICE)
 # Envoy's per-method gRPC stats name a method `<package>.<Service>.<Method>`.
 MODEL_INFER_STAT: Final = f"{OIP_SERVICE}.ModelInfer"
 
+# Status codes that count against a service's success SLI (the recording rules, `servemesh
+# top`): the service failed. A caller's own errors (INVALID_ARGUMENT, NOT_FOUND, ...) and
+# a caller giving up (CANCELLED) do not.
+SLI_FAILURE_CODES: Final = (
+    "UNAVAILABLE",
+    "INTERNAL",
+    "UNKNOWN",
+    "DEADLINE_EXCEEDED",
+    "RESOURCE_EXHAUSTED",
+    "DATA_LOSS",
+    "UNIMPLEMENTED",
+)
+
 # --- Envoy cluster and route names -----------------------------------------------------------
 
 GATEWAY_CLUSTER: Final = "gateway"
 REGISTRY_CLUSTER: Final = "registry"
+# Envoy's stats in Prometheus form: a loopback listener whose one route leads to the admin
+# socket, and the one path it serves.
+ENVOY_STATS_LISTENER: Final = "envoy-stats"
+ENVOY_ADMIN_CLUSTER: Final = "admin-socket"
+ENVOY_STATS_PATH: Final = "/stats/prometheus"
+
+# Envoy's OTLP exporter sends its spans to the trace collector through this cluster.
+TRACE_COLLECTOR_CLUSTER: Final = "trace_collector"
 _VIA: Final = "-via-"
 
 

@@ -31,9 +31,13 @@ from servemesh.policy import (
 )
 from servemesh.proxy.admin import ADMIN_SOCKET_MODE, admin_socket_path
 from servemesh.proxy.tls import downstream_tls, upstream_tls
+from servemesh.proxy.tracing import collector_cluster, hcm_tracing
 from servemesh.spec import Instance, MeshSpec, ModelSpec, ResolvedSpec
 from servemesh.wire import (
     CONTROL_METHODS,
+    ENVOY_ADMIN_CLUSTER,
+    ENVOY_STATS_LISTENER,
+    ENVOY_STATS_PATH,
     FEATURE_SERVICE,
     GATEWAY_CLUSTER,
     HEALTH_SERVICE,
@@ -609,6 +613,7 @@ def _listener(
                             ],
                             "rds": {"route_config_name": route_config},
                             "http_filters": filters,
+                            **hcm_tracing(spec, name),
                         },
                     }
                 ],
@@ -686,6 +691,10 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
                     health_name=version_health_name(model_name, model.shadow.version),
                 )
 
+    if (collector := collector_cluster(spec)) is not None:
+        clusters.append(collector[0])
+        assignments[collector[0]["name"]] = collector[1]
+
     route_configs = {
         "edge": {
             "name": "edge",
@@ -741,12 +750,89 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
                 edge=False,
             )
         )
+    _add_stats_listener(spec, log_dir, listeners, route_configs, clusters, assignments)
     return EnvoyResources(
         listeners=listeners,
         route_configs=route_configs,
         clusters=clusters,
         load_assignments=assignments,
     )
+
+
+def _add_stats_listener(
+    spec: ResolvedSpec,
+    log_dir: Path,
+    listeners: list[dict[str, Any]],
+    route_configs: dict[str, dict[str, Any]],
+    clusters: list[dict[str, Any]],
+    assignments: dict[str, dict[str, Any]],
+) -> None:
+    """Envoy's stats for Prometheus, on a loopback port of their own (ports.envoy_stats).
+
+    The admin API stays on its Unix socket (it can stop Envoy and rewrite its runtime):
+    this listener's one route is `GET /stats/prometheus`, proxied to that socket; every
+    other path and method (/quitquitquit, /runtime_modify, /stats?format=json...) is 404.
+    """
+    name = ENVOY_STATS_LISTENER
+    route_configs[name] = {
+        "name": name,
+        "virtual_hosts": [
+            {
+                "name": name,
+                "domains": ["*"],
+                "routes": [
+                    {
+                        "match": {
+                            "path": ENVOY_STATS_PATH,
+                            "headers": [
+                                {"name": ":method", "string_match": {"exact": "GET"}},
+                            ],
+                        },
+                        "route": {"cluster": ENVOY_ADMIN_CLUSTER, "timeout": "5s"},
+                    }
+                ],
+            }
+        ],
+    }
+    hcm = {
+        "@type": _HCM,
+        "stat_prefix": name,
+        "codec_type": "HTTP1",
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "REJECT_REQUEST",
+        "access_log": [
+            {
+                "name": "envoy.access_loggers.file",
+                "typed_config": {"@type": _FILE_LOG, "path": str(log_dir / f"envoy-{name}.log")},
+            }
+        ],
+        "rds": {"route_config_name": name},
+        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
+    }
+    listeners.append(
+        {
+            "name": name,
+            "address": _address(spec.host, spec.ports.envoy_stats),
+            "filter_chains": [
+                {
+                    "filters": [
+                        {
+                            "name": "envoy.filters.network.http_connection_manager",
+                            "typed_config": hcm,
+                        }
+                    ]
+                }
+            ],
+        }
+    )
+    # The admin socket, spoken to in HTTP/1.1 like any admin client.
+    clusters.append({"name": ENVOY_ADMIN_CLUSTER, "connect_timeout": "0.25s", "type": "EDS"})
+    socket_address = {"pipe": {"path": str(admin_socket_path(spec.state_dir))}}
+    assignments[ENVOY_ADMIN_CLUSTER] = {
+        "cluster_name": ENVOY_ADMIN_CLUSTER,
+        "endpoints": [{"lb_endpoints": [{"endpoint": {"address": socket_address}}]}],
+    }
 
 
 def _overload_manager(overload: Overload) -> dict[str, Any]:

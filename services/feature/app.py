@@ -7,6 +7,7 @@ import redis.asyncio as aioredis
 from servemesh.control_credential import read_control_token
 from servemesh.identity import serving_credentials
 from servemesh.services.feature.health import watch_store
+from servemesh.services.feature.metrics import FeatureMetrics
 from servemesh.services.feature.service import FeatureServicer
 from servemesh.services.feature.store import RedisFeatureStore
 from servemesh.services.runtime import DeadlineBudget, ServiceServer
@@ -23,6 +24,15 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         spec.redis_url, password=password, socket_connect_timeout=1.0, health_check_interval=10
     )
     store = RedisFeatureStore(client, spec.feature_store.key_prefix)
+    server = ServiceServer(
+        instance,
+        host=spec.host,
+        port=spec.port_of(instance),
+        max_message_bytes=spec.limits.max_message_bytes,
+        control_token=read_control_token(spec.state_dir),
+        credentials=serving_credentials(spec, instance) if tls else None,
+        service="feature",
+    )
     servicer = FeatureServicer(
         store,
         spec.feature_views,
@@ -32,14 +42,7 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         ),
         max_entities=spec.limits.max_rows_per_predict,
         limits=spec.limits,
-    )
-    server = ServiceServer(
-        instance,
-        host=spec.host,
-        port=spec.port_of(instance),
-        max_message_bytes=spec.limits.max_message_bytes,
-        control_token=read_control_token(spec.state_dir),
-        credentials=serving_credentials(spec, instance) if tls else None,
+        metrics=FeatureMetrics(server.metrics.registry),
     )
     server.add_service(
         feature_pb2_grpc.add_FeatureServiceServicer_to_server,
@@ -55,4 +58,5 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
     server.on_stop(client.aclose)
     # SERVING only while Redis answers; a read that cannot reach it probes at once.
     servicer.store_unreachable = watch_store(server, spec.redis_url, password).poke
+    server.serve_metrics(spec.metrics_ports.get(instance, 0))
     return server

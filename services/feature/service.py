@@ -2,8 +2,8 @@
 
 Reads honour each view's freshness (`feature_views.<view>.max_age` and `staleness` in the
 spec): a row older than max_age by its event time is refused (error), answered with the
-view's defaults (default), or answered as stored with `stale` set (degraded). Every stale
-row read is counted in STALE_READS.
+view's defaults (default), or answered as stored with `stale` set (degraded). Every read,
+miss and stale row read is counted per view (services/feature/metrics.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 import redis.exceptions
-from prometheus_client import Counter
 
 from servemesh.echo import brief_list, shown
+from servemesh.services.feature.metrics import FeatureMetrics
 from servemesh.services.feature.rows import (
     MAX_ID_LENGTH,
     Problem,
@@ -68,12 +68,6 @@ MAX_SOURCE_LENGTH = 1024
 # Problems one refused load lists; the rest are counted.
 MAX_PROBLEMS = 20
 _LABELS = {feature_pb2.ROW_LABEL_ROW: "row", feature_pb2.ROW_LABEL_LINE: "line"}
-
-STALE_READS = Counter(
-    "servemesh_feature_stale_reads",
-    "Entities read whose stored row was older than their view's max_age, by view and policy.",
-    ["view", "policy"],
-)
 
 
 def now_ms() -> int:
@@ -374,8 +368,10 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         max_entities: int,
         clock: Callable[[], int] = now_ms,
         limits: Limits | None = None,
+        metrics: FeatureMetrics | None = None,
     ) -> None:
         self.store = store
+        self.metrics = metrics or FeatureMetrics()
         # The per-call caps of GetFeatures (feature names, entities x features).
         self.limits = limits or Limits()
         self.views = dict(views)
@@ -402,15 +398,19 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         bind_request_id(request_id_from(context.invocation_metadata()))
         validate_get(request, self.max_entities, self.limits)
         view = self._view(request.view)
+        started = time.perf_counter()
         version, rows = await self._call_store(
             context, self.store.read(request.view, request.entity_ids)
         )
+        found = int(rows.present.sum()) if rows is not None else 0
+        wanted = len(request.entity_ids)
+        self.metrics.read(request.view, wanted, wanted - found, time.perf_counter() - started)
         positions = positions_of(request, view, version)
         now = self.clock()
         stale = stale_rows(rows, view, now)
         count = int(stale.sum())
         if count:
-            STALE_READS.labels(request.view, view.staleness).inc(count)
+            self.metrics.stale_reads.labels(request.view, view.staleness).inc(count)
         return assemble(request, view, self.policy, rows, positions, stale, now)
 
     async def WriteFeatures(

@@ -31,10 +31,14 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import numpy as np
 import redis.asyncio as aioredis
+from opentelemetry.trace import Span, SpanKind
+
+from servemesh.services.runtime.tracing import tracer
 
 # A load that sends nothing for this long loses its lease; the next load cleans up after it.
 LOAD_LEASE_MS = 60_000
@@ -179,6 +183,15 @@ def unpack_rows(stored: Sequence[bytes | None], width: int) -> Rows:
     return Rows(present=present, event_ms=event_ms, values=values)
 
 
+def _redis_span(command: str, keys: int) -> AbstractContextManager[Span]:
+    """A client span around one Redis read (current, so errors mark it)."""
+    return tracer().start_as_current_span(
+        f"redis {command}",
+        kind=SpanKind.CLIENT,
+        attributes={"db.system": "redis", "db.operation": command, "db.redis.keys": keys},
+    )
+
+
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -222,14 +235,16 @@ class RedisFeatureStore:
     async def refresh(self, view: str, version: int | None = None) -> ViewVersion | None:
         """Re-read the view's pointer (or take `version`) and that version's metadata."""
         if version is None:
-            raw = await self.client.get(self.view_key(view, "current"))
+            with _redis_span("GET", 1):
+                raw = await self.client.get(self.view_key(view, "current"))
             version = int(raw) if raw is not None else 0
         found = await self._version(view, version) if version else None
         self._cached[view] = found
         return found
 
     async def _version(self, view: str, version: int) -> ViewVersion | None:
-        meta = await self.client.hget(self.version_key(view, version), "features")
+        with _redis_span("HGET", 1):
+            meta = await self.client.hget(self.version_key(view, version), "features")
         if meta is None:
             return None  # deleted meanwhile: the caller reads the pointer again
         try:
@@ -250,7 +265,8 @@ class RedisFeatureStore:
         for _ in range(READ_ATTEMPTS):
             version = cached.version if cached else 0
             keys = [self.entity_key(view, version, e) for e in entity_ids] if cached else []
-            *stored, raw = await self.client.mget([*keys, pointer])
+            with _redis_span("MGET", len(keys) + 1):
+                *stored, raw = await self.client.mget([*keys, pointer])
             now = int(raw) if raw is not None else 0
             # The client answers bytes (no decode_responses); anything else is not ours.
             rows = [v if v is None or isinstance(v, bytes) else None for v in stored]

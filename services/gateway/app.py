@@ -9,9 +9,12 @@ import grpc
 from servemesh.control_credential import read_control_token
 from servemesh.identity import dial_mesh, mesh_identity, serving_credentials
 from servemesh.identity.watch import follow_certificate
+from servemesh.predlog import gateway_prediction_log
 from servemesh.services.gateway.health import watch_dependencies
+from servemesh.services.gateway.metrics import PredictMetrics
 from servemesh.services.gateway.service import GatewayServicer
 from servemesh.services.runtime import ServiceServer
+from servemesh.services.runtime.tracing import client_interceptors
 from servemesh.spec import ResolvedSpec
 from servemesh.wire import GATEWAY_SERVICE, message_size_options
 from servemesh_api.gateway.v1 import gateway_pb2_grpc
@@ -26,7 +29,8 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         # Every downstream call goes through Envoy, which owns retries and load balancing:
         # this zone's mesh listener, whose clusters prefer replicas in the same zone.
         return dial_mesh(spec, spec.instance(instance).zone, caller=instance).aio_channel(
-            options=[*message_size_options(limit), ("grpc.enable_retries", 0)]
+            options=[*message_size_options(limit), ("grpc.enable_retries", 0)],
+            interceptors=client_interceptors(),
         )
 
     mesh_channel = dial()
@@ -37,12 +41,20 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         max_message_bytes=limit,
         control_token=read_control_token(spec.state_dir),
         credentials=serving_credentials(spec, instance) if tls else None,
+        service="gateway",
     )
-    servicer = GatewayServicer(spec, mesh_channel)
+    predictions = gateway_prediction_log(spec, instance, spec.instance(instance).zone)
+    predictions.start()
+    servicer = GatewayServicer(
+        spec, mesh_channel, PredictMetrics(server.metrics.registry), predictions
+    )
     server.add_service(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, GATEWAY_SERVICE)
     # Models and versions added or removed by `servemesh apply` are served (or refused) as
     # soon as the spec file says so.
     server.on_spec_change(servicer.follow_spec)
+    server.on_spec_change(predictions.follow_spec)
+    # Stop hooks run once every call has ended: the log flushes what is left.
+    server.on_stop(predictions.close)
     # SERVING only while it can answer: the mesh listener and the replicas it needs.
     health = watch_dependencies(server, spec, instance)
     channels = [mesh_channel]
@@ -63,6 +75,7 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
 
     server.on_stop(close_all)
     server.run_in_background(follow_certificate(mesh_identity(spec), instance, redial))
+    server.serve_metrics(spec.metrics_ports.get(instance, 0))
     return server
 
 

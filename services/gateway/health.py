@@ -40,6 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servemesh.identity import OPERATOR_IDENTITY, dial_service
 from servemesh.services.runtime import ServiceServer
 from servemesh.services.runtime.dependencies import DependencyWatch, Verdict
+from servemesh.services.runtime.tracing import client_interceptors
 from servemesh.spec import MeshSpec, ModelSpec, ResolvedSpec
 from servemesh.wire import reconnect_backoff_options
 
@@ -155,7 +156,8 @@ class GatewayHealth:
         if channel is None:
             # Retry a lost replica often, or its return is noticed only after gRPC's backoff.
             channel = dial_service(self.spec, instance, caller=self.caller).aio_channel(
-                options=reconnect_backoff_options(int(PROBE_INTERVAL_S * 1000))
+                options=reconnect_backoff_options(int(PROBE_INTERVAL_S * 1000)),
+                interceptors=client_interceptors(),
             )
             self._channels[key] = channel
         return channel

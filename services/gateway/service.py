@@ -9,7 +9,10 @@ from collections.abc import Mapping
 
 import grpc
 import numpy as np
+from opentelemetry import trace
 
+from servemesh.predlog import PredictionLog
+from servemesh.services.gateway.metrics import PredictMetrics, observed
 from servemesh.services.gateway.predict import (
     ModelSignature,
     PredictPlan,
@@ -31,9 +34,11 @@ from servemesh.wire import (
     MODEL_HEADER,
     REPLICA_PARAMETER,
     REQUEST_ID_HEADER,
-    TRACE_HEADERS,
     VERSION_HEADER,
     ZONE_PARAMETER,
+)
+from servemesh.wire import (
+    Span as SpanAttr,
 )
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -61,8 +66,16 @@ class DownstreamError(MeshError):
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, spec: MeshSpec, mesh_channel: grpc.aio.Channel) -> None:
+    def __init__(
+        self,
+        spec: MeshSpec,
+        mesh_channel: grpc.aio.Channel,
+        metrics: PredictMetrics | None = None,
+        predictions: PredictionLog | None = None,
+    ) -> None:
         self.spec = spec
+        self.metrics = metrics or PredictMetrics()
+        self.predictions = predictions or PredictionLog.disabled()
         self.budget = DeadlineBudget(
             spec.deadlines.hop_budget_ms / 1000, spec.deadlines.default_timeout_ms / 1000
         )
@@ -88,6 +101,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 del self.signatures[name]
         self.spec = spec
 
+    @observed
     async def Predict(
         self, request: gateway_pb2.PredictRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.PredictResponse:
@@ -96,17 +110,30 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         bind_request_id(request_id)
         deadline = self.budget.absolute_deadline(context)
         started = time.perf_counter()
+        # One record per call, whatever its end: the watch only appends to a bounded buffer.
+        watch = self.predictions.watch(request, request_id, incoming)
+        span = trace.get_current_span()  # the call's server span: what an SRE searches by
+        span.set_attribute(SpanAttr.REQUEST_ID, request_id)
         plan: PredictPlan | None = None
         try:
             plan = plan_predict(request, self.spec)
-            # The request id and the trace context follow the request to every hop.
+            # The request id follows the request to every hop; the trace context goes with
+            # each call's own client span (the channel's tracing interceptors).
             metadata = [(REQUEST_ID_HEADER, request_id)]
-            metadata += [(k, v) for k, v in incoming if k in TRACE_HEADERS]
+            span.set_attribute(SpanAttr.MODEL, plan.model_name)
             signature = await self._signature(plan, deadline, metadata)
             raw = conform_inputs(plan, signature)
-            matrices, stale = await self._features(plan, deadline, metadata)
-            answer = await self._infer(
-                plan, signature, view_inputs(plan, matrices), raw, deadline, metadata, request_id
+            matrices, stale = await watch.features(self._features(plan, deadline, metadata))
+            answer = await watch.inference(
+                self._infer(
+                    plan,
+                    signature,
+                    view_inputs(plan, matrices),
+                    raw,
+                    deadline,
+                    metadata,
+                    request_id,
+                )
             )
         except DownstreamError as exc:
             fallback = (
@@ -116,7 +143,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )
             if fallback is not None:
                 log.warning("predict degraded", extra={"hop": exc.hop, "code": exc.code.name})
-                return fallback
+                return watch.answered(fallback)
+            watch.failed(exc)
+            raise
+        except BaseException as exc:
+            watch.failed(exc)
             raise
         log.info(
             "predict",
@@ -129,11 +160,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             },
         )
         answer.request_id = request_id
+        span.set_attribute(SpanAttr.VERSION, answer.model_version)
         if stale:
             # The model answered from features older than their view allows: say so.
             answer.degraded = True
             answer.degraded_reason = stale
-        return answer
+        return watch.answered(answer)
 
     def _routing(self, plan: PredictPlan) -> list[tuple[str, str]]:
         # Envoy routes on these headers: the model picks the route, a pinned version its cluster.

@@ -1,8 +1,9 @@
 """Prometheus metrics of a model server, read from each batcher's counters at scrape time.
 
 Nothing is recorded on the serving path beyond the batcher's own counters (BatcherStats): a
-collector turns them into metric families whenever /metrics is scraped. Each server has its
-own CollectorRegistry, so several servers can live in one process (the tests do that).
+collector turns them into metric families whenever /metrics is scraped. The collector joins
+the server's own registry (services/runtime/metrics.py), so one endpoint serves these, the
+RPC metrics and the process's, and several servers can live in one process (the tests).
 
 Every metric is labelled model and version (requests_total also outcome):
 
@@ -16,6 +17,7 @@ Every metric is labelled model and version (requests_total also outcome):
 | servemesh_model_queue_wait_seconds | histogram | queue wait of each computed request |
 | servemesh_model_compute_seconds | histogram | seconds per successful model call |
 | servemesh_model_expired_computed_total | counter | requests computed after their deadline |
+| servemesh_model_on_gpu | gauge | 1 when the version runs on a GPU (the cost of GPU-hours) |
 
 Outcomes: ok, shed (queue full), refused (deadline cannot be met), expired (deadline passed
 in the queue), late (passed during inference), cancelled, failed, closed. The mean batch
@@ -25,13 +27,10 @@ batch_size_sum / batch_size_count.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 from collections.abc import Callable, Iterable, Iterator
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -102,9 +101,16 @@ class BatcherCollector(Collector):
             "Seconds per successful model call (forward pass in the worker thread).",
             labels=LABELS,
         )
+        on_gpu = GaugeMetricFamily(
+            "servemesh_model_on_gpu",
+            "1 when the version runs on a GPU, else 0.",
+            labels=LABELS,
+        )
         for model, version, batcher in self.source():
             labels = [model, version]
             stats = batcher.stats
+            device = getattr(batcher.runner, "device", None)
+            on_gpu.add_metric(labels, 1.0 if getattr(device, "type", "cpu") == "cuda" else 0.0)
             depth.add_metric(labels, batcher.waiting)
             for outcome in OUTCOMES:
                 outcomes.add_metric([*labels, outcome], stats.outcomes.get(outcome, 0))
@@ -123,32 +129,11 @@ class BatcherCollector(Collector):
             batch_size,
             queue_wait,
             compute,
+            on_gpu,
         )
 
 
-def model_registry(source: Source) -> CollectorRegistry:
-    """A registry of its own (not the process-global one) holding the batchers' metrics."""
-    registry = CollectorRegistry(auto_describe=False)
+def add_batcher_metrics(registry: CollectorRegistry, source: Source) -> None:
+    """Serve the batchers' metrics from `registry` (the server's own, beside its RPC
+    metrics: one /metrics endpoint per process)."""
     registry.register(BatcherCollector(source))
-    return registry
-
-
-class MetricsEndpoint:
-    """/metrics over HTTP on a side port, served from a thread; `close` stops it."""
-
-    def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0):
-        self._server: WSGIServer
-        self._thread: threading.Thread
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
-        self.host = host
-        self.port = int(self._server.server_port)
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    async def close(self) -> None:
-        # shutdown() waits out the server's poll interval: not on the event loop.
-        await asyncio.to_thread(self._server.shutdown)
-        self._server.server_close()
-        self._thread.join(timeout=5)

@@ -13,13 +13,14 @@ from servemesh.identity import dial_registry, serving_credentials
 from servemesh.services.model.errors import ServingError
 from servemesh.services.model.load_specs import LoadSpecs
 from servemesh.services.model.loader import ModelLoader, registry_loader
-from servemesh.services.model.metrics import MetricsEndpoint, model_registry
+from servemesh.services.model.metrics import add_batcher_metrics
 from servemesh.services.model.readiness import ModelServer, routed_versions
 from servemesh.services.model.repository import Key, ModelRepository, natural_key
 from servemesh.services.model.servicer import InferenceServicer
 from servemesh.services.model.shadow import ShadowLedger, ShadowRecorder, ledger_path
 from servemesh.services.runtime import DeadlineBudget, ServiceServer
 from servemesh.services.runtime.live_spec import SpecHook
+from servemesh.services.runtime.tracing import client_interceptors
 from servemesh.spec import MeshSpec, ResolvedSpec, SpecError
 from servemesh.wire import OIP_SERVICE, message_size_options
 from servemesh_api.inference import grpc_service_pb2_grpc
@@ -86,7 +87,8 @@ async def build_server(
     if loader is None:
         size = spec.limits.max_message_bytes
         channel = dial_registry(spec, caller=instance).aio_channel(
-            options=message_size_options(size)
+            options=message_size_options(size),
+            interceptors=client_interceptors(),
         )
         # Batching and latency of the spec of now, including entries a load brought.
         loader = registry_loader(channel, specs.current)
@@ -108,6 +110,7 @@ async def build_server(
         interceptors=[ShadowRecorder(ledger, instance)],
         control_token=read_control_token(spec.state_dir),
         credentials=serving_credentials(spec, instance) if tls else None,
+        service="model",
     )
     servicer.readiness = server.is_ready
     servicer.repository.configure = specs.bring
@@ -118,15 +121,10 @@ async def build_server(
     server.add_service(
         grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
     )
-    metrics = MetricsEndpoint(
-        model_registry(servicer.repository.batchers),
-        host=spec.host,
-        port=spec.metrics_ports.get(instance, 0),
-    )
-    log.info("metrics endpoint", extra={"address": f"http://{metrics.address}/metrics"})
+    add_batcher_metrics(server.metrics.registry, servicer.repository.batchers)
     # Stop hooks run last-registered first: the batchers drain, then the channel and the
     # metrics endpoint close (scrapes see the drain's last counts).
-    server.on_stop(metrics.close)
+    server.serve_metrics(spec.metrics_ports.get(instance, 0))
     server.on_stop(_as_hook(ledger.close))
     if channel is not None:
         server.on_stop(channel.close)

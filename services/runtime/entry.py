@@ -10,6 +10,7 @@ from servemesh.services.runtime.faults import control_file
 from servemesh.services.runtime.live_spec import LiveSpec
 from servemesh.services.runtime.logs import configure_logging
 from servemesh.services.runtime.server import ServiceServer, run_service
+from servemesh.services.runtime.tracing import configure_tracing
 from servemesh.spec import ResolvedSpec, load_resolved
 
 Builder = Callable[[ResolvedSpec, str], Awaitable[ServiceServer]]
@@ -26,6 +27,7 @@ def service_main(build: Builder, argv: list[str] | None = None) -> None:
     spec = load_resolved(args.spec)
     spec.instance(args.instance)  # fail fast on an unknown instance name
     configure_logging(args.instance, args.log_level)
+    configure_tracing(spec, args.instance)
 
     async def build_and_watch() -> ServiceServer:
         # Stamped before the build (a model server loads for a while): a change written

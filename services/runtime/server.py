@@ -19,6 +19,8 @@ from servemesh.services.runtime.decode import DecodeRequestInterceptor
 from servemesh.services.runtime.errors import ErrorStatusInterceptor
 from servemesh.services.runtime.faults import FaultInjector
 from servemesh.services.runtime.live_spec import LiveSpec, SpecHook
+from servemesh.services.runtime.metrics import ServiceMetrics
+from servemesh.services.runtime.tracing import TracingServerInterceptor
 from servemesh.wire import message_size_options
 
 log = logging.getLogger(__name__)
@@ -73,11 +75,15 @@ class ServiceServer:
         interceptors: list[grpc.aio.ServerInterceptor] | None = None,
         control_token: str | None = None,
         credentials: grpc.ServerCredentials | None = None,
+        service: str | None = None,
     ) -> None:
         self.name = name
         # Mutual TLS on the service's port (servemesh.identity.server_credentials); None
         # serves plaintext, which only in-process tests of a bare server do.
         self.credentials = credentials
+        # Calls by method and status, latency, in flight, the process's own counters; the
+        # service adds its own metrics to `metrics.registry` (`service`: gateway, model...).
+        self.metrics = ServiceMetrics(service or name)
         self.host = host
         self.requested_port = port
         self.drain_grace_s = drain_grace_s
@@ -89,7 +95,11 @@ class ServiceServer:
             # Faults next, so an injected error never looks like a handler's own error.
             # Bodies are decoded inside ErrorStatusInterceptor: an undecodable one is
             # INVALID_ARGUMENT like any other bad input.
+            # Metrics outermost: they see the status of every refusal beneath them.
             interceptors=[
+                # Outermost: the call's server span covers everything below, refusals too.
+                TracingServerInterceptor(),
+                self.metrics.interceptor,
                 self.control,
                 self.faults,
                 ErrorStatusInterceptor(),
@@ -126,6 +136,16 @@ class ServiceServer:
 
     def on_stop(self, hook: StopHook) -> None:
         self._stop_hooks.append(hook)
+
+    def serve_metrics(self, port: int = 0) -> str:
+        """Serve the metrics registry as Prometheus text at http://host:port/metrics (0: a
+        free port) until the server stops; host:port it listens on."""
+        endpoint = self.metrics.serve(self.host, port)
+        # Registered now, so it closes after the hooks registered later: a scrape during
+        # the drain still sees the last counts.
+        self.on_stop(endpoint.close)
+        log.info("metrics endpoint", extra={"address": f"http://{endpoint.address}/metrics"})
+        return endpoint.address
 
     def watch_faults(self, control: Path) -> None:
         """Follow a fault control file (drills and tests inject errors and delays with it)."""

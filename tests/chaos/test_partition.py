@@ -2,12 +2,15 @@
 
 The namespace layer on its own (two zone namespaces joined by a bridge in a third, a server
 in each, traffic between them dropped by the partition and back after the heal), then the
-inter-zone-partition drill against a mesh whose zones' services run in those namespaces.
+inter-zone-partition drill against a mesh whose zones' services run in those namespaces,
+and that drill, sent SIGTERM mid-partition, removing every namespace, link and chain of its
+own.
 Skipped, with the reason, where this machine cannot (not root, no iptables).
 """
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,6 +20,7 @@ import pytest
 
 from servemesh.netns import ZoneNetwork, available
 from servemesh.procs import Check, Supervisor
+from tests.netns.helpers import owned_by
 
 CAN, WHY = available()
 needs_netns = pytest.mark.skipif(not CAN, reason=f"zone namespaces unavailable here: {WHY}")
@@ -109,3 +113,29 @@ def test_inter_zone_partition_drill_each_zone_serves_alone(tmp_path: Path) -> No
     assert not [n for n in network["namespaces"] if n in listed]
     nat = subprocess.run(["iptables", "-t", "nat", "-S"], capture_output=True, text=True).stdout
     assert not [c for c in network["nat_chains"] if c in nat]
+
+
+def _partitioned(pid: int) -> bool:
+    """The drill of process `pid` holds its partition: DROP rules in its zone-a namespace."""
+    names = [n for n in owned_by(pid) if n.endswith("-zone-a")]
+    if not names:
+        return False
+    argv = ["ip", "netns", "exec", names[0], "iptables", "-w", "5", "-S"]
+    listed = subprocess.run(argv, capture_output=True, text=True).stdout
+    return "-j DROP" in listed
+
+
+@needs_netns
+@pytest.mark.mesh
+def test_a_drill_sent_sigterm_mid_partition_removes_its_network(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "servemesh", "chaos", "run", "inter-zone-partition",
+            "--quiet", "--out", str(tmp_path / "run"), "--var", "fault_s=300"]  # fmt: skip
+    with Supervisor(tmp_path / "logs") as supervisor:
+        # Ready once the partition holds: the fault window lasts far longer than the test.
+        held = Check(lambda: _partitioned(supervisor.pid("drill")), "the partition holds")
+        drill = supervisor.start("drill", argv, ready=held, timeout_s=240)
+        assert len(owned_by(drill.pid)) == 3 + 1 + 5
+        supervisor.send_signal("drill", signal.SIGTERM)
+        drill.wait(120)
+        assert "SIGTERM" in drill.log_tail()
+    assert owned_by(drill.pid) == []

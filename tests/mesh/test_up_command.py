@@ -207,8 +207,10 @@ def test_up_netns_keeps_each_zones_source_through_a_weight_change(
 
     assert mesh.stop() == 0, mesh.output
     assert not [name for name, pid in pids.items() if _pid_exists(pid)]
-    tag = zone_a.removeprefix("smz").split("-")[0]
+    # Names carry the owner's PID and a tag: sm<pid>-<tag>-<zone>, chains SM<pid>-<tag>-*.
+    prefix = zone_a.removesuffix("-zone-a")
+    assert prefix.startswith("sm") and zone_b == f"{prefix}-zone-b"
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert f"smz{tag}-" not in listed
+    assert f"{prefix}-" not in listed and f"{prefix}_" not in listed
     nat = subprocess.run(["iptables", "-t", "nat", "-S"], capture_output=True, text=True).stdout
-    assert f"SMZ{tag}-" not in nat
+    assert f"SM{prefix[2:]}-" not in nat

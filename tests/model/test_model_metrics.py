@@ -77,15 +77,17 @@ async def model_server(
         await server.drain()
 
 
-def test_every_model_server_gets_its_own_metrics_port() -> None:
+def test_every_instance_gets_its_own_metrics_port() -> None:
     spec = resolve(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
     models = [i.name for i in spec.instances() if i.service == "model"]
-    assert sorted(spec.metrics_ports) == sorted(models)
+    assert sorted(spec.metrics_ports) == sorted(i.name for i in spec.instances())
     ports = [*spec.instance_ports.values(), *spec.metrics_ports.values()]
     assert 0 not in ports and len(set(ports)) == len(ports)
     assert spec.metrics_address_of(models[0]) == f"127.0.0.1:{spec.metrics_ports[models[0]]}"
-    with pytest.raises(SpecError, match="'gateway-zone-a-0' is not a model server"):
-        spec.metrics_address_of("gateway-zone-a-0")
+    # A resolved spec keeps its ports when resolved again.
+    assert resolve(spec).metrics_ports == spec.metrics_ports
+    with pytest.raises(SpecError, match="no instance named 'gateway-zone-c-0'"):
+        spec.metrics_address_of("gateway-zone-c-0")
     assert not hasattr(MeshSpec(), "metrics_address_of")  # a declared spec has no ports
 
 

@@ -41,6 +41,8 @@ from servemesh.spec import (
 )
 from servemesh.wire import (
     CONTROL_METHODS,
+    ENVOY_ADMIN_CLUSTER,
+    ENVOY_STATS_LISTENER,
     GATEWAY_CLUSTER,
     GATEWAY_SERVICE,
     HEALTH_SERVICE,
@@ -49,6 +51,7 @@ from servemesh.wire import (
     REGISTRY_CLUSTER,
     REGISTRY_SERVICE,
     SHADOW_ROLE_HEADER,
+    TRACE_COLLECTOR_CLUSTER,
     VERSION_HEADER,
     method_path,
     model_cluster,
@@ -184,7 +187,10 @@ def test_every_cluster_has_health_checks_breakers_and_a_retry_budget() -> None:
     clusters = render_resources(_spec(), Path("/tmp")).clusters
     names = {c["name"] for c in clusters}
     assert {"gateway", "registry", "feature-via-zone-a", "model-fraud-v2-via-zone-b"} <= names
-    for cluster in clusters:
+    # The admin socket's cluster (Envoy's stats listener) is Envoy itself, not a service;
+    # spans are best effort: no checks, breakers or ejection for the trace collector.
+    skipped = (ENVOY_ADMIN_CLUSTER, TRACE_COLLECTOR_CLUSTER)
+    for cluster in (c for c in clusters if c["name"] not in skipped):
         [check] = cluster["health_checks"]
         assert "grpc_health_check" in check and check["no_traffic_interval"] == "1.000s"
         [thresholds] = cluster["circuit_breakers"]["thresholds"]
@@ -298,9 +304,11 @@ def test_the_committed_example_config_is_what_the_default_spec_renders() -> None
 
 
 def _hcms(spec: MeshSpec) -> dict[str, dict[str, Any]]:
+    """The gRPC listeners' connection managers (not Envoy's own stats listener)."""
     return {
         listener["name"]: listener["filter_chains"][0]["filters"][0]["typed_config"]
         for listener in render_resources(spec, Path("/tmp")).listeners
+        if listener["name"] != ENVOY_STATS_LISTENER
     }
 
 
@@ -371,6 +379,8 @@ def test_the_edge_trusts_nothing_the_caller_says_about_itself() -> None:
 def test_internal_headers_are_removed_from_callers_on_every_virtual_host() -> None:
     resources = render_resources(_spec(), Path("/tmp"))
     for name, config in resources.route_configs.items():
+        if name == ENVOY_STATS_LISTENER:  # one route, to Envoy's own stats
+            continue
         # The removal runs before the routes' own additions (the primary's shadow role).
         assert config["most_specific_header_mutations_wins"] is True, name
         for host in config["virtual_hosts"]:
@@ -459,7 +469,10 @@ def test_mesh_listeners_demand_client_certificates_and_the_edge_serves_tls() -> 
 
 
 def test_every_cluster_dials_mtls_and_accepts_only_its_service_kind() -> None:
-    for cluster in render_resources(_spec(), Path("/tmp")).clusters:
+    # Envoy's own admin socket and the trace collector are not mesh services.
+    skipped = (ENVOY_ADMIN_CLUSTER, TRACE_COLLECTOR_CLUSTER)
+    clusters = render_resources(_spec(), Path("/tmp")).clusters
+    for cluster in (c for c in clusters if c["name"] not in skipped):
         context = cluster["transport_socket"]["typed_config"]["common_tls_context"]
         assert context["tls_certificate_sds_secret_configs"][0]["name"] == "envoy"
         matcher = context["combined_validation_context"]["default_validation_context"]

@@ -29,7 +29,7 @@ CONTRACT = {
     "identity",
 }
 SERVICES = {"services.runtime", "services.gateway", "services.feature", "services.model"}
-TOOLING = {"procs", "netns", "load", "proxy", "credentials"}
+TOOLING = {"procs", "netns", "load", "proxy", "credentials", "observe"}
 
 ALLOWED: dict[str, set[str]] = {
     # the contract
@@ -48,16 +48,22 @@ ALLOWED: dict[str, set[str]] = {
     "identity": {"spec", "policy", "demo", "demo_model"},
     # the services: the runtime under them, the contract, and nothing that runs a mesh
     "services.runtime": CONTRACT,
-    "services.gateway": CONTRACT | {"services.runtime"},
+    "services.gateway": CONTRACT | {"services.runtime", "predlog"},
     "services.feature": CONTRACT | {"services.runtime"},
     "services.model": CONTRACT | {"services.runtime", "registry"},  # its artifact client
     "registry": CONTRACT | {"services.runtime"},
+    # the prediction log: the gateways write it, `servemesh log` reads it
+    "predlog": CONTRACT,
+    # the embedded trace store: an OTLP receiver on the service runtime, and its reader
+    "tracestore": CONTRACT | {"services.runtime"},
     # libraries for running and driving a mesh, usable without one
     "credentials": set(),
     "procs": CONTRACT,
     "netns": CONTRACT,
     "load": CONTRACT,
     "proxy": CONTRACT | {"load", "netns"},
+    # reads a running mesh's metrics, its Prometheus and /proc (`servemesh top`, cost)
+    "observe": CONTRACT | {"proxy"},
     # running a mesh
     "seeding": CONTRACT | {"registry", "services.feature"},
     "launcher": CONTRACT | TOOLING | {"seeding"},
@@ -70,6 +76,7 @@ ALLOWED: dict[str, set[str]] = {
     "routes_cli": CONTRACT | TOOLING,
     "certs_cli": CONTRACT | TOOLING,
     "apply_cli": CONTRACT | TOOLING,
+    "log_cli": CONTRACT | TOOLING | {"predlog"},
     # loads a user's feature file through a running mesh's feature service (its row checks)
     "features": CONTRACT | {"proxy", "services.feature"},
     # pushes check and probe a model with the model server's own loader before uploading
@@ -87,6 +94,8 @@ ALLOWED: dict[str, set[str]] = {
         "apply_cli",
         "features",
         "models_cli",
+        "log_cli",
+        "tracestore",
     },
     "__main__": {"cli"},
     # development tools

@@ -34,6 +34,9 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 import numpy as np
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, Status, StatusCode
 
 from servemesh.services.model.batching.clock import MONOTONIC, Clock
 from servemesh.services.model.batching.overlap import ArrivalOverlap
@@ -43,7 +46,9 @@ from servemesh.services.model.batching.stats import BatcherStats
 from servemesh.services.model.batching.worker import Worker
 from servemesh.services.model.errors import DeadlineMissed, InferenceFailed, QueueFull, Unavailable
 from servemesh.services.model.latency import LatencyTable
+from servemesh.services.runtime.tracing import tracer
 from servemesh.spec import BatchingSpec
+from servemesh.wire import Span as SpanAttr
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +173,7 @@ class Batcher:
             priority=priority,
             enqueued=now,
             future=loop.create_future(),
+            span=trace.get_current_span(),
         )
         self._queue.push(item)
         if self._enforce:
@@ -393,6 +399,8 @@ class Batcher:
                 self.stats.expired_computed += 1
             item.dispatched = now
             self.stats.queue_wait_hist.observe(now - item.enqueued)
+            if item.span.is_recording():
+                item.span.set_attribute(SpanAttr.QUEUE_WAIT_MS, (now - item.enqueued) * 1000)
             taken.append(item)
         return taken
 
@@ -429,13 +437,20 @@ class Batcher:
         size = row_count(batch)
         self.stats.executions += 1
         self.stats.batch_size_hist.observe(size)
+        span = self._batch_span(items, size)
         try:
             result, infer_s = await self._worker.call(_timed_run, clock, self.runner, batch)
             kind = NamedRows if isinstance(batch, NamedRows) else np.ndarray
             if not isinstance(result, kind) or row_count(result) != size:
                 got = row_count(result) if isinstance(result, kind) else "no"
                 raise ValueError(f"model returned {got} rows for a batch of {size}")
+            if span is not None:
+                span.set_attribute(SpanAttr.FORWARD_MS, infer_s * 1000)
+                span.end()
         except Exception as exc:
+            if span is not None:
+                span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+                span.end()
             if len(items) == 1:
                 self._fail(items[0], exc)
                 return
@@ -477,6 +492,26 @@ class Batcher:
             stats.queue.add(item.dispatched - item.enqueued)
         stats.record_batch(
             size, answered, input_s=input_s, infer_s=infer_s, output_s=clock.now() - finished
+        )
+
+    def _batch_span(self, items: list[Pending], size: int) -> trace.Span | None:
+        """The span of one batch, when a request in it is traced: a trace of its own (it
+        serves many), linked to the span of every request it serves."""
+        contexts = [item.span.get_span_context() for item in items]
+        if not any(ctx.trace_flags.sampled for ctx in contexts):
+            return None
+        waits = [(item.dispatched - item.enqueued) * 1000 for item in items]
+        return tracer().start_span(
+            "batch",
+            context=Context(),  # a new trace, not the first request's (the loop's context)
+            links=[Link(ctx) for ctx in contexts if ctx.is_valid],
+            attributes={
+                SpanAttr.BATCHER: self.name,
+                SpanAttr.BATCH_SIZE: size,
+                SpanAttr.BATCH_REQUESTS: len(items),
+                SpanAttr.QUEUE_WAIT_MS: max(waits),
+                SpanAttr.QUEUE_WAIT_MEAN_MS: sum(waits) / len(waits),
+            },
         )
 
     def _fail(self, item: Pending, exc: BaseException) -> None:

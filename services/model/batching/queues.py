@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry import trace
+
 from servemesh.services.model.batching.clock import Timer
 from servemesh.services.model.batching.rows import Rows
 
@@ -40,6 +42,8 @@ class Pending:
     state: State = State.QUEUED
     dispatched: float = 0.0
     timer: Timer | None = None
+    # The request's own span (its server span): its batch links to it.
+    span: trace.Span = trace.INVALID_SPAN
 
 
 def _edf_key(item: Pending) -> tuple[float, int]:

@@ -1,0 +1,250 @@
+"""Questions to the prediction log: one `LogQuery`, answered by DuckDB over the Parquet
+files or by PostgreSQL, with the same filters and the same rows."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from servemesh.predlog.buffer import STATUS_FILE, predictions_dir
+from servemesh.predlog.parquet_store import expire_files, live_files
+from servemesh.predlog.record import COLUMNS
+from servemesh.spec import PredictionLogSpec, duration_seconds
+
+_SINCE = re.compile(r"^(\d+(ms|s|m|h|d))+$")
+
+
+def parse_since(text: str) -> float:
+    """`5m`, `1h`, `1d`, `1h30m` as seconds; ValueError naming --since otherwise."""
+    if not _SINCE.match(text) or duration_seconds(text) <= 0:
+        raise ValueError(f"--since {text!r}: give a duration such as 5m, 1h, 1d or 1h30m")
+    return duration_seconds(text)
+
+
+def parse_slowest(text: str) -> tuple[float | None, int | None]:
+    """`--slowest 1%` (a share of the matching calls) or `--slowest 20` (a count)."""
+    try:
+        if text.endswith("%"):
+            share = float(text[:-1])
+            if 0 < share <= 100:
+                return share, None
+        elif int(text) > 0:
+            return None, int(text)
+    except ValueError:
+        pass
+    raise ValueError(f"--slowest {text!r}: give a percentage (1%) or a count (20)")
+
+
+def parse_entity(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise ValueError(f"--entity {text[:60]!r}: give name=id, e.g. customer=c-17")
+    return name.strip(), value.strip()
+
+
+@dataclass(frozen=True)
+class LogQuery:
+    since_s: float = 3600.0
+    slowest_share: float | None = None  # percent of the matching calls, slowest first
+    slowest_count: int | None = None
+    entities: tuple[tuple[str, str], ...] = ()
+    errors: bool = False  # status other than OK
+    degraded: bool = False  # answered from a fallback or from stale features
+    model: str | None = None
+    version: str | None = None
+    request_id: str | None = None
+    trace_id: str | None = None
+    limit: int = 50
+
+
+@dataclass
+class QueryResult:
+    rows: list[dict[str, Any]]
+    matched: int  # calls matching the filters (before --slowest and --limit)
+    selected: int  # what --slowest selects of them (== matched without it)
+
+
+@dataclass
+class LogSummary:
+    store: str
+    files: int | None
+    rows: int
+    oldest: datetime | None
+    newest: datetime | None
+    gateways: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _filters(q: LogQuery, now: float, mark: str, entity_sql: str) -> tuple[str, list[Any]]:
+    """The WHERE clause and its parameters; `mark` is the dialect's placeholder."""
+    clauses = [f"ts >= {mark}"]
+    params: list[Any] = [datetime.fromtimestamp(now - q.since_s, UTC)]
+    for name, ident in q.entities:
+        clauses.append(entity_sql)
+        params.append(f"{name}={ident}")
+    if q.errors:
+        clauses.append("status <> 'OK'")
+    if q.degraded:
+        clauses.append("degraded")
+    chosen: tuple[tuple[str, str | None], ...] = (
+        ("model", q.model),
+        ("version", q.version),
+        ("request_id", q.request_id),
+        ("trace_id", q.trace_id),
+    )
+    for column, value in chosen:
+        if value is not None:
+            clauses.append(f"{column} = {mark}")
+            params.append(value)
+    return " AND ".join(clauses), params
+
+
+def _answer(
+    q: LogQuery,
+    execute: Callable[[str, list[Any]], list[tuple[Any, ...]]],
+    source: str,
+    where: str,
+    params: list[Any],
+    mark: str,
+) -> QueryResult:
+    columns = ", ".join(COLUMNS)
+    matched = int(execute(f"SELECT count(*) FROM {source} WHERE {where}", params)[0][0])
+    if q.slowest_share is not None or q.slowest_count is not None:
+        if q.slowest_share is not None:
+            # Nearest rank: the slowest 1% of 250 calls is 3 calls (never 0 of a few).
+            selected = min(matched, math.ceil(matched * q.slowest_share / 100))
+        else:
+            selected = min(matched, q.slowest_count or 0)
+        order = "total_ms DESC, ts DESC"
+    else:
+        selected = matched
+        order = "ts DESC"
+    shown = min(selected, q.limit)
+    found = execute(
+        f"SELECT {columns} FROM {source} WHERE {where} ORDER BY {order} LIMIT {mark}",
+        [*params, shown],
+    )
+    rows = [dict(zip(COLUMNS, values, strict=True)) for values in found]
+    for row in rows:
+        for key in ("entities", "outputs"):
+            # jsonb comes back parsed, Parquet's text does not: readers get one shape.
+            if isinstance(row[key], str):
+                row[key] = json.loads(row[key])
+        row["entity_keys"] = list(row["entity_keys"] or [])
+    return QueryResult(rows, matched, selected)
+
+
+class ParquetReader:
+    """DuckDB over every gateway's files (in memory: it holds no database file)."""
+
+    def __init__(self, root: Path, clock: Callable[[], float] = time.time) -> None:
+        self.root = root
+        self.clock = clock
+
+    def expire(self, retention_s: float) -> int:
+        return expire_files(self.root, int((self.clock() - retention_s) * 1000))
+
+    def query(self, q: LogQuery) -> QueryResult:
+        now = self.clock()
+        files = [str(f.path) for f in live_files(self.root, int((now - q.since_s) * 1000))]
+        if not files:
+            return QueryResult([], 0, 0)
+        where, params = _filters(q, now, "?", "list_contains(entity_keys, ?)")
+        with duckdb.connect() as con:
+
+            def execute(text: str, args: list[Any]) -> list[tuple[Any, ...]]:
+                return con.execute(text, [files, *args]).fetchall()
+
+            return _answer(q, execute, "read_parquet(?, union_by_name = true)", where, params, "?")
+
+    def summary(self) -> LogSummary:
+        files = live_files(self.root)
+        rows, oldest, newest = 0, None, None
+        if files:
+            with duckdb.connect() as con:
+                found = con.execute(
+                    "SELECT count(*), min(ts), max(ts) FROM read_parquet(?, union_by_name = true)",
+                    [[str(f.path) for f in files]],
+                ).fetchone()
+            assert found is not None
+            rows, oldest, newest = int(found[0]), found[1], found[2]
+        return LogSummary(f"parquet files under {self.root}", len(files), rows, oldest, newest, [])
+
+
+class PostgresReader:
+    def __init__(self, dsn: str, table: str, clock: Callable[[], float] = time.time) -> None:
+        self.dsn = dsn
+        self.table = table
+        self.clock = clock
+
+    def expire(self, retention_s: float) -> int:
+        from servemesh.predlog.postgres_store import connect, delete_before
+
+        with connect(self.dsn) as conn:
+            return delete_before(conn, self.table, int((self.clock() - retention_s) * 1000))
+
+    def query(self, q: LogQuery) -> QueryResult:
+        from psycopg import sql
+
+        from servemesh.predlog.postgres_store import connect
+
+        now = self.clock()
+        # The GIN index on entity_keys answers containment.
+        where, params = _filters(q, now, "%s", "entity_keys @> ARRAY[%s]::text[]")
+        source = sql.Identifier(self.table).as_string(None)
+        with connect(self.dsn) as conn:
+
+            def execute(text: str, args: list[Any]) -> list[tuple[Any, ...]]:
+                return conn.execute(text.encode(), args).fetchall()
+
+            return _answer(q, execute, source, where, params, "%s")
+
+    def summary(self) -> LogSummary:
+        from psycopg import sql
+
+        from servemesh.predlog.postgres_store import connect
+
+        with connect(self.dsn) as conn:
+            found = conn.execute(
+                sql.SQL("SELECT count(*), min(ts), max(ts) FROM {}").format(
+                    sql.Identifier(self.table)
+                )
+            ).fetchone()
+        assert found is not None
+        return LogSummary(
+            f"postgres table {self.table}",
+            None,
+            int(found[0]),
+            found[1],
+            found[2],
+            [],
+        )
+
+
+def reader_for(
+    settings: PredictionLogSpec, state_dir: str | Path, clock: Callable[[], float] = time.time
+) -> ParquetReader | PostgresReader:
+    dsn = settings.dsn()
+    if dsn is not None:
+        return PostgresReader(dsn, settings.postgres_table, clock)
+    return ParquetReader(predictions_dir(state_dir), clock)
+
+
+def gateway_status(state_dir: str | Path) -> list[dict[str, Any]]:
+    """Each gateway's last written counters (its status file), by gateway name."""
+    root = predictions_dir(state_dir)
+    found: list[dict[str, Any]] = []
+    for path in sorted(root.glob(f"*/{STATUS_FILE}")) if root.is_dir() else []:
+        try:
+            found.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # being replaced right now, or not ours
+    return found

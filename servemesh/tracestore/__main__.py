@@ -1,0 +1,5 @@
+"""`python -m servemesh.tracestore --spec RESOLVED`: the embedded OTLP receiver."""
+
+from servemesh.tracestore.receiver import main
+
+main()

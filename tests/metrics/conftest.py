@@ -1,0 +1,25 @@
+"""One mesh for the metrics tests, with its Prometheus (Debian's `prometheus` package)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from servemesh.launcher import Mesh
+from servemesh_api.gateway.v1 import gateway_pb2_grpc
+from tests.mesh.conftest import test_mesh_spec
+
+
+@pytest.fixture(scope="session")
+def metrics_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    state_dir = tmp_path_factory.mktemp("metrics-mesh")
+    with Mesh.from_spec(test_mesh_spec(str(state_dir), entities=50)) as running:
+        yield running
+
+
+@pytest.fixture
+def edge(metrics_mesh: Mesh) -> Iterator[gateway_pb2_grpc.GatewayStub]:
+    with grpc.insecure_channel(metrics_mesh.spec.edge_address) as channel:
+        yield gateway_pb2_grpc.GatewayStub(channel)

@@ -1,0 +1,115 @@
+"""The Prometheus config and rules a spec renders pass promtool; the scrape arithmetic
+`servemesh top` uses without Prometheus agrees with PromQL's definitions."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from servemesh.observe.scrape import delta, parse, quantile, quantiles_by, sum_by
+from servemesh.procs.prometheus import (
+    PrometheusServer,
+    promtool_binary,
+    render_config,
+    render_rules,
+)
+from servemesh.procs.supervisor import Supervisor
+from servemesh.spec import MeshSpec, Ports, resolve
+
+PROMTOOL = promtool_binary()
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool is not installed (Debian package `prometheus`)"
+)
+
+
+def _spec(tmp_path: Path) -> MeshSpec:
+    return resolve(
+        MeshSpec(
+            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0), state_dir=str(tmp_path)
+        )
+    )
+
+
+@needs_promtool
+def test_the_rendered_config_and_rules_pass_promtool(tmp_path: Path) -> None:
+    spec = resolve(_spec(tmp_path))
+    with Supervisor(tmp_path / "logs") as supervisor:
+        server = PrometheusServer(supervisor, spec, tmp_path / "prometheus", "prometheus")
+        server.write_config()
+    assert PROMTOOL is not None
+    rules = subprocess.run(
+        [PROMTOOL, "check", "rules", str(server.rules_file)], capture_output=True, text=True
+    )
+    assert rules.returncode == 0, rules.stdout + rules.stderr
+    assert f"SUCCESS: {len(render_rules()['groups'][0]['rules'])} rules found" in rules.stdout
+    config = subprocess.run(
+        [PROMTOOL, "check", "config", str(server.config_file)], capture_output=True, text=True
+    )
+    assert config.returncode == 0, config.stdout + config.stderr
+
+
+def test_every_instance_and_envoy_are_targets_labelled_service_instance_zone(
+    tmp_path: Path,
+) -> None:
+    spec = resolve(_spec(tmp_path))
+    config = render_config(spec, tmp_path / "rules.yml")
+    services, envoy = config["scrape_configs"]
+    targets = {t["labels"]["instance"]: t for t in services["static_configs"]}
+    assert set(targets) == {i.name for i in spec.instances()}
+    gateway = targets["gateway-zone-b-0"]
+    assert gateway["labels"] == {
+        "service": "gateway",
+        "instance": "gateway-zone-b-0",
+        "zone": "zone-b",
+    }
+    assert gateway["targets"] == [spec.metrics_address_of("gateway-zone-b-0")]
+    assert envoy["metrics_path"] == "/stats/prometheus"
+    assert envoy["static_configs"][0]["targets"] == [spec.envoy_stats_address]
+    assert config["global"]["scrape_interval"] == "2000ms"
+    records = {r["record"] for r in render_rules()["groups"][0]["rules"]}
+    assert {"servemesh:predict_success_ratio:rate1m", "servemesh:predict_latency_p99:1m"} <= records
+    yaml.safe_dump(config)  # plain data, as written
+
+
+TEXT_BEFORE = """
+# TYPE servemesh_rpc_requests counter
+servemesh_rpc_requests_total{service="gateway",method="/a/Predict",code="OK"} 10
+servemesh_rpc_requests_total{service="gateway",method="/a/Predict",code="UNAVAILABLE"} 1
+# TYPE servemesh_rpc_duration_seconds histogram
+servemesh_rpc_duration_seconds_bucket{service="gateway",method="/a/Predict",le="0.001"} 5
+servemesh_rpc_duration_seconds_bucket{service="gateway",method="/a/Predict",le="0.01"} 11
+servemesh_rpc_duration_seconds_bucket{service="gateway",method="/a/Predict",le="+Inf"} 11
+servemesh_rpc_duration_seconds_count{service="gateway",method="/a/Predict"} 11
+servemesh_rpc_duration_seconds_sum{service="gateway",method="/a/Predict"} 0.03
+"""
+TEXT_AFTER = """
+# TYPE servemesh_rpc_requests counter
+servemesh_rpc_requests_total{service="gateway",method="/a/Predict",code="OK"} 100
+servemesh_rpc_requests_total{service="gateway",method="/a/Predict",code="UNAVAILABLE"} 11
+servemesh_rpc_requests_total{service="gateway",method="/a/Predict",code="INVALID_ARGUMENT"} 3
+# TYPE servemesh_rpc_duration_seconds histogram
+servemesh_rpc_duration_seconds_bucket{service="gateway",method="/a/Predict",le="0.001"} 5
+servemesh_rpc_duration_seconds_bucket{service="gateway",method="/a/Predict",le="0.01"} 111
+servemesh_rpc_duration_seconds_bucket{service="gateway",method="/a/Predict",le="+Inf"} 114
+servemesh_rpc_duration_seconds_count{service="gateway",method="/a/Predict"} 114
+servemesh_rpc_duration_seconds_sum{service="gateway",method="/a/Predict"} 0.6
+"""
+
+
+def test_counters_are_diffed_and_quantiles_interpolated_as_promql_does() -> None:
+    target = {"zone": "zone-a"}  # a target's labels, added to every sample of its scrapes
+    moved = delta(parse(TEXT_BEFORE, target), parse(TEXT_AFTER, target))
+    by_code = sum_by(moved, "servemesh_rpc_requests_total", ("code",))
+    # A series new since the first scrape counts whole.
+    assert by_code == {("OK",): 90, ("UNAVAILABLE",): 10, ("INVALID_ARGUMENT",): 3}
+    [(p50, p99)] = quantiles_by(
+        moved, "servemesh_rpc_duration_seconds", ("service",), (0.5, 0.99)
+    ).values()
+    # 103 new observations: none at or below 1 ms, 100 in (1 ms, 10 ms], 3 above.
+    assert p50 == pytest.approx(0.001 + 0.009 * (51.5 / 100))
+    assert p99 == pytest.approx(0.01)  # above the last finite bound: that bound
+    assert math.isnan(quantile(0.5, {}))

@@ -1,0 +1,102 @@
+"""The bounded buffer: appends never wait, a full buffer drops and counts, writes go on in
+a thread, failures are counted and never raised, and drain flushes what is left."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from servemesh.predlog.buffer import PredictionLog
+from servemesh.spec import PredictionLogSpec
+from tests.predlog.records import CONTEXT, BlockedStore, captured
+from tests.waiting import wait_until_async
+
+NOW = 1_800_000_000.0
+
+
+def _log(store: BlockedStore, status: Path | None = None, **settings: object) -> PredictionLog:
+    spec = PredictionLogSpec.model_validate(
+        {"flush_interval_ms": 60_000, "flush_records": 1, **settings}
+    )
+    return PredictionLog(spec, store, CONTEXT, status, clock=lambda: NOW)
+
+
+async def test_a_full_buffer_drops_and_counts_while_the_writer_is_stuck(tmp_path: Path) -> None:
+    store = BlockedStore()
+    log = _log(store, tmp_path / "status.json", buffer_records=5)
+    log.start()
+    log.append(captured(NOW, request_id="first"))  # reaches flush_records: the flusher wakes
+    await asyncio.to_thread(store.entered.wait, 30)  # ... and the writer now holds it
+    for i in range(8):
+        log.append(captured(NOW, request_id=f"r{i}"))
+    assert log.stats() == {
+        "accepted": 6,
+        "written": 0,
+        "dropped": 3,
+        "write_errors": 0,
+        "buffered": 6,
+    }
+    store.release.set()
+    await log.close()  # drain: what is buffered is written
+    assert [r[1] for r in store.rows] == ["first", "r0", "r1", "r2", "r3", "r4"]
+    assert log.stats()["written"] == 6 and log.stats()["buffered"] == 0
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert (status["gateway"], status["dropped"], status["written"]) == ("gateway-zone-a-0", 3, 6)
+
+
+async def test_a_failing_store_is_counted_and_the_log_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = BlockedStore()
+    store.release.set()
+    store.fail = True
+    log = _log(store)
+    log.start()
+    for i in range(3):
+        log.append(captured(NOW, request_id=f"r{i}"))
+        await wait_until_async(lambda i=i: log.stats()["write_errors"] == i + 1, "a failed write")
+    # Counted every time, logged once per interval.
+    assert [r.getMessage() for r in caplog.records].count(
+        "prediction log: a batch could not be written"
+    ) == 1
+    store.fail = False
+    log.append(captured(NOW, request_id="after"))
+    await wait_until_async(lambda: log.stats()["written"] == 1, "a write after the failures")
+    await log.close()
+    assert [r[1] for r in store.rows] == ["after"]
+
+
+async def test_batches_wait_for_the_interval_or_flush_records() -> None:
+    store = BlockedStore()
+    store.release.set()
+    log = _log(store, flush_records=3)
+    log.start()
+    log.append(captured(NOW))
+    log.append(captured(NOW))
+    await asyncio.sleep(0)  # let the flusher run if it (wrongly) woke
+    assert not store.entered.is_set() and log.stats()["buffered"] == 2
+    log.append(captured(NOW))
+    await wait_until_async(lambda: log.stats()["written"] == 3, "a batch of flush_records")
+    await log.close()
+
+
+async def test_the_writer_deletes_what_the_retention_lets_go() -> None:
+    store = BlockedStore()
+    store.release.set()
+    log = _log(store, retention="2d")
+    log.start()
+    log.append(captured(NOW))
+    await wait_until_async(lambda: log.stats()["written"] == 1, "a write")
+    await log.close()
+    assert store.expired_before and store.expired_before[0] == int((NOW - 2 * 86400) * 1000)
+
+
+async def test_a_disabled_log_keeps_nothing() -> None:
+    log = PredictionLog.disabled()
+    log.start()
+    log.append(captured(NOW))
+    assert log.stats()["accepted"] == 0
+    await log.close()
