@@ -29,6 +29,8 @@ from servemesh.control_credential import ensure_control_token
 from servemesh.credentials import ensure_edge_credentials, htpasswd_line
 from servemesh.identity import (
     OPERATOR_IDENTITY,
+    TRACE_STORE_IDENTITY,
+    dial_address,
     dial_edge,
     dial_registry,
     dial_service,
@@ -310,7 +312,8 @@ class Mesh:
         if port is None:
             return
         argv = [sys.executable, "-m", "servemesh.tracestore", "--spec"]
-        ready = GrpcHealth(f"{self.spec.host}:{port}")
+        address = f"{self.spec.host}:{port}"
+        ready = GrpcHealth(dial_address(self.spec, address, TRACE_STORE_IDENTITY))
         self.supervisor.start(
             TRACE_STORE,
             [*argv, str(self.resolved_spec_path)],

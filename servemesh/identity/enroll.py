@@ -19,6 +19,8 @@ ENVOY_IDENTITY = "envoy"
 EDGE_IDENTITY = "edge"
 # Tools run by the mesh's operator (the CLI, drills, benches, tests) present this identity.
 OPERATOR_IDENTITY = "operator"
+# The embedded trace store (an OTLP receiver every service and Envoy export spans to).
+TRACE_STORE_IDENTITY = "tracestore-0"
 
 
 def mesh_identity(spec: MeshSpec) -> MeshIdentity:
@@ -41,12 +43,10 @@ def edge_names(spec: MeshSpec) -> dict[str, tuple[str, ...]]:
 
 def mesh_identities(spec: ResolvedSpec) -> list[str]:
     """Every identity a running mesh needs a certificate for."""
-    return [
-        *(i.name for i in spec.instances()),
-        ENVOY_IDENTITY,
-        EDGE_IDENTITY,
-        OPERATOR_IDENTITY,
-    ]
+    found = [*(i.name for i in spec.instances()), ENVOY_IDENTITY, EDGE_IDENTITY, OPERATOR_IDENTITY]
+    if spec.embedded_trace_store_port is not None:
+        found.append(TRACE_STORE_IDENTITY)
+    return found
 
 
 def issue_mesh_certificates(spec: ResolvedSpec) -> list[str]:

@@ -692,6 +692,9 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
                 )
 
     if (collector := collector_cluster(spec)) is not None:
+        if spec.embedded_trace_store_port is not None:
+            # The mesh's own trace store takes spans over mutual TLS, as every hop does.
+            collector[0]["transport_socket"] = upstream_tls(spec, "tracestore")
         clusters.append(collector[0])
         assignments[collector[0]["name"]] = collector[1]
 

@@ -21,6 +21,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from servemesh.identity import TRACE_STORE_IDENTITY, serving_credentials
 from servemesh.services.runtime import ServiceServer, configure_logging, run_service
 from servemesh.spec import ResolvedSpec, load_resolved
 from servemesh.tracestore.store import SpanRecord, TraceStore
@@ -137,6 +138,8 @@ async def build_server(
         host=spec.host,
         port=spec.embedded_trace_store_port,
         max_message_bytes=spec.limits.max_message_bytes,
+        # Spans name requests and entities: only mesh certificates may send them.
+        credentials=serving_credentials(spec, TRACE_STORE_IDENTITY),
     )
     server.add_service(
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server,

@@ -47,6 +47,8 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import Attributes
 
+from servemesh.identity.credentials import client_credentials, server_name_option
+from servemesh.identity.enroll import TRACE_STORE_IDENTITY, enrolled
 from servemesh.services.runtime.interceptors import (
     with_stream_unary_behaviour,
     with_unary_behaviour,
@@ -126,9 +128,20 @@ def configure_tracing(spec: ResolvedSpec, instance: str) -> TracerProvider | Non
         }
     )
     provider = TracerProvider(resource=resource, sampler=mesh_sampler(settings.sample_ratio))
-    exporter = OTLPSpanExporter(
-        endpoint=settings.otlp_endpoint, insecure=True, timeout=_EXPORT_TIMEOUT_S
-    )
+    if spec.embedded_trace_store_port is not None:
+        # The mesh's own store: mutual TLS as on every other hop.
+        identity = enrolled(spec, instance)
+        exporter = OTLPSpanExporter(
+            endpoint=settings.otlp_endpoint,
+            credentials=client_credentials(identity, instance),
+            channel_options=(server_name_option(identity, TRACE_STORE_IDENTITY),),
+            timeout=_EXPORT_TIMEOUT_S,
+        )
+    else:
+        # A collector of the operator's choosing, on an address the spec names.
+        exporter = OTLPSpanExporter(
+            endpoint=settings.otlp_endpoint, insecure=True, timeout=_EXPORT_TIMEOUT_S
+        )
     provider.add_span_processor(
         BatchSpanProcessor(exporter, schedule_delay_millis=settings.export_interval_ms)
     )

@@ -26,6 +26,7 @@ from servemesh.identity import (
     EDGE_IDENTITY,
     ENVOY_IDENTITY,
     OPERATOR_IDENTITY,
+    TRACE_STORE_IDENTITY,
     Dial,
     MeshIdentity,
     dial_address,
@@ -47,6 +48,9 @@ def _ports(mesh: Mesh) -> list[tuple[str, str, str]]:
     spec = mesh.spec
     found = [(f"mesh listener {z}", spec.mesh_address_for(z), ENVOY_IDENTITY) for z in spec.zones]
     found += [(i.name, spec.address_of(i.name), i.name) for i in spec.instances()]
+    if spec.embedded_trace_store_port is not None:
+        store = f"{spec.host}:{spec.embedded_trace_store_port}"
+        found.append(("trace store", store, TRACE_STORE_IDENTITY))
     return found
 
 
