@@ -345,6 +345,19 @@ def cmd_bench_predict(args: argparse.Namespace) -> int:
     return bench_main(args.spec, args.concurrency, args.seconds, args.json_out)
 
 
+def cmd_bench_observe(args: argparse.Namespace) -> int:
+    from servemesh.observe_bench import main as bench_observe_main
+
+    return bench_observe_main(
+        args.spec,
+        concurrency=args.concurrency,
+        seconds=args.seconds,
+        repeats=args.repeats,
+        probes=args.probes,
+        out=args.json_out,
+    )
+
+
 def cmd_bench_model(args: argparse.Namespace) -> int:
     from servemesh.model_bench import main as bench_model_main
 
@@ -433,6 +446,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench_predict.add_argument("--seconds", type=float, default=10.0, help="per measurement")
     bench_predict.add_argument("--json-out", help="also write the report here")
     bench_predict.set_defaults(func=cmd_bench_predict)
+    bench_observe = bench_sub.add_parser(
+        "observe",
+        help="what tracing and the prediction log cost (a mesh with them against one "
+        "without, interleaved), and how soon a sampled trace can be read",
+    )
+    bench_observe.add_argument("--spec")
+    bench_observe.add_argument("--concurrency", type=int, default=64)
+    bench_observe.add_argument("--seconds", type=float, default=10.0, help="per measurement")
+    bench_observe.add_argument("--repeats", type=int, default=3, help="measurements per mesh")
+    bench_observe.add_argument(
+        "--probes", type=int, default=10, help="sampled Predicts timed to their trace, per phase"
+    )
+    bench_observe.add_argument("--json-out", help="also write the report here")
+    bench_observe.set_defaults(func=cmd_bench_observe)
     bench_model = bench_sub.add_parser(
         "model",
         help="the model server (adaptive, fixed window, batching off) vs echo and in-process",

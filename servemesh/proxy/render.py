@@ -31,7 +31,7 @@ from servemesh.policy import (
 )
 from servemesh.proxy.admin import ADMIN_SOCKET_MODE, admin_socket_path
 from servemesh.proxy.tls import downstream_tls, upstream_tls
-from servemesh.proxy.tracing import collector_cluster, hcm_tracing
+from servemesh.proxy.tracing import collector_cluster, hcm_tracing, tracer_runtime
 from servemesh.spec import Instance, MeshSpec, ModelSpec, ResolvedSpec
 from servemesh.wire import (
     CONTROL_METHODS,
@@ -872,8 +872,8 @@ def _overload_manager(overload: Overload) -> dict[str, Any]:
     }
 
 
-def _runtime_layers(spec: MeshSpec) -> list[dict[str, Any]]:
-    layers: list[dict[str, Any]] = [{"name": "static", "static_layer": {}}]
+def _runtime_layers(spec: ResolvedSpec) -> list[dict[str, Any]]:
+    layers: list[dict[str, Any]] = [{"name": "static", "static_layer": tracer_runtime(spec)}]
     if spec.traffic.runtime_overrides:
         # The drill profile: the admin layer lets drills flip runtime keys (fault
         # percentages, shadow shares) without a restart. Without it, Envoy refuses

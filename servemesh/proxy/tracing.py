@@ -12,6 +12,10 @@ connection manager's `random_sampling` at 100%: Envoy 1.40 records a span only w
 its connection manager and the span say so, and with `random_sampling` at the ratio a
 caller's sampled `traceparent` was dropped unless the dice agreed (measured: a forced
 trace at ratio 0 had no Envoy span, and no service span after the edge either).
+
+Envoy's tracer sends its spans every `tracing.opentelemetry.flush_interval_ms` (a runtime
+key, 5 s unless set) or once 5 are waiting in a worker: a lone sampled request's Envoy
+spans waited ~5 s, so the key takes the services' `export_interval_ms` (`tracer_runtime`).
 """
 
 from __future__ import annotations
@@ -75,6 +79,13 @@ def hcm_tracing(spec: ResolvedSpec, listener: str) -> dict[str, Any]:
             },
         }
     }
+
+
+def tracer_runtime(spec: ResolvedSpec) -> dict[str, int]:
+    """Runtime keys for Envoy's static layer: its spans leave as often as the services'."""
+    if _collector(spec) is None:
+        return {}
+    return {"tracing.opentelemetry.flush_interval_ms": spec.tracing.export_interval_ms}
 
 
 def collector_cluster(spec: ResolvedSpec) -> tuple[dict[str, Any], dict[str, Any]] | None:

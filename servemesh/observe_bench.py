@@ -1,0 +1,419 @@
+"""What observability costs, and how soon a trace can be read: `servemesh bench observe`.
+
+Two budgets, measured in one run on one machine:
+
+1. Throughput: tracing at the spec's sampling ratio plus the prediction log together cost at
+   most 10% of Predict throughput at concurrency 64, against the same mesh with both off.
+   Two meshes run side by side from the same spec, one "observed" (both on) and one "off";
+   the closed loop goes through each edge in turn, the order flipped every repeat (ABBA:
+   a machine whose speed drifts during the run favours neither arm), and each arm's CPU
+   per Predict is read from /proc for every process it runs.
+2. Freshness: a sampled Predict's trace is queryable in the trace store (what
+   `servemesh trace` reads) within 2 s of the answer. Sampled Predicts (a `traceparent`
+   with the sampled flag, as `servemesh predict --trace` sends) go to the observed mesh one
+   at a time, idle and under an open-loop load, and the store is polled until the request
+   id finds its trace, and until every hop's spans are there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+
+from servemesh.bench import measure_closed_loop
+from servemesh.identity import dial_edge
+from servemesh.launcher import Mesh
+from servemesh.load import BackgroundLoad, predict_target
+from servemesh.observe.cpu import proc_cpu_seconds
+from servemesh.spec import MeshSpec, Ports, ResolvedSpec, load_spec
+from servemesh.tracestore.cli import new_traceparent
+from servemesh.tracestore.receiver import store_path
+from servemesh.tracestore.store import SpanRecord, TraceStore
+from servemesh.wire import TRACE_HEADERS
+from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+
+OBSERVED = "observed"
+OFF = "off"
+# The issue's budgets.
+THROUGHPUT_BUDGET = 0.10  # the observed mesh may lose at most this share of req/s
+FRESHNESS_BUDGET_S = 2.0  # answer to trace in the store
+# How often the store is asked while a probe waits for its trace, and for how long.
+POLL_S = 0.01
+PROBE_TIMEOUT_S = 15.0
+
+
+# --- the two meshes ------------------------------------------------------------------------
+
+
+def arm_specs(spec: MeshSpec) -> dict[str, MeshSpec]:
+    """The observed and the off mesh of `spec`: free ports, no Prometheus (its scrapes
+    would take CPU from the mesh measured), and tracing and the prediction log on in one
+    (at the spec's sampling ratio) and off in the other."""
+    base = spec.model_copy(
+        update={
+            "ports": Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            "metrics": spec.metrics.model_copy(update={"prometheus": "off"}),
+        }
+    )
+
+    def arm(on: bool) -> MeshSpec:
+        return base.model_copy(
+            update={
+                "tracing": base.tracing.model_copy(update={"enabled": on}),
+                "prediction_log": base.prediction_log.model_copy(update={"enabled": on}),
+            }
+        )
+
+    return {OBSERVED: arm(True), OFF: arm(False)}
+
+
+def process_kind(spec: ResolvedSpec, name: str) -> str:
+    """gateway, feature, model, registry for services; envoy, redis, tracestore as named."""
+    services = {i.name: i.service for i in spec.instances()}
+    return services.get(name, name)
+
+
+def cpu_by_kind(mesh: Mesh) -> dict[str, float]:
+    """CPU seconds (user + system) of every running process of `mesh`, summed by kind."""
+    found: dict[str, float] = {}
+    for name, pid in mesh.pids().items():
+        seconds = proc_cpu_seconds(pid)
+        if seconds is not None:
+            kind = process_kind(mesh.spec, name)
+            found[kind] = found.get(kind, 0.0) + seconds
+    return found
+
+
+# --- budget 1: throughput --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Round:
+    """One closed-loop measurement of one arm."""
+
+    arm: str
+    repeat: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    # CPU ms per successful Predict, by process kind (this arm's processes only).
+    cpu_ms: dict[str, float]
+    # Share of a core the other (idle) mesh used meanwhile.
+    other_idle_cores: float
+
+
+def measure_round(
+    arm: str, repeat: int, mesh: Mesh, other: Mesh, concurrency: int, seconds: float
+) -> Round:
+    entities = max(1, mesh.spec.demo.entities)
+    before, other_before, started = cpu_by_kind(mesh), cpu_by_kind(other), time.monotonic()
+    result = asyncio.run(
+        measure_closed_loop(dial_edge(mesh.spec), arm, concurrency, seconds, entities)
+    )
+    after, other_after, elapsed = cpu_by_kind(mesh), cpu_by_kind(other), time.monotonic() - started
+    # The warm-up's calls are not counted in `result`: scale its CPU to the measured window.
+    answered = result.requests * elapsed / seconds
+    cpu_ms = {
+        kind: round((after[kind] - before.get(kind, after[kind])) / answered * 1000, 3)
+        for kind in sorted(after)
+        if answered
+    }
+    idle = sum(other_after.values()) - sum(other_before.values())
+    return Round(
+        arm=arm,
+        repeat=repeat,
+        rps=round(result.rps, 1),
+        p50_ms=round(result.p50_ms, 2),
+        p99_ms=round(result.p99_ms, 2),
+        errors=result.errors,
+        cpu_ms=cpu_ms,
+        other_idle_cores=round(idle / elapsed, 3),
+    )
+
+
+# --- budget 2: freshness ---------------------------------------------------------------------
+
+# What a Predict's whole trace holds: (service, span) pairs, and how many Envoy mesh-listener
+# spans (one per downstream call).
+WHOLE_TRACE = frozenset(
+    {
+        ("envoy-edge", "ingress"),
+        ("gateway", "servemesh.gateway.v1.Gateway/Predict"),
+        ("feature", "redis MGET"),
+        ("model", "inference.GRPCInferenceService/ModelInfer"),
+        ("model", "batch"),
+    }
+)
+MESH_HOPS = 2
+
+
+def is_whole(spans: list[SpanRecord]) -> bool:
+    """Every hop of a Predict is in `spans` (services and Envoy export separately)."""
+    names = {(s.service, s.name) for s in spans}
+    meshes = sum(1 for s in spans if s.service.startswith("envoy-mesh-"))
+    return WHOLE_TRACE <= names and meshes >= MESH_HOPS
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One sampled Predict: seconds from its answer until the store had its trace."""
+
+    findable_s: float  # `servemesh trace REQUEST_ID` finds the trace (NaN: never)
+    whole_s: float  # ... and it holds every hop (NaN: never within PROBE_TIMEOUT_S)
+
+
+def probe(stub: gateway_pb2_grpc.GatewayStub, store: TraceStore, entity: str) -> Probe:
+    traceparent, trace_id = new_traceparent()
+    reply = stub.Predict(
+        gateway_pb2.PredictRequest(model="fraud", entity_ids=[entity]),
+        timeout=5,
+        metadata=[(TRACE_HEADERS[0], traceparent)],
+    )
+    answered = time.perf_counter()
+    findable = whole = math.nan
+    while time.perf_counter() - answered < PROBE_TIMEOUT_S:
+        now = time.perf_counter() - answered
+        if math.isnan(findable) and store.find(reply.request_id) == trace_id:
+            findable = now
+        if not math.isnan(findable) and is_whole(store.trace(trace_id)):
+            whole = now
+            break
+        time.sleep(POLL_S)
+    return Probe(findable, whole)
+
+
+def freshness(mesh: Mesh, probes: int, load_rps: float) -> list[Probe]:
+    """`probes` sampled Predicts one after another, with `load_rps` of unsampled open-loop
+    load beside them (0: an idle mesh)."""
+    entities = max(1, mesh.spec.demo.entities)
+    dial = dial_edge(mesh.spec)
+    with ExitStack() as stack:
+        if load_rps > 0:
+            load = BackgroundLoad(
+                predict_target(dial, entities=entities, timeout_s=5.0), rate_per_s=load_rps
+            )
+            load.start()
+            stack.callback(load.stop)
+        store = TraceStore(store_path(mesh.state_dir))
+        stack.callback(store.close)
+        channel = stack.enter_context(dial.channel())
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        grpc.channel_ready_future(channel).result(timeout=10)
+        return [probe(stub, store, f"user-{i % entities}") for i in range(probes)]
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    date: str
+    concurrency: int
+    seconds: float
+    repeats: int
+    sample_ratio: float
+    export_interval_ms: int
+    rounds: list[Round] = field(default_factory=list)
+    probes: dict[str, list[Probe]] = field(default_factory=dict)
+
+    def arm(self, name: str) -> list[Round]:
+        return [r for r in self.rounds if r.arm == name]
+
+    def ratios(self) -> list[float]:
+        """Observed over off req/s of each repeat (its two rounds ran back to back)."""
+        off = {r.repeat: r.rps for r in self.arm(OFF)}
+        return [r.rps / off[r.repeat] for r in self.arm(OBSERVED) if off.get(r.repeat)]
+
+    def summary(self) -> dict[str, object]:
+        arms: dict[str, object] = {}
+        for name in (OBSERVED, OFF):
+            rounds = self.arm(name)
+            rps = [r.rps for r in rounds]
+            kinds = sorted({k for r in rounds for k in r.cpu_ms})
+            arms[name] = {
+                "rps": rps,
+                "rps_median": round(statistics.median(rps), 1),
+                "rps_min": min(rps),
+                "rps_max": max(rps),
+                "p50_ms_median": round(statistics.median(r.p50_ms for r in rounds), 2),
+                "p99_ms_median": round(statistics.median(r.p99_ms for r in rounds), 2),
+                "errors": sum(r.errors for r in rounds),
+                "cpu_ms_per_predict": {
+                    k: round(statistics.median(r.cpu_ms.get(k, 0.0) for r in rounds), 3)
+                    for k in kinds
+                },
+                "other_idle_cores_median": round(
+                    statistics.median(r.other_idle_cores for r in rounds), 3
+                ),
+            }
+        observed, off = arms[OBSERVED], arms[OFF]
+        assert isinstance(observed, dict) and isinstance(off, dict)
+        ratio = observed["rps_median"] / off["rps_median"]
+        ratios = self.ratios()
+        out: dict[str, object] = {
+            "date": self.date,
+            "concurrency": self.concurrency,
+            "seconds": self.seconds,
+            "repeats": self.repeats,
+            "sample_ratio": self.sample_ratio,
+            "export_interval_ms": self.export_interval_ms,
+            "arms": arms,
+            "ratio_of_medians": round(ratio, 3),
+            "ratio_per_repeat": [round(r, 3) for r in ratios],
+            "throughput_cost": round(1 - ratio, 3),
+            "throughput_budget_met": 1 - ratio <= THROUGHPUT_BUDGET,
+            "freshness": {k: _delays(v) for k, v in self.probes.items()},
+        }
+        found = [p for v in self.probes.values() for p in v]
+        out["freshness_budget_met"] = bool(found) and all(
+            p.whole_s <= FRESHNESS_BUDGET_S for p in found
+        )
+        return out
+
+
+def _delays(probes: list[Probe]) -> dict[str, object]:
+    def stats(values: list[float]) -> dict[str, object]:
+        seen = sorted(v for v in values if not math.isnan(v))
+        return {
+            "n": len(values),
+            "missing": len(values) - len(seen),
+            "median_s": round(statistics.median(seen), 3) if seen else None,
+            "max_s": round(seen[-1], 3) if seen else None,
+            "all_s": [round(v, 3) for v in seen],
+        }
+
+    return {
+        "findable": stats([p.findable_s for p in probes]),
+        "whole": stats([p.whole_s for p in probes]),
+    }
+
+
+@contextmanager
+def _meshes(specs: Mapping[str, MeshSpec]) -> Iterator[dict[str, Mesh]]:
+    with tempfile.TemporaryDirectory() as state, ExitStack() as stack:
+        meshes = {}
+        for name, spec in specs.items():
+            mesh = Mesh.from_spec(spec, Path(state) / name)
+            stack.enter_context(mesh)  # started; stopped by PID on the way out
+            meshes[name] = mesh
+        yield meshes
+
+
+def bench_observe(
+    spec: MeshSpec,
+    *,
+    concurrency: int = 64,
+    seconds: float = 10.0,
+    repeats: int = 3,
+    probes: int = 10,
+    probe_load_share: float = 0.5,
+) -> Report:
+    specs = arm_specs(spec)
+    report = Report(
+        date=time.strftime("%Y-%m-%d"),
+        concurrency=concurrency,
+        seconds=seconds,
+        repeats=repeats,
+        sample_ratio=spec.tracing.sample_ratio,
+        export_interval_ms=spec.tracing.export_interval_ms,
+    )
+    with _meshes(specs) as meshes:
+        for repeat in range(repeats):
+            order = (OBSERVED, OFF) if repeat % 2 == 0 else (OFF, OBSERVED)
+            for arm in order:
+                other = meshes[OFF if arm == OBSERVED else OBSERVED]
+                report.rounds.append(
+                    measure_round(arm, repeat, meshes[arm], other, concurrency, seconds)
+                )
+        if probes:
+            observed = meshes[OBSERVED]
+            load = probe_load_share * statistics.median(r.rps for r in report.arm(OBSERVED))
+            report.probes["idle"] = freshness(observed, probes, 0.0)
+            report.probes[f"under {load:.0f} req/s"] = freshness(observed, probes, load)
+    return report
+
+
+def print_report(summary: Mapping[str, object]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    arms = summary["arms"]
+    assert isinstance(arms, dict)
+    table = Table(
+        title=f"Predict through the edge, closed loop c={summary['concurrency']}, "
+        f"{summary['seconds']:g} s x {summary['repeats']} per mesh"
+    )
+    for column in ("mesh", "req/s median", "min-max", "p50 ms", "p99 ms", "errors", "CPU ms"):
+        table.add_column(column, justify="left" if column == "mesh" else "right")
+    for name, arm in arms.items():
+        table.add_row(
+            name,
+            f"{arm['rps_median']:.0f}",
+            f"{arm['rps_min']:.0f}-{arm['rps_max']:.0f}",
+            f"{arm['p50_ms_median']:.1f}",
+            f"{arm['p99_ms_median']:.1f}",
+            str(arm["errors"]),
+            f"{sum(arm['cpu_ms_per_predict'].values()):.2f}",
+        )
+    console.print(table)
+    cpu = Table(title="CPU ms per Predict by process kind (median of the repeats)")
+    for column in ("process", *arms, "difference"):
+        cpu.add_column(column, justify="left" if column == "process" else "right")
+    observed, off = (arms[OBSERVED]["cpu_ms_per_predict"], arms[OFF]["cpu_ms_per_predict"])
+    for kind in sorted(set(observed) | set(off)):
+        a, b = observed.get(kind, 0.0), off.get(kind, 0.0)
+        cpu.add_row(kind, f"{a:.3f}", f"{b:.3f}", f"{a - b:+.3f}")
+    console.print(cpu)
+    met = "met" if summary["throughput_budget_met"] else "MISSED"
+    console.print(
+        f"observed/off req/s: {summary['ratio_of_medians']:.3f} (medians), per repeat "
+        f"{summary['ratio_per_repeat']}; cost {summary['throughput_cost']:.1%}, budget "
+        f"{THROUGHPUT_BUDGET:.0%}: {met}"
+    )
+    freshness = summary["freshness"]
+    assert isinstance(freshness, dict)
+    for phase, delays in freshness.items():
+        for what, seen in delays.items():
+            console.print(
+                f"trace {what} after the answer ({phase}): median {seen['median_s']} s, "
+                f"max {seen['max_s']} s, missing {seen['missing']} of {seen['n']}"
+            )
+    if freshness:
+        met = "met" if summary["freshness_budget_met"] else "MISSED"
+        console.print(f"whole trace within {FRESHNESS_BUDGET_S:g} s of every answer: {met}")
+
+
+def main(
+    spec_path: str | None,
+    *,
+    concurrency: int,
+    seconds: float,
+    repeats: int,
+    probes: int,
+    out: str | None,
+) -> int:
+    report = bench_observe(
+        load_spec(spec_path),
+        concurrency=concurrency,
+        seconds=seconds,
+        repeats=repeats,
+        probes=probes,
+    )
+    summary = report.summary()
+    summary["rounds"] = [asdict(r) for r in report.rounds]
+    print_report(summary)
+    if out:
+        Path(out).write_text(json.dumps(summary, indent=2))
+    return 0
