@@ -31,11 +31,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
 import redis.asyncio as aioredis
+from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 
 from servemesh.services.runtime.tracing import tracer
@@ -183,8 +184,11 @@ def unpack_rows(stored: Sequence[bytes | None], width: int) -> Rows:
     return Rows(present=present, event_ms=event_ms, values=values)
 
 
-def _redis_span(command: str, keys: int) -> AbstractContextManager[Span]:
-    """A client span around one Redis read (current, so errors mark it)."""
+def _redis_span(command: str, keys: int) -> AbstractContextManager[Span | None]:
+    """A client span around one Redis read (current, so errors mark it), when the read
+    serves a recorded span; none otherwise (an unsampled call carries no span at all)."""
+    if not trace.get_current_span().is_recording():
+        return nullcontext()
     return tracer().start_as_current_span(
         f"redis {command}",
         kind=SpanKind.CLIENT,

@@ -14,7 +14,6 @@ from servemesh.services.gateway.health import watch_dependencies
 from servemesh.services.gateway.metrics import PredictMetrics
 from servemesh.services.gateway.service import GatewayServicer
 from servemesh.services.runtime import ServiceServer
-from servemesh.services.runtime.tracing import client_interceptors
 from servemesh.spec import ResolvedSpec
 from servemesh.wire import GATEWAY_SERVICE, message_size_options
 from servemesh_api.gateway.v1 import gateway_pb2_grpc
@@ -29,8 +28,10 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         # Every downstream call goes through Envoy, which owns retries and load balancing:
         # this zone's mesh listener, whose clusters prefer replicas in the same zone.
         return dial_mesh(spec, spec.instance(instance).zone, caller=instance).aio_channel(
+            # No client interceptors: grpc.aio's intercepted-call path cost more than the
+            # spans themselves; the servicer puts the trace context on each call
+            # (tracing.traced_call).
             options=[*message_size_options(limit), ("grpc.enable_retries", 0)],
-            interceptors=client_interceptors(),
         )
 
     mesh_channel = dial()

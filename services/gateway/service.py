@@ -29,13 +29,19 @@ from servemesh.services.gateway.predict import (
 )
 from servemesh.services.runtime import DeadlineBudget, bind_request_id, request_id_from
 from servemesh.services.runtime.errors import Internal, MeshError
+from servemesh.services.runtime.tracing import traced_call
 from servemesh.spec import MeshSpec
 from servemesh.wire import (
+    FEATURE_SERVICE,
     MODEL_HEADER,
+    MODEL_INFER_METHOD,
+    OIP_SERVICE,
     REPLICA_PARAMETER,
     REQUEST_ID_HEADER,
+    TRACE_HEADERS,
     VERSION_HEADER,
     ZONE_PARAMETER,
+    method_path,
 )
 from servemesh.wire import (
     Span as SpanAttr,
@@ -46,6 +52,9 @@ from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+GET_FEATURES_METHOD = method_path(FEATURE_SERVICE, "GetFeatures")
+MODEL_METADATA_METHOD = method_path(OIP_SERVICE, "ModelMetadata")
 
 # Downstream failures a configured fallback may answer for. Not DEADLINE_EXCEEDED: when the
 # caller's time is up, a late fallback helps nobody.
@@ -117,9 +126,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         plan: PredictPlan | None = None
         try:
             plan = plan_predict(request, self.spec)
-            # The request id follows the request to every hop; the trace context goes with
-            # each call's own client span (the channel's tracing interceptors).
+            # The request id follows the request to every hop, and so does the caller's
+            # trace context: as it came, or (a recorded call) each downstream call's own
+            # client span (traced_call).
             metadata = [(REQUEST_ID_HEADER, request_id)]
+            metadata += [(k, v) for k, v in incoming if k in TRACE_HEADERS]
             span.set_attribute(SpanAttr.MODEL, plan.model_name)
             signature = await self._signature(plan, deadline, metadata)
             raw = conform_inputs(plan, signature)
@@ -181,10 +192,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if known is not None:
             return known
         try:
-            reply = await self.models.ModelMetadata(
-                oip.ModelMetadataRequest(name=plan.model_name, version=plan.version),
-                timeout=self.budget.remaining(deadline),
-                metadata=metadata + self._routing(plan),
+            reply = await traced_call(
+                MODEL_METADATA_METHOD,
+                lambda sent: self.models.ModelMetadata(
+                    oip.ModelMetadataRequest(name=plan.model_name, version=plan.version),
+                    timeout=self.budget.remaining(deadline),
+                    metadata=sent,
+                ),
+                metadata + self._routing(plan),
             )
         except grpc.aio.AioRpcError as exc:
             raise DownstreamError("model service", exc) from None
@@ -213,8 +228,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             view=read.view, entity_ids=read.entity_ids, feature_names=read.features
         )
         try:
-            reply = await self.features.GetFeatures(
-                lookup, timeout=self.budget.remaining(deadline), metadata=metadata
+            reply = await traced_call(
+                GET_FEATURES_METHOD,
+                lambda sent: self.features.GetFeatures(
+                    lookup, timeout=self.budget.remaining(deadline), metadata=sent
+                ),
+                metadata,
             )
         except grpc.aio.AioRpcError as exc:
             raise DownstreamError("feature service", exc) from None
@@ -234,10 +253,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         request_id: str,
     ) -> gateway_pb2.PredictResponse:
         try:
-            reply = await self.models.ModelInfer(
-                build_infer_request(plan, signature, views, raw, request_id),
-                timeout=self.budget.remaining(deadline),
-                metadata=metadata + self._routing(plan),
+            infer = build_infer_request(plan, signature, views, raw, request_id)
+            reply = await traced_call(
+                MODEL_INFER_METHOD,
+                lambda sent: self.models.ModelInfer(
+                    infer, timeout=self.budget.remaining(deadline), metadata=sent
+                ),
+                metadata + self._routing(plan),
             )
         except grpc.aio.AioRpcError as exc:
             raise DownstreamError("model service", exc) from None

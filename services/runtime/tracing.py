@@ -7,10 +7,16 @@ gRPC metadata, and the tracer provider every service process sets up from the sp
   the trace store itself, unit tests) the API's no-op tracer runs, which still passes a
   caller's trace context on unchanged.
 - `TracingServerInterceptor` opens the server span of each call, child of the caller's
-  `traceparent`, and makes it current for the handler; `client_interceptors()` go on the
-  channels a service creates and give each call a client span, child of whatever span is
-  current, whose context they send on as `traceparent`/`tracestate` (replacing any the
-  caller put in the metadata itself).
+  `traceparent`, and makes it current for the handler. A call whose caller's trace is not
+  sampled (most of them: Envoy starts every trace) is handed to the handler untouched: no
+  span object, no context, nothing downstream records (parent-based sampling), and the
+  caller's trace headers go on as they came.
+- `traced_call` wraps one downstream call on the request path (the gateway's feature and
+  model calls): inside a recorded span it opens a client span and sends its context as
+  `traceparent`/`tracestate`; otherwise it sends the trace headers already in the call's
+  metadata. `client_interceptors()` do the same for channels off the request path (health
+  watches, artifact pulls), where grpc.aio's intercepted-call path costs nothing that
+  matters.
 - A span that points at others without being their child (a model server's batch serves
   many traces) is linked to them; `LinkAwareSampler` records it whenever one of its links
   is recorded, so a sampled request's batch is never missing from its trace.
@@ -18,15 +24,17 @@ gRPC metadata, and the tracer provider every service process sets up from the sp
 Small interceptors over the SDK rather than `opentelemetry-instrumentation-grpc`: that
 package is a beta paired with one SDK release, and its spans cannot carry our attributes
 (request id, model, version) or the batch links. Measured (docs/observability.md,
-"Traces"): most of the per-call cost is grpc.aio's intercepted-call path, not the spans.
+"Traces"): most of the per-call cost was grpc.aio's intercepted-call path, not the spans,
+which is why the request path calls without it and unsampled calls skip the spans.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import context as otel_context
@@ -63,6 +71,25 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 # A span an export could not deliver is dropped after this long: a stalled collector must
 # not hold a service's memory or its exit.
 _EXPORT_TIMEOUT_S = 2.0
+
+
+T = TypeVar("T")
+
+# A W3C traceparent whose sampled flag is clear: the caller's trace records nothing here.
+_UNSAMPLED = re.compile(r"^00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f][02468ace]$")
+_TRACEPARENT = TRACE_HEADERS[0]
+
+# Whether this process records spans (an SDK provider is installed; OpenTelemetry takes one
+# provider per process, never another). Without one nothing in the process records, so
+# every server call takes the untouched path.
+_recording = False
+
+
+def _records() -> bool:
+    global _recording
+    if not _recording:
+        _recording = isinstance(trace.get_tracer_provider(), TracerProvider)
+    return _recording
 
 
 # A proxy: the no-op tracer until a provider is installed, then that provider's tracer
@@ -239,6 +266,17 @@ def _traced_server_stream(inner: StreamHandler, name: str, parent: Context) -> S
     return behaviour
 
 
+def _traced_here(metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+    """Whether a call may record spans: this process records, and the caller's trace is
+    sampled or new (a trace without a `traceparent` is sampled here at the spec's ratio)."""
+    if not _records():
+        return False
+    for key, value in metadata or ():
+        if key == _TRACEPARENT:
+            return _UNSAMPLED.match(_text(value)) is None
+    return True
+
+
 class TracingServerInterceptor(grpc.aio.ServerInterceptor):
     """The server span of every call, child of the caller's trace context, current while
     the handler (and every interceptor after this one) runs."""
@@ -249,7 +287,7 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None:
+        if handler is None or not _traced_here(details.invocation_metadata):
             return handler
         name = _method_name(details.method)
         parent = extract_context(details.invocation_metadata)
@@ -268,6 +306,42 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
 
 
 # --- client spans --------------------------------------------------------------------------
+
+
+async def traced_call(
+    method: str,
+    call: Callable[[list[tuple[str, str]]], Awaitable[T]],
+    metadata: list[tuple[str, str]],
+) -> T:
+    """`call(metadata)` with the trace context on it: inside a recorded span, a client span
+    of its own (named after `method`, "/pkg.Service/Method") whose context replaces any
+    trace headers in `metadata`; inside a span that is not recorded, that span's context;
+    outside any span, `metadata` as it is (the caller's own trace headers, passed on)."""
+    current = trace.get_current_span()
+    if not current.is_recording():
+        if not current.get_span_context().is_valid:
+            return await call(metadata)
+        return await call(_with_trace(metadata, trace_metadata()))
+    name = _method_name(method)
+    span = tracer().start_span(
+        name, kind=SpanKind.CLIENT, attributes={"rpc.system": "grpc", "rpc.method": name}
+    )
+    code: grpc.StatusCode | None = None
+    try:
+        reply = await call(_with_trace(metadata, trace_metadata(trace.set_span_in_context(span))))
+        code = grpc.StatusCode.OK
+        return reply
+    except grpc.aio.AioRpcError as exc:
+        code = exc.code()
+        raise
+    finally:
+        _end_client_span(span, code)
+
+
+def _with_trace(
+    metadata: list[tuple[str, str]], headers: list[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    return [*(item for item in metadata if item[0] not in TRACE_HEADERS), *headers]
 
 
 def _client_span(details: grpc.aio.ClientCallDetails) -> tuple[trace.Span, Any]:
