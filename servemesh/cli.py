@@ -354,6 +354,7 @@ def cmd_bench_observe(args: argparse.Namespace) -> int:
         seconds=args.seconds,
         repeats=args.repeats,
         probes=args.probes,
+        split=args.split,
         out=args.json_out,
     )
 
@@ -457,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_observe.add_argument("--repeats", type=int, default=3, help="measurements per mesh")
     bench_observe.add_argument(
         "--probes", type=int, default=10, help="sampled Predicts timed to their trace, per phase"
+    )
+    bench_observe.add_argument(
+        "--split", action="store_true", help="also a mesh with tracing only, one with the log only"
     )
     bench_observe.add_argument("--json-out", help="also write the report here")
     bench_observe.set_defaults(func=cmd_bench_observe)

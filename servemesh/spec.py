@@ -444,7 +444,9 @@ class TracingSpec(_Strict):
     # An OTLP/gRPC collector (IP:port). null: the embedded trace store `servemesh up`
     # runs (`servemesh trace`).
     otlp_endpoint: OtlpEndpoint | None = None
-    # A service sends its finished spans at least this often (BatchSpanProcessor).
+    # A service sends its finished spans at least this often (BatchSpanProcessor), and so
+    # does Envoy's tracer (its flush interval): a sampled trace is whole about this long after
+    # its answer.
     export_interval_ms: Annotated[int, Field(ge=10, le=60_000)] = 1000
     retention: TraceRetention = Field(default_factory=TraceRetention)
 

@@ -8,6 +8,9 @@ no-sdk:     interceptors, no tracer provider (tracing.enabled: false): context p
 unsampled:  SDK provider, ratio 0, no caller trace context: non-recording spans
 sampled:    SDK provider, ratio 1: every span recorded and exported (BatchSpanProcessor
             to an in-process OTLP receiver that decodes the spans and drops them)
+passed-on:  what the request path does now (the gateway's calls): the server interceptor
+            only, the caller's unsampled `traceparent` in the metadata, no client
+            interceptors (SDK provider installed)
 CPU is the process's own (user + system), client and server together, per call.
 """
 
@@ -41,8 +44,13 @@ class _Drop(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
-async def _run(calls: int, interceptors: bool) -> float:
-    server = grpc.aio.server(interceptors=[TracingServerInterceptor()] if interceptors else [])
+# A caller's trace that is not sampled, as Envoy sends for most requests.
+UNSAMPLED = (("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"),)
+
+
+async def _run(calls: int, interceptors: bool, passed_on: bool = False) -> float:
+    server_side = [TracingServerInterceptor()] if interceptors or passed_on else []
+    server = grpc.aio.server(interceptors=server_side)
     health_pb2_grpc.add_HealthServicer_to_server(_Echo(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -51,11 +59,12 @@ async def _run(calls: int, interceptors: bool) -> float:
     )
     stub = health_pb2_grpc.HealthStub(channel)
     request = health_pb2.HealthCheckRequest()
+    metadata = UNSAMPLED if passed_on else None
     for _ in range(200):  # warm up
-        await stub.Check(request)
+        await stub.Check(request, metadata=metadata)
     started = time.process_time()
     for _ in range(calls):
-        await stub.Check(request)
+        await stub.Check(request, metadata=metadata)
     used = time.process_time() - started
     await channel.close()
     await server.stop(None)
@@ -71,7 +80,8 @@ async def _rounds(
     for _ in range(rounds):
         for name, prepare in modes.items():
             prepare()
-            seen[name].append(await _run(calls, name != "off"))
+            passed_on = name == "passed-on"
+            seen[name].append(await _run(calls, name not in ("off", "passed-on"), passed_on))
     return {name: statistics.median(values) for name, values in seen.items()}
 
 
@@ -96,7 +106,14 @@ async def main(calls: int, rounds: int) -> None:
         return prepare
 
     after = await _rounds(
-        calls, {"off": nothing, "unsampled": ratio(0.0), "sampled": ratio(1.0)}, rounds
+        calls,
+        {
+            "off": nothing,
+            "passed-on": ratio(0.0),
+            "unsampled": ratio(0.0),
+            "sampled": ratio(1.0),
+        },
+        rounds,
     )
     provider.shutdown()
     await collector.stop(None)
