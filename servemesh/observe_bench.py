@@ -373,9 +373,9 @@ def bench_observe(
     with _meshes(specs) as meshes:
         names = list(meshes)
         for repeat in range(repeats):
-            # Rotated each repeat, and reversed every other: with two meshes, ABBA.
-            order = names[repeat % len(names) :] + names[: repeat % len(names)]
-            for arm in order if repeat % 2 == 0 else order[::-1]:
+            # Rotated each repeat: every mesh takes every place in turn (two meshes: AB BA).
+            shift = repeat % len(names)
+            for arm in names[shift:] + names[:shift]:
                 others = [m for name, m in meshes.items() if name != arm]
                 with paused(others):
                     report.rounds.append(
