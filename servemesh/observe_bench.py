@@ -26,6 +26,7 @@ import signal
 import statistics
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
@@ -34,10 +35,9 @@ from typing import Any
 
 import grpc
 
-from servemesh.bench import measure_closed_loop
 from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
-from servemesh.load import BackgroundLoad, predict_target
+from servemesh.load import BackgroundLoad, ClosedLoop, closed_loop, predict_target, summarize
 from servemesh.observe.cpu import proc_cpu_seconds
 from servemesh.spec import MeshSpec, Ports, ResolvedSpec, load_spec
 from servemesh.tracestore.cli import new_traceparent
@@ -56,6 +56,8 @@ FRESHNESS_BUDGET_S = 2.0  # answer to trace in the store
 # How often the store is asked while a probe waits for its trace, and for how long.
 POLL_S = 0.01
 PROBE_TIMEOUT_S = 15.0
+# Each measurement's callers run this long before the measured window (no ramp-up dip).
+WARMUP_S = 1.0
 
 
 # --- the two meshes ------------------------------------------------------------------------
@@ -118,6 +120,8 @@ class Round:
     errors: int
     # CPU ms per successful Predict, by process kind (this arm's processes only).
     cpu_ms: dict[str, float]
+    # Failed calls by status.
+    codes: dict[str, int] = field(default_factory=dict)
 
 
 @contextmanager
@@ -135,33 +139,45 @@ def paused(meshes: list[Mesh]) -> Iterator[None]:
             mesh.send_signal(name, signal.SIGCONT)
 
 
-def wait_answering(mesh: Mesh, timeout_s: float = 30.0) -> None:
-    """Until a Predict through the edge is answered (a mesh just continued: Envoy's health
-    checks catch up first)."""
+# Predicts in a row a mesh must answer before it is measured: one just continued catches up
+# on its timers first (Envoy's health checks, keepalives), and a lone success was seen
+# followed by a burst of failures.
+SETTLED_CALLS = 50
+
+
+def wait_answering(mesh: Mesh, timeout_s: float = 60.0) -> None:
+    """Until SETTLED_CALLS Predicts in a row through the edge are answered."""
     deadline = time.monotonic() + timeout_s
+    in_a_row = 0
     with dial_edge(mesh.spec).channel() as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         request = gateway_pb2.PredictRequest(model="fraud", entity_ids=["user-0"])
-        while True:
+        while in_a_row < SETTLED_CALLS:
             try:
                 stub.Predict(request, timeout=2)
-                return
+                in_a_row += 1
             except grpc.RpcError:
                 if time.monotonic() > deadline:
                     raise
-            time.sleep(0.05)
+                in_a_row = 0
+                time.sleep(0.05)
 
 
 def measure_round(arm: str, repeat: int, mesh: Mesh, concurrency: int, seconds: float) -> Round:
     entities = max(1, mesh.spec.demo.entities)
     wait_answering(mesh)
     before, started = cpu_by_kind(mesh), time.monotonic()
-    result = asyncio.run(
-        measure_closed_loop(dial_edge(mesh.spec), arm, concurrency, seconds, entities)
+    run = asyncio.run(
+        closed_loop(
+            predict_target(dial_edge(mesh.spec), entities=entities, timeout_s=5.0),
+            ClosedLoop(workers=concurrency, duration_s=WARMUP_S + seconds),
+        )
     )
     after, elapsed = cpu_by_kind(mesh), time.monotonic() - started
-    # The warm-up's calls are not counted in `result`: scale its CPU to the measured window.
-    answered = result.requests * elapsed / seconds
+    measured = run.window(WARMUP_S, WARMUP_S + seconds)
+    summary = summarize(measured, seconds)
+    # The warm-up's calls are not counted: scale the CPU to the measured window.
+    answered = summary.ok * elapsed / seconds
     cpu_ms = {
         kind: round((after[kind] - before.get(kind, after[kind])) / answered * 1000, 3)
         for kind in sorted(after)
@@ -170,11 +186,12 @@ def measure_round(arm: str, repeat: int, mesh: Mesh, concurrency: int, seconds: 
     return Round(
         arm=arm,
         repeat=repeat,
-        rps=round(result.rps, 1),
-        p50_ms=round(result.p50_ms, 2),
-        p99_ms=round(result.p99_ms, 2),
-        errors=result.errors,
+        rps=round(summary.ok / seconds, 1),
+        p50_ms=round(summary.p50_ms, 2),
+        p99_ms=round(summary.p99_ms, 2),
+        errors=summary.count - summary.ok,
         cpu_ms=cpu_ms,
+        codes=dict(Counter(o.code for o in measured if not o.ok)),
     )
 
 
@@ -287,6 +304,7 @@ class Report:
                 "p50_ms_median": round(statistics.median(r.p50_ms for r in rounds), 2),
                 "p99_ms_median": round(statistics.median(r.p99_ms for r in rounds), 2),
                 "errors": sum(r.errors for r in rounds),
+                "error_codes": dict(sum((Counter(r.codes) for r in rounds), Counter())),
                 "cpu_ms_per_predict": {
                     k: round(statistics.median(r.cpu_ms.get(k, 0.0) for r in rounds), 3)
                     for k in kinds
@@ -416,6 +434,9 @@ def print_report(summary: Mapping[str, object]) -> None:
             f"{sum(arm['cpu_ms_per_predict'].values()):.2f}",
         )
     console.print(table)
+    for name, arm in arms.items():
+        if arm["errors"]:
+            console.print(f"failed calls of {name}: {arm['error_codes']}")
     cpu = Table(title="CPU ms per Predict by process kind (median of the repeats)")
     for column in ("process", *arms, "observed - off"):
         cpu.add_column(column, justify="left" if column == "process" else "right")
