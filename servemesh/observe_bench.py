@@ -56,8 +56,12 @@ FRESHNESS_BUDGET_S = 2.0  # answer to trace in the store
 # How often the store is asked while a probe waits for its trace, and for how long.
 POLL_S = 0.01
 PROBE_TIMEOUT_S = 15.0
-# Each measurement's callers run this long before the measured window (no ramp-up dip).
+# Each measurement's callers run this long before the measured window (no ramp-up dip);
+# longer for a mesh just continued: measured at once, the observed mesh was 10-20% slower
+# in the rounds right after a pause than in the rounds without one (its catch-up on
+# timers, exports and flushes), the off mesh not.
 WARMUP_S = 1.0
+RESUMED_WARMUP_S = 5.0
 
 
 # --- the two meshes ------------------------------------------------------------------------
@@ -122,6 +126,8 @@ class Round:
     cpu_ms: dict[str, float]
     # Failed calls by status.
     codes: dict[str, int] = field(default_factory=dict)
+    # Whether the mesh was paused for the round before this one.
+    resumed: bool = False
 
 
 @contextmanager
@@ -163,18 +169,21 @@ def wait_answering(mesh: Mesh, timeout_s: float = 60.0) -> None:
                 time.sleep(0.05)
 
 
-def measure_round(arm: str, repeat: int, mesh: Mesh, concurrency: int, seconds: float) -> Round:
+def measure_round(
+    arm: str, repeat: int, mesh: Mesh, concurrency: int, seconds: float, resumed: bool
+) -> Round:
     entities = max(1, mesh.spec.demo.entities)
+    warmup_s = RESUMED_WARMUP_S if resumed else WARMUP_S
     wait_answering(mesh)
     before, started = cpu_by_kind(mesh), time.monotonic()
     run = asyncio.run(
         closed_loop(
             predict_target(dial_edge(mesh.spec), entities=entities, timeout_s=5.0),
-            ClosedLoop(workers=concurrency, duration_s=WARMUP_S + seconds),
+            ClosedLoop(workers=concurrency, duration_s=warmup_s + seconds),
         )
     )
     after, elapsed = cpu_by_kind(mesh), time.monotonic() - started
-    measured = run.window(WARMUP_S, WARMUP_S + seconds)
+    measured = run.window(warmup_s, warmup_s + seconds)
     summary = summarize(measured, seconds)
     # The warm-up's calls are not counted: scale the CPU to the measured window.
     answered = summary.ok * elapsed / seconds
@@ -192,6 +201,7 @@ def measure_round(arm: str, repeat: int, mesh: Mesh, concurrency: int, seconds: 
         errors=summary.count - summary.ok,
         cpu_ms=cpu_ms,
         codes=dict(Counter(o.code for o in measured if not o.ok)),
+        resumed=resumed,
     )
 
 
@@ -390,6 +400,7 @@ def bench_observe(
     )
     with _meshes(specs) as meshes:
         names = list(meshes)
+        last = ""
         for repeat in range(repeats):
             # Rotated each repeat: every mesh takes every place in turn (two meshes: AB BA).
             shift = repeat % len(names)
@@ -397,8 +408,11 @@ def bench_observe(
                 others = [m for name, m in meshes.items() if name != arm]
                 with paused(others):
                     report.rounds.append(
-                        measure_round(arm, repeat, meshes[arm], concurrency, seconds)
+                        measure_round(
+                            arm, repeat, meshes[arm], concurrency, seconds, resumed=arm != last
+                        )
                     )
+                last = arm
         if probes:
             observed = meshes[OBSERVED]
             load = probe_load_share * statistics.median(r.rps for r in report.arm(OBSERVED))
