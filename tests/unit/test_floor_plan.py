@@ -70,6 +70,8 @@ ALLOWED: dict[str, set[str]] = {
     # what runs meshes and measures them; the chaos suite is imported by the CLI alone
     "chaos": CONTRACT | TOOLING | {"launcher", "seeding", "services.runtime"},
     "bench": CONTRACT | TOOLING | {"launcher"},
+    # two meshes against each other, and the trace store read for a sampled trace
+    "observe_bench": CONTRACT | TOOLING | {"launcher", "tracestore"},
     # fuzzes a mesh of its own (launcher) through Envoy and straight to its replicas
     "fuzz": CONTRACT | TOOLING | {"launcher"},
     "model_bench": CONTRACT | TOOLING | SERVICES,
@@ -87,6 +89,7 @@ ALLOWED: dict[str, set[str]] = {
         "launcher",
         "chaos",
         "bench",
+        "observe_bench",
         "fuzz",
         "model_bench",
         "routes_cli",
