@@ -5,7 +5,8 @@ the status file), at two batch sizes.
     python -m tests.predlog.bench_writer [--rounds 20]
 
 A flush's batch is what one `flush_interval_ms` (500 ms) collects: 75 records at 150 req/s
-per gateway, 500 at 1,000. CPU is the whole process's (time.process_time: pyarrow encodes and compresses in threads of its own), medians.
+per gateway, 500 at 1,000. CPU is the whole process's (time.process_time, so that any
+thread pyarrow uses counts too), medians.
 """
 
 from __future__ import annotations
