@@ -197,7 +197,9 @@ class AdminClient:
         for status in data.get("cluster_statuses", []):
             view = ClusterView(name=status["name"])
             for host in status.get("host_statuses", []):
-                socket = host["address"]["socket_address"]
+                socket = host["address"].get("socket_address")
+                if socket is None:
+                    continue  # a Unix socket (the stats listener's way to the admin API)
                 health = host.get("health_status", {})
                 ejected = bool(health.get("failed_outlier_check"))
                 failed_check = bool(health.get("failed_active_health_check"))
