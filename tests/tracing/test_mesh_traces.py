@@ -7,10 +7,10 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterator
 
-import grpc
 import pytest
 
 from servemesh.cli import main
+from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
 from servemesh.tracestore.receiver import store_path
 from servemesh.tracestore.store import SpanRecord, TraceStore
@@ -48,7 +48,7 @@ def predict(mesh: Mesh, traced: bool, version: str = "") -> tuple[str, str | Non
     if trace_id:
         FORCED.add(trace_id)
     metadata = [("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01")] if traced else []
-    with grpc.insecure_channel(mesh.spec.edge_address) as channel:
+    with dial_edge(mesh.spec).channel() as channel:
         reply = gateway_pb2_grpc.GatewayStub(channel).Predict(
             gateway_pb2.PredictRequest(model="fraud", entity_ids=["user-7"], version=version),
             timeout=10,
