@@ -81,6 +81,7 @@ _HTTP_OPTIONS = _T + "extensions.upstreams.http.v3.HttpProtocolOptions"
 _HEADER_MUTATION = _T + "extensions.filters.http.header_mutation.v3.HeaderMutation"
 _UPSTREAM_CODEC = _T + "extensions.filters.http.upstream_codec.v3.UpstreamCodec"
 _FILE_LOG = _T + "extensions.access_loggers.file.v3.FileAccessLog"
+_UUID_REQUEST_ID = _T + "extensions.request_id.uuid.v3.UuidRequestIdConfig"
 _PREVIOUS_HOSTS = _T + "extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 _PREVIOUS_PRIORITIES = (
     _T + "extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig"
@@ -595,6 +596,16 @@ def _listener(
                             # not trusted: it would name another request in the logs); the
                             # mesh listeners keep the gateway's so one id follows a request.
                             "preserve_external_request_id": not edge,
+                            # An id is a name, never a carrier: Envoy's tracer would
+                            # otherwise rewrite a digit of it to mark its sampling choice,
+                            # and the gateway's id would not match the mesh listener's.
+                            "request_id_extension": {
+                                "typed_config": {
+                                    "@type": _UUID_REQUEST_ID,
+                                    "pack_trace_reason": False,
+                                    "use_request_id_for_trace_sampling": False,
+                                }
+                            },
                             # One spelling per path, so the control-call rule cannot be
                             # dodged with `//`, `.` segments or percent-encoding.
                             "normalize_path": True,
