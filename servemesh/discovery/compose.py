@@ -192,6 +192,8 @@ def render_compose(spec_path: Path, out: Path) -> Rendered:
     keys, token and Redis password are created once)."""
     spec = resolve(load_spec(spec_path))
     check_compose_spec(spec)
+    # Absolute: the certificates' paths in Envoy's SDS files are rewritten from it.
+    out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     state = out / "state"
     state.mkdir(exist_ok=True)

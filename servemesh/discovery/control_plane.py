@@ -10,17 +10,21 @@ tries again.
 
 from __future__ import annotations
 
+import argparse
 import logging
+import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 from servemesh.atomic import atomic_write_text
 from servemesh.discovery.catalog import Catalog, CatalogEntry, FileCatalog
 from servemesh.discovery.consul_catalog import ConsulCatalog
 from servemesh.discovery.endpoints import endpoint_files, write_endpoint_files
+from servemesh.proxy.apply import MeshPaths
 from servemesh.proxy.render import EnvoyResources, XdsLayout, render_resources
-from servemesh.spec import ResolvedSpec, ServiceKind
+from servemesh.spec import ResolvedSpec, ServiceKind, load_resolved
 
 log = logging.getLogger(__name__)
 
@@ -137,3 +141,30 @@ def mark_ready(path: Path) -> Callable[[], None]:
         atomic_write_text(path, "ready\n")
 
     return ready
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--spec", required=True, help="resolved mesh spec")
+    parser.add_argument("--ready-file", help="written once the first endpoint files are in place")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the control plane of the spec until SIGTERM or SIGINT."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    spec = load_resolved(args.spec)
+    layout = MeshPaths(Path(spec.state_dir)).xds
+    plane = ControlPlane(spec, catalog_for(spec), layout)
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        plane.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    ready = mark_ready(Path(args.ready_file)) if args.ready_file else None
+    print(f"control plane: {spec.discovery.backend} catalog -> {layout.root / 'eds'}", flush=True)
+    # The watch runs in a thread of its own, so this one stays free to take the signals.
+    runner = threading.Thread(target=plane.run, args=(ready,), name="control-plane")
+    runner.start()
+    while runner.is_alive():
+        runner.join(timeout=1.0)
+    return 0
