@@ -49,8 +49,25 @@ async def _probe(spec_path: str, instance: str) -> bool:
     return bool(serving)
 
 
+def instance_of_pid1(cmdline: Path = Path("/proc/1/cmdline")) -> str | None:
+    """The --instance a container's first process was started with (the image's health
+    check names no instance: the container's command does)."""
+    try:
+        argv = cmdline.read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for flag, value in zip(argv, argv[1:], strict=False):
+        if flag == b"--instance":
+            return value.decode()
+    return None
+
+
 def cmd_compose_probe(args: argparse.Namespace) -> int:
-    return 0 if asyncio.run(_probe(args.spec, args.instance)) else 1
+    instance = args.instance or instance_of_pid1()
+    if instance is None:
+        print("no --instance given, and the container's command names none", file=sys.stderr)
+        return 2
+    return 0 if asyncio.run(_probe(args.spec, instance)) else 1
 
 
 async def _seed(spec_path: str) -> None:
@@ -89,7 +106,7 @@ def add_compose_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignor
     init.set_defaults(func=cmd_compose_init)
     probe = verbs.add_parser("probe", help="a container's health check: is INSTANCE SERVING")
     probe.add_argument("--spec", required=True, help="resolved mesh spec")
-    probe.add_argument("--instance", required=True)
+    probe.add_argument("--instance", help="default: the container command's --instance")
     probe.set_defaults(func=cmd_compose_probe)
     seed = verbs.add_parser("seed", help="push the demo models and features (once, at start)")
     seed.add_argument("--spec", required=True, help="resolved mesh spec")
