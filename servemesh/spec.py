@@ -576,9 +576,7 @@ class MeshSpec(_Strict):
         known = {i.name for i in self.instances()} | {ENVOY_PART}
         unknown = sorted(set(self.discovery.hosts) - known)
         if unknown:
-            raise ValueError(
-                f"discovery.hosts: names no instance or {ENVOY_PART!r}: {unknown}"
-            )
+            raise ValueError(f"discovery.hosts: names no instance or {ENVOY_PART!r}: {unknown}")
         return self
 
     @model_validator(mode="after")

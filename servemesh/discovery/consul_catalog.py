@@ -95,7 +95,9 @@ def service_registration(spec: ResolvedSpec, instance: str, address: str) -> dic
     }
 
 
-def entries_of(spec: ResolvedSpec, kind: ServiceKind, nodes: list[dict[str, Any]]) -> list[CatalogEntry]:
+def entries_of(
+    spec: ResolvedSpec, kind: ServiceKind, nodes: list[dict[str, Any]]
+) -> list[CatalogEntry]:
     """The catalog entries of the spec's mesh in an answer of /v1/health/service/<kind>."""
     found = []
     for node in nodes:

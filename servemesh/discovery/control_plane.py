@@ -93,8 +93,9 @@ class ControlPlane:
         while not self._stop.is_set():
             with self._changed:
                 self._changed.wait_for(
-                    lambda: self._stop.is_set()
-                    or (self._dirty and len(self._seen) == len(self.kinds))
+                    lambda: (
+                        self._stop.is_set() or (self._dirty and len(self._seen) == len(self.kinds))
+                    )
                 )
                 if self._stop.is_set():
                     break

@@ -19,7 +19,13 @@ import yaml
 
 from servemesh.atomic import atomic_write_text
 from servemesh.discovery.catalog import CatalogEntry
-from servemesh.proxy.render import EnvoyResources, XdsLayout, ZoneEndpoint, load_assignment, xds_files
+from servemesh.proxy.render import (
+    EnvoyResources,
+    XdsLayout,
+    ZoneEndpoint,
+    load_assignment,
+    xds_files,
+)
 
 
 def load_assignments(

@@ -31,7 +31,9 @@ async def join_catalog(spec: ResolvedSpec, instance: str) -> Leave | None:
         raise OSError(f"{instance}: its host {host!r} does not resolve; cannot register")
     catalog = ConsulCatalog(spec)
     await asyncio.to_thread(catalog.register, instance, address)
-    log.info("registered in consul", extra={"address": address, "consul": spec.discovery.consul_address})
+    log.info(
+        "registered in consul", extra={"address": address, "consul": spec.discovery.consul_address}
+    )
 
     async def leave() -> None:
         await asyncio.to_thread(catalog.deregister, instance)

@@ -183,7 +183,9 @@ class GatewayHealth:
         needs = needs_of(spec)
         mesh = spec.mesh_address_for(self.zone)
         listener, features, models = await asyncio.gather(
-            accepts_connections(spec.host_of(ENVOY_PART), spec.mesh_ports[self.zone], self.timeout_s),
+            accepts_connections(
+                spec.host_of(ENVOY_PART), spec.mesh_ports[self.zone], self.timeout_s
+            ),
             self._count(spec, "feature", bool(needs.features)),
             self._count(spec, "model", bool(needs.models)),
         )

@@ -156,9 +156,7 @@ def test_hosts_place_parts_and_listen_host_is_what_binds() -> None:
     assert spec.edge_address.startswith("envoy:")
     assert spec.address_of("model-zone-a-0").startswith("127.0.0.1:")
     resources = render_resources(spec, Path("/logs"))
-    assert {ls["address"]["socket_address"]["address"] for ls in resources.listeners} == {
-        "0.0.0.0"
-    }
+    assert {ls["address"]["socket_address"]["address"] for ls in resources.listeners} == {"0.0.0.0"}
 
 
 def test_hosts_naming_an_unknown_part_is_refused_naming_the_field() -> None:
