@@ -66,7 +66,7 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
     server = registry_server(
         store,
         instance,
-        host=spec.host,
+        host=spec.listen_host,
         port=spec.port_of(instance),
         max_message_bytes=spec.limits.max_message_bytes,
         control_token=read_control_token(spec.state_dir),

@@ -19,6 +19,7 @@ from rich.table import Table
 from servemesh.apply_cli import add_apply_parser
 from servemesh.certs_cli import add_certs_parser
 from servemesh.chaos.cli import add_chaos_parser
+from servemesh.compose_cli import add_compose_parsers
 from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.features.cli import add_features_parser
 from servemesh.fuzz.cli import add_fuzz_parser
@@ -432,6 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_top_parser(sub)
     add_log_parser(sub)
     add_trace_parser(sub)
+    add_compose_parsers(sub)
 
     envoy = sub.add_parser("envoy-config", help="print the Envoy config a spec renders")
     envoy.add_argument("--spec")

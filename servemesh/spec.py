@@ -455,6 +455,38 @@ class TracingSpec(_Strict):
         return duration_seconds(self.retention.max_age)
 
 
+# The name `discovery.hosts` gives Envoy by (every other part is named by its instance).
+ENVOY_PART = "envoy"
+
+
+class DiscoverySpec(_Strict):
+    """Where Envoy finds the service instances, and where the parts listen and are reached."""
+
+    # file:   the spec's instances at their ports (what `servemesh up` runs).
+    # consul: every service registers itself in Consul with a gRPC health check over
+    #         mutual TLS, and leaves on drain; `servemesh control-plane` turns the catalog's
+    #         passing instances into Envoy's endpoint files (docs/multihost.md).
+    backend: Literal["file", "consul"] = "file"
+    # The Consul agent's HTTP API, host:port (plain HTTP: run the agent beside the services).
+    consul_address: Annotated[str, Field(pattern=r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$")] = (
+        "127.0.0.1:8500"
+    )
+    # A file whose first line is the Consul ACL token (null: no token).
+    consul_token_file: str | None = None
+    # How often Consul health-checks each instance, and how long one may fail its checks
+    # before Consul removes it (a replica that died without draining).
+    check_interval_s: Annotated[float, Field(ge=0.5, le=300)] = 2.0
+    deregister_after: Duration = "1m"
+    # The address services and Envoy bind; null: `host`. 0.0.0.0 inside a container,
+    # whose peers are other containers (every port still takes mesh certificates only).
+    listen_host: str | None = None
+    # Where a part is reached when it is not on `host`: instance name (or "envoy") to a
+    # host name or address, e.g. each container's name in docker-compose.yml.
+    hosts: dict[str, Annotated[str, Field(min_length=1, max_length=253)]] = Field(
+        default_factory=dict
+    )
+
+
 class Ports(_Strict):
     """Fixed listening ports; 0 picks a free port at start (what the tests use)."""
 
@@ -521,6 +553,7 @@ class MeshSpec(_Strict):
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     prediction_log: PredictionLogSpec = Field(default_factory=PredictionLogSpec)
     tracing: TracingSpec = Field(default_factory=TracingSpec)
+    discovery: DiscoverySpec = Field(default_factory=DiscoverySpec)
 
     @field_validator("host")
     @classmethod
@@ -538,6 +571,14 @@ class MeshSpec(_Strict):
                 raise ValueError(f"{service}.per_zone: names unknown zones {unknown}")
             if sum(replicas.per_zone.values()) < 1:
                 raise ValueError(f"{service}.per_zone: needs at least one replica")
+        return self
+
+    @model_validator(mode="after")
+    def _hosts_name_known_parts(self) -> MeshSpec:
+        known = {i.name for i in self.instances()} | {ENVOY_PART}
+        unknown = sorted(set(self.discovery.hosts) - known)
+        if unknown:
+            raise ValueError(f"discovery.hosts: names no instance or {ENVOY_PART!r}: {unknown}")
         return self
 
     @model_validator(mode="after")
@@ -667,20 +708,29 @@ class ResolvedSpec(MeshSpec):
         except KeyError:
             raise SpecError(f"no instance named {instance_name!r}") from None
 
+    def host_of(self, part: str) -> str:
+        """Where an instance (or Envoy, ENVOY_PART) is reached: discovery.hosts, else host."""
+        return self.discovery.hosts.get(part, self.host)
+
+    @property
+    def listen_host(self) -> str:
+        """The address services and Envoy bind: discovery.listen_host, else host."""
+        return self.discovery.listen_host or self.host
+
     def address_of(self, instance_name: str) -> str:
-        return f"{self.host}:{self.port_of(instance_name)}"
+        return f"{self.host_of(instance_name)}:{self.port_of(instance_name)}"
 
     def metrics_address_of(self, instance_name: str) -> str:
         """host:port of an instance's Prometheus /metrics endpoint."""
         port = self.metrics_ports.get(instance_name)
         if not port:
             raise SpecError(f"no instance named {instance_name!r}: it has no metrics port")
-        return f"{self.host}:{port}"
+        return f"{self.host_of(instance_name)}:{port}"
 
     @property
     def envoy_stats_address(self) -> str:
         """host:port of Envoy's stats listener (GET /stats/prometheus)."""
-        return f"{self.host}:{self.ports.envoy_stats}"
+        return f"{self.host_of(ENVOY_PART)}:{self.ports.envoy_stats}"
 
     @property
     def prometheus_address(self) -> str:
@@ -696,13 +746,13 @@ class ResolvedSpec(MeshSpec):
         """Where services of `zone` reach each other: that zone's Envoy mesh listener, whose
         clusters prefer endpoints in the same zone and fail over to the others."""
         try:
-            return f"{self.host}:{self.mesh_ports[zone]}"
+            return f"{self.host_of(ENVOY_PART)}:{self.mesh_ports[zone]}"
         except KeyError:
             raise SpecError(f"no zone named {zone!r}; zones: {self.zones}") from None
 
     @property
     def edge_address(self) -> str:
-        return f"{self.host}:{self.ports.edge}"
+        return f"{self.host_of(ENVOY_PART)}:{self.ports.edge}"
 
     @property
     def registry_instance(self) -> str:

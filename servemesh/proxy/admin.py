@@ -197,13 +197,20 @@ class AdminClient:
         for status in data.get("cluster_statuses", []):
             view = ClusterView(name=status["name"])
             for host in status.get("host_statuses", []):
-                socket = host["address"]["socket_address"]
+                where = host["address"]
+                # A Unix socket (the stats listener's route to the admin API) has a path.
+                socket = where.get("socket_address")
+                address = (
+                    f"{socket['address']}:{socket['port_value']}"
+                    if socket
+                    else str(where.get("pipe", {}).get("path", ""))
+                )
                 health = host.get("health_status", {})
                 ejected = bool(health.get("failed_outlier_check"))
                 failed_check = bool(health.get("failed_active_health_check"))
                 view.hosts.append(
                     HostHealth(
-                        address=f"{socket['address']}:{socket['port_value']}",
+                        address=address,
                         zone=host.get("locality", {}).get("zone", ""),
                         priority=int(host.get("priority", 0)),
                         healthy=health.get("eds_health_status", "HEALTHY") == "HEALTHY"

@@ -13,7 +13,8 @@ file swap, not a restart; `static_bootstrap` inlines the same resources into one
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from servemesh.policy import (
 from servemesh.proxy.admin import ADMIN_SOCKET_MODE, admin_socket_path
 from servemesh.proxy.tls import downstream_tls, upstream_tls
 from servemesh.proxy.tracing import collector_cluster, hcm_tracing, tracer_runtime
-from servemesh.spec import Instance, MeshSpec, ModelSpec, ResolvedSpec
+from servemesh.spec import Instance, MeshSpec, ModelSpec, ResolvedSpec, ServiceKind
 from servemesh.wire import (
     CONTROL_METHODS,
     ENVOY_ADMIN_CLUSTER,
@@ -81,6 +82,7 @@ _HTTP_OPTIONS = _T + "extensions.upstreams.http.v3.HttpProtocolOptions"
 _HEADER_MUTATION = _T + "extensions.filters.http.header_mutation.v3.HeaderMutation"
 _UPSTREAM_CODEC = _T + "extensions.filters.http.upstream_codec.v3.UpstreamCodec"
 _FILE_LOG = _T + "extensions.access_loggers.file.v3.FileAccessLog"
+_UUID_REQUEST_ID = _T + "extensions.request_id.uuid.v3.UuidRequestIdConfig"
 _PREVIOUS_HOSTS = _T + "extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 _PREVIOUS_PRIORITIES = (
     _T + "extensions.retry.priority.previous_priorities.v3.PreviousPrioritiesConfig"
@@ -143,6 +145,15 @@ def _policy_for(spec: MeshSpec, model: ModelSpec | None) -> RoutePolicy:
 
 
 @dataclass(frozen=True)
+class EndpointSet:
+    """Who a cluster's endpoints are: every instance of one service kind, the caller's
+    zone first (None: no zone is preferred)."""
+
+    kind: ServiceKind
+    local_zone: str | None
+
+
+@dataclass(frozen=True)
 class EnvoyResources:
     """Everything Envoy is told, as xDS resources plus the static parts of the bootstrap."""
 
@@ -150,18 +161,29 @@ class EnvoyResources:
     route_configs: dict[str, dict[str, Any]]
     clusters: list[dict[str, Any]]
     load_assignments: dict[str, dict[str, Any]]
+    # The clusters whose endpoints are service instances (a catalog may supply them).
+    endpoint_sets: dict[str, EndpointSet] = field(default_factory=dict)
 
 
 # --- clusters and endpoints --------------------------------------------------------------
 
 
-def _load_assignment(
-    spec: ResolvedSpec, name: str, members: list[Instance], local_zone: str | None
+@dataclass(frozen=True)
+class ZoneEndpoint:
+    """One endpoint of a cluster: an instance's address and port, and its zone."""
+
+    zone: str
+    address: str
+    port: int
+
+
+def load_assignment(
+    name: str, members: Iterable[ZoneEndpoint], local_zone: str | None
 ) -> dict[str, Any]:
     """One locality per zone; the caller's zone at priority 0, the others at priority 1."""
-    by_zone: dict[str, list[Instance]] = {}
-    for inst in members:
-        by_zone.setdefault(inst.zone, []).append(inst)
+    by_zone: dict[str, list[ZoneEndpoint]] = {}
+    for member in members:
+        by_zone.setdefault(member.zone, []).append(member)
     endpoints = []
     for zone, zone_members in sorted(by_zone.items()):
         endpoints.append(
@@ -169,12 +191,22 @@ def _load_assignment(
                 "locality": {"zone": zone},
                 "priority": 0 if local_zone is None or zone == local_zone else 1,
                 "lb_endpoints": [
-                    {"endpoint": {"address": _address(spec.host, spec.port_of(i.name))}}
-                    for i in zone_members
+                    {"endpoint": {"address": _address(m.address, m.port)}} for m in zone_members
                 ],
             }
         )
     return {"cluster_name": name, "endpoints": endpoints}
+
+
+def _load_assignment(
+    spec: ResolvedSpec, name: str, members: list[Instance], local_zone: str | None
+) -> dict[str, Any]:
+    """The cluster's endpoints as the spec places its instances (the file catalog)."""
+    return load_assignment(
+        name,
+        (ZoneEndpoint(i.zone, spec.host_of(i.name), spec.port_of(i.name)) for i in members),
+        local_zone,
+    )
 
 
 def _shadow_marking(version: str) -> list[dict[str, Any]]:
@@ -573,7 +605,7 @@ def _listener(
     ]
     return {
         "name": name,
-        "address": _address(spec.host, port),
+        "address": _address(spec.listen_host, port),
         "filter_chains": [
             {
                 **chain,
@@ -595,6 +627,16 @@ def _listener(
                             # not trusted: it would name another request in the logs); the
                             # mesh listeners keep the gateway's so one id follows a request.
                             "preserve_external_request_id": not edge,
+                            # An id is a name, never a carrier: Envoy's tracer would
+                            # otherwise rewrite a digit of it to mark its sampling choice,
+                            # and the gateway's id would not match the mesh listener's.
+                            "request_id_extension": {
+                                "typed_config": {
+                                    "@type": _UUID_REQUEST_ID,
+                                    "pack_trace_reason": False,
+                                    "use_request_id_for_trace_sampling": False,
+                                }
+                            },
                             # One spelling per path, so the control-call rule cannot be
                             # dodged with `//`, `.` segments or percent-encoding.
                             "normalize_path": True,
@@ -634,10 +676,11 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
 
     clusters: list[dict[str, Any]] = []
     assignments: dict[str, dict[str, Any]] = {}
+    endpoint_sets: dict[str, EndpointSet] = {}
 
     def add(
         name: str,
-        kind: str,
+        kind: ServiceKind,
         members: list[Instance],
         policy: RoutePolicy,
         local_zone: str | None,
@@ -660,6 +703,7 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
             }
         clusters.append(cluster)
         assignments[name] = _load_assignment(spec, name, members, local_zone)
+        endpoint_sets[name] = EndpointSet(kind, local_zone)
 
     add(GATEWAY_CLUSTER, "gateway", of("gateway"), spec.traffic.edge, None)
     add(REGISTRY_CLUSTER, "registry", of("registry"), spec.traffic.model, None)
@@ -759,6 +803,7 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
         route_configs=route_configs,
         clusters=clusters,
         load_assignments=assignments,
+        endpoint_sets=endpoint_sets,
     )
 
 
@@ -816,7 +861,7 @@ def _add_stats_listener(
     listeners.append(
         {
             "name": name,
-            "address": _address(spec.host, spec.ports.envoy_stats),
+            "address": _address(spec.listen_host, spec.ports.envoy_stats),
             "filter_chains": [
                 {
                     "filters": [

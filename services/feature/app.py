@@ -26,7 +26,7 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
     store = RedisFeatureStore(client, spec.feature_store.key_prefix)
     server = ServiceServer(
         instance,
-        host=spec.host,
+        host=spec.listen_host,
         port=spec.port_of(instance),
         max_message_bytes=spec.limits.max_message_bytes,
         control_token=read_control_token(spec.state_dir),

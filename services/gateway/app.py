@@ -37,7 +37,7 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
     mesh_channel = dial()
     server = ServiceServer(
         instance,
-        host=spec.host,
+        host=spec.listen_host,
         port=spec.port_of(instance),
         max_message_bytes=limit,
         control_token=read_control_token(spec.state_dir),

@@ -41,7 +41,7 @@ from servemesh.identity import OPERATOR_IDENTITY, dial_service
 from servemesh.services.runtime import ServiceServer
 from servemesh.services.runtime.dependencies import DependencyWatch, Verdict
 from servemesh.services.runtime.tracing import client_interceptors
-from servemesh.spec import MeshSpec, ModelSpec, ResolvedSpec
+from servemesh.spec import ENVOY_PART, MeshSpec, ModelSpec, ResolvedSpec
 from servemesh.wire import reconnect_backoff_options
 
 PROBE_INTERVAL_S = 0.5
@@ -183,7 +183,9 @@ class GatewayHealth:
         needs = needs_of(spec)
         mesh = spec.mesh_address_for(self.zone)
         listener, features, models = await asyncio.gather(
-            accepts_connections(spec.host, spec.mesh_ports[self.zone], self.timeout_s),
+            accepts_connections(
+                spec.host_of(ENVOY_PART), spec.mesh_ports[self.zone], self.timeout_s
+            ),
             self._count(spec, "feature", bool(needs.features)),
             self._count(spec, "model", bool(needs.models)),
         )

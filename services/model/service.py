@@ -104,7 +104,7 @@ async def build_server(
         instance,
         repository=servicer.repository,
         routed=routed_versions(spec),
-        host=spec.host,
+        host=spec.listen_host,
         port=port,
         max_message_bytes=spec.limits.max_message_bytes,
         interceptors=[ShadowRecorder(ledger, instance)],

@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from servemesh.discovery.registration import join_catalog
 from servemesh.services.runtime.faults import control_file
 from servemesh.services.runtime.live_spec import LiveSpec
 from servemesh.services.runtime.logs import configure_logging
@@ -37,6 +38,13 @@ def service_main(build: Builder, argv: list[str] | None = None) -> None:
         server.watch_faults(control_file(Path(spec.state_dir), args.instance))
         # `servemesh apply` rewrites this file; the builder's hooks follow it.
         server.follow_spec(live)
+        if spec.discovery.backend == "consul":
+            # Registered once it serves (Consul's first check then finds it listening);
+            # deregistered by the drain, after the last call has ended.
+            await server.start()
+            leave = await join_catalog(spec, args.instance)
+            if leave is not None:
+                server.on_stop(leave)
         return server
 
     run_service(build_and_watch)

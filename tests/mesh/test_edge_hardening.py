@@ -358,7 +358,9 @@ def test_admin_is_a_socket_in_a_private_directory_and_no_tcp_port(mesh: Mesh) ->
     assert stat.S_ISSOCK(admin.socket_path.stat().st_mode)
     assert admin.is_ready()
     listening = _listening_ports(mesh.pid("envoy"))
-    assert listening == {mesh.spec.ports.edge, *mesh.spec.mesh_ports.values()}
+    # The edge, the mesh listeners and the stats listener (GET /stats/prometheus only).
+    served = {mesh.spec.ports.edge, *mesh.spec.mesh_ports.values(), mesh.spec.ports.envoy_stats}
+    assert listening == served
     assert mesh.spec.ports.envoy_admin not in listening
 
 

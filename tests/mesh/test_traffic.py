@@ -253,8 +253,8 @@ def _host_requests(admin: AdminClient, address: str) -> int:
     total = 0
     for cluster in data["cluster_statuses"]:
         for host in cluster.get("host_statuses", []):
-            socket = host["address"]["socket_address"]
-            if f"{socket['address']}:{socket['port_value']}" == address:
+            socket = host["address"].get("socket_address")  # none: the admin's Unix socket
+            if socket and f"{socket['address']}:{socket['port_value']}" == address:
                 total += sum(
                     int(s.get("value", 0)) for s in host.get("stats", []) if s["name"] == "rq_total"
                 )

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import grpc
 import pytest
 
+from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
 from servemesh_api.gateway.v1 import gateway_pb2_grpc
 from tests.mesh.conftest import test_mesh_spec
@@ -21,5 +21,5 @@ def metrics_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 @pytest.fixture
 def edge(metrics_mesh: Mesh) -> Iterator[gateway_pb2_grpc.GatewayStub]:
-    with grpc.insecure_channel(metrics_mesh.spec.edge_address) as channel:
+    with dial_edge(metrics_mesh.spec).channel() as channel:
         yield gateway_pb2_grpc.GatewayStub(channel)

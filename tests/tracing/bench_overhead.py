@@ -1,5 +1,5 @@
 """CPU per call of tracing, in one process: a grpc.aio echo server and client on loopback,
-with every service's interceptors (server span, client span) in four settings.
+with every service's interceptors (server span, client span) in five settings.
 
     python -m tests.tracing.bench_overhead [--calls 2000] [--rounds 5]
 

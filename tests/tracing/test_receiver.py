@@ -19,15 +19,18 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import Link, SpanKind
 
+from servemesh.identity import OPERATOR_IDENTITY, TRACE_STORE_IDENTITY, dial_address
+from servemesh.identity.credentials import client_credentials, server_name_option
+from servemesh.identity.enroll import enrolled
 from servemesh.services.runtime import ServiceServer
-from servemesh.spec import MeshSpec, Ports, resolve
+from servemesh.spec import MeshSpec, Ports, ResolvedSpec, resolve
 from servemesh.tracestore.receiver import build_server, store_path
 from servemesh.tracestore.store import TraceStore
 from servemesh.wire import Span as SpanAttr
 
 
 @pytest.fixture
-async def receiver(tmp_path: Path) -> AsyncIterator[tuple[str, Path]]:
+async def receiver(tmp_path: Path) -> AsyncIterator[tuple[ResolvedSpec, Path]]:
     spec = resolve(
         MeshSpec(
             ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0), state_dir=str(tmp_path)
@@ -36,19 +39,29 @@ async def receiver(tmp_path: Path) -> AsyncIterator[tuple[str, Path]]:
     server: ServiceServer = await build_server(spec)
     await server.start()
     try:
-        yield spec.tracing.otlp_endpoint or "", store_path(tmp_path)
+        yield spec, store_path(tmp_path)
     finally:
         await server.drain()
 
 
+def _exporter(spec: ResolvedSpec) -> OTLPSpanExporter:
+    """An OTLP exporter as a service's: mutual TLS, checking the store's name."""
+    identity = enrolled(spec, OPERATOR_IDENTITY)
+    return OTLPSpanExporter(
+        spec.tracing.otlp_endpoint,
+        credentials=client_credentials(identity, OPERATOR_IDENTITY),
+        channel_options=(server_name_option(identity, TRACE_STORE_IDENTITY),),
+    )
+
+
 async def test_exported_spans_land_with_parents_links_and_attributes(
-    receiver: tuple[str, Path],
+    receiver: tuple[ResolvedSpec, Path],
 ) -> None:
-    endpoint, db = receiver
+    spec, db = receiver
     provider = TracerProvider(
         resource=Resource.create({"service.name": "gateway", "service.instance.id": "gw-0"})
     )
-    provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint, insecure=True)))
+    provider.add_span_processor(SimpleSpanProcessor(_exporter(spec)))
     tracer = provider.get_tracer("test")
 
     def record() -> tuple[str, str]:
@@ -78,8 +91,11 @@ async def test_exported_spans_land_with_parents_links_and_attributes(
         store.close()
 
 
-async def test_unreadable_spans_are_counted_and_not_stored(receiver: tuple[str, Path]) -> None:
-    endpoint, db = receiver
+async def test_unreadable_spans_are_counted_and_not_stored(
+    receiver: tuple[ResolvedSpec, Path],
+) -> None:
+    spec, db = receiver
+    endpoint = spec.tracing.otlp_endpoint or ""
     good = trace_pb2.Span(
         trace_id=bytes(range(16)), span_id=bytes(range(8)), name="ok", start_time_unix_nano=1
     )
@@ -92,7 +108,7 @@ async def test_unreadable_spans_are_counted_and_not_stored(receiver: tuple[str, 
             trace_pb2.ResourceSpans(scope_spans=[trace_pb2.ScopeSpans(spans=[good, *bad])])
         ]
     )
-    async with grpc.aio.insecure_channel(endpoint) as channel:
+    async with dial_address(spec, endpoint, TRACE_STORE_IDENTITY).aio_channel() as channel:
         answer = await trace_service_pb2_grpc.TraceServiceStub(channel).Export(request, timeout=5)
         assert answer.partial_success.rejected_spans == 2
         # A body that is not an export request at all: INVALID_ARGUMENT, and still serving.

@@ -47,7 +47,7 @@ ALLOWED: dict[str, set[str]] = {
     # the mesh's CA and certificates, and how every hop dials and serves TLS
     "identity": {"spec", "policy", "demo", "demo_model"},
     # the services: the runtime under them, the contract, and nothing that runs a mesh
-    "services.runtime": CONTRACT,
+    "services.runtime": CONTRACT | {"discovery"},  # a service joins the catalog
     "services.gateway": CONTRACT | {"services.runtime", "predlog"},
     "services.feature": CONTRACT | {"services.runtime"},
     "services.model": CONTRACT | {"services.runtime", "registry"},  # its artifact client
@@ -66,6 +66,9 @@ ALLOWED: dict[str, set[str]] = {
     "observe": CONTRACT | {"proxy"},
     # running a mesh
     "seeding": CONTRACT | {"registry", "services.feature"},
+    # the service catalog (file or Consul), the control plane that turns it into Envoy's
+    # endpoint files, and the docker-compose topology's rendered configs
+    "discovery": CONTRACT | {"proxy", "procs"},
     "launcher": CONTRACT | TOOLING | {"seeding"},
     # what runs meshes and measures them; the chaos suite is imported by the CLI alone
     "chaos": CONTRACT | TOOLING | {"launcher", "seeding", "services.runtime"},
@@ -79,6 +82,8 @@ ALLOWED: dict[str, set[str]] = {
     "certs_cli": CONTRACT | TOOLING,
     "apply_cli": CONTRACT | TOOLING,
     "log_cli": CONTRACT | TOOLING | {"predlog"},
+    # `servemesh control-plane` and `servemesh compose`: seeds the containers' registry
+    "compose_cli": CONTRACT | TOOLING | {"discovery", "seeding"},
     # loads a user's feature file through a running mesh's feature service (its row checks)
     "features": CONTRACT | {"proxy", "services.feature"},
     # pushes check and probe a model with the model server's own loader before uploading
@@ -99,6 +104,7 @@ ALLOWED: dict[str, set[str]] = {
         "models_cli",
         "log_cli",
         "tracestore",
+        "compose_cli",
     },
     "__main__": {"cli"},
     # development tools

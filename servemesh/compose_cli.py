@@ -1,0 +1,113 @@
+"""`servemesh control-plane` and `servemesh compose init|probe|seed` (docs/multihost.md)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from servemesh.discovery.compose import ComposeError, render_compose
+from servemesh.discovery.control_plane import add_arguments, run_from_args
+from servemesh.identity import OPERATOR_IDENTITY, dial_registry, dial_service
+from servemesh.seeding import SeedConflict, seed_demo
+from servemesh.spec import SpecError, load_resolved
+from servemesh.wire import message_size_options
+
+DEFAULT_COMPOSE_SPEC = Path("deploy/compose/mesh.yaml")
+DEFAULT_COMPOSE_OUT = Path("deploy/compose/rendered")
+PROBE_TIMEOUT_S = 3.0
+
+
+def cmd_compose_init(args: argparse.Namespace) -> int:
+    try:
+        rendered = render_compose(Path(args.spec), Path(args.out))
+    except (ComposeError, SpecError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    instances = len(rendered.spec.instances())
+    print(f"rendered {instances} instances' configs, certificates and secrets into {args.out}")
+    print(f"next: docker compose --env-file {args.out}/compose.env up --build")
+    return 0
+
+
+async def _probe(spec_path: str, instance: str) -> bool:
+    spec = load_resolved(spec_path)
+    # The instance's own certificate: the only one its container holds.
+    async with dial_service(spec, instance, caller=instance).aio_channel() as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            print(f"{instance}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return False
+    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+    print(f"{instance}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+    return bool(serving)
+
+
+def instance_of_pid1(cmdline: Path = Path("/proc/1/cmdline")) -> str | None:
+    """The --instance a container's first process was started with (the image's health
+    check names no instance: the container's command does)."""
+    try:
+        argv = cmdline.read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for flag, value in zip(argv, argv[1:], strict=False):
+        if flag == b"--instance":
+            return value.decode()
+    return None
+
+
+def cmd_compose_probe(args: argparse.Namespace) -> int:
+    instance = args.instance or instance_of_pid1()
+    if instance is None:
+        print("no --instance given, and the container's command names none", file=sys.stderr)
+        return 2
+    return 0 if asyncio.run(_probe(args.spec, instance)) else 1
+
+
+async def _seed(spec_path: str) -> None:
+    spec = load_resolved(spec_path)
+    options = message_size_options(spec.limits.max_message_bytes)
+    dial = dial_registry(spec, caller=OPERATOR_IDENTITY)
+    async with dial.aio_channel(options=options) as channel:
+        await seed_demo(spec, channel)
+
+
+def cmd_compose_seed(args: argparse.Namespace) -> int:
+    try:
+        asyncio.run(_seed(args.spec))
+    except SeedConflict as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print("seeded the demo models and features")
+    return 0
+
+
+def add_compose_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    plane = sub.add_parser(
+        "control-plane",
+        help="watch the service catalog (Consul, or the spec) and write Envoy's endpoint files",
+    )
+    add_arguments(plane)
+    plane.set_defaults(func=run_from_args)
+
+    compose = sub.add_parser("compose", help="the docker-compose topology (docs/multihost.md)")
+    verbs = compose.add_subparsers(dest="verb", required=True)
+    init = verbs.add_parser(
+        "init", help="render what docker-compose.yml mounts: configs, certificates, secrets"
+    )
+    init.add_argument("--spec", default=str(DEFAULT_COMPOSE_SPEC))
+    init.add_argument("--out", default=str(DEFAULT_COMPOSE_OUT))
+    init.set_defaults(func=cmd_compose_init)
+    probe = verbs.add_parser("probe", help="a container's health check: is INSTANCE SERVING")
+    probe.add_argument("--spec", required=True, help="resolved mesh spec")
+    probe.add_argument("--instance", help="default: the container command's --instance")
+    probe.set_defaults(func=cmd_compose_probe)
+    seed = verbs.add_parser("seed", help="push the demo models and features (once, at start)")
+    seed.add_argument("--spec", required=True, help="resolved mesh spec")
+    seed.set_defaults(func=cmd_compose_seed)

@@ -1,0 +1,210 @@
+"""What docker-compose.yml mounts, rendered from the compose spec: `servemesh compose init`.
+
+Inside every container the mesh's state dir is CONTAINER_STATE; the rendered folder holds
+the same tree on the Docker host, and docker-compose.yml binds each container only the
+parts it needs (its own certificate, the CA, the control token). Here:
+
+    mesh.yaml                   the resolved spec every container reads
+    compose.env                 the user id containers run as (the owner of the keys below)
+    envoy/envoy.yaml            Envoy's bootstrap; cds/ and rds/ its clusters and routes
+    prometheus/                 prometheus.yml (compose host names) and the SLI rules
+    consul/consul.json          the agent: one server, mesh TLS for its health checks
+    secrets/                    the Redis password and redis.conf (the same hardening as
+                                the embedded Redis)
+    state/control-token         the mesh's control credential
+    state/tls/                  the mesh CA's certificates (keys 0600, owner only)
+    state/xds/eds/              Envoy's endpoint files, written by the control plane
+    state/registry/, state/predictions/   the registry's store and the prediction log
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import yaml
+
+from servemesh.atomic import atomic_write_text
+from servemesh.control_credential import ensure_control_token
+from servemesh.identity import issue_mesh_certificates, mesh_identity
+from servemesh.identity.enroll import edge_names
+from servemesh.procs.prometheus import render_config, render_rules
+from servemesh.procs.redis_server import DISABLED_COMMANDS
+from servemesh.proxy.process import validate_config
+from servemesh.proxy.render import (
+    XdsLayout,
+    dynamic_bootstrap,
+    render_resources,
+    static_bootstrap,
+    xds_files,
+)
+from servemesh.spec import ResolvedSpec, dump_spec, load_spec, resolve
+
+# The state dir inside every container (the compose spec's `state_dir`).
+CONTAINER_STATE = Path("/var/lib/servemesh")
+# Where the Consul agent's own certificate (for its checks of the services) is issued.
+CONSUL_IDENTITY = "consul"
+CONSUL_TLS = Path("/consul/tls")
+PROMETHEUS_DIR = Path("/etc/prometheus")
+REDIS_PORT = 6379
+
+
+class ComposeError(ValueError):
+    """The compose spec cannot run in containers as it stands; the message says why."""
+
+
+@dataclass(frozen=True)
+class Rendered:
+    spec: ResolvedSpec
+    out: Path
+
+    @property
+    def state(self) -> Path:
+        return self.out / "state"
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> None:
+    atomic_write_text(path, text)
+    os.chmod(path, mode)
+
+
+def _dump(content: object) -> str:
+    return yaml.safe_dump(content, sort_keys=False)
+
+
+def check_compose_spec(spec: ResolvedSpec) -> None:
+    """Refuse a spec whose parts would not find each other across containers."""
+    problems = []
+    if Path(spec.state_dir) != CONTAINER_STATE:
+        problems.append(f"state_dir: must be {CONTAINER_STATE} (the containers' state dir)")
+    if spec.discovery.backend != "consul":
+        problems.append("discovery.backend: must be consul (the control plane feeds Envoy)")
+    if spec.discovery.listen_host != "0.0.0.0":
+        problems.append("discovery.listen_host: must be 0.0.0.0 (peers are other containers)")
+    unplaced = [i.name for i in spec.instances() if i.name not in spec.discovery.hosts]
+    if unplaced or "envoy" not in spec.discovery.hosts:
+        problems.append(f"discovery.hosts: name every instance and envoy; missing {unplaced}")
+    if spec.embedded_redis_port is not None or spec.embedded_trace_store_port is not None:
+        problems.append("feature_store.redis_url and tracing.otlp_endpoint: name the containers")
+    if spec.metrics.prometheus != "off":
+        problems.append("metrics.prometheus: must be off (Prometheus is a container of its own)")
+    if problems:
+        raise ComposeError("the compose spec cannot run in containers:\n  " + "\n  ".join(problems))
+
+
+def _issue_certificates(spec: ResolvedSpec, state: Path) -> None:
+    """Every identity's certificate, and the Consul agent's, in `state`/tls; Envoy's SDS
+    files then name the files where containers see them."""
+    local = spec.model_copy(update={"state_dir": str(state)})
+    issue_mesh_certificates(local)
+    identity = mesh_identity(local)
+    identity.ensure([CONSUL_IDENTITY], days=spec.tls.leaf_days, extra_names=edge_names(spec))
+    for sds in identity.sds_dir.glob("*.yaml"):
+        text = sds.read_text().replace(str(state), str(CONTAINER_STATE))
+        _write(sds, text, sds.stat().st_mode & 0o777)
+
+
+def _envoy(spec: ResolvedSpec, out: Path, state: Path) -> None:
+    """Envoy's bootstrap, clusters and routes as the container sees them; validated with
+    `envoy --mode validate` against the files here, every endpoint set empty (they come
+    from the control plane)."""
+    logs = CONTAINER_STATE / "logs"
+    resources = render_resources(spec, logs)
+    layout = XdsLayout(CONTAINER_STATE / "xds")
+    for path, content in xds_files(resources, layout, "1").items():
+        if path.parent.name == "eds":
+            continue  # the control plane's
+        _write(state / path.relative_to(CONTAINER_STATE), _dump(content))
+    (state / "xds" / "eds").mkdir(parents=True, exist_ok=True)
+    _write(out / "envoy" / "envoy.yaml", _dump(dynamic_bootstrap(spec, resources, layout, logs)))
+
+    empty = {name: {"cluster_name": name, "endpoints": []} for name in resources.endpoint_sets}
+    assignments = {**resources.load_assignments, **empty}
+    static = static_bootstrap(spec, replace(resources, load_assignments=assignments), logs)
+    text = _dump(static).replace(str(CONTAINER_STATE), str(state))
+    with tempfile.TemporaryDirectory() as scratch:
+        check = Path(scratch) / "envoy.static.yaml"
+        check.write_text(text)
+        (state / "logs").mkdir(exist_ok=True)
+        validate_config(check)
+
+
+def _prometheus(spec: ResolvedSpec, out: Path) -> None:
+    folder = out / "prometheus"
+    _write(folder / "prometheus.yml", _dump(render_config(spec, PROMETHEUS_DIR / "rules.yml")))
+    _write(folder / "rules.yml", _dump(render_rules()))
+
+
+def _redis(out: Path) -> None:
+    """The password (kept across runs) and a redis.conf with the embedded Redis's
+    hardening: a password, protected mode, no persistence, the dangerous commands gone."""
+    folder = out / "secrets"
+    folder.mkdir(parents=True, exist_ok=True)
+    password_file = folder / "redis-password"
+    if not password_file.exists():
+        _write(password_file, secrets.token_urlsafe(32) + "\n", 0o600)
+    password = password_file.read_text().strip()
+    quoted = '"' + password.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    lines = [
+        f"port {REDIS_PORT}",
+        # Other containers call it: every interface of its own container, password required.
+        "bind 0.0.0.0",
+        "protected-mode yes",
+        f"requirepass {quoted}",
+        'save ""',
+        "appendonly no",
+        "dir /tmp",
+        *(f'rename-command {command} ""' for command in DISABLED_COMMANDS),
+    ]
+    _write(folder / "redis.conf", "\n".join(lines) + "\n", 0o600)
+
+
+def _consul(spec: ResolvedSpec, out: Path) -> None:
+    leaf = CONSUL_TLS / CONSUL_IDENTITY / "current"
+    config = {
+        "server": True,
+        "bootstrap_expect": 1,
+        "datacenter": spec.name,
+        "data_dir": "/consul/data",
+        "client_addr": "0.0.0.0",
+        "ui_config": {"enabled": True},
+        # The agent's checks present its mesh certificate: every service port requires one.
+        "enable_agent_tls_for_checks": True,
+        "tls": {
+            "defaults": {
+                "ca_file": str(CONSUL_TLS / "trust.pem"),
+                "cert_file": str(leaf / "cert.pem"),
+                "key_file": str(leaf / "key.pem"),
+                "verify_incoming": False,
+                "verify_outgoing": False,
+            }
+        },
+    }
+    _write(out / "consul" / "consul.json", json.dumps(config, indent=2) + "\n")
+
+
+def render_compose(spec_path: Path, out: Path) -> Rendered:
+    """Render every file docker-compose.yml mounts into `out` (kept across runs: the CA,
+    keys, token and Redis password are created once)."""
+    spec = resolve(load_spec(spec_path))
+    check_compose_spec(spec)
+    # Absolute: the certificates' paths in Envoy's SDS files are rewritten from it.
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    state = out / "state"
+    state.mkdir(exist_ok=True)
+    ensure_control_token(state)
+    _issue_certificates(spec, state)
+    for folder in ("registry", "predictions"):
+        (state / folder).mkdir(exist_ok=True)
+    _write(out / "mesh.yaml", dump_spec(spec))
+    _envoy(spec, out, state)
+    _prometheus(spec, out)
+    _redis(out)
+    _consul(spec, out)
+    _write(out / "compose.env", f"SERVEMESH_UID={os.getuid()}\nSERVEMESH_GID={os.getgid()}\n")
+    return Rendered(spec, out)

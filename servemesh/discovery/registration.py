@@ -1,0 +1,42 @@
+"""A service joins the catalog once it serves, and leaves it when it drains.
+
+Called by every service's entry point when the spec's `discovery.backend` is `consul`;
+with the file catalog there is nothing to do (the spec is the catalog).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from servemesh.discovery.catalog import ip_of
+from servemesh.discovery.consul_catalog import ConsulCatalog
+from servemesh.spec import ResolvedSpec
+
+log = logging.getLogger(__name__)
+
+Leave = Callable[[], Awaitable[None]]
+
+
+async def join_catalog(spec: ResolvedSpec, instance: str) -> Leave | None:
+    """Register `instance` in the spec's catalog; returns the call that deregisters it
+    (None: the file catalog, nothing registered). Raises when Consul refuses or is
+    unreachable: an instance Envoy could never find should not look alive."""
+    if spec.discovery.backend != "consul":
+        return None
+    host = spec.host_of(instance)
+    address = ip_of(host)
+    if address is None:
+        raise OSError(f"{instance}: its host {host!r} does not resolve; cannot register")
+    catalog = ConsulCatalog(spec)
+    await asyncio.to_thread(catalog.register, instance, address)
+    log.info(
+        "registered in consul", extra={"address": address, "consul": spec.discovery.consul_address}
+    )
+
+    async def leave() -> None:
+        await asyncio.to_thread(catalog.deregister, instance)
+        log.info("deregistered from consul")
+
+    return leave

@@ -1,0 +1,203 @@
+"""docker-compose.yml checked for what the topology relies on, without a Docker engine.
+
+No engine and no `docker compose` plugin run here, so `docker compose config` cannot; this
+checks the file's structure with pydantic: what each service must have, that every
+dependency waits on a health check (or a finished one-shot), that every file it mounts is
+one `servemesh compose init` renders, that it mirrors the compose spec's instances, and
+that no secret is written inline.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from servemesh.compose_cli import instance_of_pid1
+from servemesh.discovery.compose import ComposeError, check_compose_spec, render_compose
+from servemesh.spec import ENVOY_PART, load_spec, resolve
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = REPO / "docker-compose.yml"
+COMPOSE_SPEC = REPO / "deploy" / "compose" / "mesh.yaml"
+RENDERED = "./deploy/compose/rendered/"
+
+
+class Healthcheck(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    test: list[str] | None = None
+    disable: bool = False
+    interval: str | None = None
+    timeout: str | None = None
+    retries: int | None = None
+    start_period: str | None = None
+
+    @model_validator(mode="after")
+    def _a_command_or_disabled(self) -> Healthcheck:
+        if not self.disable and not (self.test and self.test[0] in {"CMD", "CMD-SHELL"}):
+            raise ValueError("healthcheck.test: CMD or CMD-SHELL, or disable: true")
+        return self
+
+
+class Dependency(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    condition: Literal["service_healthy", "service_completed_successfully"]
+
+
+class Service(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    image: str | None = None
+    build: str | None = None
+    healthcheck: Healthcheck | None = None
+    depends_on: dict[str, Dependency] = Field(default_factory=dict)
+    volumes: list[str] = Field(default_factory=list)
+    networks: list[str] | dict[str, object] = Field(default_factory=list)
+    secrets: list[str] = Field(default_factory=list)
+    environment: dict[str, str] = Field(default_factory=dict)
+    restart: str | None = None
+    ports: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _runnable(self) -> Service:
+        if self.image is None and self.build is None:
+            raise ValueError("image or build: one is needed")
+        return self
+
+
+class ComposeFile(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    services: dict[str, Service]
+    networks: dict[str, object]
+    volumes: dict[str, object] = Field(default_factory=dict)
+    secrets: dict[str, dict[str, str]] = Field(default_factory=dict)
+
+
+def _compose() -> ComposeFile:
+    return ComposeFile.model_validate(yaml.safe_load(COMPOSE.read_text()))
+
+
+def _one_shots(compose: ComposeFile) -> set[str]:
+    return {name for name, s in compose.services.items() if s.restart == "no"}
+
+
+def test_every_service_has_an_image_and_a_health_check_unless_it_runs_once() -> None:
+    compose = _compose()
+    for name, service in compose.services.items():
+        if name in _one_shots(compose):
+            continue
+        assert service.healthcheck is not None and not service.healthcheck.disable, name
+
+
+def test_every_dependency_waits_for_a_health_check_or_a_finished_one_shot() -> None:
+    compose = _compose()
+    one_shots = _one_shots(compose)
+    for name, service in compose.services.items():
+        for dependency, wait in service.depends_on.items():
+            assert dependency in compose.services, f"{name} depends on unknown {dependency}"
+            if wait.condition == "service_completed_successfully":
+                assert dependency in one_shots, f"{name}: {dependency} never completes"
+            else:
+                target = compose.services[dependency]
+                assert target.healthcheck is not None and not target.healthcheck.disable, (
+                    f"{name} waits for {dependency}, which has no health check"
+                )
+
+
+def test_the_dependencies_have_no_cycle() -> None:
+    compose = _compose()
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"cycle: {' -> '.join((*path, name))}"
+        if name in done:
+            return
+        for dependency in compose.services[name].depends_on:
+            visit(dependency, (*path, name))
+        done.add(name)
+
+    for name in compose.services:
+        visit(name, ())
+
+
+def test_networks_volumes_and_secrets_used_are_declared() -> None:
+    compose = _compose()
+    for name, service in compose.services.items():
+        networks = (
+            service.networks if isinstance(service.networks, list) else list(service.networks)
+        )
+        assert set(networks) <= set(compose.networks), name
+        for secret in service.secrets:
+            assert secret in compose.secrets, f"{name}: undeclared secret {secret}"
+        for volume in service.volumes:
+            source = volume.split(":")[0]
+            if not source.startswith("."):
+                assert source in compose.volumes, f"{name}: undeclared volume {source}"
+
+
+def test_it_mirrors_the_compose_spec_every_instance_a_service_of_its_name() -> None:
+    spec = resolve(load_spec(COMPOSE_SPEC))
+    check_compose_spec(spec)
+    compose = _compose()
+    for inst in spec.instances():
+        assert spec.host_of(inst.name) == inst.name
+        command = compose.services[inst.name].model_extra["command"]  # type: ignore[index]
+        assert command[-2:] == ["--instance", inst.name]
+    assert spec.host_of(ENVOY_PART) in compose.services
+    assert spec.tracing.otlp_endpoint is not None
+    jaeger = compose.services["jaeger"].networks
+    assert isinstance(jaeger, dict)
+    assert spec.tracing.otlp_endpoint.split(":")[0] == jaeger["mesh"]["ipv4_address"]  # type: ignore[index]
+    assert compose.services["envoy"].image == "envoyproxy/envoy:v1.40.0"
+
+
+def test_no_secret_is_written_inline() -> None:
+    text = COMPOSE.read_text()
+    assert not re.search(r"(?i)(password|token|secret)\s*[:=]\s*['\"]?\w{8,}", text)
+    for secret in _compose().secrets.values():
+        assert set(secret) == {"file"} and secret["file"].startswith(RENDERED)
+
+
+def test_every_mounted_file_is_one_compose_init_renders(tmp_path: Path) -> None:
+    out = tmp_path / "rendered"
+    render_compose(COMPOSE_SPEC, out)
+    compose = _compose()
+    sources = [v.split(":")[0] for s in compose.services.values() for v in s.volumes]
+    sources += [s["file"] for s in compose.secrets.values()]
+    for source in sources:
+        if source.startswith(RENDERED):
+            assert (out / source.removeprefix(RENDERED)).exists(), source
+    # Private keys stay owner-only; Envoy's SDS files name where the containers see them.
+    key = out / "state" / "tls" / "gateway-zone-a-0" / "current" / "key.pem"
+    assert key.stat().st_mode & 0o077 == 0
+    assert str(out) not in (out / "state" / "tls" / "sds" / "envoy.yaml").read_text()
+    # The hardening of the embedded Redis, and no persistence.
+    conf = (out / "secrets" / "redis.conf").read_text()
+    assert "protected-mode yes" in conf and 'rename-command FLUSHALL ""' in conf
+    assert (out / "secrets" / "redis.conf").stat().st_mode & 0o077 == 0
+
+
+def test_a_spec_that_cannot_run_in_containers_is_refused_naming_the_fields() -> None:
+    with pytest.raises(ComposeError, match=r"discovery\.backend.*\n.*listen_host"):
+        check_compose_spec(resolve(load_spec(REPO / "mesh.yaml")))
+
+
+def test_the_image_installs_every_package_of_the_tree() -> None:
+    listed = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    for init in (REPO / "servemesh").rglob("__init__.py"):
+        package = ".".join(init.parent.relative_to(REPO).parts)
+        assert package in listed, f"pyproject.toml packages lacks {package}"
+
+
+def test_the_probe_finds_the_instance_in_the_container_s_command(tmp_path: Path) -> None:
+    cmdline = tmp_path / "cmdline"
+    cmdline.write_bytes(b"python\0-m\0servemesh.services.model\0--instance\0model-zone-a-0\0")
+    assert instance_of_pid1(cmdline) == "model-zone-a-0"
+    cmdline.write_bytes(b"servemesh\0compose\0seed\0")
+    assert instance_of_pid1(cmdline) is None
