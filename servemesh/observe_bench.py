@@ -43,7 +43,7 @@ from servemesh.spec import MeshSpec, Ports, ResolvedSpec, load_spec
 from servemesh.tracestore.cli import new_traceparent
 from servemesh.tracestore.receiver import store_path
 from servemesh.tracestore.store import SpanRecord, TraceStore
-from servemesh.wire import TRACE_HEADERS
+from servemesh.wire import GATEWAY_SERVICE, OIP_SERVICE, TRACE_HEADERS
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 OBSERVED = "observed"
@@ -212,9 +212,9 @@ def measure_round(
 WHOLE_TRACE = frozenset(
     {
         ("envoy-edge", "ingress"),
-        ("gateway", "servemesh.gateway.v1.Gateway/Predict"),
+        ("gateway", f"{GATEWAY_SERVICE}/Predict"),
         ("feature", "redis MGET"),
-        ("model", "inference.GRPCInferenceService/ModelInfer"),
+        ("model", f"{OIP_SERVICE}/ModelInfer"),
         ("model", "batch"),
     }
 )
