@@ -372,7 +372,9 @@ def render(report: TopReport) -> Any:
             )
         parts.append(table)
     cost = report.cost
-    if cost is not None:
+    if cost is not None and cost.as_dict()["cpu_seconds_per_million"] is None:
+        parts.append("cost: - (no predictions answered in the window)")
+    elif cost is not None:
         per_million = cost.as_dict()
         parts.append(
             f"cost: {per_million['cpu_seconds_per_million']} CPU-s per million predictions "
