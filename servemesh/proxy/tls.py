@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from servemesh.identity.authority import spiffe_id
-from servemesh.identity.enroll import EDGE_IDENTITY, ENVOY_IDENTITY
+from servemesh.identity.enroll import EDGE_IDENTITY, ENVOY_IDENTITY, mesh_identity
 from servemesh.identity.store import TRUST_SECRET, MeshIdentity
 from servemesh.spec import MeshSpec
 
@@ -33,14 +33,10 @@ def _sds(identity: MeshIdentity, secret: str) -> dict[str, Any]:
     }
 
 
-def _identity(spec: MeshSpec) -> MeshIdentity:
-    return MeshIdentity(spec.state_dir, spec.name)
-
-
 def downstream_tls(spec: MeshSpec, *, edge: bool) -> dict[str, Any]:
     """A listener's TLS: the edge shows the edge certificate and asks callers for none (they
     authenticate at the edge's auth filter); a mesh listener accepts only mesh certificates."""
-    identity = _identity(spec)
+    identity = mesh_identity(spec)
     context: dict[str, Any] = {
         "@type": _TLS + "DownstreamTlsContext",
         "common_tls_context": {
@@ -62,7 +58,7 @@ def downstream_tls(spec: MeshSpec, *, edge: bool) -> dict[str, Any]:
 def upstream_tls(spec: MeshSpec, service_kind: str) -> dict[str, Any]:
     """A cluster's TLS to the replicas of one service kind: Envoy shows its own certificate
     and accepts only a replica whose certificate names an instance of that kind."""
-    identity = _identity(spec)
+    identity = mesh_identity(spec)
     prefix = spiffe_id(f"{service_kind}-", spec.name)
     return {
         "name": "envoy.transport_sockets.tls",

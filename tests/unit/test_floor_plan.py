@@ -45,7 +45,7 @@ ALLOWED: dict[str, set[str]] = {
     # the control credential: services check it, every control caller sends it
     "control_credential": {"wire"},
     # the mesh's CA and certificates, and how every hop dials and serves TLS
-    "identity": {"spec", "policy", "demo", "demo_model"},
+    "identity": {"spec", "policy", "demo", "demo_model", "atomic"},
     # the services: the runtime under them, the contract, and nothing that runs a mesh
     "services.runtime": CONTRACT | {"discovery"},  # a service joins the catalog
     "services.gateway": CONTRACT | {"services.runtime", "predlog"},
