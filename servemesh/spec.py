@@ -7,7 +7,6 @@ spec: the defaults below are the demo mesh that `servemesh up` runs.
 
 from __future__ import annotations
 
-import re
 import socket
 from collections import Counter
 from pathlib import Path
@@ -24,7 +23,9 @@ from pydantic import (
 )
 
 from servemesh.demo import DEMO_FEATURES, DEMO_SOURCE_PREFIX
+from servemesh.durations import Duration, duration_seconds
 from servemesh.policy import RoutePolicy, ShadowSpec, StrictModel, TrafficSpec
+from servemesh.rollout_plan import RolloutSpec
 
 ZoneName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,30}$")]
 Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
@@ -247,17 +248,6 @@ class Deadlines(_Strict):
     hop_budget_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
     # Deadline applied to calls that arrive without one.
     default_timeout_ms: Annotated[float, Field(gt=0, le=600_000)] = 5000.0
-
-
-# A duration such as "90s", "15m", "24h", "7d" or "1h30m" (ms, s, m, h, d).
-Duration = Annotated[str, Field(pattern=r"^(\d+(ms|s|m|h|d))+$")]
-_DURATION_PART = re.compile(r"(\d+)(ms|s|m|h|d)")
-_DURATION_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def duration_seconds(text: str) -> float:
-    """Seconds in a Duration ("1h30m" is 5400.0)."""
-    return sum(int(n) * _DURATION_UNIT_S[unit] for n, unit in _DURATION_PART.findall(text))
 
 
 class FeatureViewSpec(_Strict):
@@ -554,6 +544,7 @@ class MeshSpec(_Strict):
     prediction_log: PredictionLogSpec = Field(default_factory=PredictionLogSpec)
     tracing: TracingSpec = Field(default_factory=TracingSpec)
     discovery: DiscoverySpec = Field(default_factory=DiscoverySpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
 
     @field_validator("host")
     @classmethod

@@ -15,10 +15,11 @@ from typing import Any
 
 import duckdb
 
+from servemesh.durations import duration_seconds
 from servemesh.predlog.buffer import STATUS_FILE, predictions_dir
 from servemesh.predlog.parquet_store import expire_files, live_files
 from servemesh.predlog.record import COLUMNS
-from servemesh.spec import PredictionLogSpec, duration_seconds
+from servemesh.spec import PredictionLogSpec
 
 _SINCE = re.compile(r"^(\d+(ms|s|m|h|d))+$")
 

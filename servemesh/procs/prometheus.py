@@ -19,9 +19,10 @@ from typing import Any
 
 import yaml
 
+from servemesh.durations import duration_seconds
 from servemesh.procs.ready import Check
 from servemesh.procs.supervisor import Child, Supervisor
-from servemesh.spec import ResolvedSpec, duration_seconds
+from servemesh.spec import ResolvedSpec
 from servemesh.wire import ENVOY_STATS_PATH, SLI_FAILURE_CODES
 
 NAME = "prometheus"

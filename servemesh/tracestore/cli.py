@@ -11,7 +11,8 @@ from typing import Any
 
 from rich.console import Console
 
-from servemesh.spec import SpecError, duration_seconds, load_spec
+from servemesh.durations import duration_seconds
+from servemesh.spec import SpecError, load_spec
 from servemesh.tracestore.receiver import store_path
 from servemesh.tracestore.store import TraceStore
 from servemesh.tracestore.waterfall import slowest_table, waterfall

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from servemesh.demo import DEMO_FEATURES
-from servemesh.spec import FeatureViewSpec, MeshSpec, SpecError, duration_seconds, parse_spec
+from servemesh.durations import duration_seconds
+from servemesh.spec import FeatureViewSpec, MeshSpec, SpecError, parse_spec
 
 
 def test_the_default_spec_has_the_demo_user_view() -> None:

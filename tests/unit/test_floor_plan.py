@@ -20,6 +20,8 @@ CONTRACT = {
     "wire",
     "spec",
     "policy",
+    "durations",
+    "rollout_plan",
     "demo",
     "demo_model",
     "atomic",
@@ -39,7 +41,10 @@ ALLOWED: dict[str, set[str]] = {
     "demo": {"demo_model"},  # torch only when a demo model is built
     "demo_model": set(),
     "policy": set(),
-    "spec": {"demo", "policy"},
+    "durations": set(),
+    # what a rollout follows: its steps, analysis, checklist, SLOs and freeze windows
+    "rollout_plan": {"durations", "policy"},
+    "spec": {"demo", "policy", "durations", "rollout_plan"},
     # does a model's spec entry fit an artifact's signature (apply, loader, gateway)
     "model_contract": {"spec", "wire"},
     # the control credential: services check it, every control caller sends it
@@ -82,6 +87,8 @@ ALLOWED: dict[str, set[str]] = {
     "certs_cli": CONTRACT | TOOLING,
     "apply_cli": CONTRACT | TOOLING,
     "log_cli": CONTRACT | TOOLING | {"predlog"},
+    # `servemesh rollout`: the controller, its analysis, checklist and gates
+    "rollout": CONTRACT | TOOLING,
     # `servemesh control-plane` and `servemesh compose`: seeds the containers' registry
     "compose_cli": CONTRACT | TOOLING | {"discovery", "seeding"},
     # loads a user's feature file through a running mesh's feature service (its row checks)
@@ -105,6 +112,7 @@ ALLOWED: dict[str, set[str]] = {
         "log_cli",
         "tracestore",
         "compose_cli",
+        "rollout",
     },
     "__main__": {"cli"},
     # development tools
