@@ -361,7 +361,7 @@ class PredictionLogSpec(_Strict):
     # rather than slowing or failing a request.
     buffer_records: Annotated[int, Field(ge=1, le=10_000_000)] = 10_000
     # The writer flushes every this many ms, or sooner once flush_records are waiting.
-    flush_interval_ms: Annotated[float, Field(ge=10, le=600_000)] = 500.0
+    flush_interval_ms: Annotated[float, Field(ge=10, le=600_000)] = 2000.0
     flush_records: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
     # Records older than this are deleted, by the writers and by `servemesh log` itself.
     retention: Duration = "7d"
