@@ -120,7 +120,7 @@ GATEWAY_TEXT = """
 servemesh_gateway_predictions_total{model="fraud",version="v1",degraded="false",code="OK"} 900
 servemesh_gateway_predictions_total{model="fraud",version="fallback",degraded="true",code="OK"} 4
 servemesh_gateway_predictions_total{model="fraud",version="v2",degraded="false",code="INTERNAL"} 6
-servemesh_gateway_predictions_total{model="fraud",version="",degraded="false",code="INVALID_ARGUMENT"} 90
+servemesh_gateway_predictions_total{model="fraud",version="",code="INVALID_ARGUMENT"} 90
 servemesh_gateway_predictions_total{model="wine",version="v1",degraded="false",code="INTERNAL"} 50
 # TYPE servemesh_gateway_predict_duration_seconds histogram
 servemesh_gateway_predict_duration_seconds_bucket{model="fraud",version="v1",le="0.1"} 980
