@@ -230,4 +230,10 @@ def test_a_spent_budget_refuses_from_prometheus_and_from_the_gateways_counters(
     assert "from the gateways' counters since start (" in counters.detail
     assert "Prometheus is not running" in counters.detail
     assert "burn since start: availability " in counters.detail
+    # A Prometheus named but silent: the counters again, saying why.
+    (elsewhere / "endpoints.json").write_text(json.dumps({"prometheus": "127.0.0.1:1"}))
+    silent = error_budget_item(mesh.spec.model_copy(update={"state_dir": str(elsewhere)}), "fraud")
+    assert not silent.ok
+    assert "since start" in silent.detail
+    assert "Prometheus at 127.0.0.1:1 did not answer (" in silent.detail
     assert _routes(mesh) == before  # refused by reading, nothing changed
