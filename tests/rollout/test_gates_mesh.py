@@ -133,6 +133,12 @@ def test_a_version_unknown_to_the_registry_and_a_freeze_fail(mesh: Mesh) -> None
     assert _routes(mesh) == before  # the gates only read
 
 
+async def test_preflight_works_from_a_caller_with_its_own_event_loop(mesh: Mesh) -> None:
+    items = preflight(mesh.spec, "fraud", "v1", RolloutPlan(), now=WEDNESDAY, overrides={})
+    integrity = _by_name(items)["artifact_integrity"]
+    assert integrity.ok and integrity.detail.startswith("fraud/v1 sha256 ")
+
+
 def _record(spec: ResolvedSpec, version: str) -> registry_pb2.ModelVersion:
     with dial_registry(spec).channel() as channel:
         stub = registry_pb2_grpc.RegistryStub(channel)
