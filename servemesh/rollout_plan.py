@@ -129,6 +129,14 @@ class FreezeWindow(StrictModel):
     end: WeeklyMoment
     reason: str = "weekly freeze"
 
+    @model_validator(mode="after")
+    def _not_empty(self) -> FreezeWindow:
+        # An end before the start wraps the week (fri -> mon); an equal one would be either
+        # nothing or the whole week, so it is refused rather than guessed.
+        if _clock(self.start) == _clock(self.end):
+            raise ValueError(f"end: {self.end!r} is the same moment as start {self.start!r}")
+        return self
+
 
 class FreezeSpec(StrictModel):
     timezone: str = "UTC"
@@ -155,6 +163,10 @@ class RolloutSpec(StrictModel):
     # Per model; a model without an entry has no error-budget gate.
     slos: dict[str, SloSpec] = Field(default_factory=dict)
     freeze: FreezeSpec = Field(default_factory=FreezeSpec)
+
+
+def _clock(moment: str) -> tuple[int, str]:
+    return weekday_index(moment), moment.split()[1]
 
 
 def weekday_index(moment: str) -> int:

@@ -136,6 +136,25 @@ SLI_FAILURE_CODES: Final = (
     "DATA_LOSS",
     "UNIMPLEMENTED",
 )
+# Upper bounds (seconds) of every service's latency histograms (servemesh_rpc_duration_seconds,
+# servemesh_gateway_predict_duration_seconds, ...): the `le` labels Prometheus stores, from
+# which the SLO rules count the calls slower than a model's p99 objective.
+LATENCY_BUCKETS_S: Final = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 # --- Envoy cluster and route names -----------------------------------------------------------
 
