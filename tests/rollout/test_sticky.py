@@ -1,11 +1,16 @@
-"""Sticky assignment through a real mesh: the gateway's bucket header, Envoy's bucket-range
-routes, the per-version counters the analysis reads (from Prometheus and from the gateways'
-own /metrics, which must agree), and a failed call counted against the version it reached.
+"""Sticky assignment and the analysis's readings through a real mesh: the gateway's bucket
+header, Envoy's bucket-range routes and `routes show`, the per-version counters the analysis
+reads (from Prometheus and from the gateways' own /metrics, which must agree), a failed call
+counted against the version it reached, and the shadow step judged from what the replicas
+recorded.
 
 One mesh for the module (Prometheus included, scraping every half second)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,17 +19,21 @@ import pytest
 
 from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
+from servemesh.observe.scrape import sample, scrape
 from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_view import live_view
 from servemesh.proxy.render import bucket_ranges
 from servemesh.rollout.analysis import (
+    MODEL_CALLS,
     ArmSnapshot,
     EndpointsSource,
     PrometheusSource,
     arm_source,
+    judge,
     window,
 )
+from servemesh.rollout_plan import AnalysisSpec
 from servemesh.services.gateway.predict import sticky_bucket
 from servemesh.services.runtime.faults import FaultSettings, set_fault
 from servemesh.spec import MeshSpec, MetricsSpec, ModelSpec, ModelVersionSpec, Ports
@@ -44,8 +53,10 @@ def sticky_spec(state_dir: str) -> MeshSpec:
                 versions={
                     "v1": ModelVersionSpec(source="demo:1"),
                     "v2": ModelVersionSpec(source="demo:2"),
+                    # v1's model made 100 ms slower: only its latency differs.
+                    "v3": ModelVersionSpec(source="demo:1", inject_latency_ms=100),
                 },
-                traffic={"v1": 75, "v2": 25},
+                traffic={"v1": 75, "v2": 25, "v3": 0},
             )
         },
         demo={"enabled": True, "entities": ENTITIES},
@@ -96,20 +107,63 @@ def _expected(weights: dict[str, int]) -> dict[str, str]:
     return found
 
 
+def test_a_failed_call_is_counted_against_the_version_envoy_routed_it_to(
+    mesh: Mesh, routes: RouteManager, stub: gateway_pb2_grpc.GatewayStub
+) -> None:
+    """The replica's error names no version; Envoy's answer header does, so the gateway
+    counts each failure against the version of the entity's bucket. First in the module,
+    while the spec is the one the mesh started with: a spec change makes the gateways learn
+    the model's signature again, a call the faulty replicas would fail before ModelInfer."""
+    admin = routes.admin
+
+    def every_gateway_learned_the_signature() -> bool:
+        assert set(_versions(stub, IDS[:8])) <= {"v1", "v2"}
+        return all(
+            sample(scrape(mesh.spec.metrics_address_of(i.name)), MODEL_CALLS) > 0
+            for i in mesh.spec.instances()
+            if i.service == "gateway"
+        )
+
+    wait_until(every_gateway_learned_the_signature, "a model call through every gateway")
+    direct = EndpointsSource(mesh.spec)
+    replicas = [i.name for i in mesh.spec.instances() if i.service == "model"]
+    before = direct.snapshot("fraud", shadow=False)
+    try:
+        for name in replicas:
+            set_fault(mesh.state_dir, name, FaultSettings(error_percent=100, error_code="INTERNAL"))
+        answered = _versions(stub, IDS[:300])
+    finally:
+        for name in replicas:
+            set_fault(mesh.state_dir, name, None)
+        # Outlier detection ejected failing hosts; the next tests start with every host back.
+        wait_until(
+            lambda: all(h.healthy for c in admin.clusters().values() for h in c.hosts),
+            "every host of every cluster healthy again",
+        )
+    assert set(answered) == {"INTERNAL"}
+    expected = _expected({"v1": 75, "v2": 25, "v3": 0})
+    arms = window(before, direct.snapshot("fraud", shadow=False))
+    for version in ("v1", "v2"):
+        calls = sum(expected[e] == version for e in IDS[:300])
+        assert (arms[version].requests, arms[version].errors) == (calls, calls), {
+            v: (a.requests, a.errors) for v, a in arms.items()
+        }
+
+
 def test_every_entity_keeps_its_version_at_50_percent_and_the_split_is_even(
     mesh: Mesh, routes: RouteManager, stub: gateway_pb2_grpc.GatewayStub
 ) -> None:
     at_25 = dict(zip(IDS, _versions(stub, IDS), strict=True))
     assert set(at_25.values()) == {"v1", "v2"}, set(at_25.values())
-    assert at_25 == _expected({"v1": 75, "v2": 25})
+    assert at_25 == _expected({"v1": 75, "v2": 25, "v3": 0})
 
-    routes.set_weights("fraud", {"v1": 50, "v2": 50})
+    routes.set_weights("fraud", {"v1": 50, "v2": 50, "v3": 0})
     first = _versions(stub, IDS)
     second = _versions(stub, IDS)
     assert first == second, [
         i for i, (a, b) in enumerate(zip(first, second, strict=True)) if a != b
     ][:10]
-    assert dict(zip(IDS, first, strict=True)) == _expected({"v1": 50, "v2": 50})
+    assert dict(zip(IDS, first, strict=True)) == _expected({"v1": 50, "v2": 50, "v3": 0})
     share = first.count("v2") / ENTITIES
     assert abs(share - 0.5) <= 0.05, share
     # The canary grew from 25% to 50%: everyone it had, it kept.
@@ -121,10 +175,27 @@ def test_every_entity_keeps_its_version_at_50_percent_and_the_split_is_even(
     assert rows["v1"].requests > 0 and rows["v2"].requests > 0
 
 
+def test_routes_show_prints_each_version_s_bucket_range(mesh: Mesh, routes: RouteManager) -> None:
+    routes.set_weights("fraud", {"v1": 90, "v2": 10, "v3": 0})
+
+    def show(*extra: str) -> str:
+        argv = [sys.executable, "-m", "servemesh", "routes", "--state-dir", str(mesh.state_dir)]
+        done = subprocess.run(
+            [*argv, "show", *extra], capture_output=True, text=True, timeout=60, check=True
+        )
+        return done.stdout
+
+    rows = {r["version"]: r for r in json.loads(show("--json"))}
+    assert rows["v1"]["buckets"] == [0, 9000] and rows["v2"]["buckets"] == [9000, 10000]
+    assert rows["v3"]["buckets"] is None
+    table = show()
+    assert "buckets" in table and "0-8999" in table and "9000-9999" in table
+
+
 def test_a_call_without_an_entity_takes_the_weighted_split(
     routes: RouteManager, stub: gateway_pb2_grpc.GatewayStub
 ) -> None:
-    routes.set_weights("fraud", {"v1": 50, "v2": 50})
+    routes.set_weights("fraud", {"v1": 50, "v2": 50, "v3": 0})
     row = gateway_pb2.FeatureRow(values=[0.1] * 64)
     seen = {
         stub.Predict(
@@ -154,7 +225,7 @@ def test_prometheus_and_the_gateways_endpoints_give_the_same_window(
     assert isinstance(prom, PrometheusSource)
     direct = arm_source(mesh.spec, source="endpoints")
     assert isinstance(direct, EndpointsSource)
-    routes.set_weights("fraud", {"v1": 50, "v2": 50})
+    routes.set_weights("fraud", {"v1": 50, "v2": 50, "v3": 0})
     prom_before, direct_before = _settled(prom, direct)
     answered = _versions(stub, IDS[:400])
     prom_after, direct_after = _settled(prom, direct)
@@ -168,26 +239,29 @@ def test_prometheus_and_the_gateways_endpoints_give_the_same_window(
         assert sum(arm.latency_buckets) == calls and sum(arm.score_buckets) == calls, arm
 
 
-def test_a_failed_call_is_counted_against_the_version_envoy_routed_it_to(
+def test_the_shadow_step_reads_the_replicas_records_and_catches_a_slower_version(
     mesh: Mesh, routes: RouteManager, stub: gateway_pb2_grpc.GatewayStub
 ) -> None:
-    """The replica's error names no version; Envoy's answer header does, so the gateway
-    counts each failure against the version of the entity's bucket. (Last in the module:
-    failing replicas get ejected for a few seconds.)"""
-    routes.set_weights("fraud", {"v1": 50, "v2": 50})
-    direct = EndpointsSource(mesh.spec)
-    replicas = [i.name for i in mesh.spec.instances() if i.service == "model"]
-    before = direct.snapshot("fraud", shadow=False)
+    """v3 answers nobody at the shadow step; only the replicas see it, and it is 100 ms
+    slower than v1 with the same scores: p99 fails, the others pass."""
+    routes.set_weights("fraud", {"v1": 100, "v2": 0, "v3": 0})
+    routes.set_shadow("fraud", "v3")
+    source = arm_source(mesh.spec)
+    before = source.snapshot("fraud", shadow=True)
     try:
-        for name in replicas:
-            set_fault(mesh.state_dir, name, FaultSettings(error_percent=100, error_code="INTERNAL"))
-        answered = _versions(stub, IDS[:300])
+        answered = _versions(stub, IDS[:300], workers=8)
     finally:
-        for name in replicas:
-            set_fault(mesh.state_dir, name, None)
-    assert set(answered) == {"INTERNAL"}
-    expected = _expected({"v1": 50, "v2": 50})
-    arms = window(before, direct.snapshot("fraud", shadow=False))
-    for version in ("v1", "v2"):
-        calls = sum(expected[e] == version for e in IDS[:300])
-        assert (arms[version].requests, arms[version].errors) == (calls, calls), arms[version]
+        routes.set_shadow("fraud", None)
+    assert set(answered) == {"v1"}  # callers never see the shadow
+
+    def all_copies() -> dict[str, object] | None:
+        arms = window(before, source.snapshot("fraud", shadow=True))
+        done = arms.get("v3") and arms["v3"].requests >= 300 and arms["v1"].requests >= 300
+        return dict(arms) if done else None
+
+    arms = wait_until(all_copies, "the replicas to record 300 shadowed calls on both sides")
+    verdicts = {
+        c.name: c.verdict
+        for c in judge(arms["v1"], arms["v3"], AnalysisSpec(min_samples=100))  # type: ignore[arg-type]
+    }
+    assert verdicts == {"error_ratio": "pass", "p99": "fail", "psi": "pass"}, verdicts
