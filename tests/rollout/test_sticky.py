@@ -33,6 +33,7 @@ from servemesh.rollout.analysis import (
     judge,
     window,
 )
+from servemesh.rollout.types import ArmWindow
 from servemesh.rollout_plan import AnalysisSpec
 from servemesh.services.gateway.predict import sticky_bucket
 from servemesh.services.runtime.faults import FaultSettings, set_fault
@@ -254,14 +255,13 @@ def test_the_shadow_step_reads_the_replicas_records_and_catches_a_slower_version
         routes.set_shadow("fraud", None)
     assert set(answered) == {"v1"}  # callers never see the shadow
 
-    def all_copies() -> dict[str, object] | None:
+    def all_copies() -> dict[str, ArmWindow] | None:
         arms = window(before, source.snapshot("fraud", shadow=True))
-        done = arms.get("v3") and arms["v3"].requests >= 300 and arms["v1"].requests >= 300
-        return dict(arms) if done else None
+        done = all(v in arms and arms[v].requests >= 300 for v in ("v1", "v3"))
+        return arms if done else None
 
     arms = wait_until(all_copies, "the replicas to record 300 shadowed calls on both sides")
     verdicts = {
-        c.name: c.verdict
-        for c in judge(arms["v1"], arms["v3"], AnalysisSpec(min_samples=100))  # type: ignore[arg-type]
+        c.name: c.verdict for c in judge(arms["v1"], arms["v3"], AnalysisSpec(min_samples=100))
     }
     assert verdicts == {"error_ratio": "pass", "p99": "fail", "psi": "pass"}, verdicts
