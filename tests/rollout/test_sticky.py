@@ -58,6 +58,8 @@ def sticky_spec(state_dir: str) -> MeshSpec:
                     "v3": ModelVersionSpec(source="demo:1", inject_latency_ms=100),
                 },
                 traffic={"v1": 75, "v2": 25, "v3": 0},
+                # A fallback hides a failing version from callers, never from the analysis.
+                fallback_score=0.5,
             )
         },
         demo={"enabled": True, "entities": ENTITIES},
@@ -112,9 +114,10 @@ def test_a_failed_call_is_counted_against_the_version_envoy_routed_it_to(
     mesh: Mesh, routes: RouteManager, stub: gateway_pb2_grpc.GatewayStub
 ) -> None:
     """The replica's error names no version; Envoy's answer header does, so the gateway
-    counts each failure against the version of the entity's bucket. First in the module,
-    while the spec is the one the mesh started with: a spec change makes the gateways learn
-    the model's signature again, a call the faulty replicas would fail before ModelInfer."""
+    counts each failure against the version of the entity's bucket, though the model's
+    fallback answered every caller. First in the module, while the spec is the one the mesh
+    started with: a spec change makes the gateways learn the model's signature again, a
+    call the faulty replicas would fail before ModelInfer."""
     admin = routes.admin
 
     def every_gateway_learned_the_signature() -> bool:
@@ -141,7 +144,7 @@ def test_a_failed_call_is_counted_against_the_version_envoy_routed_it_to(
             lambda: all(h.healthy for c in admin.clusters().values() for h in c.hosts),
             "every host of every cluster healthy again",
         )
-    assert set(answered) == {"INTERNAL"}
+    assert set(answered) == {"fallback"}
     expected = _expected({"v1": 75, "v2": 25, "v3": 0})
     arms = window(before, direct.snapshot("fraud", shadow=False))
     for version in ("v1", "v2"):
