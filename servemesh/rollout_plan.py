@@ -55,6 +55,9 @@ class AnalysisSpec(StrictModel):
     max_error_ratio_increase_points: Annotated[float, Field(ge=0, le=100)] = 0.1
     # The canary's p99 latency may be at most this multiple of the baseline's.
     max_p99_ratio: Annotated[float, Field(ge=1.0)] = 1.2
+    # ... and only fails when it is also this much slower: at a few milliseconds 1.2x is a
+    # fraction of one latency bucket, which no p99 read from buckets resolves.
+    p99_slack_ms: Annotated[float, Field(ge=0)] = 10.0
     # Population stability index of the canary's scores against the baseline's.
     max_psi: Annotated[float, Field(gt=0)] = 0.2
     min_samples: Annotated[int, Field(ge=1)] = 100
