@@ -26,6 +26,7 @@ from typing import Self
 import grpc
 import yaml
 
+from servemesh.atomic import atomic_write_text
 from servemesh.control_credential import ensure_control_token
 from servemesh.credentials import ensure_edge_credentials, htpasswd_line
 from servemesh.identity import (
@@ -47,7 +48,6 @@ from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
 from servemesh.proxy.render import dynamic_bootstrap, render_resources, static_bootstrap
 from servemesh.seeding import SeedConflict, SeedStep, seed_demo
-from servemesh.atomic import atomic_write_text
 from servemesh.spec import MeshSpec, ResolvedSpec, SpecError, dump_spec, load_resolved, resolve
 from servemesh.wire import ENVOY_STATS_PATH, message_size_options
 

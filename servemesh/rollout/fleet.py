@@ -253,7 +253,9 @@ def _wait_started(
     )
 
 
-def _wait_serving(ctx: StrategyContext, spec: ResolvedSpec, names: list[str], health: list[str]):
+def _wait_serving(
+    ctx: StrategyContext, spec: ResolvedSpec, names: list[str], health: list[str]
+) -> None:
     """Until every replica in `names` reports every health name in `health` SERVING."""
     pending = set(names)
 
@@ -411,7 +413,9 @@ def _start_green(ctx: StrategyContext, live: ResolvedSpec) -> ReplicaSet:
     green = ReplicaSet(name=name, serves={ctx.model: [ctx.version]})
     fleet = live.fleet.model_copy(update={"sets": [first, green]})
     replicas = [i.name for i in _with_fleet(live, fleet).set_replicas(name)]
-    ctx.say(f"blue-green: starting set {name!r} for {ctx.model} {ctx.version}: {', '.join(replicas)}")
+    ctx.say(
+        f"blue-green: starting set {name!r} for {ctx.model} {ctx.version}: {', '.join(replicas)}"
+    )
     result = _change_fleet(
         ctx,
         fleet,
@@ -628,7 +632,12 @@ def _replace(ctx: StrategyContext, name: str, *, resumed: bool) -> None:
         )
         # 2. Its calls in flight finish (Envoy's own count of them).
         try:
-            _wait(ctx, f"{name} calls in flight", ctx.drain_timeout_s, lambda: _in_flight(ctx, live, name) == 0)
+            _wait(
+                ctx,
+                f"{name} calls in flight",
+                ctx.drain_timeout_s,
+                lambda: _in_flight(ctx, live, name) == 0,
+            )
         except FleetError:
             log.warning("%s still has calls in flight; its own drain finishes them", name)
     # 3. Replaced: the mesh stops it by PID (SIGTERM, drain) and starts a new process.

@@ -35,7 +35,8 @@ from servemesh.rollout.fleet import (
     run_blue_green,
     run_rolling,
 )
-from servemesh.rollout.types import Check, Ending, Outcome as RolloutOutcome
+from servemesh.rollout.types import Check, Ending
+from servemesh.rollout.types import Outcome as RolloutOutcome
 from servemesh.rollout_plan import RolloutPlan
 from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, Ports, Replicas
 from servemesh.wire import model_cluster
@@ -273,9 +274,7 @@ def test_blue_green_switches_in_one_change_and_the_old_set_keeps_answering(
     assert set(hosts[model_cluster("fraud", "v1", ZONE)]) == {address[n] for n in BLUE}
 
 
-def test_retiring_the_old_set_leaves_the_green_set_alone(
-    mesh: Mesh, manager: RouteManager
-) -> None:
+def test_retiring_the_old_set_leaves_the_green_set_alone(mesh: Mesh, manager: RouteManager) -> None:
     blue_pids = [mesh.pid(name) for name in BLUE]
     lines: list[str] = []
     with steady_load(mesh) as load:
