@@ -452,7 +452,7 @@ def _warm_green(ctx: StrategyContext, set_name: str, green: list[str]) -> None:
 
 def _tear_down_green(ctx: StrategyContext) -> None:
     """Drop the second set (its version's clusters list the first set's replicas again);
-    the mesh stops its replicas. Only before any traffic moved to it."""
+    the mesh stops its replicas. Only while no traffic goes to it."""
     live = ctx.manager.live_spec()
     if len(live.fleet.sets) < 2:
         return
@@ -461,10 +461,42 @@ def _tear_down_green(ctx: StrategyContext) -> None:
     _change_fleet(
         ctx,
         fleet,
-        f"blue-green {ctx.model} {ctx.version}: stop set {dropped}",
+        f"stop set {dropped}" + (f" (blue-green {ctx.model} {ctx.version})" if ctx.model else ""),
         [f"- replica set {dropped}"],
     )
     ctx.say(f"blue-green: set {dropped!r} stopped")
+
+
+def _taking_traffic(spec: ResolvedSpec, replica_set: ReplicaSet) -> list[str]:
+    """The versions a set serves that have weight or are a shadow target ("model vN")."""
+    found = []
+    for model_name, versions in replica_set.serves.items():
+        model = spec.models[model_name]
+        for version in versions:
+            shadowed = model.shadow is not None and model.shadow.version == version
+            if model.traffic.get(version, 0) or shadowed:
+                found.append(f"{model_name} {version}")
+    return found
+
+
+def discard_new_set(manager: RouteManager, *, say: Callable[[str], None] = print) -> None:
+    """Stop the second set of a blue-green update that was switched back (an abort whose
+    controller had gone): its versions' clusters list the first set again. Refused while
+    any version it serves takes traffic."""
+    live = manager.live_spec()
+    _supported(live)
+    if len(live.fleet.sets) < 2:
+        raise FleetError("fleet.sets: there is no second set; nothing to discard")
+    busy = _taking_traffic(live, live.fleet.sets[1])
+    if busy:
+        raise FleetError(
+            f"fleet.sets: set {live.fleet.sets[1].name!r} still takes traffic for "
+            f"{', '.join(busy)}; move it back first (servemesh routes set)"
+        )
+    ctx = StrategyContext(
+        manager=manager, spec=live, model="", version="", baseline="", plan=RolloutPlan(), say=say
+    )
+    _tear_down_green(ctx)
 
 
 def retire_old_set(

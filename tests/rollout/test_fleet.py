@@ -9,6 +9,7 @@ Every test asserts that no call of the load failed.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from typing import Any
 import grpc
 import pytest
 
+from servemesh.cli import main
 from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
 from servemesh.load import BackgroundLoad, Outcome, predict_target
@@ -31,7 +33,6 @@ from servemesh.rollout.fleet import (
     StrategyContext,
     envoy_hosts,
     fleet_status,
-    retire_old_set,
     run_blue_green,
     run_rolling,
 )
@@ -274,11 +275,25 @@ def test_blue_green_switches_in_one_change_and_the_old_set_keeps_answering(
     assert set(hosts[model_cluster("fraud", "v1", ZONE)]) == {address[n] for n in BLUE}
 
 
-def test_retiring_the_old_set_leaves_the_green_set_alone(mesh: Mesh, manager: RouteManager) -> None:
+def test_fleet_show_lists_both_sets(mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fleet", "--state-dir", str(mesh.state_dir), "show", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["set"], r["replica"], r["pid"]) for r in rows] == [
+        ("first", name, mesh.pid(name)) for name in BLUE
+    ] + [("green", name, mesh.pid(name)) for name in GREEN]
+    assert {r["serves"] for r in rows if r["set"] == "green"} == {"fraud v2"}
+    # Green is a host of v2's cluster alone; blue of v1's and of the replicas' own cluster.
+    assert {r["healthy_in_clusters"] for r in rows if r["set"] == "green"} == {"1/1"}
+    assert {r["healthy_in_clusters"] for r in rows if r["set"] == "first"} == {"2/2"}
+
+
+def test_retiring_the_old_set_leaves_the_green_set_alone(
+    mesh: Mesh, manager: RouteManager, capsys: pytest.CaptureFixture[str]
+) -> None:
     blue_pids = [mesh.pid(name) for name in BLUE]
-    lines: list[str] = []
     with steady_load(mesh) as load:
-        retire_old_set(manager, say=lines.append, ready_timeout_s=120.0)
+        assert main(["fleet", "--state-dir", str(mesh.state_dir), "retire"]) == 0
+        assert "stopping model-zone-a-0, model-zone-a-1" in capsys.readouterr().out
         retired_at = load.now_s()
         wait_until(
             lambda: sum(1 for o in list(load.outcomes) if o.sent_s > retired_at) >= 30,
@@ -294,6 +309,44 @@ def test_retiring_the_old_set_leaves_the_green_set_alone(mesh: Mesh, manager: Ro
     assert {o.replica for o in outcomes if o.sent_s > retired_at} <= set(GREEN)
     # Every version is served by the green set now, the baseline too.
     assert predict(mesh, "v1").model_replica in GREEN
+
+
+def test_a_draining_replica_gets_no_new_calls_and_keeps_running(
+    mesh: Mesh, manager: RouteManager
+) -> None:
+    name, other = GREEN
+    pid = mesh.pid(name)
+    live = manager.live_spec()
+    address = f"{live.host_of(name)}:{live.port_of(name)}"
+    cluster = model_cluster("fraud", "v2", ZONE)
+
+    def drain(names: list[str]) -> None:
+        spec = manager.live_spec()
+        fleet = spec.fleet.model_copy(update={"draining": names})
+        manager.swap(spec, spec.model_copy(update={"fleet": fleet}), f"test: drain {names}")
+
+    with steady_load(mesh) as load:
+        drain([name])
+        wait_until(lambda: not envoy_hosts(manager)[cluster][address].healthy, "Envoy drains it")
+        drained_at = load.now_s()
+        wait_until(
+            lambda: sum(1 for o in list(load.outcomes) if o.sent_s > drained_at) >= 40,
+            "calls while it drains",
+        )
+        undrained_at = load.now_s()
+        drain([])
+        wait_until(lambda: envoy_hosts(manager)[cluster][address].healthy, "it is back")
+        back_at = load.now_s()
+        wait_until(
+            lambda: any(o.replica == name and o.sent_s > back_at for o in list(load.outcomes)),
+            "a call answered by it again",
+        )
+        outcomes = finished(load)
+
+    during = [o for o in outcomes if drained_at < o.sent_s < undrained_at]
+    assert len(during) >= 40
+    assert {o.replica for o in during} == {other}
+    assert mesh.pid(name) == pid  # drained, not stopped
 
 
 def test_a_rolling_update_replaces_each_replica_once_without_a_failed_call(
