@@ -335,6 +335,8 @@ def _check_versions(ctx: StrategyContext, live: ResolvedSpec) -> None:
     model = live.models.get(ctx.model)
     if model is None:
         raise FleetError(f"model {ctx.model!r} is not served; models: {sorted(live.models)}")
+    if ctx.version == ctx.baseline:
+        raise FleetError(f"version: {ctx.version!r} is the baseline itself")
     for role, version in (("version", ctx.version), ("baseline", ctx.baseline)):
         if version not in model.versions:
             raise FleetError(
