@@ -227,15 +227,34 @@ def test_a_failed_check_switches_back_in_one_change_and_drops_the_green_set(
     assert not set(GREEN) & set(mesh.pids())
 
 
+class ControllerCrash(Exception):
+    """The controller died right after it recorded a step."""
+
+
 def test_blue_green_switches_in_one_change_and_the_old_set_keeps_answering(
     mesh: Mesh, manager: RouteManager
 ) -> None:
     recorder = Recorder()
     blue_pids = {name: mesh.pid(name) for name in BLUE}
     before = last_id(manager)
+
+    def crash_after_start(marker: str, data: dict[str, Any]) -> None:
+        recorder.record(marker, data)
+        raise ControllerCrash(marker)
+
     with steady_load(mesh) as load:
-        ending = run_blue_green(context(manager, recorder, "v2", "v1"))
+        # The first controller dies once the green set is asked for; the mesh starts it
+        # anyway, and a resumed update takes it as it is instead of starting another.
+        crashing = context(manager, recorder, "v2", "v1")
+        crashing.record = crash_after_start
+        with pytest.raises(ControllerCrash):
+            run_blue_green(crashing)
+        wait_until(lambda: set(GREEN) <= set(fleet_status(mesh.state_dir)), "green started")
+        started = {n: fleet_status(mesh.state_dir)[n]["pid"] for n in GREEN}
+        resumed = context(manager, recorder, "v2", "v1", resume_from=GREEN_STARTED)
+        ending = run_blue_green(resumed)
         assert ending.outcome == RolloutOutcome.PROMOTED, ending.reason
+        assert {n: fleet_status(mesh.state_dir)[n]["pid"] for n in GREEN} == started
         # New calls answer from the green set only, with the new version.
         switched_at = load.now_s()
         wait_until(
@@ -250,6 +269,9 @@ def test_blue_green_switches_in_one_change_and_the_old_set_keeps_answering(
         outcomes = finished(load)
 
     assert recorder.names() == [GREEN_STARTED, GREEN_READY, SWITCHED]
+    # One set started, one switch.
+    starts = [e for e in manager.history() if e["id"] > before and "start set" in e["action"]]
+    assert len(starts) == 1
     moves = weight_changes(manager, before)
     # The switch is one route change; so are the switch back and forth by hand.
     assert [e["after"]["models"]["fraud"]["traffic"] for e in moves] == [
