@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -120,15 +120,18 @@ def finished(load: BackgroundLoad) -> list[Outcome]:
 class Recorder:
     """The controller's side of a StrategyContext: progress lines and durable markers."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = lambda: 0.0) -> None:
         self.lines: list[str] = []
         self.markers: list[tuple[str, dict[str, Any]]] = []
+        self.clock = clock  # the load's, so a marker's time compares with calls' sent_s
+        self.at: dict[str, float] = {}
 
     def say(self, line: str) -> None:
         self.lines.append(line)
 
     def record(self, marker: str, data: dict[str, Any]) -> None:
         self.markers.append((marker, data))
+        self.at[marker] = self.clock()
 
     def names(self) -> list[str]:
         return [m for m, _ in self.markers]
@@ -234,7 +237,6 @@ class ControllerCrash(Exception):
 def test_blue_green_switches_in_one_change_and_the_old_set_keeps_answering(
     mesh: Mesh, manager: RouteManager
 ) -> None:
-    recorder = Recorder()
     blue_pids = {name: mesh.pid(name) for name in BLUE}
     before = last_id(manager)
 
@@ -242,7 +244,14 @@ def test_blue_green_switches_in_one_change_and_the_old_set_keeps_answering(
         recorder.record(marker, data)
         raise ControllerCrash(marker)
 
+    def calls_after(at_s: float, count: int = 30) -> None:
+        wait_until(
+            lambda: sum(1 for o in list(load.outcomes) if o.sent_s > at_s) >= count,
+            f"{count} calls answered after {at_s:.2f} s",
+        )
+
     with steady_load(mesh) as load:
+        recorder = Recorder(load.now_s)
         # The first controller dies once the green set is asked for; the mesh starts it
         # anyway, and a resumed update takes it as it is instead of starting another.
         crashing = context(manager, recorder, "v2", "v1")
@@ -255,17 +264,18 @@ def test_blue_green_switches_in_one_change_and_the_old_set_keeps_answering(
         ending = run_blue_green(resumed)
         assert ending.outcome == RolloutOutcome.PROMOTED, ending.reason
         assert {n: fleet_status(mesh.state_dir)[n]["pid"] for n in GREEN} == started
-        # New calls answer from the green set only, with the new version.
-        switched_at = load.now_s()
-        wait_until(
-            lambda: sum(1 for o in list(load.outcomes) if o.sent_s > switched_at) >= 30,
-            "calls after the switch",
-        )
+        switched_at = recorder.at[SWITCHED]
+        calls_after(switched_at)
         # The old set still serves the baseline: a pinned call, and the switch back.
         assert predict(mesh, "v1").model_replica in BLUE
+        back_from = load.now_s()
         back = manager.set_weights("fraud", {"v1": 100})
-        assert predict(mesh).model_version == "v1"
+        back_at = load.now_s()
+        calls_after(back_at)
+        forward_from = load.now_s()
         forward = manager.set_weights("fraud", {"v2": 100})
+        forward_at = load.now_s()
+        calls_after(forward_at)
         outcomes = finished(load)
 
     assert recorder.names() == [GREEN_STARTED, GREEN_READY, SWITCHED]
@@ -280,10 +290,20 @@ def test_blue_green_switches_in_one_change_and_the_old_set_keeps_answering(
         {"v1": 0, "v2": 100},
     ]
     assert back.confirm_ms < 5000 and forward.confirm_ms < 5000
-    after_switch = [o for o in outcomes if o.sent_s > switched_at]
-    assert {o.replica for o in after_switch if o.version == "v2"} <= set(GREEN)
-    assert {o.replica for o in outcomes if o.version == "v1"} <= set(BLUE)
-    assert {o.version for o in outcomes if o.sent_s < switched_at - 30} <= {"v1"}
+
+    def answered(start_s: float, end_s: float) -> set[tuple[str, str]]:
+        return {(o.version, o.replica) for o in outcomes if start_s < o.sent_s < end_s}
+
+    # Until the green set was warm, the blue set answered v1; once each switch was
+    # confirmed, every call went to the set it names, at once.
+    assert {v for v, _ in answered(0, recorder.at[GREEN_READY])} == {"v1"}
+    assert {v for v, _ in answered(switched_at, back_from)} == {"v2"}
+    assert {r for _, r in answered(switched_at, back_from)} <= set(GREEN)
+    assert {v for v, _ in answered(back_at, forward_from)} == {"v1"}
+    assert {r for _, r in answered(back_at, forward_from)} <= set(BLUE)
+    assert {v for v, _ in answered(forward_at, float("inf"))} == {"v2"}
+    assert {r for _, r in answered(forward_at, float("inf"))} <= set(GREEN)
+    assert {r for v, r in answered(0, float("inf")) if v == "v1"} <= set(BLUE)
     # Blue never restarted; green runs beside it, each with its own PID.
     assert {name: mesh.pid(name) for name in BLUE} == blue_pids
     status = fleet_status(mesh.state_dir)
