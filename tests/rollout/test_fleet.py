@@ -419,6 +419,30 @@ def test_a_rolling_update_replaces_each_replica_once_without_a_failed_call(
     assert {o.replica for o in outcomes} == set(GREEN)
 
 
+def test_a_rolling_update_stopped_between_replicas_leaves_none_draining(
+    mesh: Mesh, manager: RouteManager
+) -> None:
+    recorder = Recorder()
+
+    def stop_after_the_first() -> str | None:
+        done = any(m.startswith(ROLLING_REPLACED) for m in recorder.names())
+        return "paused by the operator" if done else None
+
+    weights = dict(manager.live_spec().models["fraud"].traffic)
+    with steady_load(mesh) as load:
+        ending = run_rolling(
+            context(manager, recorder, "v2", "v1", should_stop=stop_after_the_first)
+        )
+        finished(load)
+
+    assert ending.outcome == RolloutOutcome.ROLLED_BACK
+    assert ending.reason == f"stopped after {GREEN[0]}: paused by the operator"
+    live = manager.live_spec()
+    assert live.fleet.generations == {GREEN[0]: 2, GREEN[1]: 1}
+    assert live.fleet.draining == []
+    assert dict(live.models["fraud"].traffic) == weights  # the split never moved
+
+
 def test_a_rolling_update_refuses_a_version_the_mesh_does_not_serve(
     manager: RouteManager,
 ) -> None:
