@@ -308,7 +308,10 @@ def _wait_envoy(
 def _in_flight(ctx: StrategyContext, spec: ResolvedSpec, instance: str) -> int:
     """Calls Envoy has open to `instance`, over every cluster listing it (every zone's)."""
     address = _address(spec, instance)
-    views = envoy_hosts(ctx.manager)
+    try:
+        views = envoy_hosts(ctx.manager)
+    except (AdminError, OSError, ValueError):
+        return -1  # unknown: not drained yet as far as anyone can tell
     return sum(hosts[address].in_flight for hosts in views.values() if address in hosts)
 
 
@@ -632,8 +635,10 @@ def run_rolling(ctx: StrategyContext) -> Ending:
 
 def _rolled_before(ctx: StrategyContext, replicas: list[str]) -> set[str]:
     """Replicas a resumed update already replaced: those before the recorded one, and it
-    too once its replacement finished."""
+    too once its replacement finished (all of them once the switch was recorded)."""
     marker = ctx.resume_from or ""
+    if marker == ROLLING_SWITCHED:
+        return set(replicas)
     for prefix, inclusive in (
         (ROLLING_REPLACED, True),
         (ROLLING_RENEWING, False),

@@ -8,7 +8,10 @@ from typing import Any
 import pytest
 
 from servemesh.identity.enroll import mesh_identities
+from servemesh.proxy.apply import MeshPaths, RouteManager
 from servemesh.proxy.render import render_resources
+from servemesh.rollout.fleet import StrategyContext, _rolled_before
+from servemesh.rollout_plan import RolloutPlan
 from servemesh.spec import (
     FleetState,
     MeshSpec,
@@ -165,3 +168,30 @@ def test_a_draining_replica_is_listed_as_draining_in_every_cluster(tmp_path: Pat
     for cluster in (model_cluster("fraud", "v1", "zone-b"), model_servers_cluster("zone-a")):
         listed = {port_of(e): e.get("health_status") for e in endpoints(spec, cluster, tmp_path)}
         assert listed == {port: "DRAINING", spec.port_of("model-zone-b-0"): None}
+
+
+@pytest.mark.parametrize(
+    ("marker", "skipped"),
+    [
+        (None, []),
+        ("rolling:draining:model-zone-b-0", ["model-zone-a-0"]),
+        ("rolling:renewing:model-zone-b-0", ["model-zone-a-0"]),
+        ("rolling:replaced:model-zone-a-0", ["model-zone-a-0"]),
+        ("rolling:replaced:model-zone-b-0", ["model-zone-a-0", "model-zone-b-0"]),
+        ("rolling:switched", ["model-zone-a-0", "model-zone-b-0"]),
+    ],
+)
+def test_a_resumed_rolling_update_skips_the_replicas_it_replaced(
+    tmp_path: Path, marker: str | None, skipped: list[str]
+) -> None:
+    live = running(tmp_path)
+    ctx = StrategyContext(
+        manager=RouteManager(MeshPaths(tmp_path)),
+        spec=live,
+        model="fraud",
+        version="v2",
+        baseline="v1",
+        plan=RolloutPlan(),
+        resume_from=marker,
+    )
+    assert sorted(_rolled_before(ctx, models(live))) == skipped
