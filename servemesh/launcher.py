@@ -48,7 +48,15 @@ from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
 from servemesh.proxy.render import dynamic_bootstrap, render_resources, static_bootstrap
 from servemesh.seeding import SeedConflict, SeedStep, seed_demo
-from servemesh.spec import MeshSpec, ResolvedSpec, SpecError, dump_spec, load_resolved, resolve
+from servemesh.spec import (
+    FLEET_STATUS_FILE,
+    MeshSpec,
+    ResolvedSpec,
+    SpecError,
+    dump_spec,
+    load_resolved,
+    resolve,
+)
 from servemesh.wire import ENVOY_STATS_PATH, message_size_options
 
 log = logging.getLogger(__name__)
@@ -76,9 +84,6 @@ TRACE_STORE = "tracestore"
 # How often the mesh looks at its resolved spec for a change of its model-server fleet
 # (a blue-green set to start or retire, a replica a rolling update replaces).
 FLEET_POLL_S = 0.2
-# What the mesh started of its fleet, by instance: PID and generation (the mesh writes it;
-# servemesh.rollout.fleet waits on it). In the state dir.
-FLEET_STATUS_FILE = "fleet-status.json"
 
 
 class MeshStartError(StartError):

@@ -874,6 +874,9 @@ class FleetState(_Strict):
 
 # The embedded Redis's password, in the state dir (owner-only; created by the launcher).
 REDIS_PASSWORD_FILE = "redis-password"
+# What the running mesh started of its model-server fleet, by instance (PID, generation):
+# written by the launcher in the state dir, read by blue-green and rolling updates.
+FLEET_STATUS_FILE = "fleet-status.json"
 
 # What a resolved spec has and a declared one does not.
 RESOLVED_FIELDS = {

@@ -41,13 +41,11 @@ from servemesh.proxy.admin import AdminError
 from servemesh.proxy.apply import ApplyError, ApplyResult, RouteManager
 from servemesh.rollout.types import Ending, Outcome
 from servemesh.rollout_plan import RolloutPlan
-from servemesh.spec import FleetState, ReplicaSet, ResolvedSpec, resolve
+from servemesh.spec import FLEET_STATUS_FILE, FleetState, ReplicaSet, ResolvedSpec, resolve
 from servemesh.wire import model_cluster, version_health_name
 
 log = logging.getLogger(__name__)
 
-# Written by the mesh (servemesh.launcher) in its state dir: what it started, by instance.
-FLEET_STATUS_FILE = "fleet-status.json"
 # The names a blue-green update gives its new set: whichever the first set is not.
 SET_NAMES = ("green", "blue")
 
