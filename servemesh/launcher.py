@@ -14,6 +14,7 @@ import json
 import logging
 import signal
 import sys
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
@@ -25,6 +26,7 @@ from typing import Self
 import grpc
 import yaml
 
+from servemesh.atomic import atomic_write_text
 from servemesh.control_credential import ensure_control_token
 from servemesh.credentials import ensure_edge_credentials, htpasswd_line
 from servemesh.identity import (
@@ -46,7 +48,15 @@ from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
 from servemesh.proxy.render import dynamic_bootstrap, render_resources, static_bootstrap
 from servemesh.seeding import SeedConflict, SeedStep, seed_demo
-from servemesh.spec import MeshSpec, ResolvedSpec, dump_spec, resolve
+from servemesh.spec import (
+    FLEET_STATUS_FILE,
+    MeshSpec,
+    ResolvedSpec,
+    SpecError,
+    dump_spec,
+    load_resolved,
+    resolve,
+)
 from servemesh.wire import ENVOY_STATS_PATH, message_size_options
 
 log = logging.getLogger(__name__)
@@ -71,6 +81,9 @@ STOP_ORDER = [
     ["redis"],
 ]
 TRACE_STORE = "tracestore"
+# How often the mesh looks at its resolved spec for a change of its model-server fleet
+# (a blue-green set to start or retire, a replica a rolling update replaces).
+FLEET_POLL_S = 0.2
 
 
 class MeshStartError(StartError):
@@ -97,6 +110,10 @@ class Mesh:
     network: ZoneNetwork | None = field(default=None, init=False)
     # The mesh's Prometheus (None: metrics.prometheus is off, or no binary is installed).
     prometheus: PrometheusServer | None = field(default=None, init=False)
+    # The fleet follower: the generation each model server was started at, by instance.
+    _fleet: dict[str, int] = field(default_factory=dict, init=False, repr=False)
+    _fleet_stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+    _fleet_thread: threading.Thread | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(
@@ -178,6 +195,7 @@ class Mesh:
             self.supervisor.wait_ready(gateways, deadline)
             self._start_prometheus(deadline)
             self._write_endpoints()
+            self._start_fleet_follower()
         except BaseException:
             self.stop()
             raise
@@ -186,12 +204,16 @@ class Mesh:
         """Stop every child, newest tier first; SIGKILL what outlives the grace period.
         Then remove the zones' namespaces (after the processes inside them)."""
         try:
+            # First: nothing may start a replica while the mesh stops. Every replica the
+            # follower started is a child of the supervisor, so stop_all stops it by PID.
+            self._stop_fleet_follower()
             self.supervisor.stop_all(STOP_ORDER)
             self.supervisor.close()
         finally:
             if self.network is not None:
                 self.network.close()
             self.endpoints_path.unlink(missing_ok=True)
+            self.fleet_status_path.unlink(missing_ok=True)
 
     def __enter__(self) -> Mesh:
         self.start()
@@ -285,6 +307,106 @@ class Mesh:
         """A channel to the registry that carries artifacts up to the spec's message limit."""
         options = message_size_options(self.spec.limits.max_message_bytes)
         return dial_registry(self.spec).aio_channel(options=options)
+
+    # --- the fleet: model servers started and stopped as the resolved spec says -------
+
+    @property
+    def fleet_status_path(self) -> Path:
+        return self.state_dir / FLEET_STATUS_FILE
+
+    def _start_fleet_follower(self) -> None:
+        """Follow the resolved spec's `fleet` from now on, in a thread of the mesh's own.
+
+        A blue-green or rolling update (servemesh.rollout.fleet, in another process) writes
+        the fleet it wants into the resolved spec; this process, which owns every child,
+        starts the replicas it adds, restarts those whose generation went up and stops those
+        it drops, by PID. A replica that crashed is not restarted here: that stays the
+        operator's (or a drill's) call."""
+        self._fleet = self._fleet_generations(self.spec)
+        self._write_fleet_status()
+        self._fleet_stop.clear()
+        self._fleet_thread = threading.Thread(
+            target=self._follow_fleet, name="mesh-fleet", daemon=True
+        )
+        self._fleet_thread.start()
+
+    def _stop_fleet_follower(self) -> None:
+        self._fleet_stop.set()
+        if self._fleet_thread is not None:
+            self._fleet_thread.join()
+            self._fleet_thread = None
+
+    @staticmethod
+    def _fleet_generations(spec: ResolvedSpec) -> dict[str, int]:
+        return {
+            inst.name: spec.fleet.generations.get(inst.name, 0)
+            for inst in spec.instances()
+            if inst.service == "model"
+        }
+
+    def _follow_fleet(self) -> None:
+        seen: tuple[int, int] | None = None
+        while not self._fleet_stop.wait(FLEET_POLL_S):
+            try:
+                stat = self.resolved_spec_path.stat()
+            except OSError:
+                continue
+            # Every writer renames a new file into place: a new inode or mtime is a change.
+            stamp = (stat.st_ino, stat.st_mtime_ns)
+            if stamp == seen:
+                continue
+            seen = stamp
+            try:
+                spec = load_resolved(self.resolved_spec_path)
+            except SpecError as exc:
+                log.warning("fleet: the resolved spec does not load, kept as is: %s", exc)
+                continue
+            try:
+                self.follow_fleet(spec)
+            except Exception:  # a replica that would not start: say so, keep following
+                log.exception("fleet: could not follow the resolved spec")
+
+    def follow_fleet(self, spec: ResolvedSpec) -> None:
+        """Make the running model servers match `spec.fleet`: start the new, restart the
+        renewed (SIGTERM and its drain first), stop the dropped. Does not wait for the new
+        ones to be ready: whoever changed the fleet waits for what it needs."""
+        wanted = self._fleet_generations(spec)
+        new = [name for name in wanted if name not in self._fleet]
+        renewed = [n for n in wanted if n in self._fleet and wanted[n] != self._fleet[n]]
+        dropped = [name for name in self._fleet if name not in wanted]
+        self.spec = spec  # the running truth from now on (ports of new replicas included)
+        if not (new or renewed or dropped):
+            return
+        if new:
+            issue_mesh_certificates(spec)  # the new replicas' identities
+        for name in renewed:
+            if name in self.supervisor.children:
+                log.info("fleet: replacing %s (pid %d)", name, self.pid(name))
+                self.supervisor.stop(name)
+            self._start_service(name)
+            self._fleet[name] = wanted[name]
+            self._write_fleet_status()
+        for name in new:
+            log.info("fleet: starting %s", name)
+            self._start_service(name)
+            self._fleet[name] = wanted[name]
+        for name in dropped:
+            if name in self.supervisor.children:
+                log.info("fleet: stopping %s (pid %d)", name, self.pid(name))
+                self.supervisor.stop(name)
+            del self._fleet[name]
+        self._write_fleet_status()
+        self._write_endpoints()
+
+    def _write_fleet_status(self) -> None:
+        pids = self.pids()
+        status = {
+            "instances": {
+                name: {"generation": generation, "pid": pids.get(name)}
+                for name, generation in sorted(self._fleet.items())
+            }
+        }
+        atomic_write_text(self.fleet_status_path, json.dumps(status, indent=2))
 
     # --- internals -----------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from servemesh.durations import Duration, duration_seconds
 from servemesh.policy import StrictModel
 
-Strategy = Literal["canary", "blue-green", "shadow-only"]
+Strategy = Literal["canary", "blue-green", "rolling", "shadow-only"]
 
 
 class RolloutStep(StrictModel):

@@ -618,8 +618,8 @@ class MeshSpec(_Strict):
     def instances(self) -> list[Instance]:
         """Every service process of the mesh, in start order (registry first)."""
         found = [Instance(name=REGISTRY_INSTANCE, service="registry", zone=self.zones[0])]
+        found += self._model_instances()
         processes: tuple[tuple[ServiceKind, Replicas], ...] = (
-            ("model", self.model_servers),
             ("feature", self.feature),
             ("gateway", self.gateway),
         )
@@ -630,6 +630,11 @@ class MeshSpec(_Strict):
                         Instance(name=f"{service}-{zone}-{index}", service=service, zone=zone)
                     )
         return found
+
+    def _model_instances(self) -> list[Instance]:
+        """The model servers: one set of `model_servers.per_zone` (a running mesh may hold
+        more, see ResolvedSpec.fleet)."""
+        return model_set_instances("", self.zones, self.model_servers)
 
     def instance(self, name: str) -> Instance:
         for inst in self.instances():
@@ -658,6 +663,55 @@ class ResolvedSpec(MeshSpec):
     # The port of the trace store the launcher runs itself; None when the spec names an
     # OTLP collector of its own, or tracing is off (tracing.otlp_endpoint is set when on).
     embedded_trace_store_port: Port | None = None
+    # How the model servers are arranged right now (blue-green and rolling updates change
+    # it live; `servemesh up` starts and stops replicas to match). Never in a spec file.
+    fleet: FleetState = Field(default_factory=lambda: FleetState())
+
+    @model_validator(mode="after")
+    def _fleet_names_what_runs(self) -> ResolvedSpec:
+        names = [i.name for i in self.instances()]
+        twice = sorted(n for n, count in Counter(names).items() if count > 1)
+        if twice:
+            raise ValueError(f"fleet.sets: instance names collide: {twice}")
+        models = {i.name for i in self.instances() if i.service == "model"}
+        for field_name, listed in (
+            ("draining", self.fleet.draining),
+            ("generations", list(self.fleet.generations)),
+        ):
+            unknown = sorted(set(listed) - models)
+            if unknown:
+                raise ValueError(f"fleet.{field_name}: names no model server: {unknown}")
+        for index, replica_set in enumerate(self.fleet.sets):
+            for model, versions in replica_set.serves.items():
+                where = f"fleet.sets[{index}].serves.{model}"
+                if model not in self.models:
+                    raise ValueError(f"{where}: no such model; models: {sorted(self.models)}")
+                unknown = sorted(set(versions) - set(self.models[model].versions))
+                if unknown:
+                    raise ValueError(f"{where}: no such versions {unknown}")
+        return self
+
+    def _model_instances(self) -> list[Instance]:
+        found: list[Instance] = []
+        for replica_set in self.fleet.sets:
+            found += model_set_instances(replica_set.name, self.zones, self.model_servers)
+        return found
+
+    def replica_set_of(self, model: str, version: str) -> ReplicaSet:
+        """The set whose replicas a version's clusters list: the one that serves it, else
+        the first."""
+        for replica_set in self.fleet.sets[1:]:
+            if version in replica_set.serves.get(model, []):
+                return replica_set
+        return self.fleet.sets[0]
+
+    def set_replicas(self, set_name: str) -> list[Instance]:
+        """The model servers of one set, in start order."""
+        return [i for i in self.instances() if i.service == "model" and i.replica_set == set_name]
+
+    def version_replicas(self, model: str, version: str) -> list[Instance]:
+        """The model servers a version's clusters list as endpoints."""
+        return self.set_replicas(self.replica_set_of(model, version).name)
 
     @model_validator(mode="after")
     def _every_listener_has_a_port(self) -> ResolvedSpec:
@@ -758,13 +812,75 @@ class Instance(_Strict):
     name: str
     service: ServiceKind
     zone: ZoneName
+    # The model-server set it belongs to ("" the first; see FleetState). Other services: "".
+    replica_set: str = ""
+
+
+SetName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9]{0,15}$")]
+
+
+def model_instance_name(set_name: str, zone: str, index: int) -> str:
+    """model-<zone>-<i> in the set named "" (the mesh's first), model-<set>-<zone>-<i> in
+    any other: the prefix `model-` is what Envoy's certificate check asks of a model server."""
+    return f"model-{set_name}-{zone}-{index}" if set_name else f"model-{zone}-{index}"
+
+
+def model_set_instances(set_name: str, zones: list[str], replicas: Replicas) -> list[Instance]:
+    return [
+        Instance(
+            name=model_instance_name(set_name, zone, index),
+            service="model",
+            zone=zone,
+            replica_set=set_name,
+        )
+        for zone in zones
+        for index in range(replicas.per_zone.get(zone, 0))
+    ]
+
+
+class ReplicaSet(_Strict):
+    """A set of model servers, as many per zone as `model_servers.per_zone`. Each loads every
+    version the spec lists, like any model server."""
+
+    # "" names the set a mesh starts with; a blue-green update names the other one.
+    name: Literal[""] | SetName = ""
+    # The versions whose clusters list this set's replicas instead of the first set's, by
+    # model (a blue-green update's new version, on its green set).
+    serves: dict[Name, list[Name]] = Field(default_factory=dict)
+
+
+class FleetState(_Strict):
+    """How a running mesh's model servers are arranged beyond what a spec file declares:
+    what blue-green and rolling updates (servemesh.rollout.fleet) change live, and what the
+    launcher follows by starting and stopping replicas."""
+
+    # The first set serves every version no other set serves; a second set exists while a
+    # blue-green update runs, until the old set is retired.
+    sets: list[ReplicaSet] = Field(default_factory=lambda: [ReplicaSet()], min_length=1)
+    # Replicas Envoy is told are draining (EDS health DRAINING): no new calls reach them,
+    # calls in flight finish. A rolling update takes one at a time out this way.
+    draining: list[str] = Field(default_factory=list)
+    # How many times a rolling update asked for a replica to be replaced, by instance; the
+    # launcher restarts a replica whose number went up.
+    generations: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _set_names_unique(self) -> FleetState:
+        names = [s.name for s in self.sets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"sets: names must differ, got {names}")
+        return self
 
 
 # The embedded Redis's password, in the state dir (owner-only; created by the launcher).
 REDIS_PASSWORD_FILE = "redis-password"
+# What the running mesh started of its model-server fleet, by instance (PID, generation):
+# written by the launcher in the state dir, read by blue-green and rolling updates.
+FLEET_STATUS_FILE = "fleet-status.json"
 
 # What a resolved spec has and a declared one does not.
 RESOLVED_FIELDS = {
+    "fleet",
     "mesh_ports",
     "instance_ports",
     "metrics_ports",
@@ -785,9 +901,14 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
     already resolved keeps its ports."""
     known = spec if isinstance(spec, ResolvedSpec) else None
     taken: set[int] = set()
+    # Every port the running mesh holds: an instance new to it (a replica set a blue-green
+    # update adds) must not take one that an instance later in the order keeps.
+    held: set[int] = set()
+    if known is not None:
+        held = {*known.instance_ports.values(), *known.metrics_ports.values()}
 
-    def pick(port: int) -> int:
-        while port == 0 or port in taken:
+    def pick(port: int, *, fresh: bool = False) -> int:
+        while port == 0 or port in taken or (fresh and port in held):
             port = free_port(spec.host)
         taken.add(port)
         return port
@@ -809,13 +930,18 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
     instance_ports = {}
     for offset, inst in enumerate(spec.instances()):
         wanted = spec.ports.services_base + offset if spec.ports.services_base else 0
-        instance_ports[inst.name] = pick(known.port_of(inst.name) if known else wanted)
+        if known is None:
+            instance_ports[inst.name] = pick(wanted)
+        else:
+            kept = known.instance_ports.get(inst.name, 0)
+            instance_ports[inst.name] = pick(kept, fresh=not kept)
     # Model servers first, as when they alone had a metrics port; a resolved spec (even one
     # written before the other services had one) keeps the ports it has.
     by_kind = sorted(spec.instances(), key=lambda inst: inst.service != "model")
-    metrics_ports = {
-        inst.name: pick(known.metrics_ports.get(inst.name, 0) if known else 0) for inst in by_kind
-    }
+    metrics_ports = {}
+    for inst in by_kind:
+        kept = known.metrics_ports.get(inst.name, 0) if known else 0
+        metrics_ports[inst.name] = pick(kept, fresh=known is not None and not kept)
     # No Redis named: the launcher runs one, on a port chosen now with the others.
     embedded_redis_port = known.embedded_redis_port if known else None
     store = spec.feature_store
@@ -849,6 +975,8 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
             "embedded_redis_port": embedded_redis_port,
             "tracing": tracing.model_dump(),
             "embedded_trace_store_port": embedded_trace_store_port,
+            # The running arrangement of model servers (a declared spec has none).
+            "fleet": known.fleet.model_dump() if known else FleetState().model_dump(),
             "ports": ports.model_dump(),
             "mesh_ports": mesh_ports,
             "instance_ports": instance_ports,

@@ -178,6 +178,16 @@ class ZoneEndpoint:
     zone: str
     address: str
     port: int
+    # Told to Envoy as EDS health DRAINING: no new calls, calls in flight finish (a rolling
+    # update's replica on its way out).
+    draining: bool = False
+
+
+def _lb_endpoint(member: ZoneEndpoint) -> dict[str, Any]:
+    endpoint: dict[str, Any] = {"endpoint": {"address": _address(member.address, member.port)}}
+    if member.draining:
+        endpoint["health_status"] = "DRAINING"
+    return endpoint
 
 
 def load_assignment(
@@ -193,9 +203,7 @@ def load_assignment(
             {
                 "locality": {"zone": zone},
                 "priority": 0 if local_zone is None or zone == local_zone else 1,
-                "lb_endpoints": [
-                    {"endpoint": {"address": _address(m.address, m.port)}} for m in zone_members
-                ],
+                "lb_endpoints": [_lb_endpoint(m) for m in zone_members],
             }
         )
     return {"cluster_name": name, "endpoints": endpoints}
@@ -205,9 +213,15 @@ def _load_assignment(
     spec: ResolvedSpec, name: str, members: list[Instance], local_zone: str | None
 ) -> dict[str, Any]:
     """The cluster's endpoints as the spec places its instances (the file catalog)."""
+    draining = set(spec.fleet.draining)
     return load_assignment(
         name,
-        (ZoneEndpoint(i.zone, spec.host_of(i.name), spec.port_of(i.name)) for i in members),
+        (
+            ZoneEndpoint(
+                i.zone, spec.host_of(i.name), spec.port_of(i.name), draining=i.name in draining
+            )
+            for i in members
+        ),
         local_zone,
     )
 
@@ -746,6 +760,11 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
         # Every replica of a cluster is of one service kind; Envoy accepts only a
         # certificate naming an instance of that kind.
         cluster["transport_socket"] = upstream_tls(spec, kind)
+        if kind == "model":
+            # A model server the endpoints stop listing (a blue-green switch of a version's
+            # cluster to the new set, a retired set) leaves at once, its calls in flight
+            # finishing; by default Envoy would keep it while it passes health checks.
+            cluster["ignore_health_on_host_removal"] = True
         if local_zone is not None and spec.network.mode == "netns":
             # Zones in network namespaces: a zone's clusters send from a loopback source of
             # their own, which the namespaces see as that zone's address, so a partition
@@ -760,7 +779,8 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
 
     add(GATEWAY_CLUSTER, "gateway", of("gateway"), spec.traffic.edge, None)
     add(REGISTRY_CLUSTER, "registry", of("registry"), spec.traffic.model, None)
-    model_servers = of("model")
+    # The first replica set; a version another set serves (blue-green) lists that set's.
+    model_servers = spec.set_replicas(spec.fleet.sets[0].name)
     for zone in spec.zones:
         add(feature_cluster(zone), "feature", of("feature"), spec.traffic.feature, zone)
         add(model_servers_cluster(zone), "model", model_servers, spec.traffic.model, zone)
@@ -772,7 +792,7 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
                 add(
                     model_cluster(model_name, version, zone),
                     "model",
-                    model_servers,
+                    spec.version_replicas(model_name, version),
                     _policy_for(spec, model),
                     zone,
                     health_name=version_health_name(model_name, version),
@@ -781,7 +801,7 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
                 add(
                     shadow_cluster(model_name, model.shadow.version, zone),
                     "model",
-                    model_servers,
+                    spec.version_replicas(model_name, model.shadow.version),
                     _policy_for(spec, model),
                     zone,
                     _shadow_marking(model.shadow.version),
