@@ -146,11 +146,7 @@ def _finish(ending: Ending) -> int:
 
 def cmd_start(args: argparse.Namespace) -> int:
     controller = _controller(args, analysis=True)
-    plan = (
-        load_plan(args.plan)
-        if args.plan
-        else controller.parts.routes.live_spec().rollout.plan
-    )
+    plan = load_plan(args.plan) if args.plan else controller.parts.routes.live_spec().rollout.plan
     request = StartRequest.build(
         args.model, args.version, plan, args.strategy, args.override or [], args.reason or []
     )
@@ -285,9 +281,9 @@ def _print_status(row: dict[str, Any]) -> None:
     table.add_column("value")
     steps = " ".join(f"[{s}]" if i == row["step_index"] else s for i, s in enumerate(row["steps"]))
     weights = " ".join(f"{v}={w}" for v, w in sorted(row["weights"].items()))
-    alive = (
-        f"alive (pid {row['pid']})" if row["controller_alive"] else "not running"
-    ) + (" · paused" if row["paused"] else "")
+    alive = (f"alive (pid {row['pid']})" if row["controller_alive"] else "not running") + (
+        " · paused" if row["paused"] else ""
+    )
     deadline = row["deadline"]
     if row["deadline_in_s"] is not None:
         left = row["deadline_in_s"]
@@ -302,9 +298,7 @@ def _print_status(row: dict[str, Any]) -> None:
         ("deadline", deadline),
     ]
     if row["overrides"]:
-        fields.append(
-            ("overrides", "; ".join(f"{k}: {v}" for k, v in row["overrides"].items()))
-        )
+        fields.append(("overrides", "; ".join(f"{k}: {v}" for k, v in row["overrides"].items())))
     for check in row["last_checks"]:
         fields.append((f"check {check['name']}", f"{check['verdict']}: {check['detail']}"))
     if row["reason"]:
@@ -366,8 +360,7 @@ def add_rollout_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
 
     start = verbs.add_parser(
         "start",
-        help="roll VERSION of MODEL out step by step (exit 0 promoted, 3 rolled back, "
-        "4 refused)",
+        help="roll VERSION of MODEL out step by step (exit 0 promoted, 3 rolled back, 4 refused)",
     )
     start.add_argument("model")
     start.add_argument("version")

@@ -391,6 +391,10 @@ class Controller:
                 self._reload(state), f"the controller failed: {type(exc).__name__}: {exc}"
             )
 
+    def _set(self, model: str, **fields: Any) -> RolloutState:
+        """Record fields of the model's state (under its update lock)."""
+        return self.store.update(model, lambda s: s.model_copy(update=fields))
+
     def _reload(self, state: RolloutState) -> RolloutState:
         return self.store.load(state.model) or state
 
@@ -470,14 +474,8 @@ class Controller:
             checks = list(self.parts.judge(base, canary, plan.analysis))
             for check in checks:
                 self.say(f"  {step.label} {check_line(check)}")
-            state = self.store.update(
-                model,
-                lambda s: s.model_copy(
-                    update={
-                        "last_checks": [CheckRecord.of(c) for c in checks],
-                        "checked_at": self.now(),
-                    }
-                ),
+            state = self._set(
+                model, last_checks=[CheckRecord.of(c) for c in checks], checked_at=self.now()
             )
             failed = [c for c in checks if c.verdict == "fail"]
             if failed:
@@ -503,14 +501,11 @@ class Controller:
                     held = True
                 continue
             if step.weight != 100 and base.requests:
-                state = self.store.update(
-                    model,
-                    lambda s: s.model_copy(update={"reference_baseline": WindowRecord.of(base)}),
-                )
+                state = self._set(model, reference_baseline=WindowRecord.of(base))
             if step.shadow:
-                ending = self._shadow_checklist(state, windows, base, canary)
-                if ending is not None:
-                    return ending, self._reload(state)
+                refused = self._shadow_checklist(state, windows, base, canary)
+                if refused is not None:
+                    return refused, self._reload(state)
             self.say(f"step {step.label} passed after {self.now() - began:.1f} s")
             return None, state
 

@@ -59,7 +59,9 @@ class World:
 
     def _serve(self, version: str, calls: float) -> None:
         self.requests[version] = self.requests.get(version, 0.0) + calls
-        self.errors[version] = self.errors.get(version, 0.0) + calls * self.arms[version].error_ratio
+        self.errors[version] = (
+            self.errors.get(version, 0.0) + calls * self.arms[version].error_ratio
+        )
 
     # --- routes (RouteManager's surface) -------------------------------------------------
 
@@ -69,9 +71,7 @@ class World:
             shadow=None if self.shadow is None else {"version": self.shadow},
             versions=dict.fromkeys(self.arms, object()),
         )
-        return SimpleNamespace(
-            models={"fraud": model}, rollout=SimpleNamespace(slos={})
-        )
+        return SimpleNamespace(models={"fraud": model}, rollout=SimpleNamespace(slos={}))
 
     def _busy(self) -> None:
         if self.busy_changes:

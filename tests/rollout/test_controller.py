@@ -229,6 +229,7 @@ def test_pause_holds_the_step_and_resume_lets_it_go_on(tmp_path: Path) -> None:
             paused_at.append(w.t)
         elif paused_at and w.t - paused_at[0] >= 30 and state.pause is not None:
             assert ctl.resume("fraud") is None  # the controller is alive: it goes on
+
     world.on_sleep.append(operator)
     ending = ctl.start("fraud", "v2", short_plan(*FULL))
     assert ending.outcome == Outcome.PROMOTED
