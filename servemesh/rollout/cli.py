@@ -398,7 +398,7 @@ def add_rollout_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
     abort.add_argument("--reason", required=True)
     abort.set_defaults(func=_run(cmd_abort))
 
-    promote = verbs.add_parser("promote", help="skip the remaining steps: 100% now")
+    promote = verbs.add_parser("promote", help="skip the remaining steps: 100%% now")
     promote.add_argument("model")
     promote.add_argument("--reason")
     promote.set_defaults(func=_run(cmd_promote))
