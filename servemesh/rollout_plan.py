@@ -15,9 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from servemesh.durations import Duration, duration_seconds
 from servemesh.policy import StrictModel
 
-# canary: shadow, then weight steps; shadow-only: the shadow step and its checklist alone;
-# blue-green and rolling: a second set of replicas, or one replica at a time (fleet.py).
-Strategy = Literal["canary", "blue-green", "shadow-only", "rolling"]
+Strategy = Literal["canary", "blue-green", "rolling", "shadow-only"]
 
 
 class RolloutStep(StrictModel):
