@@ -55,6 +55,9 @@ class AnalysisSpec(StrictModel):
     max_error_ratio_increase_points: Annotated[float, Field(ge=0, le=100)] = 0.1
     # The canary's p99 latency may be at most this multiple of the baseline's.
     max_p99_ratio: Annotated[float, Field(ge=1.0)] = 1.2
+    # ... and only fails when it is also this much slower: at a few milliseconds 1.2x is a
+    # fraction of one latency bucket, which no p99 read from buckets resolves.
+    p99_slack_ms: Annotated[float, Field(ge=0)] = 10.0
     # Population stability index of the canary's scores against the baseline's.
     max_psi: Annotated[float, Field(gt=0)] = 0.2
     min_samples: Annotated[int, Field(ge=1)] = 100
@@ -129,6 +132,14 @@ class FreezeWindow(StrictModel):
     end: WeeklyMoment
     reason: str = "weekly freeze"
 
+    @model_validator(mode="after")
+    def _not_empty(self) -> FreezeWindow:
+        # An end before the start wraps the week (fri -> mon); an equal one would be either
+        # nothing or the whole week, so it is refused rather than guessed.
+        if _clock(self.start) == _clock(self.end):
+            raise ValueError(f"end: {self.end!r} is the same moment as start {self.start!r}")
+        return self
+
 
 class FreezeSpec(StrictModel):
     timezone: str = "UTC"
@@ -155,6 +166,10 @@ class RolloutSpec(StrictModel):
     # Per model; a model without an entry has no error-budget gate.
     slos: dict[str, SloSpec] = Field(default_factory=dict)
     freeze: FreezeSpec = Field(default_factory=FreezeSpec)
+
+
+def _clock(moment: str) -> tuple[int, str]:
+    return weekday_index(moment), moment.split()[1]
 
 
 def weekday_index(moment: str) -> int:

@@ -20,6 +20,12 @@ VERSION_HEADER: Final = "x-servemesh-model-version"
 SHADOW_ROLE_HEADER: Final = "x-servemesh-shadow-role"
 SHADOW_ROLE_PRIMARY: Final = "primary"
 SHADOW_ROLE_SHADOW: Final = "shadow"
+# The gateway's sticky bucket of a call: a stable hash of its first entity id into
+# 0..BUCKETS-1. Envoy routes bucket ranges to versions, so an entity keeps its version while
+# the weights stand; a call without it (no entity) takes the weighted split.
+BUCKET_HEADER: Final = "x-servemesh-bucket"
+# Buckets per model: 10,000 (basis points), so whole-percent weights map to whole ranges.
+BUCKETS: Final = 10_000
 # One id per caller request, generated at the edge when the caller sent none.
 REQUEST_ID_HEADER: Final = "x-request-id"
 # W3C trace context, passed on unchanged by every hop.
@@ -135,6 +141,37 @@ SLI_FAILURE_CODES: Final = (
     "RESOURCE_EXHAUSTED",
     "DATA_LOSS",
     "UNIMPLEMENTED",
+)
+# Upper bounds (seconds) of every service's latency histograms (servemesh_rpc_duration_seconds,
+# servemesh_gateway_predict_duration_seconds, ...): the `le` labels Prometheus stores, from
+# which the SLO rules count the calls slower than a model's p99 objective.
+LATENCY_BUCKETS_S: Final = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+# Upper bounds of the gateways' per-version score histogram (the rollout's distribution
+# check reads them back as Prometheus `le` labels; the shadow step buckets the replicas'
+# recorded scores with the same bounds). Twenty equal bins over [0, 1], where probabilities
+# live, so a population stability index has bins fine enough to merge into deciles; and a
+# few wide bins on either side, so a model scoring outside [0, 1] still lands in finite
+# buckets and a gross shift of its scores still moves mass between them.
+SCORE_BUCKETS: Final = (
+    (-100.0, -10.0, -1.0, 0.0)
+    + tuple(round(i / 20, 2) for i in range(1, 21))
+    + (2.0, 10.0, 100.0)
 )
 
 # --- Envoy cluster and route names -----------------------------------------------------------

@@ -136,7 +136,7 @@ def _envoy(spec: ResolvedSpec, out: Path, state: Path) -> None:
 def _prometheus(spec: ResolvedSpec, out: Path) -> None:
     folder = out / "prometheus"
     _write(folder / "prometheus.yml", _dump(render_config(spec, PROMETHEUS_DIR / "rules.yml")))
-    _write(folder / "rules.yml", _dump(render_rules()))
+    _write(folder / "rules.yml", _dump(render_rules(spec)))
 
 
 def _redis(out: Path) -> None:

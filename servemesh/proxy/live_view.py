@@ -1,4 +1,5 @@
-"""What Envoy is serving right now, per model version, read from its admin API."""
+"""What Envoy is serving right now, per model version, read from its admin API: the weight,
+the sticky bucket range, health per zone, and each version's (arm's) traffic counters."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass, field
 
 from servemesh.proxy.admin import AdminClient, ClusterView
 from servemesh.spec import MeshSpec
-from servemesh.wire import MODEL_INFER_STAT, mesh_route_config, model_cluster
+from servemesh.wire import BUCKET_HEADER, MODEL_INFER_STAT, mesh_route_config, model_cluster
 
 INFER_STATS = f"grpc.{MODEL_INFER_STAT}"
 
@@ -19,6 +20,9 @@ class VersionView:
     shadow: bool
     healthy: dict[str, int] = field(default_factory=dict)
     hosts: dict[str, int] = field(default_factory=dict)
+    # The sticky buckets [start, end) of 0..wire.BUCKETS Envoy routes to this version
+    # (calls that carry the gateway's bucket header); None: no range (weight 0).
+    buckets: tuple[int, int] | None = None
     requests: int = 0
     errors: int = 0
     retries: int = 0
@@ -57,6 +61,28 @@ def served_split(
     return split
 
 
+def served_buckets(
+    admin: AdminClient, spec: MeshSpec, zone: str
+) -> dict[tuple[str, str], tuple[int, int]]:
+    """Per (model, version): the bucket range of its sticky route in the route config Envoy
+    serves for `zone` (routes that match the bucket header by range)."""
+    config = admin.route_configs().get(mesh_route_config(zone))
+    if config is None:
+        return {}
+    clusters = {
+        model_cluster(m, v, zone): (m, v) for m, model in spec.models.items() for v in model.versions
+    }
+    found: dict[tuple[str, str], tuple[int, int]] = {}
+    for route in config["virtual_hosts"][0]["routes"]:
+        arm = clusters.get(route.get("route", {}).get("cluster", ""))
+        for header in route.get("match", {}).get("headers", []):
+            if arm is not None and header.get("name") == BUCKET_HEADER and "range_match" in header:
+                bounds = header["range_match"]
+                # Envoy's config dump writes int64 fields as strings.
+                found[arm] = (int(bounds.get("start", 0)), int(bounds["end"]))
+    return found
+
+
 def live_view(admin: AdminClient, spec: MeshSpec) -> list[VersionView]:
     """One row per model version: served weight, healthy hosts per zone, traffic counters.
 
@@ -65,11 +91,13 @@ def live_view(admin: AdminClient, spec: MeshSpec) -> list[VersionView]:
     clusters = admin.clusters()
     counters = admin.counters("cluster.model-")
     split = served_split(admin, spec, spec.zones[0])
+    buckets = served_buckets(admin, spec, spec.zones[0])
     rows = []
     for model_name, model in sorted(spec.models.items()):
         weights, shadow = split.get(model_name, ({}, None))
         for version in sorted(model.versions):
             row = VersionView(model_name, version, weights.get(version, 0), shadow == version)
+            row.buckets = buckets.get((model_name, version))
             for zone in spec.zones:
                 name = model_cluster(model_name, version, zone)
                 _add_counters(row, name, counters)

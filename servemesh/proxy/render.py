@@ -13,7 +13,7 @@ file swap, not a restart; `static_bootstrap` inlines the same resources into one
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,8 @@ from servemesh.proxy.tls import downstream_tls, upstream_tls
 from servemesh.proxy.tracing import collector_cluster, hcm_tracing, tracer_runtime
 from servemesh.spec import Instance, MeshSpec, ModelSpec, ResolvedSpec, ServiceKind
 from servemesh.wire import (
+    BUCKET_HEADER,
+    BUCKETS,
     CONTROL_METHODS,
     ENVOY_ADMIN_CLUSTER,
     ENVOY_STATS_LISTENER,
@@ -104,7 +106,8 @@ _KNOWN_SERVICES = (
 # it can neither mark a call as a shadow copy nor reach a service that trusts the header.
 _MESH_SET_HEADERS = (SHADOW_ROLE_HEADER,)
 # At the edge no x-servemesh-* header is the caller's to send: the gateway sets its own.
-_EDGE_REMOVED_HEADERS = (MODEL_HEADER, VERSION_HEADER, SHADOW_ROLE_HEADER)
+# The bucket header too: a caller choosing its bucket would choose its version.
+_EDGE_REMOVED_HEADERS = (MODEL_HEADER, VERSION_HEADER, SHADOW_ROLE_HEADER, BUCKET_HEADER)
 
 # One JSON object per request: enough to follow a request id through every listener.
 _ACCESS_LOG_FORMAT = {
@@ -370,12 +373,33 @@ def _with_fault(route: dict[str, Any], name: str, fault: FaultPolicy) -> dict[st
     return route
 
 
+def bucket_ranges(traffic: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+    """Each version's sticky buckets, [start, end) of 0..BUCKETS, from whole-percent weights:
+    consecutive ranges in version order; a version of weight 0 has none.
+
+    The order is fixed, so as weight moves between two versions only the boundary between
+    their ranges moves: an entity the canary got at 5% still gets it at 25%, and one the
+    baseline keeps at 25% had it at 5% too."""
+    ranges: dict[str, tuple[int, int]] = {}
+    start = 0
+    for version, weight in sorted(traffic.items()):
+        end = start + weight * BUCKETS // 100
+        if end > start:
+            ranges[version] = (start, end)
+        start = end
+    return ranges
+
+
 def _model_routes(
     spec: MeshSpec, model_name: str, model: ModelSpec, zone: str
 ) -> list[dict[str, Any]]:
     policy = _policy_for(spec, model)
     model_match = {"name": MODEL_HEADER, "string_match": {"exact": model_name}}
+    fault_name = f"model.{model_name}"
     routes: list[dict[str, Any]] = []
+    # Every model route names the version it picked in a response header, so the gateway
+    # counts a failed call against the version that failed (Envoy's own local replies, a
+    # reset or no healthy host, carry it too).
     # A pinned version goes straight to its cluster.
     for version in sorted(model.versions):
         route = {
@@ -388,37 +412,16 @@ def _model_routes(
                 ],
             },
             "route": {"cluster": model_cluster(model_name, version, zone), **_route_action(policy)},
+            "response_headers_to_add": [_set_header(VERSION_HEADER, version)],
         }
-        routes.append(_with_fault(route, f"model.{model_name}", policy.fault))
-    # Unpinned: the traffic split picks the version and tells the replica which one.
-    action: dict[str, Any] = {
-        "weighted_clusters": {
-            "clusters": [
-                {
-                    "name": model_cluster(model_name, version, zone),
-                    "weight": weight,
-                    "request_headers_to_add": [
-                        {
-                            "header": {"key": VERSION_HEADER, "value": version},
-                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-                        }
-                    ],
-                }
-                for version, weight in sorted(model.traffic.items())
-            ]
-        },
-        **_route_action(policy),
-    }
-    split: dict[str, Any] = {
-        "name": f"{model_name}-split",
-        "match": {"prefix": OIP_PREFIX, "headers": [model_match]},
-        "route": action,
-    }
+        routes.append(_with_fault(route, fault_name, policy.fault))
+    mirrors: list[dict[str, Any]] = []
+    primary: list[dict[str, Any]] = []
     if model.shadow is not None:
         # Envoy sends a copy to the shadow cluster and discards its answer. The primary
         # call is marked so its replica records what it answered; the shadow cluster
         # re-marks the copy (role and version) on its way out, and that replica records too.
-        action["request_mirror_policies"] = [
+        mirrors = [
             {
                 "cluster": shadow_cluster(model_name, model.shadow.version, zone),
                 "runtime_fraction": {
@@ -427,8 +430,57 @@ def _model_routes(
                 },
             }
         ]
-        split["request_headers_to_add"] = [_set_header(SHADOW_ROLE_HEADER, SHADOW_ROLE_PRIMARY)]
-    routes.append(_with_fault(split, f"model.{model_name}", policy.fault))
+        primary = [_set_header(SHADOW_ROLE_HEADER, SHADOW_ROLE_PRIMARY)]
+    # Sticky: the gateway's bucket header (a hash of the call's first entity) picks the
+    # version by range, so each entity keeps its version and the split is exact. One
+    # cluster per route keeps retries within the version, as the weighted split does.
+    for version, (start, end) in bucket_ranges(model.traffic).items():
+        action: dict[str, Any] = {
+            "cluster": model_cluster(model_name, version, zone),
+            **_route_action(policy),
+        }
+        if mirrors:
+            action["request_mirror_policies"] = mirrors
+        route = {
+            "name": f"{model_name}-{version}-bucket",
+            "match": {
+                "prefix": OIP_PREFIX,
+                "headers": [
+                    model_match,
+                    {"name": BUCKET_HEADER, "range_match": {"start": start, "end": end}},
+                ],
+            },
+            "route": action,
+            "request_headers_to_add": [*primary, _set_header(VERSION_HEADER, version)],
+            "response_headers_to_add": [_set_header(VERSION_HEADER, version)],
+        }
+        routes.append(_with_fault(route, fault_name, policy.fault))
+    # Without a bucket (no entity; a caller inside the mesh): the traffic split picks the
+    # version and tells the replica which one.
+    split_action: dict[str, Any] = {
+        "weighted_clusters": {
+            "clusters": [
+                {
+                    "name": model_cluster(model_name, version, zone),
+                    "weight": weight,
+                    "request_headers_to_add": [_set_header(VERSION_HEADER, version)],
+                    "response_headers_to_add": [_set_header(VERSION_HEADER, version)],
+                }
+                for version, weight in sorted(model.traffic.items())
+            ]
+        },
+        **_route_action(policy),
+    }
+    if mirrors:
+        split_action["request_mirror_policies"] = mirrors
+    split: dict[str, Any] = {
+        "name": f"{model_name}-split",
+        "match": {"prefix": OIP_PREFIX, "headers": [model_match]},
+        "route": split_action,
+    }
+    if primary:
+        split["request_headers_to_add"] = primary
+    routes.append(_with_fault(split, fault_name, policy.fault))
     return routes
 
 

@@ -67,7 +67,7 @@ def shadow_report(folder: Path, model: str, tolerance: float = 1e-3) -> ShadowRe
     def versions(side: dict[str, dict[str, Any]]) -> dict[str, int]:
         counts: dict[str, int] = {}
         for entry in side.values():
-            key = entry.get("version") or "error"
+            key = "error" if "error" in entry else entry.get("version") or "error"
             counts[key] = counts.get(key, 0) + 1
         return counts
 

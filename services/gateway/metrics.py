@@ -5,17 +5,33 @@ by status, and their latency, beside the RPC metrics every service has.
 | --- | --- | --- |
 | servemesh_gateway_predictions_total | counter | model, version, degraded, code |
 | servemesh_gateway_predict_duration_seconds | histogram | model, version |
+| servemesh_gateway_prediction_score | histogram | model, version |
+| servemesh_gateway_model_calls_total | counter | model, version, code |
 
-`version` is the version that answered (the replica says which); a call that failed before
-one did carries the version it pinned, else "". `model` is "" for a call naming no model of
-the spec, so a caller cannot grow the label set.
+`version` is the version that answered (the replica says which); a call whose model call
+failed carries the version Envoy routed it to (Envoy names it in a response header), one
+that failed before that the version it pinned, else "". `model` is "" for a call naming no
+model of the spec, so a caller cannot grow the label set. A degraded fallback answer is
+version "fallback".
+
+The last two are what a rollout's analysis compares between a canary and its baseline
+(servemesh/rollout/analysis.py):
+
+- `prediction_score`: every score the gateway answers (one per row; a model answering in
+  named outputs has none), by answering version, in the fixed buckets of
+  wire.SCORE_BUCKETS. A fallback's score is not the model's and is left out; a NaN score
+  is counted in the +Inf bucket, so a version answering NaN moves mass there.
+- `model_calls_total`: every ModelInfer the gateway made, by the version Envoy routed it
+  to and its status, including calls a fallback then answered for: the version's own
+  success ratio, which a fallback would otherwise hide from `predictions_total`.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -24,9 +40,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from servemesh.services.runtime.errors import MeshError
 from servemesh.services.runtime.metrics import RPC_BUCKETS
 from servemesh.spec import MeshSpec
+from servemesh.wire import SCORE_BUCKETS
 from servemesh_api.gateway.v1 import gateway_pb2
 
 Key = tuple[str, str, str, str]
+
+
+# The version a degraded fallback answer names (services/gateway/predict.py answers it).
+FALLBACK_VERSION = "fallback"
 
 
 class PredictMetrics:
@@ -47,8 +68,23 @@ class PredictMetrics:
             buckets=RPC_BUCKETS,
             registry=self.registry,
         )
+        self._score = Histogram(
+            "servemesh_gateway_prediction_score",
+            "Scores the gateway answered, one per row, by model and answering version.",
+            ["model", "version"],
+            buckets=SCORE_BUCKETS,
+            registry=self.registry,
+        )
+        self._model_calls = Counter(
+            "servemesh_gateway_model_calls",
+            "ModelInfer calls by model, the version Envoy routed them to, and status code.",
+            ["model", "version", "code"],
+            registry=self.registry,
+        )
         self._counters: dict[Key, Any] = {}
         self._timers: dict[tuple[str, str], Any] = {}
+        self._scores: dict[tuple[str, str], Any] = {}
+        self._calls: dict[tuple[str, str, str], Any] = {}
 
     def record(self, model: str, version: str, degraded: bool, code: str, seconds: float) -> None:
         key = (model, version, "true" if degraded else "false", code)
@@ -60,6 +96,25 @@ class PredictMetrics:
         if timer is None:
             timer = self._timers[(model, version)] = self._duration.labels(model, version)
         timer.observe(seconds)
+
+    def record_scores(self, model: str, version: str, scores: Sequence[float]) -> None:
+        """The scores of one answer (one per row) under the version that answered."""
+        if not scores:
+            return
+        child = self._scores.get((model, version))
+        if child is None:
+            child = self._scores[(model, version)] = self._score.labels(model, version)
+        for score in scores:
+            # NaN is below no bound, so prometheus_client would count it in no bucket.
+            child.observe(score if score == score else math.inf)
+
+    def record_model_call(self, model: str, version: str, code: str) -> None:
+        """One ModelInfer call, by the version Envoy routed it to and how it ended."""
+        key = (model, version, code)
+        counter = self._calls.get(key)
+        if counter is None:
+            counter = self._calls[key] = self._model_calls.labels(*key)
+        counter.inc()
 
 
 class _Observed(Protocol):
@@ -100,11 +155,16 @@ def observed(predict: Predict[S]) -> Predict[S]:
             seconds = time.perf_counter() - started
             known = self.spec.models.get(request.model)
             model = request.model if known is not None else ""
-            version = request.version if known and request.version in known.versions else ""
+            # The version Envoy routed the failed model call to, when it got that far.
+            version = getattr(exc, "routed_version", "") if known else ""
+            if not version:
+                version = request.version if known and request.version in known.versions else ""
             self.metrics.record(model, version, False, _failure_code(exc, context), seconds)
             raise
         seconds = time.perf_counter() - started
         self.metrics.record(request.model, answer.model_version, answer.degraded, "OK", seconds)
+        if answer.model_version != FALLBACK_VERSION:
+            self.metrics.record_scores(request.model, answer.model_version, answer.scores)
         return answer
 
     return call

@@ -8,14 +8,17 @@ learned from the model (datatypes and per-row shapes of the raw inputs).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from servemesh.echo import shown
 from servemesh.model_contract import check_model_contract
+from servemesh.services.gateway.metrics import FALLBACK_VERSION
 from servemesh.services.gateway.tensors import (
     DATATYPES,
     CallerTensor,
@@ -32,6 +35,7 @@ from servemesh.services.runtime.errors import (
     NotFound,
 )
 from servemesh.spec import MeshSpec, ModelSpec
+from servemesh.wire import BUCKETS
 from servemesh_api.feature.v1 import feature_pb2
 from servemesh_api.gateway.v1 import gateway_pb2
 from servemesh_api.inference import grpc_service_pb2 as oip
@@ -88,6 +92,17 @@ class ViewRead:
     features: list[str]
 
 
+def sticky_bucket(model: str, entity_id: str) -> int:
+    """The entity's bucket for `model`, 0..BUCKETS-1: the same on every call and every
+    gateway (a keyed hash, not Python's per-process `hash`). The model's name is part of the
+    key, so the entities that meet one model's canary are not always the ones that meet
+    every other model's."""
+    digest = hashlib.blake2b(
+        entity_id.encode(), digest_size=8, key=model.encode()[:64], person=b"servemesh-bkt"
+    ).digest()
+    return int.from_bytes(digest, "big") % BUCKETS
+
+
 @dataclass(frozen=True)
 class PredictPlan:
     model_name: str
@@ -98,6 +113,18 @@ class PredictPlan:
     # The shorthand's caller-supplied rows (float32, n x n_features), after the entity rows.
     rows: np.ndarray
     raw: dict[str, CallerTensor]  # the model's raw inputs, by tensor name
+
+    @cached_property
+    def bucket(self) -> int | None:
+        """The sticky bucket of the call (its first entity id), which Envoy routes to a
+        version while the weights stand; None for a call without entities (the weighted
+        split picks) or one that pins its version."""
+        if self.version:
+            return None
+        for read in self.reads:
+            if read.entity_ids:
+                return sticky_bucket(self.model_name, read.entity_ids[0])
+        return None
 
     @property
     def n_rows(self) -> int:
@@ -407,7 +434,7 @@ def fallback_response(
         return None
     return gateway_pb2.PredictResponse(
         scores=[score] * plan.n_rows,
-        model_version="fallback",
+        model_version=FALLBACK_VERSION,
         degraded=True,
         degraded_reason=reason,
         request_id=request_id,

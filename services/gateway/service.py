@@ -32,6 +32,7 @@ from servemesh.services.runtime.errors import Internal, MeshError
 from servemesh.services.runtime.tracing import traced_call
 from servemesh.spec import MeshSpec
 from servemesh.wire import (
+    BUCKET_HEADER,
     FEATURE_SERVICE,
     MODEL_HEADER,
     MODEL_INFER_METHOD,
@@ -67,11 +68,24 @@ FALLBACK_CODES = {
 
 
 class DownstreamError(MeshError):
-    """A call to the next hop failed; the caller gets that hop's status, named."""
+    """A call to the next hop failed; the caller gets that hop's status, named.
+    `routed_version`: the model version Envoy routed the call to, when it says ("")."""
 
-    def __init__(self, hop: str, error: grpc.aio.AioRpcError) -> None:
+    def __init__(self, hop: str, error: grpc.aio.AioRpcError, routed_version: str = "") -> None:
         super().__init__(f"{hop}: {error.details()}", code=error.code())
         self.hop = hop
+        self.routed_version = routed_version
+
+
+def routed_version(error: grpc.aio.AioRpcError) -> str:
+    """The version Envoy routed a failed model call to: every model route names it in a
+    response header (trailers-only answers, which failed gRPC calls mostly are, carry it
+    with the trailers)."""
+    for metadata in (error.trailing_metadata(), error.initial_metadata()):
+        for key, value in metadata or ():
+            if key == VERSION_HEADER and isinstance(value, str):
+                return value
+    return ""
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -183,6 +197,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         routing = [(MODEL_HEADER, plan.model_name)]
         if plan.version:
             routing.append((VERSION_HEADER, plan.version))
+        elif plan.bucket is not None:
+            # Envoy routes the entity's bucket to a version: the same entity, the same
+            # version, while the weights stand.
+            routing.append((BUCKET_HEADER, str(plan.bucket)))
         return routing
 
     async def _signature(
@@ -262,8 +280,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 metadata + self._routing(plan),
             )
         except grpc.aio.AioRpcError as exc:
-            raise DownstreamError("model service", exc) from None
-        outputs = read_outputs(reply, plan.n_rows)
+            # Counted against the version that failed, even when a fallback answers.
+            version = routed_version(exc) or plan.version
+            self.metrics.record_model_call(plan.model_name, version, exc.code().name)
+            raise DownstreamError("model service", exc, version) from None
+        try:
+            outputs = read_outputs(reply, plan.n_rows)
+        except MeshError as exc:  # an answer of the wrong shape is the version's fault
+            self.metrics.record_model_call(plan.model_name, reply.model_version, exc.code.name)
+            raise
+        self.metrics.record_model_call(plan.model_name, reply.model_version, "OK")
         return gateway_pb2.PredictResponse(
             scores=scores_of(outputs, plan.n_rows),
             outputs=outputs,

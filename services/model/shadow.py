@@ -19,7 +19,12 @@ import grpc
 import numpy as np
 
 from servemesh.services.runtime.interceptors import with_unary_behaviour
-from servemesh.wire import MODEL_INFER_METHOD, REQUEST_ID_HEADER, SHADOW_ROLE_HEADER
+from servemesh.wire import (
+    MODEL_INFER_METHOD,
+    REQUEST_ID_HEADER,
+    SHADOW_ROLE_HEADER,
+    VERSION_HEADER,
+)
 from servemesh_api.inference import grpc_service_pb2 as oip
 
 log = logging.getLogger(__name__)
@@ -79,6 +84,9 @@ class ShadowRecorder(grpc.aio.ServerInterceptor):
             return handler
         behaviour = handler.unary_unary
         request_id = str(next((value for key, value in metadata if key == REQUEST_ID_HEADER), ""))
+        # Envoy names the version on both sides (the split's pick, the shadow's re-mark): a
+        # failed call is recorded against it, which a rollout's shadow step compares.
+        routed = str(next((value for key, value in metadata if key == VERSION_HEADER), ""))
 
         async def recorded(
             request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
@@ -92,7 +100,11 @@ class ShadowRecorder(grpc.aio.ServerInterceptor):
             try:
                 response = await behaviour(request, context)
             except BaseException as exc:
-                entry |= {"model": request.model_name, "error": type(exc).__name__}
+                entry |= {
+                    "model": request.model_name,
+                    "version": request.model_version or routed,
+                    "error": type(exc).__name__,
+                }
                 self._append(entry, started)
                 raise
             entry |= {

@@ -52,24 +52,10 @@ from servemesh.services.runtime.interceptors import (
     with_unary_behaviour,
     with_unary_stream_behaviour,
 )
+from servemesh.wire import LATENCY_BUCKETS_S
 
 # Seconds: from a cached feature read (0.5 ms) to a call that waited out a long deadline.
-RPC_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
+RPC_BUCKETS = LATENCY_BUCKETS_S
 OK = "OK"
 
 

@@ -88,7 +88,8 @@ ALLOWED: dict[str, set[str]] = {
     "apply_cli": CONTRACT | TOOLING,
     "log_cli": CONTRACT | TOOLING | {"predlog"},
     # `servemesh rollout`: the controller, its analysis, checklist and gates
-    "rollout": CONTRACT | TOOLING,
+    # (the registry's artifact client: the checklist verifies a version's sha256 with it)
+    "rollout": CONTRACT | TOOLING | {"registry"},
     # `servemesh control-plane` and `servemesh compose`: seeds the containers' registry
     "compose_cli": CONTRACT | TOOLING | {"discovery", "seeding"},
     # loads a user's feature file through a running mesh's feature service (its row checks)

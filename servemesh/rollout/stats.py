@@ -1,0 +1,109 @@
+"""The arithmetic of canary analysis on bucketed counts: a quantile as PromQL's
+histogram_quantile computes it, the population stability index, and a Kolmogorov-Smirnov
+distance. Pure functions of bucket bounds and per-bucket counts (not cumulative; the last
+bound +inf), so every number the analysis prints can be checked by hand.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from servemesh.observe.scrape import quantile as _cumulative_quantile
+
+# An empty bin's share in PSI: ln(0) is undefined, and any small floor keeps a bin the
+# other arm fills from dominating by more than ln(share / EPSILON).
+PSI_EPSILON = 1e-4
+# PSI is computed over at most this many bins, merged from the fine fixed buckets so each
+# holds about a tenth of the pooled scores: the usual decile binning. Fewer, fuller bins
+# keep the sampling noise of two identical distributions low (about (bins - 1) x
+# (1/n_baseline + 1/n_canary)).
+PSI_MAX_BINS = 10
+
+
+def bucket_quantile(q: float, bounds: Sequence[float], counts: Sequence[float]) -> float:
+    """The q-quantile of per-bucket counts, interpolated linearly inside its bucket as
+    PromQL's histogram_quantile does (one definition: servemesh.observe.scrape.quantile);
+    NaN without observations."""
+    cumulative: dict[float, float] = {}
+    running = 0.0
+    for bound, count in zip(bounds, counts, strict=True):
+        running += count
+        cumulative[bound] = running
+    return _cumulative_quantile(q, cumulative)
+
+
+@dataclass(frozen=True)
+class Psi:
+    value: float
+    bins: int  # the merged bins it was computed over
+    # Its expected value for two samples of one distribution, (bins - 1)(1/n1 + 1/n2):
+    # below it, a PSI says nothing.
+    noise: float
+
+
+def merged_bins(baseline: Sequence[float], canary: Sequence[float], max_bins: int) -> list[int]:
+    """Group boundaries over the fine buckets: each group (but perhaps the last) holds at
+    least 1/max_bins of the pooled share of both arms. Returns the exclusive end index of
+    each group."""
+    total_b, total_c = sum(baseline), sum(canary)
+    pooled = [
+        (b / total_b if total_b else 0.0) + (c / total_c if total_c else 0.0)
+        for b, c in zip(baseline, canary, strict=True)
+    ]
+    whole = sum(pooled)
+    ends: list[int] = []
+    running = 0.0
+    for i, share in enumerate(pooled):
+        running += share
+        if running >= whole / max_bins * (1 - 1e-9):
+            ends.append(i + 1)
+            running = 0.0
+    if not ends or ends[-1] != len(pooled):
+        if ends and running < whole / max_bins / 2:
+            ends[-1] = len(pooled)  # a thin tail joins the last full bin
+        else:
+            ends.append(len(pooled))
+    return ends
+
+
+def psi(
+    baseline: Sequence[float],
+    canary: Sequence[float],
+    *,
+    max_bins: int = PSI_MAX_BINS,
+    epsilon: float = PSI_EPSILON,
+) -> Psi:
+    """Population stability index of the canary's counts against the baseline's:
+    sum over bins of (c - b) ln(c / b), b and c each arm's share of the bin (at least
+    `epsilon`). 0 for identical shares; about 0.1 is a small shift, above 0.2 a large one."""
+    if len(baseline) != len(canary):
+        raise ValueError(f"bucket counts differ in length: {len(baseline)} vs {len(canary)}")
+    total_b, total_c = sum(baseline), sum(canary)
+    if total_b <= 0 or total_c <= 0:
+        return Psi(math.nan, 0, math.inf)
+    value, start = 0.0, 0
+    ends = merged_bins(baseline, canary, max_bins)
+    for end in ends:
+        b = max(sum(baseline[start:end]) / total_b, epsilon)
+        c = max(sum(canary[start:end]) / total_c, epsilon)
+        value += (c - b) * math.log(c / b)
+        start = end
+    noise = (len(ends) - 1) * (1 / total_b + 1 / total_c)
+    return Psi(value, len(ends), noise)
+
+
+def ks_distance(baseline: Sequence[float], canary: Sequence[float]) -> float:
+    """The largest gap between the two arms' cumulative shares at any bucket bound: the
+    Kolmogorov-Smirnov statistic as far as the buckets resolve it (a lower bound of the
+    exact one). NaN when an arm is empty."""
+    total_b, total_c = sum(baseline), sum(canary)
+    if total_b <= 0 or total_c <= 0:
+        return math.nan
+    gap, cum_b, cum_c = 0.0, 0.0, 0.0
+    for b, c in zip(baseline, canary, strict=True):
+        cum_b += b
+        cum_c += c
+        gap = max(gap, abs(cum_b / total_b - cum_c / total_c))
+    return gap
