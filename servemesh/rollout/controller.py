@@ -191,16 +191,19 @@ class Controller:
             if not mine:
                 return self._refused(f"another controller of {model} has just started")
             now = self.now()
-            items = list(
-                self.parts.preflight(
-                    live,
-                    model,
-                    version,
-                    plan,
-                    now=datetime.fromtimestamp(now, UTC),
-                    overrides=overrides,
+            try:
+                items = list(
+                    self.parts.preflight(
+                        live,
+                        model,
+                        version,
+                        plan,
+                        now=datetime.fromtimestamp(now, UTC),
+                        overrides=overrides,
+                    )
                 )
-            )
+            except ValueError as exc:  # an override of no item, or without a reason
+                raise ControllerError(str(exc)) from None
             self._unknown_overrides(overrides, items)
             self.show(self.parts.render_checklist(items))
             state = RolloutState(
@@ -444,17 +447,18 @@ class Controller:
                 }
             ),
         )
-        self.store.record("step", state, weights=weights, shadow=step.shadow)
-        self.say(
-            f"step {step.label} ({index + 1}/{len(plan.steps)}): "
-            f"{describe_step(step, model, version, baseline)}"
-        )
         if step.shadow:
             self._change(lambda: self.parts.routes.set_shadow(model, version, 100.0, who=_actor()))
         else:
             if self._shadow_live(model):
                 self._change(lambda: self.parts.routes.set_shadow(model, None, who=_actor()))
             self._change(lambda: self.parts.routes.set_weights(model, weights, who=_actor()))
+        # Recorded once Envoy serves it: the step's window starts here.
+        self.store.record("step", state, weights=weights, shadow=step.shadow)
+        self.say(
+            f"step {step.label} ({index + 1}/{len(plan.steps)}): "
+            f"{describe_step(step, model, version, baseline)}"
+        )
         began = self.now()
         before = self.parts.source.snapshot(model, shadow=step.shadow)
         held = False
@@ -611,6 +615,7 @@ class Controller:
     ) -> Ending:
         """Baseline 100, shadow off, as one act: whatever the canary got is taken away."""
         self.say(f"rolling back: {reason}")
+        self.store.record("rolling back", state, reason=reason)
         model = state.model
         if self._shadow_live(model):
             self._change(lambda: self.parts.routes.set_shadow(model, None, who=_actor()))

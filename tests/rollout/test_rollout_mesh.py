@@ -1,0 +1,216 @@
+"""`servemesh rollout` against a real mesh under steady load: the real analysis (gateway
+metrics, the replicas' shadow ledger), the real checklist and gates, Envoy swapping routes,
+and the controller as operators run it, a process of its own (`python -m servemesh`).
+
+One mesh serves the whole module (v1 the baseline, one good and three bad versions); each
+test starts from v1 at 100% and leaves it there. Plans are short (1 s dwell, 1 s interval),
+so each rollout takes seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from servemesh.chaos.load import drill_load
+from servemesh.chaos.mesh import DrillMesh
+from servemesh.identity import dial_edge
+from servemesh.load import BackgroundLoad
+from servemesh.proxy.apply import RouteManager
+from servemesh.rollout.state import StateStore
+from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, Ports
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.mesh
+
+ENTITIES = 1000
+RATE = 60
+GOOD, ERRORS, SLOW, SHIFTED = "v2", "v3", "v4", "v5"
+VERSIONS = {
+    "v1": ModelVersionSpec(source="demo:1"),
+    GOOD: ModelVersionSpec(source="demo:1"),  # the same model: a good version
+    ERRORS: ModelVersionSpec(source="flaky:30:1"),  # fails on 30% of entities
+    SLOW: ModelVersionSpec(source="demo:1", inject_latency_ms=100),  # 100 ms slower
+    SHIFTED: ModelVersionSpec(source="shifted:0.3:1"),  # every score moved by +0.3
+}
+
+# Short steps. The canary's steps start at 25%: sticky assignment gives a 1% canary 1% of
+# the entities, too few for a score distribution to compare in a second of traffic. The
+# p99 limits leave room for a busy shared machine's stalls, not for 100 ms.
+PLAN: dict[str, Any] = {
+    "steps": [
+        {"weight": None, "dwell": "1s", "min_requests": 20},
+        {"weight": 25, "dwell": "1s", "min_requests": 10},
+        {"weight": 50, "dwell": "1s", "min_requests": 20},
+        {"weight": 100, "dwell": "1s", "min_requests": 20},
+    ],
+    "analysis": {
+        "interval": "1s",
+        "min_samples": 20,
+        "max_error_ratio_increase_points": 1.0,
+        "max_p99_ratio": 1.5,
+        "p99_slack_ms": 50,
+        "max_psi": 0.5,
+    },
+    "deadline": "10m",
+}
+
+
+def rollout_spec(state_dir: Path) -> MeshSpec:
+    return MeshSpec(
+        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        state_dir=str(state_dir),
+        models={
+            "fraud": ModelSpec(
+                versions=VERSIONS, traffic={v: 100 if v == "v1" else 0 for v in VERSIONS}
+            )
+        },
+        demo={"enabled": True, "entities": ENTITIES},
+    )
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DrillMesh]:
+    state_dir = tmp_path_factory.mktemp("rollout-mesh")
+    with DrillMesh.from_spec(rollout_spec(state_dir)) as running:
+        yield running
+
+
+@pytest.fixture
+def load(mesh: DrillMesh) -> Iterator[BackgroundLoad]:
+    """Steady load through the edge for the test; v1 at 100% again after it."""
+    background = drill_load(dial_edge(mesh.spec), rate_per_s=RATE, entities=ENTITIES)
+    background.start()
+    try:
+        yield background
+    finally:
+        background.stop()
+        routes = RouteManager(mesh.paths)
+        live = routes.live_spec().models["fraud"]
+        if live.shadow is not None:
+            routes.set_shadow("fraud", None)
+        if live.traffic.get("v1") != 100:
+            routes.set_weights("fraud", {"v1": 100})
+
+
+def plan_file(tmp_path: Path, **analysis: Any) -> Path:
+    plan = {**PLAN, "analysis": {**PLAN["analysis"], **analysis}}
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(plan))
+    return path
+
+
+def rollout_argv(mesh: DrillMesh, *args: str) -> list[str]:
+    return [sys.executable, "-m", "servemesh", "rollout", "--state-dir", str(mesh.state_dir), *args]
+
+
+def rollout(mesh: DrillMesh, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        rollout_argv(mesh, *args), capture_output=True, text=True, timeout=timeout_s
+    )
+
+
+def failed_calls(load: BackgroundLoad) -> list[str]:
+    return [f"{o.code}: {o.error}" for o in load.run.snapshot() if not o.ok]
+
+
+def last_line(result: subprocess.CompletedProcess[str]) -> str:
+    lines = result.stdout.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def test_a_good_version_goes_from_shadow_to_full_with_no_failed_call(
+    mesh: DrillMesh, load: BackgroundLoad, tmp_path: Path
+) -> None:
+    result = rollout(mesh, "start", "fraud", GOOD, "--plan", str(plan_file(tmp_path)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert last_line(result).startswith("promoted: v2 takes 100% of fraud")
+    for label in ("shadow", "25%", "50%", "100%"):
+        assert f"step {label} passed" in result.stdout, result.stdout
+    # The checklist, before any step: every item passed.
+    for item in ("artifact_integrity", "rollback_target", "freeze", "error_budget"):
+        assert f"✓ {item}" in " ".join(result.stdout.split()), result.stdout
+    live = RouteManager(mesh.paths).live_spec().models["fraud"]
+    assert live.traffic[GOOD] == 100 and live.shadow is None
+    assert "v1" in live.versions  # kept for a later rollback
+    status = json.loads(rollout(mesh, "status", "fraud", "--json").stdout)
+    assert status["status"] == "promoted" and status["controller_alive"] is False
+    assert failed_calls(load) == []
+
+
+@pytest.mark.parametrize(
+    ("version", "check"),
+    [(ERRORS, "error_ratio"), (SLOW, "p99"), (SHIFTED, "psi")],
+    ids=["errors-on-30pct-of-entities", "100ms-slower", "scores-shifted"],
+)
+def test_a_bad_version_is_rolled_back_at_its_first_bad_step(
+    mesh: DrillMesh, load: BackgroundLoad, tmp_path: Path, version: str, check: str
+) -> None:
+    result = rollout(mesh, "start", "fraud", version, "--plan", str(plan_file(tmp_path)))
+    assert result.returncode == 3, result.stdout + result.stderr
+    reason = last_line(result)
+    assert reason.startswith(f"rolled back: step shadow: {check} fail"), result.stdout
+    # The first judgement of the step it failed: the rollback came one interval after the
+    # step's routes were in place (each judgement prints one line per check).
+    judged = [line for line in result.stdout.splitlines() if f"shadow {check} " in line]
+    assert len(judged) == 1, result.stdout
+    events = StateStore(mesh.state_dir).history("fraud")
+    mine = [e for e in events if e["version"] == version]
+    step = next(e for e in mine if e["event"] == "step")
+    back = next(e for e in mine if e["event"] == "rolling back")
+    assert back["at"] - step["at"] < 1.0 + 3.0  # one interval, plus reading the counters
+    live = RouteManager(mesh.paths).live_spec().models["fraud"]
+    assert live.traffic["v1"] == 100 and live.shadow is None
+    # The canary only ever got shadow copies: callers saw none of its answers.
+    assert failed_calls(load) == []
+
+
+def test_a_killed_controller_is_resumed_and_finishes_with_no_failed_call(
+    mesh: DrillMesh, load: BackgroundLoad, tmp_path: Path
+) -> None:
+    plan = plan_file(tmp_path)
+    controller = subprocess.Popen(
+        rollout_argv(mesh, "start", "fraud", GOOD, "--plan", str(plan)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    store = StateStore(mesh.state_dir)
+    try:
+
+        def at_half() -> bool:
+            state = store.load("fraud")
+            return state is not None and state.version == GOOD and state.step_label == "50%"
+
+        wait_until(at_half, "the rollout to reach its 50% step", timeout_s=120)
+        os.kill(controller.pid, signal.SIGKILL)
+        controller.wait(timeout=10)
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+            controller.wait(timeout=10)
+    assert controller.stdout is not None
+    controller.stdout.close()
+    wait_until(lambda: not store.alive("fraud"), "the kernel to drop the dead controller's lock")
+    status = json.loads(rollout(mesh, "status", "fraud", "--json").stdout)
+    assert status["status"] == "running" and status["controller_alive"] is False
+    assert status["step"] == "50%"
+    started = time.monotonic()
+    result = rollout(mesh, "resume", "fraud")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "continues at step 50%" in result.stdout
+    assert last_line(result).startswith("promoted:")
+    assert time.monotonic() - started < 60
+    live = RouteManager(mesh.paths).live_spec().models["fraud"]
+    assert live.traffic[GOOD] == 100
+    assert failed_calls(load) == []
