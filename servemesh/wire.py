@@ -169,9 +169,7 @@ LATENCY_BUCKETS_S: Final = (
 # few wide bins on either side, so a model scoring outside [0, 1] still lands in finite
 # buckets and a gross shift of its scores still moves mass between them.
 SCORE_BUCKETS: Final = (
-    (-100.0, -10.0, -1.0, 0.0)
-    + tuple(round(i / 20, 2) for i in range(1, 21))
-    + (2.0, 10.0, 100.0)
+    (-100.0, -10.0, -1.0, 0.0) + tuple(round(i / 20, 2) for i in range(1, 21)) + (2.0, 10.0, 100.0)
 )
 
 # --- Envoy cluster and route names -----------------------------------------------------------

