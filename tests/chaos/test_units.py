@@ -32,6 +32,7 @@ DRILLS = {
     "registry-down",
     "bad-canary",
     "inter-zone-partition",
+    "rollout-controller-killed",
 }
 
 
