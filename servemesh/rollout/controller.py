@@ -571,19 +571,21 @@ class Controller:
                 return f"paused by {current.pause.who}"
             return None
 
-        ctx = fleet.StrategyContext(
-            manager=self.parts.routes,
-            spec=self.parts.routes.live_spec(),
-            model=model,
-            version=state.version,
-            baseline=state.baseline,
-            plan=state.plan,
-            say=self.say,
-            record=record,
-            resume_from=state.marker,
-            should_stop=should_stop,
-        )
-        ending: Ending = run(ctx)
+        fields: dict[str, Any] = {
+            "manager": self.parts.routes,
+            "spec": self.parts.routes.live_spec(),
+            "model": model,
+            "version": state.version,
+            "baseline": state.baseline,
+            "plan": state.plan,
+            "say": self.say,
+            "record": record,
+            "resume_from": state.marker,
+            "should_stop": should_stop,
+        }
+        if "watch" in _field_names(fleet.StrategyContext):
+            fields["watch"] = self._watcher(state)
+        ending: Ending = run(fleet.StrategyContext(**fields))
         status = {
             Outcome.PROMOTED: "promoted",
             Outcome.ROLLED_BACK: "rolled_back",
@@ -595,6 +597,43 @@ class Controller:
                 status = "aborted"
             self._finish(state, status, ending.reason)
         return ending
+
+    def _watcher(self, state: RolloutState) -> Callable[[], Ending | None]:
+        """The analysis a fleet strategy asks for once the new version takes all traffic:
+        the canary judged every interval for the plan's last step (its dwell and
+        minimum requests) against the baseline's window from the rollout's start to the
+        switch. An Ending when a check failed (the strategy switches back), else None."""
+        model, baseline, version = state.model, state.baseline, state.version
+        plan = state.plan
+        last = plan.steps[-1]
+        reference_from = self.parts.source.snapshot(model, shadow=False)
+
+        def watch() -> Ending | None:
+            switched = self.parts.source.snapshot(model, shadow=False)
+            base = self.parts.window(reference_from, switched).get(baseline) or _empty(baseline)
+            began = self.now()
+            # Without a baseline window (no traffic before the switch) nothing compares:
+            # the dwell alone is waited out, and a failing check still counts.
+            patience = last.dwell_s + 10 * plan.analysis.interval_s
+            while True:
+                self.parts.sleep(plan.analysis.interval_s)
+                after = self.parts.source.snapshot(model, shadow=False)
+                canary = self.parts.window(switched, after).get(version) or _empty(version)
+                checks = list(self.parts.judge(base, canary, plan.analysis))
+                for check in checks:
+                    self.say(f"  {state.strategy} {check_line(check)}")
+                self._set(model, last_checks=[CheckRecord.of(c) for c in checks])
+                failed = [c for c in checks if c.verdict == "fail"]
+                if failed:
+                    reason = f"{state.strategy}: " + "; ".join(check_line(c) for c in failed)
+                    self.store.record("rolling back", self._reload(state), reason=reason)
+                    return Ending(Outcome.ROLLED_BACK, reason, tuple(checks))
+                waited = self.now() - began
+                if waited >= last.dwell_s and canary.requests >= last.min_requests:
+                    if all(c.verdict == "pass" for c in checks) or waited >= patience:
+                        return None
+
+        return watch
 
     # --- endings ----------------------------------------------------------------------------
 
@@ -688,6 +727,14 @@ class Controller:
                 if _LOCK_BUSY not in str(exc) or self.now() > deadline:
                     raise
             self.parts.sleep(0.2)
+
+
+def _field_names(kind: Any) -> set[str]:
+    import dataclasses
+
+    if dataclasses.is_dataclass(kind):
+        return {f.name for f in dataclasses.fields(kind)}
+    return set()
 
 
 def _pid() -> int:

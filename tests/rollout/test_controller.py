@@ -391,3 +391,48 @@ def test_a_recorded_window_keeps_its_infinite_last_bound(tmp_path: Path) -> None
     state = store.load("fraud")
     assert state is not None and state.reference_baseline is not None
     assert state.reference_baseline.arm() == arm
+
+
+def test_a_fleet_strategy_watches_the_new_version_with_the_controllers_analysis(
+    tmp_path: Path,
+) -> None:
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Context:
+        manager: Any
+        spec: Any
+        model: str
+        version: str
+        baseline: str
+        plan: Any
+        say: Any
+        record: Any
+        resume_from: str | None
+        should_stop: Any
+        watch: Any = None
+
+    def run_blue_green(ctx: Context) -> Ending:
+        ctx.manager.sleep(5)  # the baseline's traffic before the switch: the reference
+        ctx.manager.set_weights(ctx.model, {ctx.version: 100})
+        verdict = ctx.watch()
+        if verdict is not None:
+            ctx.manager.set_weights(ctx.model, {ctx.baseline: 100})
+            return verdict  # type: ignore[no-any-return]
+        return Ending(Outcome.PROMOTED, "switched")
+
+    fleet = SimpleNamespace(StrategyContext=Context, run_blue_green=run_blue_green)
+    plan = short_plan(100).model_copy(update={"strategy": "blue-green"})
+    good = controller(tmp_path / "good", World())
+    good.parts.fleet = fleet
+    assert good.start("fraud", "v2", plan).outcome == Outcome.PROMOTED
+    bad_world = World()
+    bad_world.arms["v2"] = Arm(error_ratio=0.2)
+    bad = controller(tmp_path / "bad", bad_world)
+    bad.parts.fleet = fleet
+    ending = bad.start("fraud", "v2", plan)
+    assert ending.outcome == Outcome.ROLLED_BACK
+    assert ending.reason.startswith("blue-green: error_ratio fail")
+    assert bad_world.weights == {"v1": 100, "v2": 0}
+    state = StateStore(tmp_path / "bad").load("fraud")
+    assert state is not None and state.status == "rolled_back"
