@@ -88,7 +88,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DrillMesh]:
 @pytest.fixture
 def load(mesh: DrillMesh) -> Iterator[BackgroundLoad]:
     """Steady load through the edge for the test; v1 at 100% again after it."""
-    background = drill_load(dial_edge(mesh.spec), rate_per_s=RATE, entities=ENTITIES)
+    # A 5 s deadline: these tests count the calls a rollout loses, not a busy shared
+    # machine's stalls.
+    background = drill_load(dial_edge(mesh.spec), rate_per_s=RATE, entities=ENTITIES, timeout_s=5.0)
     background.start()
     try:
         yield background
@@ -106,7 +108,7 @@ def load(mesh: DrillMesh) -> Iterator[BackgroundLoad]:
 # right after a route swap can show a p99 of a few hundred milliseconds in either arm, and
 # at 100% the canary is compared with the baseline's window of the step before. Latency is
 # what the slow version's test proves (at the shadow step, from the replicas' own times).
-CALM = {"p99_slack_ms": 1000}
+CALM = {"max_p99_ratio": 5, "p99_slack_ms": 2000}
 
 
 def plan_file(tmp_path: Path, **analysis: Any) -> Path:
