@@ -459,6 +459,12 @@ class Controller:
             f"step {step.label} ({index + 1}/{len(plan.steps)}): "
             f"{describe_step(step, model, version, baseline)}"
         )
+        if step.weight == 100 and state.reference_baseline is not None:
+            # Compared with a calm window of the step before, the first interval after the
+            # swap would also judge the change's own cost (Envoy validating the config,
+            # every service re-reading the spec: calls queued meanwhile answer late), which
+            # both arms of a split step share but the reference does not. Give it one.
+            self.parts.sleep(plan.analysis.interval_s)
         began = self.now()
         before = self.parts.source.snapshot(model, shadow=step.shadow)
         held = False
