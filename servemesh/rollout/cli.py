@@ -41,14 +41,19 @@ _VERDICT_STYLE = {" pass:": "green", " fail:": "bold red", " wait:": "yellow"}
 ACT_TIMEOUT_S = 120.0
 
 
-def say(line: str) -> None:
+def say(line: str, *, to: Console | None = None) -> None:
     """One progress line: the time, then what happened (verdicts coloured)."""
     stamp = datetime.now().strftime("%H:%M:%S")
     style = next((s for key, s in _VERDICT_STYLE.items() if key in line), None)
     if line.startswith("rolling back"):
         style = "bold red"
-    out.print(Text.assemble((stamp + " ", "dim"), (line, style or "")))
+    (to or out).print(Text.assemble((stamp + " ", "dim"), (line, style or "")))
     sys.stdout.flush()
+
+
+def say_aside(line: str) -> None:
+    """A progress line on stderr: for commands whose stdout is data (status --json)."""
+    say(line, to=console)
 
 
 def _state_dir(args: argparse.Namespace) -> Path:
@@ -101,13 +106,15 @@ def real_parts(manager: RouteManager, *, analysis: bool) -> Parts:
     )
 
 
-def _controller(args: argparse.Namespace, *, analysis: bool = False) -> Controller:
+def _controller(
+    args: argparse.Namespace, *, analysis: bool = False, aside: bool = False
+) -> Controller:
     manager = RouteManager(MeshPaths(_state_dir(args)))
     return Controller(
         StateStore(manager.paths.state_dir),
         real_parts(manager, analysis=analysis),
-        say=say,
-        show=out.print,
+        say=say_aside if aside else say,
+        show=console.print if aside else out.print,
     )
 
 
@@ -256,9 +263,18 @@ def cmd_status(args: argparse.Namespace) -> int:
             continue
         if state.active and not store.alive(model):
             # A rollout nobody drives past its deadline is rolled back by whoever looks.
-            if controller is None:
-                controller = _controller(args)
-            state = controller.expire_if_due(model) or state
+            try:
+                if controller is None:
+                    controller = _controller(args, aside=True)
+                state = controller.expire_if_due(model) or state
+            except (ControllerError, ApplyError, AdminError, SpecError) as exc:
+                # Status still shows what is recorded; the next look tries again.
+                console.print(
+                    Text.assemble(
+                        ("warning: ", "yellow"),
+                        f"{model}: past its deadline, but the rollback failed: {exc}",
+                    )
+                )
         rows.append(status_row(state, store.alive(model), time.time()))
     if args.json:
         print(json.dumps(rows if not args.model else rows[0]))
