@@ -185,8 +185,11 @@ class Controller:
             )
         live = self.parts.routes.live_spec()
         baseline = self._baseline(live, model, version)
+        # Whatever cannot run fails here, before anything is recorded.
         if plan.strategy in _FLEET_RUNNERS and self.parts.fleet is None:
-            self.parts.fleet = load_fleet()  # fails here, before anything is recorded
+            self.parts.fleet = load_fleet()
+        if plan.strategy == "shadow-only" and not plan.steps[0].shadow:
+            raise ControllerError("--strategy shadow-only: the plan has no shadow step")
         with self.store.controlling(model) as mine:
             if not mine:
                 return self._refused(f"another controller of {model} has just started")

@@ -145,6 +145,13 @@ def test_shadow_only_runs_the_shadow_step_and_turns_it_off(tmp_path: Path) -> No
     assert [c[1:] for c in world.changes] == [("shadow", "v2"), ("shadow", None)]
 
 
+def test_shadow_only_needs_a_shadow_step_and_says_so_before_recording(tmp_path: Path) -> None:
+    plan = short_plan(25, 100).model_copy(update={"strategy": "shadow-only"})
+    with pytest.raises(ControllerError, match="shadow-only: the plan has no shadow step"):
+        controller(tmp_path, World()).start("fraud", "v2", plan)
+    assert StateStore(tmp_path).load("fraud") is None
+
+
 def test_a_second_start_is_refused_while_a_controller_is_alive(tmp_path: Path) -> None:
     world = World()
     store = StateStore(tmp_path)
