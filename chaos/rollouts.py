@@ -71,12 +71,17 @@ def state(drill: Drill, model: str) -> RolloutState | None:
 def wait_for_step(
     drill: Drill, model: str, version: str, step: str, child: Child, timeout_s: float
 ) -> RolloutState:
-    """Wait until the rollout of `version` records `step` (e.g. "50%"), or fail naming
-    where it stands (or how its controller ended)."""
+    """Wait until Envoy serves step `step` (e.g. "50%") of the rollout of `version`, or
+    fail naming where it stands (or how its controller ended)."""
     deadline = time.monotonic() + timeout_s
     while True:
         current = state(drill, model)
-        if current is not None and current.version == version and current.step_label == step:
+        if (
+            current is not None
+            and current.version == version
+            and current.step_label == step
+            and current.step_applied
+        ):
             return current
         if not child.alive():
             raise DrillError(

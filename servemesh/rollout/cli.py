@@ -228,6 +228,8 @@ def status_row(state: RolloutState, alive: bool, now: float) -> dict[str, Any]:
         "status": state.status,
         "step": state.step_label,
         "step_index": state.step,
+        # False between recording a step and Envoy serving it (or a controller killed then).
+        "step_applied": state.step_applied,
         "steps": [s.label for s in state.plan.steps],
         "weights": state.weights,
         "shadow": state.shadow,
@@ -307,7 +309,10 @@ def _print_status(row: dict[str, Any]) -> None:
     fields = [
         ("status", row["status"]),
         ("strategy", row["strategy"]),
-        ("step", f"{row['step']}   {steps}"),
+        (
+            "step",
+            f"{row['step']}{'' if row['step_applied'] else ' (being applied)'}   {steps}",
+        ),
         ("weights", weights + (" + shadow" if row["shadow"] else "")),
         ("in step", _age(row["in_step_s"]) if row["in_step_s"] is not None else "-"),
         ("controller", alive),

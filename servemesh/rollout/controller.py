@@ -438,18 +438,7 @@ class Controller:
             else {baseline: 100 - (step.weight or 0), version: step.weight or 0}
         )
         # Recorded before it is applied: a controller killed in between re-applies it.
-        state = self.store.update(
-            model,
-            lambda s: s.model_copy(
-                update={
-                    "step": index,
-                    "step_started_at": self.now(),
-                    "weights": weights,
-                    "shadow": step.shadow,
-                    "last_checks": [],
-                }
-            ),
-        )
+        state = self._set(model, step=index, step_applied=False, last_checks=[])
         if step.shadow:
             self._change(lambda: self.parts.routes.set_shadow(model, version, 100.0, who=_actor()))
         else:
@@ -457,6 +446,13 @@ class Controller:
                 self._change(lambda: self.parts.routes.set_shadow(model, None, who=_actor()))
             self._change(lambda: self.parts.routes.set_weights(model, weights, who=_actor()))
         # Recorded once Envoy serves it: the step's window starts here.
+        state = self._set(
+            model,
+            step_applied=True,
+            step_started_at=self.now(),
+            weights=weights,
+            shadow=step.shadow,
+        )
         self.store.record("step", state, weights=weights, shadow=step.shadow)
         self.say(
             f"step {step.label} ({index + 1}/{len(plan.steps)}): "

@@ -111,8 +111,12 @@ class RolloutState(BaseModel):
     started_at: float  # wall clock (epoch seconds): survives the process
     started_by: str
     status: Status = "running"
-    # Index into plan.steps of the step under way (-1: before the first).
+    # Index into plan.steps of the step under way (-1: before the first). It is recorded
+    # before its routes change (a controller killed in between applies it again on
+    # resume); `step_applied` says Envoy serves it, and `weights`/`shadow` are then what
+    # it serves.
     step: int = -1
+    step_applied: bool = False
     step_started_at: float | None = None
     weights: dict[str, int] = Field(default_factory=dict)
     shadow: bool = False

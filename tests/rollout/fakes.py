@@ -42,6 +42,7 @@ class World:
     # Called after each sleep with the world: tests act "while the controller waits".
     on_sleep: list[Callable[[World], None]] = field(default_factory=list)
     busy_changes: int = 0  # the next N route changes find the mesh's change lock taken
+    crash_before: int | None = None  # the controller dies asking for this canary weight
 
     # --- the clock ---------------------------------------------------------------------
 
@@ -82,6 +83,8 @@ class World:
             )
 
     def set_weights(self, model: str, weights: dict[str, int], *, who: str | None = None) -> None:
+        if self.crash_before is not None and weights.get("v2") == self.crash_before:
+            raise Crash()
         self._busy()
         self.weights = {v: weights.get(v, 0) for v in self.arms}
         self.changes.append((self.t, "weights", dict(self.weights)))

@@ -204,6 +204,20 @@ def test_a_killed_controller_leaves_its_step_and_resume_finishes_from_there(
     assert "controller" in [e["event"] for e in store.history("fraud")]
 
 
+def test_a_controller_killed_between_recording_a_step_and_applying_it(tmp_path: Path) -> None:
+    world = World(crash_before=50)
+    with pytest.raises(Crash):
+        controller(tmp_path, world).start("fraud", "v2", short_plan(*FULL))
+    state = StateStore(tmp_path).load("fraud")
+    assert state is not None and state.step_label == "50%" and not state.step_applied
+    # What Envoy serves, and the state says so: the step before.
+    assert state.weights == {"v1": 75, "v2": 25} == world.weights
+    world.crash_before = None
+    ending = controller(tmp_path, world).resume("fraud")
+    assert ending is not None and ending.outcome == Outcome.PROMOTED
+    assert weights_set(world)[-2:] == [{"v1": 50, "v2": 50}, {"v1": 0, "v2": 100}]
+
+
 def test_a_rollout_left_past_its_deadline_is_rolled_back_by_the_next_look(
     tmp_path: Path,
 ) -> None:

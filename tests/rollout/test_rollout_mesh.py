@@ -200,9 +200,14 @@ def test_a_killed_controller_is_resumed_and_finishes_with_no_failed_call(
 
         def at_half() -> bool:
             state = store.load("fraud")
-            return state is not None and state.version == GOOD and state.step_label == "50%"
+            return (
+                state is not None
+                and state.version == GOOD
+                and state.step_label == "50%"
+                and state.step_applied
+            )
 
-        wait_until(at_half, "the rollout to reach its 50% step", timeout_s=120)
+        wait_until(at_half, "Envoy to serve the rollout's 50% step", timeout_s=120)
         os.kill(controller.pid, signal.SIGKILL)
         controller.wait(timeout=10)
     finally:
@@ -214,7 +219,10 @@ def test_a_killed_controller_is_resumed_and_finishes_with_no_failed_call(
     wait_until(lambda: not store.alive("fraud"), "the kernel to drop the dead controller's lock")
     status = json.loads(rollout(mesh, "status", "fraud", "--json").stdout)
     assert status["status"] == "running" and status["controller_alive"] is False
-    assert status["step"] == "50%"
+    assert status["step"] == "50%" and status["weights"] == {"v1": 50, GOOD: 50}
+    # Nobody drives it: Envoy keeps serving what the dead controller last set.
+    live = RouteManager(mesh.paths).live_spec().models["fraud"]
+    assert live.traffic["v1"] == 50 and live.traffic[GOOD] == 50
     started = time.monotonic()
     result = rollout(mesh, "resume", "fraud")
     assert result.returncode == 0, result.stdout + result.stderr
