@@ -200,7 +200,8 @@ def _le_matcher(bound: float) -> str:
     spellings = {floatToGoString(bound)}
     if math.isfinite(bound) and bound == int(bound):
         spellings |= {str(int(bound)), f"{int(bound)}.0"}
-    return "|".join(sorted(re.escape(s) for s in spellings))
+    # A regex inside a PromQL string: its backslashes doubled.
+    return "|".join(sorted(re.escape(s).replace("\\", "\\\\") for s in spellings))
 
 
 def _model(model: str) -> str:

@@ -398,8 +398,9 @@ def _model_routes(
     fault_name = f"model.{model_name}"
     routes: list[dict[str, Any]] = []
     # Every model route names the version it picked in a response header, so the gateway
-    # counts a failed call against the version that failed (Envoy's own local replies, a
-    # reset or no healthy host, carry it too).
+    # counts a failed call against the version that failed (the replica's error names
+    # none). A reply Envoy makes before routing (the fault filter's abort) carries none,
+    # and its failure counts under no version.
     # A pinned version goes straight to its cluster.
     for version in sorted(model.versions):
         route = {

@@ -25,6 +25,7 @@ import asyncio
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -217,7 +218,14 @@ def registry_items(
     """(artifact_integrity, offline_metrics): the version's artifact downloaded through the
     registry client, which checks its size and sha256 against the record (as a model server
     does before loading it), and the record's metrics against the plan's thresholds."""
-    return asyncio.run(_registry_items(spec, model, version, thresholds))
+    work = _registry_items(spec, model, version, thresholds)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(work)
+    # Called from a coroutine (a caller with its own loop): a loop of its own, in a thread.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, work).result()
 
 
 # --- the rollback target ------------------------------------------------------------------

@@ -15,8 +15,8 @@ from servemesh.observe.scrape import quantile as _cumulative_quantile
 # An empty bin's share in PSI: ln(0) is undefined, and any small floor keeps a bin the
 # other arm fills from dominating by more than ln(share / EPSILON).
 PSI_EPSILON = 1e-4
-# PSI is computed over at most this many bins, merged from the fine fixed buckets so each
-# holds about a tenth of the pooled scores: the usual decile binning. Fewer, fuller bins
+# PSI is computed over at most this many bins, merged from the fine fixed buckets so none
+# is nearly empty: close to the usual decile binning. Fewer, fuller bins
 # keep the sampling noise of two identical distributions low (about (bins - 1) x
 # (1/n_baseline + 1/n_canary)).
 PSI_MAX_BINS = 10
@@ -44,28 +44,30 @@ class Psi:
 
 
 def merged_bins(baseline: Sequence[float], canary: Sequence[float], max_bins: int) -> list[int]:
-    """Group boundaries over the fine buckets: each group (but perhaps the last) holds at
-    least 1/max_bins of the pooled share of both arms. Returns the exclusive end index of
-    each group."""
+    """Which fine buckets PSI groups into one bin: the thinnest bin (by the pooled share of
+    both arms) joins its thinner neighbour until at most `max_bins` remain and none holds
+    less than half of 1/max_bins. Returns the exclusive end index of each bin."""
     total_b, total_c = sum(baseline), sum(canary)
     pooled = [
         (b / total_b if total_b else 0.0) + (c / total_c if total_c else 0.0)
         for b, c in zip(baseline, canary, strict=True)
     ]
-    whole = sum(pooled)
-    ends: list[int] = []
-    running = 0.0
-    for i, share in enumerate(pooled):
-        running += share
-        if running >= whole / max_bins * (1 - 1e-9):
-            ends.append(i + 1)
-            running = 0.0
-    if not ends or ends[-1] != len(pooled):
-        if ends and running < whole / max_bins / 2:
-            ends[-1] = len(pooled)  # a thin tail joins the last full bin
+    floor = sum(pooled) / max_bins / 2
+    bins = [[i + 1, share] for i, share in enumerate(pooled)]  # [end, share]
+    while len(bins) > 1:
+        thinnest = min(range(len(bins)), key=lambda i: bins[i][1])
+        if len(bins) <= max_bins and bins[thinnest][1] >= floor:
+            break
+        if thinnest == 0:
+            other = 1
+        elif thinnest == len(bins) - 1:
+            other = thinnest - 1
         else:
-            ends.append(len(pooled))
-    return ends
+            before, after = thinnest - 1, thinnest + 1
+            other = before if bins[before][1] <= bins[after][1] else after
+        low, high = sorted((thinnest, other))
+        bins[low : high + 1] = [[bins[high][0], bins[low][1] + bins[high][1]]]
+    return [int(end) for end, _ in bins]
 
 
 def psi(

@@ -220,7 +220,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 metadata + self._routing(plan),
             )
         except grpc.aio.AioRpcError as exc:
-            raise DownstreamError("model service", exc) from None
+            raise DownstreamError("model service", exc, routed_version(exc)) from None
         signature = signature_from_metadata(plan.model_name, plan.model, reply)
         # Kept only while the spec that planned this call is still the one served.
         if self.spec.models.get(plan.model_name) == plan.model:

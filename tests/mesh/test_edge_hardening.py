@@ -57,6 +57,7 @@ from servemesh.proxy.render import render_resources, static_bootstrap
 from servemesh.spec import MeshSpec, Ports, ResolvedSpec, resolve
 from servemesh.wire import (
     AUTHORIZATION_HEADER,
+    BUCKET_HEADER,
     CONTROL_METHODS,
     GATEWAY_SERVICE,
     HEALTH_SERVICE,
@@ -461,7 +462,12 @@ def test_only_health_check_is_open_at_the_edge(front: Front) -> None:
 
 
 def test_internal_headers_from_callers_never_reach_a_service(front: Front) -> None:
-    forged = ((MODEL_HEADER, "fraud"), (VERSION_HEADER, "v2"), (SHADOW_ROLE_HEADER, "shadow"))
+    forged = (
+        (MODEL_HEADER, "fraud"),
+        (VERSION_HEADER, "v2"),
+        (SHADOW_ROLE_HEADER, "shadow"),
+        (BUCKET_HEADER, "9999"),  # a caller choosing its bucket would choose its version
+    )
     assert _call(front.edge, PREDICT, (*AUTH, *forged)) == grpc.StatusCode.OK
     reached = front.recorder.seen(PREDICT)[-1].metadata
     assert not [k for k in reached if k.startswith("x-servemesh-")], reached

@@ -25,6 +25,7 @@ from servemesh.proxy.offline import validate_offline
 from servemesh.proxy.process import EnvoyConfigError, validate_config
 from servemesh.proxy.render import (
     XdsLayout,
+    bucket_ranges,
     dynamic_bootstrap,
     render_resources,
     static_bootstrap,
@@ -40,6 +41,8 @@ from servemesh.spec import (
     resolve,
 )
 from servemesh.wire import (
+    BUCKET_HEADER,
+    BUCKETS,
     CONTROL_METHODS,
     ENVOY_ADMIN_CLUSTER,
     ENVOY_STATS_LISTENER,
@@ -150,6 +153,81 @@ def test_model_routes_pin_versions_and_split_the_rest_by_weight() -> None:
         ("model-fraud-v2-via-zone-a", 10),
     }
     assert {c["request_headers_to_add"][0]["header"]["value"] for c in split} == {"v1", "v2"}
+
+
+def test_sticky_routes_send_bucket_ranges_to_versions_between_pinned_and_split(
+    tmp_path: Path,
+) -> None:
+    spec = _spec(
+        models={
+            "fraud": ModelSpec(
+                versions={
+                    "v1": ModelVersionSpec(source="demo:1"),
+                    "v2": ModelVersionSpec(source="demo:2"),
+                    "v3": ModelVersionSpec(source="demo:3"),
+                },
+                traffic={"v1": 90, "v2": 10, "v3": 0},
+            )
+        }
+    )
+    routes = _routes(spec, "mesh-zone-b")
+    names = [r["name"] for r in routes]
+    # Pinned first (a pinned call carries no bucket), the split last (calls without one).
+    assert names.index("fraud-v3-pinned") < names.index("fraud-v1-bucket")
+    assert names.index("fraud-v2-bucket") < names.index("fraud-split")
+    assert "fraud-v3-bucket" not in names  # weight 0: no range
+    by_name = {r["name"]: r for r in routes}
+    for version, (start, end) in (("v1", (0, 9000)), ("v2", (9000, BUCKETS))):
+        route = by_name[f"fraud-{version}-bucket"]
+        headers = {h["name"]: h for h in route["match"]["headers"]}
+        assert headers[BUCKET_HEADER]["range_match"] == {"start": start, "end": end}
+        assert headers[MODEL_HEADER]["string_match"] == {"exact": "fraud"}
+        # One cluster, so retries stay within the version; the replica is told which.
+        assert route["route"]["cluster"] == f"model-fraud-{version}-via-zone-b"
+        assert "weighted_clusters" not in route["route"]
+        assert "retry_policy" in route["route"]
+        added = {h["header"]["key"]: h["header"]["value"] for h in route["request_headers_to_add"]}
+        assert added == {VERSION_HEADER: version}
+        answered = route["response_headers_to_add"][0]["header"]
+        assert answered == {"key": VERSION_HEADER, "value": version}
+    # Every route of the model names its version in the answer, the split per cluster too.
+    assert by_name["fraud-v3-pinned"]["response_headers_to_add"][0]["header"]["value"] == "v3"
+    split = by_name["fraud-split"]["route"]["weighted_clusters"]["clusters"]
+    assert {c["response_headers_to_add"][0]["header"]["value"] for c in split} == {"v1", "v2", "v3"}
+    _validate(spec, tmp_path)
+
+
+def test_bucket_ranges_tile_the_buckets_and_a_growing_canary_keeps_its_entities() -> None:
+    previous: tuple[int, int] | None = None
+    for weight in (1, 5, 25, 50, 100):
+        ranges = bucket_ranges({"v1": 100 - weight, "v2": weight})
+        assert sum(end - start for start, end in ranges.values()) == BUCKETS
+        start, end = ranges["v2"]
+        assert end - start == weight * BUCKETS // 100
+        if previous is not None:  # the canary's range only grows: nobody flips back
+            assert start <= previous[0] and previous[1] <= end
+        previous = (start, end)
+    assert bucket_ranges({"v1": 100, "v2": 0}) == {"v1": (0, BUCKETS)}
+    assert bucket_ranges({"a": 33, "b": 33, "c": 34}) == {
+        "a": (0, 3300),
+        "b": (3300, 6600),
+        "c": (6600, BUCKETS),
+    }
+
+
+def test_sticky_routes_mirror_and_mark_the_primary_as_the_split_does(tmp_path: Path) -> None:
+    spec = _spec(
+        models={"fraud": ModelSpec(traffic={"v1": 50, "v2": 50}, shadow=ShadowSpec(version="v2"))}
+    )
+    routes = {r["name"]: r for r in _routes(spec, "mesh-zone-a")}
+    for name in ("fraud-v1-bucket", "fraud-v2-bucket", "fraud-split"):
+        [mirror] = routes[name]["route"]["request_mirror_policies"]
+        assert mirror["cluster"] == "shadow-fraud-v2-via-zone-a", name
+        marks = {
+            h["header"]["key"]: h["header"]["value"] for h in routes[name]["request_headers_to_add"]
+        }
+        assert marks[SHADOW_ROLE_HEADER] == "primary", name
+    _validate(spec, tmp_path)
 
 
 def test_each_zone_listener_prefers_its_own_zone_and_fails_over_to_the_others() -> None:
@@ -390,6 +468,7 @@ def test_internal_headers_are_removed_from_callers_on_every_virtual_host() -> No
         MODEL_HEADER,
         VERSION_HEADER,
         SHADOW_ROLE_HEADER,
+        BUCKET_HEADER,
     }
 
 
