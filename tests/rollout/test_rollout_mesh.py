@@ -16,9 +16,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
 
@@ -27,8 +29,12 @@ from servemesh.chaos.mesh import DrillMesh
 from servemesh.identity import dial_edge
 from servemesh.load import BackgroundLoad
 from servemesh.proxy.apply import RouteManager
+from servemesh.proxy.live_view import live_view
+from servemesh.rollout.gates import error_budget_item
 from servemesh.rollout.state import StateStore
-from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, Ports
+from servemesh.rollout_plan import FreezeSpec, RolloutSpec, SloSpec
+from servemesh.spec import MeshSpec, MetricsSpec, ModelSpec, ModelVersionSpec, Ports
+from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.mesh
@@ -65,6 +71,15 @@ PLAN: dict[str, Any] = {
 }
 
 
+# The mesh is frozen (a holiday around today): every rollout here overrides the freeze,
+# with a reason, except the one that proves a freeze refuses. An SLO gives the model an
+# error budget, which the last test spends.
+TODAY = datetime.now(UTC).date()
+FROZEN = [str(TODAY + timedelta(days=d)) for d in (-1, 0, 1)]
+OVERRIDE = ["--override", "freeze", "--reason", "the test mesh is frozen on purpose"]
+SLO = SloSpec(availability=0.99, p99_ms=5000, window="1h")
+
+
 def rollout_spec(state_dir: Path) -> MeshSpec:
     return MeshSpec(
         ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
@@ -75,6 +90,11 @@ def rollout_spec(state_dir: Path) -> MeshSpec:
             )
         },
         demo={"enabled": True, "entities": ENTITIES},
+        # A fast scrape: the budget's windows floor at four scrapes.
+        metrics=MetricsSpec(scrape_interval_s=1.0),
+        rollout=RolloutSpec(
+            slos={"fraud": SLO}, freeze=FreezeSpec(holidays=FROZEN, timezone="UTC")
+        ),
     )
 
 
@@ -142,14 +162,25 @@ def last_line(result: subprocess.CompletedProcess[str]) -> str:
 def test_a_good_version_goes_from_shadow_to_full_with_no_failed_call(
     mesh: DrillMesh, load: BackgroundLoad, tmp_path: Path
 ) -> None:
-    result = rollout(mesh, "start", "fraud", GOOD, "--plan", str(plan_file(tmp_path, **CALM)))
+    result = rollout(
+        mesh, "start", "fraud", GOOD, "--plan", str(plan_file(tmp_path, **CALM)), *OVERRIDE
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert last_line(result).startswith("promoted: v2 takes 100% of fraud")
     for label in ("shadow", "25%", "50%", "100%"):
         assert f"step {label} passed" in result.stdout, result.stdout
-    # The checklist, before any step: every item passed.
-    for item in ("artifact_integrity", "rollback_target", "freeze", "error_budget"):
-        assert f"✓ {item}" in " ".join(result.stdout.split()), result.stdout
+    # The checklist, before any step: every item passed but the freeze, overridden.
+    checklist = " ".join(result.stdout.split())
+    for item in ("artifact_integrity", "rollback_target", "error_budget"):
+        assert f"✓ {item}" in checklist, result.stdout
+    assert "! freeze" in checklist and "overridden: the test mesh is frozen on purpose" in checklist
+    (override,) = [
+        e
+        for e in StateStore(mesh.state_dir).history("fraud")
+        if e["event"] == "override" and e["version"] == GOOD
+    ]
+    assert override["item"] == "freeze"
+    assert override["reason"] == "the test mesh is frozen on purpose"
     live = RouteManager(mesh.paths).live_spec().models["fraud"]
     assert live.traffic[GOOD] == 100 and live.shadow is None
     assert "v1" in live.versions  # kept for a later rollback
@@ -166,7 +197,7 @@ def test_a_good_version_goes_from_shadow_to_full_with_no_failed_call(
 def test_a_bad_version_is_rolled_back_at_its_first_bad_step(
     mesh: DrillMesh, load: BackgroundLoad, tmp_path: Path, version: str, check: str
 ) -> None:
-    result = rollout(mesh, "start", "fraud", version, "--plan", str(plan_file(tmp_path)))
+    result = rollout(mesh, "start", "fraud", version, "--plan", str(plan_file(tmp_path)), *OVERRIDE)
     assert result.returncode == 3, result.stdout + result.stderr
     reason = last_line(result)
     assert reason.startswith(f"rolled back: step shadow: {check} fail"), result.stdout
@@ -190,7 +221,7 @@ def test_a_killed_controller_is_resumed_and_finishes_with_no_failed_call(
 ) -> None:
     plan = plan_file(tmp_path, **CALM)
     controller = subprocess.Popen(
-        rollout_argv(mesh, "start", "fraud", GOOD, "--plan", str(plan)),
+        rollout_argv(mesh, "start", "fraud", GOOD, "--plan", str(plan), *OVERRIDE),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -232,3 +263,62 @@ def test_a_killed_controller_is_resumed_and_finishes_with_no_failed_call(
     live = RouteManager(mesh.paths).live_spec().models["fraud"]
     assert live.traffic[GOOD] == 100
     assert failed_calls(load) == []
+
+
+def routes_now(mesh: DrillMesh) -> tuple[int, list[tuple[str, int, bool]]]:
+    """The route history's length and what Envoy serves (weights, shadows)."""
+    manager = RouteManager(mesh.paths)
+    rows = live_view(manager.admin, manager.live_spec())
+    return len(manager.history()), [(r.version, r.weight, r.shadow) for r in rows]
+
+
+def test_a_rollout_in_a_freeze_is_refused_and_leaves_the_routes_untouched(
+    mesh: DrillMesh, tmp_path: Path
+) -> None:
+    before = routes_now(mesh)
+    result = rollout(mesh, "start", "fraud", GOOD, "--plan", str(plan_file(tmp_path)))
+    assert result.returncode == 4, result.stdout + result.stderr
+    assert last_line(result).startswith("refused: refused by the checklist: freeze: "), (
+        result.stdout
+    )
+    assert "✗ freeze" in " ".join(result.stdout.split())
+    assert routes_now(mesh) == before
+    status = json.loads(rollout(mesh, "status", "fraud", "--json").stdout)
+    assert (status["version"], status["status"]) == (GOOD, "refused")
+
+
+def predict(edge: gateway_pb2_grpc.GatewayStub, entity: str, version: str) -> bool:
+    try:
+        edge.Predict(
+            gateway_pb2.PredictRequest(model="fraud", entity_ids=[entity], version=version),
+            timeout=5,
+        )
+    except grpc.RpcError:
+        return False
+    return True
+
+
+# Last in the module: the budget stays spent.
+def test_a_rollout_with_the_budget_spent_is_refused_and_leaves_the_routes_untouched(
+    mesh: DrillMesh, tmp_path: Path
+) -> None:
+    with dial_edge(mesh.spec).channel() as channel:
+        edge = gateway_pb2_grpc.GatewayStub(channel)
+
+        def spent() -> bool:
+            # Calls pinned to the build that fails 30% of entities spend the budget (1% of
+            # calls) many times over, until the gate's source has seen them.
+            for index in range(100):
+                predict(edge, f"user-{index}", ERRORS)
+            return not error_budget_item(RouteManager(mesh.paths).live_spec(), "fraud").ok
+
+        wait_until(spent, "the error budget to be spent", timeout_s=120, every_s=0.2)
+    before = routes_now(mesh)
+    result = rollout(mesh, "start", "fraud", GOOD, "--plan", str(plan_file(tmp_path)), *OVERRIDE)
+    assert result.returncode == 4, result.stdout + result.stderr
+    reason = last_line(result)
+    assert reason.startswith("refused: refused by the checklist: error_budget: budget spent"), (
+        result.stdout
+    )
+    assert "✗ error_budget" in " ".join(result.stdout.split())
+    assert routes_now(mesh) == before
