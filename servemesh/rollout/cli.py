@@ -229,7 +229,7 @@ def status_row(state: RolloutState, alive: bool, now: float) -> dict[str, Any]:
         "step": state.step_label,
         "step_index": state.step,
         # False between recording a step and Envoy serving it (or a controller killed then).
-        "step_applied": state.step_applied,
+        "step_applied": state.step_applied or state.step < 0,
         "steps": [s.label for s in state.plan.steps],
         "weights": state.weights,
         "shadow": state.shadow,

@@ -143,6 +143,9 @@ class RolloutState(BaseModel):
 
     @property
     def step_label(self) -> str:
+        if self.strategy in ("blue-green", "rolling"):
+            # A fleet strategy's steps are its own: its last durable marker says where it is.
+            return self.marker or "starting"
         if self.step < 0:
             return "preflight"
         if self.step >= len(self.plan.steps):

@@ -369,6 +369,7 @@ def test_a_fleet_strategy_gets_its_context_and_its_ending_is_recorded(tmp_path: 
     state = StateStore(tmp_path).load("fraud")
     assert state is not None and state.status == "promoted"
     assert state.marker == "green-warm" and state.marker_data == {"replicas": 2}
+    assert state.step_label == "green-warm"  # what `status` shows for a fleet strategy
 
 
 def test_a_fleet_strategy_missing_from_the_build_is_a_clear_error(tmp_path: Path) -> None:
