@@ -19,6 +19,10 @@ experiment's rollback. Actions act only on the mesh the drill itself started.
 | start_cpu_hog | stop_cpu_hog |
 | set_weights, route_canary | rollback_routes / restore_weights |
 | partition_zones (iptables in zone namespaces) | heal_partition |
+| run_rollout, start_rollout + kill_rollout_controller + resume_rollout | abort_rollout |
+
+The rollout actions run `servemesh rollout` as operators do, a process of its own
+(chaos/rollouts.py): the drill watches the controller decide, and may kill it.
 """
 
 from __future__ import annotations
@@ -64,6 +68,11 @@ __all__ = [
     "restore_weights",
     "partition_zones",
     "heal_partition",
+    "run_rollout",
+    "start_rollout",
+    "kill_rollout_controller",
+    "resume_rollout",
+    "abort_rollout",
 ]
 
 
@@ -470,6 +479,156 @@ def restore_weights(model: str | None = None) -> dict[str, Any]:
             restored.append(name)
     drill.timeline.close_windows("weights:")
     return {"restored": restored}
+
+
+# --- rollouts: the controller decides ---------------------------------------------------------
+
+
+def _rollout_plan(
+    steps: list[int | None],
+    dwell: str,
+    min_requests: int,
+    interval: str,
+    min_samples: int,
+    analysis: dict[str, Any] | None,
+) -> dict[str, Any]:
+    return {
+        "steps": [{"weight": w, "dwell": dwell, "min_requests": int(min_requests)} for w in steps],
+        "analysis": {"interval": interval, "min_samples": int(min_samples), **(analysis or {})},
+        "deadline": "30m",
+    }
+
+
+def _start_args(model: str, version: str, plan_path: str) -> list[str]:
+    return ["start", model, version, "--plan", plan_path]
+
+
+_DEFAULT_STEPS: list[int | None] = [None, 25, 50, 100]
+
+
+def run_rollout(
+    model: str = "fraud",
+    version: str = "v2",
+    steps: list[int | None] | None = None,
+    dwell: str = "2s",
+    min_requests: int = 20,
+    interval: str = "1s",
+    min_samples: int = 20,
+    analysis: dict[str, Any] | None = None,
+    expect: str = "",
+    timeout_s: float = 300.0,
+) -> dict[str, Any]:
+    """`servemesh rollout start` to its end: the controller promotes the version or rolls it
+    back on its own. `expect` ("promoted", "rolled back", "refused"): anything else fails
+    the activity, naming the controller's reason."""
+    from servemesh.chaos import rollouts
+
+    drill = current()
+    name = f"rollout-{model}-{version}"
+    plan = _rollout_plan(
+        steps if steps is not None else _DEFAULT_STEPS,
+        dwell,
+        min_requests,
+        interval,
+        min_samples,
+        analysis,
+    )
+    path = rollouts.write_plan(drill, name, plan)
+    drill.timeline.open_window(f"rollout:{model}", f"{model}: rollout of {version}")
+    try:
+        child = rollouts.command(drill, name, *_start_args(model, version, str(path)))
+        result = rollouts.finished(drill, child, timeout_s)
+    finally:
+        drill.timeline.close_window(f"rollout:{model}")
+    drill.timeline.mark(f"rollout {result['outcome']}", "activity")
+    if expect and result["outcome"] != expect:
+        raise DrillError(f"the rollout was {result['outcome']}, not {expect}: {result['reason']}")
+    return result
+
+
+def start_rollout(
+    model: str = "fraud",
+    version: str = "v2",
+    steps: list[int | None] | None = None,
+    dwell: str = "2s",
+    min_requests: int = 20,
+    interval: str = "1s",
+    min_samples: int = 20,
+    analysis: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`servemesh rollout start` in the background (kill_rollout_controller, resume_rollout
+    and abort_rollout act on it)."""
+    from servemesh.chaos import rollouts
+
+    drill = current()
+    name = f"rollout-{model}-{version}"
+    plan = _rollout_plan(
+        steps if steps is not None else _DEFAULT_STEPS,
+        dwell,
+        min_requests,
+        interval,
+        min_samples,
+        analysis,
+    )
+    path = rollouts.write_plan(drill, name, plan)
+    child = rollouts.command(drill, name, *_start_args(model, version, str(path)))
+    drill.timeline.open_window(f"rollout:{model}", f"{model}: rollout of {version}")
+    return {"pid": child.pid, "plan": plan}
+
+
+def kill_rollout_controller(
+    model: str = "fraud", version: str = "v2", at_step: str = "50%", timeout_s: float = 120.0
+) -> dict[str, Any]:
+    """SIGKILL the rollout's controller once it has reached `at_step`: the routes stay as
+    that step set them, the state file says where it was, and nobody drives it."""
+    from servemesh.chaos import rollouts
+
+    drill = current()
+    name = f"rollout-{model}-{version}"
+    supervisor = drill.leftovers.commands(drill.out_dir / "rollouts")
+    child = supervisor.child(name)
+    reached = rollouts.wait_for_step(drill, model, version, at_step, child, timeout_s)
+    pid = supervisor.kill(name)
+    drill.timeline.mark(f"rollout controller killed at {at_step}", "activity")
+    return {"killed": pid, "step": reached.step_label, "weights": reached.weights}
+
+
+def resume_rollout(
+    model: str = "fraud", expect: str = "promoted", timeout_s: float = 300.0
+) -> dict[str, Any]:
+    """`servemesh rollout resume`: with no controller alive, it becomes the controller and
+    continues from the recorded step, to the rollout's end."""
+    from servemesh.chaos import rollouts
+
+    drill = current()
+    child = rollouts.command(drill, f"resume-{model}", "resume", model)
+    try:
+        result = rollouts.finished(drill, child, timeout_s)
+    finally:
+        drill.timeline.close_window(f"rollout:{model}")
+    drill.timeline.mark(f"rollout {result['outcome']}", "activity")
+    if expect and result["outcome"] != expect:
+        raise DrillError(f"the rollout was {result['outcome']}, not {expect}: {result['reason']}")
+    return result
+
+
+def abort_rollout(model: str = "fraud", timeout_s: float = 120.0) -> dict[str, Any]:
+    """Undo any rollout the drill left under way: its controller stopped, then `servemesh
+    rollout abort` (the baseline back at 100). Nothing to do when none is under way."""
+    from servemesh.chaos import rollouts
+
+    drill = current()
+    supervisor = drill.leftovers.commands(drill.out_dir / "rollouts")
+    stopped = [name for name in supervisor.children if supervisor.is_running(name)]
+    for name in list(supervisor.children):
+        supervisor.stop(name)
+    drill.timeline.close_windows("rollout:")
+    current_state = rollouts.state(drill, model)
+    if current_state is None or not current_state.active:
+        return {"stopped": stopped, "aborted": False}
+    child = rollouts.command(drill, f"abort-{model}", "abort", model, "--reason", "drill rollback")
+    result = rollouts.finished(drill, child, timeout_s)
+    return {"stopped": stopped, "aborted": result["exit"] == 0, "reason": result["reason"]}
 
 
 # --- the network between zones ---------------------------------------------------------------

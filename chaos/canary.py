@@ -57,3 +57,39 @@ def flaky_artifact(percent: float, seed: int, entities: int) -> Artifact:
     return torchscript_artifact(
         _Flaky(build_fraud_model(seed), failing_threshold(percent, entities)).eval()
     )
+
+
+# --- a version whose scores drift: the distribution check's bad canary --------------------
+
+SHIFTED_PREFIX = "shifted:"
+
+
+class _Shifted(torch.nn.Module):
+    """The demo model with `delta` added to every score, clamped to [0, 1]: it answers every
+    call, as fast as the original, but what it answers has moved (a broken feature
+    transform, a mis-scaled retrain)."""
+
+    def __init__(self, inner: torch.nn.Module, delta: float) -> None:
+        super().__init__()
+        self.inner = inner
+        self.delta = delta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(self.inner(x) + self.delta, 0.0, 1.0)
+
+
+def parse_shifted_source(source: str) -> tuple[float, int]:
+    """`shifted:<delta>[:<seed>]` -> (delta, seed of the demo weights)."""
+    parts = source.removeprefix(SHIFTED_PREFIX).split(":")
+    try:
+        delta = float(parts[0])
+        seed = int(parts[1]) if len(parts) > 1 else 1
+    except (ValueError, IndexError):
+        raise ValueError(f"source {source!r}: expected shifted:<delta>[:<seed>]") from None
+    if not -1 < delta < 1 or delta == 0:
+        raise ValueError(f"source {source!r}: delta must be within (-1, 1) and not 0")
+    return delta, seed
+
+
+def shifted_artifact(delta: float, seed: int) -> Artifact:
+    return torchscript_artifact(_Shifted(build_fraud_model(seed), delta).eval())

@@ -1,8 +1,8 @@
 """What a fault leaves running that the end of a drill must undo in any case.
 
 Paused replicas (SIGSTOP) are continued, background fault loops (a crash loop, a slow
-Redis) are stopped, and CPU hogs are killed, whether the drill ended well, was aborted by
-its guard, or crashed.
+Redis) are stopped, and CPU hogs and rollout controllers are killed, whether the drill
+ended well, was aborted by its guard, or crashed.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from servemesh.procs import Supervisor
 
@@ -23,6 +24,9 @@ class Leftovers:
         # CPU hogs die with the drill's process (SIGKILL), not only when stopped.
         self._hogs = Supervisor(death_signal=signal.SIGKILL, grace_s=0, thread_name="hog-spawner")
         self._hog_count = 0
+        # `servemesh rollout` controllers a drill runs (chaos/rollouts.py), made on first use
+        # with the folder their output goes to.
+        self._commands: Supervisor | None = None
 
     # --- paused processes ----------------------------------------------------------------
 
@@ -90,10 +94,26 @@ class Leftovers:
         self._hogs.stop_all()
         return pids
 
+    # --- commands a drill runs (rollout controllers) ---------------------------------------
+
+    def commands(self, logs_dir: Path) -> Supervisor:
+        """The supervisor of the commands a drill starts; each logs to <logs_dir>/<name>.log
+        and dies with the drill's process."""
+        if self._commands is None:
+            self._commands = Supervisor(
+                logs_dir, death_signal=signal.SIGKILL, grace_s=5, thread_name="command-spawner"
+            )
+        return self._commands
+
     def close(self) -> None:
-        """Undo everything: loops stopped, paused processes continued, hogs killed."""
+        """Undo everything: loops stopped, paused processes continued, hogs and commands
+        killed."""
         try:
             self.stop_background()
             self.resume_all()
         finally:
-            self._hogs.close()
+            try:
+                self._hogs.close()
+            finally:
+                if self._commands is not None:
+                    self._commands.close()

@@ -1,8 +1,9 @@
 """The mesh a drill runs against: the launcher's Mesh, plus what only drills need.
 
 - Versions whose source is `flaky:<percent>[:<seed>]` are seeded into the registry as a
-  defective build of the demo model (`chaos.canary`), for the bad-canary drill: one more
-  seed step after the launcher's demo seeding.
+  defective build of the demo model (`chaos.canary`), for the bad-canary drill, and those
+  whose source is `shifted:<delta>[:<seed>]` as the demo model with its scores moved (the
+  distribution check's bad canary): one more seed step after the launcher's demo seeding.
 - Envoy runs the drill profile (`traffic.runtime_overrides`): route faults and shadow
   shares are runtime keys the drill sets through the admin API, which a mesh without the
   profile refuses.
@@ -23,7 +24,14 @@ from typing import Self
 import grpc
 import redis
 
-from servemesh.chaos.canary import FLAKY_PREFIX, flaky_artifact, parse_flaky_source
+from servemesh.chaos.canary import (
+    FLAKY_PREFIX,
+    SHIFTED_PREFIX,
+    flaky_artifact,
+    parse_flaky_source,
+    parse_shifted_source,
+    shifted_artifact,
+)
 from servemesh.launcher import Mesh
 from servemesh.procs import RedisServer
 from servemesh.seeding import SeedStep, push_seed_version
@@ -31,22 +39,28 @@ from servemesh.spec import MeshSpec
 
 
 async def seed_flaky_versions(spec: MeshSpec, registry: grpc.aio.Channel) -> None:
-    """Push every `flaky:` version as the defective canary build it names."""
+    """Push every `flaky:` and `shifted:` version as the defective canary build it names."""
     from servemesh.demo import demo_signature
 
     for name, model in spec.models.items():
         for version, version_spec in model.versions.items():
-            if not version_spec.source.startswith(FLAKY_PREFIX):
+            source = version_spec.source
+            if source.startswith(FLAKY_PREFIX):
+                percent, seed = parse_flaky_source(source)
+                data = flaky_artifact(percent, seed, spec.demo.entities).data
+            elif source.startswith(SHIFTED_PREFIX):
+                delta, seed = parse_shifted_source(source)
+                data = shifted_artifact(delta, seed).data
+            else:
                 continue
-            percent, seed = parse_flaky_source(version_spec.source)
             await push_seed_version(
                 spec,
                 registry,
                 model=name,
                 version=version,
-                data=flaky_artifact(percent, seed, spec.demo.entities).data,
+                data=data,
                 signature=demo_signature(len(model.features)),
-                source=version_spec.source,
+                source=source,
             )
 
 

@@ -28,6 +28,7 @@ from servemesh.log_cli import add_log_parser
 from servemesh.models_cli import add_models_parser
 from servemesh.observe.top import add_top_parser
 from servemesh.proxy.apply import MeshPaths, NoRunningMesh
+from servemesh.rollout.cli import add_rollout_parser
 from servemesh.rollout.fleet_cli import add_fleet_parser
 from servemesh.routes_cli import add_routes_parser
 from servemesh.spec import MeshSpec, SpecError, load_spec
@@ -426,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_routes_parser(sub)
     add_fleet_parser(sub)
+    add_rollout_parser(sub)
     add_apply_parser(sub)
     add_models_parser(sub)
     add_certs_parser(sub)

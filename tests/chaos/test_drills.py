@@ -139,18 +139,22 @@ def test_feature_store_down_answers_fallbacks_then_real_scores(tmp_path: Path) -
     assert summary["numbers"]["time_to_recover_s"] <= 3
 
 
-def test_bad_canary_damage_is_bounded_and_the_rollback_restores_the_slo(tmp_path: Path) -> None:
+def test_bad_canary_is_rolled_back_by_the_controller_with_bounded_damage(tmp_path: Path) -> None:
     result = drill("bad-canary", tmp_path)
     assert result.verdict == "held", result.text
     summary = result.summary
-    (canary,) = summary["windows"]
-    assert canary["label"] == "fraud: v2 at 10%"
-    # v2 fails on 30% of entities and gets 10% of calls: about 3% fall back, never more than
-    # the canary's weight; every call is still answered.
-    assert canary["failed"] == 0
-    assert 0.5 <= canary["degraded_pct"] <= 7.0, canary
-    assert 3.0 <= canary["versions"].get("v2", 0) <= 14.0, canary["versions"]
-    # After `routes rollback`: only v1 answers, no fallbacks.
+    (rollout,) = summary["windows"]
+    assert rollout["label"] == "fraud: rollout of v2"
+    # The controller, not a scripted step, rolled it back: exit 3, naming the failed check.
+    outcome = method_output(result, "roll-out-the-canary")
+    assert outcome["exit"] == 3 and outcome["outcome"] == "rolled back", outcome
+    assert "error_ratio fail" in outcome["reason"], outcome
+    # v2 fails on 30% of entities and got 10% of them: some calls fell back, never more
+    # than the canary's weight; every call is still answered.
+    assert rollout["failed"] == 0
+    assert 0 < rollout["degraded"] and rollout["degraded_pct"] <= 10.0, rollout
+    assert 0 < rollout["versions"].get("v2", 0) <= 14.0, rollout["versions"]
+    # After the rollback: only v1 answers, no fallbacks.
     after = summary["phases"]["after faults"]
     assert after["versions"] == {"v1": 100.0} and after["degraded"] == 0
     assert summary["numbers"]["time_to_recover_s"] is not None

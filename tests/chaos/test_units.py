@@ -32,6 +32,7 @@ DRILLS = {
     "registry-down",
     "bad-canary",
     "inter-zone-partition",
+    "rollout-controller-killed",
 }
 
 
@@ -178,3 +179,22 @@ def test_a_fault_scope_is_a_service_in_a_zone_or_named_replicas() -> None:
     assert describe("model", None, ["model-zone-a-0", "model-zone-b-0"]) == (
         "model-zone-a-0, model-zone-b-0"
     )
+
+
+def test_the_shifted_canary_moves_every_score_and_keeps_them_within_0_and_1() -> None:
+    import numpy as np
+
+    from servemesh.chaos.canary import parse_shifted_source, shifted_artifact
+    from servemesh.demo import build_fraud_model
+
+    assert parse_shifted_source("shifted:0.3") == (0.3, 1)
+    assert parse_shifted_source("shifted:-0.2:2") == (-0.2, 2)
+    for bad in ("shifted:0", "shifted:1.5", "shifted:x"):
+        with pytest.raises(ValueError, match="shifted"):
+            parse_shifted_source(bad)
+    rows = torch.from_numpy(np.stack(list(demo_features(50).values())))
+    with torch.no_grad():
+        original = build_fraud_model(1).eval()(rows)
+        shifted = torch.jit.load(io.BytesIO(shifted_artifact(0.3, 1).data))(rows)
+    assert torch.allclose(shifted, torch.clamp(original + 0.3, 0.0, 1.0))
+    assert float(shifted.max()) <= 1.0 and float((shifted - original).min()) >= 0.0

@@ -76,7 +76,8 @@ ALLOWED: dict[str, set[str]] = {
     "discovery": CONTRACT | {"proxy", "procs"},
     "launcher": CONTRACT | TOOLING | {"seeding"},
     # what runs meshes and measures them; the chaos suite is imported by the CLI alone
-    "chaos": CONTRACT | TOOLING | {"launcher", "seeding", "services.runtime"},
+    # (and reads a rollout's state while its drill drives `servemesh rollout`)
+    "chaos": CONTRACT | TOOLING | {"launcher", "seeding", "services.runtime", "rollout"},
     "bench": CONTRACT | TOOLING | {"launcher"},
     # two meshes against each other, and the trace store read for a sampled trace
     "observe_bench": CONTRACT | TOOLING | {"launcher", "tracestore"},
