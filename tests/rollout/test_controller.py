@@ -372,17 +372,6 @@ def test_a_fleet_strategy_gets_its_context_and_its_ending_is_recorded(tmp_path: 
     assert state.step_label == "green-warm"  # what `status` shows for a fleet strategy
 
 
-def test_a_fleet_strategy_missing_from_the_build_is_a_clear_error(tmp_path: Path) -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("servemesh.rollout.fleet") is not None:
-        pytest.skip("this build has the fleet strategies")
-    plan = short_plan(1, 100).model_copy(update={"strategy": "blue-green"})
-    with pytest.raises(ControllerError, match="no fleet strategies"):
-        controller(tmp_path, World()).start("fraud", "v2", plan)
-    assert StateStore(tmp_path).load("fraud") is None  # nothing recorded
-
-
 def test_the_state_file_is_whole_json_and_history_keeps_every_rollout(tmp_path: Path) -> None:
     world = World()
     controller(tmp_path, world).start("fraud", "v2", short_plan(1, 100))
