@@ -24,6 +24,7 @@ from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.features.cli import add_features_parser
 from servemesh.fuzz.cli import add_fuzz_parser
 from servemesh.identity import Dial, dial_edge_at
+from servemesh.load_cli import add_load_parser
 from servemesh.log_cli import add_log_parser
 from servemesh.models_cli import add_models_parser
 from servemesh.observe.top import add_top_parser
@@ -426,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=cmd_check)
 
     add_routes_parser(sub)
+    add_load_parser(sub)
     add_fleet_parser(sub)
     add_rollout_parser(sub)
     add_apply_parser(sub)

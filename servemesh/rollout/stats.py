@@ -109,3 +109,42 @@ def ks_distance(baseline: Sequence[float], canary: Sequence[float]) -> float:
         cum_c += c
         gap = max(gap, abs(cum_b / total_b - cum_c / total_c))
     return gap
+
+
+def count_above(threshold: float, bounds: Sequence[float], counts: Sequence[float]) -> float:
+    """How many observations lie above `threshold`: every bucket above it whole, and the
+    bucket it falls in by the same linear interpolation histogram_quantile assumes (the
+    +inf bucket, which has no width, wholly when its lower bound is above)."""
+    above = 0.0
+    lower = 0.0
+    for bound, count in zip(bounds, counts, strict=True):
+        if lower >= threshold:
+            above += count
+        elif bound > threshold and math.isfinite(bound):
+            above += count * (bound - threshold) / (bound - lower)
+        lower = bound
+    return above
+
+
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p): how likely `k` or more of `n` calls land in a tail
+    that holds a share `p` of them. 1.0 at or below the expected count (only small values
+    are ever judged); the terms above it fall fast, so the sum stops once they vanish."""
+    if k <= n * p or n <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    total = 0.0
+    for i in range(k, n + 1):
+        term = math.exp(
+            math.lgamma(n + 1)
+            - math.lgamma(i + 1)
+            - math.lgamma(n - i + 1)
+            + i * log_p
+            + (n - i) * log_q
+        )
+        total += term
+        if term < total * 1e-12:
+            break
+    return min(1.0, total)

@@ -19,7 +19,14 @@ from servemesh.rollout.analysis import (
     p99_s,
     window,
 )
-from servemesh.rollout.stats import bucket_quantile, ks_distance, merged_bins, psi
+from servemesh.rollout.stats import (
+    binomial_tail,
+    bucket_quantile,
+    count_above,
+    ks_distance,
+    merged_bins,
+    psi,
+)
 from servemesh.rollout.types import ArmWindow, Check
 from servemesh.rollout_plan import AnalysisSpec
 from servemesh.services.model.shadow import ShadowLedger
@@ -188,6 +195,35 @@ def test_p99_within_the_slack_passes_though_the_ratio_is_over() -> None:
     assert _by_name(judge(baseline, canary, ANALYSIS))["p99"].verdict == "pass"
     strict = AnalysisSpec(min_samples=100, p99_slack_ms=0)
     assert _by_name(judge(baseline, canary, strict))["p99"].verdict == "fail"
+
+
+def test_count_above_takes_whole_buckets_and_the_straddled_one_by_its_share() -> None:
+    bounds, counts = (0.01, 0.02, 0.04, math.inf), (10, 10, 20, 4)
+    assert count_above(0.04, bounds, counts) == 4  # only the +inf bucket
+    assert count_above(0.03, bounds, counts) == pytest.approx(4 + 20 * 0.5)
+    assert count_above(0.0, bounds, counts) == 44
+
+
+def test_binomial_tail_by_hand() -> None:
+    # P(X >= 2) for n=3, p=0.5: 3/8 + 1/8.
+    assert binomial_tail(2, 3, 0.5) == pytest.approx(0.5)
+    # Every one of 20 calls in a 1% tail: 1e-40.
+    assert binomial_tail(20, 20, 0.01) == pytest.approx(1e-40)
+    assert binomial_tail(0, 20, 0.01) == 1.0
+
+
+def test_one_slow_call_among_a_few_dozen_does_not_fail_p99() -> None:
+    # 25 canary calls: their p99 is their maximum, and one met a pause.
+    baseline = _arm("v1", 500, latencies_s=[0.004] * 500)
+    canary = _arm("v2", 25, latencies_s=[0.004] * 24 + [0.09])
+    check = _by_name(judge(baseline, canary, AnalysisSpec(min_samples=20)))["p99"]
+    assert check.verdict == "pass", check
+    assert "1 of 25 canary calls above" in check.detail and "within a 1% tail" in check.detail
+    # Every one of them slow is another matter, few as they are.
+    slow = _arm("v2", 25, latencies_s=[0.09] * 25)
+    check = _by_name(judge(baseline, slow, AnalysisSpec(min_samples=20)))["p99"]
+    assert check.verdict == "fail", check
+    assert "25 of 25 canary calls above" in check.detail
 
 
 def test_shifted_scores_fail_psi_and_the_detail_names_it() -> None:

@@ -86,6 +86,36 @@ def test_a_slow_canary_fails_its_p99_check(tmp_path: Path) -> None:
     assert world.shadow is None and world.weights == {"v1": 100, "v2": 0}
 
 
+def test_a_canary_slow_only_right_after_its_route_change_is_promoted(tmp_path: Path) -> None:
+    # Its first calls pay for the route change (new connections, first calls of the changed
+    # model); from the second interval on it is as fast as the baseline.
+    world = World(rate_per_s=1000)
+    world.arms["v2"] = Arm(p99_ms=110.0)
+
+    def warm_after_one_interval(w: World) -> None:
+        changed_at = max((t for t, kind, _ in w.changes if kind == "weights"), default=None)
+        if changed_at is not None and w.t - changed_at >= 1.0:
+            w.arms["v2"].p99_ms = 10.0
+
+    world.on_sleep.append(warm_after_one_interval)
+    lines: list[str] = []
+    ending = controller(tmp_path, world, lines=lines).start("fraud", "v2", short_plan(1, 100))
+    assert ending.outcome == Outcome.PROMOTED, ending.reason
+    assert any("p99 wait: (settling after the route change)" in line for line in lines)
+
+
+def test_a_canary_slow_throughout_a_split_step_fails_p99_at_its_second_judgement(
+    tmp_path: Path,
+) -> None:
+    world = World(rate_per_s=1000)
+    world.arms["v2"] = Arm(p99_ms=110.0)
+    ending = controller(tmp_path, world).start("fraud", "v2", short_plan(1, 100))
+    assert ending.outcome == Outcome.ROLLED_BACK
+    assert ending.reason.startswith("step 1%: p99 fail")
+    # One interval settles, the next one judges.
+    assert world.changes[-1][0] - world.changes[0][0] == pytest.approx(2.0)
+
+
 def test_a_blocking_checklist_item_refuses_and_touches_no_route(tmp_path: Path) -> None:
     world, gates = World(), Gates(failing={"freeze"})
     ending = controller(tmp_path, world, gates).start("fraud", "v2", short_plan(*FULL))

@@ -88,6 +88,8 @@ ALLOWED: dict[str, set[str]] = {
     "certs_cli": CONTRACT | TOOLING,
     "apply_cli": CONTRACT | TOOLING,
     "log_cli": CONTRACT | TOOLING | {"predlog"},
+    # `servemesh load`: steady traffic through a running mesh's edge
+    "load_cli": CONTRACT | TOOLING,
     # `servemesh rollout`: the controller, its analysis, checklist and gates
     # (the registry's artifact client: the checklist verifies a version's sha256 with it)
     "rollout": CONTRACT | TOOLING | {"registry"},
@@ -115,6 +117,7 @@ ALLOWED: dict[str, set[str]] = {
         "tracestore",
         "compose_cli",
         "rollout",
+        "load_cli",
     },
     "__main__": {"cli"},
     # development tools

@@ -1,0 +1,100 @@
+"""`servemesh load`: steady Predict traffic through a running mesh's edge, for trying a
+rollout, a route change or a drill by hand, and a summary of what it met: calls sent and
+failed (by status), latency, and which versions answered."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from servemesh.identity.channels import dial_edge
+from servemesh.load import FixedRate, LoadRun, open_loop, predict_target, summarize
+from servemesh.proxy.apply import ApplyError, MeshPaths
+from servemesh.spec import SpecError, load_spec
+
+console = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
+
+
+def _state_dir(args: argparse.Namespace) -> Path:
+    if args.state_dir:
+        return Path(args.state_dir)
+    return Path(load_spec(None).state_dir)
+
+
+def report(run: LoadRun, seconds: float) -> Table:
+    """One table: sent, answered, failed by status, latency, and the answering versions."""
+    outcomes = run.window(0.0, seconds)
+    summary = summarize(outcomes, seconds)
+    versions = Counter(o.version or "?" for o in outcomes if o.ok)
+    failed = Counter(o.code for o in outcomes if not o.ok)
+    table = Table(
+        title=f"{len(outcomes)} Predicts over {seconds:g} s",
+        title_justify="left",
+        show_header=False,
+    )
+    table.add_column("")
+    table.add_column("", justify="right")
+    table.add_row("answered", f"{summary.ok}")
+    table.add_row("failed", ", ".join(f"{c} {n}" for c, n in failed.most_common()) or "0")
+    table.add_row("p50 / p99 ms", f"{summary.p50_ms:.1f} / {summary.p99_ms:.1f}")
+    table.add_row(
+        "answered by",
+        ", ".join(f"{v} {n / max(1, summary.ok):.0%}" for v, n in sorted(versions.items())),
+    )
+    return table
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    if args.rate <= 0 or args.seconds <= 0:
+        console.print("[red]--rate and --seconds must be above 0[/red]")
+        return 1
+    try:
+        spec = MeshPaths(_state_dir(args)).running_spec()
+    except (ApplyError, SpecError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 1
+    if args.model not in spec.models:
+        console.print(f"[red]--model: {args.model!r} is not served; served: {sorted(spec.models)}")
+        return 1
+    target = predict_target(
+        dial_edge(spec),
+        model=args.model,
+        entities=args.entities or spec.demo.entities,
+        timeout_s=args.timeout,
+    )
+    stop = threading.Event()
+    console.print(
+        f"{args.rate:g} Predict/s to {args.model} for {args.seconds:g} s through "
+        f"{spec.edge_address} (Ctrl-C ends it early)"
+    )
+    run = LoadRun()
+    try:
+        asyncio.run(open_loop(target, FixedRate(args.rate, args.seconds), stop=stop, run=run))
+    except KeyboardInterrupt:
+        stop.set()
+    elapsed = min(args.seconds, max((o.sent_s for o in run.outcomes), default=0.0) + 1e-9)
+    out.print(report(run, elapsed))
+    return 0 if all(o.ok for o in run.outcomes) else 3
+
+
+def add_load_parser(sub: Any) -> None:
+    parser = sub.add_parser(
+        "load", help="steady Predict traffic through the running mesh's edge, then a summary"
+    )
+    parser.add_argument("--model", default="fraud")
+    parser.add_argument("--rate", type=float, default=50.0, help="Predicts a second")
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument(
+        "--entities", type=int, default=0, help="cycle user-0..user-N-1 (default: the demo's)"
+    )
+    parser.add_argument("--timeout", type=float, default=2.0, help="each call's deadline, s")
+    parser.add_argument("--state-dir", help="the running mesh's state dir (default: the spec's)")
+    parser.set_defaults(func=cmd_load)
