@@ -47,7 +47,7 @@ from servemesh.rollout.stats import (
 from servemesh.rollout.types import ArmWindow, Check
 from servemesh.rollout_plan import AnalysisSpec
 from servemesh.spec import ResolvedSpec
-from servemesh.wire import SCORE_BUCKETS, SLI_FAILURE_CODES
+from servemesh.wire import LATENCY_BUCKETS_S, SCORE_BUCKETS, SLI_FAILURE_CODES
 
 MODEL_CALLS = "servemesh_gateway_model_calls_total"
 PREDICT_SECONDS = "servemesh_gateway_predict_duration_seconds"
@@ -56,25 +56,9 @@ SCORES = "servemesh_gateway_prediction_score"
 # gateway's degraded fallback answer.
 NOT_ARMS = frozenset({"", "fallback"})
 FAILED_CODES = frozenset(SLI_FAILURE_CODES)
-# Replica-side latency of shadowed calls is bucketed like every service's RPC histogram
-# (services/runtime/metrics.py RPC_BUCKETS), so both steps' p99s read alike.
-LEDGER_LATENCY_BOUNDS_S = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    math.inf,
-)
+# Replica-side latency of shadowed calls is bucketed like every service's RPC histogram,
+# so both steps' p99s read alike.
+LEDGER_LATENCY_BOUNDS_S = (*LATENCY_BUCKETS_S, math.inf)
 SCORE_BOUNDS = (*SCORE_BUCKETS, math.inf)
 
 Source = Literal["auto", "prometheus", "endpoints"]
