@@ -524,7 +524,6 @@ def run_rollout(
     from servemesh.chaos import rollouts
 
     drill = current()
-    name = f"rollout-{model}-{version}"
     plan = _rollout_plan(
         steps if steps is not None else _DEFAULT_STEPS,
         dwell,
@@ -533,10 +532,8 @@ def run_rollout(
         min_samples,
         analysis,
     )
-    path = rollouts.write_plan(drill, name, plan)
-    drill.timeline.open_window(f"rollout:{model}", f"{model}: rollout of {version}")
     try:
-        child = rollouts.command(drill, name, *_start_args(model, version, str(path)))
+        child = _start_controller(drill, model, version, plan)
         result = rollouts.finished(drill, child, timeout_s)
     finally:
         drill.timeline.close_window(f"rollout:{model}")
@@ -544,6 +541,17 @@ def run_rollout(
     if expect and result["outcome"] != expect:
         raise DrillError(f"the rollout was {result['outcome']}, not {expect}: {result['reason']}")
     return result
+
+
+def _start_controller(drill: Any, model: str, version: str, plan: dict[str, Any]) -> Any:
+    """`servemesh rollout start` with `plan` as a child of the drill, its rollout window
+    opened on the timeline."""
+    from servemesh.chaos import rollouts
+
+    name = f"rollout-{model}-{version}"
+    path = rollouts.write_plan(drill, name, plan)
+    drill.timeline.open_window(f"rollout:{model}", f"{model}: rollout of {version}")
+    return rollouts.command(drill, name, *_start_args(model, version, str(path)))
 
 
 def start_rollout(
@@ -558,10 +566,8 @@ def start_rollout(
 ) -> dict[str, Any]:
     """`servemesh rollout start` in the background (kill_rollout_controller, resume_rollout
     and abort_rollout act on it)."""
-    from servemesh.chaos import rollouts
 
     drill = current()
-    name = f"rollout-{model}-{version}"
     plan = _rollout_plan(
         steps if steps is not None else _DEFAULT_STEPS,
         dwell,
@@ -570,9 +576,7 @@ def start_rollout(
         min_samples,
         analysis,
     )
-    path = rollouts.write_plan(drill, name, plan)
-    child = rollouts.command(drill, name, *_start_args(model, version, str(path)))
-    drill.timeline.open_window(f"rollout:{model}", f"{model}: rollout of {version}")
+    child = _start_controller(drill, model, version, plan)
     return {"pid": child.pid, "plan": plan}
 
 

@@ -178,8 +178,12 @@ class PredictionLog:
         """Hand what is buffered to the writer thread and wait for it."""
         batch, self._buffer = self._buffer, []
         self._in_flight = len(batch)
+        written = asyncio.get_running_loop().run_in_executor(self._executor, self._write, batch)
         try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._write, batch)
+            # Shielded: `close` cancels the flusher task, and a cancelled executor future
+            # whose job had not started yet (the writer still busy with the batch before)
+            # would drop this batch unwritten. The job runs; close waits for the executor.
+            await asyncio.shield(written)
         finally:
             self._in_flight = 0
 

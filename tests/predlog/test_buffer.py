@@ -47,6 +47,33 @@ async def test_a_full_buffer_drops_and_counts_while_the_writer_is_stuck(tmp_path
     assert (status["gateway"], status["dropped"], status["written"]) == ("gateway-zone-a-0", 3, 6)
 
 
+async def test_closing_while_a_batch_waits_for_the_writer_thread_loses_none_of_it() -> None:
+    # The batch is handed over while the writer thread is still busy: its job waits in the
+    # executor's queue when close cancels the flusher. It must still be written.
+    store = BlockedStore()
+    store.release.set()
+    log = _log(store)
+    busy = asyncio.Event()
+    go_on = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def occupy_the_writer() -> None:
+        loop.call_soon_threadsafe(busy.set)
+        asyncio.run_coroutine_threadsafe(go_on.wait(), loop).result(30)
+
+    occupied = loop.run_in_executor(log._executor, occupy_the_writer)
+    await busy.wait()
+    log.append(captured(NOW, request_id="queued"))
+    flushing = asyncio.ensure_future(log.flush())
+    await asyncio.sleep(0)  # the flush hands its batch over: the job is queued
+    flushing.cancel()
+    go_on.set()
+    await occupied
+    await log.close()
+    assert [r[1] for r in store.rows] == ["queued"]
+    assert log.stats()["written"] == 1
+
+
 async def test_a_failing_store_is_counted_and_the_log_goes_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
