@@ -484,8 +484,11 @@ def restore_weights(model: str | None = None) -> dict[str, Any]:
 # --- rollouts: the controller decides ---------------------------------------------------------
 
 
+_DEFAULT_STEPS: list[int | None] = [None, 25, 50, 100]
+
+
 def _rollout_plan(
-    steps: list[int | None],
+    steps: list[int | None] | None,
     dwell: str,
     min_requests: int,
     interval: str,
@@ -493,7 +496,10 @@ def _rollout_plan(
     analysis: dict[str, Any] | None,
 ) -> dict[str, Any]:
     return {
-        "steps": [{"weight": w, "dwell": dwell, "min_requests": int(min_requests)} for w in steps],
+        "steps": [
+            {"weight": w, "dwell": dwell, "min_requests": int(min_requests)}
+            for w in (steps if steps is not None else _DEFAULT_STEPS)
+        ],
         "analysis": {"interval": interval, "min_samples": int(min_samples), **(analysis or {})},
         "deadline": "30m",
     }
@@ -501,9 +507,6 @@ def _rollout_plan(
 
 def _start_args(model: str, version: str, plan_path: str) -> list[str]:
     return ["start", model, version, "--plan", plan_path]
-
-
-_DEFAULT_STEPS: list[int | None] = [None, 25, 50, 100]
 
 
 def run_rollout(
@@ -524,14 +527,7 @@ def run_rollout(
     from servemesh.chaos import rollouts
 
     drill = current()
-    plan = _rollout_plan(
-        steps if steps is not None else _DEFAULT_STEPS,
-        dwell,
-        min_requests,
-        interval,
-        min_samples,
-        analysis,
-    )
+    plan = _rollout_plan(steps, dwell, min_requests, interval, min_samples, analysis)
     try:
         child = _start_controller(drill, model, version, plan)
         result = rollouts.finished(drill, child, timeout_s)
@@ -568,14 +564,7 @@ def start_rollout(
     and abort_rollout act on it)."""
 
     drill = current()
-    plan = _rollout_plan(
-        steps if steps is not None else _DEFAULT_STEPS,
-        dwell,
-        min_requests,
-        interval,
-        min_samples,
-        analysis,
-    )
+    plan = _rollout_plan(steps, dwell, min_requests, interval, min_samples, analysis)
     child = _start_controller(drill, model, version, plan)
     return {"pid": child.pid, "plan": plan}
 

@@ -13,20 +13,13 @@ from servemesh.proxy.admin import AdminError
 from servemesh.proxy.apply import ApplyError, MeshPaths, RouteManager
 from servemesh.proxy.live_apply import LiveApply, LiveApplyResult
 from servemesh.proxy.live_plan import ApplyPlan
-from servemesh.spec import SpecError, load_spec
 
 console = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 
 def _manager(state_dir: str | None) -> RouteManager:
-    if state_dir:
-        return RouteManager(MeshPaths(Path(state_dir)))
-    try:
-        spec = load_spec(None)
-    except SpecError as exc:
-        raise ApplyError(str(exc)) from None
-    return RouteManager(MeshPaths(Path(spec.state_dir)))
+    return RouteManager(MeshPaths.of(state_dir))
 
 
 def plan_table(plan: ApplyPlan, title: str) -> Table:

@@ -8,7 +8,6 @@ import argparse
 import asyncio
 import threading
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -17,16 +16,10 @@ from rich.table import Table
 from servemesh.identity.channels import dial_edge
 from servemesh.load import FixedRate, LoadRun, open_loop, predict_target, summarize
 from servemesh.proxy.apply import ApplyError, MeshPaths
-from servemesh.spec import SpecError, load_spec
+from servemesh.spec import SpecError
 
 console = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True)
-
-
-def _state_dir(args: argparse.Namespace) -> Path:
-    if args.state_dir:
-        return Path(args.state_dir)
-    return Path(load_spec(None).state_dir)
 
 
 def report(run: LoadRun, seconds: float) -> Table:
@@ -57,7 +50,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         console.print("[red]--rate and --seconds must be above 0[/red]")
         return 1
     try:
-        spec = MeshPaths(_state_dir(args)).running_spec()
+        spec = MeshPaths.of(args.state_dir).running_spec()
     except (ApplyError, SpecError) as exc:
         console.print(f"[red]{exc}[/red]")
         return 1

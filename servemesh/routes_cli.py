@@ -15,7 +15,6 @@ from servemesh.proxy.admin import AdminError
 from servemesh.proxy.apply import ApplyError, ApplyResult, MeshPaths, RouteManager
 from servemesh.proxy.live_view import live_view
 from servemesh.proxy.shadow_report import shadow_report
-from servemesh.spec import SpecError, load_spec
 
 # Off a terminal (pipes, logs, tests) rich would wrap at 80 columns: keep lines whole.
 console = Console(stderr=True, soft_wrap=True)
@@ -24,13 +23,7 @@ _WEIGHT = re.compile(r"^([a-z0-9][a-z0-9_-]{0,62})=(-?\d+)$")
 
 
 def _manager(args: argparse.Namespace) -> RouteManager:
-    if args.state_dir:
-        return RouteManager(MeshPaths(Path(args.state_dir)))
-    try:
-        spec = load_spec(None)
-    except SpecError as exc:
-        raise ApplyError(str(exc)) from None
-    return RouteManager(MeshPaths(Path(spec.state_dir)))
+    return RouteManager(MeshPaths.of(args.state_dir))
 
 
 def _report(result: ApplyResult) -> None:

@@ -51,6 +51,7 @@ from servemesh.spec import (
     declared,
     dump_spec,
     load_resolved,
+    load_spec,
     parse_resolved,
     parse_spec_or_resolved,
 )
@@ -97,6 +98,17 @@ class MeshPaths:
     """Where a running mesh keeps what `routes` commands read and write."""
 
     state_dir: Path
+
+    @classmethod
+    def of(cls, state_dir: str | Path | None) -> MeshPaths:
+        """A command's `--state-dir`, else the spec's (`.servemesh` unless it says other);
+        a spec that does not load is refused (ApplyError), naming what is wrong."""
+        if state_dir:
+            return cls(Path(state_dir))
+        try:
+            return cls(Path(load_spec(None).state_dir))
+        except SpecError as exc:
+            raise ApplyError(str(exc)) from None
 
     def running_spec(self) -> ResolvedSpec:
         """The resolved spec the mesh running from this state dir wrote (what every

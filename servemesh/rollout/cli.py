@@ -29,7 +29,7 @@ from servemesh.rollout.controller import Controller, ControllerError, Parts, Sta
 from servemesh.rollout.state import RolloutState, StateError, StateStore
 from servemesh.rollout.types import Ending, Outcome
 from servemesh.rollout_plan import RolloutPlan
-from servemesh.spec import SpecError, load_spec
+from servemesh.spec import SpecError
 
 # Off a terminal (pipes, logs, tests) rich would wrap at 80 columns: keep lines whole.
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200, highlight=False)
@@ -57,12 +57,7 @@ def say_aside(line: str) -> None:
 
 
 def _state_dir(args: argparse.Namespace) -> Path:
-    if args.state_dir:
-        return Path(args.state_dir)
-    try:
-        return Path(load_spec(None).state_dir)
-    except SpecError as exc:
-        raise ControllerError(str(exc)) from None
+    return MeshPaths.of(args.state_dir).state_dir
 
 
 def _missing_part(name: str) -> Any:
@@ -109,7 +104,7 @@ def real_parts(manager: RouteManager, *, analysis: bool) -> Parts:
 def _controller(
     args: argparse.Namespace, *, analysis: bool = False, aside: bool = False
 ) -> Controller:
-    manager = RouteManager(MeshPaths(_state_dir(args)))
+    manager = RouteManager(MeshPaths.of(args.state_dir))
     return Controller(
         StateStore(manager.paths.state_dir),
         real_parts(manager, analysis=analysis),

@@ -7,7 +7,6 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -21,20 +20,13 @@ from servemesh.rollout.fleet import (
     fleet_status,
     retire_old_set,
 )
-from servemesh.spec import SpecError, load_spec
 
 console = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 
 def _manager(args: argparse.Namespace) -> RouteManager:
-    if args.state_dir:
-        return RouteManager(MeshPaths(Path(args.state_dir)))
-    try:
-        spec = load_spec(None)
-    except SpecError as exc:
-        raise ApplyError(str(exc)) from None
-    return RouteManager(MeshPaths(Path(spec.state_dir)))
+    return RouteManager(MeshPaths.of(args.state_dir))
 
 
 def fleet_rows(manager: RouteManager) -> list[dict[str, object]]:
