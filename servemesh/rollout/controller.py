@@ -129,8 +129,6 @@ P99_CHECK = "p99"
 
 def _settling(check: Check) -> Check:
     """The p99 check of a split step's first interval: it waits (see `_run_step`)."""
-    if check.verdict == "wait" and check.detail.startswith("(settling"):
-        return check
     return Check(check.name, "wait", f"(settling after the route change) {check.detail}")
 
 
