@@ -1,7 +1,20 @@
-"""Benchmarks of a whole local mesh: start-up time and Predict latency, with and without Envoy.
+"""`servemesh bench predict`: Predict through the whole mesh against its own model server
+alone, in one run, with the CPU every process kind spends per answer.
 
-Every figure comes from one run on one machine, so ratios between rows are meaningful even
-on a noisy box; absolute numbers are not comparable across machines.
+One mesh starts from the spec (tracing at its sampling ratio and the prediction log as the
+spec sets them; Prometheus off, whose scrapes would take CPU from the mesh measured). At each
+concurrency, in turn and `repeats` times:
+
+- "edge": Predict for one entity per call through the edge Envoy (edge Envoy, gateway, mesh
+  Envoy, feature service and Redis, model server);
+- "model alone": ModelInfer for one row sent straight to one model replica, with the same
+  client: what the mesh's own model server does without the mesh around it.
+
+The two are measured back to back each repeat, so their ratio comes from one run on one
+machine. Every row is the median of its repeats with min-max; a row whose spread exceeds
+SPREAD_LIMIT is measured once more, and flagged if it stays wide. The CPU per answer is read
+from /proc for every process of the mesh (user + system), summed by kind (envoy, gateway,
+feature, model, redis, registry, tracestore), plus the client's own.
 """
 
 from __future__ import annotations
@@ -11,79 +24,231 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import grpc
+import numpy as np
 
 from servemesh.identity import Dial, dial_edge, dial_service
 from servemesh.launcher import Mesh
-from servemesh.load import ClosedLoop, closed_loop, predict_target, summarize
-from servemesh.observe.top import MeshSnapshot, cost_between
+from servemesh.load import ClosedLoop, Target, closed_loop, predict_target, summarize
+from servemesh.load.outcome import Reply, Request
+from servemesh.observe_bench import cpu_by_kind, wait_answering
 from servemesh.proxy.apply import RouteManager
+from servemesh.services.gateway.tensors import DATATYPES
 from servemesh.spec import MeshSpec, Ports, load_spec
+from servemesh.wire import OIP_SERVICE
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from servemesh_api.inference import grpc_service_pb2 as oip
+from servemesh_api.inference import grpc_service_pb2_grpc
+
+EDGE = "edge"
+MODEL_ALONE = "model alone"
+GATEWAY_DIRECT = "gateway direct"
+# A row whose (max - min) / median exceeds this is measured once more, then flagged.
+SPREAD_LIMIT = 0.25
+WARMUP_S = 1.0
+CALL_TIMEOUT_S = 5.0
+# What issue "fast path" asks of the mesh on this 2-core machine (see docs/benchmarks.md).
+TARGET_EDGE_RPS_C64 = 1500.0
+TARGET_RATIO_C64 = 0.6
+TARGET_CPU_MS = 1.2
+TARGET_P50_MS_C1 = 3.0
+TARGET_P99_MS_C64 = 100.0
 
 
 @dataclass(frozen=True)
-class LoadResult:
+class Round:
+    """One closed-loop measurement of one target at one concurrency."""
+
     target: str
     concurrency: int
-    requests: int  # answered in the measured window
-    errors: int
-    seconds: float
+    repeat: int
+    rps: float
     p50_ms: float
-    p95_ms: float
     p99_ms: float
-    # CPU-seconds of every mesh process (services' own counters; Envoy, Redis from /proc)
-    # per million successful predictions over the run, and its price (metrics.price_*).
-    cpu_s_per_million: float | None = None
-    price_per_million: float | None = None
-
-    @property
-    def rps(self) -> float:
-        return self.requests / self.seconds if self.seconds else 0.0
+    errors: int
+    # CPU µs per successful answer, by process kind; "client" is the load generator's own.
+    cpu_us: dict[str, float] = field(default_factory=dict)
 
 
-async def measure_closed_loop(
-    dial: Dial,
-    target: str,
-    concurrency: int,
-    seconds: float,
-    entities: int,
-    warmup_s: float = 1.0,
-) -> LoadResult:
-    """`concurrency` callers each sending Predict back to back: `warmup_s`, then `seconds`
-    measured (the callers run on from the warm-up into the measurement: no ramp-up dip)."""
-    run = await closed_loop(
-        predict_target(dial, entities=entities, timeout_s=5.0),
-        ClosedLoop(workers=concurrency, duration_s=warmup_s + seconds),
+def model_alone_target(mesh: Mesh, model: str) -> tuple[Target, str]:
+    """ModelInfer for one row, straight to the first replica serving `model` (through no
+    Envoy), with bodies built from the replica's own signature; (target, replica name)."""
+    # Every model server hosts every version of the spec's models.
+    replica = next(i.name for i in mesh.spec.instances() if i.service == "model")
+    dial = dial_service(mesh.spec, replica)
+    with dial.channel() as channel:
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        metadata = stub.ModelMetadata(oip.ModelMetadataRequest(name=model), timeout=10)
+    rng = np.random.default_rng(0)
+    bodies = [_one_row(model, metadata, rng).SerializeToString() for _ in range(64)]
+    return _raw_target(dial, f"/{OIP_SERVICE}/ModelInfer", bodies), replica
+
+
+def _one_row(
+    model: str, metadata: oip.ModelMetadataResponse, rng: np.random.Generator
+) -> oip.ModelInferRequest:
+    request = oip.ModelInferRequest(model_name=model)
+    for tensor in metadata.inputs:
+        shape = [1, *(max(1, d) for d in tensor.shape[1:])]
+        values = rng.standard_normal(shape).astype(DATATYPES[tensor.datatype].wire)
+        request.inputs.add(name=tensor.name, datatype=tensor.datatype, shape=shape)
+        request.raw_input_contents.append(values.tobytes())
+    return request
+
+
+def _raw_target(dial: Dial, method: str, bodies: Sequence[bytes]) -> Target:
+    """A unary call with pre-serialised bodies whose answers are never parsed."""
+
+    def build(channel: grpc.aio.Channel) -> Request:
+        call = channel.unary_unary(method)
+
+        async def send(index: int) -> Reply:
+            await call(bodies[index % len(bodies)], timeout=CALL_TIMEOUT_S)
+            return Reply()
+
+        return send
+
+    return Target(dial.address, build, dial.options, dial.credentials)
+
+
+def measure(
+    mesh: Mesh, target: Target, name: str, concurrency: int, seconds: float, repeat: int
+) -> Round:
+    """`concurrency` callers back to back for WARMUP_S + `seconds`; the measured window's
+    answers, and the CPU of every mesh process (and the client) per answer."""
+    before, client_before, started = cpu_by_kind(mesh), time.process_time(), time.monotonic()
+    run = asyncio.run(
+        closed_loop(target, ClosedLoop(workers=concurrency, duration_s=WARMUP_S + seconds))
     )
-    summary = summarize(run.window(warmup_s, warmup_s + seconds), seconds)
-    return LoadResult(
-        target=target,
+    after, client_after = cpu_by_kind(mesh), time.process_time()
+    elapsed = time.monotonic() - started
+    summary = summarize(run.window(WARMUP_S, WARMUP_S + seconds), seconds)
+    # The CPU covers the warm-up too: divide by the answers of the whole run's span.
+    answered = summary.ok * elapsed / seconds
+    cpu_us: dict[str, float] = {}
+    if answered:
+        for kind in sorted(after):
+            spent = after[kind] - before.get(kind, after[kind])
+            cpu_us[kind] = round(spent / answered * 1e6, 1)
+        cpu_us["client"] = round((client_after - client_before) / answered * 1e6, 1)
+    return Round(
+        target=name,
         concurrency=concurrency,
-        requests=summary.ok,
+        repeat=repeat,
+        rps=round(summary.ok / seconds, 1),
+        p50_ms=round(summary.p50_ms, 2),
+        p99_ms=round(summary.p99_ms, 2),
         errors=summary.count - summary.ok,
-        seconds=seconds,
-        p50_ms=summary.p50_ms,
-        p95_ms=summary.p95_ms,
-        p99_ms=summary.p99_ms,
+        cpu_us=cpu_us,
     )
 
 
-def _with_cost(
-    mesh: Mesh, dial: Dial, target: str, concurrency: int, seconds: float, entities: int
-) -> LoadResult:
-    """One closed-loop measurement, with the CPU the whole mesh spent on it."""
-    before = MeshSnapshot.take(mesh.spec, mesh.pids())
-    result = asyncio.run(measure_closed_loop(dial, target, concurrency, seconds, entities))
-    cost = cost_between(before, MeshSnapshot.take(mesh.spec, mesh.pids()), mesh.spec).as_dict()
-    per_million = cost["cpu_seconds_per_million"]
-    price = cost["price_per_million"]
-    return replace(
-        result,
-        cpu_s_per_million=per_million if isinstance(per_million, float) else None,
-        price_per_million=price if isinstance(price, float) else None,
-    )
+def spread(values: Sequence[float]) -> float:
+    """(max - min) / median; 0 for a single value, inf when the median is 0."""
+    middle = statistics.median(values)
+    if len(values) < 2:
+        return 0.0
+    return (max(values) - min(values)) / middle if middle else float("inf")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One target at one concurrency over its rounds: medians with min-max and spread."""
+
+    target: str
+    concurrency: int
+    repeats: int
+    rps: list[float]
+    rps_median: float
+    rps_min: float
+    rps_max: float
+    rps_spread: float
+    flagged_wide: bool
+    p50_ms_median: float
+    p99_ms_median: float
+    p99_ms_max: float
+    errors: int
+    # CPU µs per answer by process kind (median of the rounds; "client" is the load's own).
+    cpu_us_per_answer: dict[str, float]
+    # Summed over the mesh's processes (the client left out), per round: median, min, max.
+    cpu_us_mesh_median: float
+    cpu_us_mesh_min: float
+    cpu_us_mesh_max: float
+
+
+def summarize_rows(rounds: Sequence[Round], wide: set[tuple[str, int]]) -> list[Row]:
+    """One row per (target, concurrency), in concurrency order."""
+    rows = []
+    keys = sorted({(r.target, r.concurrency) for r in rounds}, key=lambda k: (k[1], k[0]))
+    for target, concurrency in keys:
+        mine = [r for r in rounds if r.target == target and r.concurrency == concurrency]
+        rps = [r.rps for r in mine]
+        kinds = sorted({k for r in mine for k in r.cpu_us})
+        cpu = {k: round(statistics.median(r.cpu_us.get(k, 0.0) for r in mine), 1) for k in kinds}
+        mesh_total = [sum(v for k, v in r.cpu_us.items() if k != "client") for r in mine]
+        rows.append(
+            Row(
+                target=target,
+                concurrency=concurrency,
+                repeats=len(mine),
+                rps=rps,
+                rps_median=round(statistics.median(rps), 1),
+                rps_min=min(rps),
+                rps_max=max(rps),
+                rps_spread=round(spread(rps), 3),
+                flagged_wide=(target, concurrency) in wide,
+                p50_ms_median=round(statistics.median(r.p50_ms for r in mine), 2),
+                p99_ms_median=round(statistics.median(r.p99_ms for r in mine), 2),
+                p99_ms_max=max(r.p99_ms for r in mine),
+                errors=sum(r.errors for r in mine),
+                cpu_us_per_answer=cpu,
+                cpu_us_mesh_median=round(statistics.median(mesh_total), 1),
+                cpu_us_mesh_min=round(min(mesh_total), 1),
+                cpu_us_mesh_max=round(max(mesh_total), 1),
+            )
+        )
+    return rows
+
+
+def paired_ratios(rounds: Sequence[Round], concurrency: int) -> list[float]:
+    """Edge req/s over model-alone req/s, repeat by repeat (measured back to back)."""
+    alone = {
+        r.repeat: r.rps for r in rounds if r.target == MODEL_ALONE and r.concurrency == concurrency
+    }
+    return [
+        r.rps / alone[r.repeat]
+        for r in rounds
+        if r.target == EDGE and r.concurrency == concurrency and alone.get(r.repeat)
+    ]
+
+
+def target_checks(
+    rows: Sequence[Row], ratios: Mapping[int, list[float]]
+) -> list[dict[str, object]]:
+    """The issue's targets, each with the figure measured and whether it is met."""
+    by = {(r.target, r.concurrency): r for r in rows}
+    checks: list[dict[str, object]] = []
+
+    def check(name: str, value: float, goal: float, at_least: bool) -> None:
+        met = value >= goal if at_least else value <= goal
+        checks.append({"target": name, "measured": value, "goal": goal, "met": met})
+
+    edge64, edge1 = by.get((EDGE, 64)), by.get((EDGE, 1))
+    if edge64:
+        check("edge c=64 req/s >=", edge64.rps_median, TARGET_EDGE_RPS_C64, True)
+        if ratios.get(64):
+            ratio = round(statistics.median(ratios[64]), 3)
+            check("edge / model alone at c=64 >=", ratio, TARGET_RATIO_C64, True)
+        cpu_ms = round(edge64.cpu_us_mesh_median / 1000, 3)
+        check("mesh CPU ms per Predict at c=64 <=", cpu_ms, TARGET_CPU_MS, False)
+        check("edge c=64 p99 ms <=", edge64.p99_ms_median, TARGET_P99_MS_C64, False)
+    if edge1:
+        check("edge c=1 p50 ms <=", edge1.p50_ms_median, TARGET_P50_MS_C1, False)
+    return checks
 
 
 def weight_change_times(mesh: Mesh, count: int) -> list[tuple[float, float]]:
@@ -109,44 +274,106 @@ def weight_change_times(mesh: Mesh, count: int) -> list[tuple[float, float]]:
     return times
 
 
-def bench_predict(
-    spec: MeshSpec,
-    concurrencies: list[int],
-    seconds: float,
-    out_json: Path | None = None,
-    weight_changes: int = 10,
-) -> dict[str, object]:
-    """Start a mesh, time its start, then load the edge (through Envoy) and a gateway directly."""
+def _bench_spec(spec: MeshSpec) -> MeshSpec:
     # Free ports; no Prometheus, whose scrapes would take CPU from the mesh being measured.
-    spec = spec.model_copy(
+    return spec.model_copy(
         update={
             "ports": Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
             "metrics": spec.metrics.model_copy(update={"prometheus": "off"}),
         }
     )
+
+
+def bench_predict(
+    spec: MeshSpec,
+    concurrencies: Sequence[int] = (1, 64),
+    seconds: float = 6.0,
+    repeats: int = 3,
+    *,
+    direct: bool = False,
+    weight_changes: int = 10,
+    progress: Callable[[Round], None] = lambda _: None,
+) -> dict[str, object]:
+    """Start a mesh, time its start, then measure every target at every concurrency
+    `repeats` times, interleaved; the report as a JSON-able dict."""
+    spec = _bench_spec(spec)
+    model_name = next(iter(sorted(spec.models)))
     with tempfile.TemporaryDirectory() as state:
         mesh = Mesh.from_spec(spec, Path(state))
         started = time.perf_counter()
         mesh.start()
         startup_s = time.perf_counter() - started
         try:
+            wait_answering(mesh)
             entities = max(1, spec.demo.entities)
-            gateway = next(i.name for i in mesh.spec.instances() if i.service == "gateway")
+            alone, replica = model_alone_target(mesh, model_name)
             targets = {
-                "edge (Envoy -> gateway)": dial_edge(mesh.spec),
-                "gateway direct": dial_service(mesh.spec, gateway),
+                EDGE: predict_target(
+                    dial_edge(mesh.spec),
+                    model=model_name,
+                    entities=entities,
+                    timeout_s=CALL_TIMEOUT_S,
+                ),
+                MODEL_ALONE: alone,
             }
-            results = [
-                _with_cost(mesh, dial, name, c, seconds, entities)
-                for c in concurrencies
-                for name, dial in targets.items()
-            ]
+            if direct:
+                gateway = next(i.name for i in mesh.spec.instances() if i.service == "gateway")
+                targets[GATEWAY_DIRECT] = predict_target(
+                    dial_service(mesh.spec, gateway),
+                    model=model_name,
+                    entities=entities,
+                    timeout_s=CALL_TIMEOUT_S,
+                )
+            rounds: list[Round] = []
+
+            def run_round(name: str, c: int, repeat: int) -> Round:
+                found = measure(mesh, targets[name], name, c, seconds, repeat)
+                progress(found)
+                rounds.append(found)
+                return found
+
+            wide: set[tuple[str, int]] = set()
+            for c in concurrencies:
+                for repeat in range(repeats):
+                    # The order turns each repeat: a drift in the machine's speed favours none.
+                    names = list(targets)
+                    shift = repeat % len(names)
+                    for name in names[shift:] + names[:shift]:
+                        run_round(name, c, repeat)
+                for name in targets:
+                    rps = [r.rps for r in rounds if r.target == name and r.concurrency == c]
+                    if spread(rps) > SPREAD_LIMIT:
+                        run_round(name, c, repeats)
+                        rps = [r.rps for r in rounds if r.target == name and r.concurrency == c]
+                        if spread(rps) > SPREAD_LIMIT:
+                            wide.add((name, c))
             changes = weight_change_times(mesh, weight_changes) if weight_changes else []
         finally:
             mesh.stop()
+    rows = summarize_rows(rounds, wide)
+    ratios = {c: paired_ratios(rounds, c) for c in concurrencies}
     report: dict[str, object] = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "model": model_name,
+        "model_alone_replica": replica,
+        "seconds": seconds,
+        "repeats": repeats,
+        "sample_ratio": spec.tracing.sample_ratio if spec.tracing.enabled else 0.0,
+        "prediction_log": spec.prediction_log.enabled,
         "startup_s": round(startup_s, 2),
-        "results": [{**asdict(r), "rps": round(r.rps, 1)} for r in results],
+        "rows": [asdict(r) for r in rows],
+        "edge_over_model_alone": {
+            str(c): {
+                "per_repeat": [round(v, 3) for v in r],
+                "median": round(statistics.median(r), 3),
+                "min": round(min(r), 3),
+                "max": round(max(r), 3),
+            }
+            for c, r in ratios.items()
+            if r
+        },
+        "targets": target_checks(rows, ratios),
+        "rounds": [asdict(r) for r in rounds],
     }
     if changes:
         report["weight_changes"] = {
@@ -156,40 +383,63 @@ def bench_predict(
             "effective_ms_median": round(statistics.median(c[1] for c in changes), 1),
             "effective_ms_max": round(max(c[1] for c in changes), 1),
         }
-    if out_json:
-        out_json.write_text(json.dumps(report, indent=2))
     return report
 
 
-def print_report(report: dict[str, object]) -> None:
+def print_report(report: Mapping[str, object]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    console.print(f"mesh start-up: {report['startup_s']} s")
-    table = Table(title="Predict, closed loop (one entity per call)")
-    columns = ("target", "conc.", "req/s", "p50 ms", "p95 ms", "p99 ms", "errors", "vs direct")
-    for column in (*columns, "CPU-s/1M", "$/1M"):
-        table.add_column(column, justify="right" if column != "target" else "left")
-    rows = report["results"]
+    console = Console(width=max(Console().width, 120))
+    console.print(
+        f"mesh start-up: {report['startup_s']} s; tracing ratio {report['sample_ratio']}, "
+        f"prediction log {'on' if report['prediction_log'] else 'off'}; "
+        f"{report['repeats']} repeats of {report['seconds']} s"
+    )
+    rows = report["rows"]
     assert isinstance(rows, list)
-    direct = {r["concurrency"]: r for r in rows if r["target"] == "gateway direct"}
+    table = Table(title="Predict through the edge vs the model server alone (medians, min-max)")
+    for column in ("target", "conc.", "req/s", "min-max", "spread", "p50 ms", "p99 ms", "errors"):
+        table.add_column(column, justify="left" if column == "target" else "right")
     for r in rows:
-        base = direct.get(r["concurrency"])
-        ratio = f"{r['rps'] / base['rps']:.2f}x" if base and base["rps"] else ""
         table.add_row(
             r["target"],
             str(r["concurrency"]),
-            f"{r['rps']:.0f}",
-            f"{r['p50_ms']:.2f}",
-            f"{r['p95_ms']:.2f}",
-            f"{r['p99_ms']:.2f}",
+            f"{r['rps_median']:.0f}",
+            f"{r['rps_min']:.0f}-{r['rps_max']:.0f}",
+            f"{r['rps_spread']:.0%}" + (" WIDE" if r["flagged_wide"] else ""),
+            f"{r['p50_ms_median']:.2f}",
+            f"{r['p99_ms_median']:.2f}",
             str(r["errors"]),
-            ratio,
-            f"{r['cpu_s_per_million']:.0f}" if r.get("cpu_s_per_million") else "-",
-            f"{r['price_per_million']:.4f}" if r.get("price_per_million") else "-",
         )
     console.print(table)
+    kinds = sorted({k for r in rows for k in r["cpu_us_per_answer"] if k != "client"})
+    cpu = Table(title="CPU µs per answer by process kind (median of the rounds)")
+    for column in ("target", "conc.", *kinds, "mesh (min-max)", "client"):
+        cpu.add_column(column, justify="left" if column == "target" else "right")
+    for r in rows:
+        by_kind = r["cpu_us_per_answer"]
+        cpu.add_row(
+            r["target"],
+            str(r["concurrency"]),
+            *(f"{by_kind.get(k, 0.0):.0f}" for k in kinds),
+            f"{r['cpu_us_mesh_median']:.0f} ({r['cpu_us_mesh_min']:.0f}-"
+            f"{r['cpu_us_mesh_max']:.0f})",
+            f"{by_kind.get('client', 0.0):.0f}",
+        )
+    console.print(cpu)
+    ratios = report["edge_over_model_alone"]
+    assert isinstance(ratios, dict)
+    for c, r in ratios.items():
+        console.print(
+            f"edge / model alone at c={c}: {r['median']:.2f}x "
+            f"(per repeat {', '.join(f'{v:.2f}' for v in r['per_repeat'])})"
+        )
+    checks = report["targets"]
+    assert isinstance(checks, list)
+    for check in checks:
+        mark = "met" if check["met"] else "MISSED"
+        console.print(f"  {check['target']} {check['goal']}: {check['measured']} {mark}")
     changes = report.get("weight_changes")
     if isinstance(changes, dict):
         console.print(
@@ -200,8 +450,32 @@ def print_report(report: dict[str, object]) -> None:
         )
 
 
-def main(spec_path: str | None, concurrencies: list[int], seconds: float, out: str | None) -> int:
-    report = bench_predict(load_spec(spec_path), concurrencies, seconds, Path(out) if out else None)
-    print_report(report)
-    print(json.dumps(report))
+def main(
+    spec_path: str | None,
+    concurrencies: list[int],
+    seconds: float,
+    out: str | None,
+    *,
+    repeats: int = 3,
+    as_json: bool = False,
+    direct: bool = False,
+) -> int:
+    def show(found: Round) -> None:
+        if not as_json:
+            print(
+                f"  {found.target} c={found.concurrency} #{found.repeat}: {found.rps:.0f} req/s, "
+                f"p99 {found.p99_ms:.1f} ms, mesh CPU "
+                f"{sum(v for k, v in found.cpu_us.items() if k != 'client'):.0f} µs/answer",
+                flush=True,
+            )
+
+    report = bench_predict(
+        load_spec(spec_path), concurrencies, seconds, repeats, direct=direct, progress=show
+    )
+    if out:
+        Path(out).write_text(json.dumps(report, indent=2))
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
     return 0

@@ -346,7 +346,15 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
 def cmd_bench_predict(args: argparse.Namespace) -> int:
     from servemesh.bench import main as bench_main
 
-    return bench_main(args.spec, args.concurrency, args.seconds, args.json_out)
+    return bench_main(
+        args.spec,
+        args.concurrency,
+        args.seconds,
+        args.json_out,
+        repeats=args.repeats,
+        as_json=args.json,
+        direct=args.direct,
+    )
 
 
 def cmd_bench_observe(args: argparse.Namespace) -> int:
@@ -448,11 +456,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (each starts its own mesh on free ports)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     bench_predict = bench_sub.add_parser(
-        "predict", help="mesh start-up time; Predict through Envoy vs a gateway directly"
+        "predict",
+        help="Predict through the mesh vs its model server alone, CPU per answer by process",
     )
     bench_predict.add_argument("--spec")
-    bench_predict.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    bench_predict.add_argument("--seconds", type=float, default=10.0, help="per measurement")
+    bench_predict.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    bench_predict.add_argument("--seconds", type=float, default=6.0, help="per measurement")
+    bench_predict.add_argument("--repeats", type=int, default=3, help="rounds per row (>= 3)")
+    bench_predict.add_argument(
+        "--direct", action="store_true", help="also load one gateway straight (no Envoy)"
+    )
+    bench_predict.add_argument("--json", action="store_true", help="print the report as JSON")
     bench_predict.add_argument("--json-out", help="also write the report here")
     bench_predict.set_defaults(func=cmd_bench_predict)
     bench_observe = bench_sub.add_parser(

@@ -1,0 +1,63 @@
+"""`servemesh bench predict`'s arithmetic without a mesh: rows from rounds, paired ratios, the
+spread that flags a row, and the verdicts on the issue's targets."""
+
+from __future__ import annotations
+
+import math
+
+from servemesh.bench import (
+    EDGE,
+    MODEL_ALONE,
+    Round,
+    paired_ratios,
+    spread,
+    summarize_rows,
+    target_checks,
+)
+
+
+def _round(target: str, c: int, repeat: int, rps: float, cpu: dict[str, float]) -> Round:
+    return Round(target, c, repeat, rps, p50_ms=2.0, p99_ms=50.0 + repeat, errors=0, cpu_us=cpu)
+
+
+ROUNDS = [
+    _round(EDGE, 64, 0, 900.0, {"envoy": 300.0, "gateway": 500.0, "client": 200.0}),
+    _round(MODEL_ALONE, 64, 0, 1800.0, {"model": 400.0, "client": 150.0}),
+    _round(EDGE, 64, 1, 1000.0, {"envoy": 320.0, "gateway": 480.0, "client": 210.0}),
+    _round(MODEL_ALONE, 64, 1, 1600.0, {"model": 420.0, "client": 160.0}),
+    _round(EDGE, 64, 2, 1100.0, {"envoy": 310.0, "gateway": 700.0, "client": 190.0}),
+    _round(MODEL_ALONE, 64, 2, 2000.0, {"model": 380.0, "client": 140.0}),
+]
+
+
+def test_spread_is_the_range_over_the_median() -> None:
+    assert spread([90.0, 100.0, 110.0]) == 0.2
+    assert spread([5.0]) == 0.0
+    assert math.isinf(spread([0.0, 0.0, 1.0]))
+
+
+def test_rows_take_medians_and_leave_the_client_out_of_the_mesh_sum() -> None:
+    rows = {r.target: r for r in summarize_rows(ROUNDS, wide={(MODEL_ALONE, 64)})}
+    edge = rows[EDGE]
+    assert edge.rps_median == 1000.0 and (edge.rps_min, edge.rps_max) == (900.0, 1100.0)
+    assert edge.cpu_us_per_answer == {"client": 200.0, "envoy": 310.0, "gateway": 500.0}
+    # Per round: 800, 800, 1010 µs for the mesh; the client's own CPU is not the mesh's.
+    assert (edge.cpu_us_mesh_median, edge.cpu_us_mesh_max) == (800.0, 1010.0)
+    assert edge.p99_ms_max == 52.0 and not edge.flagged_wide
+    assert rows[MODEL_ALONE].flagged_wide
+
+
+def test_ratios_pair_rounds_of_the_same_repeat() -> None:
+    assert paired_ratios(ROUNDS, 64) == [0.5, 1000.0 / 1600.0, 0.55]
+    assert paired_ratios(ROUNDS, 1) == []
+
+
+def test_targets_say_which_are_met() -> None:
+    rows = summarize_rows(ROUNDS, wide=set())
+    verdicts = {c["target"]: c["met"] for c in target_checks(rows, {64: paired_ratios(ROUNDS, 64)})}
+    assert verdicts == {
+        "edge c=64 req/s >=": False,  # 1000 < 1500
+        "edge / model alone at c=64 >=": False,  # 0.55 < 0.6
+        "mesh CPU ms per Predict at c=64 <=": True,  # 0.8 ms
+        "edge c=64 p99 ms <=": True,  # 51 ms
+    }
