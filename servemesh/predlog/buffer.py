@@ -86,6 +86,7 @@ class PredictionLog:
         self._last_expire = -EXPIRE_INTERVAL_S
         self._last_status: dict[str, int] | None = None
         self._wake = asyncio.Event()
+        self._closing = False
         self._task: asyncio.Task[None] | None = None
         # One thread: batches are written in order, and a slow store slows only the log.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prediction-log")
@@ -128,12 +129,15 @@ class PredictionLog:
 
     async def close(self) -> None:
         """Flush what is left, write the status one last time, close the store."""
+        # The flag, not only the cancel, ends the flusher: a cancel that lands as its wake
+        # fires can be lost (asyncio.wait_for on 3.11 returns the wait's result instead),
+        # and the flusher would then wait out another interval, again and again.
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            # asyncio.wait: the flusher's end, whatever it is; a cancel of close itself
+            # still reaches its caller.
+            await asyncio.wait({self._task})
             self._task = None
         if self.enabled:
             await self.flush()
@@ -166,12 +170,15 @@ class PredictionLog:
 
     async def _run(self) -> None:
         interval = self.settings.flush_interval_ms / 1000
-        while True:
+        while not self._closing:
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=interval)
+                async with asyncio.timeout(interval):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()
+            if self._closing:
+                return  # close flushes what is left itself
             await self.flush()
 
     async def flush(self) -> None:

@@ -74,6 +74,23 @@ async def test_closing_while_a_batch_waits_for_the_writer_thread_loses_none_of_i
     assert log.stats()["written"] == 1
 
 
+async def test_closing_as_the_flusher_wakes_returns_at_once() -> None:
+    # The append wakes the flusher and close cancels it in the same turn of the loop: the
+    # wake completes first, which is when a cancel can be lost. Close must still return
+    # within this test's time, not a flush interval (60 s) later, again and again.
+    store = BlockedStore()
+    store.release.set()
+    log = _log(store)
+    log.start()
+    await asyncio.sleep(0)  # one turn: the flusher is now waiting for its wake
+    log.append(captured(NOW, request_id="last"))
+    closing = asyncio.ensure_future(log.close())
+    # asyncio.wait, not wait_for: a cancel on timeout would be taken by close as its own.
+    done, _ = await asyncio.wait({closing}, timeout=10)
+    assert closing in done, "close still waits for the flusher"
+    assert [r[1] for r in store.rows] == ["last"]
+
+
 async def test_a_failing_store_is_counted_and_the_log_goes_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
