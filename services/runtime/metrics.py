@@ -16,8 +16,8 @@ endpoint serves them all.
 
 `service` is the mesh's kind of service (gateway, feature, model, registry), `method` the
 full gRPC method path (/servemesh.gateway.v1.Gateway/Predict), `code` the status name the
-caller saw (OK, INVALID_ARGUMENT, ...), including refusals by the interceptors beneath
-(control credential, injected faults, undecodable bodies).
+caller saw (OK, INVALID_ARGUMENT, ...), including the call path's own refusals (control
+credential, injected faults, undecodable bodies).
 
 The serving path does a dictionary lookup, two perf_counter reads, a gauge up and down,
 a counter increment and a histogram observation per call, all on label children bound
@@ -27,10 +27,9 @@ once per method (docs/observability.md has its measured cost).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from wsgiref.simple_server import WSGIServer
@@ -45,13 +44,6 @@ from prometheus_client import (
     start_http_server,
 )
 
-from servemesh.services.runtime.interceptors import (
-    StreamingBehaviour,
-    UnaryBehaviour,
-    with_stream_unary_behaviour,
-    with_unary_behaviour,
-    with_unary_stream_behaviour,
-)
 from servemesh.wire import LATENCY_BUCKETS_S
 
 # Seconds: from a cached feature read (0.5 ms) to a call that waited out a long deadline.
@@ -60,7 +52,7 @@ OK = "OK"
 
 
 @dataclass
-class _MethodMetrics:
+class MethodMetrics:
     """The label children of one method, bound once: the hot path does no label lookups
     beyond one dictionary access per call (and one more per status code seen)."""
 
@@ -75,8 +67,19 @@ class _MethodMetrics:
             child = self.by_code[code] = self.requests(code)
         child.inc()
 
+    def begin(self) -> float:
+        """A call of the method arrived: it is in flight from now (the returned time)."""
+        self.in_flight.inc()
+        return time.perf_counter()
 
-def _code_of(context: grpc.aio.ServicerContext) -> str:
+    def end(self, started: float, code: str) -> None:
+        """The call that began at `started` is answered with status `code`."""
+        self.duration.observe(time.perf_counter() - started)
+        self.in_flight.dec()
+        self.count(code)
+
+
+def code_of(context: grpc.aio.ServicerContext) -> str:
     """The status a handler chose (abort or set_code); OK when it chose none."""
     code = context.code()
     if code is None:
@@ -91,8 +94,9 @@ def _code_of(context: grpc.aio.ServicerContext) -> str:
 
 
 class ServiceMetrics:
-    """One service's registry: the RPC metrics (recorded by `interceptor`), the process
-    collector, and whatever the service adds; `serve` puts it on an HTTP port."""
+    """One service's registry: the RPC metrics (recorded by the server's call path through
+    `method`), the process collector, and whatever the service adds; `serve` puts it on
+    an HTTP port."""
 
     def __init__(self, service: str) -> None:
         self.service = service
@@ -117,10 +121,9 @@ class ServiceMetrics:
             ["service", "method"],
             registry=self.registry,
         )
-        self._methods: dict[str, _MethodMetrics] = {}
-        self.interceptor = RpcMetricsInterceptor(self)
+        self._methods: dict[str, MethodMetrics] = {}
 
-    def method(self, method: str) -> _MethodMetrics:
+    def method(self, method: str) -> MethodMetrics:
         """The bound children of `method` (bound on its first call)."""
         found = self._methods.get(method)
         if found is None:
@@ -130,7 +133,7 @@ class ServiceMetrics:
             def by_code(code: str) -> Any:
                 return requests.labels(service, method, code)
 
-            found = self._methods[method] = _MethodMetrics(
+            found = self._methods[method] = MethodMetrics(
                 duration=self._duration.labels(service, method),
                 in_flight=self._in_flight.labels(service, method),
                 requests=by_code,
@@ -140,80 +143,6 @@ class ServiceMetrics:
     def serve(self, host: str, port: int = 0) -> MetricsEndpoint:
         """Serve /metrics on host:port (0: a free port) until the endpoint is closed."""
         return MetricsEndpoint(self.registry, host=host, port=port)
-
-
-def _timed_unary(bound: _MethodMetrics, behaviour: UnaryBehaviour) -> UnaryBehaviour:
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        bound.in_flight.inc()
-        started = time.perf_counter()
-        code = "UNKNOWN"
-        try:
-            answer = await behaviour(request, context)
-            code = _code_of(context)
-            return answer
-        except grpc.aio.AbortError:
-            code = _code_of(context)
-            raise
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-            raise
-        finally:
-            bound.duration.observe(time.perf_counter() - started)
-            bound.in_flight.dec()
-            bound.count(code)
-
-    return call
-
-
-def _timed_streaming(bound: _MethodMetrics, behaviour: StreamingBehaviour) -> StreamingBehaviour:
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        bound.in_flight.inc()
-        started = time.perf_counter()
-        code = "UNKNOWN"
-        try:
-            async for message in behaviour(request, context):
-                yield message
-            code = _code_of(context)
-        except grpc.aio.AbortError:
-            code = _code_of(context)
-            raise
-        except (asyncio.CancelledError, GeneratorExit):
-            code = "CANCELLED"
-            raise
-        finally:
-            bound.duration.observe(time.perf_counter() - started)
-            bound.in_flight.dec()
-            bound.count(code)
-
-    return call
-
-
-class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Counts, times and tracks every call of a server's methods (first in the chain, so
-    it sees the status of every refusal the others make)."""
-
-    def __init__(self, metrics: ServiceMetrics) -> None:
-        self.metrics = metrics
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None:  # an unknown method: grpc answers UNIMPLEMENTED, unlabelled
-            return handler
-        bound = self.metrics.method(details.method)
-        if handler.unary_unary is not None:
-            return with_unary_behaviour(handler, _timed_unary(bound, handler.unary_unary))
-        if handler.stream_unary is not None:
-            return with_stream_unary_behaviour(handler, _timed_unary(bound, handler.stream_unary))
-        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
-            return with_unary_stream_behaviour(
-                handler, _timed_streaming(bound, handler.unary_stream)
-            )
-        # Streams written with context.write and bidirectional streams: none of ours.
-        return handler
 
 
 class MetricsEndpoint:
