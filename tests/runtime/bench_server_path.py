@@ -125,6 +125,7 @@ async def _call_rounds(rounds: int, calls: int, block: int) -> dict[str, list[fl
             )
             for name, channel in channels.items()
         }
+        names = list(echoes)
         for echo in echoes.values():
             for _ in range(200):
                 await echo(REQUEST, metadata=METADATA)
@@ -132,8 +133,12 @@ async def _call_rounds(rounds: int, calls: int, block: int) -> dict[str, list[fl
             used = dict.fromkeys(SETTINGS, 0.0)
             gc.collect()
             gc.disable()  # a collection would land in whichever setting runs then
-            for _ in range(max(1, calls // block)):
-                for name, echo in echoes.items():
+            for turn in range(max(1, calls // block)):
+                # Each setting goes first as often as the others: whichever follows a
+                # switch of channel pays for it.
+                order = names[turn % len(names) :] + names[: turn % len(names)]
+                for name in order:
+                    echo = echoes[name]
                     begun = time.process_time()
                     for _ in range(block):
                         await echo(REQUEST, metadata=METADATA)

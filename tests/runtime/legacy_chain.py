@@ -3,15 +3,18 @@ for the unary path over the same steps, so the bench compares the two in one run
 
 Six grpc.aio server interceptors, outermost first: server span, metrics, control
 credential, faults, error statuses, request decoding. Each one, on every call, awaits the
-next one's handler and builds a new handler around its behaviour, as they did.
+next one's handler and builds a new handler around its behaviour, as they did; the
+metrics are prometheus_client's labelled children, as they were.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from servemesh.services.runtime.call_path import failure_code
 from servemesh.services.runtime.control_auth import ControlAuth, is_control
@@ -19,7 +22,7 @@ from servemesh.services.runtime.decode import decoder
 from servemesh.services.runtime.errors import answer_failure
 from servemesh.services.runtime.faults import FaultInjector, is_faultable
 from servemesh.services.runtime.interceptors import UnaryBehaviour, with_unary_behaviour
-from servemesh.services.runtime.metrics import ServiceMetrics, code_of
+from servemesh.services.runtime.metrics import RPC_BUCKETS, code_of
 from servemesh.services.runtime.tracing import (
     close_server_span,
     is_traced,
@@ -67,12 +70,51 @@ def _traced(inner: UnaryBehaviour, details: grpc.HandlerCallDetails) -> UnaryBeh
     return call
 
 
-def _timed(metrics: ServiceMetrics) -> Wrapper:
+class _LabelledMetrics:
+    """The RPC metrics as services kept them: prometheus_client's labelled children (a
+    lock per update), bound once per method."""
+
+    def __init__(self, service: str) -> None:
+        self.service = service
+        registry = CollectorRegistry()
+        self.requests = Counter(
+            "rpc_requests", "", ["service", "method", "code"], registry=registry
+        )
+        self.duration = Histogram(
+            "rpc_duration_seconds",
+            "",
+            ["service", "method"],
+            buckets=RPC_BUCKETS,
+            registry=registry,
+        )
+        self.in_flight = Gauge("rpc_in_flight", "", ["service", "method"], registry=registry)
+        self.bound: dict[str, tuple[Any, Any, dict[str, Any]]] = {}
+
+    def method(self, method: str) -> tuple[Any, Any, dict[str, Any]]:
+        found = self.bound.get(method)
+        if found is None:
+            found = self.bound[method] = (
+                self.duration.labels(self.service, method),
+                self.in_flight.labels(self.service, method),
+                {},
+            )
+        return found
+
+    def count(self, method: str, by_code: dict[str, Any], code: str) -> None:
+        child = by_code.get(code)
+        if child is None:
+            child = by_code[code] = self.requests.labels(self.service, method, code)
+        child.inc()
+
+
+def _timed(metrics: _LabelledMetrics) -> Wrapper:
     def wrapper(inner: UnaryBehaviour, details: grpc.HandlerCallDetails) -> UnaryBehaviour:
-        bound = metrics.method(details.method)
+        method = details.method
+        duration, in_flight, by_code = metrics.method(method)
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            started = bound.begin()
+            in_flight.inc()
+            started = time.perf_counter()
             code = "UNKNOWN"
             try:
                 answer = await inner(request, context)
@@ -82,7 +124,9 @@ def _timed(metrics: ServiceMetrics) -> Wrapper:
                 code = failure_code(exc, context)
                 raise
             finally:
-                bound.end(started, code)
+                duration.observe(time.perf_counter() - started)
+                in_flight.dec()
+                metrics.count(method, by_code, code)
 
         return call
 
@@ -154,7 +198,7 @@ def legacy_interceptors(service: str = "bench") -> list[grpc.aio.ServerIntercept
     """The chain, outermost first, as ServiceServer installed it."""
     return [
         _Unary(_traced),
-        _Unary(_timed(ServiceMetrics(service))),
+        _Unary(_timed(_LabelledMetrics(service))),
         _Unary(_checked(ControlAuth(None))),
         _Unary(_faulty(FaultInjector())),
         _Unary(_mapped),
