@@ -24,10 +24,15 @@ def service_main(build: Builder, argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--instance", required=True, help="instance name, e.g. gateway-zone-a-0")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--request-logs",
+        action="store_true",
+        help="also log a line per request answered (off: only refusals and failures)",
+    )
     args = parser.parse_args(argv)
     spec = load_resolved(args.spec)
     spec.instance(args.instance)  # fail fast on an unknown instance name
-    configure_logging(args.instance, args.log_level)
+    configure_logging(args.instance, args.log_level, request_logs=args.request_logs)
     configure_tracing(spec, args.instance)
 
     async def build_and_watch() -> ServiceServer:

@@ -12,28 +12,18 @@
     └── Internal                   INTERNAL            a bug or a model that raised
 
 Services raise these (or their own subclasses, which only add a name) from anywhere in a
-call; `ErrorStatusInterceptor`, which every `ServiceServer` installs, turns them into the
-status and message the caller gets, so no servicer maps errors by hand. Anything else a
-handler raises reaches the caller as INTERNAL "internal error", with the traceback in the
-log and never on the wire.
+call; every `ServiceServer`'s call path (`answer_failure`) turns them into the status and
+message the caller gets, so no servicer maps errors by hand. Anything else a handler
+raises reaches the caller as INTERNAL "internal error", with the traceback in the log and
+never on the wire.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import grpc
-
-from servemesh.services.runtime.interceptors import (
-    StreamingBehaviour,
-    UnaryBehaviour,
-    with_stream_unary_behaviour,
-    with_unary_behaviour,
-    with_unary_stream_behaviour,
-)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +48,7 @@ class MeshError(Exception):
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
     # True for refusals whose raiser already logged them with more detail (the batcher's
-    # sheds and deadline drops): the interceptor then does not log them again, which under
+    # sheds and deadline drops): the call path then does not log them again, which under
     # overload would double the log lines exactly when they cost the most.
     logged_at_source: bool = False
 
@@ -129,9 +119,11 @@ async def abort_with(context: grpc.aio.ServicerContext, error: MeshError) -> NoR
     raise AssertionError("unreachable: context.abort raises")
 
 
-async def _answer_failure(
+async def answer_failure(
     exc: Exception, context: grpc.aio.ServicerContext, method: str
 ) -> NoReturn:
+    """End the call with what `exc` says: a MeshError's status and message, or INTERNAL
+    "internal error" for anything else (its traceback goes to the log, never the wire)."""
     if isinstance(exc, MeshError):
         if not exc.logged_at_source:
             level = logging.INFO if is_caller_error(exc.code) else logging.WARNING
@@ -144,52 +136,3 @@ async def _answer_failure(
     log.error("call failed", exc_info=exc, extra={"method": method})
     await context.abort(grpc.StatusCode.INTERNAL, "internal error")
     raise AssertionError("unreachable: context.abort raises")
-
-
-def _mapped_unary(behaviour: UnaryBehaviour, method: str) -> UnaryBehaviour:
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await behaviour(request, context)
-        except grpc.aio.AbortError:
-            raise  # the handler already chose its status
-        except Exception as exc:
-            await _answer_failure(exc, context, method)
-
-    return call
-
-
-def _mapped_server_streaming(behaviour: StreamingBehaviour, method: str) -> StreamingBehaviour:
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        try:
-            async for message in behaviour(request, context):
-                yield message
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            await _answer_failure(exc, context, method)
-
-    return call
-
-
-class ErrorStatusInterceptor(grpc.aio.ServerInterceptor):
-    """Turns a MeshError raised by any handler into its gRPC status, in one place."""
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None:
-            return handler
-        method = details.method
-        if handler.unary_unary is not None:
-            return with_unary_behaviour(handler, _mapped_unary(handler.unary_unary, method))
-        if handler.stream_unary is not None:
-            return with_stream_unary_behaviour(handler, _mapped_unary(handler.stream_unary, method))
-        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
-            return with_unary_stream_behaviour(
-                handler, _mapped_server_streaming(handler.unary_stream, method)
-            )
-        # Streams written with context.write and bidirectional streams: none of ours.
-        return handler

@@ -17,7 +17,6 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,6 @@ from typing import Any
 import grpc
 
 from servemesh.atomic import atomic_write_text
-from servemesh.services.runtime.interceptors import with_unary_behaviour
 from servemesh.wire import HEALTH_PREFIX, REFLECTION_PREFIX
 
 log = logging.getLogger(__name__)
@@ -63,41 +61,28 @@ class FaultSettings:
         return settings
 
 
-class FaultInjector(grpc.aio.ServerInterceptor):
-    """Wraps unary calls (the serving path) with the current fault settings."""
+def is_faultable(method: str) -> bool:
+    """Whether calls of `method` may be faulted: not health checks or reflection."""
+    return not method.startswith(EXEMPT_PREFIXES)
+
+
+class FaultInjector:
+    """The current fault settings of this replica, applied to its unary calls (the serving
+    path) by the server's call path: `if faults.settings.active: await faults.inject(...)`,
+    one attribute read per call while no fault is set."""
 
     def __init__(self) -> None:
         self.settings = FaultSettings()
         self.faulted = 0
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        # The common case costs one attribute read: no wrapper unless a fault is set.
-        if not self.settings.active:
-            return handler
-        if (
-            handler is None
-            or details.method.startswith(EXEMPT_PREFIXES)
-            or handler.unary_unary is None
-        ):
-            return handler
-        behaviour = handler.unary_unary
-
-        async def faulty(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            settings = self.settings
-            if settings.active:
-                if settings.delay_ms and random.uniform(0, 100) < settings.delay_percent:
-                    await asyncio.sleep(settings.delay_ms / 1000)
-                if random.uniform(0, 100) < settings.error_percent:
-                    self.faulted += 1
-                    await context.abort(grpc.StatusCode[settings.error_code], "injected fault")
-            return await behaviour(request, context)
-
-        return with_unary_behaviour(handler, faulty)
+    async def inject(self, context: grpc.aio.ServicerContext) -> None:
+        """Delay the call and/or end it with the injected error, as the settings draw."""
+        settings = self.settings
+        if settings.delay_ms and random.uniform(0, 100) < settings.delay_percent:
+            await asyncio.sleep(settings.delay_ms / 1000)
+        if random.uniform(0, 100) < settings.error_percent:
+            self.faulted += 1
+            await context.abort(grpc.StatusCode[settings.error_code], "injected fault")
 
     async def watch(self, control: Path, interval_s: float = 0.1) -> None:
         """Follow the control file until cancelled; a malformed file is logged and ignored."""

@@ -14,13 +14,11 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from servemesh.services.runtime.control_auth import ControlAuthInterceptor
-from servemesh.services.runtime.decode import DecodeRequestInterceptor
-from servemesh.services.runtime.errors import ErrorStatusInterceptor
+from servemesh.services.runtime.call_path import CallPath, PathServer
+from servemesh.services.runtime.control_auth import ControlAuth
 from servemesh.services.runtime.faults import FaultInjector
 from servemesh.services.runtime.live_spec import LiveSpec, SpecHook
 from servemesh.services.runtime.metrics import ServiceMetrics
-from servemesh.services.runtime.tracing import TracingServerInterceptor
 from servemesh.wire import message_size_options
 
 log = logging.getLogger(__name__)
@@ -89,29 +87,27 @@ class ServiceServer:
         self.drain_grace_s = drain_grace_s
         self.faults = FaultInjector()
         # Control calls answer only to the mesh's control credential (None: to nobody).
-        self.control = ControlAuthInterceptor(control_token)
-        self.server = grpc.aio.server(
-            # The credential check first: a refused control call reaches nothing else.
-            # Faults next, so an injected error never looks like a handler's own error.
-            # Bodies are decoded inside ErrorStatusInterceptor: an undecodable one is
-            # INVALID_ARGUMENT like any other bad input.
-            # Metrics outermost: they see the status of every refusal beneath them.
-            interceptors=[
-                # Outermost: the call's server span covers everything below, refusals too.
-                TracingServerInterceptor(),
-                self.metrics.interceptor,
-                self.control,
-                self.faults,
-                ErrorStatusInterceptor(),
-                DecodeRequestInterceptor(),
-                *(interceptors or []),
-            ],
-            options=[
-                *message_size_options(max_message_bytes),
-                # grpc turns SO_REUSEPORT on by default, which lets a second process bind a
-                # port already in use and silently share its traffic.
-                ("grpc.so_reuseport", 0),
-            ],
+        self.control = ControlAuth(control_token)
+        # Every method, the service's and health's and reflection's alike, is registered
+        # wrapped in the call path (tracing, metrics, credential, faults, error statuses,
+        # decoding, then the service's own `interceptors`): one wrapper built per method,
+        # no grpc.aio server interceptors (call_path.py says why).
+        self.call_path = CallPath(
+            metrics=self.metrics,
+            control=self.control,
+            faults=self.faults,
+            interceptors=interceptors or (),
+        )
+        self.server: grpc.aio.Server = PathServer(
+            grpc.aio.server(
+                options=[
+                    *message_size_options(max_message_bytes),
+                    # grpc turns SO_REUSEPORT on by default, which lets a second process
+                    # bind a port already in use and silently share its traffic.
+                    ("grpc.so_reuseport", 0),
+                ],
+            ),
+            self.call_path.wrap,
         )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -6,8 +6,9 @@ gRPC metadata, and the tracer provider every service process sets up from the sp
   span processor exporting OTLP/gRPC to `tracing.otlp_endpoint`. Without it (tracing off,
   the trace store itself, unit tests) the API's no-op tracer runs, which still passes a
   caller's trace context on unchanged.
-- `TracingServerInterceptor` opens the server span of each call, child of the caller's
-  `traceparent`, and makes it current for the handler. A call whose caller's trace is not
+- `open_server_span`/`close_server_span` (the server's call path, `call_path.py`, calls
+  them around every call) open the server span of a call, child of the caller's
+  `traceparent`, and make it current for the handler. A call whose caller's trace is not
   sampled (most of them: Envoy starts every trace) is handed to the handler untouched: no
   span object, no context, nothing downstream records (parent-based sampling), and the
   caller's trace headers go on as they came.
@@ -21,19 +22,19 @@ gRPC metadata, and the tracer provider every service process sets up from the sp
   many traces) is linked to them; `LinkAwareSampler` records it whenever one of its links
   is recorded, so a sampled request's batch is never missing from its trace.
 
-Small interceptors over the SDK rather than `opentelemetry-instrumentation-grpc`: that
+Small functions over the SDK rather than `opentelemetry-instrumentation-grpc`: that
 package is a beta paired with one SDK release, and its spans cannot carry our attributes
 (request id, model, version) or the batch links. Measured (docs/observability.md,
 "Traces"): most of the per-call cost was grpc.aio's intercepted-call path, not the spans,
-which is why the request path calls without it and unsampled calls skip the spans.
+which is why the request path calls without it, servers serve without it (one wrapper per
+method, `call_path.py`) and unsampled calls skip the spans.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -57,11 +58,6 @@ from opentelemetry.util.types import Attributes
 
 from servemesh.identity.credentials import client_credentials, server_name_option
 from servemesh.identity.enroll import TRACE_STORE_IDENTITY, enrolled
-from servemesh.services.runtime.interceptors import (
-    with_stream_unary_behaviour,
-    with_unary_behaviour,
-    with_unary_stream_behaviour,
-)
 from servemesh.spec import ResolvedSpec
 from servemesh.wire import TRACE_HEADERS
 
@@ -196,7 +192,7 @@ def trace_metadata(ctx: Context | None = None) -> list[tuple[str, str]]:
     return list(carrier.items())
 
 
-def _method_name(method: str | bytes) -> str:
+def span_name(method: str | bytes) -> str:
     """ "/pkg.Service/Method" as a span name: "pkg.Service/Method" (OpenTelemetry's rule)."""
     return _text(method).lstrip("/")
 
@@ -210,7 +206,7 @@ def _finish_server_span(
     if span.is_recording():
         code = context.code()
         if code is None and error is not None:
-            # An exception no interceptor turned into a status: grpc answers UNKNOWN.
+            # An exception nothing turned into a status: grpc answers UNKNOWN.
             code = grpc.StatusCode.UNKNOWN
         code = code or grpc.StatusCode.OK
         span.set_attribute("rpc.grpc.status_code", code.value[0])
@@ -219,11 +215,36 @@ def _finish_server_span(
     span.end()
 
 
-UnaryHandler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
-StreamHandler = Callable[[Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+def _traced_here(metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+    """Whether the caller's trace is sampled or new (a trace without a `traceparent` is
+    sampled here at the spec's ratio)."""
+    for key, value in metadata or ():
+        if key == _TRACEPARENT:
+            return _UNSAMPLED.match(_text(value)) is None
+    return True
 
 
-def _server_span(name: str, parent: Context) -> tuple[trace.Span, object]:
+def is_traced(metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+    """Whether a call with `metadata` records spans here: this process records, and the
+    caller's trace is sampled or new."""
+    return _records() and _traced_here(metadata)
+
+
+ServerSpan = tuple[trace.Span, object]
+
+
+def open_server_span(name: str, context: grpc.aio.ServicerContext) -> ServerSpan | None:
+    """The server span of a call named `name` ("pkg.Service/Method", see `span_name`),
+    child of the caller's trace context and current until `close_server_span`; None when
+    the call records nothing here (this process does not record, or the caller's trace is
+    not sampled): the handler then runs untouched, and the caller's trace headers go on as
+    they came."""
+    if not _records():
+        return None
+    metadata = context.invocation_metadata()
+    if not _traced_here(metadata):
+        return None
+    parent = extract_context(metadata)
     span = tracer().start_span(
         name,
         context=parent,
@@ -233,76 +254,13 @@ def _server_span(name: str, parent: Context) -> tuple[trace.Span, object]:
     return span, otel_context.attach(trace.set_span_in_context(span, parent))
 
 
-def _traced_unary(inner: UnaryHandler, name: str, parent: Context) -> UnaryHandler:
-    async def behaviour(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        span, token = _server_span(name, parent)
-        error: BaseException | None = None
-        try:
-            return await inner(request, context)
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            _finish_server_span(span, context, error)
-            otel_context.detach(token)  # type: ignore[arg-type]
-
-    return behaviour
-
-
-def _traced_server_stream(inner: StreamHandler, name: str, parent: Context) -> StreamHandler:
-    async def behaviour(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        span, token = _server_span(name, parent)
-        error: BaseException | None = None
-        try:
-            async for message in inner(request, context):
-                yield message
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            _finish_server_span(span, context, error)
-            otel_context.detach(token)  # type: ignore[arg-type]
-
-    return behaviour
-
-
-def _traced_here(metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
-    """Whether a call may record spans: this process records, and the caller's trace is
-    sampled or new (a trace without a `traceparent` is sampled here at the spec's ratio)."""
-    if not _records():
-        return False
-    for key, value in metadata or ():
-        if key == _TRACEPARENT:
-            return _UNSAMPLED.match(_text(value)) is None
-    return True
-
-
-class TracingServerInterceptor(grpc.aio.ServerInterceptor):
-    """The server span of every call, child of the caller's trace context, current while
-    the handler (and every interceptor after this one) runs."""
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or not _traced_here(details.invocation_metadata):
-            return handler
-        name = _method_name(details.method)
-        parent = extract_context(details.invocation_metadata)
-        if handler.unary_unary is not None:
-            return with_unary_behaviour(handler, _traced_unary(handler.unary_unary, name, parent))
-        if handler.stream_unary is not None:
-            return with_stream_unary_behaviour(
-                handler, _traced_unary(handler.stream_unary, name, parent)
-            )
-        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
-            return with_unary_stream_behaviour(
-                handler, _traced_server_stream(handler.unary_stream, name, parent)
-            )
-        # Streams written with context.write and bidirectional streams: none of ours.
-        return handler
+def close_server_span(
+    opened: ServerSpan, context: grpc.aio.ServicerContext, error: BaseException | None
+) -> None:
+    """End the span with the call's status; `error`: what the call raised, if anything."""
+    span, token = opened
+    _finish_server_span(span, context, error)
+    otel_context.detach(token)  # type: ignore[arg-type]
 
 
 # --- client spans --------------------------------------------------------------------------
@@ -322,7 +280,7 @@ async def traced_call(
         if not current.get_span_context().is_valid:
             return await call(metadata)
         return await call(_with_trace(metadata, trace_metadata()))
-    name = _method_name(method)
+    name = span_name(method)
     span = tracer().start_span(
         name, kind=SpanKind.CLIENT, attributes={"rpc.system": "grpc", "rpc.method": name}
     )
@@ -347,7 +305,7 @@ def _with_trace(
 def _client_span(details: grpc.aio.ClientCallDetails) -> tuple[trace.Span, Any]:
     """A client span for the call (child of the current span) and the call's details with
     its trace context in the metadata."""
-    name = _method_name(details.method)
+    name = span_name(details.method)
     span = tracer().start_span(
         name, kind=SpanKind.CLIENT, attributes={"rpc.system": "grpc", "rpc.method": name}
     )

@@ -15,6 +15,8 @@ import torch
 from servemesh.demo import demo_artifact, demo_features
 from servemesh.identity import dial_service
 from servemesh.launcher import Mesh
+from servemesh.predlog.buffer import predictions_dir
+from servemesh.predlog.query import LogQuery, ParquetReader
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
@@ -69,8 +71,13 @@ def test_the_edge_s_request_id_follows_the_request_to_the_gateway(
         metadata=[("x-request-id", callers_id)],
     )
     assert reply.request_id and reply.request_id != callers_id
-    gateway_logs = "".join(p.read_text() for p in mesh.logs_dir.glob("gateway-*.log"))
-    assert reply.request_id in gateway_logs
+    # The gateway's record of the call carries it (a call that went well writes no log line).
+    reader = ParquetReader(predictions_dir(mesh.state_dir))
+    record = wait_until(
+        lambda: reader.query(LogQuery(request_id=reply.request_id)).rows,
+        f"the prediction log's record of {reply.request_id}",
+    )
+    assert record[0]["request_id"] == reply.request_id
 
 
 def _rows_computed(mesh: Mesh, version: str) -> int:

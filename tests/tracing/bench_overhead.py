@@ -1,5 +1,6 @@
 """CPU per call of tracing, in one process: a grpc.aio echo server and client on loopback,
-with every service's interceptors (server span, client span) in five settings.
+with the tracing steps every service runs (the server span of its call path, the client
+span of its channels' interceptors) in five settings.
 
     python -m tests.tracing.bench_overhead [--calls 2000] [--rounds 5]
 
@@ -8,7 +9,7 @@ no-sdk:     interceptors, no tracer provider (tracing.enabled: false): context p
 unsampled:  SDK provider, ratio 0, no caller trace context: non-recording spans
 sampled:    SDK provider, ratio 1: every span recorded and exported (BatchSpanProcessor
             to an in-process OTLP receiver that decodes the spans and drops them)
-passed-on:  what the request path does now (the gateway's calls): the server interceptor
+passed-on:  what the request path does now (the gateway's calls): the server span step
             only, the caller's unsampled `traceparent` in the metadata, no client
             interceptors (SDK provider installed)
 CPU is the process's own (user + system), client and server together, per call.
@@ -21,6 +22,7 @@ import asyncio
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -31,7 +33,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
-from servemesh.services.runtime.tracing import TracingServerInterceptor, client_interceptors
+from servemesh.services.runtime.call_path import PathServer
+from servemesh.services.runtime.tracing import (
+    client_interceptors,
+    close_server_span,
+    open_server_span,
+    span_name,
+)
 
 
 class _Echo(health_pb2_grpc.HealthServicer):
@@ -48,9 +56,36 @@ class _Drop(trace_service_pb2_grpc.TraceServiceServicer):
 UNSAMPLED = (("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"),)
 
 
+def _traced(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """The handler with the call path's tracing step only (the server span), built once."""
+    if handler.unary_unary is None:
+        return handler
+    name = span_name(method)
+    inner = handler.unary_unary
+
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        span = open_server_span(name, context)
+        error: BaseException | None = None
+        try:
+            return await inner(request, context)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if span is not None:
+                close_server_span(span, context, error)
+
+    return grpc.unary_unary_rpc_method_handler(
+        call,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
 async def _run(calls: int, interceptors: bool, passed_on: bool = False) -> float:
-    server_side = [TracingServerInterceptor()] if interceptors or passed_on else []
-    server = grpc.aio.server(interceptors=server_side)
+    server: grpc.aio.Server = grpc.aio.server()
+    if interceptors or passed_on:
+        server = PathServer(server, _traced)
     health_pb2_grpc.add_HealthServicer_to_server(_Echo(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
