@@ -138,7 +138,10 @@ class DependencyWatch:
             await self.round()
             interval = self.interval_s if self.up else self.down_interval_s
             try:
-                await asyncio.wait_for(self._poked.wait(), interval)
+                # asyncio.timeout, not wait_for: on 3.11 a cancel landing as the poke fires
+                # is lost by wait_for, and the prober would outlive its server.
+                async with asyncio.timeout(interval):
+                    await self._poked.wait()
             except TimeoutError:
                 continue
             # Poked: probe again soon, but not sooner than min_gap_s after the last one.
