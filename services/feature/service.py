@@ -101,10 +101,8 @@ def validate_get(
             f"{len(request.feature_names)} features = {cells} values, at most "
             f"{limits.max_feature_cells} per call (limits.max_feature_cells)"
         )
-    for i, entity_id in enumerate(request.entity_ids):
-        _check_id(f"entity_ids[{i}]", entity_id)
-    for i, name in enumerate(request.feature_names):
-        _check_id(f"feature_names[{i}]", name)
+    _check_ids("entity_ids", request.entity_ids)
+    _check_ids("feature_names", request.feature_names)
 
 
 def validate_write(request: feature_pb2.WriteFeaturesRequest, max_entities: int) -> None:
@@ -129,6 +127,15 @@ def _check_view(view: str) -> None:
         )
 
 
+def _check_ids(field: str, values: Sequence[str]) -> None:
+    """Every value 1 to MAX_ID_LENGTH characters; the first that is not, named by index.
+    Checked in C first (all, max of lengths): a request names up to hundreds of them."""
+    if all(values) and max(map(len, values)) <= MAX_ID_LENGTH:
+        return
+    for i, value in enumerate(values):
+        _check_id(f"{field}[{i}]", value)
+
+
 def _check_id(field: str, value: str) -> None:
     if not value:
         raise InvalidArgument(f"{field}: empty")
@@ -147,20 +154,30 @@ def positions_of(
 
     InvalidArgument naming the features the view lacks.
     """
-    names = list(request.feature_names)
-    known = version.features if version is not None else view.features
-    lacking = [n for n in names if known is not None and n not in set(known)]
+    names = request.feature_names
+    if version is not None:
+        try:
+            return version.positions(names)  # cached per order of names
+        except KeyError as exc:
+            lacking: list[str] = exc.args[0]
+    else:
+        known = set(view.features) if view.features is not None else None
+        lacking = [n for n in names if known is not None and n not in known]
     if lacking:
         which = f"version {version.version} of " if version is not None else ""
         raise InvalidArgument(
             f"feature_names: not features of {which}view {request.view!r}: {_listed(lacking)}"
         )
-    return version.positions(names) if version is not None else None
+    return None
 
 
-def stale_rows(rows: Rows | None, view: FeatureViewSpec, now: int) -> np.ndarray:
-    """Per entity: was its stored row older than the view's max_age at `now`?"""
-    max_age = view.max_age_ms
+def stale_rows(
+    rows: Rows | None, view: FeatureViewSpec, now: int, max_age: int | None = None
+) -> np.ndarray:
+    """Per entity: was its stored row older than the view's max_age at `now`? (`max_age`:
+    the view's in ms when the caller has it at hand.)"""
+    if max_age is None:
+        max_age = view.max_age_ms
     if rows is None or max_age is None:
         return np.zeros(0 if rows is None else len(rows.present), dtype=bool)
     return rows.present & (now - rows.event_ms > max_age)
@@ -176,13 +193,16 @@ def assemble(
     now: int,
 ) -> feature_pb2.GetFeaturesResponse:
     """Build the response from stored rows, applying the missing-entity and staleness
-    policies (NOT_FOUND / FAILED_PRECONDITION naming the entities, or defaults)."""
+    policies (NOT_FOUND / FAILED_PRECONDITION naming the entities, or defaults). With
+    `request.packed`, the values go out as one float32 matrix in `packed_values`."""
     ids = list(request.entity_ids)
     present = rows.present if rows is not None else np.zeros(len(ids), dtype=bool)
-    missing = [e for e, there in zip(ids, present, strict=True) if not there]
-    if missing and policy.missing_entity == "error":
+    every_row = bool(present.all())
+    if not every_row and policy.missing_entity == "error":
+        missing = [e for e, there in zip(ids, present, strict=True) if not there]
         raise NotFound(f"entity_ids: not in feature view {request.view!r}: {_listed(missing)}")
-    if stale.any() and view.staleness == "error":
+    any_stale = bool(stale.size and stale.any())
+    if any_stale and view.staleness == "error":
         assert rows is not None
         aged = [
             f"{ids[i]} is {format_age(now - int(rows.event_ms[i]))} old"
@@ -192,33 +212,68 @@ def assemble(
             f"entity_ids: stale in feature view {request.view!r} "
             f"(max_age {view.max_age}): {_listed(aged)}"
         )
-    defaults = [view.defaults.get(n, policy.default_value) for n in request.feature_names]
-    selected = (
-        rows.values[:, positions].tolist() if rows is not None and positions is not None else None
+    # Rows answered with the view's defaults: missing ones, and stale ones under `default`.
+    defaulted = ~present
+    if any_stale and view.staleness == "default":
+        defaulted |= stale
+    any_default = not every_row or (any_stale and view.staleness == "default")
+    defaults = (
+        [view.defaults.get(n, policy.default_value) for n in request.feature_names]
+        if any_default
+        else []
     )
     response = feature_pb2.GetFeaturesResponse()
+    if request.packed:
+        response.packed_values = _packed(rows, positions, defaulted, defaults, ids, request)
+        selected: list[list[float]] | None = None
+    else:
+        selected = (
+            rows.values[:, positions].tolist()
+            if rows is not None and positions is not None
+            else None
+        )
+    event_ms = rows.event_ms.tolist() if rows is not None else None
+    flagged = stale.tolist() if any_stale else None
+    add = response.vectors.add
     for i, entity_id in enumerate(ids):
         if not present[i]:
-            response.vectors.add(entity_id=entity_id, values=defaults, defaulted=True)
+            if request.packed:
+                add(entity_id=entity_id, defaulted=True)
+            else:
+                add(entity_id=entity_id, values=defaults, defaulted=True)
             continue
-        assert rows is not None and selected is not None
-        event_time = int(rows.event_ms[i])
-        if stale.size and stale[i] and view.staleness == "default":
-            response.vectors.add(
-                entity_id=entity_id,
-                values=defaults,
-                defaulted=True,
-                stale=True,
-                event_time_unix_ms=event_time,
+        assert event_ms is not None
+        is_stale = bool(flagged[i]) if flagged is not None else False
+        if is_stale and view.staleness == "default":
+            vector = add(
+                entity_id=entity_id, defaulted=True, stale=True, event_time_unix_ms=event_ms[i]
             )
+            if not request.packed:
+                vector.values.extend(defaults)
             continue
-        response.vectors.add(
-            entity_id=entity_id,
-            values=selected[i],
-            stale=bool(stale.size and stale[i]),
-            event_time_unix_ms=event_time,
-        )
+        vector = add(entity_id=entity_id, stale=is_stale, event_time_unix_ms=event_ms[i])
+        if selected is not None:
+            vector.values.extend(selected[i])
     return response
+
+
+def _packed(
+    rows: Rows | None,
+    positions: np.ndarray | None,
+    defaulted: np.ndarray,
+    defaults: list[float],
+    ids: list[str],
+    request: feature_pb2.GetFeaturesRequest,
+) -> bytes:
+    """The answer's matrix as packed_values: float32 little-endian, row-major, the
+    defaults in the rows answered with them."""
+    if rows is not None and positions is not None:
+        matrix = rows.values[:, positions]  # a copy: the stored rows stay as read
+    else:
+        matrix = np.empty((len(ids), len(request.feature_names)), dtype=np.float32)
+    if defaults:
+        matrix[defaulted] = np.asarray(defaults, dtype=np.float32)
+    return matrix.astype("<f4", copy=False).tobytes()
 
 
 def write_rows(
@@ -382,6 +437,8 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         self.clock = clock
         # Called when a store call could not reach Redis (the health watch pokes its probe).
         self.store_unreachable: Callable[[], None] = _nobody
+        # Per view name: the view spec last seen and its max_age in ms.
+        self._max_ages: dict[str, tuple[FeatureViewSpec, int | None]] = {}
 
     def _view(self, name: str) -> FeatureViewSpec:
         view = self.views.get(name)
@@ -402,16 +459,24 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         version, rows = await self._call_store(
             context, self.store.read(request.view, request.entity_ids)
         )
-        found = int(rows.present.sum()) if rows is not None else 0
+        found = int(np.count_nonzero(rows.present)) if rows is not None else 0
         wanted = len(request.entity_ids)
         self.metrics.read(request.view, wanted, wanted - found, time.perf_counter() - started)
         positions = positions_of(request, view, version)
         now = self.clock()
-        stale = stale_rows(rows, view, now)
-        count = int(stale.sum())
+        stale = stale_rows(rows, view, now, self._max_age_ms(request.view, view))
+        count = int(np.count_nonzero(stale))
         if count:
             self.metrics.stale_reads.labels(request.view, view.staleness).inc(count)
         return assemble(request, view, self.policy, rows, positions, stale, now)
+
+    def _max_age_ms(self, name: str, view: FeatureViewSpec) -> int | None:
+        """The view's max_age in ms, parsed once per view spec (a spec change brings a new
+        FeatureViewSpec object, which is parsed again)."""
+        known = self._max_ages.get(name)
+        if known is None or known[0] is not view:
+            known = self._max_ages[name] = (view, view.max_age_ms)
+        return known[1]
 
     async def WriteFeatures(
         self, request: feature_pb2.WriteFeaturesRequest, context: grpc.aio.ServicerContext
@@ -571,7 +636,9 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
             raise DeadlineExceeded(f"no time left for the store: {exc}") from None
         with store_statuses(self.store_unreachable):
             try:
-                return await asyncio.wait_for(call, timeout)
+                # asyncio.timeout, not wait_for: no task of its own for every read.
+                async with asyncio.timeout(timeout):
+                    return await call
             except TimeoutError:
                 raise DeadlineExceeded("feature store did not answer in time") from None
 

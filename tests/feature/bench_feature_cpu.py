@@ -234,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--entities", type=int, default=5000, help="rows in the view")
     parser.add_argument("--sizes", default="1,16", help="entity ids per call")
     parser.add_argument("--py-spy", type=Path, help="record a profile of each variant here")
+    parser.add_argument(
+        "--py-spy-native", action="store_true", help="with native frames and thread ids"
+    )
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="bench-feature-"))
@@ -329,8 +332,9 @@ async def _profile(
     for stub, variant in zip(stubs, variants, strict=True):
         for per_call in sizes:
             out = args.py_spy / f"{variant.name}-{per_call}.txt"
+            native = ["--native", "--threads"] if args.py_spy_native else ["--nonblocking"]
             spy = subprocess.Popen(
-                ["py-spy", "record", "--format", "raw", "--rate", "500", "--nonblocking",
+                ["py-spy", "record", "--format", "raw", "--rate", "500", *native,
                  "-o", str(out), "--pid", str(variant.pid)],  # fmt: skip
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
