@@ -8,7 +8,8 @@ mutual TLS on its port, as the mesh runs it), the baseline's code taken from `gi
 of the baseline commit and imported instead of this tree's. Both read the same view
 (64 features, `--entities` rows) from the same Redis. A closed-loop grpc.aio client keeps
 `--concurrency` calls in flight; the service's CPU (utime + stime from /proc/PID/stat) over
-`--calls` calls, divided by the calls, is its CPU per call. The variants take turns within
+`--calls` calls, divided by the calls, is its CPU per call. The baseline runs without
+hiredis unless `--baseline-hiredis` (the baseline's dependencies did not install it). The variants take turns within
 each repeat, so load from elsewhere on the machine falls on all of them alike; the table
 shows the median and the min-max of the repeats, and the ratio of the medians.
 
@@ -79,6 +80,8 @@ from importlib.machinery import PathFinder
 from importlib.util import spec_from_file_location
 from pathlib import Path
 root = Path(sys.argv.pop(1))
+if sys.argv.pop(1) == "no-hiredis":
+    sys.modules["hiredis"] = None  # as installed from the baseline's own dependencies
 homes = {name: root / where for name, where in %r.items()}
 class Checkout:
     @classmethod
@@ -228,6 +231,12 @@ def report(variants: list[Variant], sizes: Sequence[int], repeats: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", default="main", help="commit to compare with")
+    parser.add_argument(
+        "--baseline-hiredis",
+        action="store_true",
+        help="let the baseline's redis-py use hiredis (by default it runs without, as the "
+        "baseline's own dependencies install it)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=3000, help="calls per sample")
     parser.add_argument("--concurrency", type=int, default=16)
@@ -269,7 +278,8 @@ async def _run(args: argparse.Namespace, sizes: list[int], work: Path, sup: Supe
         spec_file.write_text(dump_spec(variant.spec))
         service = ["--spec", str(spec_file), "--instance", INSTANCE, "--log-level", "WARNING"]
         if variant.name == "baseline":
-            argv = [sys.executable, "-c", BOOT, str(base_root), *service]
+            hiredis = "hiredis" if args.baseline_hiredis else "no-hiredis"
+            argv = [sys.executable, "-c", BOOT, str(base_root), hiredis, *service]
         else:
             argv = [sys.executable, "-m", "servemesh.services.feature", *service]
         ready = GrpcHealth(dial_service(variant.spec, INSTANCE))
@@ -283,7 +293,8 @@ async def _run(args: argparse.Namespace, sizes: list[int], work: Path, sup: Supe
         for per_call in sizes:
             await drive(stub, variant, ids, per_call, 300, args.concurrency)
     print(
-        f"baseline {args.baseline}; {args.calls} calls per sample, {args.concurrency} in "
+        f"baseline {args.baseline} ({'with' if args.baseline_hiredis else 'without'} "
+        f"hiredis); {args.calls} calls per sample, {args.concurrency} in "
         f"flight, {args.entities} rows x {len(DEMO_FEATURES)} features",
         flush=True,
     )
