@@ -234,9 +234,10 @@ def assemble(
         )
     event_ms = rows.event_ms.tolist() if rows is not None else None
     flagged = stale.tolist() if any_stale else None
+    there = present.tolist()  # Python bools: no numpy scalar per entity
     add = response.vectors.add
     for i, entity_id in enumerate(ids):
-        if not present[i]:
+        if not there[i]:
             if request.packed:
                 add(entity_id=entity_id, defaulted=True)
             else:

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servemesh.control_credential import control_metadata, ensure_control_token
 from servemesh.demo import DEMO_FEATURES
@@ -128,6 +129,7 @@ class Variant:
     )
     read: Callable[[feature_pb2.GetFeaturesResponse, int], np.ndarray] | None = None
     samples: dict[int, list[float]] = field(default_factory=dict)
+    floor: list[float] = field(default_factory=list)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -169,6 +171,26 @@ async def load_view(stub: feature_pb2_grpc.FeatureServiceStub, ids: list[str]) -
         yield feature_pb2.LoadFeaturesRequest(commit=feature_pb2.LoadCommit(rows=len(ids)))
 
     await stub.LoadFeatures(messages())
+
+
+async def drive_health(
+    channel: grpc.aio.Channel, variant: Variant, calls: int, concurrency: int
+) -> float:
+    """Seconds of the service's CPU per Health/Check: what every call to the process pays
+    (TLS, HTTP/2, the runtime's interceptors) before its handler does anything."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    request = health_pb2.HealthCheckRequest()
+    left = calls
+
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            await stub.Check(request, timeout=10)
+
+    before = cpu_seconds(variant.pid)
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return (cpu_seconds(variant.pid) - before) / calls
 
 
 async def drive(
@@ -225,6 +247,24 @@ def report(variants: list[Variant], sizes: Sequence[int], repeats: int) -> str:
             samples = variant.samples[per_call]
             ratio_base = None if variant is variants[0] else base
             lines.append(_row(variant.name, per_call, samples, ratio_base))
+    lines += [
+        "",
+        "Health/Check on the same process (the floor every call pays: TLS, HTTP/2, the "
+        "runtime's interceptors), and GetFeatures above it (median - floor median), µs",
+        "| variant  | floor | min-max | above floor, "
+        + ", ".join(f"{n} ids" for n in sizes)
+        + " |",
+        "|---|---|---|---|",
+    ]
+    for variant in variants:
+        floor = statistics.median(variant.floor)
+        above = ", ".join(
+            f"{(statistics.median(variant.samples[n]) - floor) * 1e6:.0f}" for n in sizes
+        )
+        lines.append(
+            f"| {variant.name:<8} | {floor * 1e6:>5.0f} | {min(variant.floor) * 1e6:.0f}-"
+            f"{max(variant.floor) * 1e6:.0f} | {above} |"
+        )
     return "\n".join(lines)
 
 
@@ -303,6 +343,8 @@ async def _run(args: argparse.Namespace, sizes: list[int], work: Path, sup: Supe
             for stub, variant in zip(stubs, variants, strict=True):
                 spent = await drive(stub, variant, ids, per_call, args.calls, args.concurrency)
                 variant.samples.setdefault(per_call, []).append(spent)
+        for channel, variant in zip(channels, variants, strict=True):
+            variant.floor.append(await drive_health(channel, variant, args.calls, args.concurrency))
         print(f"repeat {repeat + 1}/{args.repeats} done", flush=True)
     if args.py_spy:
         await _profile(args, stubs, variants, ids, sizes)
@@ -345,8 +387,19 @@ async def _profile(
             out = args.py_spy / f"{variant.name}-{per_call}.txt"
             native = ["--native", "--threads"] if args.py_spy_native else ["--nonblocking"]
             spy = subprocess.Popen(
-                ["py-spy", "record", "--format", "raw", "--rate", "500", *native,
-                 "-o", str(out), "--pid", str(variant.pid)],  # fmt: skip
+                [
+                    "py-spy",
+                    "record",
+                    "--format",
+                    "raw",
+                    "--rate",
+                    "500",
+                    *native,
+                    "-o",
+                    str(out),
+                    "--pid",
+                    str(variant.pid),
+                ],  # fmt: skip
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
