@@ -171,7 +171,7 @@ class PipelinedReads:
         replies = self._replies
         if replies is None or replies.lost is not None:
             replies = await self._connection()
-        answer: list[bytes | None] = await replies.call(hiredis.pack_command(("MGET", *keys)))
+        answer: list[bytes | None] = await replies.call(_pack(("MGET", *keys)))
         return answer
 
     async def _connection(self) -> _Replies:
@@ -213,10 +213,12 @@ class PipelinedReads:
     def _handshake(self) -> list[bytes]:
         commands = []
         if self.password is not None:
-            auth = ("AUTH", self.username, self.password) if self.username else ("AUTH", self.password)
-            commands.append(hiredis.pack_command(auth))
+            auth = (
+                ("AUTH", self.username, self.password) if self.username else ("AUTH", self.password)
+            )
+            commands.append(_pack(auth))
         if self.db:
-            commands.append(hiredis.pack_command(("SELECT", str(self.db))))
+            commands.append(_pack(("SELECT", str(self.db))))
         return commands
 
     async def aclose(self) -> None:
@@ -224,6 +226,13 @@ class PipelinedReads:
         self._closed = True
         if self._replies is not None:
             self._replies.close()
+
+
+def _pack(args: tuple[str, ...]) -> bytes:
+    """One command in Redis's protocol, encoded in C."""
+    # hiredis' stub types the argument as a tuple of one element; any length is accepted.
+    packed: bytes = hiredis.pack_command(args)  # type: ignore[arg-type]
+    return packed
 
 
 def _factory(where: str) -> Callable[[], _Replies]:

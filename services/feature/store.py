@@ -18,9 +18,9 @@ A row is `<q` (int64 little-endian, the event time in ms since the Unix epoch) f
 one `<f4` (float32 little-endian) per feature of the version, in the version's order: one
 GET per entity, no parsing beyond a numpy view of the bytes.
 
-Readers cache each view's current version. Their MGETs may go through PipelinedReads (one
-connection, pipelined; services/feature/pipelined.py) rather than the redis-py client. A read is one MGET of the entities' keys with
-the pointer key last: if the pointer still names the cached version, every value came from
+Readers cache each view's current version. A read is one MGET of the entities' keys with
+the pointer key last (sent through PipelinedReads, services/feature/pipelined.py, when the
+store has one): if the pointer still names the cached version, every value came from
 that version while it was current (a version's keys are deleted only after it stopped
 being current, and MGET is atomic); otherwise the reader takes the new version's metadata
 and reads again. So a swap is seen by the first read that starts after it, at the cost of
@@ -302,10 +302,12 @@ class RedisFeatureStore:
             version = cached.version if cached else 0
             keys = [cached.key_base + e for e in entity_ids] if cached else []
             with _redis_span("MGET", len(keys) + 1):
+                answer: Sequence[bytes | str | None]
                 if self.reads is not None:
-                    *stored, raw = await self.reads.mget([*keys, pointer])
+                    answer = await self.reads.mget([*keys, pointer])
                 else:
-                    *stored, raw = await self.client.mget([*keys, pointer])
+                    answer = await self.client.mget([*keys, pointer])
+            *stored, raw = answer
             now = int(raw) if raw is not None else 0
             # The client answers bytes (no decode_responses); anything else is not ours.
             rows = [v if v is None or isinstance(v, bytes) else None for v in stored]

@@ -9,9 +9,10 @@ of the baseline commit and imported instead of this tree's. Both read the same v
 (64 features, `--entities` rows) from the same Redis. A closed-loop grpc.aio client keeps
 `--concurrency` calls in flight; the service's CPU (utime + stime from /proc/PID/stat) over
 `--calls` calls, divided by the calls, is its CPU per call. The baseline runs without
-hiredis unless `--baseline-hiredis` (the baseline's dependencies did not install it). The variants take turns within
-each repeat, so load from elsewhere on the machine falls on all of them alike; the table
-shows the median and the min-max of the repeats, and the ratio of the medians.
+hiredis unless `--baseline-hiredis` (the baseline's dependencies did not install it). The
+variants take turns within each repeat, so load from elsewhere on the machine falls on all
+of them alike; the table shows the median and the min-max of the repeats, and the ratio of
+the medians. A Health/Check on each process gives the floor every call pays.
 
 Variants:
 - baseline: the baseline commit's service; the client sends today's plain request.

@@ -20,9 +20,7 @@ FEATURES = ["a", "b", "c"]
 
 
 def flags(response: feature_pb2.GetFeaturesResponse) -> list[tuple[str, bool, bool, int]]:
-    return [
-        (v.entity_id, v.defaulted, v.stale, v.event_time_unix_ms) for v in response.vectors
-    ]
+    return [(v.entity_id, v.defaulted, v.stale, v.event_time_unix_ms) for v in response.vectors]
 
 
 async def both(
