@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import time
 from collections.abc import AsyncIterable, Callable, Coroutine, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -74,35 +76,66 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+@dataclass(frozen=True)
+class Read:
+    """A checked GetFeatures request, its repeated fields taken out once: each access to a
+    message's repeated strings makes new str objects (decoded again), and a read uses its
+    ids and names several times."""
+
+    view: str
+    ids: list[str]
+    names: tuple[str, ...]
+    packed: bool
+
+
+def read_of(
+    request: feature_pb2.GetFeaturesRequest, max_entities: int, limits: Limits | None = None
+) -> Read:
+    """The request as a Read; InvalidArgument naming its first bad field. The sizes are
+    checked before any element: an oversized request costs no more than that."""
+    limits = limits or Limits()
+    _check_view(request.view)
+    entities, names = len(request.entity_ids), len(request.feature_names)
+    if not entities:
+        raise InvalidArgument("entity_ids: give at least one entity")
+    if entities > max_entities:
+        raise InvalidArgument(
+            f"entity_ids: {entities} entities, at most {max_entities} per call",
+        )
+    if not names:
+        raise InvalidArgument("feature_names: give at least one feature")
+    if names > limits.max_feature_names:
+        raise InvalidArgument(
+            f"feature_names: {names} names, at most "
+            f"{limits.max_feature_names} per call (limits.max_feature_names)"
+        )
+    cells = entities * names
+    if cells > limits.max_feature_cells:
+        raise InvalidArgument(
+            f"feature_names: {entities} entities x {names} features = {cells} values, at most "
+            f"{limits.max_feature_cells} per call (limits.max_feature_cells)"
+        )
+    # A slice is the quickest way out of a repeated field (one C loop).
+    read = Read(
+        request.view, request.entity_ids[:], tuple(request.feature_names[:]), request.packed
+    )
+    _check_ids("entity_ids", read.ids)
+    _check_names(read.names)
+    return read
+
+
+@functools.lru_cache(maxsize=256)
+def _check_names(names: tuple[str, ...]) -> None:
+    """feature_names checked once per list of names (callers ask for the same few lists;
+    a refused list raises, and is not remembered)."""
+    _check_ids("feature_names", names)
+
+
 def validate_get(
     request: feature_pb2.GetFeaturesRequest, max_entities: int, limits: Limits | None = None
 ) -> None:
-    """Raise InvalidArgument naming the first bad field of a GetFeatures request. The
-    sizes are checked before any element: an oversized request costs no more than that."""
-    limits = limits or Limits()
-    _check_view(request.view)
-    if not request.entity_ids:
-        raise InvalidArgument("entity_ids: give at least one entity")
-    if len(request.entity_ids) > max_entities:
-        raise InvalidArgument(
-            f"entity_ids: {len(request.entity_ids)} entities, at most {max_entities} per call",
-        )
-    if not request.feature_names:
-        raise InvalidArgument("feature_names: give at least one feature")
-    if len(request.feature_names) > limits.max_feature_names:
-        raise InvalidArgument(
-            f"feature_names: {len(request.feature_names)} names, at most "
-            f"{limits.max_feature_names} per call (limits.max_feature_names)"
-        )
-    cells = len(request.entity_ids) * len(request.feature_names)
-    if cells > limits.max_feature_cells:
-        raise InvalidArgument(
-            f"feature_names: {len(request.entity_ids)} entities x "
-            f"{len(request.feature_names)} features = {cells} values, at most "
-            f"{limits.max_feature_cells} per call (limits.max_feature_cells)"
-        )
-    _check_ids("entity_ids", request.entity_ids)
-    _check_ids("feature_names", request.feature_names)
+    """Raise InvalidArgument naming the first bad field of a GetFeatures request."""
+    read_of(request, max_entities, limits)
 
 
 def validate_write(request: feature_pb2.WriteFeaturesRequest, max_entities: int) -> None:
@@ -148,25 +181,24 @@ def _listed(items: Sequence[str]) -> str:
 
 
 def positions_of(
-    request: feature_pb2.GetFeaturesRequest, view: FeatureViewSpec, version: ViewVersion | None
+    read: Read, view: FeatureViewSpec, version: ViewVersion | None
 ) -> np.ndarray | None:
     """Where each requested feature sits in a stored row (None: the view has no rows yet).
 
     InvalidArgument naming the features the view lacks.
     """
-    names = request.feature_names
     if version is not None:
         try:
-            return version.positions(names)  # cached per order of names
+            return version.positions(read.names)  # cached per order of names
         except KeyError as exc:
             lacking: list[str] = exc.args[0]
     else:
         known = set(view.features) if view.features is not None else None
-        lacking = [n for n in names if known is not None and n not in known]
+        lacking = [n for n in read.names if known is not None and n not in known]
     if lacking:
         which = f"version {version.version} of " if version is not None else ""
         raise InvalidArgument(
-            f"feature_names: not features of {which}view {request.view!r}: {_listed(lacking)}"
+            f"feature_names: not features of {which}view {read.view!r}: {_listed(lacking)}"
         )
     return None
 
@@ -184,7 +216,7 @@ def stale_rows(
 
 
 def assemble(
-    request: feature_pb2.GetFeaturesRequest,
+    read: Read,
     view: FeatureViewSpec,
     policy: FeatureStoreSpec,
     rows: Rows | None,
@@ -194,13 +226,13 @@ def assemble(
 ) -> feature_pb2.GetFeaturesResponse:
     """Build the response from stored rows, applying the missing-entity and staleness
     policies (NOT_FOUND / FAILED_PRECONDITION naming the entities, or defaults). With
-    `request.packed`, the values go out as one float32 matrix in `packed_values`."""
-    ids = list(request.entity_ids)
+    `read.packed`, the values go out as one float32 matrix in `packed_values`."""
+    ids = read.ids
     present = rows.present if rows is not None else np.zeros(len(ids), dtype=bool)
     every_row = bool(present.all())
     if not every_row and policy.missing_entity == "error":
         missing = [e for e, there in zip(ids, present, strict=True) if not there]
-        raise NotFound(f"entity_ids: not in feature view {request.view!r}: {_listed(missing)}")
+        raise NotFound(f"entity_ids: not in feature view {read.view!r}: {_listed(missing)}")
     any_stale = bool(stale.size and stale.any())
     if any_stale and view.staleness == "error":
         assert rows is not None
@@ -209,51 +241,40 @@ def assemble(
             for i in np.flatnonzero(stale)
         ]
         raise FailedPrecondition(
-            f"entity_ids: stale in feature view {request.view!r} "
+            f"entity_ids: stale in feature view {read.view!r} "
             f"(max_age {view.max_age}): {_listed(aged)}"
         )
     # Rows answered with the view's defaults: missing ones, and stale ones under `default`.
-    defaulted = ~present
-    if any_stale and view.staleness == "default":
-        defaulted |= stale
-    any_default = not every_row or (any_stale and view.staleness == "default")
+    stale_default = any_stale and view.staleness == "default"
+    defaulted = ~present | stale if stale_default else ~present
     defaults = (
-        [view.defaults.get(n, policy.default_value) for n in request.feature_names]
-        if any_default
+        [view.defaults.get(n, policy.default_value) for n in read.names]
+        if not every_row or stale_default
         else []
     )
     response = feature_pb2.GetFeaturesResponse()
-    if request.packed:
-        response.packed_values = _packed(rows, positions, defaulted, defaults, ids, request)
-        selected: list[list[float]] | None = None
-    else:
-        selected = (
-            rows.values[:, positions].tolist()
-            if rows is not None and positions is not None
-            else None
-        )
-    event_ms = rows.event_ms.tolist() if rows is not None else None
-    flagged = stale.tolist() if any_stale else None
-    there = present.tolist()  # Python bools: no numpy scalar per entity
+    selected: list[list[float]] | None = None
+    if read.packed:
+        response.packed_values = _packed(rows, positions, defaulted, defaults, read)
+    elif rows is not None and positions is not None:
+        selected = rows.values[:, positions].tolist()
+    event_ms = rows.event_ms.tolist() if rows is not None else [0] * len(ids)
+    flagged = stale.tolist() if any_stale else [False] * len(ids)
+    use_defaults = defaulted.tolist() if defaults else [False] * len(ids)
     add = response.vectors.add
     for i, entity_id in enumerate(ids):
-        if not there[i]:
-            if request.packed:
-                add(entity_id=entity_id, defaulted=True)
-            else:
-                add(entity_id=entity_id, values=defaults, defaulted=True)
-            continue
-        assert event_ms is not None
-        is_stale = bool(flagged[i]) if flagged is not None else False
-        if is_stale and view.staleness == "default":
-            vector = add(
-                entity_id=entity_id, defaulted=True, stale=True, event_time_unix_ms=event_ms[i]
-            )
-            if not request.packed:
+        # Fields set one by one, and only when not their default: cheaper than keywords.
+        vector = add()
+        vector.entity_id = entity_id
+        if event_ms[i]:
+            vector.event_time_unix_ms = event_ms[i]
+        if flagged[i]:
+            vector.stale = True
+        if use_defaults[i]:
+            vector.defaulted = True
+            if not read.packed:
                 vector.values.extend(defaults)
-            continue
-        vector = add(entity_id=entity_id, stale=is_stale, event_time_unix_ms=event_ms[i])
-        if selected is not None:
+        elif selected is not None:
             vector.values.extend(selected[i])
     return response
 
@@ -263,15 +284,14 @@ def _packed(
     positions: np.ndarray | None,
     defaulted: np.ndarray,
     defaults: list[float],
-    ids: list[str],
-    request: feature_pb2.GetFeaturesRequest,
+    read: Read,
 ) -> bytes:
     """The answer's matrix as packed_values: float32 little-endian, row-major, the
     defaults in the rows answered with them."""
     if rows is not None and positions is not None:
         matrix = rows.values[:, positions]  # a copy: the stored rows stay as read
     else:
-        matrix = np.empty((len(ids), len(request.feature_names)), dtype=np.float32)
+        matrix = np.empty((len(read.ids), len(read.names)), dtype=np.float32)
     if defaults:
         matrix[defaulted] = np.asarray(defaults, dtype=np.float32)
     return matrix.astype("<f4", copy=False).tobytes()
@@ -454,22 +474,20 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         self, request: feature_pb2.GetFeaturesRequest, context: grpc.aio.ServicerContext
     ) -> feature_pb2.GetFeaturesResponse:
         bind_request_id(request_id_from(context.invocation_metadata()))
-        validate_get(request, self.max_entities, self.limits)
-        view = self._view(request.view)
+        read = read_of(request, self.max_entities, self.limits)
+        view = self._view(read.view)
         started = time.perf_counter()
-        version, rows = await self._call_store(
-            context, self.store.read(request.view, request.entity_ids)
-        )
+        version, rows = await self._call_store(context, self.store.read(read.view, read.ids))
         found = int(np.count_nonzero(rows.present)) if rows is not None else 0
-        wanted = len(request.entity_ids)
-        self.metrics.read(request.view, wanted, wanted - found, time.perf_counter() - started)
-        positions = positions_of(request, view, version)
+        wanted = len(read.ids)
+        self.metrics.read(read.view, wanted, wanted - found, time.perf_counter() - started)
+        positions = positions_of(read, view, version)
         now = self.clock()
-        stale = stale_rows(rows, view, now, self._max_age_ms(request.view, view))
+        stale = stale_rows(rows, view, now, self._max_age_ms(read.view, view))
         count = int(np.count_nonzero(stale))
         if count:
-            self.metrics.stale_reads.labels(request.view, view.staleness).inc(count)
-        return assemble(request, view, self.policy, rows, positions, stale, now)
+            self.metrics.stale_reads.labels(read.view, view.staleness).inc(count)
+        return assemble(read, view, self.policy, rows, positions, stale, now)
 
     def _max_age_ms(self, name: str, view: FeatureViewSpec) -> int | None:
         """The view's max_age in ms, parsed once per view spec (a spec change brings a new
