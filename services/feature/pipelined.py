@@ -208,11 +208,14 @@ class PipelinedReads:
             raise redis.exceptions.ConnectionError(
                 f"{self.where}: no answer to the connection's set-up in time"
             ) from None
+        except BaseException:  # the caller's deadline, or the connection lost meanwhile
+            replies.close()
+            raise
         return replies
 
     def _handshake(self) -> list[bytes]:
         commands = []
-        if self.password is not None:
+        if self.password:  # as redis-py: an empty password sends no AUTH
             auth = (
                 ("AUTH", self.username, self.password) if self.username else ("AUTH", self.password)
             )
