@@ -1,7 +1,7 @@
 """CPU per GetFeatures of a feature service process: this tree against a baseline commit,
 measured in one run on one Redis and one loaded view.
 
-    python -m tests.feature.bench_feature_cpu [--baseline main] [--repeats 5] [--calls 3000]
+    python -m tests.feature.bench_feature_cpu [--baseline REF] [--repeats 5] [--calls 3000]
 
 Each variant is a real feature service process (`python -m servemesh.services.feature`,
 mutual TLS on its port, as the mesh runs it), the baseline's code taken from `git archive`
@@ -271,7 +271,10 @@ def report(variants: list[Variant], sizes: Sequence[int], repeats: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", default="main", help="commit to compare with")
+    parser.add_argument(
+        "--baseline",
+        help="commit to compare with (default: where this branch left main, git merge-base)",
+    )
     parser.add_argument(
         "--baseline-hiredis",
         action="store_true",
@@ -289,6 +292,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
+    if not args.baseline:
+        args.baseline = subprocess.run(
+            ["git", "-C", str(REPO), "merge-base", "HEAD", "main"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()[:12]
     work = Path(tempfile.mkdtemp(prefix="bench-feature-"))
     try:
         with Supervisor(work / "logs") as supervisor:
