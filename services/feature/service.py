@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import time
 from collections.abc import AsyncIterable, Callable, Coroutine, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -74,37 +76,66 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+@dataclass(frozen=True)
+class Read:
+    """A checked GetFeatures request, its repeated fields taken out once: each access to a
+    message's repeated strings makes new str objects (decoded again), and a read uses its
+    ids and names several times."""
+
+    view: str
+    ids: list[str]
+    names: tuple[str, ...]
+    packed: bool
+
+
+def read_of(
+    request: feature_pb2.GetFeaturesRequest, max_entities: int, limits: Limits | None = None
+) -> Read:
+    """The request as a Read; InvalidArgument naming its first bad field. The sizes are
+    checked before any element: an oversized request costs no more than that."""
+    limits = limits or Limits()
+    _check_view(request.view)
+    entities, names = len(request.entity_ids), len(request.feature_names)
+    if not entities:
+        raise InvalidArgument("entity_ids: give at least one entity")
+    if entities > max_entities:
+        raise InvalidArgument(
+            f"entity_ids: {entities} entities, at most {max_entities} per call",
+        )
+    if not names:
+        raise InvalidArgument("feature_names: give at least one feature")
+    if names > limits.max_feature_names:
+        raise InvalidArgument(
+            f"feature_names: {names} names, at most "
+            f"{limits.max_feature_names} per call (limits.max_feature_names)"
+        )
+    cells = entities * names
+    if cells > limits.max_feature_cells:
+        raise InvalidArgument(
+            f"feature_names: {entities} entities x {names} features = {cells} values, at most "
+            f"{limits.max_feature_cells} per call (limits.max_feature_cells)"
+        )
+    # A slice is the quickest way out of a repeated field (one C loop).
+    read = Read(
+        request.view, request.entity_ids[:], tuple(request.feature_names[:]), request.packed
+    )
+    _check_ids("entity_ids", read.ids)
+    _check_names(read.names)
+    return read
+
+
+@functools.lru_cache(maxsize=256)
+def _check_names(names: tuple[str, ...]) -> None:
+    """feature_names checked once per list of names (callers ask for the same few lists;
+    a refused list raises, and is not remembered)."""
+    _check_ids("feature_names", names)
+
+
 def validate_get(
     request: feature_pb2.GetFeaturesRequest, max_entities: int, limits: Limits | None = None
 ) -> None:
-    """Raise InvalidArgument naming the first bad field of a GetFeatures request. The
-    sizes are checked before any element: an oversized request costs no more than that."""
-    limits = limits or Limits()
-    _check_view(request.view)
-    if not request.entity_ids:
-        raise InvalidArgument("entity_ids: give at least one entity")
-    if len(request.entity_ids) > max_entities:
-        raise InvalidArgument(
-            f"entity_ids: {len(request.entity_ids)} entities, at most {max_entities} per call",
-        )
-    if not request.feature_names:
-        raise InvalidArgument("feature_names: give at least one feature")
-    if len(request.feature_names) > limits.max_feature_names:
-        raise InvalidArgument(
-            f"feature_names: {len(request.feature_names)} names, at most "
-            f"{limits.max_feature_names} per call (limits.max_feature_names)"
-        )
-    cells = len(request.entity_ids) * len(request.feature_names)
-    if cells > limits.max_feature_cells:
-        raise InvalidArgument(
-            f"feature_names: {len(request.entity_ids)} entities x "
-            f"{len(request.feature_names)} features = {cells} values, at most "
-            f"{limits.max_feature_cells} per call (limits.max_feature_cells)"
-        )
-    for i, entity_id in enumerate(request.entity_ids):
-        _check_id(f"entity_ids[{i}]", entity_id)
-    for i, name in enumerate(request.feature_names):
-        _check_id(f"feature_names[{i}]", name)
+    """Raise InvalidArgument naming the first bad field of a GetFeatures request."""
+    read_of(request, max_entities, limits)
 
 
 def validate_write(request: feature_pb2.WriteFeaturesRequest, max_entities: int) -> None:
@@ -129,6 +160,15 @@ def _check_view(view: str) -> None:
         )
 
 
+def _check_ids(field: str, values: Sequence[str]) -> None:
+    """Every value 1 to MAX_ID_LENGTH characters; the first that is not, named by index.
+    Checked in C first (all, max of lengths): a request names up to hundreds of them."""
+    if all(values) and max(map(len, values)) <= MAX_ID_LENGTH:
+        return
+    for i, value in enumerate(values):
+        _check_id(f"{field}[{i}]", value)
+
+
 def _check_id(field: str, value: str) -> None:
     if not value:
         raise InvalidArgument(f"{field}: empty")
@@ -141,33 +181,42 @@ def _listed(items: Sequence[str]) -> str:
 
 
 def positions_of(
-    request: feature_pb2.GetFeaturesRequest, view: FeatureViewSpec, version: ViewVersion | None
+    read: Read, view: FeatureViewSpec, version: ViewVersion | None
 ) -> np.ndarray | None:
     """Where each requested feature sits in a stored row (None: the view has no rows yet).
 
     InvalidArgument naming the features the view lacks.
     """
-    names = list(request.feature_names)
-    known = version.features if version is not None else view.features
-    lacking = [n for n in names if known is not None and n not in set(known)]
+    if version is not None:
+        try:
+            return version.positions(read.names)  # cached per order of names
+        except KeyError as exc:
+            lacking: list[str] = exc.args[0]
+    else:
+        known = set(view.features) if view.features is not None else None
+        lacking = [n for n in read.names if known is not None and n not in known]
     if lacking:
         which = f"version {version.version} of " if version is not None else ""
         raise InvalidArgument(
-            f"feature_names: not features of {which}view {request.view!r}: {_listed(lacking)}"
+            f"feature_names: not features of {which}view {read.view!r}: {_listed(lacking)}"
         )
-    return version.positions(names) if version is not None else None
+    return None
 
 
-def stale_rows(rows: Rows | None, view: FeatureViewSpec, now: int) -> np.ndarray:
-    """Per entity: was its stored row older than the view's max_age at `now`?"""
-    max_age = view.max_age_ms
+def stale_rows(
+    rows: Rows | None, view: FeatureViewSpec, now: int, max_age: int | None = None
+) -> np.ndarray:
+    """Per entity: was its stored row older than the view's max_age at `now`? (`max_age`:
+    the view's in ms when the caller has it at hand.)"""
+    if max_age is None:
+        max_age = view.max_age_ms
     if rows is None or max_age is None:
         return np.zeros(0 if rows is None else len(rows.present), dtype=bool)
     return rows.present & (now - rows.event_ms > max_age)
 
 
 def assemble(
-    request: feature_pb2.GetFeaturesRequest,
+    read: Read,
     view: FeatureViewSpec,
     policy: FeatureStoreSpec,
     rows: Rows | None,
@@ -176,49 +225,76 @@ def assemble(
     now: int,
 ) -> feature_pb2.GetFeaturesResponse:
     """Build the response from stored rows, applying the missing-entity and staleness
-    policies (NOT_FOUND / FAILED_PRECONDITION naming the entities, or defaults)."""
-    ids = list(request.entity_ids)
+    policies (NOT_FOUND / FAILED_PRECONDITION naming the entities, or defaults). With
+    `read.packed`, the values go out as one float32 matrix in `packed_values`."""
+    ids = read.ids
     present = rows.present if rows is not None else np.zeros(len(ids), dtype=bool)
-    missing = [e for e, there in zip(ids, present, strict=True) if not there]
-    if missing and policy.missing_entity == "error":
-        raise NotFound(f"entity_ids: not in feature view {request.view!r}: {_listed(missing)}")
-    if stale.any() and view.staleness == "error":
+    every_row = bool(present.all())
+    if not every_row and policy.missing_entity == "error":
+        missing = [e for e, there in zip(ids, present, strict=True) if not there]
+        raise NotFound(f"entity_ids: not in feature view {read.view!r}: {_listed(missing)}")
+    any_stale = bool(stale.size and stale.any())
+    if any_stale and view.staleness == "error":
         assert rows is not None
         aged = [
             f"{ids[i]} is {format_age(now - int(rows.event_ms[i]))} old"
             for i in np.flatnonzero(stale)
         ]
         raise FailedPrecondition(
-            f"entity_ids: stale in feature view {request.view!r} "
+            f"entity_ids: stale in feature view {read.view!r} "
             f"(max_age {view.max_age}): {_listed(aged)}"
         )
-    defaults = [view.defaults.get(n, policy.default_value) for n in request.feature_names]
-    selected = (
-        rows.values[:, positions].tolist() if rows is not None and positions is not None else None
+    # Rows answered with the view's defaults: missing ones, and stale ones under `default`.
+    stale_default = any_stale and view.staleness == "default"
+    defaulted = ~present | stale if stale_default else ~present
+    defaults = (
+        [view.defaults.get(n, policy.default_value) for n in read.names]
+        if not every_row or stale_default
+        else []
     )
     response = feature_pb2.GetFeaturesResponse()
+    selected: list[list[float]] | None = None
+    if read.packed:
+        response.packed_values = _packed(rows, positions, defaulted, defaults, read)
+    elif rows is not None and positions is not None:
+        selected = rows.values[:, positions].tolist()
+    event_ms = rows.event_ms.tolist() if rows is not None else [0] * len(ids)
+    flagged = stale.tolist() if any_stale else [False] * len(ids)
+    use_defaults = defaulted.tolist() if defaults else [False] * len(ids)
+    add = response.vectors.add
     for i, entity_id in enumerate(ids):
-        if not present[i]:
-            response.vectors.add(entity_id=entity_id, values=defaults, defaulted=True)
-            continue
-        assert rows is not None and selected is not None
-        event_time = int(rows.event_ms[i])
-        if stale.size and stale[i] and view.staleness == "default":
-            response.vectors.add(
-                entity_id=entity_id,
-                values=defaults,
-                defaulted=True,
-                stale=True,
-                event_time_unix_ms=event_time,
-            )
-            continue
-        response.vectors.add(
-            entity_id=entity_id,
-            values=selected[i],
-            stale=bool(stale.size and stale[i]),
-            event_time_unix_ms=event_time,
-        )
+        # Fields set one by one, and only when not their default: cheaper than keywords.
+        vector = add()
+        vector.entity_id = entity_id
+        if event_ms[i]:
+            vector.event_time_unix_ms = event_ms[i]
+        if flagged[i]:
+            vector.stale = True
+        if use_defaults[i]:
+            vector.defaulted = True
+            if not read.packed:
+                vector.values.extend(defaults)
+        elif selected is not None:
+            vector.values.extend(selected[i])
     return response
+
+
+def _packed(
+    rows: Rows | None,
+    positions: np.ndarray | None,
+    defaulted: np.ndarray,
+    defaults: list[float],
+    read: Read,
+) -> bytes:
+    """The answer's matrix as packed_values: float32 little-endian, row-major, the
+    defaults in the rows answered with them."""
+    if rows is not None and positions is not None:
+        matrix = rows.values[:, positions]  # a copy: the stored rows stay as read
+    else:
+        matrix = np.empty((len(read.ids), len(read.names)), dtype=np.float32)
+    if defaults:
+        matrix[defaulted] = np.asarray(defaults, dtype=np.float32)
+    return matrix.astype("<f4", copy=False).tobytes()
 
 
 def write_rows(
@@ -382,6 +458,8 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         self.clock = clock
         # Called when a store call could not reach Redis (the health watch pokes its probe).
         self.store_unreachable: Callable[[], None] = _nobody
+        # Per view name: the view spec last seen and its max_age in ms.
+        self._max_ages: dict[str, tuple[FeatureViewSpec, int | None]] = {}
 
     def _view(self, name: str) -> FeatureViewSpec:
         view = self.views.get(name)
@@ -396,22 +474,28 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         self, request: feature_pb2.GetFeaturesRequest, context: grpc.aio.ServicerContext
     ) -> feature_pb2.GetFeaturesResponse:
         bind_request_id(request_id_from(context.invocation_metadata()))
-        validate_get(request, self.max_entities, self.limits)
-        view = self._view(request.view)
+        read = read_of(request, self.max_entities, self.limits)
+        view = self._view(read.view)
         started = time.perf_counter()
-        version, rows = await self._call_store(
-            context, self.store.read(request.view, request.entity_ids)
-        )
-        found = int(rows.present.sum()) if rows is not None else 0
-        wanted = len(request.entity_ids)
-        self.metrics.read(request.view, wanted, wanted - found, time.perf_counter() - started)
-        positions = positions_of(request, view, version)
+        version, rows = await self._call_store(context, self.store.read(read.view, read.ids))
+        found = int(np.count_nonzero(rows.present)) if rows is not None else 0
+        wanted = len(read.ids)
+        self.metrics.read(read.view, wanted, wanted - found, time.perf_counter() - started)
+        positions = positions_of(read, view, version)
         now = self.clock()
-        stale = stale_rows(rows, view, now)
-        count = int(stale.sum())
+        stale = stale_rows(rows, view, now, self._max_age_ms(read.view, view))
+        count = int(np.count_nonzero(stale))
         if count:
-            self.metrics.stale_reads.labels(request.view, view.staleness).inc(count)
-        return assemble(request, view, self.policy, rows, positions, stale, now)
+            self.metrics.stale_reads.labels(read.view, view.staleness).inc(count)
+        return assemble(read, view, self.policy, rows, positions, stale, now)
+
+    def _max_age_ms(self, name: str, view: FeatureViewSpec) -> int | None:
+        """The view's max_age in ms, parsed once per view spec (a spec change brings a new
+        FeatureViewSpec object, which is parsed again)."""
+        known = self._max_ages.get(name)
+        if known is None or known[0] is not view:
+            known = self._max_ages[name] = (view, view.max_age_ms)
+        return known[1]
 
     async def WriteFeatures(
         self, request: feature_pb2.WriteFeaturesRequest, context: grpc.aio.ServicerContext
@@ -571,7 +655,9 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
             raise DeadlineExceeded(f"no time left for the store: {exc}") from None
         with store_statuses(self.store_unreachable):
             try:
-                return await asyncio.wait_for(call, timeout)
+                # asyncio.timeout, not wait_for: no task of its own for every read.
+                async with asyncio.timeout(timeout):
+                    return await call
             except TimeoutError:
                 raise DeadlineExceeded("feature store did not answer in time") from None
 

@@ -19,7 +19,8 @@ one `<f4` (float32 little-endian) per feature of the version, in the version's o
 GET per entity, no parsing beyond a numpy view of the bytes.
 
 Readers cache each view's current version. A read is one MGET of the entities' keys with
-the pointer key last: if the pointer still names the cached version, every value came from
+the pointer key last (sent through PipelinedReads, services/feature/pipelined.py, when the
+store has one): if the pointer still names the cached version, every value came from
 that version while it was current (a version's keys are deleted only after it stopped
 being current, and MGET is atomic); otherwise the reader takes the new version's metadata
 and reads again. So a swap is seen by the first read that starts after it, at the cost of
@@ -28,6 +29,7 @@ one more key per MGET, and never a half-deleted version.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Sequence
@@ -39,6 +41,7 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 
+from servemesh.services.feature.pipelined import PipelinedReads
 from servemesh.services.runtime.tracing import tracer
 
 # A load that sends nothing for this long loses its lease; the next load cleans up after it.
@@ -49,6 +52,7 @@ DELETE_BATCH = 1000
 READ_ATTEMPTS = 3
 
 _EVENT_TIME = np.dtype("<i8")
+_VALUE = np.dtype("<f4")
 _GLOB_SPECIALS = str.maketrans({c: f"\\{c}" for c in "*?[]\\"})
 
 # Renew the lease only while this load holds it: KEYS[1] lease, ARGV[1] version, ARGV[2] ms.
@@ -111,6 +115,8 @@ class ViewVersion:
     view: str
     version: int
     features: tuple[str, ...]
+    # An entity's key is this followed by its id ("fs:user@7:"): one concatenation a key.
+    key_base: str = field(compare=False, repr=False)
     _positions: dict[tuple[str, ...], np.ndarray] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -164,20 +170,38 @@ def pack_rows(values: np.ndarray, event_ms: np.ndarray) -> list[bytes]:
     return [raw[i * size : (i + 1) * size] for i in range(n)]
 
 
+@functools.lru_cache(maxsize=256)
+def _record(width: int) -> np.dtype:
+    """A stored row's layout for `width` features (built once per width: a structured
+    dtype costs more to make than a small read costs to decode)."""
+    return np.dtype([("t", _EVENT_TIME), ("v", "<f4", (width,))])
+
+
 def unpack_rows(stored: Sequence[bytes | None], width: int) -> Rows:
-    """Decode stored rows of a version with `width` features; CorruptRow on a bad length."""
+    """Decode stored rows of a version with `width` features; CorruptRow on a bad length.
+
+    When every row is there (the usual read), the arrays are read-only views of one
+    buffer holding the stored bytes, not copies."""
+    record = _record(width)
+    found = [v for v in stored if v is not None]
+    for v in found:
+        if len(v) != record.itemsize:
+            raise CorruptRow(
+                f"a stored row is {len(v)} bytes, its version's layout is {record.itemsize}"
+            )
+    if found and len(found) == len(stored):
+        # Two strided views of one buffer (cheaper than a structured array's fields).
+        joined = b"".join(found)
+        n, size = len(found), record.itemsize
+        return Rows(
+            present=np.ones(n, dtype=bool),
+            event_ms=np.ndarray((n,), _EVENT_TIME, joined, 0, (size,)),
+            values=np.ndarray((n, width), _VALUE, joined, _EVENT_TIME.itemsize, (size, 4)),
+        )
     present = np.array([v is not None for v in stored], dtype=bool)
-    record = np.dtype([("t", _EVENT_TIME), ("v", "<f4", (width,))])
     event_ms = np.zeros(len(stored), dtype=np.int64)
     values = np.zeros((len(stored), width), dtype=np.float32)
-    found = [v for v in stored if v is not None]
     if found:
-        bad = [i for i, v in enumerate(found) if len(v) != record.itemsize]
-        if bad:
-            raise CorruptRow(
-                f"a stored row is {len(found[bad[0]])} bytes, its version's layout "
-                f"is {record.itemsize}"
-            )
         decoded = np.frombuffer(b"".join(found), dtype=record)
         event_ms[present] = decoded["t"]
         values[present] = decoded["v"]
@@ -203,9 +227,17 @@ def _now_ms() -> int:
 class RedisFeatureStore:
     """Reads, writes and loads views; every read is one MGET round trip."""
 
-    def __init__(self, client: aioredis.Redis, key_prefix: str = "fs") -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        key_prefix: str = "fs",
+        reads: PipelinedReads | None = None,
+    ) -> None:
         self.client = client
         self.key_prefix = key_prefix
+        # The reads' MGETs go here when given (pipelined on one connection); everything
+        # else, and every read without it, through `client`.
+        self.reads = reads
         self._cached: dict[str, ViewVersion | None] = {}
         self._renew = client.register_script(_RENEW)
         self._swap = client.register_script(_SWAP)
@@ -255,7 +287,12 @@ class RedisFeatureStore:
             features = json.loads(meta)
         except ValueError:
             raise CorruptRow(f"view {view!r} version {version}: unreadable feature list") from None
-        return ViewVersion(view=view, version=version, features=tuple(features))
+        return ViewVersion(
+            view=view,
+            version=version,
+            features=tuple(features),
+            key_base=self.entity_key(view, version, ""),
+        )
 
     async def read(
         self, view: str, entity_ids: Sequence[str]
@@ -268,9 +305,14 @@ class RedisFeatureStore:
         cached = await self.current(view)
         for _ in range(READ_ATTEMPTS):
             version = cached.version if cached else 0
-            keys = [self.entity_key(view, version, e) for e in entity_ids] if cached else []
+            keys = [cached.key_base + e for e in entity_ids] if cached else []
             with _redis_span("MGET", len(keys) + 1):
-                *stored, raw = await self.client.mget([*keys, pointer])
+                answer: Sequence[bytes | str | None]
+                if self.reads is not None:
+                    answer = await self.reads.mget([*keys, pointer])
+                else:
+                    answer = await self.client.mget([*keys, pointer])
+            *stored, raw = answer
             now = int(raw) if raw is not None else 0
             # The client answers bytes (no decode_responses); anything else is not ours.
             rows = [v if v is None or isinstance(v, bytes) else None for v in stored]
@@ -435,7 +477,15 @@ class StagedLoad:
                 "before its commit; nothing was swapped"
             )
         self.done = True
-        store._remember(self.view, ViewVersion(self.view, self.version, self.features))
+        store._remember(
+            self.view,
+            ViewVersion(
+                self.view,
+                self.version,
+                self.features,
+                key_base=store.entity_key(self.view, self.version, ""),
+            ),
+        )
         deleted = 0
         # Only older versions: a newer one is a load that began after this swap.
         for old in await store._versions(self.view):

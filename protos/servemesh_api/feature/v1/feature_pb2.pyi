@@ -15,14 +15,16 @@ ROW_LABEL_ROW: RowLabel
 ROW_LABEL_LINE: RowLabel
 
 class GetFeaturesRequest(_message.Message):
-    __slots__ = ("view", "entity_ids", "feature_names")
+    __slots__ = ("view", "entity_ids", "feature_names", "packed")
     VIEW_FIELD_NUMBER: _ClassVar[int]
     ENTITY_IDS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_NAMES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     view: str
     entity_ids: _containers.RepeatedScalarFieldContainer[str]
     feature_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, view: _Optional[str] = ..., entity_ids: _Optional[_Iterable[str]] = ..., feature_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    packed: bool
+    def __init__(self, view: _Optional[str] = ..., entity_ids: _Optional[_Iterable[str]] = ..., feature_names: _Optional[_Iterable[str]] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class FeatureVector(_message.Message):
     __slots__ = ("entity_id", "values", "defaulted", "stale", "event_time_unix_ms")
@@ -39,10 +41,12 @@ class FeatureVector(_message.Message):
     def __init__(self, entity_id: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ..., defaulted: _Optional[bool] = ..., stale: _Optional[bool] = ..., event_time_unix_ms: _Optional[int] = ...) -> None: ...
 
 class GetFeaturesResponse(_message.Message):
-    __slots__ = ("vectors",)
+    __slots__ = ("vectors", "packed_values")
     VECTORS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_VALUES_FIELD_NUMBER: _ClassVar[int]
     vectors: _containers.RepeatedCompositeFieldContainer[FeatureVector]
-    def __init__(self, vectors: _Optional[_Iterable[_Union[FeatureVector, _Mapping]]] = ...) -> None: ...
+    packed_values: bytes
+    def __init__(self, vectors: _Optional[_Iterable[_Union[FeatureVector, _Mapping]]] = ..., packed_values: _Optional[bytes] = ...) -> None: ...
 
 class EntityFeatures(_message.Message):
     __slots__ = ("entity_id", "values", "event_time_unix_ms")
