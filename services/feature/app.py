@@ -8,7 +8,6 @@ from servemesh.control_credential import read_control_token
 from servemesh.identity import serving_credentials
 from servemesh.services.feature.health import watch_store
 from servemesh.services.feature.metrics import FeatureMetrics
-from servemesh.services.feature.pipelined import PipelinedReads
 from servemesh.services.feature.service import FeatureServicer
 from servemesh.services.feature.store import RedisFeatureStore
 from servemesh.services.runtime import DeadlineBudget, ServiceServer
@@ -24,10 +23,7 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
     client = aioredis.Redis.from_url(
         spec.redis_url, password=password, socket_connect_timeout=1.0, health_check_interval=10
     )
-    # GetFeatures' MGETs pipelined on a connection of their own (None: a URL it does not
-    # speak, and redis-py carries them too).
-    reads = PipelinedReads.for_url(spec.redis_url, password)
-    store = RedisFeatureStore(client, spec.feature_store.key_prefix, reads=reads)
+    store = RedisFeatureStore(client, spec.feature_store.key_prefix)
     server = ServiceServer(
         instance,
         host=spec.listen_host,
@@ -60,8 +56,6 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
 
     server.on_spec_change(follow)
     server.on_stop(client.aclose)
-    if reads is not None:
-        server.on_stop(reads.aclose)
     # SERVING only while Redis answers; a read that cannot reach it probes at once.
     servicer.store_unreachable = watch_store(server, spec.redis_url, password).poke
     server.serve_metrics(spec.metrics_ports.get(instance, 0))

@@ -19,8 +19,7 @@ one `<f4` (float32 little-endian) per feature of the version, in the version's o
 GET per entity, no parsing beyond a numpy view of the bytes.
 
 Readers cache each view's current version. A read is one MGET of the entities' keys with
-the pointer key last (sent through PipelinedReads, services/feature/pipelined.py, when the
-store has one): if the pointer still names the cached version, every value came from
+the pointer key last: if the pointer still names the cached version, every value came from
 that version while it was current (a version's keys are deleted only after it stopped
 being current, and MGET is atomic); otherwise the reader takes the new version's metadata
 and reads again. So a swap is seen by the first read that starts after it, at the cost of
@@ -41,7 +40,6 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 
-from servemesh.services.feature.pipelined import PipelinedReads
 from servemesh.services.runtime.tracing import tracer
 
 # A load that sends nothing for this long loses its lease; the next load cleans up after it.
@@ -231,13 +229,9 @@ class RedisFeatureStore:
         self,
         client: aioredis.Redis,
         key_prefix: str = "fs",
-        reads: PipelinedReads | None = None,
     ) -> None:
         self.client = client
         self.key_prefix = key_prefix
-        # The reads' MGETs go here when given (pipelined on one connection); everything
-        # else, and every read without it, through `client`.
-        self.reads = reads
         self._cached: dict[str, ViewVersion | None] = {}
         self._renew = client.register_script(_RENEW)
         self._swap = client.register_script(_SWAP)
@@ -307,11 +301,7 @@ class RedisFeatureStore:
             version = cached.version if cached else 0
             keys = [cached.key_base + e for e in entity_ids] if cached else []
             with _redis_span("MGET", len(keys) + 1):
-                answer: Sequence[bytes | str | None]
-                if self.reads is not None:
-                    answer = await self.reads.mget([*keys, pointer])
-                else:
-                    answer = await self.client.mget([*keys, pointer])
+                answer: Sequence[bytes | str | None] = await self.client.mget([*keys, pointer])
             *stored, raw = answer
             now = int(raw) if raw is not None else 0
             # The client answers bytes (no decode_responses); anything else is not ours.
