@@ -55,12 +55,12 @@ def _prefer_own_libpython() -> None:
 def _infer_func(model_file: Path) -> Any:
     import numpy as np
     import torch
-    from pytriton.decorators import batch
+    from pytriton.decorators import batch  # type: ignore[import-not-found]
 
     module = torch.jit.load(str(model_file), map_location="cpu").eval()
     pinned: set[int] = set()
 
-    @batch  # type: ignore[misc]
+    @batch  # type: ignore[untyped-decorator]
     def infer(features: np.ndarray) -> dict[str, np.ndarray]:
         # Intra-op threads are per calling thread: one, as the model server's runner sets.
         ident = threading.get_ident()
@@ -76,8 +76,12 @@ def _infer_func(model_file: Path) -> Any:
 
 def serve(args: argparse.Namespace) -> None:
     import numpy as np
-    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
-    from pytriton.triton import Triton, TritonConfig
+    from pytriton.model_config import (  # type: ignore[import-not-found]
+        DynamicBatcher,
+        ModelConfig,
+        Tensor,
+    )
+    from pytriton.triton import Triton, TritonConfig  # type: ignore[import-not-found]
 
     grpc_port, http_port, metrics_port = _free_port(), _free_port(), _free_port()
     config = TritonConfig(
