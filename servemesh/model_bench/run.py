@@ -467,8 +467,10 @@ def _load_average() -> list[float]:
         return []
 
 
-# Fields summed over the repeats of a row; every other number is their median.
+# Fields summed over the repeats of a row; the load's own settings are kept; every other
+# number is the repeats' median.
 _SUMMED = ("sent", "ok", "error_count", "short_ok", "short_sent", "expired_computed")
+_SETTINGS = ("concurrency", "rate", "seconds")
 
 
 def aggregate(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -477,7 +479,9 @@ def aggregate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     row: dict[str, Any] = {}
     for key, value in first.items():
         values = [sample[key] for sample in samples]
-        if key in _SUMMED:
+        if key in _SETTINGS:
+            row[key] = value
+        elif key in _SUMMED:
             row[key] = sum(values)
         elif key in ("errors", "outcomes"):
             total: dict[str, int] = {}

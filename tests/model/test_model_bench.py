@@ -132,6 +132,7 @@ def test_a_row_is_the_median_of_its_repeats_with_min_max_and_spread() -> None:
         [sample(900, 30, {}), sample(1000, 10, {"UNAVAILABLE": 2}), sample(1300, 20, {})]
     )
     assert row["rps"] == 1000 and row["p99_ms"] == 20  # each field's own median
+    assert row["concurrency"] == 64 and isinstance(row["concurrency"], int)
     assert (row["rps_min"], row["rps_max"], row["runs"]) == (900, 1300, [900, 1000, 1300])
     assert row["spread"] == 0.4  # (1300 - 900) / 1000: beyond 25%, the bench re-runs it
     assert row["ok"] == 30 and row["errors"] == {"UNAVAILABLE": 2} and row["error_count"] == 2
