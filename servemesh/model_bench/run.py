@@ -268,9 +268,10 @@ class ServerWindow:
         delta = self.delta
         executions = delta.get("servemesh_model_executions_total", 0.0)
         rows = delta.get("servemesh_model_inferences_total", 0.0)
-        if "nv_inference_exec_count" in delta:  # Triton's names for the same two counts
-            executions = delta["nv_inference_exec_count"]
-            rows = delta.get("nv_inference_count", 0.0)
+        # Triton's names for the same two counts (the parser adds "_total" to counters).
+        if "nv_inference_exec_count_total" in delta:
+            executions = delta["nv_inference_exec_count_total"]
+            rows = delta.get("nv_inference_count_total", 0.0)
         prefix = "servemesh_model_requests_total|outcome="
         return {
             "server_cpu": round(self.cpu, 3),
