@@ -7,8 +7,13 @@ STAMP  := $(VENV)/.installed
 # by the OIP compatibility test (tests/model/test_model_tritonclient.py) and nothing else.
 TRITON_VENV  := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.installed
+# Triton itself (nvidia-pytriton ships a tritonserver binary), for `servemesh bench model
+# --against triton` only: pytriton pins its own grpcio/protobuf, and the model runs with torch
+# on the CPU inside it (pinned: an unpinned torch pulls a multi-GB CUDA build).
+PYTRITON_VENV  := .venv-pytriton
+PYTRITON_STAMP := $(PYTRITON_VENV)/.installed
 
-.PHONY: up test typecheck lint install triton-venv protos check-protos bench fuzz clean
+.PHONY: up test typecheck lint install triton-venv pytriton-venv protos check-protos bench fuzz clean
 
 up: $(STAMP)
 	$(BIN)/servemesh up
@@ -40,6 +45,15 @@ $(TRITON_STAMP):
 	$(TRITON_VENV)/bin/pip install --quiet 'tritonclient[grpc]>=2.50,<3' 'numpy<3'
 	touch $(TRITON_STAMP)
 
+pytriton-venv: $(PYTRITON_STAMP)
+
+$(PYTRITON_STAMP):
+	test -x $(PYTRITON_VENV)/bin/python || $(PYTHON) -m venv $(PYTRITON_VENV)
+	$(PYTRITON_VENV)/bin/pip install --quiet --upgrade pip
+	$(PYTRITON_VENV)/bin/pip install --quiet 'torch==2.13.0'
+	$(PYTRITON_VENV)/bin/pip install --quiet 'nvidia-pytriton==0.7.0'
+	touch $(PYTRITON_STAMP)
+
 # The long fuzz campaign on a mesh of its own (docs/security.md, "Fuzzing"); tests/fuzz/
 # runs a short one in `make test`.
 fuzz: $(STAMP)
@@ -52,4 +66,4 @@ check-protos: $(STAMP)
 	$(BIN)/python -m servemesh.protogen --check
 
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) .servemesh .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(TRITON_VENV) $(PYTRITON_VENV) .servemesh .pytest_cache .mypy_cache

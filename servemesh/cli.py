@@ -382,6 +382,9 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
         json_out=args.json_out,
         server_cpu=None if args.no_pin else args.server_cpu,
         client_cpu=None if args.no_pin else args.client_cpu,
+        repeats=args.repeats,
+        against=args.against,
+        as_json=args.json,
     )
 
 
@@ -498,6 +501,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench_model.add_argument("--client-cpu", type=int, default=1)
     bench_model.add_argument("--no-pin", action="store_true", help="do not pin to CPUs")
     bench_model.add_argument("--json-out", help="also write the report here")
+    bench_model.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench_model.add_argument(
+        "--repeats", type=int, default=3, help="measurements per row (median, min-max)"
+    )
+    bench_model.add_argument(
+        "--against",
+        nargs="+",
+        choices=["triton"],
+        default=[],
+        help="peers measured in the same run (triton: pytriton from .venv-pytriton)",
+    )
     bench_model.set_defaults(func=cmd_bench_model)
     return parser
 

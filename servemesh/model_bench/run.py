@@ -1,7 +1,12 @@
 """`servemesh bench model`: the model server against its own references, in one run.
 
 Every target is a separate process pinned to the server CPU; the load generator is this
-process, pinned to the client CPU (the setup of the Triton measurement in issue #3):
+process, pinned to the client CPU (the setup of the Triton measurement in issue #3). All
+targets start first and stay up; then every measurement runs once per round, target after
+target, for `repeats` rounds, so a drift in the box's speed reaches every target alike.
+A row is the median of its repeats with their min-max; a row whose req/s spread (max-min
+over the median) exceeds 25% is measured again once, `repeats` times, and flagged "wide"
+when the new repeats spread as far. Ratios (the checks) are between rows of this one run.
 
 | target | what it is |
 | --- | --- |
@@ -10,6 +15,12 @@ process, pinned to the client CPU (the setup of the Triton measurement in issue 
 | batching off | the model server with max_batch_size 1 |
 | echo | the same gRPC stack answering without a model: the protocol ceiling |
 | in-process | the model with no gRPC (forward passes; the batcher fed by coroutines) |
+| triton (pytriton) | `--against triton`: Triton 2.51 through nvidia-pytriton, same model |
+
+Triton runs from its own venv (`make pytriton-venv`: pytriton pins its own grpcio and
+protobuf), serving the same TorchScript artifact with dynamic batching at the same max batch
+and queue delay (`triton_server.py`). Where that venv is missing or Triton does not start,
+its rows are skipped with the reason in the report, never estimated.
 
 Each server target gets closed loops (concurrency 1, 16, 64 by default) and an open loop
 at a fixed rate. Adaptive and fixed window also get the deadline mix: an open loop at 1.3x
@@ -26,13 +37,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
@@ -41,8 +52,11 @@ from typing import Any
 from servemesh.model_bench.load import LoadResult, closed_loop, open_loop, request_bodies
 from servemesh.procs import Check, StartError, Supervisor
 
-TRITON_C64_RPS = 1070.0  # issue #3: Triton 2.51 (pytriton), same box and setup, c=64
-TRITON_C64_P99_MS = 87.0
+REPO = Path(__file__).resolve().parents[2]
+PYTRITON_PYTHON = REPO / ".venv-pytriton" / "bin" / "python"
+TRITON_SERVER = Path(__file__).with_name("triton_server.py")
+TRITON = "triton (pytriton)"
+SPREAD_LIMIT = 0.25  # (max - min) / median of a row's req/s beyond which it is re-run
 
 
 SLOW_MODEL_MS = 4.0  # added to every batch of the model-bound targets
@@ -52,7 +66,7 @@ SLOW_MAX_BATCH = 8
 @dataclass(frozen=True)
 class Target:
     name: str
-    kind: str  # model, echo
+    kind: str  # model, echo, triton
     batching: dict[str, Any] = field(default_factory=dict)
     inject_latency_ms: float = 0.0
     # closed: every concurrency; capacity: closed loop at the top concurrency only;
@@ -77,6 +91,9 @@ class BenchConfig:
     max_queue_delay_ms: float = 2.0
     server_cpu: int | None = 0
     client_cpu: int | None = 1
+    repeats: int = 3
+    against: tuple[str, ...] = ()  # peers measured in the same run: "triton"
+    pytriton_python: Path = PYTRITON_PYTHON
 
     def targets(self) -> list[Target]:
         common = {
@@ -87,6 +104,9 @@ class BenchConfig:
         fixed = {"dispatch": "fixed_window", "deadline_policy": "ignore"}
         slow = {**common, "max_batch_size": SLOW_MAX_BATCH}
         everything = ("closed", "open", "mix")
+        peers = []
+        if "triton" in self.against:
+            peers.append(Target(TRITON, "triton", dict(common)))
         return [
             Target("servemesh adaptive", "model", dict(common), scenarios=everything),
             Target("fixed window", "model", {**common, **fixed}, scenarios=everything),
@@ -108,48 +128,94 @@ class BenchConfig:
                 ("capacity", "mix"),
                 "model-bound",
             ),
+            *peers,
         ]
 
 
 # --- the server side: processes, CPU time, metrics -------------------------------------
 
 
-class ServerProcess:
-    def __init__(self, target: Target, cpu: int | None, workdir: Path) -> None:
-        self.target = target
-        port_file = workdir / f"{target.name.split()[0]}-{time.monotonic_ns()}.json"
-        argv = [
-            sys.executable,
-            "-m",
-            "servemesh.model_bench.targets",
-            target.kind,
-            "--batching",
-            json.dumps(target.batching),
-            "--port-file",
-            str(port_file),
-        ]
-        if cpu is not None:
-            argv += ["--cpu", str(cpu)]
+class TargetUnavailable(RuntimeError):
+    """A peer that cannot run here (not installed, did not start): its rows are skipped."""
+
+
+def _target_argv(target: Target, config: BenchConfig, port_file: Path, workdir: Path) -> list[str]:
+    if target.kind == "triton":
+        python = config.pytriton_python
+        if not python.exists():
+            raise TargetUnavailable(
+                f"{python} is missing: `make pytriton-venv` installs nvidia-pytriton there"
+            )
+        model_file = workdir / "fraud-v1.pt"
+        if not model_file.exists():
+            from servemesh.demo import demo_artifact
+
+            model_file.write_bytes(demo_artifact(1).data)
+        argv = [str(python), str(TRITON_SERVER), "--model-file", str(model_file)]
+        argv += ["--port-file", str(port_file), "--workspace", str(workdir / "pytriton")]
+        argv += ["--max-batch", str(target.batching.get("max_batch_size", 64))]
+        delay_ms = float(target.batching.get("max_queue_delay_ms", 2.0))
+        argv += ["--delay-us", str(round(delay_ms * 1000))]
+    else:
+        argv = [sys.executable, "-m", "servemesh.model_bench.targets", target.kind]
+        argv += ["--batching", json.dumps(target.batching), "--port-file", str(port_file)]
         if target.inject_latency_ms:
             argv += ["--inject-latency-ms", str(target.inject_latency_ms)]
-        self.name = target.name.split()[0]
+    if config.server_cpu is not None:
+        argv += ["--cpu", str(config.server_cpu)]
+    return argv
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and every process below it (Triton's server and backend stub are children)."""
+    found = [pid]
+    for parent in found:
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                found += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+    return found
+
+
+class ServerProcess:
+    """One target's server, started at once; `wait_ready` before using it (several start
+    side by side: loading torch takes seconds each)."""
+
+    def __init__(self, target: Target, config: BenchConfig, workdir: Path) -> None:
+        self.target = target
+        self.name = "".join(c if c.isalnum() else "-" for c in target.name)
+        self.port_file = workdir / f"{self.name}-{time.monotonic_ns()}.json"
+        argv = _target_argv(target, config, self.port_file, workdir)
         # One supervisor per server: its forking thread lives exactly as long as the server.
-        self.supervisor = Supervisor(workdir, grace_s=15.0, thread_name="bench-spawner")
-        ready = Check(port_file.exists, f"{port_file.name} written")
+        self.supervisor = Supervisor(workdir, grace_s=20.0, thread_name="bench-spawner")
+        ready = Check(self.port_file.exists, f"{self.port_file.name} written")
+        self.pid = self.supervisor.start(self.name, argv, ready=ready, timeout_s=None).pid
+        self.address = ""
+        self.metrics_port = 0
+
+    def wait_ready(self, timeout_s: float = 240.0) -> None:
+        """Wait until the server wrote its ports; TargetUnavailable (stopped) if it does not."""
         try:
-            self.pid = self.supervisor.start(self.name, argv, ready=ready, timeout_s=120).pid
+            self.supervisor.wait_ready([self.name], time.monotonic() + timeout_s)
         except StartError as exc:
             self.stop()
-            raise RuntimeError(f"{target.name} did not start: {exc}") from None
-        ports = json.loads(port_file.read_text())
+            raise TargetUnavailable(f"{self.target.name} did not start: {exc}") from None
+        ports = json.loads(self.port_file.read_text())
         self.address = f"127.0.0.1:{ports['port']}"
         self.metrics_port = int(ports["metrics_port"])
 
     def cpu_seconds(self) -> float:
-        """User + system CPU time of the server process so far."""
-        stat = Path(f"/proc/{self.pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2 :].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """User + system CPU time of the server's processes so far."""
+        total = 0.0
+        for pid in _tree(self.pid):
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:  # exited meanwhile
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            total += int(fields[11]) + int(fields[12])
+        return total / os.sysconf("SC_CLK_TCK")
 
     def metrics(self) -> dict[str, float]:
         """The server's Prometheus samples, by name and labels (empty for the echo server)."""
@@ -169,17 +235,14 @@ class ServerProcess:
         return samples
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 15 s; the log stays in the work dir."""
+        """SIGTERM, then SIGKILL after 20 s; anything it left in its session goes too (the
+        log stays in the work dir)."""
         self.supervisor.close()
-
-
-@contextmanager
-def running(target: Target, cpu: int | None, workdir: Path) -> Iterator[ServerProcess]:
-    server = ServerProcess(target, cpu, workdir)
-    try:
-        yield server
-    finally:
-        server.stop()
+        if self.pid:
+            try:  # the server was started in a session of its own: its pid is the group's
+                os.killpg(self.pid, 9)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 class ServerWindow:
@@ -205,6 +268,10 @@ class ServerWindow:
         delta = self.delta
         executions = delta.get("servemesh_model_executions_total", 0.0)
         rows = delta.get("servemesh_model_inferences_total", 0.0)
+        # Triton's names for the same two counts (the parser adds "_total" to counters).
+        if "nv_inference_exec_count_total" in delta:
+            executions = delta["nv_inference_exec_count_total"]
+            rows = delta.get("nv_inference_count_total", 0.0)
         prefix = "servemesh_model_requests_total|outcome="
         return {
             "server_cpu": round(self.cpu, 3),
@@ -238,81 +305,216 @@ def ceiling(config: BenchConfig) -> dict[str, Any]:
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+@dataclass(frozen=True)
+class Measurement:
+    """One row of the report: a target under one load (repeated `repeats` times)."""
+
+    target: Target
+    mode: str  # closed, open, deadline-mix
+    concurrency: int = 0
+
+    @property
+    def key(self) -> tuple[str, str, int]:
+        return (self.target.name, self.mode, self.concurrency)
+
+
+def measurements(config: BenchConfig, target: Target) -> list[Measurement]:
+    """A target's rows, in the order they run in each round."""
+    found: list[Measurement] = []
+    if "closed" in target.scenarios:
+        found += [Measurement(target, "closed", c) for c in config.concurrencies]
+    elif "capacity" in target.scenarios:
+        found.append(Measurement(target, "closed", max(config.concurrencies)))
+    if "open" in target.scenarios:
+        found.append(Measurement(target, "open"))
+    if "mix" in target.scenarios:
+        found.append(Measurement(target, "deadline-mix"))
+    return found
+
+
+class _Rounds:
+    """The servers of a run and every repeat measured on them, by row."""
+
+    def __init__(self, config: BenchConfig, bodies: list[bytes], say: Any) -> None:
+        self.config = config
+        self.bodies = bodies
+        self.say = say
+        self.servers: dict[str, ServerProcess] = {}
+        self.samples: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+        self.mix_rates: dict[str, float] = {}
+
+    def measure(self, m: Measurement) -> dict[str, Any]:
+        config, server = self.config, self.servers[m.target.name]
+        window = ServerWindow(server)
+        if m.mode == "closed":
+            result = asyncio.run(
+                closed_loop(
+                    server.address,
+                    self.bodies,
+                    m.concurrency,
+                    config.seconds,
+                    config.warmup_s,
+                    hook=window,
+                )
+            )
+            self.say(f"  {m.target.name}, closed c={m.concurrency}: {result.rps:.0f} req/s")
+            return _row(m.target.name, result, window)
+        if m.mode == "open":
+            result = asyncio.run(
+                open_loop(
+                    server.address,
+                    self.bodies,
+                    config.rate,
+                    config.seconds,
+                    config.warmup_s,
+                    hook=window,
+                )
+            )
+            self.say(
+                f"  {m.target.name}, open {config.rate:.0f}/s: {result.rps:.0f} req/s ok, "
+                f"sends late by {result.send_lag_p99_ms:.1f} ms at p99"
+            )
+            return _row(m.target.name, result, window)
+        rate = self._mix_rate(m.target)
+        row = _deadline_mix(config, server, self.bodies, rate, m.target, window)
+        self.say(f"  {m.target.name}, deadline mix at {rate:.0f}/s: {row['rps']:.0f} good/s")
+        return row
+
+    def _mix_rate(self, target: Target) -> float:
+        """Every mix of a group is offered the same rate: `overload` times the capacity (the
+        best closed-loop median so far) of the group's first target."""
+        if target.group not in self.mix_rates:
+            closed = [
+                statistics.median(r["rps"] for r in rows)
+                for key, rows in self.samples.items()
+                if key[0] == target.name and key[1] == "closed"
+            ]
+            capacity = max(closed, default=1000.0)
+            self.mix_rates[target.group] = round(capacity * self.config.overload, -1)
+        return self.mix_rates[target.group]
+
+    def repeat(self, m: Measurement, times: int) -> list[dict[str, Any]]:
+        return [self.measure(m) for _ in range(times)]
+
+
 def bench_model(config: BenchConfig, say: Any = print) -> dict[str, Any]:
     """Run every target and scenario; returns the report (rows, ceilings, checks)."""
+    if config.repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {config.repeats}")
     _pin_client(config.client_cpu)
-    bodies = request_bodies("fraud")
-    rows: list[dict[str, Any]] = []
-    mix_rates: dict[str, float] = {}
+    rounds = _Rounds(config, request_bodies("fraud"), say)
+    skipped: dict[str, str] = {}
     say("in-process ceiling (model and batcher, no gRPC)...")
     ceilings = ceiling(config)
-    with tempfile.TemporaryDirectory(prefix="servemesh-bench-") as tmp:
-        for target in config.targets():
-            say(f"{target.name}: starting")
-            with running(target, config.server_cpu, Path(tmp)) as server:
-                rows.extend(_measure(config, target, server, bodies, mix_rates, say))
+    targets = config.targets()
+    with tempfile.TemporaryDirectory(prefix="servemesh-bench-") as tmp, ExitStack() as stack:
+        starting: list[ServerProcess] = []
+        for target in targets:
+            try:
+                server = ServerProcess(target, config, Path(tmp))
+            except TargetUnavailable as exc:
+                skipped[target.name] = str(exc)
+                say(f"{target.name}: skipped: {exc}")
+                continue
+            stack.callback(server.stop)
+            starting.append(server)
+        say(f"starting {', '.join(s.target.name for s in starting)}")
+        for server in starting:
+            try:
+                server.wait_ready()
+            except TargetUnavailable as exc:
+                skipped[server.target.name] = str(exc)
+                say(f"{server.target.name}: skipped: {exc}")
+                continue
+            rounds.servers[server.target.name] = server
+        plan = [m for t in targets if t.name in rounds.servers for m in measurements(config, t)]
+        for number in range(1, config.repeats + 1):
+            say(f"round {number} of {config.repeats}")
+            for m in plan:
+                rounds.samples.setdefault(m.key, []).append(rounds.measure(m))
+        rows = []
+        for m in plan:
+            row = aggregate(rounds.samples[m.key])
+            if row["spread"] > SPREAD_LIMIT:
+                say(f"{m.target.name} {m.mode} {m.concurrency or ''}: spread {row['spread']:.0%}")
+                again = aggregate(rounds.repeat(m, config.repeats))
+                again["first_runs"] = row["runs"]
+                row = again
+                row["rerun"] = True
+            row["wide"] = row["spread"] > SPREAD_LIMIT
+            rows.append(row)
     report = {
         "date": date.today().isoformat(),
-        "config": {
-            k: v for k, v in vars(config).items() if not k.startswith("_") and k != "targets"
-        },
+        "config": {k: _plain(v) for k, v in vars(config).items() if not k.startswith("_")},
         "versions": _versions(),
+        "load_average": _load_average(),
         "ceilings": ceilings,
-        "mix_rates": mix_rates,
+        "mix_rates": rounds.mix_rates,
+        "skipped": skipped,
         "rows": rows,
     }
     report["checks"] = checks(report)
     return report
 
 
-def _measure(
-    config: BenchConfig,
-    target: Target,
-    server: ServerProcess,
-    bodies: list[bytes],
-    mix_rates: dict[str, float],
-    say: Any,
-) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    concurrencies: tuple[int, ...] = ()
-    if "closed" in target.scenarios:
-        concurrencies = config.concurrencies
-    elif "capacity" in target.scenarios:
-        concurrencies = (max(config.concurrencies),)
-    for concurrency in concurrencies:
-        window = ServerWindow(server)
-        result = asyncio.run(
-            closed_loop(
-                server.address, bodies, concurrency, config.seconds, config.warmup_s, hook=window
-            )
-        )
-        rows.append(_row(target.name, result, window))
-        say(f"  closed c={concurrency}: {result.rps:.0f} req/s")
-    if "open" in target.scenarios:
-        window = ServerWindow(server)
-        result = asyncio.run(
-            open_loop(
-                server.address, bodies, config.rate, config.seconds, config.warmup_s, hook=window
-            )
-        )
-        rows.append(_row(target.name, result, window))
-        say(
-            f"  open {config.rate:.0f}/s: {result.rps:.0f} req/s ok, "
-            f"sends late by {result.send_lag_p99_ms:.1f} ms at p99"
-        )
-    if "mix" in target.scenarios:
-        if target.group not in mix_rates:
-            capacity = max((r["rps"] for r in rows if r["mode"] == "closed"), default=1000.0)
-            mix_rates[target.group] = round(capacity * config.overload, -1)
-        rate = mix_rates[target.group]
-        row = _deadline_mix(config, server, bodies, rate, target)
-        rows.append(row)
-        say(f"  deadline mix at {rate:.0f}/s: {row['rps']:.0f} good/s")
-    return rows
+def _plain(value: Any) -> Any:
+    return str(value) if isinstance(value, Path) else value
+
+
+def _load_average() -> list[float]:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return []
+
+
+# Fields summed over the repeats of a row; the load's own settings are kept; every other
+# number is the repeats' median.
+_SUMMED = ("sent", "ok", "error_count", "short_ok", "short_sent", "expired_computed")
+_SETTINGS = ("concurrency", "rate", "seconds")
+
+
+def aggregate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from its repeats: medians, req/s min-max and spread, counts summed."""
+    first = samples[0]
+    row: dict[str, Any] = {}
+    for key, value in first.items():
+        values = [sample[key] for sample in samples]
+        if key in _SETTINGS:
+            row[key] = value
+        elif key in _SUMMED:
+            row[key] = sum(values)
+        elif key in ("errors", "outcomes"):
+            total: dict[str, int] = {}
+            for counts in values:
+                for name, count in counts.items():
+                    total[name] = total.get(name, 0) + count
+            row[key] = total
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            present = [v for v in values if v is not None and v == v]
+            row[key] = round(statistics.median(present), 3) if present else None
+        elif key == "mean_batch":
+            present = [v for v in values if v is not None]
+            row[key] = round(statistics.median(present), 2) if present else None
+        else:
+            row[key] = value
+    rps = [sample["rps"] for sample in samples]
+    median = statistics.median(rps)
+    row["runs"] = rps
+    row["rps_min"], row["rps_max"] = min(rps), max(rps)
+    row["spread"] = round((max(rps) - min(rps)) / median, 3) if median else 0.0
+    row["repeats"] = len(samples)
+    row["rerun"] = False
+    return row
 
 
 def _deadline_mix(
-    config: BenchConfig, server: ServerProcess, bodies: list[bytes], rate: float, target: Target
+    config: BenchConfig,
+    server: ServerProcess,
+    bodies: list[bytes],
+    rate: float,
+    target: Target,
+    window: ServerWindow,
 ) -> dict[str, Any]:
     # Every tenth caller from a fixed pattern: short_share of them carry the short deadline.
     shorts = max(0, min(10, round(config.short_share * 10)))
@@ -325,7 +527,6 @@ def _deadline_mix(
     def timeout_for(index: int) -> float:
         return (config.short_deadline_ms if is_short(index) else config.long_deadline_ms) / 1000
 
-    window = ServerWindow(server)
     result = asyncio.run(
         open_loop(
             server.address,
@@ -365,34 +566,46 @@ def _find(rows: list[dict[str, Any]], target: str, mode: str, concurrency: int =
 
 
 def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue #3's targets, each with the measured value and whether it was met."""
+    """Issues #3 and #13's targets, each with the value measured in this run and whether it
+    was met (None: its peer was skipped, the reason in `value`)."""
     rows = report["rows"]
     adaptive64 = _find(rows, "servemesh adaptive", "closed", 64)
+    adaptive16 = _find(rows, "servemesh adaptive", "closed", 16)
     adaptive1 = _find(rows, "servemesh adaptive", "closed", 1)
     off64 = _find(rows, "batching off", "closed", 64)
     echo64 = _find(rows, "echo (protocol ceiling)", "closed", 64)
+    triton64 = _find(rows, TRITON, "closed", 64)
     found: list[dict[str, Any]] = []
 
-    def check(name: str, value: float, goal: str, met: bool) -> None:
-        found.append({"target": name, "value": round(value, 2), "goal": goal, "met": met})
+    def check(name: str, value: float | str, goal: str, met: bool | None) -> None:
+        shown = round(value, 2) if isinstance(value, (int, float)) else value
+        found.append({"target": name, "value": shown, "goal": goal, "met": met})
 
     if adaptive64:
-        ratio = adaptive64["rps"] / TRITON_C64_RPS
-        check("c=64 req/s vs Triton's 1,070 (x)", ratio, ">= 1.5", ratio >= 1.5)
-        p99 = adaptive64["p99_ms"]
-        check("c=64 p99 (ms)", p99, "<= 87", p99 <= TRITON_C64_P99_MS)
+        if triton64 and triton64["rps"]:
+            ratio = adaptive64["rps"] / triton64["rps"]
+            check("c=64 req/s vs Triton, same run (x)", ratio, ">= 1.5", ratio >= 1.5)
+            p99, peer = adaptive64["p99_ms"], triton64["p99_ms"]
+            check("c=64 p99 vs Triton's (ms)", p99, f"<= {peer:.1f}", p99 <= peer)
+        elif TRITON in report.get("skipped", {}):
+            check("c=64 req/s vs Triton, same run (x)", "skipped", ">= 1.5", None)
+        if adaptive16 and adaptive16["rps"]:
+            ratio = adaptive64["rps"] / adaptive16["rps"]
+            check("c=64 req/s vs c=16 (x, no fall)", ratio, ">= 1.0", ratio >= 1.0)
         if off64 and off64["rps"]:
             ratio = adaptive64["rps"] / off64["rps"]
             check("c=64 req/s vs batching off (x)", ratio, ">= 4", ratio >= 4.0)
         if echo64 and echo64["rps"]:
             share = adaptive64["rps"] / echo64["rps"]
-            check("c=64 req/s vs the echo ceiling (x)", share, ">= 0.7", share >= 0.7)
+            check("c=64 req/s vs the echo ceiling (x)", share, ">= 0.8", share >= 0.8)
     if adaptive1:
         p50 = adaptive1["p50_ms"]
         check("c=1 p50 (ms)", p50, "<= 2", p50 <= 2.0)
-    for adaptive, fixed, group in (
-        ("adaptive, slow model", "fixed window, slow model", "model-bound"),
-        ("servemesh adaptive", "fixed window", "protocol-bound"),
+    # Model-bound: the batcher's deadline handling must pay, by a margin beyond this box's
+    # 10-20% noise. Protocol-bound: admission control must keep it from losing.
+    for adaptive, fixed, group, goal in (
+        ("adaptive, slow model", "fixed window, slow model", "model-bound", 1.1),
+        ("servemesh adaptive", "fixed window", "protocol-bound", 1.0),
     ):
         mix = _find(rows, adaptive, "deadline-mix")
         fixed_mix = _find(rows, fixed, "deadline-mix")
@@ -400,9 +613,8 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
             computed = mix["expired_computed"]
             check(f"{group} mix: expired requests computed", computed, "0", computed == 0)
         if mix and fixed_mix and fixed_mix["rps"]:
-            # Runs on this box move by 10-20%: "higher" needs a margin to mean anything.
             ratio = mix["rps"] / fixed_mix["rps"]
-            check(f"{group} mix: goodput vs fixed window (x)", ratio, ">= 1.1", ratio >= 1.1)
+            check(f"{group} mix: goodput vs fixed window (x)", ratio, f">= {goal}", ratio >= goal)
     return found
 
 
@@ -434,8 +646,14 @@ def print_report(report: dict[str, Any]) -> None:
             )
     console.print(table)
 
-    table = Table(title="ModelInfer, 1 row per request", title_justify="left")
-    columns = ["target", "load", "req/s", "p50 ms", "p95 ms", "p99 ms", "errors"]
+    table = Table(
+        title=(
+            f"ModelInfer, 1 row per request: medians of {report['config']['repeats']} repeats, "
+            "req/s min-max (* re-run once for a spread over 25%; ! still wide)"
+        ),
+        title_justify="left",
+    )
+    columns = ["target", "load", "req/s", "min-max", "p50 ms", "p95 ms", "p99 ms", "errors"]
     columns += ["mean batch", "server CPU", "client CPU"]
     for column in columns:
         table.add_column(column, justify="left" if column in ("target", "load") else "right")
@@ -451,6 +669,7 @@ def print_report(report: dict[str, Any]) -> None:
             row["target"],
             load,
             f"{row['rps']:.0f}",
+            _min_max(row),
             _ms(row["p50_ms"]),
             _ms(row["p95_ms"]),
             _ms(row["p99_ms"]),
@@ -472,7 +691,7 @@ def print_report(report: dict[str, Any]) -> None:
             ),
             title_justify="left",
         )
-        columns = ["target", "offered/s", "goodput/s", "short ok", "errors by code"]
+        columns = ["target", "offered/s", "goodput/s", "min-max", "short ok", "errors by code"]
         columns += ["dropped unrun", "expired computed", "mean batch", "server CPU"]
         for column in columns:
             table.add_column(column, justify="left" if column == "target" else "right")
@@ -483,6 +702,7 @@ def print_report(report: dict[str, Any]) -> None:
                 row["target"],
                 f"{row['rate']:.0f}",
                 f"{row['rps']:.0f}",
+                _min_max(row),
                 f"{row['short_ok']}/{row['short_sent']}",
                 ", ".join(f"{k} {v}" for k, v in sorted(row["errors"].items())) or "0",
                 str(dropped),
@@ -492,13 +712,23 @@ def print_report(report: dict[str, Any]) -> None:
             )
         console.print(table)
 
-    table = Table(title="Issue #3 targets", title_justify="left")
+    for name, reason in report.get("skipped", {}).items():
+        console.print(f"[yellow]{name}: skipped[/yellow]: {reason}")
+    table = Table(title="Targets (issues #3 and #13), from this run", title_justify="left")
     for column in ("target", "measured", "goal", "met"):
         table.add_column(column, justify="left" if column == "target" else "right")
     for check in report["checks"]:
-        met = "yes" if check["met"] else "[red]no[/red]"
-        table.add_row(check["target"], f"{check['value']}", check["goal"], met)
+        verdict = {True: "yes", False: "[red]no[/red]", None: "skipped"}[check["met"]]
+        table.add_row(check["target"], f"{check['value']}", check["goal"], verdict)
     console.print(table)
+    averages = report.get("load_average")
+    if averages:
+        console.print("load average at the end: " + " ".join(f"{a:.2f}" for a in averages))
+
+
+def _min_max(row: dict[str, Any]) -> str:
+    mark = "!" if row.get("wide") else "*" if row.get("rerun") else ""
+    return f"{row['rps_min']:.0f}-{row['rps_max']:.0f}{mark}"
 
 
 def main(
@@ -510,8 +740,12 @@ def main(
     json_out: str | None = None,
     server_cpu: int | None = 0,
     client_cpu: int | None = 1,
+    repeats: int = 3,
+    against: list[str] | None = None,
+    as_json: bool = False,
 ) -> int:
-    config = BenchConfig(server_cpu=server_cpu, client_cpu=client_cpu)
+    config = BenchConfig(server_cpu=server_cpu, client_cpu=client_cpu, repeats=repeats)
+    config.against = tuple(against or ())
     if quick:
         config.seconds, config.warmup_s = 1.5, 0.5
     if seconds is not None:
@@ -526,11 +760,12 @@ def main(
             if cpu is not None and cpu not in cpus:
                 raise SystemExit(f"CPU {cpu} is not available here (have {sorted(cpus)})")
     report = bench_model(config, say=lambda text: print(text, file=sys.stderr, flush=True))
-    print_report(report)
     for row in report["rows"]:
         row.pop("latencies_ms", None)
-    text = json.dumps(report)
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=2))
-    print(text)
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
     return 0

@@ -26,6 +26,7 @@ __all__ = [
     "LoadError",
     "ModelNotFound",
     "NotInSpec",
+    "Overloaded",
     "QueueFull",
     "RequestError",
     "ServingError",
@@ -45,6 +46,15 @@ class QueueFull(ResourceExhausted):
     """The batcher's queue is at its bound; the request is shed without waiting."""
 
     logged_at_source = True  # the batcher logs each shed request
+
+
+class Overloaded(ResourceExhausted):
+    """The replica already holds as many ModelInfer calls as it admits; refused at the door,
+    before the request is read (admission control, see `servicer`)."""
+
+    # Refusals come in floods under overload: a log line each would cost more than the
+    # refusal. The RPC metrics count them by status.
+    logged_at_source = True
 
 
 class DeadlineMissed(DeadlineExceeded):

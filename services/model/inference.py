@@ -6,36 +6,49 @@ Every refusal is raised (services/model/errors.py); the runtime's interceptor an
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable, Mapping
 
 import grpc
+import numpy as np
 
+from servemesh.services.model.batching.rows import Rows
 from servemesh.services.model.errors import RequestError
 from servemesh.services.model.loader import LoadedModel
 from servemesh.services.model.repository import ModelRepository
-from servemesh.services.model.tensors import decode_request, encode_outputs
+from servemesh.services.model.tensors import TensorSig, decode_request, encode_outputs
 from servemesh.services.runtime import DeadlineBudget
 from servemesh.services.runtime.logs import new_request_id
 from servemesh.spec import BatchingSpec
-from servemesh.wire import REPLICA_PARAMETER, REQUEST_ID_HEADER, VERSION_HEADER, ZONE_PARAMETER
+from servemesh.wire import (
+    REPLICA_PARAMETER,
+    REQUEST_ID_HEADER,
+    SHADOW_ROLE_HEADER,
+    VERSION_HEADER,
+    ZONE_PARAMETER,
+)
 from servemesh_api.inference import grpc_service_pb2 as oip
 
 Metadata = Iterable[tuple[str, str | bytes]]
 
 
-def routing_headers(metadata: Metadata | None) -> tuple[str, str]:
-    """(request id, version Envoy routed to) from the call's headers, in one pass.
+def routing_headers(metadata: Metadata | None) -> tuple[str, str, str]:
+    """(request id, version Envoy routed to, shadow role) from the call's headers, in one
+    pass.
 
-    The request id is cut to 128 characters; a fresh one when the caller sent none.
+    The request id is cut to 128 characters; a fresh one when the caller sent none. The
+    shadow role is Envoy's mark on a shadowed call (`shadow.ROLES`), "" on any other.
     """
-    request_id = routed_version = ""
+    request_id = routed_version = role = ""
     for key, value in metadata or ():
         if key == REQUEST_ID_HEADER:
             request_id = (value.decode() if isinstance(value, bytes) else value)[:128]
         elif key == VERSION_HEADER:
             routed_version = value.decode() if isinstance(value, bytes) else value
-    return request_id or new_request_id(), routed_version
+        elif key == SHADOW_ROLE_HEADER:
+            role = value.decode() if isinstance(value, bytes) else value
+    return request_id or new_request_id(), routed_version, role
 
 
 def int_parameter(params: Mapping[str, oip.InferParameter], name: str) -> int | None:
@@ -101,6 +114,11 @@ async def infer(
     priority = priority_level(request, loaded.batching)
     decoded = decode_request(request, loaded.signature, loaded.batching.max_rows_per_request)
     result = await loaded.batcher.submit(decoded.rows, deadline, request_id, priority)
+    plain = _plain_answer(loaded, result, decoded.raw, replica, zone)
+    if plain is not None:
+        if request.id:
+            plain.id = request.id
+        return plain
     response = oip.ModelInferResponse(
         model_name=loaded.model, model_version=loaded.version, id=request.id
     )
@@ -108,6 +126,36 @@ async def infer(
     if zone:
         response.parameters[ZONE_PARAMETER].string_param = zone
     encode_outputs(response, result, loaded.signature, decoded.outputs, decoded.raw)
+    return response
+
+
+@functools.lru_cache(maxsize=1024)
+def _answer_head(
+    model: str, version: str, replica: str, zone: str, output: TensorSig, n_rows: int
+) -> bytes:
+    """Everything of a one-output raw answer but its id and its bytes, serialised once."""
+    head = oip.ModelInferResponse(model_name=model, model_version=version)
+    head.parameters[REPLICA_PARAMETER].string_param = replica
+    if zone:
+        head.parameters[ZONE_PARAMETER].string_param = zone
+    head.outputs.add(name=output.name, datatype=output.datatype, shape=[n_rows, *output.dims])
+    return head.SerializeToString()
+
+
+def _plain_answer(
+    loaded: LoadedModel, result: Rows, raw: bool, replica: str, zone: str
+) -> oip.ModelInferResponse | None:
+    """The answer of a one-output model to a raw request, from a cached head: the same
+    message encode_outputs builds, at a fifth of its cost. None for any other answer."""
+    signature = loaded.signature
+    if not raw or len(signature.outputs) != 1 or not isinstance(result, np.ndarray):
+        return None
+    output = signature.outputs[0]
+    if result.ndim < 1 or result.dtype != output.dtype or result.shape[1:] != output.dims:
+        return None  # encode_outputs converts or refuses it
+    head = _answer_head(loaded.model, loaded.version, replica, zone, output, int(result.shape[0]))
+    response = oip.ModelInferResponse.FromString(head)
+    response.raw_output_contents.append(result.tobytes())
     return response
 
 

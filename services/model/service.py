@@ -43,7 +43,9 @@ def expected_versions(spec: MeshSpec) -> list[tuple[str, str]]:
     return [(name, version) for name, model in spec.models.items() for version in model.versions]
 
 
-async def build_servicer(spec: MeshSpec, instance: str, loader: ModelLoader) -> InferenceServicer:
+async def build_servicer(
+    spec: MeshSpec, instance: str, loader: ModelLoader, shadow: ShadowRecorder | None = None
+) -> InferenceServicer:
     """A servicer for `instance` with every version of the spec loaded and warmed up."""
     where = spec.instance(instance)
     if where.service != "model":
@@ -56,6 +58,7 @@ async def build_servicer(spec: MeshSpec, instance: str, loader: ModelLoader) -> 
         budget=DeadlineBudget(
             spec.deadlines.hop_budget_ms / 1000, spec.deadlines.default_timeout_ms / 1000
         ),
+        shadow=shadow,
     )
     try:
         await servicer.repository.load_all()
@@ -92,14 +95,14 @@ async def build_server(
         )
         # Batching and latency of the spec of now, including entries a load brought.
         loader = registry_loader(channel, specs.current)
+    # Answers of shadowed calls (both sides) go to a ledger for `routes shadow-report`.
+    ledger = ShadowLedger(ledger_path(Path(spec.state_dir), instance))
     try:
-        servicer = await build_servicer(spec, instance, loader)
+        servicer = await build_servicer(spec, instance, loader, ShadowRecorder(ledger, instance))
     except BaseException:
         if channel is not None:
             await channel.close()
         raise
-    # Answers of shadowed calls (both sides) go to a ledger for `routes shadow-report`.
-    ledger = ShadowLedger(ledger_path(Path(spec.state_dir), instance))
     server = ModelServer(
         instance,
         repository=servicer.repository,
@@ -107,7 +110,6 @@ async def build_server(
         host=spec.listen_host,
         port=port,
         max_message_bytes=spec.limits.max_message_bytes,
-        interceptors=[ShadowRecorder(ledger, instance)],
         control_token=read_control_token(spec.state_dir),
         credentials=serving_credentials(spec, instance) if tls else None,
         service="model",

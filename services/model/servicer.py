@@ -10,6 +10,12 @@
 No handler maps errors: each raises from the tree in services/model/errors.py, and the
 runtime's ErrorStatusInterceptor (installed by every ServiceServer) answers with its status.
 A bad request never crashes the replica.
+
+Admission control: ModelInfer admits at most `max_in_flight` calls at once and refuses the
+next with RESOURCE_EXHAUSTED at its first line, before the request is read, validated or
+queued. Under overload the queue then stays in front of a cheap refusal instead of growing
+in the event loop, where every call would cost a full answer's CPU and most would be
+answered after their callers gave up (docs/benchmarks.md, "The deadline mix").
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ from importlib import metadata
 
 import grpc
 
-from servemesh.services.model.errors import ServingError
+from servemesh.services.model.errors import Overloaded, ServingError
 from servemesh.services.model.inference import infer, model_metadata, routing_headers
 from servemesh.services.model.loader import ModelLoader
 from servemesh.services.model.repository import Key, ModelRepository
+from servemesh.services.model.shadow import ROLES, ShadowRecorder
 from servemesh.services.model.statistics import model_statistics
 from servemesh.services.runtime import DeadlineBudget, bind_request_id
 from servemesh_api.inference import grpc_service_pb2 as oip
@@ -30,6 +37,11 @@ from servemesh_api.inference import grpc_service_pb2_grpc
 
 SERVER_NAME = "servemesh"
 EXTENSIONS = ("model_repository", "statistics")
+# ModelInfer calls one replica holds at once before it refuses more (admission control).
+# Above any closed loop the bench and the mesh run (64 callers), and a replica answers
+# ~128 calls in ~40-60 ms on one core: a 1 s caller admitted at the limit is still answered
+# in time, and a refused one is retried elsewhere by Envoy at once.
+MAX_IN_FLIGHT = 128
 
 
 def _server_version() -> str:
@@ -54,13 +66,20 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         loader: ModelLoader | None = None,
         expected: Iterable[Key] = (),
         budget: DeadlineBudget | None = None,
+        shadow: ShadowRecorder | None = None,
+        max_in_flight: int = MAX_IN_FLIGHT,
     ) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.replica = replica
         self.zone = zone
         self.budget = budget or DeadlineBudget()
         self.repository = ModelRepository(loader=loader, expected=expected)
         self.readiness: Callable[[], bool] = self.repository.is_ready
         self._version = _server_version()
+        self.shadow = shadow
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0  # ModelInfer calls admitted and not yet answered
 
     # --- health and metadata --------------------------------------------------------
 
@@ -101,18 +120,30 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelInferResponse:
-        request_id, routed_version = routing_headers(context.invocation_metadata())
-        bind_request_id(request_id)
-        return await infer(
-            self.repository,
-            request,
-            context,
-            request_id=request_id,
-            routed_version=routed_version,
-            replica=self.replica,
-            zone=self.zone,
-            budget=self.budget,
-        )
+        if self.in_flight >= self.max_in_flight:
+            raise Overloaded(
+                f"replica {self.replica} is at its limit of {self.max_in_flight} "
+                "concurrent ModelInfer calls"
+            )
+        self.in_flight += 1
+        try:
+            request_id, routed_version, role = routing_headers(context.invocation_metadata())
+            bind_request_id(request_id)
+            answer = infer(
+                self.repository,
+                request,
+                context,
+                request_id=request_id,
+                routed_version=routed_version,
+                replica=self.replica,
+                zone=self.zone,
+                budget=self.budget,
+            )
+            if self.shadow is not None and role in ROLES:
+                return await self.shadow.record(role, request_id, routed_version, request, answer)
+            return await answer
+        finally:
+            self.in_flight -= 1
 
     # --- extensions: statistics and the model repository ----------------------------
 

@@ -1,9 +1,10 @@
 """Record both sides of shadowed calls, so a shadow version can be compared with the primary.
 
 Envoy marks a call whose copy goes to a shadow version with `x-servemesh-shadow-role:
-primary` and the copy with `shadow` (see servemesh/proxy/render.py). This interceptor
-appends one JSON line per marked ModelInfer answer to a ledger file; calls without the mark
-cost one header lookup. `servemesh routes shadow-report` pairs the lines by request id.
+primary` and the copy with `shadow` (see servemesh/proxy/render.py). The servicer
+appends one JSON line per marked ModelInfer answer to a ledger file (ShadowRecorder); calls
+without the mark cost nothing beyond reading their headers. `servemesh routes
+shadow-report` pairs the lines by request id.
 """
 
 from __future__ import annotations
@@ -11,20 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TextIO
 
-import grpc
 import numpy as np
 
-from servemesh.services.runtime.interceptors import with_unary_behaviour
-from servemesh.wire import (
-    MODEL_INFER_METHOD,
-    REQUEST_ID_HEADER,
-    SHADOW_ROLE_HEADER,
-    VERSION_HEADER,
-)
 from servemesh_api.inference import grpc_service_pb2 as oip
 
 log = logging.getLogger(__name__)
@@ -65,57 +58,49 @@ class ShadowLedger:
             self._file = None
 
 
-class ShadowRecorder(grpc.aio.ServerInterceptor):
+class ShadowRecorder:
+    """Writes one ledger line per answer of a call Envoy marked primary or shadow.
+
+    Called by the servicer's ModelInfer, which reads the mark with the call's other
+    headers (no interceptor: unmarked calls pay nothing here).
+    """
+
     def __init__(self, ledger: ShadowLedger, replica: str) -> None:
         self.ledger = ledger
         self.replica = replica
 
-    async def intercept_service(
+    async def record(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or details.method != MODEL_INFER_METHOD or handler.unary_unary is None:
-            return handler
-        metadata = details.invocation_metadata or ()
-        role = next((value for key, value in metadata if key == SHADOW_ROLE_HEADER), None)
-        if role not in ROLES:
-            return handler
-        behaviour = handler.unary_unary
-        request_id = str(next((value for key, value in metadata if key == REQUEST_ID_HEADER), ""))
-        # Envoy names the version on both sides (the split's pick, the shadow's re-mark): a
-        # failed call is recorded against it, which a rollout's shadow step compares.
-        routed = str(next((value for key, value in metadata if key == VERSION_HEADER), ""))
+        role: str,
+        request_id: str,
+        routed: str,
+        request: oip.ModelInferRequest,
+        answer: Awaitable[oip.ModelInferResponse],
+    ) -> oip.ModelInferResponse:
+        """`answer`'s response (or exception), with a ledger line written for it.
 
-        async def recorded(
-            request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
-        ) -> Any:
-            started = time.perf_counter()
-            entry: dict[str, Any] = {
-                "role": role,
-                "request_id": request_id,
-                "replica": self.replica,
-            }
-            try:
-                response = await behaviour(request, context)
-            except BaseException as exc:
-                entry |= {
-                    "model": request.model_name,
-                    "version": request.model_version or routed,
-                    "error": type(exc).__name__,
-                }
-                self._append(entry, started)
-                raise
+        Envoy names the version on both sides (the split's pick, the shadow's re-mark): a
+        failed call is recorded against it, which a rollout's shadow step compares.
+        """
+        started = time.perf_counter()
+        entry: dict[str, Any] = {"role": role, "request_id": request_id, "replica": self.replica}
+        try:
+            response = await answer
+        except BaseException as exc:
             entry |= {
-                "model": response.model_name,
-                "version": response.model_version,
-                "scores": first_output(response),
+                "model": request.model_name,
+                "version": request.model_version or routed,
+                "error": type(exc).__name__,
             }
             self._append(entry, started)
-            return response
-
-        return with_unary_behaviour(handler, recorded)
+            raise
+        entry |= {
+            "model": response.model_name,
+            "version": response.model_version,
+            "scores": first_output(response),
+        }
+        self._append(entry, started)
+        return response
 
     def _append(self, entry: dict[str, Any], started: float) -> None:
         entry["ms"] = round((time.perf_counter() - started) * 1000, 3)

@@ -3,13 +3,21 @@ server, the target checks, the command line. (The benchmark itself is not a time
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import pytest
 
 from servemesh.cli import build_parser
 from servemesh.load import percentile
 from servemesh.model_bench.load import closed_loop, open_loop, request_bodies
-from servemesh.model_bench.run import BenchConfig, checks
+from servemesh.model_bench.run import (
+    BenchConfig,
+    ServerProcess,
+    TargetUnavailable,
+    aggregate,
+    checks,
+)
 from servemesh.model_bench.targets import EchoServicer
 from servemesh.services.model.service import SERVICE_NAME
 from servemesh.services.runtime import ServiceServer
@@ -79,25 +87,72 @@ def test_checks_compare_with_the_issue_targets() -> None:
     report = {
         "rows": [
             row("servemesh adaptive", "closed", 1, rps=900, p50_ms=1.1, p99_ms=2.0),
+            row("servemesh adaptive", "closed", 16, rps=2800, p50_ms=5, p99_ms=9),
             row("servemesh adaptive", "closed", 64, rps=2700, p50_ms=23, p99_ms=30),
             row("batching off", "closed", 64, rps=1200),
-            row("echo (protocol ceiling)", "closed", 64, rps=3600),
+            row("echo (protocol ceiling)", "closed", 64, rps=3000),
+            row("triton (pytriton)", "closed", 64, rps=1500, p99_ms=52),
             row("adaptive, slow model", "deadline-mix", rps=1800),
             row("fixed window, slow model", "deadline-mix", rps=1400, expired_computed=200),
+            row("servemesh adaptive", "deadline-mix", rps=1900),
+            row("fixed window", "deadline-mix", rps=2000, expired_computed=300),
         ]
     }
     found = {c["target"]: (c["value"], c["met"]) for c in checks(report)}
-    assert found["c=64 req/s vs Triton's 1,070 (x)"] == (2.52, True)
+    assert found["c=64 req/s vs Triton, same run (x)"] == (1.8, True)
+    assert found["c=64 p99 vs Triton's (ms)"] == (30, True)
+    assert found["c=64 req/s vs c=16 (x, no fall)"] == (0.96, False)
     assert found["c=64 req/s vs batching off (x)"] == (2.25, False)
-    assert found["c=64 req/s vs the echo ceiling (x)"] == (0.75, True)
+    assert found["c=64 req/s vs the echo ceiling (x)"] == (0.9, True)
     assert found["c=1 p50 (ms)"] == (1.1, True)
     assert found["model-bound mix: goodput vs fixed window (x)"] == (1.29, True)
     assert found["model-bound mix: expired requests computed"] == (0, True)
+    assert found["protocol-bound mix: goodput vs fixed window (x)"] == (0.95, False)
+
+
+def test_a_skipped_peer_is_reported_as_skipped_not_compared() -> None:
+    adaptive = {"target": "servemesh adaptive", "mode": "closed", "concurrency": 64}
+    report = {
+        "rows": [{**adaptive, "rps": 2000.0, "p50_ms": 20.0, "p99_ms": 30.0}],
+        "skipped": {"triton (pytriton)": ".venv-pytriton/bin/python is missing"},
+    }
+    found = {c["target"]: (c["value"], c["met"]) for c in checks(report)}
+    assert found["c=64 req/s vs Triton, same run (x)"] == ("skipped", None)
+
+
+def test_a_row_is_the_median_of_its_repeats_with_min_max_and_spread() -> None:
+    def sample(rps: float, p99: float, errors: dict[str, int]) -> dict[str, object]:
+        return {
+            **{"target": "t", "mode": "closed", "concurrency": 64, "rps": rps, "ok": 10},
+            **{"p99_ms": p99, "errors": errors, "error_count": sum(errors.values())},
+            **{"mean_batch": None, "outcomes": {"ok": 10}},
+        }
+
+    row = aggregate(
+        [sample(900, 30, {}), sample(1000, 10, {"UNAVAILABLE": 2}), sample(1300, 20, {})]
+    )
+    assert row["rps"] == 1000 and row["p99_ms"] == 20  # each field's own median
+    assert row["concurrency"] == 64 and isinstance(row["concurrency"], int)
+    assert (row["rps_min"], row["rps_max"], row["runs"]) == (900, 1300, [900, 1000, 1300])
+    assert row["spread"] == 0.4  # (1300 - 900) / 1000: beyond 25%, the bench re-runs it
+    assert row["ok"] == 30 and row["errors"] == {"UNAVAILABLE": 2} and row["error_count"] == 2
+    assert row["outcomes"] == {"ok": 30} and row["mean_batch"] is None and row["repeats"] == 3
+
+
+def test_triton_is_skipped_with_the_reason_where_pytriton_is_missing(tmp_path: Path) -> None:
+    config = BenchConfig(against=("triton",), pytriton_python=tmp_path / "none" / "python")
+    triton = [t for t in config.targets() if t.kind == "triton"]
+    assert [t.name for t in triton] == ["triton (pytriton)"]
+    with pytest.raises(TargetUnavailable, match="make pytriton-venv"):
+        ServerProcess(triton[0], config, tmp_path)
 
 
 def test_bench_model_command_line() -> None:
     args = build_parser().parse_args(["bench", "model", "--quick", "--rate", "900"])
     assert args.quick and args.rate == 900 and args.server_cpu == 0 and args.client_cpu == 1
+    assert args.repeats == 3 and args.against == [] and not args.json
+    args = build_parser().parse_args(["bench", "model", "--against", "triton", "--json"])
+    assert args.against == ["triton"] and args.json
     names = [t.name for t in BenchConfig().targets()]
     assert names[:4] == [
         "servemesh adaptive",

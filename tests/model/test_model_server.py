@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -18,7 +20,9 @@ from servemesh.services.model.loader import LoadedModel, load_model
 from servemesh.services.model.repository import natural_key
 from servemesh.services.model.service import SERVICE_NAME, build_server
 from servemesh.services.model.servicer import InferenceServicer
+from servemesh.services.model.shadow import ShadowLedger, ShadowRecorder
 from servemesh.spec import BatchingSpec, MeshSpec, Ports, resolve
+from servemesh.wire import SHADOW_ROLE_HEADER
 from servemesh_api.inference import grpc_service_pb2 as oip
 from tests.model.model_helpers import (
     FEATURES,
@@ -390,3 +394,50 @@ async def test_repository_load_failures_keep_their_status_without_internals(
             await stub.RepositoryModelLoad(broken)
         assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
         assert caught.value.details() == "model loading is not configured on this replica"
+
+
+async def test_calls_beyond_the_in_flight_limit_are_refused_before_they_are_read(
+    artifacts: dict[int, Artifact],
+) -> None:
+    # A slow model keeps the first call in flight; the limit is one call.
+    servicer = InferenceServicer(
+        replica=REPLICA, loader=demo_loader(artifacts, inject_latency_ms=300), max_in_flight=1
+    )
+    await servicer.repository.load("fraud", "v1")
+    async with serving(servicer) as (stub, _):
+        first = asyncio.ensure_future(stub.ModelInfer(infer_request(rows(1)), timeout=5))
+        async with asyncio.timeout(5):
+            while not servicer.in_flight:  # the first call was admitted
+                await asyncio.sleep(0.005)
+        # A malformed request proves the refusal comes before the request is read: no
+        # INVALID_ARGUMENT, and the batcher never saw it.
+        bad = infer_request(rows(1))
+        bad.inputs[0].name = "nonsense"
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.ModelInfer(bad, timeout=5)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "limit of 1 concurrent ModelInfer calls" in (caught.value.details() or "")
+        assert len((await first).outputs) == 1
+        # Answered calls leave: the next one is admitted again.
+        await stub.ModelInfer(infer_request(rows(1)), timeout=5)
+    assert servicer.in_flight == 0
+    assert servicer.repository.resolve("fraud", "v1").batcher.stats.outcomes["ok"] == 2
+
+
+async def test_shadowed_calls_are_recorded_by_the_servicer_with_their_role(
+    artifacts: dict[int, Artifact], tmp_path: Path
+) -> None:
+    ledger = ShadowLedger(tmp_path / "shadow.jsonl")
+    servicer = InferenceServicer(
+        replica=REPLICA, loader=demo_loader(artifacts), shadow=ShadowRecorder(ledger, REPLICA)
+    )
+    await servicer.repository.load("fraud", "v1")
+    async with serving(servicer) as (stub, _):
+        marked_call = [("x-request-id", "r-1"), (SHADOW_ROLE_HEADER, "shadow")]
+        answer = await stub.ModelInfer(infer_request(rows(2)), metadata=marked_call)
+        await stub.ModelInfer(infer_request(rows(1)), metadata=[("x-request-id", "r-2")])
+    ledger.close()
+    [line] = (tmp_path / "shadow.jsonl").read_text().splitlines()  # the unmarked call: none
+    entry = json.loads(line)
+    assert (entry["role"], entry["request_id"], entry["version"]) == ("shadow", "r-1", "v1")
+    assert entry["scores"] == pytest.approx(scores_of(answer).ravel().tolist())

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import tracemalloc
 from collections.abc import Callable
+from types import SimpleNamespace
+from typing import cast
 
 import grpc
 import numpy as np
 import pytest
 
+from servemesh.services.model.inference import _plain_answer
+from servemesh.services.model.loader import LoadedModel
 from servemesh.services.model.tensors import (
     RequestError,
     Signature,
@@ -16,6 +20,7 @@ from servemesh.services.model.tensors import (
     decode_request,
     encode_outputs,
 )
+from servemesh.wire import REPLICA_PARAMETER, ZONE_PARAMETER
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.registry.v1 import registry_pb2
 from tests.model.model_helpers import FEATURES, SIGNATURE, rows
@@ -220,3 +225,25 @@ def test_signatures_the_server_cannot_serve_are_refused(
     output = [registry_pb2.TensorSpec(name="score", datatype="FP32", shape=[-1, 1])]
     with pytest.raises(ValueError, match=message):
         Signature.from_specs(specs, output)
+
+
+def test_the_short_answer_is_the_message_encode_outputs_builds() -> None:
+    loaded = cast(LoadedModel, SimpleNamespace(model="fraud", version="v2", signature=SIGNATURE))
+    scores = np.array([[0.25], [0.75]], dtype=np.float32)
+    for zone in ("zone-a", ""):
+        built = oip.ModelInferResponse(model_name="fraud", model_version="v2")
+        built.parameters[REPLICA_PARAMETER].string_param = "model-0"
+        if zone:
+            built.parameters[ZONE_PARAMETER].string_param = zone
+        encode_outputs(built, scores, SIGNATURE, ("score",), raw=True)
+        assert _plain_answer(loaded, scores, True, "model-0", zone) == built
+    # Typed requests and answers it cannot reproduce exactly take the full path.
+    assert _plain_answer(loaded, scores, False, "model-0", "") is None
+    assert _plain_answer(loaded, scores.astype(np.float64), True, "model-0", "") is None
+
+
+def test_a_raw_request_with_empty_typed_contents_still_decodes() -> None:
+    batch = rows(2)
+    request = raw_request(batch)
+    request.inputs[0].contents.SetInParent()  # present but empty: the full path decides
+    np.testing.assert_array_equal(decode_request(request, SIGNATURE, MAX_ROWS).rows, batch)
