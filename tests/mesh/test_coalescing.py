@@ -16,6 +16,7 @@ import pytest
 from servemesh.identity import dial_service
 from servemesh.launcher import Mesh
 from servemesh.observe.scrape import sample, scrape
+from servemesh.services.runtime.faults import FaultSettings, set_fault
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.mesh.conftest import SLOW_VERSION
 from tests.waiting import wait_until
@@ -87,17 +88,29 @@ def test_an_unknown_entity_among_good_ones_fails_alone(
     mesh: Mesh, direct: gateway_pb2_grpc.GatewayStub
 ) -> None:
     """The view refuses an entity it does not hold (NOT_FOUND): the read they shared is
-    asked again one by one, so only that Predict fails."""
+    asked again one by one, so only that Predict fails. The feature replicas are made slow
+    (300 ms a call) so the Predicts queue behind the first read and share the next."""
+    replicas = [i.name for i in mesh.spec.instances() if i.service == "feature"]
     good = [f"user-{i}" for i in range(30, 42)]
-    model_before = _shared(mesh, "model")
-    with ThreadPoolExecutor(max_workers=len(good) + 1) as pool:
-        first = pool.submit(_predict, direct, "user-29", SLOW_VERSION)
-        _when_in_flight(mesh, model_before[0])
-        bad = pool.submit(_predict, direct, "no-such-user", SLOW_VERSION)
-        answers = list(pool.map(lambda e: _predict(direct, e, SLOW_VERSION), good))
+    before = _shared(mesh, "features")
+    try:
+        for name in replicas:
+            set_fault(mesh.state_dir, name, FaultSettings(delay_percent=100, delay_ms=300))
+        with ThreadPoolExecutor(max_workers=len(good) + 1) as pool:
+            first = pool.submit(_predict, direct, "user-29", "v1")
+            wait_until(
+                lambda: _shared(mesh, "features")[0] > before[0], "the first feature read left"
+            )
+            bad = pool.submit(_predict, direct, "no-such-user", "v1")
+            answers = list(pool.map(lambda e: _predict(direct, e, "v1"), good))
+    finally:
+        for name in replicas:
+            set_fault(mesh.state_dir, name, None)
     assert bad.result() == grpc.StatusCode.NOT_FOUND
     assert isinstance(first.result(), gateway_pb2.PredictResponse)
     assert all(isinstance(a, gateway_pb2.PredictResponse) for a in answers), answers
+    calls, members = (a - b for a, b in zip(_shared(mesh, "features"), before, strict=True))
+    assert members > calls, "no feature read was shared"
 
 
 def test_a_short_deadline_member_gets_deadline_exceeded_and_the_others_their_answers(
