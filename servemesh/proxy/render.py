@@ -451,7 +451,10 @@ def _model_routes(
             },
             "route": action,
             "request_headers_to_add": [*primary, _set_header(VERSION_HEADER, version)],
+            # The answer names the range (and the mirror): a gateway that shared one call
+            # among several callers checks they all belonged here.
             "response_headers_to_add": [
+                *primary,
                 _set_header(VERSION_HEADER, version),
                 _set_header(BUCKET_RANGE_HEADER, f"{start}-{end}"),
             ],

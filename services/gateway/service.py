@@ -50,6 +50,8 @@ from servemesh.wire import (
     OIP_SERVICE,
     REPLICA_PARAMETER,
     REQUEST_ID_HEADER,
+    SHADOW_ROLE_HEADER,
+    SHADOW_ROLE_PRIMARY,
     TRACE_HEADERS,
     VERSION_HEADER,
     ZONE_PARAMETER,
@@ -173,6 +175,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.model_calls: Coalescer[ModelKey, ModelAsk, gateway_pb2.PredictResponse] = Coalescer(
             self._send_infer, on_call=self._counted("model")
         )
+        # Models Envoy was seen mirroring while their spec entry (kept here) named no shadow.
+        self._shadowed: dict[str, ModelSpec] = {}
         # Each model's sticky bucket ranges, for the spec entry they were made from.
         self._ranges: dict[str, tuple[ModelSpec, dict[str, tuple[int, int]]]] = {}
 
@@ -253,17 +257,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except BaseException as exc:
             watch.failed(exc)
             raise
-        if log.isEnabledFor(logging.DEBUG):  # a line per request costs more than it tells
-            log.debug(
-                "predict",
-                extra={
-                    "model": plan.model_name,
-                    "version": answer.model_version,
-                    "replica": answer.model_replica,
-                    "rows": plan.n_rows,
-                    "ms": round((time.perf_counter() - started) * 1000, 3),
-                },
-            )
+        log.info(
+            "predict",
+            extra={
+                "model": plan.model_name,
+                "version": answer.model_version,
+                "replica": answer.model_replica,
+                "rows": plan.n_rows,
+                "ms": round((time.perf_counter() - started) * 1000, 3),
+            },
+        )
         answer.request_id = request_id
         span.set_attribute(SpanAttr.VERSION, answer.model_version)
         if stale:
@@ -490,7 +493,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """As `_infer`, the rows shared with the concurrent Predicts Envoy would send to the
         same version."""
         arm = self._arm(plan)
-        if arm is None or plan.model.shadow is not None:
+        if (
+            arm is None
+            or plan.model.shadow is not None
+            or self._shadowed.get(plan.model_name) is plan.model
+        ):
             # Alone: the weighted split picks a version per call; and a shadowed model's
             # replicas record each call under its request id, which the shadow report pairs.
             return await self._infer(plan, signature, inputs, deadline, metadata, request_id)
@@ -569,7 +576,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return
         misrouted: list[Member[ModelAsk, gateway_pb2.PredictResponse]] = []
         if not pinned and len(members) > 1:
-            misrouted = _outside(members, _served_range(await calls[0].initial_metadata()))
+            headers = await calls[0].initial_metadata()
+            if _shadowed(headers):
+                # Envoy mirrors the model's calls before this gateway's spec says so: its
+                # replicas record each call under its request id, so each member goes alone
+                # (this call's answers unused) until the spec follows.
+                self._shadowed[model_name] = first.plan.model
+                misrouted = members
+            else:
+                misrouted = _outside(members, _served_range(headers))
         for member, own in zip(members, outputs, strict=True):
             if member in misrouted:
                 continue
@@ -606,6 +621,14 @@ def _retry_after(members: list[M], exc: grpc.aio.AioRpcError) -> list[M]:
         earliest = min(m.deadline for m in members)  # type: ignore[attr-defined]
         return [m for m in members if m.deadline > earliest]  # type: ignore[attr-defined]
     return []
+
+
+def _shadowed(metadata: object) -> bool:
+    """Whether Envoy mirrored the call (the route marks the primary's answer)."""
+    return any(
+        key == SHADOW_ROLE_HEADER and value == SHADOW_ROLE_PRIMARY
+        for key, value in metadata or ()  # type: ignore[attr-defined]
+    )
 
 
 def _served_range(metadata: object) -> tuple[int, int] | None:
