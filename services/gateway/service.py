@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -16,6 +18,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link
 
+from servemesh.policy import CircuitBreakers
 from servemesh.predlog import PredictionLog
 from servemesh.services.feature.wire import build_request, read_matrix
 from servemesh.services.gateway.coalesce import Coalescer, Member, fail, settle
@@ -175,6 +178,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.model_calls: Coalescer[ModelKey, ModelAsk, gateway_pb2.PredictResponse] = Coalescer(
             self._send_infer, on_call=self._counted("model")
         )
+        # The spec file this gateway follows (set once it follows one) and its stamp when
+        # last taken: a file changed since is a change Envoy serves already (it is written
+        # once Envoy confirmed) and this gateway not yet, so calls go alone meanwhile.
+        self.spec_file: Callable[[], Path | None] = lambda: None
+        self._spec_stamp: tuple[int, int, int] | None = None
         # Models Envoy was seen mirroring while their spec entry (kept here) named no shadow.
         self._shadowed: dict[str, ModelSpec] = {}
         # Each model's sticky bucket ranges, for the spec entry they were made from.
@@ -192,6 +200,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if spec.models.get(name) != self.spec.models.get(name):
                 del self.signatures[name]
         self.spec = spec
+        self._spec_stamp = _file_stamp(self.spec_file())
 
     @observed
     async def Predict(
@@ -386,6 +395,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """As `_features`, each view's read shared with the concurrent Predicts that read it."""
         if not plan.reads:
             return {}, ""
+        breakers = self.spec.traffic.feature.circuit_breakers
+        if _breaker_counts_calls(breakers, self.spec.coalescing.max_rows):
+            return await self._features(plan, deadline, metadata)
         span = trace.get_current_span().get_span_context()
         limits = self.spec.limits
         max_rows = min(self.spec.coalescing.max_rows, limits.max_rows_per_predict)
@@ -493,13 +505,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """As `_infer`, the rows shared with the concurrent Predicts Envoy would send to the
         same version."""
         arm = self._arm(plan)
+        policy = plan.model.policy or self.spec.traffic.model
         if (
             arm is None
+            or self._spec_in_flux()
             or plan.model.shadow is not None
             or self._shadowed.get(plan.model_name) is plan.model
+            or _breaker_counts_calls(policy.circuit_breakers, self.spec.coalescing.max_rows)
         ):
-            # Alone: the weighted split picks a version per call; and a shadowed model's
-            # replicas record each call under its request id, which the shadow report pairs.
+            # Alone: the weighted split picks a version per call; a shadowed model's replicas
+            # record each call under its request id, which the shadow report pairs; and a
+            # breaker sized below a shared call's rows was sized in Predicts.
             return await self._infer(plan, signature, inputs, deadline, metadata, request_id)
         key: ModelKey = (
             plan.model_name,
@@ -519,6 +535,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return await self.model_calls.submit(
             key, ask, plan.n_rows, deadline - self.budget.hop_budget_s, max_rows
         )
+
+    def _spec_in_flux(self) -> bool:
+        """Whether the spec file changed since this gateway last took it."""
+        stamp = _file_stamp(self.spec_file())
+        if self._spec_stamp is None:
+            self._spec_stamp = stamp  # the spec this gateway started with
+        return stamp != self._spec_stamp
 
     async def _send_infer(
         self, key: ModelKey, members: list[Member[ModelAsk, gateway_pb2.PredictResponse]]
@@ -621,6 +644,24 @@ def _retry_after(members: list[M], exc: grpc.aio.AioRpcError) -> list[M]:
         earliest = min(m.deadline for m in members)  # type: ignore[attr-defined]
         return [m for m in members if m.deadline > earliest]  # type: ignore[attr-defined]
     return []
+
+
+def _file_stamp(path: Path | None) -> tuple[int, int, int] | None:
+    """(inode, size, mtime) of a file: an atomic rename changes the inode."""
+    if path is None:
+        return None
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return (info.st_ino, info.st_size, info.st_mtime_ns)
+
+
+def _breaker_counts_calls(breakers: CircuitBreakers, max_rows: int) -> bool:
+    """Whether a route's circuit breaker is sized below one shared call's rows: Envoy counts
+    calls, so an operator who limits a route to a few concurrent calls limits Predicts, and
+    sharing calls would let many times more through. Such a route is called per Predict."""
+    return min(breakers.max_requests, breakers.max_pending_requests) < max_rows
 
 
 def _shadowed(metadata: object) -> bool:
