@@ -266,16 +266,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except BaseException as exc:
             watch.failed(exc)
             raise
-        log.info(
-            "predict",
-            extra={
-                "model": plan.model_name,
-                "version": answer.model_version,
-                "replica": answer.model_replica,
-                "rows": plan.n_rows,
-                "ms": round((time.perf_counter() - started) * 1000, 3),
-            },
-        )
+        if log.isEnabledFor(logging.DEBUG):  # a line per call cost more than it told
+            log.debug(
+                "predict",
+                extra={
+                    "model": plan.model_name,
+                    "version": answer.model_version,
+                    "replica": answer.model_replica,
+                    "rows": plan.n_rows,
+                    "ms": round((time.perf_counter() - started) * 1000, 3),
+                },
+            )
         answer.request_id = request_id
         span.set_attribute(SpanAttr.VERSION, answer.model_version)
         if stale:
