@@ -53,6 +53,15 @@ class Replicas(_Strict):
     )
 
 
+class CoalescingSpec(_Strict):
+    """The gateway's coalescing: concurrent Predicts for one model and one routing arm share
+    one feature read per view and one ModelInfer (services/gateway/coalesce.py)."""
+
+    enabled: bool = True
+    # Rows (entities) one shared call carries at most; a Predict with more goes alone.
+    max_rows: Annotated[int, Field(ge=1, le=4096)] = 64
+
+
 class BatchingSpec(_Strict):
     max_batch_size: Annotated[int, Field(ge=1, le=4096)] = 64
     # How long the first request of a batch may wait for company, when no full or
@@ -542,6 +551,8 @@ class MeshSpec(_Strict):
     tls: TlsSpec = Field(default_factory=TlsSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     prediction_log: PredictionLogSpec = Field(default_factory=PredictionLogSpec)
+    # How the gateways share feature reads and model calls between concurrent Predicts.
+    coalescing: CoalescingSpec = Field(default_factory=CoalescingSpec)
     tracing: TracingSpec = Field(default_factory=TracingSpec)
     discovery: DiscoverySpec = Field(default_factory=DiscoverySpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)

@@ -8,6 +8,7 @@ that greps the tree keeps it that way.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Final
 
 # --- request headers (gRPC metadata keys are lower case) -------------------------------------
@@ -26,6 +27,29 @@ SHADOW_ROLE_SHADOW: Final = "shadow"
 BUCKET_HEADER: Final = "x-servemesh-bucket"
 # Buckets per model: 10,000 (basis points), so whole-percent weights map to whole ranges.
 BUCKETS: Final = 10_000
+# On an answer Envoy routed by the bucket header: the matched route's range, "start-end"
+# ([start, end)). The gateway checks that every call sharing one ModelInfer belonged there.
+BUCKET_RANGE_HEADER: Final = "x-servemesh-bucket-range"
+
+
+def bucket_ranges(traffic: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+    """Each version's sticky buckets, [start, end) of 0..BUCKETS, from whole-percent weights:
+    consecutive ranges in version order; a version of weight 0 has none. Envoy's bucket
+    routes are rendered from it (servemesh/proxy/render.py); the gateway groups calls by it.
+
+    The order is fixed, so as weight moves between two versions only the boundary between
+    their ranges moves: an entity the canary got at 5% still gets it at 25%, and one the
+    baseline keeps at 25% had it at 5% too."""
+    ranges: dict[str, tuple[int, int]] = {}
+    start = 0
+    for version, weight in sorted(traffic.items()):
+        end = start + weight * BUCKETS // 100
+        if end > start:
+            ranges[version] = (start, end)
+        start = end
+    return ranges
+
+
 # One id per caller request, generated at the edge when the caller sent none.
 REQUEST_ID_HEADER: Final = "x-request-id"
 # W3C trace context, passed on unchanged by every hop.

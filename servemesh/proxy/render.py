@@ -13,7 +13,7 @@ file swap, not a restart; `static_bootstrap` inlines the same resources into one
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from servemesh.proxy.tracing import collector_cluster, hcm_tracing, tracer_runti
 from servemesh.spec import Instance, MeshSpec, ModelSpec, ResolvedSpec, ServiceKind
 from servemesh.wire import (
     BUCKET_HEADER,
-    BUCKETS,
+    BUCKET_RANGE_HEADER,
     CONTROL_METHODS,
     ENVOY_ADMIN_CLUSTER,
     ENVOY_STATS_LISTENER,
@@ -52,6 +52,7 @@ from servemesh.wire import (
     SHADOW_ROLE_PRIMARY,
     SHADOW_ROLE_SHADOW,
     VERSION_HEADER,
+    bucket_ranges,
     fault_runtime_prefix,
     feature_cluster,
     mesh_route_config,
@@ -387,23 +388,6 @@ def _with_fault(route: dict[str, Any], name: str, fault: FaultPolicy) -> dict[st
     return route
 
 
-def bucket_ranges(traffic: Mapping[str, int]) -> dict[str, tuple[int, int]]:
-    """Each version's sticky buckets, [start, end) of 0..BUCKETS, from whole-percent weights:
-    consecutive ranges in version order; a version of weight 0 has none.
-
-    The order is fixed, so as weight moves between two versions only the boundary between
-    their ranges moves: an entity the canary got at 5% still gets it at 25%, and one the
-    baseline keeps at 25% had it at 5% too."""
-    ranges: dict[str, tuple[int, int]] = {}
-    start = 0
-    for version, weight in sorted(traffic.items()):
-        end = start + weight * BUCKETS // 100
-        if end > start:
-            ranges[version] = (start, end)
-        start = end
-    return ranges
-
-
 def _model_routes(
     spec: MeshSpec, model_name: str, model: ModelSpec, zone: str
 ) -> list[dict[str, Any]]:
@@ -467,7 +451,13 @@ def _model_routes(
             },
             "route": action,
             "request_headers_to_add": [*primary, _set_header(VERSION_HEADER, version)],
-            "response_headers_to_add": [_set_header(VERSION_HEADER, version)],
+            # The answer names the range (and the mirror): a gateway that shared one call
+            # among several callers checks they all belonged here.
+            "response_headers_to_add": [
+                *primary,
+                _set_header(VERSION_HEADER, version),
+                _set_header(BUCKET_RANGE_HEADER, f"{start}-{end}"),
+            ],
         }
         routes.append(_with_fault(route, fault_name, policy.fault))
     # Without a bucket (no entity; a caller inside the mesh): the traffic split picks the

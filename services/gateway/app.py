@@ -50,6 +50,9 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         spec, mesh_channel, PredictMetrics(server.metrics.registry), predictions
     )
     server.add_service(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, GATEWAY_SERVICE)
+    # The file `servemesh apply` rewrites (known once the server follows it): the servicer
+    # sends calls alone while it changed and is not yet followed.
+    servicer.spec_file = lambda: server.live_spec.path if server.live_spec is not None else None
     # Models and versions added or removed by `servemesh apply` are served (or refused) as
     # soon as the spec file says so.
     server.on_spec_change(servicer.follow_spec)

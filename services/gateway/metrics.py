@@ -7,6 +7,7 @@ by status, and their latency, beside the RPC metrics every service has.
 | servemesh_gateway_predict_duration_seconds | histogram | model, version |
 | servemesh_gateway_prediction_score | histogram | model, version |
 | servemesh_gateway_model_calls_total | counter | model, version, code |
+| servemesh_gateway_coalesced_members | histogram | call |
 
 `version` is the version that answered (the replica says which); a call whose model call
 failed carries the version Envoy routed it to (Envoy names it in a response header), one
@@ -24,6 +25,10 @@ The last two are what a rollout's analysis compares between a canary and its bas
 - `model_calls_total`: every ModelInfer the gateway made, by the version Envoy routed it
   to and its status, including calls a fallback then answered for: the version's own
   success ratio, which a fallback would otherwise hide from `predictions_total`.
+
+`coalesced_members`: the Predicts that shared each downstream call the gateway made while
+coalescing (services/gateway/coalesce.py), by call ("features": a GetFeatures, "model": a
+ModelInfer); a call made for one Predict alone counts 1.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ from servemesh_api.gateway.v1 import gateway_pb2
 
 Key = tuple[str, str, str, str]
 
+
+# Members per coalesced call: up to the largest row cap a spec allows.
+COALESCED_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 
 # The version a degraded fallback answer names (services/gateway/predict.py answers it).
 FALLBACK_VERSION = "fallback"
@@ -81,6 +89,14 @@ class PredictMetrics:
             ["model", "version", "code"],
             registry=self.registry,
         )
+        self._coalesced = Histogram(
+            "servemesh_gateway_coalesced_members",
+            "Predicts that shared one downstream call, by call (features, model).",
+            ["call"],
+            buckets=COALESCED_BUCKETS,
+            registry=self.registry,
+        )
+        self._coalesced_by: dict[str, Any] = {}
         self._counters: dict[Key, Any] = {}
         self._timers: dict[tuple[str, str], Any] = {}
         self._scores: dict[tuple[str, str], Any] = {}
@@ -115,6 +131,13 @@ class PredictMetrics:
         if counter is None:
             counter = self._calls[key] = self._model_calls.labels(*key)
         counter.inc()
+
+    def record_coalesced(self, call: str, members: int) -> None:
+        """One downstream call made for `members` Predicts."""
+        child = self._coalesced_by.get(call)
+        if child is None:
+            child = self._coalesced_by[call] = self._coalesced.labels(call)
+        child.observe(members)
 
 
 class _Observed(Protocol):

@@ -369,14 +369,43 @@ def build_infer_request(
     """An OIP v2 request with one raw tensor per model input, in the signature's order and
     datatypes: `views` float32 matrices (converted here), `raw` already conformed. No
     outputs are named, so the model answers all of them."""
-    request = oip.ModelInferRequest(
-        model_name=plan.model_name, model_version=plan.version, id=request_id
+    return shared_infer_request(
+        plan.model_name,
+        plan.version,
+        signature,
+        [wire_inputs(signature, views, raw)],
+        request_id,
     )
+
+
+def wire_inputs(
+    signature: ModelSignature, views: Mapping[str, np.ndarray], raw: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """Every model input in the model's wire layout, by name: `views` float32 matrices
+    converted to the input's datatype (InvalidArgument naming the input when a value does
+    not fit), `raw` already conformed."""
+    wire: dict[str, np.ndarray] = {}
     for meta in signature.inputs:
         if meta.name in raw:
-            wire = raw[meta.name]
+            wire[meta.name] = raw[meta.name]
         else:
-            wire = to_wire(views[meta.name], meta.datatype, f"inputs[{meta.name!r}]")
+            wire[meta.name] = to_wire(views[meta.name], meta.datatype, f"inputs[{meta.name!r}]")
+    return wire
+
+
+def shared_infer_request(
+    model_name: str,
+    version: str,
+    signature: ModelSignature,
+    members: Sequence[Mapping[str, np.ndarray]],
+    request_id: str,
+) -> oip.ModelInferRequest:
+    """One OIP v2 request carrying the rows of every member (their `wire_inputs`, which
+    share per-row shapes), one after the other in member order."""
+    request = oip.ModelInferRequest(model_name=model_name, model_version=version, id=request_id)
+    for meta in signature.inputs:
+        parts = [inputs[meta.name] for inputs in members]
+        wire = parts[0] if len(parts) == 1 else np.concatenate(parts)
         request.inputs.add(name=meta.name, datatype=meta.datatype, shape=list(wire.shape))
         request.raw_input_contents.append(wire.tobytes())
     return request
@@ -385,17 +414,35 @@ def build_infer_request(
 def read_outputs(response: oip.ModelInferResponse, n_rows: int) -> dict[str, gateway_pb2.Tensor]:
     """Every output of the model's answer as a public Tensor; Internal when one does not
     have one row per request row."""
-    outputs: dict[str, gateway_pb2.Tensor] = {}
+    return split_outputs(response, [n_rows])[0]
+
+
+def split_outputs(
+    response: oip.ModelInferResponse, counts: Sequence[int]
+) -> list[dict[str, gateway_pb2.Tensor]]:
+    """Every output of an answer to a call carrying several members' rows, cut into each
+    member's public Tensors (`counts`: each member's rows, in order); Internal when an
+    output does not have one row per request row."""
+    total = sum(counts)
+    decoded = []
     for index, output in enumerate(response.outputs):
         values = decode_output(response, index)
-        if values.ndim < 1 or values.shape[0] != n_rows:
+        if values.ndim < 1 or values.shape[0] != total:
             raise Internal(
-                f"model output {output.name!r} has shape {list(values.shape)} for {n_rows} rows"
+                f"model output {output.name!r} has shape {list(values.shape)} for {total} rows"
             )
-        outputs[output.name] = to_public(values, output.datatype)
-    if not outputs:
+        decoded.append((output.name, output.datatype, values))
+    if not decoded:
         raise Internal("model answered no output")
-    return outputs
+    answers = []
+    start = 0
+    for count in counts:
+        end = start + count
+        answers.append(
+            {name: to_public(values[start:end], datatype) for name, datatype, values in decoded}
+        )
+        start = end
+    return answers
 
 
 def scores_of(outputs: Mapping[str, gateway_pb2.Tensor], n_rows: int) -> list[float]:

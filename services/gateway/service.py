@@ -3,45 +3,62 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link
 
+from servemesh.policy import CircuitBreakers
 from servemesh.predlog import PredictionLog
+from servemesh.services.feature.wire import build_request, read_matrix
+from servemesh.services.gateway.coalesce import Coalescer, Member, fail, settle
 from servemesh.services.gateway.metrics import PredictMetrics, observed
 from servemesh.services.gateway.predict import (
     ModelSignature,
     PredictPlan,
     ViewRead,
-    build_infer_request,
     conform_inputs,
     fallback_response,
     plan_predict,
     read_outputs,
     scores_of,
+    shared_infer_request,
     signature_from_metadata,
+    split_outputs,
     stale_reason,
     view_inputs,
+    wire_inputs,
 )
 from servemesh.services.runtime import DeadlineBudget, bind_request_id, request_id_from
 from servemesh.services.runtime.errors import Internal, MeshError
-from servemesh.services.runtime.tracing import traced_call
-from servemesh.spec import MeshSpec
+from servemesh.services.runtime.logs import new_request_id
+from servemesh.services.runtime.tracing import traced_call, tracer
+from servemesh.spec import MeshSpec, ModelSpec
 from servemesh.wire import (
     BUCKET_HEADER,
+    BUCKET_RANGE_HEADER,
     FEATURE_SERVICE,
     MODEL_HEADER,
     MODEL_INFER_METHOD,
     OIP_SERVICE,
     REPLICA_PARAMETER,
     REQUEST_ID_HEADER,
+    SHADOW_ROLE_HEADER,
+    SHADOW_ROLE_PRIMARY,
     TRACE_HEADERS,
     VERSION_HEADER,
     ZONE_PARAMETER,
+    bucket_ranges,
     method_path,
 )
 from servemesh.wire import (
@@ -54,6 +71,9 @@ from servemesh_api.inference import grpc_service_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+K = TypeVar("K")
+M = TypeVar("M")
+
 GET_FEATURES_METHOD = method_path(FEATURE_SERVICE, "GetFeatures")
 MODEL_METADATA_METHOD = method_path(OIP_SERVICE, "ModelMetadata")
 
@@ -65,6 +85,46 @@ FALLBACK_CODES = {
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN,
 }
+
+
+# Failures of a shared call that may be one member's fault (an entity the view refuses, a
+# row the model refuses): its members are asked again one by one, so only that one fails.
+MEMBER_FAULT_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.OUT_OF_RANGE,
+}
+
+
+@dataclass(frozen=True)
+class FeatureAsk:
+    """One Predict's read of one view, as it joins a shared GetFeatures."""
+
+    read: ViewRead
+    metadata: list[tuple[str, str]]  # its own request id and trace headers
+    span: trace.SpanContext  # its server span's
+
+
+# A shared GetFeatures: the view and the features read (the same for every member).
+FeatureKey = tuple[str, tuple[str, ...]]
+# A shared ModelInfer: the model, its spec entry (by identity: a spec change starts new
+# calls), where Envoy sends it (a pinned version, or a version's bucket range), and the
+# per-row shape of every input (rows of one shape concatenate).
+ModelKey = tuple[str, int, tuple[str, int, int], tuple[tuple[int, ...], ...]]
+PINNED = -1  # the range of a pinned call's key: Envoy routes it by version alone
+
+
+@dataclass(frozen=True)
+class ModelAsk:
+    """One Predict's rows, as they join a shared ModelInfer."""
+
+    plan: PredictPlan
+    signature: ModelSignature
+    inputs: dict[str, np.ndarray]  # every model input in wire layout
+    metadata: list[tuple[str, str]]  # its own request id and trace headers
+    span: trace.SpanContext  # its server span's
+    bucket: int | None  # the sticky bucket (None: pinned)
 
 
 class DownstreamError(MeshError):
@@ -110,6 +170,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # alias may move), and the spec's contract says every version takes the same
         # inputs, so whichever version answers speaks for all.
         self.signatures: dict[str, ModelSignature] = {}
+        # Concurrent Predicts share calls (services/gateway/coalesce.py): one GetFeatures
+        # per view and one ModelInfer per model and routing arm.
+        self.feature_calls: Coalescer[FeatureKey, FeatureAsk, tuple[np.ndarray, str]] = Coalescer(
+            self._send_features, on_call=self._counted("features")
+        )
+        self.model_calls: Coalescer[ModelKey, ModelAsk, gateway_pb2.PredictResponse] = Coalescer(
+            self._send_infer, on_call=self._counted("model")
+        )
+        # The spec file this gateway follows (set once it follows one) and its stamp when
+        # last taken: a file changed since is a change Envoy serves already (it is written
+        # once Envoy confirmed) and this gateway not yet, so calls go alone meanwhile.
+        self.spec_file: Callable[[], Path | None] = lambda: None
+        self._spec_stamp: tuple[int, int, int] | None = None
+        # Models Envoy was seen mirroring while their spec entry (kept here) named no shadow.
+        self._shadowed: dict[str, ModelSpec] = {}
+        # Each model's sticky bucket ranges, for the spec entry they were made from.
+        self._ranges: dict[str, tuple[ModelSpec, dict[str, tuple[int, int]]]] = {}
 
     def use_channel(self, mesh_channel: grpc.aio.Channel) -> None:
         """Send calls from now on over `mesh_channel` (a re-dial after a rotation)."""
@@ -123,6 +200,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if spec.models.get(name) != self.spec.models.get(name):
                 del self.signatures[name]
         self.spec = spec
+        self._spec_stamp = _file_stamp(self.spec_file())
 
     @observed
     async def Predict(
@@ -148,18 +226,32 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             span.set_attribute(SpanAttr.MODEL, plan.model_name)
             signature = await self._signature(plan, deadline, metadata)
             raw = conform_inputs(plan, signature)
-            matrices, stale = await watch.features(self._features(plan, deadline, metadata))
-            answer = await watch.inference(
-                self._infer(
-                    plan,
-                    signature,
-                    view_inputs(plan, matrices),
-                    raw,
-                    deadline,
-                    metadata,
-                    request_id,
+            if self.spec.coalescing.enabled:
+                matrices, stale = await watch.features(
+                    self._features_shared(plan, deadline, metadata)
                 )
-            )
+                answer = await watch.inference(
+                    self._infer_shared(
+                        plan,
+                        signature,
+                        wire_inputs(signature, view_inputs(plan, matrices), raw),
+                        deadline,
+                        metadata,
+                        request_id,
+                    )
+                )
+            else:
+                matrices, stale = await watch.features(self._features(plan, deadline, metadata))
+                answer = await watch.inference(
+                    self._infer(
+                        plan,
+                        signature,
+                        wire_inputs(signature, view_inputs(plan, matrices), raw),
+                        deadline,
+                        metadata,
+                        request_id,
+                    )
+                )
         except DownstreamError as exc:
             fallback = (
                 fallback_response(plan, request_id, str(exc))
@@ -174,16 +266,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except BaseException as exc:
             watch.failed(exc)
             raise
-        log.info(
-            "predict",
-            extra={
-                "model": plan.model_name,
-                "version": answer.model_version,
-                "replica": answer.model_replica,
-                "rows": plan.n_rows,
-                "ms": round((time.perf_counter() - started) * 1000, 3),
-            },
-        )
+        if log.isEnabledFor(logging.DEBUG):  # a line per call cost more than it told
+            log.debug(
+                "predict",
+                extra={
+                    "model": plan.model_name,
+                    "version": answer.model_version,
+                    "replica": answer.model_replica,
+                    "rows": plan.n_rows,
+                    "ms": round((time.perf_counter() - started) * 1000, 3),
+                },
+            )
         answer.request_id = request_id
         span.set_attribute(SpanAttr.VERSION, answer.model_version)
         if stale:
@@ -242,9 +335,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _read_view(
         self, read: ViewRead, deadline: float, metadata: list[tuple[str, str]]
     ) -> tuple[np.ndarray, str]:
-        lookup = feature_pb2.GetFeaturesRequest(
-            view=read.view, entity_ids=read.entity_ids, feature_names=read.features
-        )
+        lookup = build_request(read.view, read.entity_ids, read.features)
         try:
             reply = await traced_call(
                 GET_FEATURES_METHOD,
@@ -255,23 +346,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )
         except grpc.aio.AioRpcError as exc:
             raise DownstreamError("feature service", exc) from None
-        matrix = np.array([v.values for v in reply.vectors], dtype=np.float32)
-        if matrix.shape != (len(read.entity_ids), len(read.features)):
-            raise Internal(f"feature service answered a matrix of the wrong shape for {read.view}")
+        matrix = _matrix_of(reply, read.view, len(read.entity_ids), len(read.features))
         return matrix, stale_reason(read.entity_ids, reply.vectors)
 
     async def _infer(
         self,
         plan: PredictPlan,
         signature: ModelSignature,
-        views: Mapping[str, np.ndarray],
-        raw: Mapping[str, np.ndarray],
+        inputs: Mapping[str, np.ndarray],
         deadline: float,
         metadata: list[tuple[str, str]],
         request_id: str,
     ) -> gateway_pb2.PredictResponse:
         try:
-            infer = build_infer_request(plan, signature, views, raw, request_id)
+            infer = shared_infer_request(
+                plan.model_name, plan.version, signature, [inputs], request_id
+            )
             reply = await traced_call(
                 MODEL_INFER_METHOD,
                 lambda sent: self.models.ModelInfer(
@@ -290,13 +380,374 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self.metrics.record_model_call(plan.model_name, reply.model_version, exc.code.name)
             raise
         self.metrics.record_model_call(plan.model_name, reply.model_version, "OK")
-        return gateway_pb2.PredictResponse(
-            scores=scores_of(outputs, plan.n_rows),
-            outputs=outputs,
-            model_version=reply.model_version,
-            model_replica=_string_parameter(reply, REPLICA_PARAMETER),
-            model_zone=_string_parameter(reply, ZONE_PARAMETER),
+        return _answer(reply, outputs, plan.n_rows)
+
+    # --- shared calls (coalescing) -----------------------------------------------------
+
+    def _counted(self, call: str) -> Callable[[object, int], None]:
+        def count(_key: object, members: int) -> None:
+            self.metrics.record_coalesced(call, members)
+
+        return count
+
+    async def _features_shared(
+        self, plan: PredictPlan, deadline: float, metadata: list[tuple[str, str]]
+    ) -> tuple[dict[str, np.ndarray], str]:
+        """As `_features`, each view's read shared with the concurrent Predicts that read it."""
+        if not plan.reads:
+            return {}, ""
+        breakers = self.spec.traffic.feature.circuit_breakers
+        if _breaker_counts_calls(breakers, self.spec.coalescing.max_rows):
+            return await self._features(plan, deadline, metadata)
+        span = trace.get_current_span().get_span_context()
+        limits = self.spec.limits
+        max_rows = min(self.spec.coalescing.max_rows, limits.max_rows_per_predict)
+        leave_by = deadline - self.budget.hop_budget_s
+        asks = [
+            self.feature_calls.submit(
+                (read.view, tuple(read.features)),
+                FeatureAsk(read, metadata, span),
+                len(read.entity_ids),
+                leave_by,
+                min(max_rows, limits.max_feature_cells // max(1, len(read.features))),
+            )
+            for read in plan.reads
+        ]
+        read = [await asks[0]] if len(asks) == 1 else await asyncio.gather(*asks)
+        matrices = {r.view: matrix for r, (matrix, _) in zip(plan.reads, read, strict=True)}
+        reasons = [reason for _, reason in read if reason]
+        return matrices, "; ".join(reasons)
+
+    async def _send_features(
+        self, key: FeatureKey, members: list[Member[FeatureAsk, tuple[np.ndarray, str]]]
+    ) -> None:
+        """One GetFeatures for every member: the union of their entity ids (an entity asked
+        twice is read once), each member answered its own rows and stale entities."""
+        view, features = key
+        if len(members) == 1:
+            ids = members[0].item.read.entity_ids
+        else:
+            ids = list(dict.fromkeys(e for m in members for e in m.item.read.entity_ids))
+        lookup = build_request(view, ids, features)
+        deadline = min(m.deadline for m in members) + self.budget.hop_budget_s
+        try:
+            with _current(_shared_span(GET_FEATURES_METHOD, members)):
+                reply = await traced_call(
+                    GET_FEATURES_METHOD,
+                    lambda sent: self.features.GetFeatures(
+                        lookup, timeout=self.budget.remaining(deadline), metadata=sent
+                    ),
+                    _shared_metadata(members),
+                )
+            matrix = _matrix_of(reply, view, len(ids), len(features))
+        except grpc.aio.AioRpcError as exc:
+            retry = _retry_after(members, exc)
+            for member in members:
+                if member not in retry:
+                    fail(member, DownstreamError("feature service", exc))
+            await self._send_each_or_all(self._send_features, key, retry, exc)
+            return
+        except MeshError as exc:
+            for member in members:
+                fail(member, exc)
+            return
+        if len(members) == 1:
+            settle(members[0], (matrix, stale_reason(ids, reply.vectors)))
+            return
+        position = {entity: i for i, entity in enumerate(ids)}
+        for member in members:
+            own = member.item.read.entity_ids
+            rows = [position[entity] for entity in own]
+            vectors = [reply.vectors[i] for i in rows]
+            settle(member, (matrix[rows], stale_reason(own, vectors)))
+
+    async def _send_each_or_all(
+        self,
+        send: Callable[[K, list[M]], Awaitable[None]],
+        key: K,
+        members: list[M],
+        exc: grpc.aio.AioRpcError,
+    ) -> None:
+        """Ask again for `members` after a shared call failed with `exc`: one by one when the
+        failure may be one member's fault, else together."""
+        if not members:
+            return
+        if exc.code() in MEMBER_FAULT_CODES:
+            await asyncio.gather(*(send(key, [member]) for member in members))
+        else:
+            await send(key, members)
+
+    def _arm(self, plan: PredictPlan) -> tuple[str, int, int] | None:
+        """Where Envoy sends the call: its pinned version, or the version whose bucket range
+        holds its sticky bucket (per the spec this gateway follows); None when the weighted
+        split picks per call (no entity), which no other call may share."""
+        if plan.version:
+            return (plan.version, PINNED, PINNED)
+        bucket = plan.bucket
+        if bucket is None:
+            return None
+        cached = self._ranges.get(plan.model_name)
+        if cached is None or cached[0] is not plan.model:
+            cached = self._ranges[plan.model_name] = (plan.model, bucket_ranges(plan.model.traffic))
+        for version, (start, end) in cached[1].items():
+            if start <= bucket < end:
+                return (version, start, end)
+        return None
+
+    async def _infer_shared(
+        self,
+        plan: PredictPlan,
+        signature: ModelSignature,
+        inputs: dict[str, np.ndarray],
+        deadline: float,
+        metadata: list[tuple[str, str]],
+        request_id: str,
+    ) -> gateway_pb2.PredictResponse:
+        """As `_infer`, the rows shared with the concurrent Predicts Envoy would send to the
+        same version."""
+        arm = self._arm(plan)
+        policy = plan.model.policy or self.spec.traffic.model
+        if (
+            arm is None
+            or self._spec_in_flux()
+            or plan.model.shadow is not None
+            or self._shadowed.get(plan.model_name) is plan.model
+            or _breaker_counts_calls(policy.circuit_breakers, self.spec.coalescing.max_rows)
+        ):
+            # Alone: the weighted split picks a version per call; a shadowed model's replicas
+            # record each call under its request id, which the shadow report pairs; and a
+            # breaker sized below a shared call's rows was sized in Predicts.
+            return await self._infer(plan, signature, inputs, deadline, metadata, request_id)
+        key: ModelKey = (
+            plan.model_name,
+            id(plan.model),
+            arm,
+            tuple(array.shape[1:] for array in inputs.values()),
         )
+        ask = ModelAsk(
+            plan,
+            signature,
+            inputs,
+            metadata,
+            trace.get_current_span().get_span_context(),
+            plan.bucket,
+        )
+        max_rows = min(self.spec.coalescing.max_rows, plan.model.batching.max_rows_per_request)
+        return await self.model_calls.submit(
+            key, ask, plan.n_rows, deadline - self.budget.hop_budget_s, max_rows
+        )
+
+    def _spec_in_flux(self) -> bool:
+        """Whether the spec file changed since this gateway last took it."""
+        stamp = _file_stamp(self.spec_file())
+        if self._spec_stamp is None:
+            self._spec_stamp = stamp  # the spec this gateway started with
+        return stamp != self._spec_stamp
+
+    async def _send_infer(
+        self, key: ModelKey, members: list[Member[ModelAsk, gateway_pb2.PredictResponse]]
+    ) -> None:
+        """One ModelInfer carrying every member's rows, each member answered its own."""
+        model_name, _, (version, start, _end), _ = key
+        first = members[0].item
+        pinned = start == PINNED
+        metadata = _shared_metadata(members)
+        infer = shared_infer_request(
+            model_name,
+            first.plan.version,
+            first.signature,
+            [m.item.inputs for m in members],
+            dict(metadata)[REQUEST_ID_HEADER],
+        )
+        routing = [(MODEL_HEADER, model_name)]
+        if pinned:
+            routing.append((VERSION_HEADER, version))
+        else:
+            routing.append((BUCKET_HEADER, str(first.bucket)))
+        deadline = min(m.deadline for m in members) + self.budget.hop_budget_s
+        calls: list[grpc.aio.UnaryUnaryCall] = []
+
+        def call(sent: list[tuple[str, str]]) -> grpc.aio.UnaryUnaryCall:
+            started = self.models.ModelInfer(
+                infer, timeout=self.budget.remaining(deadline), metadata=sent
+            )
+            calls.append(started)
+            return started
+
+        try:
+            with _current(_shared_span(MODEL_INFER_METHOD, members)):
+                reply = await traced_call(MODEL_INFER_METHOD, call, metadata + routing)
+        except grpc.aio.AioRpcError as exc:
+            failed = routed_version(exc) or first.plan.version
+            retry = _retry_after(members, exc)
+            for member in members:
+                if member not in retry:
+                    self.metrics.record_model_call(model_name, failed, exc.code().name)
+                    fail(member, DownstreamError("model service", exc, failed))
+            await self._send_each_or_all(self._send_infer, key, retry, exc)
+            return
+        except MeshError as exc:
+            for member in members:
+                fail(member, exc)
+            return
+        answered = reply.model_version
+        try:
+            outputs = split_outputs(reply, [m.item.plan.n_rows for m in members])
+        except MeshError as exc:  # an answer of the wrong shape is the version's fault
+            for member in members:
+                self.metrics.record_model_call(model_name, answered, exc.code.name)
+                fail(member, exc)
+            return
+        misrouted: list[Member[ModelAsk, gateway_pb2.PredictResponse]] = []
+        if not pinned and len(members) > 1:
+            headers = await calls[0].initial_metadata()
+            if _shadowed(headers):
+                # Envoy mirrors the model's calls before this gateway's spec says so: its
+                # replicas record each call under its request id, so each member goes alone
+                # (this call's answers unused) until the spec follows.
+                self._shadowed[model_name] = first.plan.model
+                misrouted = members
+            else:
+                misrouted = _outside(members, _served_range(headers))
+        for member, own in zip(members, outputs, strict=True):
+            if member in misrouted:
+                continue
+            self.metrics.record_model_call(model_name, answered, "OK")
+            settle(member, _answer(reply, own, member.item.plan.n_rows))
+        # Envoy's routes moved before this gateway's spec followed (a weight change under
+        # way): the rows of members whose bucket the answering route does not hold were
+        # computed by another version than their own; each is asked again, routed alone.
+        await asyncio.gather(*(self._send_infer(key, [member]) for member in misrouted))
+
+
+def _answer(
+    reply: oip.ModelInferResponse, outputs: dict[str, gateway_pb2.Tensor], n_rows: int
+) -> gateway_pb2.PredictResponse:
+    return gateway_pb2.PredictResponse(
+        scores=scores_of(outputs, n_rows),
+        outputs=outputs,
+        model_version=reply.model_version,
+        model_replica=_string_parameter(reply, REPLICA_PARAMETER),
+        model_zone=_string_parameter(reply, ZONE_PARAMETER),
+    )
+
+
+def _retry_after(members: list[M], exc: grpc.aio.AioRpcError) -> list[M]:
+    """The members of a failed shared call that are asked again: all of them when the
+    failure may be one member's fault; on DEADLINE_EXCEEDED those with time beyond the
+    earliest deadline (the call left with it; they need not share its end); none else."""
+    if len(members) < 2:
+        return []
+    code = exc.code()
+    if code in MEMBER_FAULT_CODES:
+        return list(members)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        earliest = min(m.deadline for m in members)  # type: ignore[attr-defined]
+        return [m for m in members if m.deadline > earliest]  # type: ignore[attr-defined]
+    return []
+
+
+def _file_stamp(path: Path | None) -> tuple[int, int, int] | None:
+    """(inode, size, mtime) of a file: an atomic rename changes the inode."""
+    if path is None:
+        return None
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return (info.st_ino, info.st_size, info.st_mtime_ns)
+
+
+def _breaker_counts_calls(breakers: CircuitBreakers, max_rows: int) -> bool:
+    """Whether a route's circuit breaker is sized below one shared call's rows: Envoy counts
+    calls, so an operator who limits a route to a few concurrent calls limits Predicts, and
+    sharing calls would let many times more through. Such a route is called per Predict."""
+    return min(breakers.max_requests, breakers.max_pending_requests) < max_rows
+
+
+def _shadowed(metadata: object) -> bool:
+    """Whether Envoy mirrored the call (the route marks the primary's answer)."""
+    return any(
+        key == SHADOW_ROLE_HEADER and value == SHADOW_ROLE_PRIMARY
+        for key, value in metadata or ()  # type: ignore[attr-defined]
+    )
+
+
+def _served_range(metadata: object) -> tuple[int, int] | None:
+    """The bucket range of the route that answered (BUCKET_RANGE_HEADER), if it says."""
+    for key, value in metadata or ():  # type: ignore[attr-defined]
+        if key == BUCKET_RANGE_HEADER:
+            start, _, end = str(value).partition("-")
+            try:
+                return int(start), int(end)
+            except ValueError:
+                return None
+    return None
+
+
+def _outside(
+    members: list[Member[ModelAsk, gateway_pb2.PredictResponse]], served: tuple[int, int] | None
+) -> list[Member[ModelAsk, gateway_pb2.PredictResponse]]:
+    """The members whose bucket the answering route does not hold; without its range, all
+    but the first (whose bucket routed the call)."""
+    if served is None:
+        return members[1:]
+    start, end = served
+    return [m for m in members if m.item.bucket is None or not start <= m.item.bucket < end]
+
+
+@contextlib.contextmanager
+def _current(span: trace.Span | None) -> Iterator[None]:
+    """`span` current (and ended) around the block; nothing without one."""
+    if span is None:
+        yield
+        return
+    with trace.use_span(span, end_on_exit=True):
+        yield
+
+
+def _matrix_of(
+    reply: feature_pb2.GetFeaturesResponse, view: str, rows: int, features: int
+) -> np.ndarray:
+    if len(reply.vectors) != rows:
+        raise Internal(f"feature service answered a matrix of the wrong shape for {view}")
+    try:
+        return read_matrix(reply, features)
+    except ValueError:
+        raise Internal(f"feature service answered a matrix of the wrong shape for {view}") from None
+
+
+def _shared_metadata(
+    members: Sequence[Member[Any, Any]],
+) -> list[tuple[str, str]]:
+    """The metadata of a shared call: a lone member's own; several members' call gets an id
+    of its own (each member's is on its span's link) and the first member's trace headers,
+    whose sampling decision the call keeps when nobody's trace records it."""
+    first = members[0].item.metadata
+    if len(members) == 1:
+        return first
+    return [(REQUEST_ID_HEADER, new_request_id()), *(kv for kv in first if kv[0] in TRACE_HEADERS)]
+
+
+def _shared_span(name: str, members: Sequence[Member[Any, Any]]) -> trace.Span | None:
+    """The span of a call several members share, when one of their traces records: a trace
+    of its own, linked to every member's server span (as the model server's batch span)."""
+    if len(members) == 1:
+        return None  # a lone member's call is its own: traced_call makes its client span
+    contexts = [m.item.span for m in members]
+    if not any(ctx.trace_flags.sampled for ctx in contexts):
+        return None
+    return tracer().start_span(
+        name,
+        context=Context(),
+        links=[Link(ctx) for ctx in contexts if ctx.is_valid],
+        attributes={
+            SpanAttr.BATCH_REQUESTS: len(members),
+            SpanAttr.REQUEST_ID: ",".join(
+                str(dict(m.item.metadata).get(REQUEST_ID_HEADER, "")) for m in members
+            ),
+        },
+    )
 
 
 def _string_parameter(reply: oip.ModelInferResponse, name: str) -> str:

@@ -53,7 +53,8 @@ ALLOWED: dict[str, set[str]] = {
     "identity": {"spec", "policy", "demo", "demo_model", "atomic"},
     # the services: the runtime under them, the contract, and nothing that runs a mesh
     "services.runtime": CONTRACT | {"discovery"},  # a service joins the catalog
-    "services.gateway": CONTRACT | {"services.runtime", "predlog"},
+    # (and the feature service's wire format, services/feature/wire.py, to read its answers)
+    "services.gateway": CONTRACT | {"services.runtime", "predlog", "services.feature"},
     "services.feature": CONTRACT | {"services.runtime"},
     "services.model": CONTRACT | {"services.runtime", "registry"},  # its artifact client
     "registry": CONTRACT | {"services.runtime"},

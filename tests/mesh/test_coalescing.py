@@ -1,0 +1,128 @@
+"""Coalescing through a real mesh: concurrent Predicts share the gateway's feature reads and
+model calls, and sharing changes no answer, no failure and no deadline.
+
+The slow version (v3: the demo model plus 200 ms a batch) holds a call in flight long enough
+for the next Predicts to queue behind it, so they leave together; calls go straight to one
+gateway, so they meet in its coalescer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from servemesh.identity import dial_service
+from servemesh.launcher import Mesh
+from servemesh.observe.scrape import sample, scrape
+from servemesh.services.runtime.faults import FaultSettings, set_fault
+from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.mesh.conftest import SLOW_VERSION
+from tests.waiting import wait_until
+
+GATEWAY = "gateway-zone-a-0"
+MEMBERS = "servemesh_gateway_coalesced_members"
+
+
+@pytest.fixture(scope="module")
+def direct(mesh: Mesh) -> Iterator[gateway_pb2_grpc.GatewayStub]:
+    """Predict straight to one gateway replica."""
+    with dial_service(mesh.spec, GATEWAY).channel() as channel:
+        yield gateway_pb2_grpc.GatewayStub(channel)
+
+
+def _shared(mesh: Mesh, call: str) -> tuple[float, float]:
+    """(calls, Predicts they carried) of the gateway's `call` so far."""
+    samples = scrape(mesh.spec.metrics_address_of(GATEWAY))
+    return (
+        sample(samples, f"{MEMBERS}_count", {"call": call}),
+        sample(samples, f"{MEMBERS}_sum", {"call": call}),
+    )
+
+
+def _predict(
+    stub: gateway_pb2_grpc.GatewayStub, entity: str, version: str, timeout: float = 10.0
+) -> gateway_pb2.PredictResponse | grpc.StatusCode:
+    try:
+        return stub.Predict(
+            gateway_pb2.PredictRequest(model="fraud", version=version, entity_ids=[entity]),
+            timeout=timeout,
+        )
+    except grpc.RpcError as exc:
+        return exc.code()
+
+
+def _when_in_flight(mesh: Mesh, calls_before: float) -> None:
+    wait_until(lambda: _shared(mesh, "model")[0] > calls_before, "the first model call left")
+
+
+def test_concurrent_predicts_share_calls_and_get_the_answers_they_get_alone(
+    mesh: Mesh, direct: gateway_pb2_grpc.GatewayStub
+) -> None:
+    entities = [f"user-{i}" for i in range(24)]
+    # Alone, one at a time: v1 and the slow v3 are the same model.
+    alone = {e: _predict(direct, e, "v1") for e in entities}
+    model_before, features_before = _shared(mesh, "model"), _shared(mesh, "features")
+    with ThreadPoolExecutor(max_workers=len(entities)) as pool:
+        first = pool.submit(_predict, direct, entities[0], SLOW_VERSION)
+        _when_in_flight(mesh, model_before[0])
+        rest = list(pool.map(lambda e: _predict(direct, e, SLOW_VERSION), entities[1:]))
+    together = dict(zip(entities, [first.result(), *rest], strict=True))
+    for entity in entities:
+        got, want = together[entity], alone[entity]
+        assert isinstance(got, gateway_pb2.PredictResponse), (entity, got)
+        assert isinstance(want, gateway_pb2.PredictResponse)
+        assert got.model_version == SLOW_VERSION
+        assert list(got.scores) == pytest.approx(list(want.scores), abs=1e-6), entity
+    calls, members = (a - b for a, b in zip(_shared(mesh, "model"), model_before, strict=True))
+    # 24 Predicts in far fewer ModelInfer calls: the 23 queued behind the first left together.
+    assert members == len(entities) and calls <= 4, (calls, members)
+    feature_calls, _ = (
+        a - b for a, b in zip(_shared(mesh, "features"), features_before, strict=True)
+    )
+    assert feature_calls < len(entities) + len(entities), feature_calls
+
+
+def test_an_unknown_entity_among_good_ones_fails_alone(
+    mesh: Mesh, direct: gateway_pb2_grpc.GatewayStub
+) -> None:
+    """The view refuses an entity it does not hold (NOT_FOUND): the read they shared is
+    asked again one by one, so only that Predict fails. The feature replicas are made slow
+    (300 ms a call) so the Predicts queue behind the first read and share the next."""
+    replicas = [i.name for i in mesh.spec.instances() if i.service == "feature"]
+    good = [f"user-{i}" for i in range(30, 42)]
+    before = _shared(mesh, "features")
+    try:
+        for name in replicas:
+            set_fault(mesh.state_dir, name, FaultSettings(delay_percent=100, delay_ms=300))
+        with ThreadPoolExecutor(max_workers=len(good) + 1) as pool:
+            first = pool.submit(_predict, direct, "user-29", "v1")
+            wait_until(
+                lambda: _shared(mesh, "features")[0] > before[0], "the first feature read left"
+            )
+            bad = pool.submit(_predict, direct, "no-such-user", "v1")
+            answers = list(pool.map(lambda e: _predict(direct, e, "v1"), good))
+    finally:
+        for name in replicas:
+            set_fault(mesh.state_dir, name, None)
+    assert bad.result() == grpc.StatusCode.NOT_FOUND
+    assert isinstance(first.result(), gateway_pb2.PredictResponse)
+    assert all(isinstance(a, gateway_pb2.PredictResponse) for a in answers), answers
+    calls, members = (a - b for a, b in zip(_shared(mesh, "features"), before, strict=True))
+    assert members > calls, "no feature read was shared"
+
+
+def test_a_short_deadline_member_gets_deadline_exceeded_and_the_others_their_answers(
+    mesh: Mesh, direct: gateway_pb2_grpc.GatewayStub
+) -> None:
+    model_before = _shared(mesh, "model")
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        first = pool.submit(_predict, direct, "user-50", SLOW_VERSION)
+        _when_in_flight(mesh, model_before[0])
+        # Queued behind a 200 ms call with 80 ms to live: it cannot be answered in time.
+        short = pool.submit(_predict, direct, "user-51", SLOW_VERSION, 0.08)
+        others = list(pool.map(lambda e: _predict(direct, e, SLOW_VERSION), ["user-52", "user-53"]))
+    assert short.result() == grpc.StatusCode.DEADLINE_EXCEEDED
+    answered = [first.result(), *others]
+    assert all(isinstance(a, gateway_pb2.PredictResponse) for a in answered), answered
