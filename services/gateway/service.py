@@ -121,7 +121,7 @@ class ModelAsk:
 
     plan: PredictPlan
     signature: ModelSignature
-    inputs: dict[str, np.ndarray]  # every model input in wire layout
+    inputs: Mapping[str, np.ndarray]  # every model input in wire layout
     metadata: list[tuple[str, str]]  # its own request id and trace headers
     span: trace.SpanContext  # its server span's
     bucket: int | None  # the sticky bucket (None: pinned)
@@ -226,32 +226,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             span.set_attribute(SpanAttr.MODEL, plan.model_name)
             signature = await self._signature(plan, deadline, metadata)
             raw = conform_inputs(plan, signature)
-            if self.spec.coalescing.enabled:
-                matrices, stale = await watch.features(
-                    self._features_shared(plan, deadline, metadata)
+            shared = self.spec.coalescing.enabled
+            features = self._features_shared if shared else self._features
+            infer = self._infer_shared if shared else self._infer
+            matrices, stale = await watch.features(features(plan, deadline, metadata))
+            answer = await watch.inference(
+                infer(
+                    plan,
+                    signature,
+                    wire_inputs(signature, view_inputs(plan, matrices), raw),
+                    deadline,
+                    metadata,
+                    request_id,
                 )
-                answer = await watch.inference(
-                    self._infer_shared(
-                        plan,
-                        signature,
-                        wire_inputs(signature, view_inputs(plan, matrices), raw),
-                        deadline,
-                        metadata,
-                        request_id,
-                    )
-                )
-            else:
-                matrices, stale = await watch.features(self._features(plan, deadline, metadata))
-                answer = await watch.inference(
-                    self._infer(
-                        plan,
-                        signature,
-                        wire_inputs(signature, view_inputs(plan, matrices), raw),
-                        deadline,
-                        metadata,
-                        request_id,
-                    )
-                )
+            )
         except DownstreamError as exc:
             fallback = (
                 fallback_response(plan, request_id, str(exc))
@@ -498,7 +486,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self,
         plan: PredictPlan,
         signature: ModelSignature,
-        inputs: dict[str, np.ndarray],
+        inputs: Mapping[str, np.ndarray],
         deadline: float,
         metadata: list[tuple[str, str]],
         request_id: str,
