@@ -37,7 +37,6 @@ from servemesh.load import ClosedLoop, Target, closed_loop, predict_target, summ
 from servemesh.load.outcome import Reply, Request
 from servemesh.observe_bench import cpu_by_kind, wait_answering
 from servemesh.proxy.apply import RouteManager
-from servemesh.services.gateway.tensors import DATATYPES
 from servemesh.spec import MeshSpec, Ports, load_spec
 from servemesh.wire import OIP_SERVICE
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -57,6 +56,14 @@ TARGET_RATIO_C64 = 0.6
 TARGET_CPU_MS = 1.2
 TARGET_P50_MS_C1 = 3.0
 TARGET_P99_MS_C64 = 100.0
+
+
+# The numeric OIP datatypes a model-alone row can be made of, in their wire layout.
+WIRE_DTYPES = {
+    "FP16": "<f2", "FP32": "<f4", "FP64": "<f8",
+    "INT8": "|i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8",
+    "UINT8": "|u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,7 @@ def _one_row(
     request = oip.ModelInferRequest(model_name=model)
     for tensor in metadata.inputs:
         shape = [1, *(max(1, d) for d in tensor.shape[1:])]
-        values = rng.standard_normal(shape).astype(DATATYPES[tensor.datatype].wire)
+        values = rng.standard_normal(shape).astype(WIRE_DTYPES[tensor.datatype])
         request.inputs.add(name=tensor.name, datatype=tensor.datatype, shape=shape)
         request.raw_input_contents.append(values.tobytes())
     return request

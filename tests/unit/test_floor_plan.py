@@ -79,9 +79,10 @@ ALLOWED: dict[str, set[str]] = {
     # what runs meshes and measures them; the chaos suite is imported by the CLI alone
     # (and reads a rollout's state while its drill drives `servemesh rollout`)
     "chaos": CONTRACT | TOOLING | {"launcher", "seeding", "services.runtime", "rollout"},
-    "bench": CONTRACT | TOOLING | {"launcher"},
     # two meshes against each other, and the trace store read for a sampled trace
     "observe_bench": CONTRACT | TOOLING | {"launcher", "tracestore"},
+    # the mesh against its own model server (it reads CPU and settles a mesh as observe_bench)
+    "bench": CONTRACT | TOOLING | {"launcher", "observe_bench"},
     # fuzzes a mesh of its own (launcher) through Envoy and straight to its replicas
     "fuzz": CONTRACT | TOOLING | {"launcher"},
     "model_bench": CONTRACT | TOOLING | SERVICES,
