@@ -37,6 +37,11 @@ def _state_dir(args: argparse.Namespace) -> Path:
 
 def cmd_load(args: argparse.Namespace) -> int:
     """Load a CSV or Parquet file into a view of the running mesh; 0 once it is current."""
+    # pyarrow's thread pools may still be winding down a CSV reader's read-ahead when the
+    # interpreter tears down, and C++ then aborts the process ("terminate called without an
+    # active exception"): now and then exit 1 became -6. The command's work is done by
+    # then, so `main` leaves without the interpreter's teardown.
+    args.exit_without_teardown = True
     # pyarrow loads only for this command, not for every `servemesh` call.
     from servemesh.features import (
         DEFAULT_BATCH_ROWS,

@@ -286,7 +286,7 @@ async def test_a_file_that_does_not_fit_the_view_is_refused_before_anything_is_s
     code, _, err = await running.cli(
         "features", "load", str(csv), *view, "--key", "customer_id", *args
     )
-    assert code == 1
+    assert code == 1, err
     assert expected in err
     assert await running.keys() == set()
 
