@@ -35,6 +35,7 @@ from servemesh.identity import Dial, dial_edge, dial_service
 from servemesh.launcher import Mesh
 from servemesh.load import ClosedLoop, Target, closed_loop, predict_target, summarize
 from servemesh.load.outcome import Reply, Request
+from servemesh.load.stats import SPREAD_LIMIT, spread
 from servemesh.observe_bench import cpu_by_kind, wait_answering
 from servemesh.proxy.apply import RouteManager
 from servemesh.spec import MeshSpec, Ports, load_spec
@@ -46,8 +47,6 @@ from servemesh_api.inference import grpc_service_pb2_grpc
 EDGE = "edge"
 MODEL_ALONE = "model alone"
 GATEWAY_DIRECT = "gateway direct"
-# A row whose (max - min) / median exceeds this is measured once more, then flagged.
-SPREAD_LIMIT = 0.25
 WARMUP_S = 1.0
 CALL_TIMEOUT_S = 5.0
 # What issue "fast path" asks of the mesh on this 2-core machine (see docs/benchmarks.md).
@@ -152,14 +151,6 @@ def measure(
         errors=summary.count - summary.ok,
         cpu_us=cpu_us,
     )
-
-
-def spread(values: Sequence[float]) -> float:
-    """(max - min) / median; 0 for a single value, inf when the median is 0."""
-    middle = statistics.median(values)
-    if len(values) < 2:
-        return 0.0
-    return (max(values) - min(values)) / middle if middle else float("inf")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,19 @@ from typing import Any
 
 from servemesh.load.outcome import Outcome
 
+# A benchmark row whose req/s spreads over this share of its median is measured once more,
+# and flagged if it stays as wide (`servemesh bench predict`, `servemesh bench model`).
+SPREAD_LIMIT = 0.25
+
+
+def spread(values: Sequence[float]) -> float:
+    """(max - min) / median of a row's repeats; 0 for a single value, inf when the median is
+    0."""
+    middle = statistics.median(values)
+    if len(values) < 2:
+        return 0.0
+    return (max(values) - min(values)) / middle if middle else math.inf
+
 
 def percentile(values: Iterable[float], pct: float) -> float:
     """Nearest-rank percentile, `pct` from 0 to 100: the smallest value with at least

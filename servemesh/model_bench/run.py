@@ -49,6 +49,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+from servemesh.load.stats import SPREAD_LIMIT, spread
 from servemesh.model_bench.load import LoadResult, closed_loop, open_loop, request_bodies
 from servemesh.procs import Check, StartError, Supervisor
 
@@ -56,7 +57,6 @@ REPO = Path(__file__).resolve().parents[2]
 PYTRITON_PYTHON = REPO / ".venv-pytriton" / "bin" / "python"
 TRITON_SERVER = Path(__file__).with_name("triton_server.py")
 TRITON = "triton (pytriton)"
-SPREAD_LIMIT = 0.25  # (max - min) / median of a row's req/s beyond which it is re-run
 
 
 SLOW_MODEL_MS = 4.0  # added to every batch of the model-bound targets
@@ -502,7 +502,7 @@ def aggregate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     median = statistics.median(rps)
     row["runs"] = rps
     row["rps_min"], row["rps_max"] = min(rps), max(rps)
-    row["spread"] = round((max(rps) - min(rps)) / median, 3) if median else 0.0
+    row["spread"] = round(spread(rps), 3) if median else 0.0
     row["repeats"] = len(samples)
     row["rerun"] = False
     return row
