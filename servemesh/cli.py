@@ -372,6 +372,20 @@ def cmd_bench_observe(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_bench_profile(args: argparse.Namespace) -> int:
+    from servemesh.profile_bench import main as bench_profile_main
+
+    return bench_profile_main(
+        args.spec,
+        args.out,
+        concurrency=args.concurrency,
+        seconds=args.seconds,
+        rate_hz=args.rate,
+        top=args.top,
+        json_out=args.json_out,
+    )
+
+
 def cmd_bench_model(args: argparse.Namespace) -> int:
     from servemesh.model_bench import main as bench_model_main
 
@@ -490,6 +504,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_observe.add_argument("--json-out", help="also write the report here")
     bench_observe.set_defaults(func=cmd_bench_observe)
+    bench_profile = bench_sub.add_parser(
+        "profile",
+        help="sample every Python service with py-spy under Predict load: top frames per kind",
+    )
+    bench_profile.add_argument("--spec")
+    bench_profile.add_argument("--concurrency", type=int, default=64)
+    bench_profile.add_argument("--seconds", type=float, default=8.0, help="sampled, under load")
+    bench_profile.add_argument("--rate", type=int, default=100, help="samples a second")
+    bench_profile.add_argument("--top", type=int, default=10, help="frames shown per kind")
+    bench_profile.add_argument("--out", help="where the raw stacks go (default: a temp dir)")
+    bench_profile.add_argument("--json-out", help="also write the report here")
+    bench_profile.set_defaults(func=cmd_bench_profile)
     bench_model = bench_sub.add_parser(
         "model",
         help="the model server (adaptive, fixed window, batching off) vs echo and in-process",
