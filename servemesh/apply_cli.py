@@ -12,7 +12,7 @@ from rich.table import Table
 from servemesh.proxy.admin import AdminError
 from servemesh.proxy.apply import ApplyError, MeshPaths, RouteManager
 from servemesh.proxy.live_apply import LiveApply, LiveApplyResult
-from servemesh.proxy.live_plan import ApplyPlan
+from servemesh.proxy.live_plan import ApplyPlan, coalescing_text
 
 console = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
@@ -23,7 +23,8 @@ def _manager(state_dir: str | None) -> RouteManager:
 
 
 def plan_table(plan: ApplyPlan, title: str) -> Table:
-    """What changes: added and removed models, versions, views; weights; fallbacks."""
+    """What changes: added and removed models, versions, views; weights; fallbacks;
+    routing and coalescing."""
     table = Table(title=title, title_justify="left")
     table.add_column("change")
     table.add_column("what")
@@ -48,6 +49,9 @@ def plan_table(plan: ApplyPlan, title: str) -> Table:
         table.add_row("[yellow]~ fallback_score[/yellow]", model, f"{old_score} -> {new_score}")
     if plan.routing_changed:
         table.add_row("[yellow]~ routing[/yellow]", "policy or shadow", "")
+    if plan.coalescing is not None:
+        old, new = (coalescing_text(c) for c in plan.coalescing)
+        table.add_row("[yellow]~ coalescing[/yellow]", "gateways", f"{old} -> {new}")
     return table
 
 

@@ -8,7 +8,8 @@ line naming the field and what to do instead.
 Allowed live: routing and policy (`traffic`, `models.*.traffic|shadow|policy`), models added
 (removed only with `--prune`; without it a model the file leaves out keeps running),
 versions added and removed, feature views added (removed only with `--prune`, and never
-while a model reads them), a model's `fallback_score`. Everything else describes processes
+while a model reads them), a model's `fallback_score`, and the gateways' `coalescing`
+(each gateway follows it on its next look at the spec). Everything else describes processes
 or what a served version computes: zones, replicas, ports and limits need a restart; a
 served version's inputs, features or batching change only as a new version.
 """
@@ -19,13 +20,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from servemesh.spec import MeshSpec, ModelSpec
+from servemesh.spec import CoalescingSpec, MeshSpec, ModelSpec
 from servemesh.spec import declared as declared_part
 
 Key = tuple[str, str]
 
 # Top-level fields a live apply may change (the rest describe processes).
-LIVE_TOP = {"models", "feature_views", "traffic"}
+LIVE_TOP = {"models", "feature_views", "traffic", "coalescing"}
 # Resolved by the launcher (or set by `up --netns`): a file usually leaves them out, and the
 # running mesh keeps its own, as `routes apply` does.
 IGNORED_TOP = {"ports", "state_dir", "feature_store", "demo", "network"}
@@ -61,6 +62,8 @@ class ApplyPlan:
     fallback: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
     # True when routing or policy changes beyond weights (shadow, policy, mesh traffic).
     routing_changed: bool = False
+    # (before, after) when the gateways' coalescing changes.
+    coalescing: tuple[CoalescingSpec, CoalescingSpec] | None = None
 
     @property
     def adds(self) -> bool:
@@ -73,7 +76,12 @@ class ApplyPlan:
     @property
     def changed(self) -> bool:
         return bool(
-            self.adds or self.removes or self.weights or self.fallback or self.routing_changed
+            self.adds
+            or self.removes
+            or self.weights
+            or self.fallback
+            or self.routing_changed
+            or self.coalescing
         )
 
     def lines(self) -> list[str]:
@@ -89,7 +97,16 @@ class ApplyPlan:
             found.append(f"~ weights {model}: {_weights(before) or '-'} -> {_weights(after)}")
         for model, (old, new) in sorted(self.fallback.items()):
             found.append(f"~ fallback_score {model}: {old} -> {new}")
+        if self.coalescing is not None:
+            before_text, after_text = (coalescing_text(c) for c in self.coalescing)
+            found.append(f"~ coalescing: {before_text} -> {after_text}")
         return found
+
+
+def coalescing_text(coalescing: CoalescingSpec) -> str:
+    if not coalescing.enabled:
+        return "off"
+    return f"on, max_rows {coalescing.max_rows}"
 
 
 def natural_version_order(version: str) -> tuple[object, ...]:
@@ -304,6 +321,7 @@ def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) ->
                 "models": {n: m.model_dump() for n, m in models.items()},
                 "feature_views": {n: v.model_dump() for n, v in views.items()},
                 "traffic": declared.traffic.model_dump(),
+                "coalescing": declared.coalescing.model_dump(),
             }
         )
     except ValueError as exc:
@@ -323,4 +341,9 @@ def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) ->
         weights=weights,
         fallback=fallback,
         routing_changed=routing_changed,
+        coalescing=(
+            (running.coalescing, declared.coalescing)
+            if running.coalescing != declared.coalescing
+            else None
+        ),
     )

@@ -7,6 +7,7 @@ gateway, so they meet in its coalescer."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +17,9 @@ import pytest
 from servemesh.identity import dial_service
 from servemesh.launcher import Mesh
 from servemesh.observe.scrape import sample, scrape
+from servemesh.proxy.admin import AdminClient
+from servemesh.proxy.apply import RouteManager
+from servemesh.proxy.live_apply import LiveApply
 from servemesh.services.runtime.faults import FaultSettings, set_fault
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.mesh.conftest import SLOW_VERSION
@@ -126,3 +130,47 @@ def test_a_short_deadline_member_gets_deadline_exceeded_and_the_others_their_ans
     assert short.result() == grpc.StatusCode.DEADLINE_EXCEEDED
     answered = [first.result(), *others]
     assert all(isinstance(a, gateway_pb2.PredictResponse) for a in answered), answered
+
+
+def _spec_changes(mesh: Mesh) -> int:
+    """How many spec changes the gateway has taken (it logs each one it takes)."""
+    lines = (mesh.logs_dir / f"{GATEWAY}.log").read_text().splitlines()
+    return sum(
+        1
+        for line in lines
+        if line.startswith("{") and json.loads(line).get("msg") == "spec changed"
+    )
+
+
+def test_apply_turns_coalescing_off_and_back_on_live(
+    mesh: Mesh, direct: gateway_pb2_grpc.GatewayStub
+) -> None:
+    """`servemesh apply` changes the gateways' coalescing in a running mesh: while it is
+    off, Predicts queued behind a slow one each make their own calls."""
+    applier = LiveApply(RouteManager(mesh.paths, AdminClient.of_mesh(mesh.state_dir)))
+    taken = _spec_changes(mesh)
+    off = applier.apply("coalescing: {enabled: false}\n", "coalescing-off.yaml")
+    try:
+        assert off.plan.lines() == ["~ coalescing: on, max_rows 64 -> off"]
+        assert not mesh.paths.running_spec().coalescing.enabled
+        wait_until(lambda: _spec_changes(mesh) > taken, "the gateway to take the new spec")
+        before = _shared(mesh, "model"), _shared(mesh, "features")
+        entities = [f"user-{i}" for i in range(60, 68)]
+        with ThreadPoolExecutor(max_workers=len(entities)) as pool:
+            answers = list(pool.map(lambda e: _predict(direct, e, SLOW_VERSION), entities))
+        assert all(isinstance(a, gateway_pb2.PredictResponse) for a in answers), answers
+        # Not one call went through the coalescer, not even as a lone member.
+        assert (_shared(mesh, "model"), _shared(mesh, "features")) == before
+    finally:
+        taken = _spec_changes(mesh)
+        on = applier.apply("coalescing: {enabled: true, max_rows: 64}\n", "coalescing-on.yaml")
+        wait_until(lambda: _spec_changes(mesh) > taken, "the gateway to take the spec back")
+    assert on.plan.lines() == ["~ coalescing: off -> on, max_rows 64"]
+    model_before = _shared(mesh, "model")
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        first = pool.submit(_predict, direct, "user-70", SLOW_VERSION)
+        _when_in_flight(mesh, model_before[0])
+        rest = list(pool.map(lambda e: _predict(direct, e, SLOW_VERSION), ["user-71", "user-72"]))
+    assert all(isinstance(a, gateway_pb2.PredictResponse) for a in [first.result(), *rest])
+    calls, members = (a - b for a, b in zip(_shared(mesh, "model"), model_before, strict=True))
+    assert members == 3 and calls < members, (calls, members)

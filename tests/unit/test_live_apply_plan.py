@@ -183,6 +183,18 @@ def test_a_fallback_score_and_policy_change_live() -> None:
     assert plan.lines() == ["~ fallback_score fraud: None -> 0.5"]
 
 
+def test_the_gateways_coalescing_changes_live_and_reaches_the_resolved_spec() -> None:
+    plan = _plan(_fraud() + "coalescing: {enabled: true, max_rows: 16}\n")
+    assert plan.changed and not plan.adds and not plan.removes
+    assert plan.lines() == ["~ coalescing: on, max_rows 64 -> on, max_rows 16"]
+    assert resolved_target(RUNNING, plan.target).coalescing.max_rows == 16
+    off = _plan(_fraud() + "coalescing: {enabled: false}\n")
+    assert off.lines() == ["~ coalescing: on, max_rows 64 -> off"]
+    assert not resolved_target(RUNNING, off.target).coalescing.enabled
+    # The running mesh's own coalescing, written out, changes nothing.
+    assert not _plan(_fraud() + "coalescing: {enabled: true, max_rows: 64}\n").changed
+
+
 def test_a_mixed_change_first_serves_both_old_and_new() -> None:
     """Adding v3 and removing v2 in one apply: the first Envoy step keeps v2 (weight 0)."""
     plan = _plan(
