@@ -272,8 +272,9 @@ def weight_change_times(mesh: Mesh, count: int) -> list[tuple[float, float]]:
     return times
 
 
-def _bench_spec(spec: MeshSpec) -> MeshSpec:
-    # Free ports; no Prometheus, whose scrapes would take CPU from the mesh being measured.
+def bench_spec(spec: MeshSpec) -> MeshSpec:
+    """`spec` on free ports without Prometheus, whose scrapes would take CPU from the mesh
+    being measured."""
     return spec.model_copy(
         update={
             "ports": Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
@@ -294,7 +295,7 @@ def bench_predict(
 ) -> dict[str, object]:
     """Start a mesh, time its start, then measure every target at every concurrency
     `repeats` times, interleaved; the report as a JSON-able dict."""
-    spec = _bench_spec(spec)
+    spec = bench_spec(spec)
     model_name = next(iter(sorted(spec.models)))
     with tempfile.TemporaryDirectory() as state:
         mesh = Mesh.from_spec(spec, Path(state))

@@ -1,11 +1,11 @@
 """Where each Python service spends its time under load: `servemesh bench profile`.
 
-Starts a mesh (free ports, no Prometheus), drives Predict through the edge with a closed
-loop, and samples one process of every Python kind (gateway, feature, model, trace store)
-with py-spy while the load runs. Prints each kind's top frames by own time (the frame on
-top of the sampled stack, its line numbers merged), and its top frames of the mesh's own
-code by inclusive time. py-spy's raw stacks (the collapsed format flame graph tools read)
-are written beside the report.
+Starts a mesh (free ports, no Prometheus, as `bench predict`), drives Predict through the
+edge with a closed loop, and samples one process of every Python kind (gateway, feature,
+model, trace store) with py-spy while the load runs. Prints each kind's top frames by own
+time (the frame on top of the sampled stack, its line numbers merged), and its top frames
+of the mesh's own code by inclusive time. py-spy's raw stacks (the collapsed format flame
+graph tools read) are written beside the report.
 
 What the samples are: the thread holding the GIL, so work done outside it (the forward
 pass torch runs with the GIL released, gRPC's I/O threads) does not show. gRPC's Cython
@@ -31,11 +31,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from servemesh.bench import bench_spec
 from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
 from servemesh.load import ClosedLoop, LoadRun, closed_loop, predict_target, summarize
 from servemesh.observe_bench import process_kind, wait_answering
-from servemesh.spec import MeshSpec, Ports, load_spec
+from servemesh.spec import MeshSpec, load_spec
 
 # Kinds that are not Python processes: py-spy cannot read them.
 NOT_PYTHON = frozenset({"envoy", "redis"})
@@ -213,12 +214,7 @@ def bench_profile(
     py_spy: str,
 ) -> dict[str, object]:
     """Start a mesh, load it, sample its Python processes; the report as a JSON-able dict."""
-    spec = spec.model_copy(
-        update={
-            "ports": Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
-            "metrics": spec.metrics.model_copy(update={"prometheus": "off"}),
-        }
-    )
+    spec = bench_spec(spec)
     model = next(iter(sorted(spec.models)))
     with tempfile.TemporaryDirectory() as state:
         mesh = Mesh.from_spec(spec, Path(state))

@@ -83,8 +83,8 @@ ALLOWED: dict[str, set[str]] = {
     "observe_bench": CONTRACT | TOOLING | {"launcher", "tracestore"},
     # the mesh against its own model server (it reads CPU and settles a mesh as observe_bench)
     "bench": CONTRACT | TOOLING | {"launcher", "observe_bench"},
-    # py-spy on a mesh of its own under load (its process kinds and settling as above)
-    "profile_bench": CONTRACT | TOOLING | {"launcher", "observe_bench"},
+    # py-spy on a mesh of its own under load (set up and settled as bench predict's)
+    "profile_bench": CONTRACT | TOOLING | {"launcher", "observe_bench", "bench"},
     # fuzzes a mesh of its own (launcher) through Envoy and straight to its replicas
     "fuzz": CONTRACT | TOOLING | {"launcher"},
     "model_bench": CONTRACT | TOOLING | SERVICES,
