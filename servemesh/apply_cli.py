@@ -12,7 +12,7 @@ from rich.table import Table
 from servemesh.proxy.admin import AdminError
 from servemesh.proxy.apply import ApplyError, MeshPaths, RouteManager
 from servemesh.proxy.live_apply import LiveApply, LiveApplyResult
-from servemesh.proxy.live_plan import ApplyPlan, coalescing_text
+from servemesh.proxy.live_plan import ApplyPlan, coalescing_text, logs_text
 
 console = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
@@ -24,7 +24,7 @@ def _manager(state_dir: str | None) -> RouteManager:
 
 def plan_table(plan: ApplyPlan, title: str) -> Table:
     """What changes: added and removed models, versions, views; weights; fallbacks;
-    routing and coalescing."""
+    routing, coalescing and logs."""
     table = Table(title=title, title_justify="left")
     table.add_column("change")
     table.add_column("what")
@@ -52,6 +52,9 @@ def plan_table(plan: ApplyPlan, title: str) -> Table:
     if plan.coalescing is not None:
         old, new = (coalescing_text(c) for c in plan.coalescing)
         table.add_row("[yellow]~ coalescing[/yellow]", "gateways", f"{old} -> {new}")
+    if plan.logs is not None:
+        old, new = (logs_text(c) for c in plan.logs)
+        table.add_row("[yellow]~ logs[/yellow]", "every service", f"{old} -> {new}")
     return table
 
 

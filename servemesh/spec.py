@@ -362,6 +362,15 @@ class TlsSpec(_Strict):
     leaf_days: Annotated[int, Field(ge=1, le=825)] = 30
 
 
+class LogsSpec(_Strict):
+    """What the services write to their JSON logs beyond warnings and errors."""
+
+    # A line per request answered (the gateway's "predict" line with model, version,
+    # replica, rows and ms). Off: only refusals, failures and degraded answers are logged
+    # per request. Each service follows a change live.
+    requests: bool = False
+
+
 class PredictionLogSpec(_Strict):
     """One record per Predict a gateway answers, kept for `servemesh log query`."""
 
@@ -551,6 +560,7 @@ class MeshSpec(_Strict):
     tls: TlsSpec = Field(default_factory=TlsSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     prediction_log: PredictionLogSpec = Field(default_factory=PredictionLogSpec)
+    logs: LogsSpec = Field(default_factory=LogsSpec)
     # How the gateways share feature reads and model calls between concurrent Predicts.
     coalescing: CoalescingSpec = Field(default_factory=CoalescingSpec)
     tracing: TracingSpec = Field(default_factory=TracingSpec)

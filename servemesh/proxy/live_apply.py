@@ -417,14 +417,15 @@ def _ms(started: float) -> float:
 
 
 def resolved_target(live: ResolvedSpec, target: MeshSpec) -> ResolvedSpec:
-    """The running mesh with the target's models, views, traffic and coalescing (processes
-    and ports cannot change live, so the rest is the running mesh's own)."""
+    """The running mesh with the target's models, views, traffic, coalescing and logs
+    (processes and ports cannot change live, so the rest is the running mesh's own)."""
     return live.model_copy(
         update={
             "models": dict(target.models),
             "feature_views": dict(target.feature_views),
             "traffic": target.traffic,
             "coalescing": target.coalescing,
+            "logs": target.logs,
         }
     )
 

@@ -8,10 +8,11 @@ line naming the field and what to do instead.
 Allowed live: routing and policy (`traffic`, `models.*.traffic|shadow|policy`), models added
 (removed only with `--prune`; without it a model the file leaves out keeps running),
 versions added and removed, feature views added (removed only with `--prune`, and never
-while a model reads them), a model's `fallback_score`, and the gateways' `coalescing`
-(each gateway follows it on its next look at the spec). Everything else describes processes
-or what a served version computes: zones, replicas, ports and limits need a restart; a
-served version's inputs, features or batching change only as a new version.
+while a model reads them), a model's `fallback_score`, the gateways' `coalescing` and the
+services' `logs` (each service follows them on its next look at the spec). Everything
+else describes processes or what a served version computes: zones, replicas, ports and
+limits need a restart; a served version's inputs, features or batching change only as a
+new version.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from servemesh.spec import CoalescingSpec, MeshSpec, ModelSpec
+from servemesh.spec import CoalescingSpec, LogsSpec, MeshSpec, ModelSpec
 from servemesh.spec import declared as declared_part
 
 Key = tuple[str, str]
 
 # Top-level fields a live apply may change (the rest describe processes).
-LIVE_TOP = {"models", "feature_views", "traffic", "coalescing"}
+LIVE_TOP = {"models", "feature_views", "traffic", "coalescing", "logs"}
 # Resolved by the launcher (or set by `up --netns`): a file usually leaves them out, and the
 # running mesh keeps its own, as `routes apply` does.
 IGNORED_TOP = {"ports", "state_dir", "feature_store", "demo", "network"}
@@ -64,6 +65,8 @@ class ApplyPlan:
     routing_changed: bool = False
     # (before, after) when the gateways' coalescing changes.
     coalescing: tuple[CoalescingSpec, CoalescingSpec] | None = None
+    # (before, after) when what the services log changes.
+    logs: tuple[LogsSpec, LogsSpec] | None = None
 
     @property
     def adds(self) -> bool:
@@ -82,6 +85,7 @@ class ApplyPlan:
             or self.fallback
             or self.routing_changed
             or self.coalescing
+            or self.logs
         )
 
     def lines(self) -> list[str]:
@@ -100,7 +104,14 @@ class ApplyPlan:
         if self.coalescing is not None:
             before_text, after_text = (coalescing_text(c) for c in self.coalescing)
             found.append(f"~ coalescing: {before_text} -> {after_text}")
+        if self.logs is not None:
+            before_text, after_text = (logs_text(c) for c in self.logs)
+            found.append(f"~ logs: {before_text} -> {after_text}")
         return found
+
+
+def logs_text(logs: LogsSpec) -> str:
+    return "a line per request" if logs.requests else "refusals and failures only"
 
 
 def coalescing_text(coalescing: CoalescingSpec) -> str:
@@ -322,6 +333,7 @@ def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) ->
                 "feature_views": {n: v.model_dump() for n, v in views.items()},
                 "traffic": declared.traffic.model_dump(),
                 "coalescing": declared.coalescing.model_dump(),
+                "logs": declared.logs.model_dump(),
             }
         )
     except ValueError as exc:
@@ -346,4 +358,5 @@ def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) ->
             if running.coalescing != declared.coalescing
             else None
         ),
+        logs=(running.logs, declared.logs) if running.logs != declared.logs else None,
     )

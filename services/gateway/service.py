@@ -254,8 +254,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except BaseException as exc:
             watch.failed(exc)
             raise
-        if log.isEnabledFor(logging.DEBUG):  # a line per call cost more than it told
-            log.debug(
+        # A line per answer costs more than the call's whole server path: written only
+        # with request logs on (`logs.requests` in the spec, or --request-logs).
+        if log.isEnabledFor(logging.INFO):
+            log.info(
                 "predict",
                 extra={
                     "model": plan.model_name,

@@ -9,7 +9,7 @@ from pathlib import Path
 from servemesh.discovery.registration import join_catalog
 from servemesh.services.runtime.faults import control_file
 from servemesh.services.runtime.live_spec import LiveSpec
-from servemesh.services.runtime.logs import configure_logging
+from servemesh.services.runtime.logs import configure_logging, set_request_logs
 from servemesh.services.runtime.server import ServiceServer, run_service
 from servemesh.services.runtime.tracing import configure_tracing
 from servemesh.spec import ResolvedSpec, load_resolved
@@ -27,12 +27,14 @@ def service_main(build: Builder, argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--request-logs",
         action="store_true",
-        help="also log a line per request answered (off: only refusals and failures)",
+        help="also log a line per request answered, whatever the spec's logs.requests says",
     )
     args = parser.parse_args(argv)
     spec = load_resolved(args.spec)
     spec.instance(args.instance)  # fail fast on an unknown instance name
-    configure_logging(args.instance, args.log_level, request_logs=args.request_logs)
+    configure_logging(
+        args.instance, args.log_level, request_logs=args.request_logs or spec.logs.requests
+    )
     configure_tracing(spec, args.instance)
 
     async def build_and_watch() -> ServiceServer:
@@ -41,6 +43,11 @@ def service_main(build: Builder, argv: list[str] | None = None) -> None:
         live = LiveSpec(Path(args.spec), spec)
         server = await build(spec, args.instance)
         server.watch_faults(control_file(Path(spec.state_dir), args.instance))
+
+        async def follow_logs(new: ResolvedSpec) -> None:
+            set_request_logs(args.request_logs or new.logs.requests)
+
+        server.on_spec_change(follow_logs)
         # `servemesh apply` rewrites this file; the builder's hooks follow it.
         server.follow_spec(live)
         if spec.discovery.backend == "consul":

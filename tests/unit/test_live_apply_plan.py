@@ -195,6 +195,12 @@ def test_the_gateways_coalescing_changes_live_and_reaches_the_resolved_spec() ->
     assert not _plan(_fraud() + "coalescing: {enabled: true, max_rows: 64}\n").changed
 
 
+def test_request_logs_change_live() -> None:
+    plan = _plan(_fraud() + "logs: {requests: true}\n")
+    assert plan.lines() == ["~ logs: refusals and failures only -> a line per request"]
+    assert resolved_target(RUNNING, plan.target).logs.requests
+
+
 def test_a_mixed_change_first_serves_both_old_and_new() -> None:
     """Adding v3 and removing v2 in one apply: the first Envoy step keeps v2 (weight 0)."""
     plan = _plan(
