@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 from tests.control_kit import credentialed_channel
 
 INSTANCE = "feature-zone-a-0"
+DAY_MS = 24 * 3600 * 1000
 
 
 @dataclass
@@ -161,3 +163,23 @@ async def load_rows(
         yield feature_pb2.LoadFeaturesRequest(commit=feature_pb2.LoadCommit(rows=len(rows)))
 
     return await stub.LoadFeatures(messages())
+
+
+async def fresh_and_old(
+    start_features: StartFeatures, policy: str, max_age: str | None = "1h"
+) -> tuple[feature_pb2_grpc.FeatureServiceStub, int, str]:
+    """A view with `max_age` holding `old` (two days old) and `new` (now): its stub, now,
+    and the service's metrics address."""
+    view = FeatureViewSpec(
+        features=["a", "b"], max_age=max_age, staleness=policy, defaults={"a": 9.0}
+    )
+    running = await start_features({"fresh": view})
+    now = time.time_ns() // 1_000_000
+    await load_rows(
+        running.stub,
+        "fresh",
+        ["a", "b"],
+        {"old": [1.0, 2.0], "new": [3.0, 4.0]},
+        event_ms=[now - 2 * DAY_MS, now],
+    )
+    return running.stub, now, running.spec.metrics_address_of(INSTANCE)

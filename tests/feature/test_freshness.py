@@ -3,17 +3,13 @@ time is older than max_age beside a fresh one, and the stale-read counter."""
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 
 from servemesh.observe.scrape import sample, scrape
-from servemesh.spec import FeatureViewSpec
-from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
-from tests.feature.conftest import INSTANCE, StartFeatures, load_rows
+from servemesh_api.feature.v1 import feature_pb2
+from tests.feature.conftest import DAY_MS, StartFeatures, fresh_and_old
 
-DAY_MS = 24 * 3600 * 1000
 READ = feature_pb2.GetFeaturesRequest(
     view="fresh", entity_ids=["new", "old"], feature_names=["b", "a"]
 )
@@ -23,26 +19,6 @@ def stale_reads(metrics: str, policy: str) -> float:
     """The stale-read counter of the view, as the service's /metrics at `metrics` says."""
     labels = {"view": "fresh", "policy": policy}
     return sample(scrape(metrics), "servemesh_feature_stale_reads_total", labels)
-
-
-async def fresh_and_old(
-    start_features: StartFeatures, policy: str, max_age: str | None = "1h"
-) -> tuple[feature_pb2_grpc.FeatureServiceStub, int, str]:
-    """A view with `max_age` holding `old` (two days old) and `new` (now): its stub, now,
-    and the service's metrics address."""
-    view = FeatureViewSpec(
-        features=["a", "b"], max_age=max_age, staleness=policy, defaults={"a": 9.0}
-    )
-    running = await start_features({"fresh": view})
-    now = time.time_ns() // 1_000_000
-    await load_rows(
-        running.stub,
-        "fresh",
-        ["a", "b"],
-        {"old": [1.0, 2.0], "new": [3.0, 4.0]},
-        event_ms=[now - 2 * DAY_MS, now],
-    )
-    return running.stub, now, running.spec.metrics_address_of(INSTANCE)
 
 
 async def test_error_policy_refuses_a_stale_entity_naming_it_and_its_age(

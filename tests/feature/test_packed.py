@@ -4,8 +4,6 @@ the flag the answer is as it always was. Real service, real Redis, read through 
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import numpy as np
 import pytest
@@ -13,9 +11,8 @@ import pytest
 from servemesh.services.feature.wire import build_request, read_matrix
 from servemesh.spec import FeatureViewSpec
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
-from tests.feature.conftest import StartFeatures, load_rows
+from tests.feature.conftest import DAY_MS, StartFeatures, fresh_and_old, load_rows
 
-DAY_MS = 24 * 3600 * 1000
 FEATURES = ["a", "b", "c"]
 
 
@@ -96,17 +93,8 @@ async def test_a_view_with_no_rows_yet_answers_packed_defaults(
 async def test_stale_rows_follow_the_views_policy_in_the_packed_answer(
     start_features: StartFeatures, policy: str, old_row: list[float], old_defaulted: bool
 ) -> None:
-    view = FeatureViewSpec(features=["a", "b"], max_age="1h", staleness=policy, defaults={"a": 9.0})
-    running = await start_features({"fresh": view})
-    now = time.time_ns() // 1_000_000
-    await load_rows(
-        running.stub,
-        "fresh",
-        ["a", "b"],
-        {"old": [1.0, 2.0], "new": [3.0, 4.0]},
-        event_ms=[now - 2 * DAY_MS, now],
-    )
-    plain, packed = await both(running.stub, "fresh", ["new", "old"], ["a", "b"])
+    stub, now, _ = await fresh_and_old(start_features, policy)
+    plain, packed = await both(stub, "fresh", ["new", "old"], ["a", "b"])
     matrix = assert_same_answer(plain, packed, 2)
     assert matrix.tolist() == [[3.0, 4.0], old_row]
     new, old = packed.vectors
