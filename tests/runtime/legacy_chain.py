@@ -53,7 +53,11 @@ class _Unary(grpc.aio.ServerInterceptor):
 def _traced(inner: UnaryBehaviour, details: grpc.HandlerCallDetails) -> UnaryBehaviour | None:
     if not is_traced(details.invocation_metadata):
         return None  # the caller's trace is not sampled: the handler runs untouched
-    name = span_name(details.method)
+    return server_span_around(span_name(details.method), inner)
+
+
+def server_span_around(name: str, inner: UnaryBehaviour) -> UnaryBehaviour:
+    """`inner` inside its call's server span named `name` (the tracing step alone)."""
 
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
         span = open_server_span(name, context)

@@ -22,7 +22,6 @@ import asyncio
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -34,12 +33,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 from servemesh.services.runtime.call_path import PathServer
-from servemesh.services.runtime.tracing import (
-    client_interceptors,
-    close_server_span,
-    open_server_span,
-    span_name,
-)
+from servemesh.services.runtime.interceptors import with_unary_behaviour
+from servemesh.services.runtime.tracing import client_interceptors, span_name
+from tests.runtime.legacy_chain import server_span_around
 
 
 class _Echo(health_pb2_grpc.HealthServicer):
@@ -60,26 +56,7 @@ def _traced(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandle
     """The handler with the call path's tracing step only (the server span), built once."""
     if handler.unary_unary is None:
         return handler
-    name = span_name(method)
-    inner = handler.unary_unary
-
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        span = open_server_span(name, context)
-        error: BaseException | None = None
-        try:
-            return await inner(request, context)
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            if span is not None:
-                close_server_span(span, context, error)
-
-    return grpc.unary_unary_rpc_method_handler(
-        call,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+    return with_unary_behaviour(handler, server_span_around(span_name(method), handler.unary_unary))
 
 
 async def _run(calls: int, interceptors: bool, passed_on: bool = False) -> float:
