@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
 
 from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
+from servemesh.proxy.admin import AdminClient
+from servemesh.proxy.apply import RouteManager
+from servemesh.proxy.live_apply import LiveApply
 from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, Ports
 from servemesh_api.gateway.v1 import gateway_pb2_grpc
+from tests.waiting import wait_until
 
 # v3 is the demo model made slow on purpose (200 ms per batch): the deadline tests pin it.
 SLOW_VERSION = "v3"
@@ -49,3 +54,23 @@ def gateway(mesh: Mesh) -> Iterator[gateway_pb2_grpc.GatewayStub]:
     """A Predict stub talking to Envoy's edge listener."""
     with dial_edge(mesh.spec).channel() as channel:
         yield gateway_pb2_grpc.GatewayStub(channel)
+
+
+def log_lines(mesh: Mesh, instance: str) -> list[dict[str, object]]:
+    """The JSON lines of `instance`'s log so far."""
+    lines = (mesh.logs_dir / f"{instance}.log").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def apply_live(mesh: Mesh, text: str, instance: str) -> list[str]:
+    """`servemesh apply` of `text` to the running mesh, then wait until `instance` took the
+    new spec (it logs each change it takes); the plan's lines."""
+
+    def taken() -> int:
+        return sum(1 for line in log_lines(mesh, instance) if line.get("msg") == "spec changed")
+
+    before = taken()
+    applier = LiveApply(RouteManager(mesh.paths, AdminClient.of_mesh(mesh.state_dir)))
+    lines = applier.apply(text, "live.yaml").plan.lines()
+    wait_until(lambda: taken() > before, f"{instance} to take the new spec")
+    return lines

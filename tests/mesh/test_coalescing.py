@@ -7,7 +7,6 @@ gateway, so they meet in its coalescer."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,12 +16,9 @@ import pytest
 from servemesh.identity import dial_service
 from servemesh.launcher import Mesh
 from servemesh.observe.scrape import sample, scrape
-from servemesh.proxy.admin import AdminClient
-from servemesh.proxy.apply import RouteManager
-from servemesh.proxy.live_apply import LiveApply
 from servemesh.services.runtime.faults import FaultSettings, set_fault
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.mesh.conftest import SLOW_VERSION
+from tests.mesh.conftest import SLOW_VERSION, apply_live
 from tests.waiting import wait_until
 
 GATEWAY = "gateway-zone-a-0"
@@ -132,28 +128,15 @@ def test_a_short_deadline_member_gets_deadline_exceeded_and_the_others_their_ans
     assert all(isinstance(a, gateway_pb2.PredictResponse) for a in answered), answered
 
 
-def _spec_changes(mesh: Mesh) -> int:
-    """How many spec changes the gateway has taken (it logs each one it takes)."""
-    lines = (mesh.logs_dir / f"{GATEWAY}.log").read_text().splitlines()
-    return sum(
-        1
-        for line in lines
-        if line.startswith("{") and json.loads(line).get("msg") == "spec changed"
-    )
-
-
 def test_apply_turns_coalescing_off_and_back_on_live(
     mesh: Mesh, direct: gateway_pb2_grpc.GatewayStub
 ) -> None:
     """`servemesh apply` changes the gateways' coalescing in a running mesh: while it is
     off, Predicts queued behind a slow one each make their own calls."""
-    applier = LiveApply(RouteManager(mesh.paths, AdminClient.of_mesh(mesh.state_dir)))
-    taken = _spec_changes(mesh)
-    off = applier.apply("coalescing: {enabled: false}\n", "coalescing-off.yaml")
+    lines = apply_live(mesh, "coalescing: {enabled: false}\n", GATEWAY)
     try:
-        assert off.plan.lines() == ["~ coalescing: on, max_rows 64 -> off"]
+        assert lines == ["~ coalescing: on, max_rows 64 -> off"]
         assert not mesh.paths.running_spec().coalescing.enabled
-        wait_until(lambda: _spec_changes(mesh) > taken, "the gateway to take the new spec")
         before = _shared(mesh, "model"), _shared(mesh, "features")
         entities = [f"user-{i}" for i in range(60, 68)]
         with ThreadPoolExecutor(max_workers=len(entities)) as pool:
@@ -162,10 +145,8 @@ def test_apply_turns_coalescing_off_and_back_on_live(
         # Not one call went through the coalescer, not even as a lone member.
         assert (_shared(mesh, "model"), _shared(mesh, "features")) == before
     finally:
-        taken = _spec_changes(mesh)
-        on = applier.apply("coalescing: {enabled: true, max_rows: 64}\n", "coalescing-on.yaml")
-        wait_until(lambda: _spec_changes(mesh) > taken, "the gateway to take the spec back")
-    assert on.plan.lines() == ["~ coalescing: off -> on, max_rows 64"]
+        lines = apply_live(mesh, "coalescing: {enabled: true, max_rows: 64}\n", GATEWAY)
+    assert lines == ["~ coalescing: off -> on, max_rows 64"]
     model_before = _shared(mesh, "model")
     with ThreadPoolExecutor(max_workers=8) as pool:
         first = pool.submit(_predict, direct, "user-70", SLOW_VERSION)
