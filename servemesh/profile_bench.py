@@ -195,8 +195,8 @@ def profile_kinds(
                 kind=kind,
                 instance=instances[kind][0],
                 samples=sum(stacks.values()),
-                top_own=top_own_time(stacks, top) if stacks else [],
-                top_own_code=top_inclusive(stacks, top) if stacks else [],
+                top_own=top_own_time(stacks, top),
+                top_own_code=top_inclusive(stacks, top),
                 raw=str(path),
             )
         )
