@@ -307,6 +307,11 @@ def _cluster(
             "interval": _ms(outlier.interval_ms),
             "base_ejection_time": _ms(outlier.base_ejection_time_ms),
             "max_ejection_percent": outlier.max_ejection_percent,
+            # By default one passing health check lets an ejected host back in, within the
+            # second. A replica that answers Health but fails every call would then take a
+            # few calls a second (masked by retries, but each a wasted try) instead of
+            # sitting out base_ejection_time, longer each time it is ejected again.
+            "successful_active_health_check_uneject_host": False,
         }
     if upstream_filters:
         options = cluster["typed_extension_protocol_options"]
