@@ -208,12 +208,22 @@ def _model(model: str) -> str:
     return f'model="{model}"'
 
 
-def _increase(selector: str, window: str) -> str:
-    return f"sum(increase({selector}[{window}]))"
+def grown_expr(selector: str, window: str) -> str:
+    """PromQL: how much the counters `selector` grew over `window`, summed; empty when no
+    such series had a sample in the window.
+
+    increase() counts only what a series grew after its first sample, so a series born
+    inside the window (a canary's first failures, a burst of calls that fell between two
+    scrapes) would count nothing for the calls before that sample, and a burst that never
+    grew again would count nothing at all. Such a series adds its first value (a counter's
+    minimum): it exists in the window and did not exist a window ago."""
+    born = f"sum(min_over_time({selector}[{window}]) unless {selector} offset {window})"
+    return f"(sum(increase({selector}[{window}])) + ({born} or vector(0)))"
 
 
-def _rate(selector: str, window: str) -> str:
-    return f"sum(rate({selector}[{window}]))"
+def _grown_or_zero(selector: str, window: str) -> str:
+    # A count that may have no series at all (a model that never failed): zero.
+    return f"({grown_expr(selector, window)} or vector(0))"
 
 
 def slo_selectors(model: str, slo: SloSpec) -> dict[str, str]:
@@ -234,13 +244,10 @@ def bad_ratio_expr(model: str, slo: SloSpec, objective: Objective, window: str) 
     Empty (no sample) while the model had no calls in the window."""
     s = slo_selectors(model, slo)
     if objective == "availability":
-        # `or vector(0)`: a model that never failed has no failed series at all.
-        failed = f"({_rate(s['failed'], window)} or vector(0))"
-        degraded = f"({_rate(s['degraded'], window)} or vector(0))"
-        bad = f"{failed} + {degraded}"
-        return f"({bad}) / {_rate(s['total'], window)}"
+        bad = f"{_grown_or_zero(s['failed'], window)} + {_grown_or_zero(s['degraded'], window)}"
+        return f"({bad}) / {grown_expr(s['total'], window)}"
     # Above every finite bound the objective's bucket is +Inf: every call is fast, ratio 0.
-    return f"1 - {_rate(s['fast'], window)} / {_rate(s['timed'], window)}"
+    return f"1 - {grown_expr(s['fast'], window)} / {grown_expr(s['timed'], window)}"
 
 
 def allowed_ratio(slo: SloSpec, objective: Objective) -> float:

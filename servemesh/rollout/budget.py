@@ -33,6 +33,7 @@ from servemesh.procs.prometheus import (
     allowed_ratio,
     burn_rate_expr,
     burn_windows,
+    grown_expr,
     prom_duration,
     slo_selectors,
     slow_bound_s,
@@ -197,13 +198,7 @@ def read_from_prometheus(
     selectors = slo_selectors(model, slo)
 
     def increase(name: str) -> float:
-        selector = selectors[name]
-        grown = _scalar(client, f"sum(increase({selector}[{window}]))")
-        # increase() counts what a series grew after its first sample, so the calls of a
-        # series born inside the window before its first scrape (a canary's first failures)
-        # would go missing: such a series adds its first value (a counter's minimum).
-        born = f"sum(min_over_time({selector}[{window}]) unless {selector} offset {window})"
-        return grown + _scalar(client, born)
+        return _scalar(client, grown_expr(selectors[name], window))
 
     total, timed = increase("total"), increase("timed")
     bad = increase("failed") + increase("degraded")
