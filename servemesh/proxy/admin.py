@@ -107,7 +107,6 @@ class HostHealth:
 class ClusterView:
     name: str
     hosts: list[HostHealth] = field(default_factory=list)
-    counters: dict[str, int] = field(default_factory=dict)
 
     def healthy_by_zone(self) -> dict[str, int]:
         counts: dict[str, int] = {}
