@@ -68,15 +68,15 @@ SERVICE_MODULES = {
     "gateway": "servemesh.services.gateway",
 }
 # Stop order, a tier of groups at a time: the reverse of the start order, so Envoy stops
-# taking calls first and Redis goes last.
+# taking calls first and Redis goes last. Once the gateways are gone nothing calls a feature,
+# model or registry server, so those drain together (each takes half a second or more to
+# exit; one after another they added a second to every stop).
 # The trace store stops after every service, so the spans they flush on the way out land.
 STOP_ORDER = [
     ["prometheus"],
     ["envoy"],
     ["gateway"],
-    ["feature"],
-    ["model"],
-    ["registry"],
+    ["feature", "model", "registry"],
     ["tracestore"],
     ["redis"],
 ]
@@ -175,13 +175,15 @@ class Mesh:
             # (kept across runs; renewed when their life runs low or their names change).
             issue_mesh_certificates(self.spec)
             self.resolved_spec_path.write_text(dump_spec(self.spec))
-            self._start_trace_store(deadline)
+            # The trace store and the registry boot side by side, while Envoy's config is
+            # rendered and validated: neither calls the other at start, and the registry's
+            # first spans (the seeding's) come only once both are ready.
+            first = self._start_trace_store()
             self._write_envoy_config()
             if self.spec.network.mode == "netns":
                 self._join_zone_network()
-
             self._start_service("registry-0")
-            self.supervisor.wait_ready(["registry-0"], deadline)
+            self.supervisor.wait_ready([*first, "registry-0"], deadline)
             if self.spec.demo.enabled:
                 asyncio.run(self._seed())
             later = [i.name for i in self.spec.instances() if i.service != "registry"]
@@ -427,21 +429,19 @@ class Mesh:
         ready = GrpcHealth(dial_service(self.spec, name))
         self.supervisor.start(name, argv, group=instance.service, ready=ready, timeout_s=None)
 
-    def _start_trace_store(self, deadline: float) -> None:
-        """The embedded OTLP receiver (`servemesh.tracestore`), when the spec names no
-        collector: ready before any service that exports to it starts."""
+    def _start_trace_store(self) -> list[str]:
+        """Start the embedded OTLP receiver (`servemesh.tracestore`), when the spec names no
+        collector, without waiting; the names to wait for before any service exports."""
         port = self.spec.embedded_trace_store_port
         if port is None:
-            return
+            return []
         argv = [sys.executable, "-m", "servemesh.tracestore", "--spec"]
         address = f"{self.spec.host}:{port}"
         ready = GrpcHealth(dial_address(self.spec, address, TRACE_STORE_IDENTITY))
         self.supervisor.start(
-            TRACE_STORE,
-            [*argv, str(self.resolved_spec_path)],
-            ready=ready,
-            timeout_s=max(0.0, deadline - time.monotonic()),
+            TRACE_STORE, [*argv, str(self.resolved_spec_path)], ready=ready, timeout_s=None
         )
+        return [TRACE_STORE]
 
     def _start_redis(self, port: int, deadline: float) -> None:
         password_file = self.spec.feature_store.password_file
