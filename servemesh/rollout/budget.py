@@ -197,12 +197,12 @@ def read_from_prometheus(
     window = prom_duration(slo.window_s)
     selectors = slo_selectors(model, slo)
 
-    def increase(name: str) -> float:
+    def grown(name: str) -> float:
         return _scalar(client, grown_expr(selectors[name], window))
 
-    total, timed = increase("total"), increase("timed")
-    bad = increase("failed") + increase("degraded")
-    slow_calls = max(0.0, timed - increase("fast"))
+    total, timed = grown("total"), grown("timed")
+    bad = grown("failed") + grown("degraded")
+    slow_calls = max(0.0, timed - grown("fast"))
     objectives = (
         ObjectiveBudget("availability", total, bad, allowed_ratio(slo, "availability")),
         ObjectiveBudget("latency", timed, slow_calls, allowed_ratio(slo, "latency")),

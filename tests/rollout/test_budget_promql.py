@@ -70,7 +70,6 @@ class Exporter:
 class Scraped:
     exporter: Exporter
     client: PromClient
-    spec: MeshSpec
 
 
 @pytest.fixture
@@ -104,7 +103,7 @@ def scraped(tmp_path: Path) -> Iterator[Scraped]:
     try:
         with Supervisor(tmp_path / "logs") as supervisor:
             OneTarget(supervisor, spec, tmp_path / "prometheus", PROMETHEUS).start(timeout_s=60)
-            yield Scraped(exporter, PromClient(spec.prometheus_address), spec)
+            yield Scraped(exporter, PromClient(spec.prometheus_address))
     finally:
         http.shutdown()
         http.server_close()
