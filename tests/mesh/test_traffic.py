@@ -334,12 +334,16 @@ def test_an_overloaded_cluster_trips_the_breaker_and_callers_fail_fast(
             except grpc.RpcError as exc:
                 return exc.code().name, time.perf_counter() - started
 
+        # One call first, untimed: the burst then measures the breaker, not the channel's
+        # connect and TLS handshake or a cold path through the gateway, which every caller of
+        # the burst would wait for alike (on a loaded box, 400 ms).
+        assert call(0)[0] == "OK"
         with ThreadPoolExecutor(max_workers=12) as pool:
             results = list(pool.map(call, range(12)))
     shed = [elapsed for code, elapsed in results if code == "UNAVAILABLE"]
     assert shed, results
     assert any(code == "OK" for code, _ in results)
-    assert max(shed) < 0.1, f"overflowed callers waited {max(shed) * 1000:.0f} ms"
+    assert max(shed) < 0.1, f"overflowed callers waited {max(shed) * 1000:.0f} ms: {results}"
     overflow = sum(
         v
         for k, v in admin.counters("cluster.model-slow-v1-via-").items()
