@@ -29,6 +29,7 @@ from servemesh.tracestore.receiver import store_path
 from servemesh.tracestore.store import TraceStore
 from servemesh.wire import TRACE_HEADERS
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.postgres_server import PostgresServer
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.mesh
@@ -39,8 +40,6 @@ RATE_PER_S = 40.0
 # several flushes and exports fail while requests keep coming.
 CALLS_WHILE_DOWN = 120
 GATEWAY = "gateway-zone-a-0"
-# The machine's PostgreSQL 15 (trust auth, database `test`).
-POSTGRES = ("127.0.0.1", 5432)
 
 
 def small_mesh_spec(state_dir: Path, **updates: Any) -> MeshSpec:
@@ -283,11 +282,13 @@ class TcpProxy:
             writer.transport.abort()
 
 
-def test_losing_the_log_database_never_fails_a_predict(tmp_path: Path) -> None:
+def test_losing_the_log_database_never_fails_a_predict(
+    tmp_path: Path, postgres: PostgresServer
+) -> None:
     table = f"predictions_faults_{uuid.uuid4().hex[:12]}"
-    proxy = TcpProxy(POSTGRES)
+    proxy = TcpProxy((postgres.host, postgres.port))
     proxy.start()
-    dsn = f"host=127.0.0.1 port={proxy.port} dbname=test"
+    dsn = f"host=127.0.0.1 port={proxy.port} dbname=test user=postgres"
     try:
         spec = small_mesh_spec(tmp_path, postgres_dsn=dsn, postgres_table=table)
         with Mesh.from_spec(spec) as mesh, steady_load(mesh) as load:
@@ -317,13 +318,11 @@ def test_losing_the_log_database_never_fails_a_predict(tmp_path: Path) -> None:
         assert final["dropped"] == 0 and final["write_errors"] >= 1
         # The table holds every batch the gateway counted as written, and none it did not
         # accept (a batch cut off mid-COPY is rolled back, not half kept).
-        with psycopg.connect(f"host={POSTGRES[0]} port={POSTGRES[1]} dbname=test") as conn:
+        with psycopg.connect(postgres.dsn()) as conn:
             query = sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(table))
             row = conn.execute(query).fetchone()
         assert row is not None and final["written"] <= row[0] <= final["accepted"]
     finally:
         proxy.close()
-        with psycopg.connect(
-            f"host={POSTGRES[0]} port={POSTGRES[1]} dbname=test", autocommit=True
-        ) as conn:
+        with psycopg.connect(postgres.dsn(), autocommit=True) as conn:
             conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))

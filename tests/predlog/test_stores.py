@@ -1,5 +1,5 @@
 """Both stores answer the same questions with the same rows: Parquet files read by DuckDB,
-and the real PostgreSQL of this machine (a table of its own per test, dropped after)."""
+and a real PostgreSQL started for the session (a table of its own per test, dropped after)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,9 @@ from servemesh.predlog.parquet_store import MERGE_RUN, ParquetStore, instance_fi
 from servemesh.predlog.postgres_store import PostgresStore
 from servemesh.predlog.query import LogQuery, ParquetReader, PostgresReader
 from servemesh.predlog.record import Row
+from tests.postgres_server import PostgresServer
 from tests.predlog.records import row
 
-# The machine's PostgreSQL 15 (trust auth, database `test`).
-DSN = "host=127.0.0.1 port=5432 dbname=test connect_timeout=5"
 NOW = 1_800_000_000.0  # 2027-01-15 08:00 UTC
 
 
@@ -29,12 +28,17 @@ class Backend:
     reader: ParquetReader | PostgresReader
 
 
-def _postgres_table() -> Iterator[str]:
+@pytest.fixture
+def dsn(postgres: PostgresServer) -> str:
+    return postgres.dsn()
+
+
+def _postgres_table(dsn: str) -> Iterator[str]:
     table = f"predictions_test_{uuid.uuid4().hex[:12]}"
     try:
         yield table
     finally:
-        with psycopg.connect(DSN, autocommit=True) as conn:
+        with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
 
 
@@ -45,10 +49,11 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]
         root = tmp_path / "predictions"
         yield Backend(ParquetStore(root, "gateway-zone-a-0", clock), ParquetReader(root, clock))
         return
-    for table in _postgres_table():
-        store = PostgresStore(DSN, table)
+    dsn: str = request.getfixturevalue("dsn")
+    for table in _postgres_table(dsn):
+        store = PostgresStore(dsn, table)
         try:
-            yield Backend(store, PostgresReader(DSN, table, clock))
+            yield Backend(store, PostgresReader(dsn, table, clock))
         finally:
             store.close()
 
@@ -144,25 +149,25 @@ def test_retention_deletes_what_is_older(backend: Backend) -> None:
     assert backend.reader.summary().rows == 1
 
 
-def test_postgres_creates_its_table_with_the_indexes_queries_use() -> None:
-    for table in _postgres_table():
-        store = PostgresStore(DSN, table)
+def test_postgres_creates_its_table_with_the_indexes_queries_use(dsn: str) -> None:
+    for table in _postgres_table(dsn):
+        store = PostgresStore(dsn, table)
         try:
             store.write([row(NOW)])
             # A second writer meets the existing table.
-            other = PostgresStore(DSN, table)
+            other = PostgresStore(dsn, table)
             other.write([row(NOW)])
             other.close()
         finally:
             store.close()
-        with psycopg.connect(DSN) as conn:
+        with psycopg.connect(dsn) as conn:
             indexes = conn.execute(
                 "SELECT indexdef FROM pg_indexes WHERE tablename = %s", (table,)
             ).fetchall()
         definitions = " ".join(i[0] for i in indexes)
         assert "(ts)" in definitions and "gin (entity_keys)" in definitions
         assert "(status, ts)" in definitions and "(request_id)" in definitions
-        assert PostgresReader(DSN, table).summary().rows == 2
+        assert PostgresReader(dsn, table).summary().rows == 2
 
 
 def test_a_dead_postgres_fails_the_write_and_the_next_one_reconnects() -> None:
