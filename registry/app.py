@@ -7,7 +7,7 @@ from pathlib import Path
 
 import grpc
 
-from servemesh.control_credential import read_control_token
+from servemesh.control_credential import control_verifier
 from servemesh.identity import serving_credentials
 from servemesh.registry.metrics import RegistryMetrics
 from servemesh.registry.service import SERVICE_NAME, UPLOAD_IDLE_TIMEOUT_S, RegistryServicer
@@ -69,7 +69,7 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         host=spec.listen_host,
         port=spec.port_of(instance),
         max_message_bytes=spec.limits.max_message_bytes,
-        control_token=read_control_token(spec.state_dir),
+        control_token=control_verifier(spec.state_dir),
         upload_idle_timeout_s=spec.limits.upload_idle_timeout_s,
         credentials=serving_credentials(spec, instance),
     )

@@ -71,8 +71,8 @@ class BlobStore:
     def __init__(self, root: Path) -> None:
         self.blob_dir = root / "blobs" / "sha256"
         self.tmp_dir = root / "tmp"
-        self.blob_dir.mkdir(parents=True, exist_ok=True)
-        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        self.blob_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.tmp_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     def path_of(self, sha256: str) -> Path:
         return self.blob_dir / sha256[:2] / sha256
@@ -97,10 +97,11 @@ class BlobStore:
         """
         dest = self.path_of(sha256)
         new_dir = not dest.parent.exists()
-        dest.parent.mkdir(exist_ok=True)
+        dest.parent.mkdir(exist_ok=True, mode=0o700)
         existed = dest.exists()
-        # Artifacts are immutable; read-only files guard against accidental edits.
-        os.chmod(staged.path, 0o444)
+        # Artifacts are immutable; read-only files guard against accidental edits. The
+        # owner's alone: an artifact is code, and may be a secret of the operator's.
+        os.chmod(staged.path, 0o400)
         os.replace(staged.path, dest)
         _fsync_dir(dest.parent)
         if new_dir:

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO, Literal
 
+from servemesh.private import private_dir, private_file
 from servemesh.registry.blobs import BlobStore, StagedBlob
 from servemesh.registry.errors import (
     AlreadyExistsError,
@@ -133,7 +134,8 @@ class RegistryStore:
         self.root = Path(root)
         self.max_artifact_bytes = max_artifact_bytes
         self.quota_bytes = quota_bytes
-        self.root.mkdir(parents=True, exist_ok=True)
+        # The registry's files are the mesh user's alone (artifacts are code).
+        private_dir(self.root)
         self.blobs = BlobStore(self.root)
         # Only this process writes under root, so whatever temp file exists now is a
         # leftover of a crash.
@@ -143,7 +145,7 @@ class RegistryStore:
         # RLock: an upload's commit holds it across the transaction and the blob cleanup.
         self._lock = threading.RLock()
         self._db: sqlite3.Connection | None = sqlite3.connect(
-            self.root / "registry.db", check_same_thread=False, isolation_level=None
+            private_file(self.root / "registry.db"), check_same_thread=False, isolation_level=None
         )
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")

@@ -8,6 +8,8 @@ import os
 import secrets
 from pathlib import Path
 
+from servemesh.private import check_secret
+
 CREDENTIALS_FILE = "edge-credentials"
 DEFAULT_USER = "servemesh"
 
@@ -32,8 +34,12 @@ def ensure_edge_credentials(state_dir: Path) -> tuple[str, str]:
 
 
 def read_edge_credentials(state_dir: Path) -> tuple[str, str] | None:
+    """The (user, key) kept in `state_dir`, None when none; PrivacyError when another user
+    owns the file or others may read it."""
+    path = credentials_path(state_dir)
+    check_secret(path)
     try:
-        line = credentials_path(state_dir).read_text().strip()
+        line = path.read_text().strip()
     except FileNotFoundError:
         return None
     user, _, key = line.partition(":")

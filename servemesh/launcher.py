@@ -27,7 +27,7 @@ import grpc
 import yaml
 
 from servemesh.atomic import atomic_write_text
-from servemesh.control_credential import ensure_control_token
+from servemesh.control_credential import CONTROL_VERIFIER_ENV, ensure_control_token, token_digest
 from servemesh.credentials import ensure_edge_credentials, htpasswd_line
 from servemesh.identity import (
     OPERATOR_IDENTITY,
@@ -44,6 +44,8 @@ from servemesh.netns import available as netns_available
 from servemesh.procs import All, Check, Child, GrpcHealth, RedisServer, StartError, Supervisor
 from servemesh.procs.prometheus import PrometheusServer, prometheus_binary
 from servemesh.proxy.admin import admin_socket_path, prepare_admin_dir
+from servemesh.procs.sandbox import RunAs, model_user
+from servemesh.procs.spawn import with_death_signal
 from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
 from servemesh.proxy.render import dynamic_bootstrap, render_resources, static_bootstrap
@@ -58,6 +60,7 @@ from servemesh.spec import (
     resolve,
 )
 from servemesh.wire import ENVOY_STATS_PATH, message_size_options
+from servemesh.state_dir import secure_state_dir, share_identity, share_with_models, tighten
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +118,8 @@ class Mesh:
     _fleet_stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _fleet_thread: threading.Thread | None = field(default=None, init=False, repr=False)
 
+    # The user model servers run as (servemesh.procs.sandbox); None: the launcher's own.
+    model_user: RunAs | None = field(default=None, init=False)
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(
             self.logs_dir, cwd=self.state_dir, grace_s=self.grace_s, thread_name="mesh-spawner"
@@ -126,6 +131,8 @@ class Mesh:
     ) -> Self:
         root = Path(state_dir or spec.state_dir).resolve()
         spec = with_edge_credentials(spec.model_copy(update={"state_dir": str(root)}), root)
+        # Umask 077 from here on; the state dir 0700 and its secrets private, or no start.
+        secure_state_dir(root)
         # Control calls (loads, uploads, feature writes) need this mesh's token.
         ensure_control_token(root)
         resolved = resolve(spec)
@@ -161,6 +168,7 @@ class Mesh:
         """Bring every part up and return once all report SERVING and Envoy is ready."""
         deadline = time.monotonic() + timeout_s
         self.logs_dir.mkdir(parents=True, exist_ok=True)
+        secure_state_dir(self.state_dir)
         try:
             if self.spec.network.mode == "netns":
                 # Before anything starts: a machine that cannot says why at once.
@@ -174,7 +182,8 @@ class Mesh:
             # The mesh CA and a certificate per service, Envoy and the operator's tools
             # (kept across runs; renewed when their life runs low or their names change).
             issue_mesh_certificates(self.spec)
-            self.resolved_spec_path.write_text(dump_spec(self.spec))
+            atomic_write_text(self.resolved_spec_path, dump_spec(self.spec))
+            self._isolate_model_servers()
             # The trace store and the registry boot side by side, while Envoy's config is
             # rendered and validated: neither calls the other at start, and the registry's
             # first spans (the seeding's) come only once both are ready.
@@ -425,9 +434,42 @@ class Mesh:
             name,
         ]
         if self.network is not None and instance.service != "registry":
+        run_as = self.model_user if instance.service == "model" else None
+        if run_as is not None:
+            # Its own pair readable by its user (a replica the fleet added included).
+            share_identity(mesh_identity(self.spec), [name], run_as)
             argv = self.network.exec_argv(instance.zone, argv)
+            if run_as is not None:  # `ip netns exec` needs root: change user inside it
+                argv, run_as = with_death_signal(argv, self.supervisor.death_signal, run_as), None
         ready = GrpcHealth(dial_service(self.spec, name))
-        self.supervisor.start(name, argv, group=instance.service, ready=ready, timeout_s=None)
+        self.supervisor.start(
+            name,
+            argv,
+            group=instance.service,
+            ready=ready,
+            timeout_s=None,
+            env=self._control_env(instance.service),
+            run_as=run_as,
+        )
+
+    def _control_env(self, service: str) -> dict[str, str]:
+        """A service with control methods gets the control token's digest to check calls
+        against, never the token; the gateway (no control method) gets nothing."""
+        if service == "gateway":
+            return {}
+        return {CONTROL_VERIFIER_ENV: token_digest(ensure_control_token(self.state_dir))}
+
+    def _isolate_model_servers(self) -> None:
+        """Private again whatever an earlier run left open; then, when model servers run as
+        a user of their own (root only: servemesh.procs.sandbox), share with that user's
+        group exactly what they read (servemesh.state_dir)."""
+        tighten(self.state_dir)
+        self.model_user, why = model_user(self.spec.sandbox.model_user, self.state_dir)
+        (log.warning if "not isolated" in why else log.info)(why)
+        if self.model_user is not None:
+            share_with_models(
+                self.state_dir, self.resolved_spec_path, mesh_identity(self.spec), self.model_user
+            )
 
     def _start_trace_store(self) -> list[str]:
         """Start the embedded OTLP receiver (`servemesh.tracestore`), when the spec names no

@@ -539,6 +539,13 @@ class MetricsSpec(_Strict):
     price_per_gpu_hour: Annotated[float, Field(ge=0)] = 2.50
 
 
+class SandboxSpec(_Strict):
+    # The user model servers run as when `servemesh up` runs as root (a model file is code):
+    # auto: uid/gid 61000; off: root, like the rest; or a uid, uid:gid or user name.
+    # Not root, every process is the mesh's user (servemesh.procs.sandbox).
+    model_user: str = "auto"
+
+
 class MeshSpec(_Strict):
     name: Name = "servemesh"
     host: str = "127.0.0.1"
@@ -566,6 +573,7 @@ class MeshSpec(_Strict):
     tracing: TracingSpec = Field(default_factory=TracingSpec)
     discovery: DiscoverySpec = Field(default_factory=DiscoverySpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    sandbox: SandboxSpec = Field(default_factory=SandboxSpec)
 
     @field_validator("host")
     @classmethod

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from servemesh.identity.store import MeshIdentity
+from servemesh.private import open_lock
 from servemesh.spec import MeshSpec, ResolvedSpec
 
 ENVOY_IDENTITY = "envoy"
@@ -32,7 +33,7 @@ def mesh_identity(spec: MeshSpec) -> MeshIdentity:
 @contextmanager
 def issuing(identity: MeshIdentity) -> Iterator[None]:
     identity.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with open(identity.root / ".issue.lock", "a") as held:
+    with open_lock(identity.root / ".issue.lock") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         yield
 

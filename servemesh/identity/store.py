@@ -1,6 +1,6 @@
 """Where the mesh keeps its CA and certificates, and how they are replaced.
 
-Layout under `<state_dir>/tls/` (every directory 0700, every key 0600):
+Layout under `<state_dir>/tls/` (every directory 0700, every file 0600):
 
     ca/ca.pem, ca/ca.key      the mesh CA (the key never leaves this directory)
     trust.pem                 the CA certificates every hop trusts
@@ -14,6 +14,11 @@ files) by an atomic rename, so a reader sees the old pair or the new pair, never
 each. Python servers read through `current` at every new handshake (see credentials);
 Envoy re-reads an SDS file when it is renamed into place. Connections already open keep
 the certificate they began with: a rotation interrupts nothing.
+
+`share(identity, gid)` lets one group read one identity's pair (the model servers' own
+user, servemesh.procs.sandbox): its folder and generations become 0750 and its files 0640,
+that group's; a later issue of the identity is shared alike. The CA's key and every other
+identity stay 0700/0600.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import datetime as dt
 import json
 import os
 import shutil
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +40,7 @@ from servemesh.identity.authority import (
     lifetime,
     time_left,
 )
+from servemesh.private import check_secret
 
 # Issue a new leaf at `up` when less than this share of its life is left.
 RENEW_AT_FRACTION = 1 / 3
@@ -42,9 +49,17 @@ TRUST_SECRET = "mesh-trust"
 
 
 def _private_dir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path, 0o700)
     return path
+
+
+def _share_generation(generation: Path, gid: int) -> None:
+    os.chown(generation, -1, gid)
+    os.chmod(generation, 0o750)
+    for item in generation.iterdir():
+        os.chown(item, -1, gid)
+        os.chmod(item, 0o640)
 
 
 @dataclass(frozen=True)
@@ -101,14 +116,20 @@ class MeshIdentity:
         """The mesh CA, created on first use."""
         cert, key = self.ca_dir / "ca.pem", self.ca_dir / "ca.key"
         if cert.exists() and key.exists():
+            check_secret(key)  # another user's, or readable by others: refused, not used
             return KeyPair(cert.read_bytes(), key.read_bytes())
         _private_dir(self.root)
         _private_dir(self.ca_dir)
         pair = create_authority(self.mesh)
-        atomic_write_bytes(key, pair.key_pem)
-        atomic_write_bytes(cert, pair.cert_pem, 0o644)
-        atomic_write_bytes(self.trust_file, pair.cert_pem, 0o644)
+        atomic_write_bytes(key, pair.key_pem, 0o600)
+        atomic_write_bytes(cert, pair.cert_pem, 0o600)
+        # A new CA: the bundle keeps the group and mode it was shared with, if any.
+        atomic_write_bytes(self.trust_file, pair.cert_pem)
         return pair
+
+    @property
+    def ca_key_file(self) -> Path:
+        return self.ca_dir / "ca.key"
 
     def trust_pem(self) -> bytes:
         return self.trust_file.read_bytes()
@@ -146,12 +167,16 @@ class MeshIdentity:
         return self.install(identity, pair, extra_names)
 
     def install(self, identity: str, pair: KeyPair, names: tuple[str, ...] = ()) -> Path:
-        base = _private_dir(self.root / identity)
+        base = self.root / identity
+        shared_with = self._shared_group(base)
+        _private_dir(base) if shared_with is None else base.mkdir(parents=True, exist_ok=True)
         numbers = [int(p.name[4:]) for p in base.glob("gen-*") if p.name[4:].isdigit()]
         generation = _private_dir(base / f"gen-{max(numbers, default=0) + 1}")
-        atomic_write_bytes(generation / "key.pem", pair.key_pem)
-        atomic_write_bytes(generation / "cert.pem", pair.cert_pem, 0o644)
-        atomic_write_bytes(generation / "names.json", json.dumps(list(names)).encode(), 0o644)
+        atomic_write_bytes(generation / "key.pem", pair.key_pem, 0o600)
+        atomic_write_bytes(generation / "cert.pem", pair.cert_pem, 0o600)
+        atomic_write_bytes(generation / "names.json", json.dumps(list(names)).encode(), 0o600)
+        if shared_with is not None:
+            _share_generation(generation, shared_with)
         link = base / f".current.{os.getpid()}.tmp"
         link.unlink(missing_ok=True)
         link.symlink_to(generation.name)
@@ -160,6 +185,24 @@ class MeshIdentity:
             self._write_leaf_sds(identity, generation)
         self._prune(base, keep={generation.name, f"gen-{max(numbers, default=0)}"})
         return generation
+
+    @staticmethod
+    def _shared_group(base: Path) -> int | None:
+        """The group `base` (an identity's folder) is shared with, None when private."""
+        try:
+            info = os.stat(base)
+        except FileNotFoundError:
+            return None
+        return info.st_gid if info.st_mode & stat.S_IRGRP else None
+
+    def share(self, identity: str, gid: int) -> None:
+        """Let group `gid` read `identity`'s live pair, and the pairs issued to it later
+        (only that identity's: tls/ itself lets the group pass, not list)."""
+        base = self.root / identity
+        os.chown(base, -1, gid)
+        os.chmod(base, 0o750)
+        for generation in base.glob("gen-*"):
+            _share_generation(generation, gid)
 
     @staticmethod
     def _prune(base: Path, keep: set[str]) -> None:

@@ -139,7 +139,7 @@ class ParquetStore:
     def __init__(self, root: Path, instance: str, clock: Callable[[], float] = time.time):
         self.root = root
         self.folder = root / instance
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.clock = clock
         # Crash leftovers: merged inputs whose merged file made it, and unfinished writes.
         kept = instance_files(self.folder)

@@ -24,7 +24,9 @@ from typing import Any, Literal
 import yaml
 from prometheus_client.utils import floatToGoString
 
+from servemesh.atomic import atomic_write_text
 from servemesh.durations import duration_seconds
+from servemesh.private import private_dir
 from servemesh.procs.ready import Check
 from servemesh.procs.supervisor import Child, Supervisor
 from servemesh.rollout_plan import SloSpec
@@ -360,10 +362,10 @@ class PrometheusServer:
         return self.root / "rules.yml"
 
     def write_config(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.rules_file.write_text(yaml.safe_dump(render_rules(self.spec), sort_keys=False))
+        private_dir(self.root)  # its data too: Prometheus runs under umask 077
+        atomic_write_text(self.rules_file, yaml.safe_dump(render_rules(self.spec), sort_keys=False))
         config = render_config(self.spec, self.rules_file)
-        self.config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+        atomic_write_text(self.config_file, yaml.safe_dump(config, sort_keys=False))
 
     def argv(self) -> list[str]:
         retention = f"{round(duration_seconds(self.spec.metrics.retention))}s"

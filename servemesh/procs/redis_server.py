@@ -22,6 +22,7 @@ from pathlib import Path
 import redis
 
 from servemesh.atomic import atomic_write_bytes
+from servemesh.private import check_secret, private_dir
 from servemesh.procs.ready import RedisPing
 from servemesh.procs.supervisor import ProcessError, Supervisor
 from servemesh.spec import free_port
@@ -78,7 +79,9 @@ def redis_server_binary() -> str:
 
 
 def ensure_redis_password(path: Path) -> str:
-    """The password kept in `path`, created (random, owner-only) on first use."""
+    """The password kept in `path`, created (random, owner-only) on first use; refused
+    (servemesh.private.PrivacyError) when another user owns it or others can read it."""
+    check_secret(path)
     try:
         existing = path.read_text().strip()
     except FileNotFoundError:
@@ -86,7 +89,7 @@ def ensure_redis_password(path: Path) -> str:
     if existing:
         return existing
     password = secrets.token_urlsafe(32)
-    atomic_write_bytes(path, (password + "\n").encode())
+    atomic_write_bytes(path, (password + "\n").encode(), 0o600)
     return password
 
 
@@ -154,7 +157,7 @@ class RedisServer:
             return self.supervisor.restart(self.name, timeout_s).pid
         if not self.port:
             self.port = free_port(self.host)
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data_dir)
         self._write_config()
         argv = [redis_server_binary(), str(self.config_path)]
         ready = RedisPing(self.url, password=self.password)
@@ -174,7 +177,8 @@ class RedisServer:
             *(f'rename-command {command} ""' for command in DISABLED_COMMANDS),
             *self.settings,
         ]
-        atomic_write_bytes(self.config_path, ("\n".join(lines) + "\n").encode())
+        # It holds the password: owner-only, whatever the file it replaces was.
+        atomic_write_bytes(self.config_path, ("\n".join(lines) + "\n").encode(), 0o600)
 
     def outage(self) -> int:
         """Snapshot the data, then SIGKILL the server (an outage, not a shutdown); returns

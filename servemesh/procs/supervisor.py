@@ -13,6 +13,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from servemesh.procs.ready import Readiness
+from servemesh.procs.sandbox import RunAs
 from servemesh.procs.spawn import Launch, Spawner
 
 log = logging.getLogger(__name__)
@@ -131,9 +132,11 @@ class Supervisor:
         log: bool = True,
         env: Mapping[str, str] | None = None,
         death_signal: signal.Signals | None = None,
+        run_as: RunAs | None = None,
     ) -> Child:
         """Start a child; with `ready`, wait until it is (timeout_s None: do not wait now,
-        call wait_ready later). A running child of that name is an error."""
+        call wait_ready later). A running child of that name is an error. `run_as`: another
+        user the child runs as (servemesh.procs.sandbox)."""
         if self.is_running(name):
             raise ProcessError(f"{name} is already running")
         log_path = self.logs_dir / f"{name}.log" if log and self.logs_dir is not None else None
@@ -145,6 +148,7 @@ class Supervisor:
             cwd=self.cwd,
             env=dict(env or {}),
             death_signal=death_signal or self.death_signal,
+            run_as=run_as,
         )
         child = self._launch(launch, ready)
         if ready is not None and timeout_s is not None:

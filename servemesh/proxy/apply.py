@@ -35,6 +35,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import yaml
 
 from servemesh.atomic import atomic_write_text
+from servemesh.private import open_lock
 from servemesh.proxy.admin import AdminClient, AdminError
 from servemesh.proxy.process import validate_config
 from servemesh.proxy.render import (
@@ -138,7 +139,7 @@ class MeshPaths:
             return
         with _process_lock(key):
             self.state_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.state_dir / "changes.lock", "a+") as handle:
+            with open_lock(self.state_dir / "changes.lock", "r+") as handle:
                 try:
                     fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:

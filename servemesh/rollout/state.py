@@ -34,6 +34,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from servemesh.atomic import atomic_write_text
+from servemesh.private import open_lock
 from servemesh.rollout.types import ArmWindow, Check, ChecklistItem
 from servemesh.rollout_plan import RolloutPlan, Strategy
 
@@ -200,7 +201,7 @@ class StateStore:
     @contextlib.contextmanager
     def _update_lock(self, model: str) -> Iterator[None]:
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / f"{model}.update.lock", "a+") as handle:
+        with open_lock(self.root / f"{model}.update.lock") as handle:
             # Held for a read and a write of a small file: waiting is fine.
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
@@ -226,7 +227,7 @@ class StateStore:
         path = self.lock_path(model)
         if not path.exists():
             return False
-        with open(path, "a+") as handle:
+        with open_lock(path, "r+") as handle:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -239,7 +240,7 @@ class StateStore:
         """Become the model's controller for the block: yields False (and holds nothing)
         when another live process already is one."""
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.lock_path(model), "a+") as handle:
+        with open_lock(self.lock_path(model), "r+") as handle:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from servemesh.private import private_file
+
 # Attribute values are kept as JSON; bound what one span may store.
 MAX_ATTRIBUTES_BYTES = 16 * 1024
 # Traces deleted per round while the store is over its size.
@@ -125,9 +127,12 @@ class TraceStore:
     def __init__(self, path: Path, *, clock: Clock = time.time_ns) -> None:
         self.path = path
         self.clock = clock
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        # 0600 before SQLite opens it: its -wal and -shm files copy the mode.
+        self._db = sqlite3.connect(
+            private_file(path), check_same_thread=False, isolation_level=None
+        )
         self._db.execute("PRAGMA busy_timeout = 5000")
         # Before the first table: lets prune hand freed pages back (incremental vacuum).
         self._db.execute("PRAGMA auto_vacuum = INCREMENTAL")

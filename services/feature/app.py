@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from servemesh.control_credential import read_control_token
+from servemesh.control_credential import control_verifier
 from servemesh.identity import serving_credentials
 from servemesh.services.feature.health import watch_store
 from servemesh.services.feature.metrics import FeatureMetrics
@@ -29,7 +29,7 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         host=spec.listen_host,
         port=spec.port_of(instance),
         max_message_bytes=spec.limits.max_message_bytes,
-        control_token=read_control_token(spec.state_dir),
+        control_token=control_verifier(spec.state_dir),
         credentials=serving_credentials(spec, instance) if tls else None,
         service="feature",
     )

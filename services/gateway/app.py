@@ -6,7 +6,6 @@ import asyncio
 
 import grpc
 
-from servemesh.control_credential import read_control_token
 from servemesh.identity import dial_mesh, mesh_identity, serving_credentials
 from servemesh.identity.watch import follow_certificate
 from servemesh.predlog import gateway_prediction_log
@@ -40,7 +39,9 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         host=spec.listen_host,
         port=spec.port_of(instance),
         max_message_bytes=limit,
-        control_token=read_control_token(spec.state_dir),
+        # No control method here: the gateway holds no control credential, not even the
+        # digest the other services check calls against.
+        control_token=None,
         credentials=serving_credentials(spec, instance) if tls else None,
         service="gateway",
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from servemesh.control_credential import read_control_token
+from servemesh.control_credential import control_verifier
 from servemesh.identity import dial_registry, serving_credentials
 from servemesh.services.model.errors import ServingError
 from servemesh.services.model.load_specs import LoadSpecs
@@ -110,7 +110,7 @@ async def build_server(
         host=spec.listen_host,
         port=port,
         max_message_bytes=spec.limits.max_message_bytes,
-        control_token=read_control_token(spec.state_dir),
+        control_token=control_verifier(spec.state_dir),
         credentials=serving_credentials(spec, instance) if tls else None,
         service="model",
     )

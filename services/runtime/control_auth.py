@@ -6,6 +6,11 @@ what the mesh serves. Every `ServiceServer` checks them (its call path calls
 `authorization: Bearer <token>` with the token of the mesh's state dir: UNAUTHENTICATED
 without one, PERMISSION_DENIED with a wrong one, before the handler reads a single message.
 Every other method passes untouched. The token and the header's value are never logged.
+
+A service holds no token, only its SHA-256 digest (a verifier, `sha256:<hex>`, from
+servemesh.control_credential.control_verifier): it hashes the bearer a call presents and
+compares digests. Given a token (tests, a server built in-process), it keeps only the
+digest of it.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from servemesh.control_credential import BEARER_PREFIX
+from servemesh.control_credential import BEARER_PREFIX, VERIFIER_PREFIX, token_digest
 from servemesh.wire import AUTHORIZATION_HEADER, CONTROL_METHODS
 
 log = logging.getLogger(__name__)
@@ -44,20 +49,38 @@ def is_control(method: str) -> bool:
 class ControlAuth:
     """Refuses control calls that do not carry the mesh's control credential.
 
-    `token` None (a service that found no credential) refuses every control call: a
-    mesh without a credential accepts no changes rather than any.
+    `credential`: a verifier (`sha256:<hex>`, what a service is given) or the token itself,
+    of which only the digest is kept. None (a service that found no credential) refuses
+    every control call: a mesh without a credential accepts no changes rather than any.
     """
 
-    def __init__(self, token: str | None = None) -> None:
-        self.token = token
+    def __init__(self, credential: str | None = None) -> None:
+        self.digest: str | None = None
+        self.token = credential
+
+    @property
+    def token(self) -> str | None:
+        """The verifier checked against (`sha256:<hex>`), None when none: never a token."""
+        return None if self.digest is None else VERIFIER_PREFIX + self.digest
+
+    @token.setter
+    def token(self, credential: str | None) -> None:
+        if credential is None:
+            self.digest = None
+        elif credential.startswith(VERIFIER_PREFIX):
+            self.digest = credential[len(VERIFIER_PREFIX) :].strip().lower()
+        else:
+            self.digest = token_digest(credential)
 
     def refusal(self, metadata: Any) -> tuple[grpc.StatusCode, str] | None:
         """The status a control call with `metadata` is refused with; None: let it in."""
         presented = _presented(metadata)
         if presented is None:
             return grpc.StatusCode.UNAUTHENTICATED, MISSING_MESSAGE
-        expected = self.token
-        if expected is None or not hmac.compare_digest(presented.encode(), expected.encode()):
+        expected = self.digest
+        if expected is None or not hmac.compare_digest(
+            token_digest(presented).encode(), expected.encode()
+        ):
             return grpc.StatusCode.PERMISSION_DENIED, WRONG_MESSAGE
         return None
 

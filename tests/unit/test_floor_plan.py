@@ -25,18 +25,21 @@ CONTRACT = {
     "demo",
     "demo_model",
     "atomic",
+    "private",
     "model_contract",
     "control_credential",
     "echo",
     "identity",
 }
 SERVICES = {"services.runtime", "services.gateway", "services.feature", "services.model"}
-TOOLING = {"procs", "netns", "load", "proxy", "credentials", "observe"}
+TOOLING = {"procs", "netns", "load", "proxy", "credentials", "observe", "state_dir"}
 
 ALLOWED: dict[str, set[str]] = {
     # the contract
     "wire": set(),
     "atomic": set(),
+    # the state dir's privacy: umask, modes, secrets checked, lock files
+    "private": set(),
     "echo": set(),  # caller strings quoted and bounded in error messages
     "demo": {"demo_model"},  # torch only when a demo model is built
     "demo_model": set(),
@@ -48,9 +51,9 @@ ALLOWED: dict[str, set[str]] = {
     # does a model's spec entry fit an artifact's signature (apply, loader, gateway)
     "model_contract": {"spec", "wire"},
     # the control credential: services check it, every control caller sends it
-    "control_credential": {"wire"},
+    "control_credential": {"wire", "private"},
     # the mesh's CA and certificates, and how every hop dials and serves TLS
-    "identity": {"spec", "policy", "demo", "demo_model", "atomic"},
+    "identity": {"spec", "policy", "demo", "demo_model", "atomic", "private"},
     # the services: the runtime under them, the contract, and nothing that runs a mesh
     "services.runtime": CONTRACT | {"discovery"},  # a service joins the catalog
     # (and the feature service's wire format, services/feature/wire.py, to read its answers)
@@ -63,8 +66,10 @@ ALLOWED: dict[str, set[str]] = {
     # the embedded trace store: an OTLP receiver on the service runtime, and its reader
     "tracestore": CONTRACT | {"services.runtime"},
     # libraries for running and driving a mesh, usable without one
-    "credentials": set(),
+    "credentials": {"private"},
     "procs": CONTRACT,
+    # what `up` keeps private in its state dir, and shares with sandboxed model servers
+    "state_dir": CONTRACT | {"credentials", "procs"},
     "netns": CONTRACT,
     "load": CONTRACT,
     "proxy": CONTRACT | {"load", "netns"},

@@ -1,0 +1,97 @@
+"""What `servemesh up` does to keep its state dir private (servemesh.private), and what
+it shares with model servers that run as a user of their own (servemesh.procs.sandbox).
+
+Private: the state dir 0700, every file 0600 and folder 0700, under umask 077 for the
+launcher and every child. Secrets another user owns or others may read are refused.
+
+Shared with the model servers' group, when they run as another user (nothing else):
+
+    <state>/                      0710  pass through, not list
+    <state>/mesh.resolved.yaml    0640  the spec they serve (rewrites keep the group)
+    <state>/faults/               2750  the fault drills' files (new ones are 0640)
+    <state>/shadow/               2770  where each writes its shadow ledger
+    <state>/tls/                  0710  pass through, not list
+    <state>/tls/trust.pem         0640  the CA certificate (public)
+    <state>/tls/<model server>/   0750  its own certificate and key, 0640 (MeshIdentity.share)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from servemesh.control_credential import control_token_path
+from servemesh.credentials import credentials_path
+from servemesh.identity.store import MeshIdentity
+from servemesh.private import (
+    Grant,
+    check_secrets,
+    prepare_state_dir,
+    private_dir,
+    restrict_umask,
+    tighten_tree,
+)
+from servemesh.procs.sandbox import RunAs
+from servemesh.spec import REDIS_PASSWORD_FILE
+
+FAULTS_DIR = "faults"
+SHADOW_DIR = "shadow"
+
+
+def secret_paths(root: Path) -> list[Path]:
+    """The secrets a state dir may hold: refused when not private."""
+    return [
+        control_token_path(root),
+        root / REDIS_PASSWORD_FILE,
+        credentials_path(root),
+        root / "tls" / "ca" / "ca.key",
+    ]
+
+
+def secure_state_dir(root: Path) -> None:
+    """Umask 077 from now on, `root` this user's 0700 dir, its secrets checked
+    (servemesh.private.PrivacyError names the path and the fix)."""
+    restrict_umask()
+    prepare_state_dir(root)
+    check_secrets(secret_paths(root))
+
+
+def tighten(root: Path) -> list[Path]:
+    """Every path under `root` private again (what an earlier run, or an earlier run's
+    grants, left open); the paths changed."""
+    return tighten_tree(root)
+
+
+def model_grants(root: Path, resolved_spec: Path, identity: MeshIdentity, gid: int) -> list[Grant]:
+    """What the model servers' group is given (see the module's table), folders made."""
+    private_dir(root / FAULTS_DIR)
+    private_dir(root / SHADOW_DIR)
+    return [
+        Grant(root, gid, 0o710),
+        Grant(resolved_spec, gid, 0o640),
+        Grant(root / FAULTS_DIR, gid, 0o2750),
+        *(Grant(f, gid, 0o640) for f in _files(root / FAULTS_DIR)),
+        Grant(root / SHADOW_DIR, gid, 0o2770),
+        Grant(identity.root, gid, 0o710),
+        Grant(identity.trust_file, gid, 0o640),
+    ]
+
+
+def share_with_models(
+    root: Path, resolved_spec: Path, identity: MeshIdentity, run_as: RunAs
+) -> None:
+    for grant in model_grants(root, resolved_spec, identity, run_as.gid):
+        grant.apply()
+    # Ledgers an earlier run of a model server (as another user) wrote: theirs now.
+    for ledger in _files(root / SHADOW_DIR):
+        os.chown(ledger, run_as.uid, run_as.gid)
+
+
+def share_identity(identity: MeshIdentity, names: Iterable[str], run_as: RunAs) -> None:
+    for name in names:
+        identity.share(name, run_as.gid)
+
+
+def _files(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if p.is_file() and not p.is_symlink()]

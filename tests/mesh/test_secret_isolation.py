@@ -1,0 +1,202 @@
+"""A mesh started as root under umask 000: its state dir is private all the same, its model
+servers run as a user of their own who cannot open the mesh's secrets, and no service holds
+a control token (the gateway not even the digest the others check calls against).
+
+The state dir sits where other users may pass (pytest's own tmp dir is 0700, which would
+leave model servers as root: servemesh.procs.sandbox says why and warns)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from servemesh.control_credential import (
+    CONTROL_VERIFIER_ENV,
+    control_metadata,
+    read_control_token,
+    token_digest,
+)
+from servemesh.identity import dial_edge, dial_registry, mesh_identity
+from servemesh.launcher import Mesh
+from servemesh.procs.sandbox import AUTO_GID, AUTO_UID
+from servemesh.spec import REDIS_PASSWORD_FILE
+from servemesh.state_dir import model_grants
+from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from servemesh_api.registry.v1 import registry_pb2 as pb
+from servemesh_api.registry.v1 import registry_pb2_grpc
+from tests.mesh.conftest import test_mesh_spec
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="model servers run as another user only when the mesh runs as root (setpriv)",
+)
+
+
+@pytest.fixture(scope="module")
+def isolated() -> Iterator[Mesh]:
+    parent = Path(tempfile.mkdtemp(prefix="servemesh-isolation-"))
+    os.chmod(parent, 0o711)  # others may pass, not list: as /home/<user> often is
+    before = os.umask(0)
+    try:
+        mesh = Mesh.from_spec(test_mesh_spec(str(parent / "state")))
+        with mesh:
+            yield mesh
+    finally:
+        os.umask(before)
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def _model_servers(mesh: Mesh) -> dict[str, int]:
+    return mesh.pids_of("model")
+
+
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+
+
+def _environ(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/environ").read_bytes()
+
+
+def test_every_path_of_the_state_dir_is_private_but_what_model_servers_read(
+    isolated: Mesh,
+) -> None:
+    root = isolated.state_dir
+    identity = mesh_identity(isolated.spec)
+    shared = {g.path: g.mode for g in model_grants(root, isolated.paths.resolved_spec, identity, 0)}
+    models = [identity.root / name for name in _model_servers(isolated)]
+    loose: list[str] = []
+    for path in [root, *root.rglob("*")]:
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
+            continue
+        mode = stat.S_IMODE(info.st_mode)
+        if mode & 0o007:
+            loose.append(f"{path} {mode:04o} (others)")
+        elif mode & 0o070:
+            granted = path in shared or any(m == path or m in path.parents for m in models)
+            if not granted or info.st_gid != AUTO_GID:
+                loose.append(f"{path} {mode:04o} gid {info.st_gid}")
+    assert loose == []
+    assert shared[root] == 0o710  # the model servers' group passes, never lists
+
+
+def test_model_servers_run_as_their_own_user_without_privileges(isolated: Mesh) -> None:
+    servers = _model_servers(isolated)
+    assert servers
+    for pid in servers.values():
+        status = _status(pid)
+        assert status["Uid"].split() == [str(AUTO_UID)] * 4
+        assert status["Gid"].split() == [str(AUTO_GID)] * 4
+        assert status["Groups"].strip() == ""
+        assert status["NoNewPrivs"].strip() == "1"
+        assert int(status["CapBnd"], 16) == 0 and int(status["CapEff"], 16) == 0
+    # The rest of the mesh stays the launcher's.
+    registry = isolated.pid("registry-0")
+    assert _status(registry)["Uid"].split()[0] == "0"
+
+
+def _opens_as_model_user(paths: list[Path]) -> dict[str, str]:
+    """Each path opened for reading by the model servers' user: "ok" or the error's name."""
+    probe = (
+        "import sys\n"
+        "for p in sys.argv[1:]:\n"
+        "    try:\n"
+        "        open(p, 'rb').close(); print(p, 'ok')\n"
+        "    except OSError as e:\n"
+        "        print(p, type(e).__name__)\n"
+    )
+    argv = [
+        "setpriv",
+        f"--reuid={AUTO_UID}",
+        f"--regid={AUTO_GID}",
+        "--clear-groups",
+        "--",
+        sys.executable,
+        "-c",
+        probe,
+        *map(str, paths),
+    ]
+    out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30).stdout
+    return dict(line.rsplit(" ", 1) for line in out.splitlines())
+
+
+def test_the_model_user_cannot_open_the_mesh_secrets(isolated: Mesh) -> None:
+    root = isolated.state_dir
+    identity = mesh_identity(isolated.spec)
+    model = next(iter(_model_servers(isolated)))
+    others = [n for n in identity.identities() if n not in _model_servers(isolated)]
+    secrets = [
+        root / "control-token",
+        root / REDIS_PASSWORD_FILE,
+        identity.ca_key_file,
+        *(identity.leaf(name).key for name in others),
+        root / "registry" / "registry.db",
+        isolated.logs_dir / "registry-0.log",
+    ]
+    needed = [
+        identity.leaf(model).key,
+        identity.leaf(model).cert,
+        identity.trust_file,
+        isolated.paths.resolved_spec,
+    ]
+    assert all(p.exists() for p in secrets + needed)
+    opened = _opens_as_model_user(secrets + needed)
+    assert {p: opened[str(p)] for p in secrets} == {p: "PermissionError" for p in secrets}
+    assert {p: opened[str(p)] for p in needed} == {p: "ok" for p in needed}
+
+
+def test_no_service_holds_the_control_token_and_the_gateway_not_even_its_digest(
+    isolated: Mesh,
+) -> None:
+    token = read_control_token(isolated.state_dir)
+    assert token is not None
+    for name, pid in isolated.pids().items():
+        if name in isolated.spec.metrics_ports or name.split("-")[0] in {
+            "registry",
+            "model",
+            "feature",
+            "gateway",
+        }:
+            seen = _environ(pid) + Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert token.encode() not in seen, name
+    for pid in isolated.pids_of("gateway").values():
+        assert CONTROL_VERIFIER_ENV.encode() not in _environ(pid)
+        assert token_digest(token).encode() not in _environ(pid)
+    for pid in _model_servers(isolated).values():
+        assert f"{CONTROL_VERIFIER_ENV}={token_digest(token)}".encode() in _environ(pid)
+
+
+def test_what_a_model_server_holds_opens_no_control_method(isolated: Mesh) -> None:
+    token = read_control_token(isolated.state_dir)
+    assert token is not None
+    digest = token_digest(token)
+    with dial_registry(isolated.spec).channel() as channel:
+        registry = registry_pb2_grpc.RegistryStub(channel)
+        for held in (digest, f"sha256:{digest}"):
+            with pytest.raises(grpc.RpcError) as refused:
+                registry.CreateModel(
+                    pb.CreateModelRequest(name="intruder"),
+                    metadata=control_metadata(held),
+                    timeout=10,
+                )
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_the_isolated_mesh_still_predicts(isolated: Mesh) -> None:
+    with dial_edge(isolated.spec).channel() as channel:
+        reply = gateway_pb2_grpc.GatewayStub(channel).Predict(
+            gateway_pb2.PredictRequest(model="fraud", entity_ids=["user-1", "user-2"]),
+            timeout=30,
+        )
+    assert len(reply.scores) == 2
