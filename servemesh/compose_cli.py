@@ -1,9 +1,11 @@
-"""`servemesh control-plane` and `servemesh compose init|probe|seed` (docs/multihost.md)."""
+"""`servemesh control-plane` and `servemesh compose init|probe|seed|consul-acl`
+(docs/multihost.md)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -11,6 +13,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servemesh.discovery.compose import ComposeError, render_compose
+from servemesh.discovery.consul_acl import AclNotReady, apply_plan
+from servemesh.discovery.consul_catalog import consul_client
 from servemesh.discovery.control_plane import add_arguments, run_from_args
 from servemesh.identity import OPERATOR_IDENTITY, dial_registry, dial_service
 from servemesh.seeding import SeedConflict, seed_demo
@@ -88,6 +92,20 @@ def cmd_compose_seed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compose_consul_acl(args: argparse.Namespace) -> int:
+    """Apply the rendered ACL plan, with the management token the spec's token file holds
+    in this (one-shot) container."""
+    try:
+        spec = load_resolved(args.spec)
+        plan = json.loads(Path(args.plan).read_text())
+        apply_plan(consul_client(spec), plan)
+    except (SpecError, OSError, ValueError, AclNotReady) as exc:
+        print(f"compose consul-acl: {exc}", file=sys.stderr)
+        return 1
+    print(f"consul ACLs: {len(plan['policies'])} policies and {len(plan['tokens'])} tokens")
+    return 0
+
+
 def add_compose_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     plane = sub.add_parser(
         "control-plane",
@@ -111,3 +129,10 @@ def add_compose_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignor
     seed = verbs.add_parser("seed", help="push the demo models and features (once, at start)")
     seed.add_argument("--spec", required=True, help="resolved mesh spec")
     seed.set_defaults(func=cmd_compose_seed)
+    acl = verbs.add_parser(
+        "consul-acl",
+        help="make Consul's policies and every client's token (once, at start)",
+    )
+    acl.add_argument("--spec", required=True, help="resolved mesh spec")
+    acl.add_argument("--plan", required=True, help="the rendered consul-acl-plan.json")
+    acl.set_defaults(func=cmd_compose_consul_acl)

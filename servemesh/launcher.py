@@ -43,9 +43,9 @@ from servemesh.netns import ZoneNetwork
 from servemesh.netns import available as netns_available
 from servemesh.procs import All, Check, Child, GrpcHealth, RedisServer, StartError, Supervisor
 from servemesh.procs.prometheus import PrometheusServer, prometheus_binary
-from servemesh.proxy.admin import admin_socket_path, prepare_admin_dir
 from servemesh.procs.sandbox import RunAs, model_user
 from servemesh.procs.spawn import with_death_signal
+from servemesh.proxy.admin import admin_socket_path, prepare_admin_dir
 from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
 from servemesh.proxy.render import dynamic_bootstrap, render_resources, static_bootstrap
@@ -59,8 +59,8 @@ from servemesh.spec import (
     load_resolved,
     resolve,
 )
-from servemesh.wire import ENVOY_STATS_PATH, message_size_options
 from servemesh.state_dir import secure_state_dir, share_identity, share_with_models, tighten
+from servemesh.wire import ENVOY_STATS_PATH, message_size_options
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +117,9 @@ class Mesh:
     _fleet: dict[str, int] = field(default_factory=dict, init=False, repr=False)
     _fleet_stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _fleet_thread: threading.Thread | None = field(default=None, init=False, repr=False)
-
     # The user model servers run as (servemesh.procs.sandbox); None: the launcher's own.
     model_user: RunAs | None = field(default=None, init=False)
+
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(
             self.logs_dir, cwd=self.state_dir, grace_s=self.grace_s, thread_name="mesh-spawner"
@@ -130,9 +130,9 @@ class Mesh:
         cls, spec: MeshSpec, state_dir: Path | None = None, *, seed_steps: Sequence[SeedStep] = ()
     ) -> Self:
         root = Path(state_dir or spec.state_dir).resolve()
-        spec = with_edge_credentials(spec.model_copy(update={"state_dir": str(root)}), root)
         # Umask 077 from here on; the state dir 0700 and its secrets private, or no start.
         secure_state_dir(root)
+        spec = with_edge_credentials(spec.model_copy(update={"state_dir": str(root)}), root)
         # Control calls (loads, uploads, feature writes) need this mesh's token.
         ensure_control_token(root)
         resolved = resolve(spec)
@@ -167,8 +167,8 @@ class Mesh:
     def start(self, timeout_s: float = 180.0) -> None:
         """Bring every part up and return once all report SERVING and Envoy is ready."""
         deadline = time.monotonic() + timeout_s
-        self.logs_dir.mkdir(parents=True, exist_ok=True)
         secure_state_dir(self.state_dir)
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
         try:
             if self.spec.network.mode == "netns":
                 # Before anything starts: a machine that cannot says why at once.
@@ -433,14 +433,14 @@ class Mesh:
             "--instance",
             name,
         ]
-        if self.network is not None and instance.service != "registry":
         run_as = self.model_user if instance.service == "model" else None
         if run_as is not None:
             # Its own pair readable by its user (a replica the fleet added included).
             share_identity(mesh_identity(self.spec), [name], run_as)
-            argv = self.network.exec_argv(instance.zone, argv)
+        if self.network is not None and instance.service != "registry":
             if run_as is not None:  # `ip netns exec` needs root: change user inside it
                 argv, run_as = with_death_signal(argv, self.supervisor.death_signal, run_as), None
+            argv = self.network.exec_argv(instance.zone, argv)
         ready = GrpcHealth(dial_service(self.spec, name))
         self.supervisor.start(
             name,

@@ -8,9 +8,12 @@ parts it needs (its own certificate, the CA, the control token). Here:
     compose.env                 the user id containers run as (the owner of the keys below)
     envoy/envoy.yaml            Envoy's bootstrap; cds/ and rds/ its clusters and routes
     prometheus/                 prometheus.yml (compose host names) and the SLI rules
-    consul/consul.json          the agent: one server, mesh TLS for its health checks
+    consul/consul.json          the agent: one server, ACLs on (default deny), mesh TLS
+                                for its health checks
     secrets/                    the Redis password and redis.conf (the same hardening as
-                                the embedded Redis)
+                                the embedded Redis); Consul's management token, the
+                                agent's tokens, one token per client (consul-token-*) and
+                                the ACL plan the consul-acl one-shot applies
     state/control-token         the mesh's control credential
     state/tls/                  the mesh CA's certificates (keys 0600, owner only)
     state/xds/eds/              Envoy's endpoint files, written by the control plane
@@ -23,6 +26,7 @@ import json
 import os
 import secrets
 import tempfile
+import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -30,6 +34,7 @@ import yaml
 
 from servemesh.atomic import atomic_write_text
 from servemesh.control_credential import ensure_control_token
+from servemesh.discovery.consul_acl import AGENT, CLIENTS, CONSUL_NODE, render_plan
 from servemesh.identity import issue_mesh_certificates, mesh_identity
 from servemesh.identity.enroll import edge_names
 from servemesh.procs.prometheus import render_config, render_rules
@@ -51,6 +56,14 @@ CONSUL_IDENTITY = "consul"
 CONSUL_TLS = Path("/consul/tls")
 PROMETHEUS_DIR = Path("/etc/prometheus")
 REDIS_PORT = 6379
+# Consul's secrets (under secrets/): the management token, the agent's config holding it
+# and the agent's own token, and the ACL plan; every client's token is
+# `consul_token_secret(client)`, read in its container from CONTAINER_CONSUL_TOKEN (the
+# compose spec's discovery.consul_token_file).
+CONSUL_MANAGEMENT_TOKEN = "consul-management-token"
+CONSUL_AGENT_TOKENS = "consul-agent-tokens.json"
+CONSUL_ACL_PLAN = "consul-acl-plan.json"
+CONTAINER_CONSUL_TOKEN = "/run/secrets/consul-token"
 
 
 class ComposeError(ValueError):
@@ -90,6 +103,11 @@ def check_compose_spec(spec: ResolvedSpec) -> None:
         problems.append(f"discovery.hosts: name every instance and envoy; missing {unplaced}")
     if spec.embedded_redis_port is not None or spec.embedded_trace_store_port is not None:
         problems.append("feature_store.redis_url and tracing.otlp_endpoint: name the containers")
+    if spec.discovery.consul_token_file != CONTAINER_CONSUL_TOKEN:
+        problems.append(
+            f"discovery.consul_token_file: must be {CONTAINER_CONSUL_TOKEN} (each container's"
+            " own Consul token, a compose secret)"
+        )
     if spec.metrics.prometheus != "off":
         problems.append("metrics.prometheus: must be off (Prometheus is a container of its own)")
     if problems:
@@ -163,15 +181,37 @@ def _redis(out: Path) -> None:
     _write(folder / "redis.conf", "\n".join(lines) + "\n", 0o600)
 
 
+def _kept_secret(path: Path) -> str:
+    """The secret in `path`, made (a random UUID, owner-only) on the first render and kept
+    across runs."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write(path, str(uuid.uuid4()) + "\n", 0o600)
+    return path.read_text().strip()
+
+
 def _consul(spec: ResolvedSpec, out: Path) -> None:
+    """The agent's config (ACLs on, default deny), its tokens (a secret), every client's
+    token file and the plan the `consul-acl` one-shot applies (consul_acl.py)."""
     leaf = CONSUL_TLS / CONSUL_IDENTITY / "current"
     config = {
         "server": True,
         "bootstrap_expect": 1,
         "datacenter": spec.name,
+        # Fixed: the agent's own token may write this node and no other.
+        "node_name": CONSUL_NODE,
         "data_dir": "/consul/data",
         "client_addr": "0.0.0.0",
         "ui_config": {"enabled": True},
+        # Nothing without a token: a container may only do what its own token allows
+        # (register its own service name, read the catalog). The tokens themselves are in
+        # the secret consul-agent-tokens.json.
+        "acl": {
+            "enabled": True,
+            "default_policy": "deny",
+            "down_policy": "extend-cache",
+            "enable_token_persistence": True,
+        },
         # The agent's checks present its mesh certificate: every service port requires one.
         "enable_agent_tls_for_checks": True,
         "tls": {
@@ -185,6 +225,19 @@ def _consul(spec: ResolvedSpec, out: Path) -> None:
         },
     }
     _write(out / "consul" / "consul.json", json.dumps(config, indent=2) + "\n")
+    secrets_dir = out / "secrets"
+    management = _kept_secret(secrets_dir / CONSUL_MANAGEMENT_TOKEN)
+    secret_ids = {c: _kept_secret(secrets_dir / consul_token_secret(c)) for c in CLIENTS}
+    tokens = {"acl": {"tokens": {"initial_management": management, "agent": secret_ids[AGENT]}}}
+    _write(secrets_dir / CONSUL_AGENT_TOKENS, json.dumps(tokens, indent=2) + "\n", 0o600)
+    plan = render_plan(spec.name, secret_ids)
+    _write(secrets_dir / CONSUL_ACL_PLAN, json.dumps(plan, indent=2) + "\n", 0o600)
+
+
+def consul_token_secret(client: str) -> str:
+    """The file (under secrets/) of `client`'s Consul token; a compose secret of that name,
+    mounted in the client's container at CONTAINER_CONSUL_TOKEN."""
+    return f"consul-token-{client}"
 
 
 def render_compose(spec_path: Path, out: Path) -> Rendered:

@@ -14,6 +14,8 @@ removed by Consul; one that drains deregisters itself.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +36,31 @@ META_VERSIONS = "versions"
 META_VALUE_MAX = 512
 
 
+# The environment variable naming the token file when the spec names none (Consul's own
+# CLI reads the same one).
+TOKEN_FILE_ENV = "CONSUL_HTTP_TOKEN_FILE"
+
+
+def consul_token(spec: ResolvedSpec, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The ACL token in the file the spec's `discovery.consul_token_file` names, else the
+    one `CONSUL_HTTP_TOKEN_FILE` names; None when neither names one (or the file is
+    empty). The token itself is never logged nor put in an error."""
+    path = spec.discovery.consul_token_file or environ.get(TOKEN_FILE_ENV) or None
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text().strip() or None
+    except FileNotFoundError:
+        field = (
+            "discovery.consul_token_file" if spec.discovery.consul_token_file else TOKEN_FILE_ENV
+        )
+        raise SpecError(f"{field}: no such file: {path}") from None
+
+
 def consul_client(spec: ResolvedSpec) -> consul.Consul:
-    """A client of the spec's Consul agent, with its ACL token when the spec names one."""
-    settings = spec.discovery
-    host, _, port = settings.consul_address.rpartition(":")
-    token = None
-    if settings.consul_token_file is not None:
-        try:
-            token = Path(settings.consul_token_file).read_text().strip() or None
-        except FileNotFoundError:
-            raise SpecError("discovery.consul_token_file: no such file") from None
-    return consul.Consul(host=host.strip("[]"), port=int(port), token=token)
+    """A client of the spec's Consul agent, with its ACL token when one is named."""
+    host, _, port = spec.discovery.consul_address.rpartition(":")
+    return consul.Consul(host=host.strip("[]"), port=int(port), token=consul_token(spec))
 
 
 def service_id(spec: ResolvedSpec, instance: str) -> str:

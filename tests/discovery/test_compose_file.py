@@ -49,6 +49,14 @@ class Dependency(BaseModel):
     condition: Literal["service_healthy", "service_completed_successfully"]
 
 
+class SecretRef(BaseModel):
+    """A secret mounted under a name of its own: /run/secrets/<target>."""
+
+    model_config = ConfigDict(extra="forbid")
+    source: str
+    target: str
+
+
 class Service(BaseModel):
     model_config = ConfigDict(extra="allow")
     image: str | None = None
@@ -57,7 +65,7 @@ class Service(BaseModel):
     depends_on: dict[str, Dependency] = Field(default_factory=dict)
     volumes: list[str] = Field(default_factory=list)
     networks: list[str] | dict[str, object] = Field(default_factory=list)
-    secrets: list[str] = Field(default_factory=list)
+    secrets: list[str | SecretRef] = Field(default_factory=list)
     environment: dict[str, str] = Field(default_factory=dict)
     restart: str | None = None
     ports: list[str] = Field(default_factory=list)
@@ -79,6 +87,10 @@ class ComposeFile(BaseModel):
 
 def _compose() -> ComposeFile:
     return ComposeFile.model_validate(yaml.safe_load(COMPOSE.read_text()))
+
+
+def _secret_sources(service: Service) -> list[str]:
+    return [s if isinstance(s, str) else s.source for s in service.secrets]
 
 
 def _one_shots(compose: ComposeFile) -> set[str]:
@@ -131,7 +143,7 @@ def test_networks_volumes_and_secrets_used_are_declared() -> None:
             service.networks if isinstance(service.networks, list) else list(service.networks)
         )
         assert set(networks) <= set(compose.networks), name
-        for secret in service.secrets:
+        for secret in _secret_sources(service):
             assert secret in compose.secrets, f"{name}: undeclared secret {secret}"
         for volume in service.volumes:
             source = volume.split(":")[0]
