@@ -3,8 +3,8 @@ and the signature it records.
 
 | format | written by | loaded with | signature |
 | --- | --- | --- | --- |
-| `torchscript` | `torch.jit.save` (`.pt`) | `torch.jit.load`: TorchScript's own reader; its code is TorchScript, compiled by torch | none recorded: declared at push |
-| `torch_export` | `torch.export.save` (`.pt2`) | `pt2_guard`'s allowlist first, then `torch.export.load` | the program's user inputs and outputs |
+| `torchscript` | `torch.jit.save` (`.pt`) | `torchscript_guard`: the archive checked, compiled by torch, every operator of every function checked against `op_allowlist`, then wrapped as `torch.jit.load` does | none recorded: declared at push |
+| `torch_export` | `torch.export.save` (`.pt2`) | `pt2_guard`'s allowlist first (operators from `op_allowlist`), then `torch.export.load` | the program's user inputs and outputs |
 
 A plain `torch.save` checkpoint (a pickle, even inside a zip) is neither and is refused: it
 would need unpickling, which can run any code.
@@ -27,6 +27,7 @@ from servemesh.services.model.pt2_guard import (
 )
 from servemesh.services.model.tensors import Signature, TensorSig
 from servemesh.services.model.torch_types import oip_datatype
+from servemesh.services.model.torchscript_guard import load_checked
 
 __all__ = [
     "FORMATS",
@@ -108,7 +109,9 @@ def _open(
 ) -> tuple[Callable[..., Any], torch.export.ExportedProgram | None]:
     if format == "torchscript":
         try:
-            module = torch.jit.load(io.BytesIO(data), map_location=device)
+            module = load_checked(data, device)
+        except UnsafeArtifact as exc:
+            raise ArtifactError(f"TorchScript archive refused: {exc}") from None
         except Exception as exc:
             raise ArtifactError(f"TorchScript archive does not load: {_first_line(exc)}") from None
         return module.eval(), None

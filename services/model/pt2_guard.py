@@ -32,9 +32,11 @@ AOTInductor, executorch, extra or legacy parts; the sample inputs a pickle of te
 back); every symbolic expression and guard parsed with `ast` and made of nothing but
 literals, known sympy constructors, arithmetic and comparisons (the only attribute,
 subscript and method call allowed are a guard's `L['x'].size()[0]` and its kin); forward
-argument names plain identifiers; every graph node an ATen operator (not `aten::save` or
-`aten::from_file`) or one of torch's symbolic-int helpers. After torch has loaded it,
-`check_loaded_program` walks the graph again.
+argument names plain identifiers; every graph node an ATen operator on the allowlist
+(`op_allowlist`: pure tensor maths; never `aten::save` or `aten::from_file`) or one of
+torch's symbolic-int helpers. After torch has loaded it,
+`check_loaded_program` walks the graph again. The ATen operators allowed are
+`op_allowlist`'s, the list TorchScript archives are held to.
 
 An archive that passes is parsed by torch and runs aten operators on tensors: the same trust
 as a TorchScript archive (whose code is TorchScript, compiled by torch, not Python).
@@ -53,7 +55,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["UnsafeArtifact", "check_export_archive", "check_loaded_program", "whole_zip"]
+from servemesh.services.model.op_allowlist import allowed_operator
+
+__all__ = [
+    "UnsafeArtifact",
+    "archive_members",
+    "check_export_archive",
+    "check_loaded_program",
+    "whole_zip",
+]
 
 # The layout torch 2.13 writes (torch.export.pt2_archive.constants), under one top folder.
 ARCHIVE_FORMAT = ("archive_format", b"pt2")
@@ -68,7 +78,7 @@ TOP_FOLDER = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 # Node targets: ATen operators, and the symbolic-int helpers torch serialises by name.
 ATEN_TARGET = re.compile(r"torch\.ops\.aten\.([A-Za-z0-9_]+)\.([A-Za-z0-9_]+)")
-ATEN_DENIED = {"save", "from_file"}  # the ATen operators that open files by name
+ATEN_FILES = {"save", "from_file"}  # the ATen operators that open files by name
 SYM_TARGETS = {
     *(
         f"_operator.{name}"
@@ -159,7 +169,7 @@ def whole_zip(data: bytes) -> zipfile.ZipFile:
 def check_export_archive(data: bytes) -> None:
     """Raise UnsafeArtifact unless `data` is a torch.export archive within the allowlist."""
     with whole_zip(data) as archive:
-        members = _members(archive)
+        members = archive_members(archive)
         for path, expected in (ARCHIVE_FORMAT, ARCHIVE_VERSION):
             got = members.get(path)
             if got is None or archive.read(got).strip() != expected:
@@ -192,8 +202,17 @@ def check_export_archive(data: bytes) -> None:
     _check_program_json(program)
 
 
-def _members(archive: zipfile.ZipFile) -> dict[str, zipfile.ZipInfo]:
-    """Entries by their path under the archive's one top folder, each stored and plainly named."""
+def archive_members(
+    archive: zipfile.ZipFile,
+    saver: str = "torch.export.save",
+    deflated: re.Pattern[str] | None = None,
+    max_inflated: int = 0,
+) -> dict[str, zipfile.ZipInfo]:
+    """Entries by their path under the archive's one top folder, each stored and plainly named
+    (`saver` writes them so: a compressed entry could inflate without end). Paths matching
+    `deflated` may be deflated, to at most `max_inflated` bytes all together (zipfile and
+    torch's reader both stop at the size the directory records)."""
+    inflated = 0
     members: dict[str, zipfile.ZipInfo] = {}
     tops: set[str] = set()
     for info in archive.infolist():
@@ -209,9 +228,19 @@ def _members(archive: zipfile.ZipFile) -> dict[str, zipfile.ZipInfo]:
             raise UnsafeArtifact(f"entry {name[:80]!r}: not a plain file path under one folder")
         if info.flag_bits & 0x1:
             raise UnsafeArtifact(f"entry {name[:80]!r}: encrypted")
-        if info.compress_type != zipfile.ZIP_STORED:
-            # torch.export.save stores every entry; a compressed one could inflate without end.
-            raise UnsafeArtifact(f"entry {name[:80]!r}: compressed (torch.export.save stores)")
+        if (
+            info.compress_type == zipfile.ZIP_DEFLATED
+            and deflated is not None
+            and deflated.fullmatch(path)
+        ):
+            inflated += info.file_size
+            if inflated > max_inflated:
+                raise UnsafeArtifact(
+                    f"entry {name[:80]!r}: the compressed entries inflate to more than "
+                    f"{max_inflated} bytes"
+                )
+        elif info.compress_type != zipfile.ZIP_STORED:
+            raise UnsafeArtifact(f"entry {name[:80]!r}: compressed ({saver} stores)")
         if path in members:
             raise UnsafeArtifact(f"entry {name[:80]!r}: appears twice")
         tops.add(top)
@@ -339,8 +368,13 @@ def _check_target(target: Any) -> None:
             f"{MODEL_JSON}: node target {target[:80]!r} is not an ATen operator (custom "
             "operators, higher-order operators and Python callables are not served)"
         )
-    if match.group(1) in ATEN_DENIED:
+    if match.group(1) in ATEN_FILES:
         raise UnsafeArtifact(f"{MODEL_JSON}: node target {target!r} opens files")
+    if not allowed_operator(f"aten::{match.group(1)}"):
+        raise UnsafeArtifact(
+            f"{MODEL_JSON}: node target {target!r}: operator aten::{match.group(1)} is not "
+            "allowed (services/model/op_allowlist.py)"
+        )
 
 
 def _check_expression(text: Any, where: str, *, guard: bool) -> None:
@@ -412,7 +446,7 @@ def check_loaded_program(program: torch.export.ExportedProgram) -> None:
             if node.op != "call_function":
                 raise UnsafeArtifact(f"graph node {node.name}: {node.op} is not served")
             if isinstance(target, torch._ops.OpOverload):
-                if target.namespace == "aten" and target._opname not in ATEN_DENIED:
+                if target.namespace == "aten" and allowed_operator(f"aten::{target._opname}"):
                     continue
             elif f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', '')}" in (
                 SYM_TARGETS

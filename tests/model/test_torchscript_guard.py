@@ -1,0 +1,441 @@
+"""TorchScript archives run only allowlisted operators (services/model/torchscript_guard.py).
+
+Every hostile archive is built here: a small module scripted and saved to bytes. Each
+refusal must name the operator, and whatever the module would have done to the file system
+must not have happened.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import warnings
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from servemesh.demo import build_fraud_model, demo_artifact
+from servemesh.services.model.artifacts import ArtifactError, load_module, open_artifact
+from servemesh.services.model.op_allowlist import ALLOWED_ATEN, allowed_operator
+from tests.model.torch_models import scripted
+
+pytestmark = pytest.mark.timeout(300)
+
+SECRET = b"control-token-0123456789"
+
+
+def saved(module: torch.nn.Module) -> bytes:
+    """`module` scripted and saved as torch.jit.save writes it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"`torch\.jit\.\w+` is deprecated", DeprecationWarning)
+        return scripted(module)
+
+
+@pytest.fixture
+def secret(tmp_path: Path) -> Path:
+    path = tmp_path / "control.token"
+    path.write_bytes(SECRET)
+    return path
+
+
+def refused(data: bytes, operator: str) -> str:
+    """The refusal's message, once checked that it names `operator`."""
+    with pytest.raises(ArtifactError) as caught:
+        open_artifact(data)
+    message = str(caught.value)
+    assert message.startswith("TorchScript archive refused: "), message
+    assert operator in message, message
+    return message
+
+
+# --- the original hole, end to end ------------------------------------------------------
+
+
+class Copier(torch.nn.Module):
+    """Copies a file it can read to a path it can write, on its first forward."""
+
+    def __init__(self, source: str, target: str) -> None:
+        super().__init__()
+        self.source = source
+        self.target = target
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        stolen = torch.from_file(self.source, shared=False, size=24, dtype=torch.uint8)
+        torch.save(stolen, self.target)
+        return x
+
+
+def test_a_module_copying_the_control_token_is_refused_before_it_runs(
+    secret: Path, tmp_path: Path
+) -> None:
+    target = tmp_path / "stolen.pt"
+    data = saved(Copier(str(secret), str(target)))
+    message = refused(data, "operator aten::from_file in __torch__.")
+    assert ".Copier.forward (code/" in message
+    with pytest.raises(ArtifactError, match="operator aten::from_file"):
+        load_module(data, "torchscript")
+    assert not target.exists()
+    # What the model would have done: torch itself runs it without complaint.
+    torch.jit.load(io.BytesIO(data))(torch.ones(1))
+    assert target.exists()
+
+
+# --- one hostile archive per refused family -----------------------------------------------
+
+
+class Reader(torch.nn.Module):
+    """Reads a file into its answer (the caller sees the secret)."""
+
+    def __init__(self, source: str) -> None:
+        super().__init__()
+        self.source = source
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.from_file(self.source, shared=False, size=24, dtype=torch.uint8)
+
+
+class Writer(torch.nn.Module):
+    def __init__(self, target: str) -> None:
+        super().__init__()
+        self.target = target
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.save(x, self.target)
+        return x
+
+
+class Loader(torch.nn.Module):
+    """torch.load is not TorchScript; this debug operator loads a tensor from a file."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.debugprims.load_tensor("t", [1], [1], dtype=torch.float32, device=x.device)
+
+
+class Strided(torch.nn.Module):
+    """A raw view of memory by offsets: storage entry point."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.as_strided([4], [1], 0)
+
+
+class Uninitialised(torch.nn.Module):
+    """Memory the allocator hands out unwritten: it can hold what the process freed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.empty([1024], dtype=torch.uint8)
+
+
+class SameStorage(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> bool:
+        return torch.ops.aten._has_same_storage_numel(x, x)
+
+
+class Printer(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        print("forged log line")
+        return x
+
+
+def test_file_reads_are_refused(secret: Path) -> None:
+    refused(saved(Reader(str(secret))), "operator aten::from_file in __torch__.")
+
+
+def test_file_writes_are_refused(tmp_path: Path) -> None:
+    target = tmp_path / "written.pt"
+    refused(saved(Writer(str(target))), "operator aten::save in __torch__.")
+    assert not target.exists()
+
+
+def test_file_loads_are_refused() -> None:
+    refused(saved(Loader()), "operator debugprims::load_tensor in __torch__.")
+
+
+@pytest.mark.parametrize(
+    ("module", "operator"),
+    [
+        (Strided(), "aten::as_strided"),
+        (Uninitialised(), "aten::empty"),
+        (SameStorage(), "aten::_has_same_storage_numel"),
+        (Printer(), "prim::Print"),
+    ],
+    ids=["as_strided", "empty", "private-storage", "print"],
+)
+def test_storage_memory_and_print_operators_are_refused(
+    module: torch.nn.Module, operator: str
+) -> None:
+    refused(saved(module), f"operator {operator} in __torch__.")
+
+
+# --- hidden operators ----------------------------------------------------------------------
+
+
+class Hider(torch.nn.Module):
+    def __init__(self, target: str) -> None:
+        super().__init__()
+        self.target = target
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    @torch.jit.export
+    def stash(self, x: torch.Tensor) -> torch.Tensor:
+        torch.save(x, self.target)
+        return x
+
+
+class Outer(torch.nn.Module):
+    def __init__(self, target: str) -> None:
+        super().__init__()
+        self.inner = Hider(target)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.stash(self.inner(x))
+
+
+@torch.jit.script
+def stash_to(x: torch.Tensor, target: str) -> torch.Tensor:
+    torch.save(x, target)
+    return x
+
+
+class CallsAFunction(torch.nn.Module):
+    def __init__(self, target: str) -> None:
+        super().__init__()
+        self.target = target
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return stash_to(x * 2, self.target)
+
+
+class InABranch(torch.nn.Module):
+    def __init__(self, target: str) -> None:
+        super().__init__()
+        self.target = target
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool(x.sum() > 1000):
+            torch.save(x, self.target)
+        return x
+
+
+class InALoop(torch.nn.Module):
+    def __init__(self, target: str) -> None:
+        super().__init__()
+        self.target = target
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for step in range(int(x.size(0))):
+            if step == 3:
+                torch.save(x, self.target)
+        return x
+
+
+class NeverCalled(torch.nn.Module):
+    """An exported method forward never calls: still code of the archive, still refused."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__()
+        self.target = target
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @torch.jit.export
+    def later(self, x: torch.Tensor) -> None:
+        torch.save(x, self.target)
+
+
+@pytest.mark.parametrize(
+    ("build", "where"),
+    [
+        (Outer, ".Hider.stash"),
+        (CallsAFunction, ".stash_to"),
+        (InABranch, ".InABranch.forward"),
+        (InALoop, ".InALoop.forward"),
+        (NeverCalled, ".NeverCalled.later"),
+    ],
+    ids=["submodule-method", "scripted-function", "if-block", "loop-block", "uncalled-method"],
+)
+def test_an_operator_hidden_anywhere_in_the_code_is_found(
+    build: Callable[[str], torch.nn.Module], where: str, tmp_path: Path
+) -> None:
+    target = tmp_path / "hidden.pt"
+    message = refused(saved(build(str(target))), "operator aten::save in __torch__.")
+    assert where in message
+    assert not target.exists()
+
+
+class Hook(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def reading_hook(module: torch.nn.Module, inputs: tuple[torch.Tensor]) -> tuple[torch.Tensor]:
+    return (torch.from_file("/etc/hostname", shared=False, size=1, dtype=torch.uint8),)
+
+
+def test_a_forward_hook_is_checked() -> None:
+    module = Hook()
+    module.register_forward_pre_hook(reading_hook)
+    refused(saved(module), "operator aten::from_file in __torch__.")
+
+
+# --- code that would run inside torch.jit.load ----------------------------------------------
+
+
+class SetsState(torch.nn.Module):
+    """torch.jit.load calls __setstate__ while it unpickles the module."""
+
+    def __init__(self, source: str, target: str) -> None:
+        super().__init__()
+        self.source = source
+        self.target = target
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @torch.jit.export
+    def __getstate__(self) -> tuple[str, str, bool]:
+        return (self.source, self.target, self.training)
+
+    @torch.jit.export
+    def __setstate__(self, state: tuple[str, str, bool]) -> None:
+        stolen = torch.from_file(state[0], shared=False, size=24, dtype=torch.uint8)
+        torch.save(stolen, state[1])
+        self.source = state[0]
+        self.target = state[1]
+        self.training = state[2]
+
+
+def test_code_torch_would_run_while_loading_is_refused_before_torch_sees_it(
+    secret: Path, tmp_path: Path
+) -> None:
+    target = tmp_path / "stolen-at-load.pt"
+    data = saved(SetsState(str(secret), str(target)))
+    assert not target.exists()
+    message = refused(data, "defines __setstate__, which torch.jit.load would run")
+    assert not target.exists(), message
+    # The reason: torch.jit.load alone runs it.
+    torch.jit.load(io.BytesIO(data))
+    assert target.exists()
+
+
+def test_a_pickled_custom_class_is_refused() -> None:
+    # Quantized linear layers keep their weights in a C++ class (torch.classes.quantized).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = torch.ao.nn.quantized.Linear(2, 2)
+        data = saved(model)
+    with pytest.raises(ArtifactError, match="references '__torch__.torch.classes.quantized"):
+        open_artifact(data)
+
+
+def rewritten(data: bytes, edit: Callable[[str, bytes], bytes]) -> bytes:
+    """The archive with each entry's bytes passed through `edit`, stored."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as source, zipfile.ZipFile(out, "w") as target:
+        for info in source.infolist():
+            target.writestr(info.filename, edit(info.filename, source.read(info)))
+    return out.getvalue()
+
+
+def test_a_pickle_naming_anything_else_is_refused() -> None:
+    data = rewritten(
+        saved(Hook()),
+        lambda name, body: (
+            re.sub(rb"c__torch__[^\n]*\nHook\n", b"cposix\nsystem\n", body)
+            if name.endswith("/data.pkl")
+            else body
+        ),
+    )
+    with pytest.raises(ArtifactError, match=r"data.pkl: the pickle references 'posix system'"):
+        open_artifact(data)
+
+
+def test_a_flatbuffer_in_zip_clothing_and_strange_parts_are_refused() -> None:
+    data = saved(Hook())
+    disguised = data[:4] + b"PTMF" + data[8:]
+    with pytest.raises(ArtifactError, match="a flatbuffer .mobile. module in disguise"):
+        open_artifact(disguised)
+    extra = io.BytesIO(data)
+    with zipfile.ZipFile(extra, "a") as archive:
+        top = archive.namelist()[0].split("/")[0]
+        archive.writestr(f"{top}/bytecode.pkl", b"\x80\x02N.")
+    with pytest.raises(ArtifactError, match="unexpected parts bytecode.pkl"):
+        open_artifact(extra.getvalue())
+
+
+# --- what must keep working ----------------------------------------------------------------
+
+
+def test_the_demo_model_passes_and_answers() -> None:
+    artifact = demo_artifact(1)
+    opened = open_artifact(artifact.data)
+    assert opened.format == "torchscript"
+    rows = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(opened.module(rows), build_fraud_model(1)(rows))
+
+
+class Ordinary(torch.nn.Module):
+    """Library layers, compiled with their torch.nn.functional code, every branch checked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3, padding=1),
+            torch.nn.BatchNorm2d(4),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Upsample(scale_factor=2),
+            torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(),
+            torch.nn.Dropout(0.1),
+            torch.nn.Linear(4, 16),
+            torch.nn.GELU(),
+            torch.nn.LayerNorm(16),
+        )
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.lstm = torch.nn.LSTM(16, 8, batch_first=True)
+        self.embedding = torch.nn.Embedding(10, 8)
+
+    def forward(self, image: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            features = self.conv(image).unsqueeze(1)
+        encoded = self.encoder(features)
+        hidden, _ = self.lstm(encoded)
+        mixed = hidden[:, -1] + self.embedding(tokens).mean(1)
+        return torch.softmax(mixed, dim=-1).topk(2).indices
+
+
+def test_ordinary_layers_pass_and_answer() -> None:
+    model = Ordinary().eval()
+    image, tokens = torch.randn(2, 3, 8, 8), torch.zeros(2, 3, dtype=torch.int64)
+    module = load_module(saved(model), "torchscript")
+    with torch.no_grad():
+        assert torch.equal(module(image, tokens), model(image, tokens))
+
+
+# --- the allowlist itself -------------------------------------------------------------------
+
+
+def test_the_allowlist_names_no_operator_that_reaches_outside_the_tensors() -> None:
+    for kind in (
+        "aten::from_file", "aten::save", "aten::set_", "aten::as_strided", "aten::empty",
+        "aten::new_empty", "aten::resize_", "aten::data_ptr", "aten::_print", "aten::seed",
+        "aten::manual_seed", "aten::record_stream", "prim::Print", "prim::PythonOp",
+        "prim::fork", "aten::wait", "prim::rpc_async", "prim::id",
+        "profiler::_record_function_enter_new", "debugprims::load_tensor",
+        "quantized::linear", "inductor::resize_storage_bytes_",
+    ):  # fmt: skip
+        assert not allowed_operator(kind), kind
+    assert allowed_operator("aten::linear") and allowed_operator("prim::If")
+    assert not any("storage" in name or "file" in name for name in ALLOWED_ATEN)
+    # Every name is an operator torch has (no typo lets nothing through; none is dead).
+    known = {schema.name for schema in torch._C._jit_get_all_schemas()}
+    missing = {name for name in ALLOWED_ATEN if f"aten::{name}" not in known}
+    assert len(missing) < len(ALLOWED_ATEN) // 4, sorted(missing)
