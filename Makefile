@@ -13,7 +13,8 @@ TRITON_STAMP := $(TRITON_VENV)/.installed
 PYTRITON_VENV  := .venv-pytriton
 PYTRITON_STAMP := $(PYTRITON_VENV)/.installed
 
-.PHONY: up test typecheck lint install triton-venv pytriton-venv protos check-protos bench fuzz clean
+# The fast lane: every test that starts no Envoy (tests/conftest.py MESH_PATHS), in a few minutes.
+.PHONY: up test test-fast typecheck lint install triton-venv pytriton-venv protos check-protos bench fuzz clean
 
 up: $(STAMP)
 	$(BIN)/servemesh up
@@ -21,6 +22,9 @@ up: $(STAMP)
 # The type check and the linter run first: a type error fails the run in seconds.
 test: $(STAMP) $(TRITON_STAMP) typecheck lint
 	$(BIN)/pytest
+
+test-fast: $(STAMP) typecheck lint
+	$(BIN)/pytest -m "not mesh"
 
 typecheck: $(STAMP)
 	$(BIN)/python -m servemesh.typecheck

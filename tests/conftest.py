@@ -9,8 +9,62 @@ from pathlib import Path
 
 import pytest
 
+from servemesh import launcher
 from servemesh.procs import RedisServer, Supervisor
+from servemesh.proxy import process
 from tests.postgres_server import PostgresServer
+
+# The tests that start Envoy (a whole mesh, or Envoy alone), by path under tests/. Every
+# test here is marked `mesh`; `make test-fast` runs the rest (`-m "not mesh"`), where a
+# test that starts Envoy all the same fails with a pointer here (pytest_configure), so the
+# list cannot fall behind the tests.
+MESH_PATHS = (
+    "mesh/",
+    "chaos/test_drills.py",
+    "chaos/test_partition.py",
+    "discovery/test_control_plane.py",
+    "examples/test_wine_walkthrough.py",
+    "fuzz/test_campaign.py",
+    "fuzz/test_command.py",
+    "metrics/",
+    "netns/test_sigterm.py",
+    "registry/test_models_cli.py",
+    "rollout/test_budget_promql.py",
+    "rollout/test_fleet.py",
+    "rollout/test_fleet_up.py",
+    "rollout/test_gates_mesh.py",
+    "rollout/test_rollout_drills.py",
+    "rollout/test_rollout_mesh.py",
+    "rollout/test_sticky.py",
+    "tracing/test_mesh_traces.py",
+)
+_TESTS = Path(__file__).parent
+
+
+def _starts_envoy(path: Path) -> bool:
+    relative = path.relative_to(_TESTS).as_posix()
+    return any(relative.startswith(prefix) for prefix in MESH_PATHS)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _starts_envoy(item.path):
+            item.add_marker(pytest.mark.mesh)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.option.markexpr.replace(" ", "") == "notmesh":
+        # The fast lane: nothing may start Envoy, session fixtures included. Test modules
+        # are imported after this, so their own `from ... import envoy_command` gets it too.
+        process.envoy_command = _envoy_refused  # type: ignore[assignment]
+        launcher.envoy_command = _envoy_refused  # type: ignore[assignment]
+
+
+def _envoy_refused(*args: object, **kwargs: object) -> list[str]:
+    raise AssertionError(
+        "this test starts Envoy but its path is not in MESH_PATHS (tests/conftest.py): "
+        "add it there, or keep Envoy out of it"
+    )
 
 
 @pytest.fixture(scope="session")
