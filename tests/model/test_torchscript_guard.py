@@ -18,9 +18,11 @@ import pytest
 import torch
 
 from servemesh.demo import build_fraud_model, demo_artifact
+from servemesh.models_cli import ModelsError, PushRequest, check_push
 from servemesh.services.model.artifacts import ArtifactError, load_module, open_artifact
 from servemesh.services.model.op_allowlist import ALLOWED_ATEN, allowed_operator
-from tests.model.torch_models import scripted
+from tests.model import crafted_pt2
+from tests.model.torch_models import Churn, churn_example, exported, scripted
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -81,6 +83,22 @@ def test_a_module_copying_the_control_token_is_refused_before_it_runs(
     # What the model would have done: torch itself runs it without complaint.
     torch.jit.load(io.BytesIO(data))(torch.ones(1))
     assert target.exists()
+
+
+def test_push_refuses_it_before_the_probe_batch(secret: Path, tmp_path: Path) -> None:
+    # The probe batch `servemesh models push` runs was the first forward that copied it.
+    target = tmp_path / "stolen.pt"
+    model = tmp_path / "copier.pt"
+    model.write_bytes(saved(Copier(str(secret), str(target))))
+    signature = tmp_path / "sig.yaml"
+    signature.write_text(
+        "inputs: [{name: x, datatype: FP32, shape: [-1, 4]}]\n"
+        "outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]\n"
+    )
+    request = PushRequest(file=model, model="churn", version="v9", signature=signature)
+    with pytest.raises(ModelsError, match=r"copier.pt: TorchScript archive refused: operator"):
+        check_push(request, limit_bytes=1 << 30)
+    assert not target.exists()
 
 
 # --- one hostile archive per refused family -----------------------------------------------
@@ -439,3 +457,12 @@ def test_the_allowlist_names_no_operator_that_reaches_outside_the_tensors() -> N
     known = {schema.name for schema in torch._C._jit_get_all_schemas()}
     missing = {name for name in ALLOWED_ATEN if f"aten::{name}" not in known}
     assert len(missing) < len(ALLOWED_ATEN) // 4, sorted(missing)
+
+
+def test_exported_programs_are_held_to_the_same_allowlist() -> None:
+    # torch.export archives (pt2_guard) take their ATen operators from the same list.
+    data = exported(Churn(seed=1), churn_example())
+    assert open_artifact(data).format == "torch_export"
+    hostile = crafted_pt2.with_a_node_calling(data, "torch.ops.aten.empty.memory_format", "x")
+    with pytest.raises(ArtifactError, match=r"operator aten::empty is not allowed"):
+        open_artifact(hostile)
