@@ -18,13 +18,17 @@ from rich.console import Console
 from rich.table import Table
 
 from servemesh.apply_cli import add_apply_parser
+from servemesh.auth_cli import add_auth_parser
+from servemesh.auth_cli import mint as mint_token
 from servemesh.certs_cli import add_certs_parser
 from servemesh.chaos.cli import add_chaos_parser
 from servemesh.compose_cli import add_compose_parsers
 from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.features.cli import add_features_parser
 from servemesh.fuzz.cli import add_fuzz_parser
-from servemesh.identity import Dial, dial_edge_at
+from servemesh.identity import OPERATOR_IDENTITY, Dial, dial_edge_at
+from servemesh.identity.edge_client import dial_edge_as
+from servemesh.identity.tokens import TokenError
 from servemesh.load_cli import add_load_parser
 from servemesh.log_cli import add_log_parser
 from servemesh.models_cli import add_models_parser
@@ -35,7 +39,7 @@ from servemesh.rollout.fleet_cli import add_fleet_parser
 from servemesh.routes_cli import add_routes_parser
 from servemesh.spec import MeshSpec, SpecError, load_spec
 from servemesh.tracestore.cli import add_trace_parser, new_traceparent
-from servemesh.wire import TRACE_HEADERS
+from servemesh.wire import AUTHORIZATION_HEADER, TRACE_HEADERS
 
 console = Console(stderr=True)
 out = Console()
@@ -106,14 +110,43 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _edge_dial(spec: MeshSpec, address: str) -> Dial:
+def _edge_dial(spec: MeshSpec, address: str, as_operator: bool = False) -> Dial:
     """How to reach the edge: as the running mesh serves it (TLS or not) when one runs on
-    this state dir, else as `spec` says."""
+    this state dir, else as `spec` says; with the operator's certificate when asked."""
     try:
         spec = MeshPaths(Path(spec.state_dir)).running_spec()
     except NoRunningMesh:
         pass
+    if as_operator:
+        return dial_edge_as(spec, address, OPERATOR_IDENTITY)
     return dial_edge_at(spec, address)
+
+
+# A token `predict` signs for itself (jwt mode, the mesh's key readable, none given).
+CLI_TOKEN_TTL_S = 300.0
+
+
+def _edge_auth_metadata(args: argparse.Namespace, spec: MeshSpec) -> list[tuple[str, str]]:
+    """The credentials `predict` sends at the edge: a token (--token, --token-file, else one
+    signed for this call when the mesh's key is readable) in jwt mode, the mesh's basic
+    credentials in basic mode."""
+    try:
+        spec = MeshPaths(Path(spec.state_dir)).running_spec()
+    except NoRunningMesh:
+        pass
+    token = args.token
+    if token is None and args.token_file:
+        token = Path(args.token_file).read_text().strip()
+    if token is None and spec.traffic.edge_auth.active_mode == "jwt":
+        roles = spec.traffic.edge_auth.roles
+        role = "operator" if args.as_operator and "operator" in roles else roles[0]
+        token = mint_token(spec, role, "servemesh-cli", CLI_TOKEN_TTL_S)
+    if token:
+        return [(AUTHORIZATION_HEADER, f"Bearer {token}")]
+    credentials = read_edge_credentials(Path(spec.state_dir))
+    if credentials is not None:
+        return [(AUTHORIZATION_HEADER, authorization_value(*credentials))]
+    return []
 
 
 def _edge_address(args: argparse.Namespace) -> str:
@@ -247,14 +280,16 @@ def cmd_predict(args: argparse.Namespace) -> int:
     spec = _load(args.spec)
     if args.state_dir:
         spec = spec.model_copy(update={"state_dir": args.state_dir})
-    credentials = read_edge_credentials(Path(spec.state_dir))
-    if credentials is not None:
-        metadata.append(("authorization", authorization_value(*credentials)))
+    try:
+        metadata += _edge_auth_metadata(args, spec)
+    except (TokenError, OSError) as exc:
+        console.print(str(exc), style="red", markup=False, highlight=False)
+        return 2
     trace_id = None
     if args.trace:
         traceparent, trace_id = new_traceparent()
         metadata.append((TRACE_HEADERS[0], traceparent))
-    with _edge_dial(spec, address).channel() as channel:
+    with _edge_dial(spec, address, args.as_operator).channel() as channel:
         try:
             reply = gateway_pb2_grpc.GatewayStub(channel).Predict(
                 request, timeout=args.timeout, metadata=metadata
@@ -437,7 +472,21 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument(
         "--row", action="append", help="comma-separated feature values (repeatable)"
     )
-    predict.add_argument("--version", help="pin a model version")
+    predict.add_argument(
+        "--version",
+        help="pin a model version (one at 0%% of traffic: operators only, see --as-operator)",
+    )
+    predict.add_argument(
+        "--token",
+        help="an edge token (servemesh auth token); default in jwt mode: one signed "
+        "for this call with the mesh's key, when readable",
+    )
+    predict.add_argument("--token-file", help="a file holding an edge token")
+    predict.add_argument(
+        "--as-operator",
+        action="store_true",
+        help="present the operator's certificate at the edge (and sign an operator token)",
+    )
     predict.add_argument("--address", help="edge address (default: the running mesh's)")
     predict.add_argument("--spec")
     predict.add_argument("--state-dir", help="the running mesh's state dir (edge credentials)")
@@ -459,6 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_apply_parser(sub)
     add_models_parser(sub)
     add_certs_parser(sub)
+    add_auth_parser(sub)
     add_chaos_parser(sub)
     add_features_parser(sub)
     add_fuzz_parser(sub)

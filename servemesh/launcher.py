@@ -39,6 +39,7 @@ from servemesh.identity import (
     issue_mesh_certificates,
     mesh_identity,
 )
+from servemesh.identity.tokens import ensure_signing_key
 from servemesh.netns import ZoneNetwork
 from servemesh.netns import available as netns_available
 from servemesh.procs import All, Check, Child, GrpcHealth, RedisServer, StartError, Supervisor
@@ -573,10 +574,13 @@ class Mesh:
 
 
 def with_edge_credentials(spec: MeshSpec, state_dir: Path) -> MeshSpec:
-    """With edge auth on and no users named, this mesh's key (created once, kept in the
-    state dir); the spec, and so Envoy's config, gets only its hash."""
+    """With basic edge auth and no users named, this mesh's key (created once, kept in the
+    state dir); the spec, and so Envoy's config, gets only its hash. With jwt edge auth,
+    the mesh's token signing key (created once) and the public JWKS Envoy reads."""
     auth = spec.traffic.edge_auth
-    if not auth.enabled or auth.users:
+    if auth.active_mode == "jwt":
+        ensure_signing_key(state_dir)
+    if auth.active_mode != "basic" or auth.users:
         return spec
     user, key = ensure_edge_credentials(state_dir)
     traffic = spec.traffic.model_copy(

@@ -50,6 +50,21 @@ def bucket_ranges(traffic: Mapping[str, int]) -> dict[str, tuple[int, int]]:
     return ranges
 
 
+# Who called through the edge, as Envoy's edge auth established it: the verified token's
+# `role` claim and its subject (`sub`). Envoy's jwt_authn sets them from a token it
+# verified; a caller's own copies are removed at the edge before any auth filter runs
+# (servemesh/proxy/render.py), and the gateway believes them only on a connection from
+# Envoy. The per-caller rate limit keys on CALLER_HEADER.
+CALLER_ROLE_HEADER: Final = "x-servemesh-caller-role"
+CALLER_HEADER: Final = "x-servemesh-caller"
+# The edge's account of the caller's verified client certificate (Envoy's SANITIZE_SET:
+# a caller's own copy is never passed on); its URI is the certificate's SPIFFE id.
+CLIENT_CERT_HEADER: Final = "x-forwarded-client-cert"
+# The gateway's per-version counters say how a call chose its version: the traffic split
+# (routed: what a rollout's analysis judges) or the caller's pin (pinned: counted apart).
+ROUTE_ROUTED: Final = "routed"
+ROUTE_PINNED: Final = "pinned"
+
 # One id per caller request, generated at the edge when the caller sent none.
 REQUEST_ID_HEADER: Final = "x-request-id"
 # W3C trace context, passed on unchanged by every hop.

@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from servemesh.identity import issue_mesh_certificates
+from servemesh.identity.tokens import ensure_signing_key
 from servemesh.proxy.process import validate_config
 from servemesh.proxy.render import render_resources, static_bootstrap
 from servemesh.spec import ResolvedSpec
@@ -22,6 +23,8 @@ def validate_offline(spec: ResolvedSpec, workdir: Path) -> Path:
     returns the config file (EnvoyConfigError when Envoy refuses it)."""
     scratch = spec.model_copy(update={"state_dir": str(workdir / "state")})
     issue_mesh_certificates(scratch)
+    if scratch.traffic.edge_auth.active_mode == "jwt":
+        ensure_signing_key(scratch.state_dir)  # Envoy reads the JWKS it publishes
     config = workdir / "envoy.yaml"
     resources = render_resources(scratch, workdir)
     config.write_text(yaml.safe_dump(static_bootstrap(scratch, resources, workdir)))

@@ -34,8 +34,10 @@ def _sds(identity: MeshIdentity, secret: str) -> dict[str, Any]:
 
 
 def downstream_tls(spec: MeshSpec, *, edge: bool) -> dict[str, Any]:
-    """A listener's TLS: the edge shows the edge certificate and asks callers for none (they
-    authenticate at the edge's auth filter); a mesh listener accepts only mesh certificates."""
+    """A listener's TLS: the edge shows the edge certificate and asks callers for an optional
+    one, verified against the mesh CA when sent (a caller without one authenticates at the
+    edge's auth filter; one with it is named to the gateway, x-forwarded-client-cert); a
+    mesh listener accepts only mesh certificates."""
     identity = mesh_identity(spec)
     context: dict[str, Any] = {
         "@type": _TLS + "DownstreamTlsContext",
@@ -47,11 +49,13 @@ def downstream_tls(spec: MeshSpec, *, edge: bool) -> dict[str, Any]:
             ],
         },
     }
-    if not edge:
-        context["require_client_certificate"] = True
-        context["common_tls_context"]["validation_context_sds_secret_config"] = _sds(
-            identity, TRUST_SECRET
-        )
+    # Both ask for a client certificate and verify it against the mesh CA; only the mesh
+    # listeners refuse a connection without one. A certificate that does not verify fails
+    # the handshake at the edge too.
+    context["require_client_certificate"] = not edge
+    context["common_tls_context"]["validation_context_sds_secret_config"] = _sds(
+        identity, TRUST_SECRET
+    )
     return {"name": "envoy.transport_sockets.tls", "typed_config": context}
 
 

@@ -12,7 +12,11 @@ Where the counters come from:
   to and its status, also those a fallback then answered), `..._predict_duration_seconds`
   (what callers waited, by version) and `..._prediction_score` (the scores answered, by
   version). From the mesh's Prometheus when it runs one (instant queries of the cumulative
-  series, summed over gateways), else from every gateway's own /metrics endpoint.
+  series, summed over gateways), else from every gateway's own /metrics endpoint. Only
+  routed calls count (`route="routed"`: the traffic split chose the version): a caller who
+  pins a version chooses its rows and deadlines, and could steer the verdict either way.
+  Pinned calls are counted apart (`ArmSnapshot.pinned`, `pinned_between`) and reported,
+  never judged.
 - At the shadow step the canary answers nobody, so the gateways never see it: both sides'
   replicas record each shadowed call (services/model/shadow.py, `<state_dir>/shadow/`):
   the primary's answer and the canary's copy, with its status, time and scores.
@@ -47,9 +51,11 @@ from servemesh.rollout.stats import (
 from servemesh.rollout.types import ArmWindow, Check
 from servemesh.rollout_plan import AnalysisSpec
 from servemesh.spec import ResolvedSpec
-from servemesh.wire import LATENCY_BUCKETS_S, SCORE_BUCKETS, SLI_FAILURE_CODES
+from servemesh.wire import LATENCY_BUCKETS_S, ROUTE_PINNED, SCORE_BUCKETS, SLI_FAILURE_CODES
 
 MODEL_CALLS = "servemesh_gateway_model_calls_total"
+# Series of a gateway from before the route label count as routed (`!=`, not `=`).
+NOT_PINNED = f'route!="{ROUTE_PINNED}"'
 PREDICT_SECONDS = "servemesh_gateway_predict_duration_seconds"
 SCORES = "servemesh_gateway_prediction_score"
 # Versions that are no arm: a call that failed before any version was picked, and the
@@ -82,6 +88,8 @@ class ArmSnapshot:
     source: str
     taken_at: float  # time.time() of the reading
     arms: Mapping[str, ArmWindow] = field(default_factory=dict)
+    # ModelInfer calls by version that callers pinned: never in `arms`, reported apart.
+    pinned: Mapping[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -89,6 +97,7 @@ class ArmSnapshot:
             "source": self.source,
             "taken_at": self.taken_at,
             "arms": {v: asdict(a) for v, a in self.arms.items()},
+            "pinned": dict(self.pinned),
         }
 
     @classmethod
@@ -109,6 +118,7 @@ class ArmSnapshot:
             source=str(data["source"]),
             taken_at=float(data["taken_at"]),
             arms={str(v): arm(a) for v, a in dict(data.get("arms") or {}).items()},
+            pinned={str(v): int(n) for v, n in dict(data.get("pinned") or {}).items()},
         )
 
 
@@ -156,6 +166,18 @@ def window(before: ArmSnapshot, after: ArmSnapshot) -> dict[str, ArmWindow]:
             else now.score_buckets,
         )
     return found
+
+
+def pinned_between(before: object, after: object) -> dict[str, int]:
+    """The calls callers pinned to each version between two snapshots (not judged; shown
+    beside the verdict). A counter that went down counts from zero."""
+    then: Mapping[str, int] = getattr(before, "pinned", None) or {}
+    now: Mapping[str, int] = getattr(after, "pinned", None) or {}
+    found = {}
+    for version, count in now.items():
+        earlier = then.get(version, 0)
+        found[version] = count - earlier if count >= earlier else count
+    return {v: n for v, n in sorted(found.items()) if n > 0}
 
 
 # --- judgement ---------------------------------------------------------------------------
@@ -342,10 +364,15 @@ class EndpointsSource:
         calls: dict[tuple[str, str], float] = {}
         latency: dict[tuple[str, float], float] = {}
         scores: dict[tuple[str, float], float] = {}
+        pinned: dict[str, float] = {}
         for s in self._samples():
             if s.labels.get("model") != model:
                 continue
             version = s.labels.get("version", "")
+            if s.labels.get("route") == ROUTE_PINNED:
+                if s.name == MODEL_CALLS and version not in NOT_ARMS:
+                    pinned[version] = pinned.get(version, 0.0) + s.value
+                continue
             if s.name == MODEL_CALLS:
                 key = (version, s.labels.get("code", ""))
                 calls[key] = calls.get(key, 0.0) + s.value
@@ -353,7 +380,12 @@ class EndpointsSource:
                 into = latency if s.name.startswith(PREDICT_SECONDS) else scores
                 bucket = (version, _le(s.labels["le"]))
                 into[bucket] = into.get(bucket, 0.0) + s.value
-        return ArmSnapshot(model, self.name, time.time(), _arms_from(calls, latency, scores))
+        arms = _arms_from(calls, latency, scores)
+        return ArmSnapshot(model, self.name, time.time(), arms, _whole(pinned))
+
+
+def _whole(counts: Mapping[str, float]) -> dict[str, int]:
+    return {version: round(n) for version, n in sorted(counts.items())}
 
 
 def _quoted(value: str) -> str:
@@ -380,10 +412,16 @@ class PrometheusSource:
     def snapshot(self, model: str, *, shadow: bool) -> ArmSnapshot:
         if shadow:
             return self.ledger.snapshot(model, shadow=True)
-        where = f"{{model={_quoted(model)}}}"
+        where = f"{{model={_quoted(model)},{NOT_PINNED}}}"
         calls = {
             (labels.get("version", ""), labels.get("code", "")): value
             for labels, value in self._query(f"sum by (version, code) ({MODEL_CALLS}{where})")
+        }
+        pinned_where = f'{{model={_quoted(model)},route="{ROUTE_PINNED}"}}'
+        pinned = {
+            labels.get("version", ""): value
+            for labels, value in self._query(f"sum by (version) ({MODEL_CALLS}{pinned_where})")
+            if labels.get("version", "") not in NOT_ARMS
         }
 
         def buckets(histogram: str) -> dict[tuple[str, float], float]:
@@ -394,7 +432,7 @@ class PrometheusSource:
             }
 
         arms = _arms_from(calls, buckets(PREDICT_SECONDS), buckets(SCORES))
-        return ArmSnapshot(model, self.name, time.time(), arms)
+        return ArmSnapshot(model, self.name, time.time(), arms, _whole(pinned))
 
 
 @dataclass

@@ -239,6 +239,7 @@ def status_row(state: RolloutState, alive: bool, now: float) -> dict[str, Any]:
         "deadline": datetime.fromtimestamp(deadline_at, UTC).isoformat(timespec="seconds"),
         "deadline_in_s": round(deadline_at - now, 1) if state.active else None,
         "last_checks": [c.model_dump() for c in state.last_checks],
+        "pinned_calls": dict(state.pinned_calls),
         "reason": state.reason,
         "overrides": state.overrides,
         "started_at": datetime.fromtimestamp(state.started_at, UTC).isoformat(timespec="seconds"),
@@ -317,6 +318,9 @@ def _print_status(row: dict[str, Any]) -> None:
         fields.append(("overrides", "; ".join(f"{k}: {v}" for k, v in row["overrides"].items())))
     for check in row["last_checks"]:
         fields.append((f"check {check['name']}", f"{check['verdict']}: {check['detail']}"))
+    if row.get("pinned_calls"):
+        pinned = ", ".join(f"{v} {n}" for v, n in sorted(row["pinned_calls"].items()))
+        fields.append(("pinned calls", f"{pinned} (last window; not judged)"))
     if row["reason"]:
         fields.append(("reason", row["reason"]))
     for name, value in fields:

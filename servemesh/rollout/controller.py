@@ -36,6 +36,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from servemesh.proxy.apply import ApplyError
+from servemesh.rollout.analysis import pinned_between
 from servemesh.rollout.state import (
     CheckRecord,
     Request,
@@ -509,8 +510,16 @@ class Controller:
                     ]
             for check in checks:
                 self.say(f"  {step.label} {check_line(check)}")
+            # Calls callers pinned to a version: never judged (analysis.py), shown apart.
+            pinned = pinned_between(before, after)
+            if pinned:
+                shown = ", ".join(f"{v} {n}" for v, n in pinned.items())
+                self.say(f"  {step.label} pinned calls (not judged): {shown}")
             state = self._set(
-                model, last_checks=[CheckRecord.of(c) for c in checks], checked_at=self.now()
+                model,
+                last_checks=[CheckRecord.of(c) for c in checks],
+                checked_at=self.now(),
+                pinned_calls=pinned,
             )
             failed = [c for c in checks if c.verdict == "fail"]
             if failed:

@@ -125,6 +125,8 @@ class RolloutState(BaseModel):
     pid: int | None = None
     last_checks: list[CheckRecord] = Field(default_factory=list)
     checked_at: float | None = None
+    # Calls callers pinned to each version over the last analysis window (not judged).
+    pinned_calls: dict[str, int] = Field(default_factory=dict)
     reference_baseline: WindowRecord | None = None
     overrides: dict[str, str] = Field(default_factory=dict)
     checklist: list[dict[str, Any]] = Field(default_factory=list)

@@ -3,10 +3,10 @@ by status, and their latency, beside the RPC metrics every service has.
 
 | metric | type | labels |
 | --- | --- | --- |
-| servemesh_gateway_predictions_total | counter | model, version, degraded, code |
-| servemesh_gateway_predict_duration_seconds | histogram | model, version |
-| servemesh_gateway_prediction_score | histogram | model, version |
-| servemesh_gateway_model_calls_total | counter | model, version, code |
+| servemesh_gateway_predictions_total | counter | model, version, degraded, code, route |
+| servemesh_gateway_predict_duration_seconds | histogram | model, version, route |
+| servemesh_gateway_prediction_score | histogram | model, version, route |
+| servemesh_gateway_model_calls_total | counter | model, version, code, route |
 | servemesh_gateway_coalesced_members | histogram | call |
 
 `version` is the version that answered (the replica says which); a call whose model call
@@ -14,6 +14,11 @@ failed carries the version Envoy routed it to (Envoy names it in a response head
 that failed before that the version it pinned, else "". `model` is "" for a call naming no
 model of the spec, so a caller cannot grow the label set. A degraded fallback answer is
 version "fallback".
+
+`route` says how the call chose its version: "routed" (the traffic split and its sticky
+buckets picked it) or "pinned" (the caller named `version`). A rollout's analysis judges
+routed calls only: a caller who pins a canary chooses its rows and deadlines, and would
+otherwise steer the verdict. Pinned calls are counted (and reported) apart.
 
 The last two are what a rollout's analysis compares between a canary and its baseline
 (servemesh/rollout/analysis.py):
@@ -45,10 +50,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from servemesh.services.runtime.errors import MeshError
 from servemesh.services.runtime.metrics import RPC_BUCKETS
 from servemesh.spec import MeshSpec
-from servemesh.wire import SCORE_BUCKETS
+from servemesh.wire import ROUTE_PINNED, ROUTE_ROUTED, SCORE_BUCKETS
 from servemesh_api.gateway.v1 import gateway_pb2
 
-Key = tuple[str, str, str, str]
+Key = tuple[str, str, str, str, str]
 
 
 # Members per coalesced call: up to the largest row cap a spec allows.
@@ -66,27 +71,27 @@ class PredictMetrics:
         self._predictions = Counter(
             "servemesh_gateway_predictions",
             "Predict calls by model, answering version, degraded flag and status code.",
-            ["model", "version", "degraded", "code"],
+            ["model", "version", "degraded", "code", "route"],
             registry=self.registry,
         )
         self._duration = Histogram(
             "servemesh_gateway_predict_duration_seconds",
             "Seconds the gateway took to answer Predict, by model and answering version.",
-            ["model", "version"],
+            ["model", "version", "route"],
             buckets=RPC_BUCKETS,
             registry=self.registry,
         )
         self._score = Histogram(
             "servemesh_gateway_prediction_score",
             "Scores the gateway answered, one per row, by model and answering version.",
-            ["model", "version"],
+            ["model", "version", "route"],
             buckets=SCORE_BUCKETS,
             registry=self.registry,
         )
         self._model_calls = Counter(
             "servemesh_gateway_model_calls",
             "ModelInfer calls by model, the version Envoy routed them to, and status code.",
-            ["model", "version", "code"],
+            ["model", "version", "code", "route"],
             registry=self.registry,
         )
         self._coalesced = Histogram(
@@ -98,35 +103,52 @@ class PredictMetrics:
         )
         self._coalesced_by: dict[str, Any] = {}
         self._counters: dict[Key, Any] = {}
-        self._timers: dict[tuple[str, str], Any] = {}
-        self._scores: dict[tuple[str, str], Any] = {}
-        self._calls: dict[tuple[str, str, str], Any] = {}
+        self._timers: dict[tuple[str, str, str], Any] = {}
+        self._scores: dict[tuple[str, str, str], Any] = {}
+        self._calls: dict[tuple[str, str, str, str], Any] = {}
 
-    def record(self, model: str, version: str, degraded: bool, code: str, seconds: float) -> None:
-        key = (model, version, "true" if degraded else "false", code)
+    def record(
+        self,
+        model: str,
+        version: str,
+        degraded: bool,
+        code: str,
+        seconds: float,
+        route: str = ROUTE_ROUTED,
+    ) -> None:
+        key = (model, version, "true" if degraded else "false", code, route)
         counter = self._counters.get(key)
         if counter is None:
             counter = self._counters[key] = self._predictions.labels(*key)
         counter.inc()
-        timer = self._timers.get((model, version))
+        timer = self._timers.get((model, version, route))
         if timer is None:
-            timer = self._timers[(model, version)] = self._duration.labels(model, version)
+            timer = self._timers[(model, version, route)] = self._duration.labels(
+                model, version, route
+            )
         timer.observe(seconds)
 
-    def record_scores(self, model: str, version: str, scores: Sequence[float]) -> None:
+    def record_scores(
+        self, model: str, version: str, scores: Sequence[float], route: str = ROUTE_ROUTED
+    ) -> None:
         """The scores of one answer (one per row) under the version that answered."""
         if not scores:
             return
-        child = self._scores.get((model, version))
+        child = self._scores.get((model, version, route))
         if child is None:
-            child = self._scores[(model, version)] = self._score.labels(model, version)
+            child = self._scores[(model, version, route)] = self._score.labels(
+                model, version, route
+            )
         for score in scores:
             # NaN is below no bound, so prometheus_client would count it in no bucket.
             child.observe(score if score == score else math.inf)
 
-    def record_model_call(self, model: str, version: str, code: str) -> None:
-        """One ModelInfer call, by the version Envoy routed it to and how it ended."""
-        key = (model, version, code)
+    def record_model_call(
+        self, model: str, version: str, code: str, route: str = ROUTE_ROUTED
+    ) -> None:
+        """One ModelInfer call, by the version Envoy routed it to, how it ended, and whether
+        the caller pinned the version (route "pinned") or the split chose it ("routed")."""
+        key = (model, version, code, route)
         counter = self._calls.get(key)
         if counter is None:
             counter = self._calls[key] = self._model_calls.labels(*key)
@@ -163,6 +185,11 @@ def _failure_code(exc: BaseException, context: grpc.aio.ServicerContext) -> str:
     return "CANCELLED"
 
 
+def route_of(request: gateway_pb2.PredictRequest) -> str:
+    """How a Predict chose its version: pinned by the caller, or routed by the split."""
+    return ROUTE_PINNED if request.version else ROUTE_ROUTED
+
+
 def observed(predict: Predict[S]) -> Predict[S]:
     """Record every Predict in the servicer's `metrics`: answers by the version that
     answered, failures by the status the caller gets."""
@@ -172,6 +199,7 @@ def observed(predict: Predict[S]) -> Predict[S]:
         self: S, request: gateway_pb2.PredictRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.PredictResponse:
         started = time.perf_counter()
+        route = route_of(request)
         try:
             answer = await predict(self, request, context)
         except BaseException as exc:
@@ -182,12 +210,15 @@ def observed(predict: Predict[S]) -> Predict[S]:
             version = getattr(exc, "routed_version", "") if known else ""
             if not version:
                 version = request.version if known and request.version in known.versions else ""
-            self.metrics.record(model, version, False, _failure_code(exc, context), seconds)
+            code = _failure_code(exc, context)
+            self.metrics.record(model, version, False, code, seconds, route)
             raise
         seconds = time.perf_counter() - started
-        self.metrics.record(request.model, answer.model_version, answer.degraded, "OK", seconds)
+        self.metrics.record(
+            request.model, answer.model_version, answer.degraded, "OK", seconds, route
+        )
         if answer.model_version != FALLBACK_VERSION:
-            self.metrics.record_scores(request.model, answer.model_version, answer.scores)
+            self.metrics.record_scores(request.model, answer.model_version, answer.scores, route)
         return answer
 
     return call

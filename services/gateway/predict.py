@@ -139,15 +139,12 @@ def plan_predict(request: gateway_pb2.PredictRequest, spec: MeshSpec) -> Predict
     if not request.model:
         raise InvalidArgument("model: required")
     model = spec.models.get(request.model)
+    # Refusals name what the caller sent, never the catalogue: a caller learns nothing
+    # about the models and versions it was not told of.
     if model is None:
-        raise NotFound(
-            f"model: {shown(request.model)} is not served; served models: {sorted(spec.models)}",
-        )
+        raise NotFound(f"model: {shown(request.model)} is not served")
     if request.version and request.version not in model.versions:
-        raise NotFound(
-            f"version: model {request.model!r} has no version {shown(request.version)}; "
-            f"versions: {sorted(model.versions)}",
-        )
+        raise NotFound(f"version: model {request.model!r} has no version {shown(request.version)}")
     if model.inputs is None:
         return _plan_shorthand(request, spec, model)
     return _plan_inputs(request, spec, model)

@@ -21,6 +21,7 @@ from opentelemetry.trace import Link
 from servemesh.policy import CircuitBreakers
 from servemesh.predlog import PredictionLog
 from servemesh.services.feature.wire import build_request, read_matrix
+from servemesh.services.gateway.callers import caller_of, check_pin
 from servemesh.services.gateway.coalesce import Coalescer, Member, fail, settle
 from servemesh.services.gateway.metrics import PredictMetrics, observed
 from servemesh.services.gateway.predict import (
@@ -53,6 +54,8 @@ from servemesh.wire import (
     OIP_SERVICE,
     REPLICA_PARAMETER,
     REQUEST_ID_HEADER,
+    ROUTE_PINNED,
+    ROUTE_ROUTED,
     SHADOW_ROLE_HEADER,
     SHADOW_ROLE_PRIMARY,
     TRACE_HEADERS,
@@ -218,6 +221,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         plan: PredictPlan | None = None
         try:
             plan = plan_predict(request, self.spec)
+            # A version the split gives 0% is pinned by operators only (callers.py).
+            check_pin(self.spec, plan.model_name, plan.version, caller_of(self.spec, context))
             # The request id follows the request to every hop, and so does the caller's
             # trace context: as it came, or (a recorded call) each downstream call's own
             # client span (traced_call).
@@ -348,6 +353,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         metadata: list[tuple[str, str]],
         request_id: str,
     ) -> gateway_pb2.PredictResponse:
+        route = ROUTE_PINNED if plan.version else ROUTE_ROUTED
         try:
             infer = shared_infer_request(
                 plan.model_name, plan.version, signature, [inputs], request_id
@@ -362,14 +368,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except grpc.aio.AioRpcError as exc:
             # Counted against the version that failed, even when a fallback answers.
             version = routed_version(exc) or plan.version
-            self.metrics.record_model_call(plan.model_name, version, exc.code().name)
+            self.metrics.record_model_call(plan.model_name, version, exc.code().name, route)
             raise DownstreamError("model service", exc, version) from None
         try:
             outputs = read_outputs(reply, plan.n_rows)
         except MeshError as exc:  # an answer of the wrong shape is the version's fault
-            self.metrics.record_model_call(plan.model_name, reply.model_version, exc.code.name)
+            self.metrics.record_model_call(
+                plan.model_name, reply.model_version, exc.code.name, route
+            )
             raise
-        self.metrics.record_model_call(plan.model_name, reply.model_version, "OK")
+        self.metrics.record_model_call(plan.model_name, reply.model_version, "OK", route)
         return _answer(reply, outputs, plan.n_rows)
 
     # --- shared calls (coalescing) -----------------------------------------------------
@@ -541,6 +549,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         model_name, _, (version, start, _end), _ = key
         first = members[0].item
         pinned = start == PINNED
+        route = ROUTE_PINNED if pinned else ROUTE_ROUTED
         metadata = _shared_metadata(members)
         infer = shared_infer_request(
             model_name,
@@ -572,7 +581,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             retry = _retry_after(members, exc)
             for member in members:
                 if member not in retry:
-                    self.metrics.record_model_call(model_name, failed, exc.code().name)
+                    self.metrics.record_model_call(model_name, failed, exc.code().name, route)
                     fail(member, DownstreamError("model service", exc, failed))
             await self._send_each_or_all(self._send_infer, key, retry, exc)
             return
@@ -585,7 +594,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             outputs = split_outputs(reply, [m.item.plan.n_rows for m in members])
         except MeshError as exc:  # an answer of the wrong shape is the version's fault
             for member in members:
-                self.metrics.record_model_call(model_name, answered, exc.code.name)
+                self.metrics.record_model_call(model_name, answered, exc.code.name, route)
                 fail(member, exc)
             return
         misrouted: list[Member[ModelAsk, gateway_pb2.PredictResponse]] = []
@@ -602,7 +611,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         for member, own in zip(members, outputs, strict=True):
             if member in misrouted:
                 continue
-            self.metrics.record_model_call(model_name, answered, "OK")
+            self.metrics.record_model_call(model_name, answered, "OK", route)
             settle(member, _answer(reply, own, member.item.plan.n_rows))
         # Envoy's routes moved before this gateway's spec followed (a weight change under
         # way): the rows of members whose bucket the answering route does not hold were

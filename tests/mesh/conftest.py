@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from servemesh.identity import dial_edge
+from servemesh.identity.edge_client import dial_edge_as
 from servemesh.launcher import Mesh
 from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.apply import RouteManager
@@ -51,8 +51,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 @pytest.fixture
 def gateway(mesh: Mesh) -> Iterator[gateway_pb2_grpc.GatewayStub]:
-    """A Predict stub talking to Envoy's edge listener."""
-    with dial_edge(mesh.spec).channel() as channel:
+    """A Predict stub talking to Envoy's edge listener as the operator (its certificate):
+    these tests pin versions the traffic split gives 0%, which only operators may."""
+    with dial_edge_as(mesh.spec, mesh.spec.edge_address).channel() as channel:
         yield gateway_pb2_grpc.GatewayStub(channel)
 
 

@@ -58,6 +58,8 @@ from servemesh.spec import MeshSpec, Ports, ResolvedSpec, resolve
 from servemesh.wire import (
     AUTHORIZATION_HEADER,
     BUCKET_HEADER,
+    CALLER_HEADER,
+    CALLER_ROLE_HEADER,
     CONTROL_METHODS,
     GATEWAY_SERVICE,
     HEALTH_SERVICE,
@@ -467,10 +469,14 @@ def test_internal_headers_from_callers_never_reach_a_service(front: Front) -> No
         (VERSION_HEADER, "v2"),
         (SHADOW_ROLE_HEADER, "shadow"),
         (BUCKET_HEADER, "9999"),  # a caller choosing its bucket would choose its version
+        # Who the caller is, as the edge's auth found it: Envoy's to say, never the caller's.
+        (CALLER_ROLE_HEADER, "operator"),
+        (CALLER_HEADER, "someone-else"),
     )
     assert _call(front.edge, PREDICT, (*AUTH, *forged)) == grpc.StatusCode.OK
     reached = front.recorder.seen(PREDICT)[-1].metadata
-    assert not [k for k in reached if k.startswith("x-servemesh-")], reached
+    internal = {k: v for k, v in reached.items() if k.startswith("x-servemesh-")}
+    assert internal == {CALLER_HEADER: USER}, reached  # the user basic auth verified
     # Inside, the model header is the gateway's to send; the shadow role is Envoy's alone:
     # the served call says "primary" (v1, the split's choice) and only the mirrored copy
     # (v2) says "shadow", whatever the caller claimed.

@@ -18,6 +18,7 @@ import pytest
 from servemesh.control_credential import control_metadata_for
 from servemesh.demo import demo_artifact, demo_signature
 from servemesh.identity import dial_edge, dial_registry, dial_service
+from servemesh.identity.edge_client import dial_edge_as
 from servemesh.launcher import Mesh
 from servemesh.load import BackgroundLoad, predict_target
 from servemesh.proxy.admin import AdminClient
@@ -128,8 +129,9 @@ def _pinned(
 
 def _wait_answering(mesh: Mesh, model: str, version: str) -> None:
     """Until a pinned Predict through the edge answers from `version` (the gateways take the
-    new spec on their next poll of it; until then they don't know the model)."""
-    with dial_edge(mesh.spec).channel() as channel:
+    new spec on their next poll of it; until then they don't know the model). As the
+    operator: a version the split gives 0% is pinned by operators only."""
+    with dial_edge_as(mesh.spec, mesh.spec.edge_address).channel() as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         def answered() -> bool:

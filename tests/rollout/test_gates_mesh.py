@@ -19,7 +19,8 @@ import grpc
 import pytest
 
 from servemesh.chaos.mesh import DrillMesh
-from servemesh.identity import dial_edge, dial_registry
+from servemesh.identity import dial_registry
+from servemesh.identity.edge_client import dial_edge_as
 from servemesh.launcher import Mesh
 from servemesh.observe.prom_query import PromClient
 from servemesh.procs.prometheus import BUDGET_LEFT, BURN_RATE, burn_windows
@@ -181,7 +182,7 @@ def test_a_spent_budget_refuses_from_prometheus_and_from_the_gateways_counters(
         pytest.skip("no prometheus binary here (Debian package `prometheus`)")
     client = PromClient(str(mesh.endpoints()["prometheus"]))
     before = _routes(mesh)
-    with dial_edge(mesh.spec).channel() as channel:
+    with dial_edge_as(mesh.spec, mesh.spec.edge_address).channel() as channel:
         edge = gateway_pb2_grpc.GatewayStub(channel)
         # Good traffic only: the budget is whole, read from Prometheus.
         for index in range(20):

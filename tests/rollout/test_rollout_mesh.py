@@ -27,6 +27,7 @@ import yaml
 from servemesh.chaos.load import drill_load
 from servemesh.chaos.mesh import DrillMesh
 from servemesh.identity import dial_edge
+from servemesh.identity.edge_client import dial_edge_as
 from servemesh.load import BackgroundLoad
 from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_view import live_view
@@ -302,7 +303,7 @@ def predict(edge: gateway_pb2_grpc.GatewayStub, entity: str, version: str) -> bo
 def test_a_rollout_with_the_budget_spent_is_refused_and_leaves_the_routes_untouched(
     mesh: DrillMesh, tmp_path: Path
 ) -> None:
-    with dial_edge(mesh.spec).channel() as channel:
+    with dial_edge_as(mesh.spec, mesh.spec.edge_address).channel() as channel:
         edge = gateway_pb2_grpc.GatewayStub(channel)
 
         def spent() -> bool:

@@ -67,7 +67,7 @@ def test_scores_and_model_calls_are_counted_per_version() -> None:
     def bucket(le: str) -> float | None:
         return registry.get_sample_value(
             "servemesh_gateway_prediction_score_bucket",
-            {"model": "fraud", "version": "v2", "le": le},
+            {"model": "fraud", "version": "v2", "le": le, "route": "routed"},
         )
 
     assert bucket("0.05") == 1 and bucket("0.5") == 2 and bucket("1.0") == 3
@@ -77,7 +77,7 @@ def test_scores_and_model_calls_are_counted_per_version() -> None:
     calls = {
         code: registry.get_sample_value(
             "servemesh_gateway_model_calls_total",
-            {"model": "fraud", "version": "v2", "code": code},
+            {"model": "fraud", "version": "v2", "code": code, "route": "routed"},
         )
         for code in ("OK", "INTERNAL")
     }

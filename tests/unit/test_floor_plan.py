@@ -43,7 +43,7 @@ ALLOWED: dict[str, set[str]] = {
     "echo": set(),  # caller strings quoted and bounded in error messages
     "demo": {"demo_model"},  # torch only when a demo model is built
     "demo_model": set(),
-    "policy": set(),
+    "policy": {"durations"},
     "durations": set(),
     # what a rollout follows: its steps, analysis, checklist, SLOs and freeze windows
     "rollout_plan": {"durations", "policy"},
@@ -53,7 +53,8 @@ ALLOWED: dict[str, set[str]] = {
     # the control credential: services check it, every control caller sends it
     "control_credential": {"wire", "private"},
     # the mesh's CA and certificates, and how every hop dials and serves TLS
-    "identity": {"spec", "policy", "demo", "demo_model", "atomic", "private"},
+    # (and the edge's token signing key, its JWKS and the tokens it verifies)
+    "identity": {"spec", "policy", "durations", "demo", "demo_model", "atomic", "private"},
     # the services: the runtime under them, the contract, and nothing that runs a mesh
     "services.runtime": CONTRACT | {"discovery"},  # a service joins the catalog
     # (and the feature service's wire format, services/feature/wire.py, to read its answers)
@@ -95,6 +96,8 @@ ALLOWED: dict[str, set[str]] = {
     "model_bench": CONTRACT | TOOLING | SERVICES,
     "routes_cli": CONTRACT | TOOLING,
     "certs_cli": CONTRACT | TOOLING,
+    # `servemesh auth token`: edge tokens signed with the mesh's key
+    "auth_cli": CONTRACT | TOOLING,
     "apply_cli": CONTRACT | TOOLING,
     "log_cli": CONTRACT | TOOLING | {"predlog"},
     # `servemesh load`: steady traffic through a running mesh's edge
@@ -120,6 +123,7 @@ ALLOWED: dict[str, set[str]] = {
         "model_bench",
         "routes_cli",
         "certs_cli",
+        "auth_cli",
         "apply_cli",
         "features",
         "models_cli",
