@@ -10,8 +10,6 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from servemesh.durations import Duration
-
 Percent = Annotated[float, Field(ge=0, le=100)]
 Millis = Annotated[int, Field(ge=0, le=3_600_000)]
 
@@ -157,11 +155,67 @@ def _edge_policy() -> RoutePolicy:
 
 
 class RateLimit(StrictModel):
-    """Token bucket on the edge listener; callers over it get RESOURCE_EXHAUSTED."""
+    """Token buckets on the edge listener; callers over one get RESOURCE_EXHAUSTED.
+
+    Each caller (each client address) has a bucket of its own, so one flooding client is
+    shed while the others' calls go through; the overall bucket still caps what the edge
+    accepts from everyone together, so many callers at once cannot exceed what the
+    gateways were sized for."""
 
     enabled: bool = True
+    # The overall bucket, shared by every caller.
     requests_per_second: Annotated[int, Field(ge=1, le=10_000_000)] = 5000
     burst: Annotated[int, Field(ge=1, le=10_000_000)] = 10_000
+    # One caller's bucket: a fifth of the overall rate, so at least five callers at their
+    # own limit are needed to fill the overall bucket (never more than the overall one:
+    # a smaller overall bucket lowers it to match).
+    per_caller_requests_per_second: Annotated[int, Field(ge=1, le=10_000_000)] = 1000
+    per_caller_burst: Annotated[int, Field(ge=1, le=10_000_000)] = 2000
+    # Callers Envoy keeps a bucket for (least recently seen dropped first; a dropped
+    # caller starts again with a full bucket). Past this many distinct callers at once a
+    # flood from many addresses is held by the overall bucket alone.
+    max_callers: Annotated[int, Field(ge=1, le=1_000_000)] = 10_000
+
+
+class EdgeStreams(StrictModel):
+    """Long-lived streams at the edge (health Watch, server reflection): a route and a
+    cluster of their own (the same gateways), so callers holding streams open fill this
+    cluster's breaker, never the one Predicts go through."""
+
+    # Streams in flight at once from all callers; beyond it a new stream is refused at
+    # once (UNAVAILABLE). A Watch client needs one; 256 leaves room for many clients and
+    # stays far below the gateways' own breaker (1,024).
+    max_streams: Annotated[int, Field(ge=1, le=1_000_000)] = 256
+    # A stream is ended after this long (its client opens a new one): a held stream frees
+    # its place in the breaker at least this often.
+    max_stream_duration_ms: Annotated[int, Field(ge=1000, le=3_600_000)] = 60_000
+
+
+class ConnectionLimits(StrictModel):
+    """What one client connection may hold and how long it may take, per listener.
+
+    The overload manager's cap (overload.max_downstream_connections) is one pool for every
+    listener; these caps split it, so a flood of connections to the edge leaves the mesh
+    listeners (the gateways' own calls) and the stats listener room to accept."""
+
+    # Connections each listener accepts at once; past it Envoy closes new ones at accept.
+    # Edge + every mesh listener + stats stays under the overall cap (10,000 by default).
+    edge_max_connections: Annotated[int, Field(ge=1, le=10_000_000)] = 5000
+    # Per zone's mesh listener: the gateways hold few long-lived HTTP/2 connections there.
+    mesh_max_connections: Annotated[int, Field(ge=1, le=10_000_000)] = 2000
+    # Prometheus scrapes with one connection at a time.
+    stats_max_connections: Annotated[int, Field(ge=1, le=10_000_000)] = 64
+    # A TLS handshake not done by then is closed: a client that opens connections and
+    # never finishes handshaking holds no slot for long. Loopback handshakes take ms.
+    tls_handshake_timeout_ms: Annotated[int, Field(ge=100, le=600_000)] = 5000
+    # A request whose headers have not all arrived by then is refused (408): a slow-headers
+    # client cannot hold a stream open without ever finishing the request.
+    request_headers_timeout_ms: Annotated[int, Field(ge=100, le=600_000)] = 10_000
+    # HTTP/2 streams one client connection may have open at the edge: one connection
+    # cannot take the gateways' whole breaker (1,024). The mesh listeners serve the
+    # gateways' multiplexed calls and keep Envoy's wider setting.
+    edge_max_concurrent_streams: Annotated[int, Field(ge=1, le=2_147_483_647)] = 100
+    mesh_max_concurrent_streams: Annotated[int, Field(ge=1, le=2_147_483_647)] = 1024
 
 
 class ShadowSpec(StrictModel):
@@ -172,69 +226,20 @@ class ShadowSpec(StrictModel):
     percent: Percent = 100.0
 
 
-EdgeAuthMode = Literal["off", "basic", "jwt"]
-RoleName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
-
-
 class EdgeAuth(StrictModel):
-    """Who may call through the edge listener (health checks stay open to probes).
+    """HTTP basic auth on the edge listener (gRPC callers send an `authorization` header).
 
-    mode `jwt`: callers send `authorization: Bearer <token>`, an ES256 JWT signed by the
-    mesh's own key (`servemesh up` creates it under `<state_dir>/auth/`, mode 0600; Envoy
-    gets only the public JWKS) with this mesh's issuer and audience, an expiry, and a `role`
-    from `roles`; `servemesh auth token --role ROLE` issues one. Envoy's jwt_authn checks it
-    and passes the verified role and subject on to the gateway.
-
-    mode `basic`: HTTP basic auth, for local debugging only (Envoy's format is an unsalted
-    SHA-1 of the key, and a key carries no role). Without `users`, `servemesh up` creates
-    `<state_dir>/edge-credentials` (0600) holding a random key for user `servemesh`.
-
-    mode `off`: no credentials (the local mesh binds loopback only). In every mode the edge
-    also accepts, and verifies, an optional client certificate from the mesh CA.
-
-    `enabled: true` is the older spelling of `mode: basic` and keeps meaning that.
+    Off by default because the local mesh binds loopback only. When enabled without
+    `users`, `servemesh up` creates `<state_dir>/edge-credentials` (mode 0600) holding a
+    random key for user `servemesh`, and Envoy's config holds only its SHA-1 hash.
+    Health checks stay open so load balancers can probe without credentials.
     """
 
-    mode: EdgeAuthMode = "off"
     enabled: bool = False
-    # htpasswd lines, "name:{SHA}<base64 of sha1(password)>" (mode basic).
+    # htpasswd lines, "name:{SHA}<base64 of sha1(password)>".
     users: list[
         Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}:\{SHA\}[A-Za-z0-9+/]{27}=$")]
     ] = Field(default_factory=list)
-    # The roles a token may carry (mode jwt); any other role is refused when issuing.
-    roles: list[RoleName] = Field(default_factory=lambda: ["caller", "operator"], min_length=1)
-    # Roles whose callers may pin a model version the traffic split gives 0% (a canary).
-    pin_roles: list[RoleName] = Field(default_factory=lambda: ["operator"])
-    # null: derived from the mesh's name (servemesh.identity.tokens).
-    issuer: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-    audience: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-    max_token_ttl: Duration = "24h"  # `servemesh auth token --ttl` is refused beyond this
-
-    @model_validator(mode="before")
-    @classmethod
-    def _older_spellings(cls, data: object) -> object:
-        if isinstance(data, dict) and data.get("mode") is False:
-            # YAML 1.1 reads a bare `off` as false.
-            data = {**data, "mode": "off"}
-        return data
-
-    @model_validator(mode="after")
-    def _consistent(self) -> EdgeAuth:
-        if self.enabled and self.mode not in ("off", "basic"):
-            raise ValueError(
-                f"enabled: true means mode basic; with mode {self.mode} leave enabled out"
-            )
-        unknown = sorted(set(self.pin_roles) - set(self.roles))
-        if unknown:
-            raise ValueError(f"pin_roles: {unknown} not among roles {self.roles}")
-        return self
-
-    @property
-    def active_mode(self) -> EdgeAuthMode:
-        """The mode in force (`enabled: true` alone is basic)."""
-        if self.mode == "off" and self.enabled:
-            return "basic"
-        return self.mode
 
 
 class Overload(StrictModel):
@@ -256,6 +261,8 @@ class TrafficSpec(StrictModel):
     # Default for every model route and version cluster; a model may override it.
     model: RoutePolicy = Field(default_factory=RoutePolicy)
     overload: Overload = Field(default_factory=Overload)
+    edge_streams: EdgeStreams = Field(default_factory=EdgeStreams)
+    connections: ConnectionLimits = Field(default_factory=ConnectionLimits)
     # The drill profile: Envoy gets an admin runtime layer, so fault percentages
     # (`fault.<route>.*`) and shadow shares (`shadow.<model>.percent`) can be changed live
     # through the admin API. Off, the admin API refuses every runtime change and only the

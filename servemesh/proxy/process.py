@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import resource
 import subprocess
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from servemesh.proxy.admin import AdminClient
 
@@ -42,9 +46,48 @@ def validate_config(config: Path, timeout_s: float = 60.0) -> None:
         raise EnvoyConfigError("\n".join(lines[-15:]) or f"envoy exited {result.returncode}")
 
 
+# Descriptors Envoy needs beside its client connections: upstream connections (one per
+# worker, cluster and replica, more under load), health checks, sockets, logs, config files.
+FILE_RESERVE = 1024
+
+
+def _connection_cap(config: dict[str, Any]) -> int | None:
+    """The overload manager's cap on client connections in a bootstrap, if it has one."""
+    monitors = (config.get("overload_manager") or {}).get("resource_monitors") or []
+    for monitor in monitors:
+        cap = (monitor.get("typed_config") or {}).get("max_active_downstream_connections")
+        if cap is not None:
+            return int(cap)
+    return None
+
+
+def raise_file_limit(config: Path) -> int:
+    """Raise this process's open-file limit to its hard limit (Envoy, started from here,
+    inherits it), and refuse a config whose connection cap the limit cannot hold: past
+    the limit Envoy fails accept() and upstream connects alike, which reads as a broken
+    mesh rather than as shedding. Returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    cap = _connection_cap(yaml.safe_load(config.read_text()) or {})
+    if cap is not None and soft != resource.RLIM_INFINITY and cap + FILE_RESERVE > soft:
+        raise EnvoyConfigError(
+            f"traffic.overload.max_downstream_connections is {cap}, but Envoy may open only "
+            f"{soft} files here (RLIMIT_NOFILE hard limit) and needs {FILE_RESERVE} more "
+            f"for its own upstream connections and files: set it to at most "
+            f"{max(soft - FILE_RESERVE, 0)}, or raise the hard limit (ulimit -Hn, "
+            f"LimitNOFILE= in a systemd unit)"
+        )
+    return int(soft)
+
+
 def envoy_command(
     config: Path, base_id: int, concurrency: int = 2, log_level: str = "warning"
 ) -> list[str]:
+    """Envoy's command line for `config`; raises the open-file limit it will inherit first
+    (and refuses a connection cap above it, see raise_file_limit)."""
+    raise_file_limit(config)
     return [
         envoy_binary(),
         "-c",

@@ -20,14 +20,6 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
-from servemesh.durations import duration_seconds
-from servemesh.identity.tokens import (
-    ROLE_CLAIM,
-    SUBJECT_CLAIM,
-    audience_of,
-    issuer_of,
-    jwks_path,
-)
 from servemesh.netns import zone_source_address
 from servemesh.policy import (
     GRPC_CODES,
@@ -45,8 +37,6 @@ from servemesh.spec import Instance, MeshSpec, ModelSpec, ResolvedSpec, ServiceK
 from servemesh.wire import (
     BUCKET_HEADER,
     BUCKET_RANGE_HEADER,
-    CALLER_HEADER,
-    CALLER_ROLE_HEADER,
     CONTROL_METHODS,
     ENVOY_ADMIN_CLUSTER,
     ENVOY_STATS_LISTENER,
@@ -548,10 +538,13 @@ def _edge_routes(spec: MeshSpec) -> list[dict[str, Any]]:
         "match": {"path": method_path(HEALTH_SERVICE, "Check")},
         "route": {"cluster": GATEWAY_CLUSTER, **_route_action(edge)},
         # Load balancers and probes check health without credentials.
-        "typed_per_filter_config": _edge_auth_disabled(spec.traffic.edge_auth),
+        "typed_per_filter_config": {
+            "envoy.filters.http.basic_auth": {"@type": _FILTER_CONFIG, "disabled": True}
+        },
     }
-    return [
-        *([open_health] if spec.traffic.edge_auth.active_mode != "off" else []),
+    routes = [
+        *([open_health] if spec.traffic.edge_auth.enabled else []),
+        *_stream_routes(spec),
         _with_fault(
             {
                 "name": "gateway",
@@ -562,6 +555,84 @@ def _edge_routes(spec: MeshSpec) -> list[dict[str, Any]]:
             edge.fault,
         ),
     ]
+    return routes
+
+
+# --- edge limits -------------------------------------------------------------------------
+
+# The gateways again, for the calls a caller can hold open: a breaker of their own, so
+# held streams never fill the one Predicts go through.
+GATEWAY_STREAMS_CLUSTER = "gateway-streams"
+# The methods at the edge whose calls stay open as long as the caller likes.
+LONG_LIVED_METHODS = (
+    method_path(HEALTH_SERVICE, "Watch"),
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+)
+_LISTENER_CONNECTION_LIMIT = "envoy.resource_limits.listener.{}.connection_limit"
+
+
+def _streams_policy(spec: MeshSpec) -> RoutePolicy:
+    """The edge policy with the streams' own, small breaker."""
+    edge = spec.traffic.edge
+    most = spec.traffic.edge_streams.max_streams
+    breakers = edge.circuit_breakers.model_copy(
+        update={
+            "max_requests": most,
+            "max_pending_requests": min(most, edge.circuit_breakers.max_pending_requests),
+        }
+    )
+    return edge.model_copy(update={"circuit_breakers": breakers})
+
+
+def _stream_routes(spec: MeshSpec) -> list[dict[str, Any]]:
+    """One route per long-lived method: to the streams cluster, never retried (a stream
+    that started is not idempotent), ended after max_stream_duration_ms whatever deadline
+    the caller asked for."""
+    duration = _ms(spec.traffic.edge_streams.max_stream_duration_ms)
+    return [
+        {
+            "name": f"stream-{path.rsplit('/', 2)[-2]}",
+            "match": {"path": path},
+            "route": {
+                "cluster": GATEWAY_STREAMS_CLUSTER,
+                "timeout": "0s",
+                "max_stream_duration": {
+                    "max_stream_duration": duration,
+                    "grpc_timeout_header_max": duration,
+                },
+            },
+        }
+        for path in LONG_LIVED_METHODS
+    ]
+
+
+def listener_connection_limits(spec: MeshSpec) -> dict[str, int]:
+    """Runtime keys capping each listener's open connections (Envoy closes a connection
+    past its listener's cap at accept, before any TLS work)."""
+    limits = spec.traffic.connections
+    caps = {"edge": limits.edge_max_connections, ENVOY_STATS_LISTENER: limits.stats_max_connections}
+    for zone in spec.zones:
+        caps[mesh_route_config(zone)] = limits.mesh_max_connections
+    return {_LISTENER_CONNECTION_LIMIT.format(name): cap for name, cap in caps.items()}
+
+
+def _hcm_limits(spec: MeshSpec, edge: bool) -> dict[str, Any]:
+    """A connection manager's bounds on one client connection."""
+    limits = spec.traffic.connections
+    streams = limits.edge_max_concurrent_streams if edge else limits.mesh_max_concurrent_streams
+    return {
+        "request_headers_timeout": _ms(limits.request_headers_timeout_ms),
+        "http2_protocol_options": {"max_concurrent_streams": streams},
+    }
+
+
+def _chain_limits(spec: MeshSpec, chain: dict[str, Any]) -> dict[str, Any]:
+    """A TLS filter chain closes a connection whose handshake is not done in time."""
+    if "transport_socket" not in chain:
+        return chain
+    timeout = _ms(spec.traffic.connections.tls_handshake_timeout_ms)
+    return {**chain, "transport_socket_connect_timeout": timeout}
 
 
 # --- listeners ---------------------------------------------------------------------------
@@ -576,96 +647,9 @@ def _basic_auth_filter(auth: EdgeAuth) -> dict[str, Any]:
     if not auth.users:
         raise ValueError("traffic.edge_auth.users: empty (servemesh up fills it in)")
     return {
-        "name": _BASIC_AUTH_FILTER,
-        "typed_config": {
-            "@type": _BASIC_AUTH,
-            "users": {"inline_string": "\n".join(auth.users)},
-            # The verified user name is the caller (the per-caller rate limit's key).
-            "forward_username_header": CALLER_HEADER,
-        },
+        "name": "envoy.filters.http.basic_auth",
+        "typed_config": {"@type": _BASIC_AUTH, "users": {"inline_string": "\n".join(auth.users)}},
     }
-
-
-# --- edge auth (traffic.edge_auth) -------------------------------------------------------
-
-_BASIC_AUTH_FILTER = "envoy.filters.http.basic_auth"
-_JWT_AUTHN_FILTER = "envoy.filters.http.jwt_authn"
-_JWT_AUTHN = _T + "extensions.filters.http.jwt_authn.v3.JwtAuthentication"
-_JWT_PROVIDER = "mesh"
-# Headers the edge's auth sets for the gateway: a caller's own copies are removed by the
-# first auth filter, so only what Envoy verified reaches a gateway. (The virtual host's
-# request_headers_to_remove would come too late: the router applies it after every HTTP
-# filter, so it would remove what jwt_authn set, not only what the caller sent.)
-_CALLER_HEADERS = (CALLER_ROLE_HEADER, CALLER_HEADER)
-
-
-def _caller_headers_removed() -> dict[str, Any]:
-    return {
-        "name": "envoy.filters.http.header_mutation",
-        "typed_config": {
-            "@type": _HEADER_MUTATION,
-            "mutations": {"request_mutations": [{"remove": h} for h in _CALLER_HEADERS]},
-        },
-    }
-
-
-def _jwt_authn_filter(spec: MeshSpec) -> dict[str, Any]:
-    """Every call but the open health check needs a bearer token the mesh's key signed,
-    for this mesh's issuer and audience, with an expiry; its `role` and `sub` claims go on
-    to the gateway. The JWKS is the public half of `<state_dir>/auth/signing-key.pem`."""
-    auth = spec.traffic.edge_auth
-    provider = {
-        "issuer": issuer_of(auth, spec.name),
-        "audiences": [audience_of(auth, spec.name)],
-        "local_jwks": {"filename": str(jwks_path(spec.state_dir))},
-        "require_expiration": True,
-        "max_lifetime": f"{int(duration_seconds(auth.max_token_ttl))}s",
-        "clock_skew_seconds": 30,
-        # The token stops at the edge: the gateway gets what it said, not the token.
-        "forward": False,
-        "claim_to_headers": [
-            {"header_name": CALLER_ROLE_HEADER, "claim_name": ROLE_CLAIM},
-            {"header_name": CALLER_HEADER, "claim_name": SUBJECT_CLAIM},
-        ],
-    }
-    return {
-        "name": _JWT_AUTHN_FILTER,
-        "typed_config": {
-            "@type": _JWT_AUTHN,
-            "providers": {_JWT_PROVIDER: provider},
-            "rules": [{"match": {"prefix": "/"}, "requires": {"provider_name": _JWT_PROVIDER}}],
-        },
-    }
-
-
-def _edge_auth_filters(spec: MeshSpec) -> list[dict[str, Any]]:
-    """The edge's auth filters, in order: a caller's caller headers removed, then the mode's
-    check (none with mode off: the headers are still removed)."""
-    mode = spec.traffic.edge_auth.active_mode
-    filters = [_caller_headers_removed()]
-    if mode == "basic":
-        filters.append(_basic_auth_filter(spec.traffic.edge_auth))
-    elif mode == "jwt":
-        filters.append(_jwt_authn_filter(spec))
-    return filters
-
-
-def _client_cert_forwarding(spec: MeshSpec, edge: bool) -> dict[str, Any]:
-    """At a TLS edge, the caller's verified client certificate (optional, from the mesh CA)
-    goes on to the gateway as x-forwarded-client-cert with its URI (SPIFFE id); a caller's
-    own header is replaced, never passed on. Elsewhere Envoy's default removes it."""
-    if not (edge and spec.tls.edge):
-        return {}
-    return {
-        "forward_client_cert_details": "SANITIZE_SET",
-        "set_current_client_cert_details": {"uri": True},
-    }
-
-
-def _edge_auth_disabled(auth: EdgeAuth) -> dict[str, Any]:
-    """A route's per-filter config that lets it through without credentials."""
-    name = _JWT_AUTHN_FILTER if auth.active_mode == "jwt" else _BASIC_AUTH_FILTER
-    return {name: {"@type": _FILTER_CONFIG, "disabled": True}}
 
 
 def _control_calls_denied() -> dict[str, Any]:
@@ -705,18 +689,43 @@ def _known_methods() -> list[dict[str, Any]]:
     return sorted(services, key=lambda s: str(s["name"]))
 
 
+def _token_bucket(requests_per_second: int, burst: int) -> dict[str, Any]:
+    # Ten fills a second; below 10 requests a second, one fill a second (a per-caller
+    # bucket's interval must be a multiple of the overall bucket's 100 ms).
+    if requests_per_second < 10:
+        return {"max_tokens": burst, "tokens_per_fill": requests_per_second, "fill_interval": "1s"}
+    return {
+        "max_tokens": burst,
+        "tokens_per_fill": requests_per_second // 10,
+        "fill_interval": "0.100s",
+    }
+
+
 def _rate_limit_filter(limit: RateLimit) -> dict[str, Any]:
-    fills_per_second = 10
+    # One caller's bucket is never larger than the overall one.
+    per_caller = _token_bucket(
+        min(limit.per_caller_requests_per_second, limit.requests_per_second),
+        min(limit.per_caller_burst, limit.burst),
+    )
     return {
         "name": "envoy.filters.http.local_ratelimit",
         "typed_config": {
             "@type": _RATE_LIMIT,
             "stat_prefix": "edge_rate_limit",
-            "token_bucket": {
-                "max_tokens": limit.burst,
-                "tokens_per_fill": max(1, limit.requests_per_second // fills_per_second),
-                "fill_interval": _ms(1000 // fills_per_second),
-            },
+            # The overall bucket: every call takes a token from it too.
+            "token_bucket": _token_bucket(limit.requests_per_second, limit.burst),
+            # A bucket per caller address (an entry with an empty value is one bucket per
+            # distinct value, up to max_dynamic_descriptors of them, least recent dropped).
+            # The address is the peer's own: use_remote_address, no trusted forwarding.
+            "rate_limits": [{"actions": [{"remote_address": {}}]}],
+            "descriptors": [
+                {
+                    "entries": [{"key": "remote_address", "value": ""}],
+                    "token_bucket": per_caller,
+                }
+            ],
+            "max_dynamic_descriptors": limit.max_callers,
+            "always_consume_default_token_bucket": True,
             "filter_enabled": {
                 "runtime_key": "edge_rate_limit.enabled",
                 "default_value": _percent(100),
@@ -765,7 +774,7 @@ def _listener(
         "address": _address(spec.listen_host, port),
         "filter_chains": [
             {
-                **chain,
+                **_chain_limits(spec, chain),
                 "filters": [
                     {
                         "name": "envoy.filters.network.http_connection_manager",
@@ -799,7 +808,7 @@ def _listener(
                             "normalize_path": True,
                             "merge_slashes": True,
                             "path_with_escaped_slashes_action": "REJECT_REQUEST",
-                            "http2_protocol_options": {"max_concurrent_streams": 1024},
+                            **_hcm_limits(spec, edge),
                             "access_log": [
                                 {
                                     "name": "envoy.access_loggers.file",
@@ -813,7 +822,6 @@ def _listener(
                             "rds": {"route_config_name": route_config},
                             "http_filters": filters,
                             **hcm_tracing(spec, name),
-                            **_client_cert_forwarding(spec, edge),
                         },
                     }
                 ],
@@ -869,6 +877,7 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
         endpoint_sets[name] = EndpointSet(kind, local_zone)
 
     add(GATEWAY_CLUSTER, "gateway", of("gateway"), spec.traffic.edge, None)
+    add(GATEWAY_STREAMS_CLUSTER, "gateway", of("gateway"), _streams_policy(spec), None)
     add(REGISTRY_CLUSTER, "registry", of("registry"), spec.traffic.model, None)
     # The first replica set; a version another set serves (blue-green) lists that set's.
     model_servers = spec.set_replicas(spec.fleet.sets[0].name)
@@ -929,7 +938,8 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
     if spec.traffic.rate_limit.enabled:
         edge_filters.append(_rate_limit_filter(spec.traffic.rate_limit))
     edge_filters.append(_control_calls_denied())
-    edge_filters += _edge_auth_filters(spec)
+    if spec.traffic.edge_auth.enabled:
+        edge_filters.append(_basic_auth_filter(spec.traffic.edge_auth))
     listeners.append(
         _listener("edge", spec, spec.ports.edge, "edge", log_dir, edge_filters, edge=True)
     )
@@ -1081,7 +1091,8 @@ def _overload_manager(overload: Overload) -> dict[str, Any]:
 
 
 def _runtime_layers(spec: ResolvedSpec) -> list[dict[str, Any]]:
-    layers: list[dict[str, Any]] = [{"name": "static", "static_layer": tracer_runtime(spec)}]
+    static = {**tracer_runtime(spec), **listener_connection_limits(spec)}
+    layers: list[dict[str, Any]] = [{"name": "static", "static_layer": static}]
     if spec.traffic.runtime_overrides:
         # The drill profile: the admin layer lets drills flip runtime keys (fault
         # percentages, shadow shares) without a restart. Without it, Envoy refuses

@@ -257,7 +257,7 @@ def test_grpc_routes_honour_caller_deadlines_and_retry_killed_upstreams_in_other
 
 
 def test_edge_retries_only_what_never_reached_a_gateway() -> None:
-    [route] = _routes(_spec(), "edge")
+    [route] = [r for r in _routes(_spec(), "edge") if r["name"] == "gateway"]
     assert route["route"]["retry_policy"]["retry_on"] == "connect-failure,refused-stream"
 
 
@@ -359,9 +359,70 @@ def test_the_edge_sheds_over_its_rate_limit_with_resource_exhausted() -> None:
         l_ for l_ in render_resources(_spec(), Path("/tmp")).listeners if l_["name"] == "edge"
     ]
     filters = edge["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-    [limit] = [f for f in filters if f["name"] == "envoy.filters.http.local_ratelimit"]
+    limits = [f for f in filters if f["name"] == "envoy.filters.http.local_ratelimit"]
+    # The overall bucket and one per client address.
+    [limit] = limits
     assert limit["typed_config"]["rate_limited_as_resource_exhausted"] is True
-    assert limit["typed_config"]["token_bucket"]["max_tokens"] == 10_000
+    first = limit["typed_config"]
+    assert first["token_bucket"]["max_tokens"] == 10_000
+    assert first["rate_limits"] == [{"actions": [{"remote_address": {}}]}]
+    [per_address] = first["descriptors"]
+    assert per_address["entries"] == [{"key": "remote_address", "value": ""}]
+    assert per_address["token_bucket"]["max_tokens"] == 2000
+    assert first["max_dynamic_descriptors"] == 10_000
+
+
+def test_long_lived_streams_have_their_own_route_cluster_and_breaker() -> None:
+    spec = _spec()
+    routes = {r["name"]: r for r in _routes(spec, "edge")}
+    streams = [r for r in routes.values() if r["route"].get("cluster") == "gateway-streams"]
+    assert sorted(r["match"]["path"] for r in streams) == sorted(
+        [
+            method_path(HEALTH_SERVICE, "Watch"),
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        ]
+    )
+    for route in streams:
+        assert "retry_policy" not in route["route"]
+        assert route["route"]["max_stream_duration"] == {
+            "max_stream_duration": "60.000s",
+            "grpc_timeout_header_max": "60.000s",
+        }
+    # Before the catch-all gateway route.
+    names = list(routes)
+    assert max(names.index(r["name"]) for r in streams) < names.index("gateway")
+    clusters = {c["name"]: c for c in render_resources(spec, Path("/tmp")).clusters}
+    breaker = clusters["gateway-streams"]["circuit_breakers"]["thresholds"][0]
+    assert breaker["max_requests"] == 256
+    assert clusters[GATEWAY_CLUSTER]["circuit_breakers"]["thresholds"][0]["max_requests"] == 1024
+
+
+def test_each_listener_caps_its_connections_streams_handshakes_and_headers() -> None:
+    spec = _spec()
+    listeners = {x["name"]: x for x in render_resources(spec, Path("/tmp")).listeners}
+    for name, listener in listeners.items():
+        if name == ENVOY_STATS_LISTENER:
+            continue
+        chain = listener["filter_chains"][0]
+        assert chain["transport_socket_connect_timeout"] == "5.000s"
+        hcm = chain["filters"][0]["typed_config"]
+        assert hcm["request_headers_timeout"] == "10.000s"
+        streams = hcm["http2_protocol_options"]["max_concurrent_streams"]
+        assert streams == (100 if name == "edge" else 1024), name
+    boot = static_bootstrap(spec, render_resources(spec, Path("/tmp")), Path("/tmp"))
+    runtime = boot["layered_runtime"]["layers"][0]["static_layer"]
+    caps = {
+        k.split(".")[3]: v
+        for k, v in runtime.items()
+        if k.startswith("envoy.resource_limits.listener.")
+    }
+    assert caps == {
+        "edge": 5000,
+        "mesh-zone-a": 2000,
+        "mesh-zone-b": 2000,
+        ENVOY_STATS_LISTENER: 64,
+    }
 
 
 def test_the_committed_example_config_is_what_the_default_spec_renders() -> None:
@@ -558,6 +619,7 @@ def test_every_cluster_dials_mtls_and_accepts_only_its_service_kind() -> None:
         prefix = matcher["match_typed_subject_alt_names"][0]["matcher"]["prefix"]
         name = cluster["name"]
         kind = name if name in (GATEWAY_CLUSTER, REGISTRY_CLUSTER) else None
+        kind = kind or ("gateway" if name == "gateway-streams" else None)
         kind = kind or ("feature" if name.startswith("feature") else "model")
         assert prefix == f"spiffe://servemesh/{kind}-", cluster["name"]
 
