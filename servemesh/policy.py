@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from servemesh.durations import Duration
+
 Percent = Annotated[float, Field(ge=0, le=100)]
 Millis = Annotated[int, Field(ge=0, le=3_600_000)]
 
@@ -226,20 +228,69 @@ class ShadowSpec(StrictModel):
     percent: Percent = 100.0
 
 
-class EdgeAuth(StrictModel):
-    """HTTP basic auth on the edge listener (gRPC callers send an `authorization` header).
+EdgeAuthMode = Literal["off", "basic", "jwt"]
+RoleName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_-]{0,31}$")]
 
-    Off by default because the local mesh binds loopback only. When enabled without
-    `users`, `servemesh up` creates `<state_dir>/edge-credentials` (mode 0600) holding a
-    random key for user `servemesh`, and Envoy's config holds only its SHA-1 hash.
-    Health checks stay open so load balancers can probe without credentials.
+
+class EdgeAuth(StrictModel):
+    """Who may call through the edge listener (health checks stay open to probes).
+
+    mode `jwt`: callers send `authorization: Bearer <token>`, an ES256 JWT signed by the
+    mesh's own key (`servemesh up` creates it under `<state_dir>/auth/`, mode 0600; Envoy
+    gets only the public JWKS) with this mesh's issuer and audience, an expiry, and a `role`
+    from `roles`; `servemesh auth token --role ROLE` issues one. Envoy's jwt_authn checks it
+    and passes the verified role and subject on to the gateway.
+
+    mode `basic`: HTTP basic auth, for local debugging only (Envoy's format is an unsalted
+    SHA-1 of the key, and a key carries no role). Without `users`, `servemesh up` creates
+    `<state_dir>/edge-credentials` (0600) holding a random key for user `servemesh`.
+
+    mode `off`: no credentials (the local mesh binds loopback only). In every mode the edge
+    also accepts, and verifies, an optional client certificate from the mesh CA.
+
+    `enabled: true` is the older spelling of `mode: basic` and keeps meaning that.
     """
 
+    mode: EdgeAuthMode = "off"
     enabled: bool = False
-    # htpasswd lines, "name:{SHA}<base64 of sha1(password)>".
+    # htpasswd lines, "name:{SHA}<base64 of sha1(password)>" (mode basic).
     users: list[
         Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}:\{SHA\}[A-Za-z0-9+/]{27}=$")]
     ] = Field(default_factory=list)
+    # The roles a token may carry (mode jwt); any other role is refused when issuing.
+    roles: list[RoleName] = Field(default_factory=lambda: ["caller", "operator"], min_length=1)
+    # Roles whose callers may pin a model version the traffic split gives 0% (a canary).
+    pin_roles: list[RoleName] = Field(default_factory=lambda: ["operator"])
+    # null: derived from the mesh's name (servemesh.identity.tokens).
+    issuer: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    audience: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    max_token_ttl: Duration = "24h"  # `servemesh auth token --ttl` is refused beyond this
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_spellings(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("mode") is False:
+            # YAML 1.1 reads a bare `off` as false.
+            data = {**data, "mode": "off"}
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> EdgeAuth:
+        if self.enabled and self.mode not in ("off", "basic"):
+            raise ValueError(
+                f"enabled: true means mode basic; with mode {self.mode} leave enabled out"
+            )
+        unknown = sorted(set(self.pin_roles) - set(self.roles))
+        if unknown:
+            raise ValueError(f"pin_roles: {unknown} not among roles {self.roles}")
+        return self
+
+    @property
+    def active_mode(self) -> EdgeAuthMode:
+        """The mode in force (`enabled: true` alone is basic)."""
+        if self.mode == "off" and self.enabled:
+            return "basic"
+        return self.mode
 
 
 class Overload(StrictModel):

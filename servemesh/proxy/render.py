@@ -20,6 +20,14 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
+from servemesh.durations import duration_seconds
+from servemesh.identity.tokens import (
+    ROLE_CLAIM,
+    SUBJECT_CLAIM,
+    audience_of,
+    issuer_of,
+    jwks_path,
+)
 from servemesh.netns import zone_source_address
 from servemesh.policy import (
     GRPC_CODES,
@@ -37,6 +45,8 @@ from servemesh.spec import Instance, MeshSpec, ModelSpec, ResolvedSpec, ServiceK
 from servemesh.wire import (
     BUCKET_HEADER,
     BUCKET_RANGE_HEADER,
+    CALLER_HEADER,
+    CALLER_ROLE_HEADER,
     CONTROL_METHODS,
     ENVOY_ADMIN_CLUSTER,
     ENVOY_STATS_LISTENER,
@@ -538,12 +548,10 @@ def _edge_routes(spec: MeshSpec) -> list[dict[str, Any]]:
         "match": {"path": method_path(HEALTH_SERVICE, "Check")},
         "route": {"cluster": GATEWAY_CLUSTER, **_route_action(edge)},
         # Load balancers and probes check health without credentials.
-        "typed_per_filter_config": {
-            "envoy.filters.http.basic_auth": {"@type": _FILTER_CONFIG, "disabled": True}
-        },
+        "typed_per_filter_config": _edge_auth_disabled(spec.traffic.edge_auth),
     }
     routes = [
-        *([open_health] if spec.traffic.edge_auth.enabled else []),
+        *([open_health] if spec.traffic.edge_auth.active_mode != "off" else []),
         *_stream_routes(spec),
         _with_fault(
             {
@@ -647,9 +655,96 @@ def _basic_auth_filter(auth: EdgeAuth) -> dict[str, Any]:
     if not auth.users:
         raise ValueError("traffic.edge_auth.users: empty (servemesh up fills it in)")
     return {
-        "name": "envoy.filters.http.basic_auth",
-        "typed_config": {"@type": _BASIC_AUTH, "users": {"inline_string": "\n".join(auth.users)}},
+        "name": _BASIC_AUTH_FILTER,
+        "typed_config": {
+            "@type": _BASIC_AUTH,
+            "users": {"inline_string": "\n".join(auth.users)},
+            # The verified user name is the caller (the per-caller rate limit's key).
+            "forward_username_header": CALLER_HEADER,
+        },
     }
+
+
+# --- edge auth (traffic.edge_auth) -------------------------------------------------------
+
+_BASIC_AUTH_FILTER = "envoy.filters.http.basic_auth"
+_JWT_AUTHN_FILTER = "envoy.filters.http.jwt_authn"
+_JWT_AUTHN = _T + "extensions.filters.http.jwt_authn.v3.JwtAuthentication"
+_JWT_PROVIDER = "mesh"
+# Headers the edge's auth sets for the gateway: a caller's own copies are removed by the
+# first auth filter, so only what Envoy verified reaches a gateway. (The virtual host's
+# request_headers_to_remove would come too late: the router applies it after every HTTP
+# filter, so it would remove what jwt_authn set, not only what the caller sent.)
+_CALLER_HEADERS = (CALLER_ROLE_HEADER, CALLER_HEADER)
+
+
+def _caller_headers_removed() -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.header_mutation",
+        "typed_config": {
+            "@type": _HEADER_MUTATION,
+            "mutations": {"request_mutations": [{"remove": h} for h in _CALLER_HEADERS]},
+        },
+    }
+
+
+def _jwt_authn_filter(spec: MeshSpec) -> dict[str, Any]:
+    """Every call but the open health check needs a bearer token the mesh's key signed,
+    for this mesh's issuer and audience, with an expiry; its `role` and `sub` claims go on
+    to the gateway. The JWKS is the public half of `<state_dir>/auth/signing-key.pem`."""
+    auth = spec.traffic.edge_auth
+    provider = {
+        "issuer": issuer_of(auth, spec.name),
+        "audiences": [audience_of(auth, spec.name)],
+        "local_jwks": {"filename": str(jwks_path(spec.state_dir))},
+        "require_expiration": True,
+        "max_lifetime": f"{int(duration_seconds(auth.max_token_ttl))}s",
+        "clock_skew_seconds": 30,
+        # The token stops at the edge: the gateway gets what it said, not the token.
+        "forward": False,
+        "claim_to_headers": [
+            {"header_name": CALLER_ROLE_HEADER, "claim_name": ROLE_CLAIM},
+            {"header_name": CALLER_HEADER, "claim_name": SUBJECT_CLAIM},
+        ],
+    }
+    return {
+        "name": _JWT_AUTHN_FILTER,
+        "typed_config": {
+            "@type": _JWT_AUTHN,
+            "providers": {_JWT_PROVIDER: provider},
+            "rules": [{"match": {"prefix": "/"}, "requires": {"provider_name": _JWT_PROVIDER}}],
+        },
+    }
+
+
+def _edge_auth_filters(spec: MeshSpec) -> list[dict[str, Any]]:
+    """The edge's auth filters, in order: a caller's caller headers removed, then the mode's
+    check (none with mode off: the headers are still removed)."""
+    mode = spec.traffic.edge_auth.active_mode
+    filters = [_caller_headers_removed()]
+    if mode == "basic":
+        filters.append(_basic_auth_filter(spec.traffic.edge_auth))
+    elif mode == "jwt":
+        filters.append(_jwt_authn_filter(spec))
+    return filters
+
+
+def _client_cert_forwarding(spec: MeshSpec, edge: bool) -> dict[str, Any]:
+    """At a TLS edge, the caller's verified client certificate (optional, from the mesh CA)
+    goes on to the gateway as x-forwarded-client-cert with its URI (SPIFFE id); a caller's
+    own header is replaced, never passed on. Elsewhere Envoy's default removes it."""
+    if not (edge and spec.tls.edge):
+        return {}
+    return {
+        "forward_client_cert_details": "SANITIZE_SET",
+        "set_current_client_cert_details": {"uri": True},
+    }
+
+
+def _edge_auth_disabled(auth: EdgeAuth) -> dict[str, Any]:
+    """A route's per-filter config that lets it through without credentials."""
+    name = _JWT_AUTHN_FILTER if auth.active_mode == "jwt" else _BASIC_AUTH_FILTER
+    return {name: {"@type": _FILTER_CONFIG, "disabled": True}}
 
 
 def _control_calls_denied() -> dict[str, Any]:
@@ -698,6 +793,51 @@ def _token_bucket(requests_per_second: int, burst: int) -> dict[str, Any]:
         "max_tokens": burst,
         "tokens_per_fill": requests_per_second // 10,
         "fill_interval": "0.100s",
+    }
+
+
+def _caller_rate_limit_filter(limit: RateLimit) -> dict[str, Any]:
+    """After the edge's auth: a bucket per authenticated caller (the name the auth filter
+    verified, CALLER_HEADER), the same size as an address's. Callers behind one address
+    are then held apart by name, and one name is held to its bucket from any address. A
+    call without the header (auth off, the open health check) has no descriptor here and
+    passes (this filter has no bucket of its own)."""
+    per_caller = _token_bucket(
+        min(limit.per_caller_requests_per_second, limit.requests_per_second),
+        min(limit.per_caller_burst, limit.burst),
+    )
+    return {
+        "name": "envoy.filters.http.local_ratelimit",
+        "typed_config": {
+            "@type": _RATE_LIMIT,
+            "stat_prefix": "edge_caller_rate_limit",
+            "rate_limits": [
+                {
+                    "actions": [
+                        {
+                            "request_headers": {
+                                "header_name": CALLER_HEADER,
+                                "descriptor_key": "caller",
+                                "skip_if_absent": True,
+                            }
+                        }
+                    ]
+                }
+            ],
+            "descriptors": [
+                {"entries": [{"key": "caller", "value": ""}], "token_bucket": per_caller}
+            ],
+            "max_dynamic_descriptors": limit.max_callers,
+            "filter_enabled": {
+                "runtime_key": "edge_rate_limit.enabled",
+                "default_value": _percent(100),
+            },
+            "filter_enforced": {
+                "runtime_key": "edge_rate_limit.enforced",
+                "default_value": _percent(100),
+            },
+            "rate_limited_as_resource_exhausted": True,
+        },
     }
 
 
@@ -822,6 +962,7 @@ def _listener(
                             "rds": {"route_config_name": route_config},
                             "http_filters": filters,
                             **hcm_tracing(spec, name),
+                            **_client_cert_forwarding(spec, edge),
                         },
                     }
                 ],
@@ -938,8 +1079,9 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
     if spec.traffic.rate_limit.enabled:
         edge_filters.append(_rate_limit_filter(spec.traffic.rate_limit))
     edge_filters.append(_control_calls_denied())
-    if spec.traffic.edge_auth.enabled:
-        edge_filters.append(_basic_auth_filter(spec.traffic.edge_auth))
+    edge_filters += _edge_auth_filters(spec)
+    if spec.traffic.rate_limit.enabled:
+        edge_filters.append(_caller_rate_limit_filter(spec.traffic.rate_limit))
     listeners.append(
         _listener("edge", spec, spec.ports.edge, "edge", log_dir, edge_filters, edge=True)
     )

@@ -360,16 +360,23 @@ def test_the_edge_sheds_over_its_rate_limit_with_resource_exhausted() -> None:
     ]
     filters = edge["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
     limits = [f for f in filters if f["name"] == "envoy.filters.http.local_ratelimit"]
-    # The overall bucket and one per client address.
-    [limit] = limits
-    assert limit["typed_config"]["rate_limited_as_resource_exhausted"] is True
-    first = limit["typed_config"]
+    # Before auth: the overall bucket and one per client address; after it, one per caller.
+    assert [f["typed_config"]["stat_prefix"] for f in limits] == [
+        "edge_rate_limit",
+        "edge_caller_rate_limit",
+    ]
+    for limit in limits:
+        assert limit["typed_config"]["rate_limited_as_resource_exhausted"] is True
+    first, by_caller = (f["typed_config"] for f in limits)
     assert first["token_bucket"]["max_tokens"] == 10_000
     assert first["rate_limits"] == [{"actions": [{"remote_address": {}}]}]
     [per_address] = first["descriptors"]
     assert per_address["entries"] == [{"key": "remote_address", "value": ""}]
     assert per_address["token_bucket"]["max_tokens"] == 2000
     assert first["max_dynamic_descriptors"] == 10_000
+    assert "token_bucket" not in by_caller  # a call without a caller name passes it
+    [action] = by_caller["rate_limits"][0]["actions"]
+    assert action["request_headers"]["header_name"] == "x-servemesh-caller"
 
 
 def test_long_lived_streams_have_their_own_route_cluster_and_breaker() -> None:
