@@ -127,6 +127,11 @@ GATEWAY_SERVICE: Final = "servemesh.gateway.v1.Gateway"
 REGISTRY_SERVICE: Final = "servemesh.registry.v1.Registry"
 HEALTH_SERVICE: Final = "grpc.health.v1.Health"
 REFLECTION_PREFIX: Final = "/grpc.reflection."
+# Server reflection's one method, in both published versions of the service.
+REFLECTION_METHODS: Final = tuple(
+    f"{REFLECTION_PREFIX}{version}.ServerReflection/ServerReflectionInfo"
+    for version in ("v1alpha", "v1")
+)
 
 
 def method_prefix(service: str) -> str:

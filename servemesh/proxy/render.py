@@ -56,6 +56,7 @@ from servemesh.wire import (
     HEALTH_SERVICE,
     MODEL_HEADER,
     OIP_PREFIX,
+    REFLECTION_METHODS,
     REGISTRY_CLUSTER,
     REGISTRY_SERVICE,
     SHADOW_ROLE_HEADER,
@@ -574,8 +575,7 @@ GATEWAY_STREAMS_CLUSTER = "gateway-streams"
 # The methods at the edge whose calls stay open as long as the caller likes.
 LONG_LIVED_METHODS = (
     method_path(HEALTH_SERVICE, "Watch"),
-    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+    *REFLECTION_METHODS,
 )
 _LISTENER_CONNECTION_LIMIT = "envoy.resource_limits.listener.{}.connection_limit"
 
