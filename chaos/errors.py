@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from servemesh.errors import ServemeshError
 
-class DrillError(RuntimeError):
+
+class DrillError(ServemeshError, RuntimeError):
     """A drill cannot do what was asked (no drill running, unknown replica...)."""

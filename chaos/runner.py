@@ -26,9 +26,10 @@ from rich.text import Text
 
 from servemesh.chaos import control
 from servemesh.chaos.drill import DEFAULTS, EXPERIMENTS_DIR, slug
+from servemesh.errors import ServemeshError
 
 
-class DrillFileError(ValueError):
+class DrillFileError(ServemeshError, ValueError):
     """The drill file cannot be read or is not a valid experiment."""
 
 

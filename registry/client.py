@@ -14,6 +14,7 @@ from typing import Any, Union
 import grpc
 
 from servemesh.control_credential import Metadata
+from servemesh.errors import ServemeshError
 from servemesh.registry.convert import tensor_spec_to_proto
 from servemesh.registry.errors import ArtifactTooLargeError
 from servemesh.registry.records import TensorSpec
@@ -36,7 +37,7 @@ TensorSpecLike = Union[
 ]
 
 
-class ArtifactIntegrityError(Exception):
+class ArtifactIntegrityError(ServemeshError):
     """Downloaded bytes do not match their version record (size or sha256)."""
 
 

@@ -20,6 +20,7 @@ import secrets
 from collections.abc import Mapping
 from pathlib import Path
 
+from servemesh.errors import ServemeshError
 from servemesh.private import check_secret
 from servemesh.wire import AUTHORIZATION_HEADER
 
@@ -33,7 +34,7 @@ VERIFIER_PREFIX = "sha256:"
 Metadata = tuple[tuple[str, str], ...]
 
 
-class ControlCredentialMissing(FileNotFoundError):
+class ControlCredentialMissing(ServemeshError, FileNotFoundError):
     """The state dir holds no control credential: no mesh was started there."""
 
 

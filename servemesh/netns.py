@@ -40,8 +40,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from servemesh.errors import ServemeshError
 
-class NetnsError(RuntimeError):
+
+class NetnsError(ServemeshError, RuntimeError):
     """A namespace, link or rule could not be created or removed."""
 
 

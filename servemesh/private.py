@@ -19,12 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from servemesh.errors import ServemeshError
+
 PRIVATE_UMASK = 0o077
 # Group and others: a private path has none of these bits.
 SHARED_BITS = 0o077
 
 
-class PrivacyError(PermissionError):
+class PrivacyError(ServemeshError, PermissionError):
     """A path of the state dir is not private to this user; the message says how to fix it."""
 
 

@@ -14,12 +14,13 @@ import grpc
 
 from servemesh.control_credential import control_metadata_for
 from servemesh.demo import DEMO_FEATURES, demo_features, demo_seed
+from servemesh.errors import ServemeshError
 from servemesh.spec import MeshSpec, ResolvedSpec
 
 SeedStep = Callable[[ResolvedSpec, grpc.aio.Channel], Awaitable[None]]
 
 
-class SeedConflict(Exception):
+class SeedConflict(ServemeshError):
     """The registry already holds a version of that name with other bytes."""
 
 

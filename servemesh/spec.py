@@ -24,6 +24,7 @@ from pydantic import (
 
 from servemesh.demo import DEMO_FEATURES, DEMO_SOURCE_PREFIX
 from servemesh.durations import Duration, duration_seconds
+from servemesh.errors import ServemeshError
 from servemesh.policy import RoutePolicy, ShadowSpec, StrictModel, TrafficSpec
 from servemesh.rollout_plan import RolloutSpec
 
@@ -38,7 +39,7 @@ Spec = TypeVar("Spec", bound="MeshSpec")
 REGISTRY_INSTANCE = "registry-0"
 
 
-class SpecError(ValueError):
+class SpecError(ServemeshError, ValueError):
     """The mesh spec is malformed; the message names the file and the field."""
 
 

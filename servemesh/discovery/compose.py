@@ -35,6 +35,7 @@ import yaml
 from servemesh.atomic import atomic_write_text
 from servemesh.control_credential import ensure_control_token
 from servemesh.discovery.consul_acl import AGENT, CLIENTS, CONSUL_NODE, render_plan
+from servemesh.errors import ServemeshError
 from servemesh.identity import issue_mesh_certificates, mesh_identity
 from servemesh.identity.enroll import edge_names
 from servemesh.procs.prometheus import render_config, render_rules
@@ -66,7 +67,7 @@ CONSUL_ACL_PLAN = "consul-acl-plan.json"
 CONTAINER_CONSUL_TOKEN = "/run/secrets/consul-token"
 
 
-class ComposeError(ValueError):
+class ComposeError(ServemeshError, ValueError):
     """The compose spec cannot run in containers as it stands; the message says why."""
 
 

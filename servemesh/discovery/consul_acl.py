@@ -24,6 +24,7 @@ from typing import Any, get_args
 
 import consul
 
+from servemesh.errors import ServemeshError
 from servemesh.spec import ServiceKind
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ def render_plan(mesh: str, secret_ids: dict[str, str]) -> dict[str, Any]:
     }
 
 
-class AclNotReady(RuntimeError):
+class AclNotReady(ServemeshError, RuntimeError):
     """Consul did not accept the plan within the attempts given."""
 
 

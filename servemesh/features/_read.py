@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
+from servemesh.errors import ServemeshError
 from servemesh.services.feature.rows import (
     Problem,
     check_event_times,
@@ -41,7 +42,7 @@ _MS_PER_UNIT = {"s": 1000.0, "ms": 1.0, "us": 1e-3, "ns": 1e-6}
 _TIME_HELP = "an ISO 8601 time (2024-05-01T12:00:00Z) or seconds since the Unix epoch"
 
 
-class FileError(Exception):
+class FileError(ServemeshError):
     """The file cannot be loaded at all (unreadable, a column missing or of a wrong type)."""
 
 

@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 
 from servemesh.control_credential import Metadata
+from servemesh.errors import ServemeshError
 from servemesh.features._read import FeatureFile, FileError, FileRows, Layout
 from servemesh.identity import Dial, dial_service
 from servemesh.spec import ResolvedSpec
@@ -25,7 +26,7 @@ CHUNK_SHARE = 0.5
 CONNECT_TIMEOUT_S = 3.0
 
 
-class LoadError(Exception):
+class LoadError(ServemeshError):
     """The load did not happen; the message says why. Nothing of it is in the store."""
 
 
@@ -77,7 +78,7 @@ def running_mesh_spec(state_dir: Path) -> ResolvedSpec:
     try:
         return MeshPaths(state_dir).running_spec()
     except NoRunningMesh as exc:
-        raise LoadError(str(exc)) from None
+        raise LoadError(str(exc), exit_code=exc.exit_code) from None
 
 
 def feature_addresses(spec: ResolvedSpec, address: str | None = None) -> list[Dial]:

@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from jwt.algorithms import ECAlgorithm
 
 from servemesh.durations import duration_seconds
+from servemesh.errors import ServemeshError
 from servemesh.policy import EdgeAuth
 
 AUTH_DIR = "auth"
@@ -41,7 +42,7 @@ SUBJECT_CLAIM = "sub"
 DEFAULT_TTL_S = 3600.0
 
 
-class TokenError(ValueError):
+class TokenError(ServemeshError, ValueError):
     """A token that cannot be issued or does not verify; the message names the field."""
 
 

@@ -49,6 +49,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+from servemesh.errors import ServemeshError
 from servemesh.load.stats import SPREAD_LIMIT, spread
 from servemesh.model_bench.load import LoadResult, closed_loop, open_loop, request_bodies
 from servemesh.procs import Check, StartError, Supervisor
@@ -135,7 +136,7 @@ class BenchConfig:
 # --- the server side: processes, CPU time, metrics -------------------------------------
 
 
-class TargetUnavailable(RuntimeError):
+class TargetUnavailable(ServemeshError, RuntimeError):
     """A peer that cannot run here (not installed, did not start): its rows are skipped."""
 
 

@@ -10,8 +10,10 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
+from servemesh.errors import ServemeshError
 
-class PrometheusError(RuntimeError):
+
+class PrometheusError(ServemeshError, RuntimeError):
     """Prometheus did not answer, or answered an error."""
 
 

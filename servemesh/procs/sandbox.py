@@ -24,12 +24,14 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from servemesh.errors import ServemeshError
+
 # "auto": the user model servers run as when the launcher is root.
 AUTO_UID = 61000
 AUTO_GID = 61000
 
 
-class SandboxError(RuntimeError):
+class SandboxError(ServemeshError, RuntimeError):
     """Model servers cannot run as the user asked for; the message says why."""
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from servemesh.errors import ServemeshError
 from servemesh.procs.ready import Readiness
 from servemesh.procs.sandbox import RunAs
 from servemesh.procs.spawn import Launch, Spawner
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05  # between readiness checks
 
 
-class ProcessError(RuntimeError):
+class ProcessError(ServemeshError, RuntimeError):
     """A child cannot be started, found or signalled as asked."""
 
 

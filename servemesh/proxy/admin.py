@@ -16,13 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from servemesh.errors import ServemeshError
+
 # Linux's limit on a Unix socket path (sun_path holds 108 bytes, one for the NUL).
 _MAX_SOCKET_PATH = 107
 # Envoy creates the socket with this mode; the directory's 0700 is what keeps others out.
 ADMIN_SOCKET_MODE = 0o600
 
 
-class AdminError(RuntimeError):
+class AdminError(ServemeshError, RuntimeError):
     """Envoy's admin API did not answer as expected."""
 
 

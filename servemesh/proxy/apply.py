@@ -35,6 +35,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import yaml
 
 from servemesh.atomic import atomic_write_text
+from servemesh.errors import NoMesh, ServemeshError
 from servemesh.private import open_lock
 from servemesh.proxy.admin import AdminClient, AdminError
 from servemesh.proxy.process import validate_config
@@ -86,12 +87,14 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class ApplyError(ValueError):
+class ApplyError(ServemeshError, ValueError):
     """The change was refused; the live configuration is untouched."""
 
+    label = "refused"
 
-class NoRunningMesh(SpecError):
-    """No mesh runs from this state dir: it holds no resolved spec."""
+
+class NoRunningMesh(NoMesh, SpecError):
+    """No mesh runs from this state dir: it holds no resolved spec (exit status 2)."""
 
 
 @dataclass(frozen=True)
@@ -115,10 +118,7 @@ class MeshPaths:
         """The resolved spec the mesh running from this state dir wrote (what every
         command that talks to a running mesh reads)."""
         if not self.resolved_spec.is_file():
-            raise NoRunningMesh(
-                f"no running mesh under {self.state_dir} ({self.resolved_spec.name} is "
-                "missing): start one with `servemesh up`, or name its --state-dir"
-            )
+            raise NoRunningMesh(self.state_dir)
         return load_resolved(self.resolved_spec)
 
     @contextlib.contextmanager
@@ -285,15 +285,13 @@ class RouteManager:
         try:
             return self.paths.running_spec()
         except NoRunningMesh as exc:
-            raise ApplyError(str(exc)) from None
+            raise ApplyError(str(exc), exit_code=exc.exit_code) from None
 
     @property
     def admin(self) -> AdminClient:
         if self._admin is None:
             if not self.paths.endpoints.is_file():
-                raise ApplyError(
-                    f"no running mesh under {self.paths.state_dir} (no endpoints.json)"
-                )
+                raise ApplyError(str(NoMesh(self.paths.state_dir)), exit_code=NoMesh.exit_code)
             endpoints = json.loads(self.paths.endpoints.read_text())
             self._admin = AdminClient(str(endpoints["envoy_admin"]))
         return self._admin

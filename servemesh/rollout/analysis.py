@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from servemesh.errors import ServemeshError
 from servemesh.observe.prom_query import PromClient, PrometheusError
 from servemesh.observe.scrape import Sample, scrape
 from servemesh.rollout.stats import (
@@ -70,7 +71,7 @@ SCORE_BOUNDS = (*SCORE_BUCKETS, math.inf)
 Source = Literal["auto", "prometheus", "endpoints"]
 
 
-class ArmSourceError(RuntimeError):
+class ArmSourceError(ServemeshError, RuntimeError):
     """The counters could not be read (Prometheus or a gateway did not answer)."""
 
 

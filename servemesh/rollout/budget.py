@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from servemesh.durations import duration_seconds
+from servemesh.errors import ServemeshError
 from servemesh.observe.prom_query import PromClient, PrometheusError
 from servemesh.observe.scrape import Sample, scrape
 from servemesh.procs.prometheus import (
@@ -49,7 +50,7 @@ START_TIME = "process_start_time_seconds"
 _FAILED = frozenset(SLI_FAILURE_CODES)
 
 
-class BudgetUnreadable(RuntimeError):
+class BudgetUnreadable(ServemeshError, RuntimeError):
     """Neither Prometheus nor any gateway could say how much budget is left."""
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import grpc
 
+from servemesh.errors import ServemeshError
 from servemesh.identity import dial_registry
 from servemesh.observe.scrape import quantile
 from servemesh.proxy.admin import AdminError
@@ -68,7 +69,7 @@ def known_items() -> tuple[str, ...]:
     return ITEMS
 
 
-class OverrideError(ValueError):
+class OverrideError(ServemeshError, ValueError):
     """An override names no item of the checklist, or gives no reason."""
 
 

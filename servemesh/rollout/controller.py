@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from servemesh.errors import ServemeshError
 from servemesh.proxy.apply import ApplyError
 from servemesh.rollout.analysis import pinned_between
 from servemesh.rollout.state import (
@@ -104,7 +105,7 @@ class Parts:
     sleep: Callable[[float], None] = time.sleep
 
 
-class ControllerError(RuntimeError):
+class ControllerError(ServemeshError, RuntimeError):
     """A rollout cannot be started or continued as asked (bad model, version, state)."""
 
 

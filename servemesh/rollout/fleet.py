@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servemesh.errors import ServemeshError
 from servemesh.identity import dial_service
 from servemesh.proxy.admin import AdminError
 from servemesh.proxy.apply import ApplyError, ApplyResult, RouteManager
@@ -63,7 +64,7 @@ ROLLING_REPLACED = "rolling:replaced"
 ROLLING_SWITCHED = "rolling:switched"
 
 
-class FleetError(RuntimeError):
+class FleetError(ServemeshError, RuntimeError):
     """A blue-green or rolling update cannot go on; the message says what and where."""
 
 

@@ -34,6 +34,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from servemesh.atomic import atomic_write_text
+from servemesh.errors import ServemeshError
 from servemesh.private import open_lock
 from servemesh.rollout.types import ArmWindow, Check, ChecklistItem
 from servemesh.rollout_plan import RolloutPlan, Strategy
@@ -156,7 +157,7 @@ class RolloutState(BaseModel):
         return self.plan.steps[self.step].label
 
 
-class StateError(RuntimeError):
+class StateError(ServemeshError, RuntimeError):
     """The state file is unreadable or names another model than expected."""
 
 

@@ -7,6 +7,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
+from servemesh.errors import GATE_REFUSED, OK, REFUSED, ROLLED_BACK
+
 Verdict = Literal["pass", "fail", "wait"]
 
 
@@ -55,12 +57,12 @@ class ChecklistItem:
 
 
 class Outcome(enum.IntEnum):
-    """How `servemesh rollout start|resume` ends: its exit status."""
+    """How `servemesh rollout start|resume` ends: its exit status (servemesh/errors.py)."""
 
-    PROMOTED = 0
-    FAILED = 1  # an error of the command itself (bad arguments, mesh not running)
-    ROLLED_BACK = 3
-    REFUSED = 4
+    PROMOTED = OK
+    FAILED = REFUSED  # an error of the command itself (bad arguments, a bad plan)
+    ROLLED_BACK = ROLLED_BACK
+    REFUSED = GATE_REFUSED  # a gate, the checklist, a rollout already under way
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 
+from servemesh.errors import ServemeshError
 from servemesh.services.runtime.tracing import tracer
 
 # A load that sends nothing for this long loses its lease; the next load cleans up after it.
@@ -86,7 +87,7 @@ return #KEYS - 2
 """
 
 
-class StoreError(Exception):
+class StoreError(ServemeshError):
     """Base of the store's refusals; each names the view."""
 
 

@@ -12,13 +12,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from servemesh.errors import ServemeshError
 from servemesh_api.feature.v1 import feature_pb2
 
 # The packed answer's cell: float32, little-endian, whatever this machine's byte order.
 CELL = np.dtype("<f4")
 
 
-class MalformedAnswer(ValueError):
+class MalformedAnswer(ServemeshError, ValueError):
     """A GetFeatures answer whose values do not make the matrix asked for."""
 
 

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from servemesh.errors import ServemeshError
 from servemesh.services.model.pt2_guard import (
     UnsafeArtifact,
     check_export_archive,
@@ -52,7 +53,7 @@ PLATFORMS: dict[str, str] = {
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
-class ArtifactError(ValueError):
+class ArtifactError(ServemeshError, ValueError):
     """The bytes are not a model servemesh loads; the message says why, in one line."""
 
 

@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from servemesh.errors import ServemeshError
 from servemesh.services.model.op_allowlist import allowed_operator
 
 __all__ = [
@@ -136,7 +137,7 @@ _ARITHMETIC = (
 )  # fmt: skip
 
 
-class UnsafeArtifact(ValueError):
+class UnsafeArtifact(ServemeshError, ValueError):
     """The archive holds something servemesh will not let torch parse; the message says what."""
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from servemesh.errors import ServemeshError
 from servemesh.services.model.artifacts import Format, load_module
 from servemesh.services.model.batching.rows import NamedRows, Rows, join_rows, row_count
 from servemesh.services.model.tensors import Signature
@@ -46,11 +47,11 @@ class _Port:
     datatype: str | None  # the OIP datatype; None: unknown (the one-tensor legacy form)
 
 
-class SignatureViolation(ValueError):
+class SignatureViolation(ServemeshError, ValueError):
     """The model's answer does not keep its signature (count, datatype, dims or rows)."""
 
 
-class ArtifactMismatch(Exception):
+class ArtifactMismatch(ServemeshError):
     """The artifact bytes do not hash to the sha256 the registry recorded for them."""
 
 

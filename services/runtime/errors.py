@@ -25,6 +25,8 @@ from typing import NoReturn
 
 import grpc
 
+from servemesh.errors import ServemeshError
+
 log = logging.getLogger(__name__)
 
 # Statuses that say the caller asked for something wrong; logged at info, not as failures.
@@ -40,7 +42,7 @@ _CALLER_CODES = frozenset(
 )
 
 
-class MeshError(Exception):
+class MeshError(ServemeshError):
     """A refusal or failure of one call, with the status code and message its caller gets.
 
     Messages are short and safe to send: never a traceback, a secret or model internals.

@@ -30,16 +30,19 @@ CONTRACT = {
     "control_credential",
     "echo",
     "identity",
+    "errors",
 }
 SERVICES = {"services.runtime", "services.gateway", "services.feature", "services.model"}
 TOOLING = {"procs", "netns", "load", "proxy", "credentials", "observe", "state_dir"}
 
 ALLOWED: dict[str, set[str]] = {
     # the contract
+    # the operator's error tree and its exit statuses: every layer's errors subclass it
+    "errors": set(),
     "wire": set(),
     "atomic": set(),
     # the state dir's privacy: umask, modes, secrets checked, lock files
-    "private": set(),
+    "private": {"errors"},
     "echo": set(),  # caller strings quoted and bounded in error messages
     "demo": {"demo_model"},  # torch only when a demo model is built
     "demo_model": set(),
@@ -47,14 +50,23 @@ ALLOWED: dict[str, set[str]] = {
     "durations": set(),
     # what a rollout follows: its steps, analysis, checklist, SLOs and freeze windows
     "rollout_plan": {"durations", "policy"},
-    "spec": {"demo", "policy", "durations", "rollout_plan"},
+    "spec": {"demo", "policy", "durations", "rollout_plan", "errors"},
     # does a model's spec entry fit an artifact's signature (apply, loader, gateway)
     "model_contract": {"spec", "wire"},
     # the control credential: services check it, every control caller sends it
-    "control_credential": {"wire", "private"},
+    "control_credential": {"wire", "private", "errors"},
     # the mesh's CA and certificates, and how every hop dials and serves TLS
     # (and the edge's token signing key, its JWKS and the tokens it verifies)
-    "identity": {"spec", "policy", "durations", "demo", "demo_model", "atomic", "private"},
+    "identity": {
+        "spec",
+        "policy",
+        "durations",
+        "demo",
+        "demo_model",
+        "atomic",
+        "private",
+        "errors",
+    },
     # the services: the runtime under them, the contract, and nothing that runs a mesh
     "services.runtime": CONTRACT | {"discovery"},  # a service joins the catalog
     # (and the feature service's wire format, services/feature/wire.py, to read its answers)
