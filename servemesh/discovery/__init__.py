@@ -6,11 +6,8 @@ Consul, where every service registers itself with a gRPC health check over mutua
 (`registration`) when the spec's `discovery.backend` is `consul`. The control plane
 (`control_plane`) watches a catalog and writes Envoy's endpoint files from it
 (`endpoints`); `compose` renders what docker-compose.yml mounts.
+
+Import what you need from its modules: every service process imports `registration`, and
+must not load the control plane's Envoy renderer (nor py-consul, with the file catalog)
+on the way (tests/unit/test_floor_plan.py checks what each service process loads).
 """
-
-from __future__ import annotations
-
-from servemesh.discovery.catalog import Catalog, CatalogEntry, FileCatalog
-from servemesh.discovery.endpoints import endpoint_files, write_endpoint_files
-
-__all__ = ["Catalog", "CatalogEntry", "FileCatalog", "endpoint_files", "write_endpoint_files"]

@@ -1,7 +1,8 @@
 """A service joins the catalog once it serves, and leaves it when it drains.
 
 Called by every service's entry point when the spec's `discovery.backend` is `consul`;
-with the file catalog there is nothing to do (the spec is the catalog).
+with the file catalog there is nothing to do (the spec is the catalog), and py-consul is
+never imported: the Consul backend is loaded only by a service whose spec names it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from servemesh.discovery.catalog import ip_of
-from servemesh.discovery.consul_catalog import ConsulCatalog
 from servemesh.spec import ResolvedSpec
 
 log = logging.getLogger(__name__)
@@ -25,6 +25,9 @@ async def join_catalog(spec: ResolvedSpec, instance: str) -> Leave | None:
     unreachable: an instance Envoy could never find should not look alive."""
     if spec.discovery.backend != "consul":
         return None
+    # The backend the spec chose, and py-consul with it: not a cost of every service.
+    from servemesh.discovery.consul_catalog import ConsulCatalog
+
     host = spec.host_of(instance)
     address = ip_of(host)
     if address is None:

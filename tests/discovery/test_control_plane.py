@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from servemesh.discovery import CatalogEntry
+from servemesh.discovery.catalog import CatalogEntry
 from servemesh.discovery.control_plane import ControlPlane
 from servemesh.identity import issue_mesh_certificates
 from servemesh.procs import Check, Supervisor

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from servemesh.discovery import CatalogEntry, FileCatalog, endpoint_files
+from servemesh.discovery.catalog import CatalogEntry, FileCatalog
 from servemesh.discovery.consul_catalog import entries_of, service_id, service_registration
+from servemesh.discovery.endpoints import endpoint_files
 from servemesh.proxy.render import XdsLayout, render_resources
 from servemesh.spec import MeshSpec, ResolvedSpec, SpecError, parse_spec, resolve
 from servemesh.wire import GATEWAY_CLUSTER, feature_cluster, model_cluster, model_servers_cluster

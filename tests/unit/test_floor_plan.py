@@ -227,3 +227,111 @@ def test_the_command_line_starts_without_importing_torch() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True
     )
     assert answer.stdout.strip() == "False"
+
+
+# --- what a service process loads ------------------------------------------------------------
+#
+# ALLOWED reads the import statements one file at a time; a service process loads whatever
+# those reach, through package __init__ files and modules of other layers. Each entry below
+# is imported in a fresh interpreter and its sys.modules checked.
+
+# A service process's entry modules: `python -m <entry>` (what the launcher, the compose
+# files and the trace store's launch run). The trace store's __main__ runs its main() when
+# imported, so the module it runs stands in for it.
+SERVICE_ENTRIES = sorted(
+    [
+        *(
+            f"servemesh.services.{p.parent.name}.__main__"
+            for p in REPO.glob("services/*/__main__.py")
+        ),
+        "servemesh.registry.__main__",
+        "servemesh.tracestore.receiver",
+    ]
+)
+
+# What no service process may load (a name and every module under it), and why.
+NOT_IN_A_SERVICE: dict[str, str] = {
+    "servemesh.proxy": "Envoy's renderer, admin API and process: the launcher's and the "
+    "control plane's (a service reaches Envoy through the catalog, never renders for it)",
+    "consul": "py-consul: only the Consul backend loads it, when the spec's discovery says so",
+    "rich": "the command line's tables and colours: a service logs JSON lines",
+    "servemesh.rollout": "the rollout controller is a command of its own, not part of a service",
+    "servemesh.launcher": "`servemesh up`: it starts services, it is not one",
+    "servemesh.procs": "starting and supervising processes (and Prometheus): the launcher's",
+    "servemesh.cli": "the command line: a service has its own entry point",
+    "servemesh.chaos": "the chaos suite, imported by the command line alone",
+    "chaoslib": "chaostoolkit's library, the chaos suite's",
+}
+
+
+def _forbidden(module: str) -> str | None:
+    for name in NOT_IN_A_SERVICE:
+        if module == name or module.startswith(name + "."):
+            return name
+    return None
+
+
+def _import_chain(importtime: str, module: str) -> list[str]:
+    """Who imported `module`, from -X importtime's report: each import is printed once it
+    has finished, indented one level deeper than the import that asked for it, so the first
+    shallower line after a module's is its importer."""
+    rows = []
+    for line in importtime.splitlines():
+        if not line.startswith("import time:") or "|" not in line:
+            continue
+        name = line.rsplit("|", 1)[1]
+        if name.strip() == "package":
+            continue  # the header
+        rows.append((len(name) - len(name.lstrip()), name.strip()))
+    for i, (depth, name) in enumerate(rows):
+        if name != module:
+            continue
+        chain = [name]
+        for later_depth, later in rows[i + 1 :]:
+            if later_depth < depth:
+                chain.append(later)
+                depth = later_depth
+        return chain[::-1]
+    return [module]
+
+
+def leaks_of(entry: str) -> dict[str, str]:
+    """What importing `entry` in a fresh interpreter loads of NOT_IN_A_SERVICE: for each,
+    the chain of imports that reached it, and why it does not belong."""
+    import json
+    import subprocess
+    import sys
+
+    probe = f"import sys, json, {entry}; print(json.dumps(sorted(sys.modules)))"
+    answer = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
+    leaks: dict[str, str] = {}
+    for module in json.loads(answer.stdout):
+        name = _forbidden(module)
+        if name is not None and name not in leaks:
+            chain = " -> ".join(_import_chain(answer.stderr, module))
+            leaks[name] = f"{chain} ({NOT_IN_A_SERVICE[name]})"
+    return leaks
+
+
+@pytest.mark.parametrize("entry", SERVICE_ENTRIES)
+def test_a_service_process_loads_nothing_of_the_layers_above_it(entry: str) -> None:
+    assert leaks_of(entry) == {}, f"{entry} loads what no service should"
+
+
+def test_every_service_process_is_probed() -> None:
+    services = {e.split(".")[2] for e in SERVICE_ENTRIES if e.startswith("servemesh.services.")}
+    assert services >= {"gateway", "feature", "model"}, SERVICE_ENTRIES
+
+
+def test_the_probe_names_the_chain_that_loads_a_leak() -> None:
+    # The control plane's endpoint files are rendered by Envoy's renderer: a module that
+    # loads it, so the probe must see it and say through what.
+    leaks = leaks_of("servemesh.discovery.endpoints")
+    assert "servemesh.proxy" in leaks
+    assert leaks["servemesh.proxy"].startswith("servemesh.discovery.endpoints -> servemesh.proxy")
