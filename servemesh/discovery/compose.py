@@ -38,7 +38,7 @@ from servemesh.discovery.consul_acl import AGENT, CLIENTS, CONSUL_NODE, render_p
 from servemesh.errors import ServemeshError
 from servemesh.identity import issue_mesh_certificates, mesh_identity
 from servemesh.identity.enroll import edge_names
-from servemesh.procs.prometheus import render_config, render_rules
+from servemesh.procs.prometheus import render_config
 from servemesh.procs.redis_server import DISABLED_COMMANDS
 from servemesh.proxy.process import validate_config
 from servemesh.proxy.render import (
@@ -48,6 +48,7 @@ from servemesh.proxy.render import (
     static_bootstrap,
     xds_files,
 )
+from servemesh.slo_rules import render_rules
 from servemesh.spec import ResolvedSpec, dump_spec, load_spec, resolve
 
 # The state dir inside every container (the compose spec's `state_dir`).

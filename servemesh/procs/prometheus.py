@@ -1,46 +1,34 @@
-"""The mesh's Prometheus: its scrape config and SLI recording rules, rendered from the
-spec, and the process, started and stopped by PID like every other child.
+"""The mesh's Prometheus: its scrape config, rendered from the spec, and the process,
+started and stopped by PID like every other child.
 
 Every service instance is a target with labels service, instance and zone (job
 `servemesh`), and Envoy's stats listener one more (job `envoy`); storage lives under
-`<state_dir>/prometheus`. The recording rules (RULES) compute the SLIs per model, version
-and zone from the gateways' metrics, per method from every service's, and per cluster from
-Envoy's; a second group (slo_rules) records each model's error-budget burn rates and budget
-left for the SLOs the spec states (`rollout.slos`), which the rollout's error-budget gate
-reads (docs/rollouts-gates.md).
+`<state_dir>/prometheus`. The recording rules it evaluates (the SLIs, and the error
+budgets of the spec's SLOs) come from servemesh.slo_rules; they are written beside the config.
 """
 
 from __future__ import annotations
 
-import math
-import re
 import shutil
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
-from prometheus_client.utils import floatToGoString
 
 from servemesh.atomic import atomic_write_text
 from servemesh.durations import duration_seconds
 from servemesh.private import private_dir
 from servemesh.procs.ready import Check
 from servemesh.procs.supervisor import Child, Supervisor
-from servemesh.rollout_plan import SloSpec
-from servemesh.spec import MeshSpec, ResolvedSpec
-from servemesh.wire import ENVOY_STATS_PATH, LATENCY_BUCKETS_S, SLI_FAILURE_CODES
+from servemesh.slo_rules import SERVICES_JOB, render_rules
+from servemesh.spec import ResolvedSpec
+from servemesh.wire import ENVOY_STATS_PATH
 
 NAME = "prometheus"
-SERVICES_JOB = "servemesh"
 ENVOY_JOB = "envoy"
-# Over a minute: a 2 s scrape leaves ~30 points per series, enough for a rate and a p99.
-WINDOW = "1m"
-_FAILED = "|".join(SLI_FAILURE_CODES)
-# Health checks and reflection are Envoy's and tools' calls, not the service's work.
-_SERVED = 'method!~"/grpc\\\\..*"'
 
 
 def prometheus_binary() -> str | None:
@@ -54,245 +42,6 @@ def promtool_binary() -> str | None:
 
 def _duration(seconds: float) -> str:
     return f"{round(seconds * 1000)}ms"
-
-
-def _rule(record: str, expr: str) -> dict[str, str]:
-    return {"record": record, "expr": " ".join(expr.split())}
-
-
-def _ratio_ok(metric: str, by: str, where: str = "") -> str:
-    sep = "," if where else ""
-    return f"""
-        sum by ({by}) (rate({metric}{{{where}{sep}code!~"{_FAILED}"}}[{WINDOW}]))
-        / sum by ({by}) (rate({metric}{{{where}}}[{WINDOW}]))"""
-
-
-def _quantile(q: float, histogram: str, by: str, where: str = "") -> str:
-    buckets = f"rate({histogram}_bucket{{{where}}}[{WINDOW}])"
-    return f"histogram_quantile({q}, sum by ({by}, le) ({buckets}))"
-
-
-PREDICT = "servemesh_gateway_predictions_total"
-PREDICT_SECONDS = "servemesh_gateway_predict_duration_seconds"
-RPC = "servemesh_rpc_requests_total"
-RPC_SECONDS = "servemesh_rpc_duration_seconds"
-BY_VERSION = "model, version, zone"
-BY_METHOD = "service, method"
-
-# The recording rules: (record, PromQL). Success means any status but SLI_FAILURE_CODES.
-RULES: list[dict[str, str]] = [
-    _rule(
-        "servemesh:predict_requests:rate1m",
-        f"sum by ({BY_VERSION}) (rate({PREDICT}[{WINDOW}]))",
-    ),
-    _rule("servemesh:predict_success_ratio:rate1m", _ratio_ok(PREDICT, BY_VERSION)),
-    _rule(
-        "servemesh:predict_degraded_ratio:rate1m",
-        f"""sum by ({BY_VERSION}) (rate({PREDICT}{{degraded="true"}}[{WINDOW}]))
-            / sum by ({BY_VERSION}) (rate({PREDICT}[{WINDOW}]))""",
-    ),
-    _rule("servemesh:predict_latency_p50:1m", _quantile(0.5, PREDICT_SECONDS, BY_VERSION)),
-    _rule("servemesh:predict_latency_p99:1m", _quantile(0.99, PREDICT_SECONDS, BY_VERSION)),
-    _rule(
-        "servemesh:rpc_requests:rate1m",
-        f"sum by ({BY_METHOD}, zone) (rate({RPC}{{{_SERVED}}}[{WINDOW}]))",
-    ),
-    _rule("servemesh:rpc_success_ratio:rate1m", _ratio_ok(RPC, f"{BY_METHOD}, zone", _SERVED)),
-    _rule(
-        "servemesh:rpc_latency_p99:1m",
-        _quantile(0.99, RPC_SECONDS, f"{BY_METHOD}, zone", _SERVED),
-    ),
-    _rule(
-        "servemesh:cpu_cores:rate1m",
-        f'sum by (service) (rate(process_cpu_seconds_total{{job="{SERVICES_JOB}"}}[{WINDOW}]))',
-    ),
-    # Envoy's side: requests and p99 (milliseconds, Envoy's unit) per upstream cluster,
-    # i.e. per model version and calling zone (cluster model-<m>-<v>-via-<zone>).
-    _rule(
-        "servemesh:envoy_cluster_requests:rate1m",
-        f"sum by (envoy_cluster_name) (rate(envoy_cluster_upstream_rq_total[{WINDOW}]))",
-    ),
-    _rule(
-        "servemesh:envoy_cluster_latency_p99_ms:1m",
-        _quantile(0.99, "envoy_cluster_upstream_rq_time", "envoy_cluster_name"),
-    ),
-]
-
-
-# --- error budgets: the SLOs of `rollout.slos` -------------------------------------------
-#
-# Each model's SLO has two objectives, each with its own budget over the SLO's window:
-# - availability: bad calls are those that failed (a code in SLI_FAILURE_CODES, the same
-#   failures as the success SLI) and those answered degraded (the spec's fallback score: the
-#   caller got no prediction); a caller's own errors (INVALID_ARGUMENT, NOT_FOUND) spend no
-#   budget. Allowed: (1 - availability) of all calls.
-# - latency: bad calls are those slower than p99_ms; a p99 objective allows 1% of them.
-#   Histograms count by bucket, so "slower than p99_ms" is "above the smallest bucket bound
-#   at or above p99_ms": rounded up, a call between p99_ms and that bound counts as fast.
-#
-# Burn rate is the bad ratio over a window divided by the allowed ratio (1.0 spends the
-# budget exactly over the SLO window). The windows follow the Google SRE workbook's
-# multi-window alerts for a 30-day SLO, scaled to the SLO's window: a fast burn spends 2% of
-# the budget in 1/720 of the window (1 h of 30 d; burn 14.4, checked over that and 1/12 of
-# it, 5 m), a slow one 5% in 1/120 (6 h; burn 6, over that and 30 m). No window is shorter
-# than four scrape intervals (a rate needs samples to diff); a window stretched by that floor
-# lowers its threshold to keep the same share of the budget, never below 1.
-
-SLO_RULES_GROUP = "servemesh-slo"
-BURN_RATE = "servemesh:slo_burn_rate"
-BUDGET_LEFT = "servemesh:slo_budget_remaining"
-Objective = Literal["availability", "latency"]
-OBJECTIVES: tuple[Objective, ...] = ("availability", "latency")
-# A p99 objective: 1% of calls may be slower.
-LATENCY_ALLOWED = 0.01
-# (name, the SLO window over the long window, the share of the budget it spends there)
-_BURN_SHAPES = (("fast", 720.0, 0.02), ("slow", 120.0, 0.05))
-_MIN_SCRAPES_PER_WINDOW = 4
-
-
-@dataclass(frozen=True)
-class BurnWindows:
-    """One multi-window burn-rate condition: it fires while both windows burn faster than
-    `threshold`."""
-
-    name: str  # "fast" or "slow"
-    long_s: float
-    short_s: float
-    threshold: float
-
-    @property
-    def long(self) -> str:
-        return prom_duration(self.long_s)
-
-    @property
-    def short(self) -> str:
-        return prom_duration(self.short_s)
-
-
-def prom_duration(seconds: float) -> str:
-    """A PromQL range: whole seconds where exact ("300s"), else milliseconds."""
-    whole = round(seconds)
-    if math.isclose(seconds, whole, abs_tol=1e-9) and whole > 0:
-        return f"{whole}s"
-    return _duration(seconds)
-
-
-def burn_windows(window_s: float, scrape_interval_s: float) -> tuple[BurnWindows, BurnWindows]:
-    """The fast and slow burn conditions of an SLO over `window_s` (see above)."""
-    floor = _MIN_SCRAPES_PER_WINDOW * scrape_interval_s
-    found = []
-    for name, divisor, share in _BURN_SHAPES:
-        long_s = max(window_s / divisor, floor)
-        short_s = max(long_s / 12, floor)
-        found.append(BurnWindows(name, long_s, short_s, max(1.0, share * window_s / long_s)))
-    fast, slow = found
-    return fast, slow
-
-
-def slow_bound_s(p99_ms: float) -> float:
-    """The latency histogram's smallest bucket bound at or above `p99_ms` (seconds); +inf
-    when the objective lies above every finite bound (then no call counts as slow)."""
-    target = p99_ms / 1000.0
-    return next((b for b in LATENCY_BUCKETS_S if b >= target - 1e-12), math.inf)
-
-
-def _le_matcher(bound: float) -> str:
-    # prometheus_client writes 1.0 as "1.0"; other writers (and Prometheus 3's
-    # normalisation) may write "1": match either spelling.
-    spellings = {floatToGoString(bound)}
-    if math.isfinite(bound) and bound == int(bound):
-        spellings |= {str(int(bound)), f"{int(bound)}.0"}
-    # A regex inside a PromQL string: its backslashes doubled.
-    return "|".join(sorted(re.escape(s).replace("\\", "\\\\") for s in spellings))
-
-
-def _model(model: str) -> str:
-    return f'model="{model}"'
-
-
-def grown_expr(selector: str, window: str) -> str:
-    """PromQL: how much the counters `selector` grew over `window`, summed; empty when no
-    such series had a sample in the window.
-
-    increase() counts only what a series grew after its first sample, so a series born
-    inside the window (a canary's first failures, a burst of calls that fell between two
-    scrapes) would count nothing for the calls before that sample, and a burst that never
-    grew again would count nothing at all. Such a series adds its first value (a counter's
-    minimum): it exists in the window and did not exist a window ago."""
-    born = f"sum(min_over_time({selector}[{window}]) unless {selector} offset {window})"
-    return f"(sum(increase({selector}[{window}])) + ({born} or vector(0)))"
-
-
-def _grown_or_zero(selector: str, window: str) -> str:
-    # A count that may have no series at all (a model that never failed): zero.
-    return f"({grown_expr(selector, window)} or vector(0))"
-
-
-def slo_selectors(model: str, slo: SloSpec) -> dict[str, str]:
-    """The series each count reads: all calls, bad ones (failed, degraded), fast ones."""
-    where = _model(model)
-    fast_le = _le_matcher(slow_bound_s(slo.p99_ms))
-    return {
-        "total": f"{PREDICT}{{{where}}}",
-        "failed": f'{PREDICT}{{{where},code=~"{_FAILED}"}}',
-        "degraded": f'{PREDICT}{{{where},code!~"{_FAILED}",degraded="true"}}',
-        "timed": f"{PREDICT_SECONDS}_count{{{where}}}",
-        "fast": f'{PREDICT_SECONDS}_bucket{{{where},le=~"{fast_le}"}}',
-    }
-
-
-def bad_ratio_expr(model: str, slo: SloSpec, objective: Objective, window: str) -> str:
-    """PromQL: the share of `model`'s calls over `window` that spend `objective`'s budget.
-    Empty (no sample) while the model had no calls in the window."""
-    s = slo_selectors(model, slo)
-    if objective == "availability":
-        bad = f"{_grown_or_zero(s['failed'], window)} + {_grown_or_zero(s['degraded'], window)}"
-        return f"({bad}) / {grown_expr(s['total'], window)}"
-    # Above every finite bound the objective's bucket is +Inf: every call is fast, ratio 0.
-    return f"1 - {grown_expr(s['fast'], window)} / {grown_expr(s['timed'], window)}"
-
-
-def allowed_ratio(slo: SloSpec, objective: Objective) -> float:
-    return 1.0 - slo.availability if objective == "availability" else LATENCY_ALLOWED
-
-
-def burn_rate_expr(model: str, slo: SloSpec, objective: Objective, window: str) -> str:
-    """PromQL: how fast `model` spends `objective`'s budget over `window` (1.0: exactly
-    as fast as the SLO allows)."""
-    allowed = allowed_ratio(slo, objective)
-    return f"({bad_ratio_expr(model, slo, objective, window)}) / {allowed!r}"
-
-
-def slo_rules(spec: MeshSpec) -> list[dict[str, Any]]:
-    """Per model with an SLO: the burn rate of each objective over each window of the fast
-    and slow conditions, and the budget left over the SLO's window (1 - its burn rate)."""
-    rules: list[dict[str, Any]] = []
-    for model, slo in sorted(spec.rollout.slos.items()):
-        window = prom_duration(slo.window_s)
-        conditions = burn_windows(slo.window_s, spec.metrics.scrape_interval_s)
-        spans = sorted({w for c in conditions for w in (c.long, c.short)}, key=_span_seconds)
-        for objective in OBJECTIVES:
-            for span in spans:
-                rule = _rule(BURN_RATE, burn_rate_expr(model, slo, objective, span))
-                labels = {"model": model, "objective": objective, "window": span}
-                rules.append({**rule, "labels": labels})
-            budget = f"1 - ({burn_rate_expr(model, slo, objective, window)})"
-            labels = {"model": model, "objective": objective, "window": window}
-            rules.append({**_rule(BUDGET_LEFT, budget), "labels": labels})
-    return rules
-
-
-def _span_seconds(text: str) -> float:
-    return duration_seconds(text)
-
-
-def render_rules(spec: MeshSpec | None = None) -> dict[str, Any]:
-    """The rules file: the SLI group, and the SLO group when `spec` states SLOs."""
-    groups: list[dict[str, Any]] = [{"name": "servemesh-sli", "rules": RULES}]
-    slo = slo_rules(spec) if spec is not None else []
-    if slo:
-        groups.append({"name": SLO_RULES_GROUP, "rules": slo})
-    return {"groups": groups}
 
 
 def render_config(spec: ResolvedSpec, rules_file: Path) -> dict[str, Any]:

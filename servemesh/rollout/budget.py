@@ -3,7 +3,7 @@
 A model's SLO (`rollout.slos.<model>`) has two objectives with a budget each over the SLO's
 window: availability (failed and degraded calls; 1 - availability of all calls may be bad)
 and latency (calls slower than p99_ms; 1% may be). The budget left is 1 - bad / allowed; the
-gate's number is the smaller of the two. `servemesh.procs.prometheus` holds the definitions
+gate's number is the smaller of the two. `servemesh.slo_rules` holds the definitions
 (which codes, which histogram bucket, the burn-rate windows) and renders them as recording
 rules; this module reads the same expressions from the mesh's Prometheus, or, when the mesh
 runs none, counts from the gateways' own /metrics since they started.
@@ -25,7 +25,9 @@ from servemesh.durations import duration_seconds
 from servemesh.errors import ServemeshError
 from servemesh.observe.prom_query import PromClient, PrometheusError
 from servemesh.observe.scrape import Sample, scrape
-from servemesh.procs.prometheus import (
+from servemesh.proxy.apply import MeshPaths
+from servemesh.rollout_plan import SloSpec
+from servemesh.slo_rules import (
     OBJECTIVES,
     PREDICT,
     PREDICT_SECONDS,
@@ -39,8 +41,6 @@ from servemesh.procs.prometheus import (
     slo_selectors,
     slow_bound_s,
 )
-from servemesh.proxy.apply import MeshPaths
-from servemesh.rollout_plan import SloSpec
 from servemesh.spec import ResolvedSpec
 from servemesh.wire import SLI_FAILURE_CODES
 

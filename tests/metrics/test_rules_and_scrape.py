@@ -11,13 +11,9 @@ import pytest
 import yaml
 
 from servemesh.observe.scrape import delta, parse, quantile, quantiles_by, sum_by
-from servemesh.procs.prometheus import (
-    PrometheusServer,
-    promtool_binary,
-    render_config,
-    render_rules,
-)
+from servemesh.procs.prometheus import PrometheusServer, promtool_binary, render_config
 from servemesh.procs.supervisor import Supervisor
+from servemesh.slo_rules import render_rules
 from servemesh.spec import MeshSpec, Ports, resolve
 
 PROMTOOL = promtool_binary()

@@ -12,15 +12,7 @@ import pytest
 import yaml
 
 from servemesh.observe.scrape import parse
-from servemesh.procs.prometheus import (
-    BUDGET_LEFT,
-    BURN_RATE,
-    PrometheusServer,
-    burn_windows,
-    promtool_binary,
-    render_rules,
-    slow_bound_s,
-)
+from servemesh.procs.prometheus import PrometheusServer, promtool_binary
 from servemesh.procs.supervisor import Supervisor
 from servemesh.rollout.budget import (
     BudgetReading,
@@ -28,6 +20,7 @@ from servemesh.rollout.budget import (
     count_from_samples,
 )
 from servemesh.rollout_plan import RolloutSpec, SloSpec
+from servemesh.slo_rules import BUDGET_LEFT, BURN_RATE, burn_windows, render_rules, slow_bound_s
 from servemesh.spec import MeshSpec, Ports, resolve
 
 PROMTOOL = promtool_binary()

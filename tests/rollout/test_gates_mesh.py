@@ -23,7 +23,6 @@ from servemesh.identity import dial_registry
 from servemesh.identity.edge_client import dial_edge_as
 from servemesh.launcher import Mesh
 from servemesh.observe.prom_query import PromClient
-from servemesh.procs.prometheus import BUDGET_LEFT, BURN_RATE, burn_windows
 from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_view import live_view
 from servemesh.rollout.gates import error_budget_item, preflight
@@ -35,6 +34,7 @@ from servemesh.rollout_plan import (
     RolloutSpec,
     SloSpec,
 )
+from servemesh.slo_rules import BUDGET_LEFT, BURN_RATE, burn_windows
 from servemesh.spec import MeshSpec, MetricsSpec, ModelSpec, ModelVersionSpec, Ports, ResolvedSpec
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc

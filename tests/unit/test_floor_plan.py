@@ -80,7 +80,10 @@ ALLOWED: dict[str, set[str]] = {
     "tracestore": CONTRACT | {"services.runtime"},
     # libraries for running and driving a mesh, usable without one
     "credentials": {"private"},
-    "procs": CONTRACT,
+    # the recording rules, as PromQL: the SLIs, and the error budgets of the spec's SLOs
+    "slo_rules": CONTRACT,
+    # processes, and the mesh's Prometheus (which evaluates slo_rules)
+    "procs": CONTRACT | {"slo_rules"},
     # what `up` keeps private in its state dir, and shares with sandboxed model servers
     "state_dir": CONTRACT | {"credentials", "procs"},
     "netns": CONTRACT,
@@ -92,7 +95,7 @@ ALLOWED: dict[str, set[str]] = {
     "seeding": CONTRACT | {"registry", "services.feature"},
     # the service catalog (file or Consul), the control plane that turns it into Envoy's
     # endpoint files, and the docker-compose topology's rendered configs
-    "discovery": CONTRACT | {"proxy", "procs"},
+    "discovery": CONTRACT | {"proxy", "procs", "slo_rules"},
     "launcher": CONTRACT | TOOLING | {"seeding"},
     # what runs meshes and measures them; the chaos suite is imported by the CLI alone
     # (and reads a rollout's state while its drill drives `servemesh rollout`)
@@ -115,8 +118,9 @@ ALLOWED: dict[str, set[str]] = {
     # `servemesh load`: steady traffic through a running mesh's edge
     "load_cli": CONTRACT | TOOLING,
     # `servemesh rollout`: the controller, its analysis, checklist and gates
-    # (the registry's artifact client: the checklist verifies a version's sha256 with it)
-    "rollout": CONTRACT | TOOLING | {"registry"},
+    # (the registry's artifact client: the checklist verifies a version's sha256 with it;
+    # the error-budget gate reads the budgets slo_rules defines)
+    "rollout": CONTRACT | TOOLING | {"registry", "slo_rules"},
     # `servemesh control-plane` and `servemesh compose`: seeds the containers' registry
     "compose_cli": CONTRACT | TOOLING | {"discovery", "seeding"},
     # loads a user's feature file through a running mesh's feature service (its row checks)
