@@ -445,11 +445,23 @@ class TracingSpec(_Strict):
 
     enabled: bool = True
     # Share of new traces (requests arriving without a trace context) that are recorded.
-    # A caller's sampled `traceparent` is always honoured (parent-based), and an unsampled
-    # one never recorded. 1%: an unsampled request costs next to nothing, a sampled one its
-    # spans' CPU (docs/observability.md, "Traces"), and 1% of a busy mesh is still many
-    # traces a minute; force the rest with `servemesh predict --trace`.
+    # A caller's sampled `traceparent` is honoured (parent-based) within the forced-trace
+    # budget below, and an unsampled one never recorded. 1%: an unsampled request costs
+    # next to nothing, a sampled one its spans' CPU (docs/observability.md, "Traces"), and
+    # 1% of a busy mesh is still many traces a minute; force the rest with
+    # `servemesh predict --trace`.
     sample_ratio: Annotated[float, Field(ge=0.0, le=1.0)] = 0.01
+    # The forced-trace budget: calls arriving at the edge with a sampled `traceparent`
+    # (a caller forcing a trace) are token-bucketed on their own, per caller address and
+    # overall; past it such a call is shed with RESOURCE_EXHAUSTED before any service sees
+    # it. Calls without a traceparent, or with an unsampled one, never touch it. Raise it
+    # for a caller that genuinely traces every call (a bench, a debugging session).
+    forced_traces_per_second: Annotated[int, Field(ge=1, le=1_000_000)] = 20
+    forced_traces_burst: Annotated[int, Field(ge=1, le=1_000_000)] = 40
+    # One caller's share (never more than the overall bucket: a smaller overall one lowers
+    # it to match), so a single caller cannot spend the whole budget.
+    forced_traces_per_caller_per_second: Annotated[int, Field(ge=1, le=1_000_000)] = 5
+    forced_traces_per_caller_burst: Annotated[int, Field(ge=1, le=1_000_000)] = 10
     # An OTLP/gRPC collector (IP:port). null: the embedded trace store `servemesh up`
     # runs (`servemesh trace`).
     otlp_endpoint: OtlpEndpoint | None = None

@@ -40,7 +40,13 @@ from servemesh.policy import (
 )
 from servemesh.proxy.admin import ADMIN_SOCKET_MODE, admin_socket_path
 from servemesh.proxy.tls import downstream_tls, upstream_tls
-from servemesh.proxy.tracing import collector_cluster, hcm_tracing, tracer_runtime
+from servemesh.proxy.tracing import (
+    collector_cluster,
+    forced_traces_filter,
+    hcm_tracing,
+    tracer_runtime,
+    with_forced_trace_routes,
+)
 from servemesh.spec import Instance, MeshSpec, ModelSpec, ResolvedSpec, ServiceKind
 from servemesh.wire import (
     BUCKET_HEADER,
@@ -564,7 +570,9 @@ def _edge_routes(spec: MeshSpec) -> list[dict[str, Any]]:
             edge.fault,
         ),
     ]
-    return routes
+    # A sampled traceparent forces a trace on any of them (Envoy decides before any
+    # filter runs): each has a twin for such calls, held to the forced-trace budget.
+    return with_forced_trace_routes(spec, routes)
 
 
 # --- edge limits -------------------------------------------------------------------------
@@ -1082,6 +1090,10 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
     edge_filters += _edge_auth_filters(spec)
     if spec.traffic.rate_limit.enabled:
         edge_filters.append(_caller_rate_limit_filter(spec.traffic.rate_limit))
+    # Last: only calls the edge admits spend the forced-trace budget (a caller without
+    # credentials cannot drain it for the others).
+    if (forced := forced_traces_filter(spec)) is not None:
+        edge_filters.append(forced)
     listeners.append(
         _listener("edge", spec, spec.ports.edge, "edge", log_dir, edge_filters, edge=True)
     )

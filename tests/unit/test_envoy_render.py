@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from servemesh.policy import (
     CircuitBreakers,
     EdgeAuth,
     Overload,
+    RateLimit,
     RoutePolicy,
     ShadowSpec,
     TrafficSpec,
@@ -31,6 +33,7 @@ from servemesh.proxy.render import (
     static_bootstrap,
     xds_files,
 )
+from servemesh.proxy.tracing import FORCED_TRACES_FILTER
 from servemesh.spec import (
     MeshSpec,
     ModelSpec,
@@ -38,6 +41,7 @@ from servemesh.spec import (
     NetworkSpec,
     ResolvedSpec,
     TlsSpec,
+    TracingSpec,
     resolve,
 )
 from servemesh.wire import (
@@ -383,6 +387,8 @@ def test_long_lived_streams_have_their_own_route_cluster_and_breaker() -> None:
     spec = _spec()
     routes = {r["name"]: r for r in _routes(spec, "edge")}
     streams = [r for r in routes.values() if r["route"].get("cluster") == "gateway-streams"]
+    # (Each has a twin for forced traces: test_a_sampled_traceparent_has_a_budget_at_the_edge.)
+    streams = [r for r in streams if not r["name"].endswith("-forced-trace")]
     assert sorted(r["match"]["path"] for r in streams) == sorted(
         [
             method_path(HEALTH_SERVICE, "Watch"),
@@ -639,3 +645,82 @@ def test_a_plaintext_edge_keeps_mtls_inside(tmp_path: Path) -> None:
     inside = {n: lst for n, lst in listeners.items() if n not in ("edge", ENVOY_STATS_LISTENER)}
     assert inside and all(_tls_of(lst) is not None for lst in inside.values())
     _validate(spec, tmp_path)
+
+
+# --- forced traces -----------------------------------------------------------------------
+
+
+def test_a_sampled_traceparent_has_a_budget_at_the_edge() -> None:
+    tracing = TracingSpec(
+        forced_traces_per_second=30,
+        forced_traces_burst=60,
+        forced_traces_per_caller_per_second=4,
+        forced_traces_per_caller_burst=8,
+    )
+    # Independent of the edge's own rate limit, and after auth (only admitted calls spend it).
+    spec = _spec(
+        tracing=tracing,
+        traffic=TrafficSpec(
+            rate_limit=RateLimit(enabled=False), edge_auth=EdgeAuth(enabled=True, users=[_USER])
+        ),
+    )
+    hcm = _hcms(spec)["edge"]
+    names = _filter_names(hcm)
+    assert names.index("envoy.filters.http.basic_auth") < names.index(FORCED_TRACES_FILTER)
+    [listener_level] = [f for f in hcm["http_filters"] if f["name"] == FORCED_TRACES_FILTER]
+    assert set(listener_level["typed_config"]) == {"@type", "stat_prefix"}  # no bucket: inert
+    # Every edge route (health Check, the streams, the catch-all) has a twin just before it.
+    routes = _routes(spec, "edge")
+    plain = [r for r in routes if not r["name"].endswith("-forced-trace")]
+    assert [r["name"] for r in plain] == [
+        "health",
+        *(r["name"] for r in plain if r["name"].startswith("stream-")),
+        "gateway",
+    ]
+    assert len(routes) == 2 * len(plain)
+    for twin, route in zip(routes[::2], routes[1::2], strict=True):
+        assert twin["name"] == f"{route['name']}-forced-trace"
+        assert twin["route"] == route["route"]
+        [header] = twin["match"].pop("headers")
+        assert twin["match"] == route["match"]
+        assert header["name"] == "traceparent"
+        budget = twin["typed_per_filter_config"].pop(FORCED_TRACES_FILTER)
+        assert twin["typed_per_filter_config"] == route.get("typed_per_filter_config", {})
+        assert budget["token_bucket"] == {
+            "max_tokens": 60,
+            "tokens_per_fill": 3,
+            "fill_interval": "0.100s",
+        }
+        [per_caller] = budget["descriptors"]
+        assert per_caller["entries"] == [{"key": "remote_address", "value": ""}]
+        assert per_caller["token_bucket"] == {
+            "max_tokens": 8,
+            "tokens_per_fill": 4,
+            "fill_interval": "1s",
+        }
+        assert budget["rate_limits"] == [{"actions": [{"remote_address": {}}]}]
+        assert budget["rate_limited_as_resource_exhausted"] is True
+        assert budget["always_consume_default_token_bucket"] is True
+    # What the twin's header matcher takes: what Envoy's tracer reads as sampled (any case,
+    # any version, the first of several headers joined by commas), never an unsampled one.
+    sampled = re.compile(header["string_match"]["safe_regex"]["regex"])
+    tid, sid = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    for value in (
+        f"00-{tid}-{sid}-01",
+        f"00-{tid.upper()}-{sid}-0B",
+        f"7f-{tid}-{sid}-ff",
+        f"00-{tid}-{sid}-01,00-{tid}-{sid}-00",
+    ):
+        assert sampled.match(value), value
+    for value in (
+        f"00-{tid}-{sid}-00",
+        f"00-{tid}-{sid}-02",
+        f"00-{tid}-{sid}-00,00-{tid}-{sid}-01",
+    ):
+        assert not sampled.match(value), value
+
+
+def test_without_tracing_the_edge_has_no_forced_trace_budget() -> None:
+    spec = _spec(tracing=TracingSpec(enabled=False))
+    assert FORCED_TRACES_FILTER not in _filter_names(_hcms(spec)["edge"])
+    assert not [r for r in _routes(spec, "edge") if r["name"].endswith("-forced-trace")]
