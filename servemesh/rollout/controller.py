@@ -38,17 +38,10 @@ from typing import Any, Protocol
 from servemesh.errors import ServemeshError
 from servemesh.proxy.apply import ApplyError
 from servemesh.rollout.analysis import pinned_between
-from servemesh.rollout.state import (
-    CheckRecord,
-    Request,
-    RolloutState,
-    StateStore,
-    WindowRecord,
-    checklist_record,
-    who,
-)
+from servemesh.rollout.state import arm_of, check_record, checklist_record, window_record
 from servemesh.rollout.types import ArmWindow, Check, ChecklistItem, Ending, Outcome
 from servemesh.rollout_plan import AnalysisSpec, RolloutPlan, RolloutStep, SloSpec, Strategy
+from servemesh.rollout_state import Request, RolloutState, StateStore, who
 from servemesh.spec import ResolvedSpec
 
 # How long a route change waits for another change of the mesh (an operator's `routes set`,
@@ -491,7 +484,7 @@ class Controller:
             base = windows.get(baseline) or _empty(baseline)
             canary = windows.get(version) or _empty(version)
             if step.weight == 100 and state.reference_baseline is not None:
-                base = state.reference_baseline.arm()
+                base = arm_of(state.reference_baseline)
             checks = list(self.parts.judge(base, canary, plan.analysis))
             if settles:
                 if latency_before is None:
@@ -518,7 +511,7 @@ class Controller:
                 self.say(f"  {step.label} pinned calls (not judged): {shown}")
             state = self._set(
                 model,
-                last_checks=[CheckRecord.of(c) for c in checks],
+                last_checks=[check_record(c) for c in checks],
                 checked_at=self.now(),
                 pinned_calls=pinned,
             )
@@ -546,7 +539,7 @@ class Controller:
                     held = True
                 continue
             if step.weight != 100 and base.requests:
-                state = self._set(model, reference_baseline=WindowRecord.of(base))
+                state = self._set(model, reference_baseline=window_record(base))
             if step.shadow:
                 refused = self._shadow_checklist(state, windows, base, canary)
                 if refused is not None:
@@ -663,7 +656,7 @@ class Controller:
                 checks = list(self.parts.judge(base, canary, plan.analysis))
                 for check in checks:
                     self.say(f"  {state.strategy} {check_line(check)}")
-                self._set(model, last_checks=[CheckRecord.of(c) for c in checks])
+                self._set(model, last_checks=[check_record(c) for c in checks])
                 failed = [c for c in checks if c.verdict == "fail"]
                 if failed:
                     reason = f"{state.strategy}: " + "; ".join(check_line(c) for c in failed)

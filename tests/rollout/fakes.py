@@ -12,9 +12,9 @@ from typing import Any
 
 from servemesh.proxy.apply import ApplyError
 from servemesh.rollout.controller import Controller, Parts
-from servemesh.rollout.state import StateStore
 from servemesh.rollout.types import ArmWindow, Check, ChecklistItem
 from servemesh.rollout_plan import AnalysisSpec, RolloutPlan, RolloutStep
+from servemesh.rollout_state import StateStore
 
 
 class Crash(BaseException):

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from servemesh.rollout.controller import ControllerError, StartRequest
-from servemesh.rollout.state import StateStore
 from servemesh.rollout.types import Ending, Outcome
+from servemesh.rollout_state import StateStore
 from tests.rollout.fakes import Arm, Crash, Gates, World, controller, short_plan
 
 FULL = (None, 1, 5, 25, 50, 100)
@@ -419,19 +419,17 @@ def test_the_state_file_is_whole_json_and_history_keeps_every_rollout(tmp_path: 
 def test_a_recorded_window_keeps_its_infinite_last_bound(tmp_path: Path) -> None:
     import math
 
-    from servemesh.rollout.state import WindowRecord
+    from servemesh.rollout.state import arm_of, window_record
     from servemesh.rollout.types import ArmWindow
 
     arm = ArmWindow("v1", 10, 1, (0.005, math.inf), (9, 1), (0.5, math.inf), (4, 6))
     world = World()
     controller(tmp_path, world).start("fraud", "v2", short_plan(1, 100))
     store = StateStore(tmp_path)
-    store.update(
-        "fraud", lambda s: s.model_copy(update={"reference_baseline": WindowRecord.of(arm)})
-    )
+    store.update("fraud", lambda s: s.model_copy(update={"reference_baseline": window_record(arm)}))
     state = store.load("fraud")
     assert state is not None and state.reference_baseline is not None
-    assert state.reference_baseline.arm() == arm
+    assert arm_of(state.reference_baseline) == arm
 
 
 def test_a_fleet_strategy_watches_the_new_version_with_the_controllers_analysis(

@@ -22,6 +22,7 @@ CONTRACT = {
     "policy",
     "durations",
     "rollout_plan",
+    "rollout_state",
     "demo",
     "demo_model",
     "atomic",
@@ -50,6 +51,9 @@ ALLOWED: dict[str, set[str]] = {
     "durations": set(),
     # what a rollout follows: its steps, analysis, checklist, SLOs and freeze windows
     "rollout_plan": {"durations", "policy"},
+    # what a rollout records under <state_dir>/rollouts/: the controller writes it, `rollout
+    # status` and the chaos drills read it
+    "rollout_state": {"atomic", "private", "rollout_plan", "errors"},
     "spec": {"demo", "policy", "durations", "rollout_plan", "errors"},
     # does a model's spec entry fit an artifact's signature (apply, loader, gateway)
     "model_contract": {"spec", "wire"},
@@ -98,8 +102,8 @@ ALLOWED: dict[str, set[str]] = {
     "discovery": CONTRACT | {"proxy", "procs", "slo_rules"},
     "launcher": CONTRACT | TOOLING | {"seeding"},
     # what runs meshes and measures them; the chaos suite is imported by the CLI alone
-    # (and reads a rollout's state while its drill drives `servemesh rollout`)
-    "chaos": CONTRACT | TOOLING | {"launcher", "seeding", "services.runtime", "rollout"},
+    # (its drills drive `servemesh rollout` as a command, and read the state it records)
+    "chaos": CONTRACT | TOOLING | {"launcher", "seeding", "services.runtime"},
     # two meshes against each other, and the trace store read for a sampled trace
     "observe_bench": CONTRACT | TOOLING | {"launcher", "tracestore"},
     # the mesh against its own model server (it reads CPU and settles a mesh as observe_bench)
