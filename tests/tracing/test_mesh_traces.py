@@ -11,6 +11,7 @@ import pytest
 
 from servemesh.cli import main
 from servemesh.identity import dial_edge
+from servemesh.identity.edge_client import dial_edge_as
 from servemesh.launcher import Mesh
 from servemesh.tracestore.receiver import store_path
 from servemesh.tracestore.store import SpanRecord, TraceStore
@@ -48,7 +49,9 @@ def predict(mesh: Mesh, traced: bool, version: str = "") -> tuple[str, str | Non
     if trace_id:
         FORCED.add(trace_id)
     metadata = [("traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01")] if traced else []
-    with dial_edge(mesh.spec).channel() as channel:
+    # A pinned version at 0% answers only the operator (its certificate at the edge).
+    dial = dial_edge_as(mesh.spec, mesh.spec.edge_address) if version else dial_edge(mesh.spec)
+    with dial.channel() as channel:
         reply = gateway_pb2_grpc.GatewayStub(channel).Predict(
             gateway_pb2.PredictRequest(model="fraud", entity_ids=["user-7"], version=version),
             timeout=10,
