@@ -40,9 +40,9 @@ from servemesh.launcher import Mesh
 from servemesh.load import BackgroundLoad, ClosedLoop, closed_loop, predict_target, summarize
 from servemesh.observe.cpu import proc_cpu_seconds
 from servemesh.spec import MeshSpec, Ports, ResolvedSpec, load_spec
-from servemesh.tracestore.cli import new_traceparent
 from servemesh.tracestore.receiver import store_path
 from servemesh.tracestore.store import SpanRecord, TraceStore
+from servemesh.tracestore.traceparent import new_traceparent
 from servemesh.wire import GATEWAY_SERVICE, OIP_SERVICE, TRACE_HEADERS
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 

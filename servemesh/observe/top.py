@@ -10,7 +10,6 @@ Health checks and reflection are left out of the services' rows.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -29,7 +28,7 @@ from servemesh.observe.scrape import (
     sum_by,
 )
 from servemesh.proxy.apply import MeshPaths
-from servemesh.spec import ResolvedSpec, load_spec
+from servemesh.spec import ResolvedSpec
 from servemesh.wire import SLI_FAILURE_CODES
 
 PREDICT = "servemesh_gateway_predictions_total"
@@ -384,46 +383,3 @@ def render(report: TopReport) -> Any:
         )
     parts.append(f"source: {report.source}, over {report.seconds:.1f} s")
     return Group(*parts)
-
-
-def cmd_top(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.live import Live
-
-    state_dir = Path(args.state_dir or load_spec(args.spec).state_dir)
-    mesh = find_mesh(state_dir)
-    if args.json or args.once:
-        report = measure(mesh, args.source, args.window, args.interval)
-        if args.json:
-            print(json.dumps(report.as_dict(), indent=2))
-        else:
-            Console().print(render(report))
-        return 0
-    with Live(auto_refresh=False) as live:
-        try:
-            while True:
-                live.update(render(measure(mesh, args.source, args.window, args.interval)))
-                live.refresh()
-        except KeyboardInterrupt:
-            return 0
-
-
-def add_top_parser(sub: Any) -> None:
-    top = sub.add_parser(
-        "top", help="the live mesh: req/s, errors, p50/p99 per service, version and zone, cost"
-    )
-    top.add_argument("--spec", help="the spec the mesh runs from (for its state dir)")
-    top.add_argument("--state-dir", help="the running mesh's state dir")
-    top.add_argument(
-        "--interval", type=float, default=2.0, help="seconds between refreshes (and scrapes)"
-    )
-    top.add_argument("--window", type=float, default=30.0, help="seconds Prometheus's rates cover")
-    top.add_argument(
-        "--source",
-        choices=["auto", "prometheus", "direct"],
-        default="auto",
-        help="auto: Prometheus when the mesh runs one, else every service's /metrics",
-    )
-    top.add_argument("--once", action="store_true", help="print one report and exit")
-    top.add_argument("--json", action="store_true", help="one report as JSON (implies --once)")
-    top.set_defaults(func=cmd_top)

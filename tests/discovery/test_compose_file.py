@@ -18,7 +18,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from servemesh.compose_cli import instance_of_pid1
+from servemesh.cli.compose import instance_of_pid1
 from servemesh.discovery.compose import ComposeError, check_compose_spec, render_compose
 from servemesh.spec import ENVOY_PART, load_spec, resolve
 

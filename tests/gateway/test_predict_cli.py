@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from servemesh.cli import _input_tensors, _parse_entity, build_parser
+from servemesh.cli import build_parser
+from servemesh.cli.predict import _input_tensors, _parse_entity
 
 
 def test_entities_are_named_or_a_bare_id() -> None:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from servemesh.cli.models import ModelsError, PushRequest, check_push
 from servemesh.demo import build_fraud_model, demo_artifact
-from servemesh.models_cli import ModelsError, PushRequest, check_push
 from servemesh.services.model.artifacts import ArtifactError, load_module, open_artifact
 from servemesh.services.model.op_allowlist import ALLOWED_ATEN, allowed_operator
 from tests.model import crafted_pt2

@@ -44,8 +44,11 @@ def test_the_parsers_read_what_an_sre_types() -> None:
 def test_query_and_status_over_a_state_dir(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["log", "status", "--state-dir", str(tmp_path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["rows"] == 0
+    # An empty state dir holds neither a mesh nor its log.
+    assert main(["log", "status", "--state-dir", str(tmp_path), "--json"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: no running mesh at {tmp_path}: start one with `servemesh up`"
+    )
     now = time.time()
     store = ParquetStore(predictions_dir(tmp_path), "gateway-zone-a-0")
     store.write([row(now - 30, request_id="recent"), row(now - 10 * 86400, request_id="old")])

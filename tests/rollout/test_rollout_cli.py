@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from servemesh.rollout.cli import load_plan, main
+from servemesh.cli import main
+from servemesh.cli.rollout import load_plan
 from servemesh.rollout.controller import ControllerError
 from servemesh.rollout.state import StateStore
 from tests.rollout.fakes import Crash, World, controller, short_plan
@@ -69,6 +70,7 @@ def test_status_shows_a_rollout_whose_controller_died(
 def test_commands_on_a_model_without_a_rollout_fail_naming_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    controller(tmp_path, World()).start("fraud", "v2", short_plan(100))
     assert main(["rollout", "--state-dir", str(tmp_path), "status", "wine"]) == 1
     assert "no rollout of 'wine' has been recorded" in capsys.readouterr().err
     assert main(["rollout", "--state-dir", str(tmp_path), "pause", "wine"]) == 1

@@ -113,24 +113,16 @@ ALLOWED: dict[str, set[str]] = {
     # fuzzes a mesh of its own (launcher) through Envoy and straight to its replicas
     "fuzz": CONTRACT | TOOLING | {"launcher"},
     "model_bench": CONTRACT | TOOLING | SERVICES,
-    "routes_cli": CONTRACT | TOOLING,
-    "certs_cli": CONTRACT | TOOLING,
-    # `servemesh auth token`: edge tokens signed with the mesh's key
-    "auth_cli": CONTRACT | TOOLING,
-    "apply_cli": CONTRACT | TOOLING,
-    "log_cli": CONTRACT | TOOLING | {"predlog"},
-    # `servemesh load`: steady traffic through a running mesh's edge
-    "load_cli": CONTRACT | TOOLING,
     # `servemesh rollout`: the controller, its analysis, checklist and gates
     # (the registry's artifact client: the checklist verifies a version's sha256 with it;
     # the error-budget gate reads the budgets slo_rules defines)
     "rollout": CONTRACT | TOOLING | {"registry", "slo_rules"},
-    # `servemesh control-plane` and `servemesh compose`: seeds the containers' registry
-    "compose_cli": CONTRACT | TOOLING | {"discovery", "seeding"},
     # loads a user's feature file through a running mesh's feature service (its row checks)
     "features": CONTRACT | {"proxy", "services.feature"},
-    # pushes check and probe a model with the model server's own loader before uploading
-    "models_cli": CONTRACT | TOOLING | {"registry", "services.model"},
+    # the command line (servemesh/cli/, one module per command group): `compose` and
+    # `control-plane` render the containers' topology and seed their registry, `log` reads
+    # the prediction log, `models push` checks and probes a model with the model server's
+    # own loader before uploading it to the registry
     "cli": CONTRACT
     | TOOLING
     | {
@@ -141,17 +133,14 @@ ALLOWED: dict[str, set[str]] = {
         "profile_bench",
         "fuzz",
         "model_bench",
-        "routes_cli",
-        "certs_cli",
-        "auth_cli",
-        "apply_cli",
         "features",
-        "models_cli",
-        "log_cli",
         "tracestore",
-        "compose_cli",
         "rollout",
-        "load_cli",
+        "discovery",
+        "seeding",
+        "predlog",
+        "registry",
+        "services.model",
     },
     "__main__": {"cli"},
     # development tools

@@ -13,24 +13,21 @@ import argparse
 import getpass
 import re
 import sys
-from pathlib import Path
 
-from rich.console import Console
-
+from servemesh.cli.mesh import add_mesh_flags, state_dir_of
 from servemesh.durations import duration_seconds
 from servemesh.identity.tokens import TokenError, issue_token, load_signing_key
 from servemesh.proxy.apply import MeshPaths, NoRunningMesh
-from servemesh.spec import MeshSpec, SpecError, load_spec
+from servemesh.spec import MeshSpec, load_spec
 
-console = Console(stderr=True, soft_wrap=True)
 _DURATION = re.compile(r"^(\d+(ms|s|m|h|d))+$")
 
 
-def spec_for(spec_path: str | None, state_dir: str | None) -> MeshSpec:
+def spec_for(args: argparse.Namespace) -> MeshSpec:
     """The running mesh's spec under the state dir, else the spec file's (with the state
-    dir given)."""
-    declared = load_spec(spec_path)
-    root = Path(state_dir or declared.state_dir)
+    dir given): a token needs the mesh's key, not a running mesh."""
+    declared = load_spec(args.spec)
+    root = state_dir_of(args)
     try:
         return MeshPaths(root).running_spec()
     except NoRunningMesh:
@@ -51,26 +48,18 @@ def mint(spec: MeshSpec, role: str, subject: str, ttl_s: float) -> str:
 
 
 def cmd_token(args: argparse.Namespace) -> int:
-    try:
-        spec = spec_for(args.spec, args.state_dir)
-    except SpecError as exc:
-        console.print(f"[red]{exc}[/red]")
-        return 2
+    spec = spec_for(args)
     mode = spec.traffic.edge_auth.active_mode
-    try:
-        if mode != "jwt":
-            raise TokenError(
-                f"traffic.edge_auth.mode: {mode}; the edge checks tokens only with mode jwt"
-            )
-        token = mint(spec, args.role, args.subject or getpass.getuser(), ttl_seconds(args.ttl))
-    except TokenError as exc:
-        console.print(str(exc), style="red", markup=False, highlight=False)
-        return 2
+    if mode != "jwt":
+        raise TokenError(
+            f"traffic.edge_auth.mode: {mode}; the edge checks tokens only with mode jwt"
+        )
+    token = mint(spec, args.role, args.subject or getpass.getuser(), ttl_seconds(args.ttl))
     sys.stdout.write(token + "\n")
     return 0
 
 
-def add_auth_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     auth = sub.add_parser("auth", help="tokens for callers of the edge (edge_auth mode jwt)")
     auth_sub = auth.add_subparsers(dest="auth_command", required=True)
     token = auth_sub.add_parser(
@@ -79,6 +68,5 @@ def add_auth_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     token.add_argument("--role", required=True, help="one of traffic.edge_auth.roles")
     token.add_argument("--ttl", default="1h", help="how long it is good for (default 1h)")
     token.add_argument("--subject", help="who it names (default: your user name)")
-    token.add_argument("--state-dir", help="the mesh's state dir (its signing key)")
-    token.add_argument("--spec")
+    add_mesh_flags(token)
     token.set_defaults(func=cmd_token)

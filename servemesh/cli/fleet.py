@@ -5,28 +5,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from collections.abc import Callable
 
-from rich.console import Console
 from rich.table import Table
 
+from servemesh.cli.mesh import add_mesh_flags, running_mesh
+from servemesh.cli.output import out
 from servemesh.proxy.admin import AdminError
-from servemesh.proxy.apply import ApplyError, MeshPaths, RouteManager
+from servemesh.proxy.apply import RouteManager
 from servemesh.rollout.fleet import (
-    FleetError,
     discard_new_set,
     envoy_hosts,
     fleet_status,
     retire_old_set,
 )
 
-console = Console(stderr=True, soft_wrap=True)
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
-
 
 def _manager(args: argparse.Namespace) -> RouteManager:
-    return RouteManager(MeshPaths.of(args.state_dir))
+    return running_mesh(args).routes()
 
 
 def fleet_rows(manager: RouteManager) -> list[dict[str, object]]:
@@ -97,33 +92,23 @@ def cmd_discard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Refusals and an unreachable Envoy as one line and exit status 1."""
-
-    def wrapped(args: argparse.Namespace) -> int:
-        try:
-            return int(func(args))
-        except (ApplyError, AdminError, FleetError) as exc:
-            console.print(f"[red]refused:[/red] {exc}", highlight=False)
-            return 1
-
-    return wrapped
-
-
-def add_fleet_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     fleet = sub.add_parser(
         "fleet", help="the model-server sets (blue-green, rolling updates) of the running mesh"
     )
-    fleet.add_argument("--state-dir", help="state dir of the running mesh (default: the spec's)")
+    add_mesh_flags(fleet)
     verbs = fleet.add_subparsers(dest="verb", required=True)
     show = verbs.add_parser("show", help="every model server: set, PID, draining, health")
+    add_mesh_flags(show, inherited=True)
     show.add_argument("--json", action="store_true")
-    show.set_defaults(func=_run(cmd_show))
+    show.set_defaults(func=cmd_show)
     retire = verbs.add_parser(
         "retire", help="after a promoted blue-green update: stop the old set (no switch back)"
     )
-    retire.set_defaults(func=_run(cmd_retire))
+    add_mesh_flags(retire, inherited=True)
+    retire.set_defaults(func=cmd_retire)
     discard = verbs.add_parser(
         "discard", help="after a blue-green update was switched back: stop the new set"
     )
-    discard.set_defaults(func=_run(cmd_discard))
+    add_mesh_flags(discard, inherited=True)
+    discard.set_defaults(func=cmd_discard)

@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
-from servemesh.proxy.admin import AdminError
-from servemesh.proxy.apply import ApplyError, MeshPaths, RouteManager
+from servemesh.cli.mesh import add_mesh_flags, running_mesh
+from servemesh.cli.output import out
+from servemesh.proxy.apply import ApplyError
 from servemesh.proxy.live_apply import LiveApply, LiveApplyResult
 from servemesh.proxy.live_plan import ApplyPlan, coalescing_text, logs_text
-
-console = Console(stderr=True, soft_wrap=True)
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
-
-
-def _manager(state_dir: str | None) -> RouteManager:
-    return RouteManager(MeshPaths.of(state_dir))
 
 
 def plan_table(plan: ApplyPlan, title: str) -> Table:
@@ -86,30 +78,25 @@ def report(result: LiveApplyResult) -> None:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
+    mesh = running_mesh(args)
     path = Path(args.file)
     try:
         text = path.read_text()
     except OSError as exc:
-        console.print(f"[red]refused:[/red] {path}: cannot read: {exc.strerror}", highlight=False)
-        return 1
-    try:
-        applier = LiveApply(_manager(args.state_dir))
-        result = applier.apply(text, str(path), prune=args.prune, dry_run=args.dry_run)
-    except (ApplyError, AdminError) as exc:
-        console.print(f"[red]refused:[/red] {exc}", highlight=False)
-        return 1
-    report(result)
+        raise ApplyError(f"{path}: cannot read: {exc.strerror}") from None
+    applier = LiveApply(mesh.routes())
+    report(applier.apply(text, str(path), prune=args.prune, dry_run=args.dry_run))
     return 0
 
 
-def add_apply_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     apply = sub.add_parser(
         "apply",
         help="make the running mesh match a spec file, live: models, versions, feature views, "
         "routing",
     )
     apply.add_argument("file", help="the mesh spec (declared, or a running mesh's resolved one)")
-    apply.add_argument("--state-dir", help="state dir of the running mesh (default: the spec's)")
+    add_mesh_flags(apply)
     apply.add_argument(
         "--prune",
         action="store_true",

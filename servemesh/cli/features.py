@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -18,25 +16,17 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from servemesh.cli.mesh import add_mesh_flags, running_mesh
+from servemesh.cli.output import console, out
 from servemesh.control_credential import ControlCredentialMissing, control_metadata_for
-from servemesh.spec import SpecError, load_spec
 
 if TYPE_CHECKING:
     from servemesh.features._send import LoadSummary
 
-# Off a terminal (pipes, logs, tests) rich would wrap at 80 columns: keep lines whole.
-console = Console(stderr=True, soft_wrap=True, highlight=False)
-out = Console(soft_wrap=True, highlight=False, width=None if sys.stdout.isatty() else 160)
-
-
-def _state_dir(args: argparse.Namespace) -> Path:
-    if args.state_dir:
-        return Path(args.state_dir)
-    return Path(load_spec(args.spec).state_dir)
-
 
 def cmd_load(args: argparse.Namespace) -> int:
     """Load a CSV or Parquet file into a view of the running mesh; 0 once it is current."""
+    mesh = running_mesh(args)
     # pyarrow's thread pools may still be winding down a CSV reader's read-ahead when the
     # interpreter tears down, and C++ then aborts the process ("terminate called without an
     # active exception"): now and then exit 1 became -6. The command's work is done by
@@ -47,17 +37,15 @@ def cmd_load(args: argparse.Namespace) -> int:
         DEFAULT_BATCH_ROWS,
         BadFile,
         FeatureFile,
-        FileError,
         LoadError,
         feature_addresses,
         load_file,
-        running_mesh_spec,
     )
 
+    spec = mesh.spec
     try:
-        spec = running_mesh_spec(_state_dir(args))
         try:
-            credential = control_metadata_for(_state_dir(args))
+            credential = control_metadata_for(mesh.state_dir)
         except ControlCredentialMissing as exc:
             raise LoadError(str(exc)) from None
         view = spec.feature_views.get(args.view)
@@ -84,9 +72,6 @@ def cmd_load(args: argparse.Namespace) -> int:
     except BadFile as exc:
         console.print(exc.report(), markup=False)
         console.print(f"[red]view {args.view!r} is as it was[/red]")
-        return 1
-    except (LoadError, FileError, SpecError) as exc:
-        console.print(f"[red]not loaded:[/red] {exc}", markup=True)
         return 1
     _summary(summary, args.file)
     return 0
@@ -129,8 +114,9 @@ def _summary(summary: LoadSummary, file: str) -> None:
     )
 
 
-def add_features_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     features = sub.add_parser("features", help="load feature files into the online store")
+    add_mesh_flags(features)
     verbs = features.add_subparsers(dest="verb", required=True)
     load = verbs.add_parser(
         "load",
@@ -148,11 +134,10 @@ def add_features_parser(sub: argparse._SubParsersAction) -> None:  # type: ignor
         "default: every row is as old as the load",
     )
     load.add_argument("--format", choices=["csv", "parquet"], help="default: by file suffix")
-    load.add_argument("--state-dir", help="the running mesh's state dir (default: the spec's)")
-    load.add_argument("--spec", help="mesh spec naming the state dir (default: ./mesh.yaml)")
+    add_mesh_flags(load, inherited=True)
     load.add_argument("--address", help="a feature service (default: the running mesh's)")
     load.add_argument(
         "--batch-rows", type=int, help="rows read from the file at a time (default 65536)"
     )
     load.add_argument("--timeout", type=float, help="give up after this many seconds")
-    load.set_defaults(func=cmd_load)
+    load.set_defaults(func=cmd_load, error_label="not loaded")

@@ -4,25 +4,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
+from servemesh.cli.mesh import add_mesh_flags, recorded_state_dir
+from servemesh.cli.output import out
+from servemesh.errors import ServemeshError, UsageError
 from servemesh.proxy.apply import MeshPaths
-from servemesh.spec import MeshSpec, SpecError, load_resolved, load_spec
-
-console = Console(stderr=True, soft_wrap=True, highlight=False)
-out = Console(soft_wrap=True, highlight=False, width=None if sys.stdout.isatty() else 200)
+from servemesh.spec import MeshSpec, load_resolved, load_spec
 
 
 def _spec_and_state(args: argparse.Namespace) -> tuple[MeshSpec, Path]:
     spec = load_spec(args.spec)
-    state_dir = Path(args.state_dir or spec.state_dir)
+    # A stopped mesh's log stays readable (its Parquet files); a PostgreSQL log is read
+    # with the spec that names it. With neither a mesh nor its log: no running mesh.
+    if spec.prediction_log.dsn() is not None and args.spec is not None:
+        state_dir = Path(args.state_dir or spec.state_dir)
+    else:
+        state_dir = recorded_state_dir(args, "predictions")
     # A running mesh's resolved spec is the one its gateways write with.
     running = MeshPaths(state_dir).resolved_spec
     if args.spec is None and running.is_file():
@@ -58,19 +61,18 @@ def cmd_query(args: argparse.Namespace) -> int:
             raise ValueError("--version: give --model too")
         if args.limit < 1:
             raise ValueError("--limit: give 1 or more")
-        spec, state_dir = _spec_and_state(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    spec, state_dir = _spec_and_state(args)
+    try:
         reader = reader_for(spec.prediction_log, state_dir)
         retention_s = spec.prediction_log.retention_s
         reader.expire(retention_s)
         # Files are deleted whole, once their newest record is past the retention: the
         # query itself never reaches further back than the retention.
         result = reader.query(replace(query, since_s=min(query.since_s, retention_s)))
-    except (ValueError, SpecError) as exc:
-        console.print(f"[red]{exc}[/red]")
-        return 2
     except Exception as exc:  # the store: a database down, a file being replaced
-        console.print(f"[red]the prediction log could not be read: {exc}[/red]")
-        return 1
+        raise ServemeshError(f"the prediction log could not be read: {exc}") from None
     if args.json:
         for row in result.rows:
             out.print(json.dumps(row, default=_jsonable), markup=False)
@@ -88,16 +90,12 @@ def cmd_query(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from servemesh.predlog.query import gateway_status, reader_for
 
+    spec, state_dir = _spec_and_state(args)
     try:
-        spec, state_dir = _spec_and_state(args)
         reader = reader_for(spec.prediction_log, state_dir)
         summary = reader.summary()
-    except SpecError as exc:
-        console.print(f"[red]{exc}[/red]")
-        return 2
     except Exception as exc:
-        console.print(f"[red]the prediction log could not be read: {exc}[/red]")
-        return 1
+        raise ServemeshError(f"the prediction log could not be read: {exc}") from None
     gateways = gateway_status(state_dir)
     if args.json:
         report = {
@@ -188,13 +186,12 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"not JSON: {type(value).__name__}")
 
 
-def add_log_parser(sub: Any) -> None:
+def register(sub: Any) -> None:
     log = sub.add_parser("log", help="the prediction log: query it, see its state")
     log_sub = log.add_subparsers(dest="log_command", required=True)
 
     def common(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--spec", help="mesh spec (default: the running mesh's)")
-        parser.add_argument("--state-dir", help="the mesh's state dir (default: the spec's)")
+        add_mesh_flags(parser)
         parser.add_argument("--json", action="store_true", help="JSON (query: one call a line)")
 
     query = log_sub.add_parser("query", help="calls of the last hour (or --since), newest first")

@@ -6,11 +6,10 @@ import argparse
 from typing import Any
 
 import yaml
-from rich.console import Console
 from rich.table import Table
 
-console = Console(stderr=True)
-out = Console()
+from servemesh.cli.output import console, out
+from servemesh.errors import UsageError
 
 
 def _parse_vars(items: list[str]) -> dict[str, Any]:
@@ -18,26 +17,22 @@ def _parse_vars(items: list[str]) -> dict[str, Any]:
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--var {item!r}: expected key=value")
+            raise UsageError(f"--var {item!r}: expected key=value")
         values[key] = yaml.safe_load(text)
     return values
 
 
 def cmd_chaos_run(args: argparse.Namespace) -> int:
-    from servemesh.chaos.runner import DrillFileError, run_drill
+    from servemesh.chaos.runner import run_drill
 
-    try:
-        result = run_drill(
-            args.file,
-            spec=args.spec,
-            out_dir=args.out,
-            variables=_parse_vars(args.var or []),
-            console=console,
-            live=not args.quiet,
-        )
-    except DrillFileError as exc:
-        console.print(f"[red]{exc}[/red]")
-        return 2
+    result = run_drill(
+        args.file,
+        spec=args.spec,
+        out_dir=args.out,
+        variables=_parse_vars(args.var or []),
+        console=console,
+        live=not args.quiet,
+    )
     summary = result.summary
     colour = "green" if result.ok else "red"
     out.print(f"[bold {colour}]{result.verdict.upper()}[/bold {colour}]: {result.text}")
@@ -68,7 +63,7 @@ def cmd_chaos_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_chaos_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     chaos = sub.add_parser("chaos", help="failure drills (Chaos Toolkit experiments)")
     chaos_sub = chaos.add_subparsers(dest="chaos", required=True)
     run = chaos_sub.add_parser(

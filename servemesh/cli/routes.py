@@ -5,25 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
-from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
-from servemesh.proxy.admin import AdminError
-from servemesh.proxy.apply import ApplyError, ApplyResult, MeshPaths, RouteManager
+from servemesh.cli import apply as apply_command
+from servemesh.cli.mesh import add_mesh_flags, running_mesh
+from servemesh.cli.output import console, out
+from servemesh.proxy.apply import ApplyError, ApplyResult, RouteManager
 from servemesh.proxy.live_view import live_view
 from servemesh.proxy.shadow_report import shadow_report
 
-# Off a terminal (pipes, logs, tests) rich would wrap at 80 columns: keep lines whole.
-console = Console(stderr=True, soft_wrap=True)
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 _WEIGHT = re.compile(r"^([a-z0-9][a-z0-9_-]{0,62})=(-?\d+)$")
 
 
 def _manager(args: argparse.Namespace) -> RouteManager:
-    return RouteManager(MeshPaths.of(args.state_dir))
+    return running_mesh(args).routes()
 
 
 def _report(result: ApplyResult) -> None:
@@ -94,13 +90,10 @@ def cmd_set(args: argparse.Namespace) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    path = Path(args.file)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ApplyError(f"{path}: cannot read: {exc.strerror}") from None
-    _report(_manager(args).apply_spec_text(text, str(path)))
-    return 0
+    """`routes apply FILE` is `servemesh apply FILE` now: a routing-only change is a mesh
+    file whose models and views are the running ones (docs/cli.md, "Changes")."""
+    console.print(f"note: `servemesh routes apply` is now `servemesh apply {args.file}`")
+    return apply_command.cmd_apply(args)
 
 
 def cmd_history(args: argparse.Namespace) -> int:
@@ -169,58 +162,53 @@ def cmd_shadow_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(func):  # type: ignore[no-untyped-def]
-    """Turn refused changes and an unreachable Envoy into a message and exit status 1."""
-
-    def wrapped(args: argparse.Namespace) -> int:
-        try:
-            return int(func(args))
-        except (ApplyError, AdminError) as exc:
-            console.print(f"[red]refused:[/red] {exc}", highlight=False)
-            return 1
-
-    return wrapped
-
-
-def add_routes_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     routes = sub.add_parser("routes", help="see and change what Envoy serves, live")
-    routes.add_argument("--state-dir", help="state dir of the running mesh (default: the spec's)")
+    add_mesh_flags(routes)
     verbs = routes.add_subparsers(dest="verb", required=True)
 
     show = verbs.add_parser("show", help="per model version: weight, healthy hosts, counters")
+    add_mesh_flags(show, inherited=True)
     show.add_argument("--json", action="store_true")
-    show.set_defaults(func=_run(cmd_show))
+    show.set_defaults(func=cmd_show)
 
     set_ = verbs.add_parser(
         "set", help="set a model's weights, e.g. `routes set fraud v1=90 v2=10`"
     )
+    add_mesh_flags(set_, inherited=True)
     set_.add_argument("model")
     set_.add_argument("weights", nargs="+", metavar="VERSION=WEIGHT")
-    set_.set_defaults(func=_run(cmd_set))
+    set_.set_defaults(func=cmd_set)
 
-    apply = verbs.add_parser("apply", help="apply the routing and policy of a spec file")
+    apply = verbs.add_parser("apply", help="the same as `servemesh apply FILE` (kept as an alias)")
+    add_mesh_flags(apply, inherited=True)
     apply.add_argument("file")
-    apply.set_defaults(func=_run(cmd_apply))
+    apply.set_defaults(prune=False, dry_run=False)
+    apply.set_defaults(func=cmd_apply)
 
     history = verbs.add_parser("history", help="every applied change: who, when, what")
+    add_mesh_flags(history, inherited=True)
     history.add_argument("--json", action="store_true")
-    history.set_defaults(func=_run(cmd_history))
+    history.set_defaults(func=cmd_history)
 
     rollback = verbs.add_parser("rollback", help="undo the last change, or return to change N")
+    add_mesh_flags(rollback, inherited=True)
     rollback.add_argument("entry", nargs="?", type=int)
-    rollback.set_defaults(func=_run(cmd_rollback))
+    rollback.set_defaults(func=cmd_rollback)
 
     shadow = verbs.add_parser("shadow", help="mirror a model's traffic to a version (or --off)")
+    add_mesh_flags(shadow, inherited=True)
     shadow.add_argument("model")
     shadow.add_argument("version", nargs="?")
     shadow.add_argument("--percent", type=float, default=100.0)
     shadow.add_argument("--off", action="store_true")
-    shadow.set_defaults(func=_run(cmd_shadow))
+    shadow.set_defaults(func=cmd_shadow)
 
     report = verbs.add_parser("shadow-report", help="compare a shadow version with the primary")
+    add_mesh_flags(report, inherited=True)
     report.add_argument("model")
     report.add_argument(
         "--tolerance", type=float, default=1e-3, help="max score difference to agree"
     )
     report.add_argument("--json", action="store_true")
-    report.set_defaults(func=_run(cmd_shadow_report))
+    report.set_defaults(func=cmd_shadow_report)

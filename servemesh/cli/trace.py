@@ -4,49 +4,32 @@ from __future__ import annotations
 
 import argparse
 import re
-import secrets
 import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
+from servemesh.cli.mesh import add_mesh_flags, recorded_state_dir
+from servemesh.cli.output import sized
 from servemesh.durations import duration_seconds
-from servemesh.spec import SpecError, load_spec
+from servemesh.errors import ServemeshError, UsageError
 from servemesh.tracestore.receiver import store_path
 from servemesh.tracestore.store import TraceStore
 from servemesh.tracestore.waterfall import slowest_table, waterfall
 
 _DURATION = re.compile(r"^(\d+(ms|s|m|h|d))+$")
-# Wide enough for the waterfall when the output is not a terminal (a file, a pipe).
-_PIPE_WIDTH = 160
-
-
-def new_traceparent() -> tuple[str, str]:
-    """A W3C `traceparent` with the sampled flag set, and its trace id: a caller forcing a
-    trace (the mesh's sampling is parent-based, so every hop records it)."""
-    trace_id = secrets.token_hex(16)
-    return f"00-{trace_id}-{secrets.token_hex(8)}-01", trace_id
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    console = Console(width=args.width or (None if Console().is_terminal else _PIPE_WIDTH))
-    errors = Console(stderr=True)
+    console = sized(args.width)
     if (args.ref is None) == (args.slowest is None):
-        errors.print("[red]give a request id or trace id, or --slowest N[/red]")
-        return 2
+        raise UsageError("give a request id or trace id, or --slowest N")
     if not _DURATION.match(args.since):
-        errors.print(f"[red]--since {args.since[:20]!r}: a duration such as 90s, 5m, 1h[/red]")
-        return 2
-    try:
-        state_dir = args.state_dir or load_spec(args.spec).state_dir
-    except SpecError as exc:
-        errors.print(f"[red]{exc}[/red]")
-        return 2
+        raise UsageError(f"--since {args.since[:20]!r}: a duration such as 90s, 5m, 1h")
+    # A stopped mesh's traces stay readable; with neither a mesh nor its traces, no mesh.
+    state_dir = recorded_state_dir(args, "traces")
     path = store_path(state_dir)
     if not path.exists():
-        errors.print(f"[red]no trace store at {path}: is the mesh's tracing on?[/red]")
-        return 1
+        raise ServemeshError(f"no trace store at {path}: is the mesh's tracing on?")
     store = TraceStore(Path(path))
     try:
         if args.slowest is not None:
@@ -57,18 +40,16 @@ def cmd_trace(args: argparse.Namespace) -> int:
             return 0
         trace_id = store.find(args.ref)
         if trace_id is None:
-            errors.print(
-                f"[red]no trace for {args.ref[:64]!r}[/red] (not sampled, not exported yet, "
-                "or past retention)"
+            raise ServemeshError(
+                f"no trace for {args.ref[:64]!r} (not sampled, not exported yet, or past retention)"
             )
-            return 1
         console.print(waterfall(store.trace(trace_id)))
         return 0
     finally:
         store.close()
 
 
-def add_trace_parser(sub: Any) -> None:
+def register(sub: Any) -> None:
     trace = sub.add_parser(
         "trace", help="draw a request's trace as a waterfall, or list the slowest traces"
     )
@@ -77,7 +58,6 @@ def add_trace_parser(sub: Any) -> None:
     trace.add_argument(
         "--since", default="15m", help="with --slowest: traces started this long ago (15m)"
     )
-    trace.add_argument("--spec", help="the mesh's spec (default: ./mesh.yaml)")
-    trace.add_argument("--state-dir", help="the running mesh's state dir")
+    add_mesh_flags(trace)
     trace.add_argument("--width", type=int, help="output width in columns")
     trace.set_defaults(func=cmd_trace)

@@ -17,19 +17,21 @@ import datetime
 import json
 import math
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 import yaml
-from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from servemesh.cli import mesh as found_mesh
+from servemesh.cli.mesh import add_mesh_flags
+from servemesh.cli.output import out
 from servemesh.control_credential import ControlCredentialMissing, Metadata, control_metadata_for
+from servemesh.errors import ServemeshError
 from servemesh.identity import dial_registry, dial_service
 from servemesh.proxy.admin import AdminError
 from servemesh.proxy.apply import ApplyError, MeshPaths, RouteManager
@@ -45,22 +47,18 @@ from servemesh.registry.validation import (
     check_tensor_specs,
 )
 from servemesh.services.model.tensors import Signature, TensorSig
-from servemesh.spec import ResolvedSpec, SpecError, load_spec
+from servemesh.spec import ResolvedSpec
 from servemesh.wire import message_size_options
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
-
-# Off a terminal (pipes, logs, tests) rich would wrap at 80 columns: keep lines whole.
-console = Console(stderr=True, soft_wrap=True)
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
 
 RPC_TIMEOUT_S = 10.0
 REPLICA_TIMEOUT_S = 2.0
 UPLOAD_TIMEOUT_S = 600.0
 
 
-class ModelsError(Exception):
+class ModelsError(ServemeshError):
     """The command was refused or failed; the message is one line naming why."""
 
 
@@ -87,13 +85,10 @@ class RunningMesh:
             raise ModelsError(_one_line(str(exc))) from None
 
 
-def running_mesh(state_dir: str | None) -> RunningMesh:
-    """The mesh whose state lives in `state_dir` (default: the spec's, `.servemesh`)."""
-    try:
-        root = Path(state_dir) if state_dir else Path(load_spec(None).state_dir)
-        return RunningMesh(MeshPaths(root).running_spec(), root)
-    except SpecError as exc:
-        raise ModelsError(_one_line(str(exc))) from None
+def running_mesh(args: argparse.Namespace) -> RunningMesh:
+    """The mesh the command's flags point at (servemesh/cli/mesh.py)."""
+    mesh = found_mesh.running_mesh(args)
+    return RunningMesh(mesh.spec, mesh.state_dir)
 
 
 def _one_line(text: str) -> str:
@@ -289,7 +284,7 @@ def _spec(sig: TensorSig) -> TensorSpec:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    mesh = running_mesh(args.state_dir)
+    mesh = running_mesh(args)
     request = PushRequest(
         file=Path(args.file),
         model=args.model,
@@ -450,7 +445,7 @@ def _tensor_json(spec: registry_pb2.TensorSpec) -> dict[str, Any]:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    mesh = running_mesh(args.state_dir)
+    mesh = running_mesh(args)
 
     async def gather() -> tuple[Catalogue, Holdings]:
         return await asyncio.gather(catalogue(mesh), holdings(mesh))
@@ -518,7 +513,7 @@ def _pairs_text(pairs: Mapping[str, Any]) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    mesh = running_mesh(args.state_dir)
+    mesh = running_mesh(args)
 
     async def gather() -> tuple[Catalogue, registry_pb2.ModelVersion, Holdings]:
         async with mesh.registry_channel() as channel:
@@ -562,7 +557,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_alias(args: argparse.Namespace) -> int:
-    mesh = running_mesh(args.state_dir)
+    mesh = running_mesh(args)
 
     async def apply() -> tuple[str | None, registry_pb2.Model]:
         async with mesh.registry_channel() as channel:
@@ -597,28 +592,16 @@ def cmd_alias(args: argparse.Namespace) -> int:
 # --- the parser ----------------------------------------------------------------------------
 
 
-def _run(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Turn a refusal into one line on stderr and exit status 1."""
-
-    def wrapped(args: argparse.Namespace) -> int:
-        try:
-            return int(func(args))
-        except ModelsError as exc:
-            console.print(f"[red]models {args.verb}:[/red] {escape(str(exc))}", highlight=False)
-            return 1
-
-    return wrapped
-
-
-def add_models_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     models = sub.add_parser("models", help="push, list, show and alias model versions")
-    models.add_argument("--state-dir", help="state dir of the running mesh (default: the spec's)")
+    add_mesh_flags(models)
     verbs = models.add_subparsers(dest="verb", required=True)
 
     push_ = verbs.add_parser(
         "push",
         help="check and probe a TorchScript (.pt) or torch.export (.pt2) file, then upload it",
     )
+    add_mesh_flags(push_, inherited=True)
     push_.add_argument("file")
     push_.add_argument("--model", required=True)
     push_.add_argument("--version", required=True)
@@ -631,22 +614,25 @@ def add_models_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         help="e.g. data=sha256:<hex>, code=<git sha> (repeatable)",
     )
     push_.add_argument("--metric", action="append", metavar="NAME=NUMBER", help="repeatable")
-    push_.set_defaults(func=_run(cmd_push))
+    push_.set_defaults(func=cmd_push, error_label="models push")
 
     list_ = verbs.add_parser(
         "list", help="models, versions, aliases, sizes, replicas holding each, live weight"
     )
+    add_mesh_flags(list_, inherited=True)
     list_.add_argument("--json", action="store_true")
-    list_.set_defaults(func=_run(cmd_list))
+    list_.set_defaults(func=cmd_list, error_label="models list")
 
     show = verbs.add_parser("show", help="one version: signature, sha256, lineage, metrics, ...")
+    add_mesh_flags(show, inherited=True)
     show.add_argument("model")
     show.add_argument("version", help="a version or an alias")
     show.add_argument("--json", action="store_true")
-    show.set_defaults(func=_run(cmd_show))
+    show.set_defaults(func=cmd_show, error_label="models show")
 
     alias = verbs.add_parser("alias", help="point an alias at a version, e.g. production v2")
+    add_mesh_flags(alias, inherited=True)
     alias.add_argument("model")
     alias.add_argument("alias")
     alias.add_argument("version")
-    alias.set_defaults(func=_run(cmd_alias))
+    alias.set_defaults(func=cmd_alias, error_label="models alias")

@@ -1,8 +1,8 @@
 """`servemesh rollout ...`: start, watch and steer progressive rollouts.
 
-Exit statuses of `start` and `resume`: 0 promoted, 3 rolled back (the reason printed last),
-4 refused (a gate, the checklist, or a rollout already under way), 1 an error of the
-command itself (unknown model or version, bad plan file, no running mesh).
+Exit statuses of `start` and `resume` (servemesh/errors.py): 0 promoted, 3 rolled back (the
+reason printed last), 4 refused (a gate, the checklist, or a rollout already under way), 1
+an error of the command itself (unknown model or version, bad plan file), 2 no running mesh.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import importlib
 import json
 import sys
 import time
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,17 +22,15 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from servemesh.cli.mesh import add_mesh_flags, recorded_state_dir, running_mesh
+from servemesh.cli.output import console, out
 from servemesh.proxy.admin import AdminError
 from servemesh.proxy.apply import ApplyError, MeshPaths, RouteManager
 from servemesh.rollout.controller import Controller, ControllerError, Parts, StartRequest
-from servemesh.rollout.state import RolloutState, StateError, StateStore
+from servemesh.rollout.state import RolloutState, StateStore
 from servemesh.rollout.types import Ending, Outcome
 from servemesh.rollout_plan import RolloutPlan
 from servemesh.spec import SpecError
-
-# Off a terminal (pipes, logs, tests) rich would wrap at 80 columns: keep lines whole.
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200, highlight=False)
-console = Console(stderr=True, soft_wrap=True, highlight=False)
 
 _VERDICT_STYLE = {" pass:": "green", " fail:": "bold red", " wait:": "yellow"}
 # How long `abort` and `promote` wait for a live controller to act (it reads its flags
@@ -57,7 +54,9 @@ def say_aside(line: str) -> None:
 
 
 def _state_dir(args: argparse.Namespace) -> Path:
-    return MeshPaths.of(args.state_dir).state_dir
+    """What status, history and pause read: the rollouts recorded under the state dir (of
+    a running mesh, or of a stopped one that recorded some)."""
+    return recorded_state_dir(args, "rollouts")
 
 
 def _missing_part(name: str) -> Any:
@@ -104,7 +103,10 @@ def real_parts(manager: RouteManager, *, analysis: bool) -> Parts:
 def _controller(
     args: argparse.Namespace, *, analysis: bool = False, aside: bool = False
 ) -> Controller:
-    manager = RouteManager(MeshPaths.of(args.state_dir))
+    if analysis:  # start and resume drive the routes of a running mesh
+        manager = running_mesh(args).routes()
+    else:
+        manager = RouteManager(MeshPaths(_state_dir(args)))
     return Controller(
         StateStore(manager.paths.state_dir),
         real_parts(manager, analysis=analysis),
@@ -352,36 +354,22 @@ def cmd_history(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run(func):  # type: ignore[no-untyped-def]
-    """Errors of the command itself: one line, exit status 1."""
-
-    def wrapped(args: argparse.Namespace) -> int:
-        try:
-            return int(func(args))
-        except (ControllerError, StateError, ApplyError, AdminError, SpecError) as exc:
-            console.print(Text.assemble(("error: ", "red"), str(exc)))
-            return int(Outcome.FAILED)
-        except KeyboardInterrupt:
-            console.print(
-                "interrupted: the rollout stays recorded at its step; `servemesh rollout "
-                "resume MODEL` continues it, `servemesh rollout abort MODEL` rolls it back"
-            )
-            return 130
-
-    return wrapped
-
-
-def add_rollout_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     rollout = sub.add_parser(
         "rollout", help="progressive delivery: shadow, canary steps, automated rollback"
     )
-    rollout.add_argument("--state-dir", help="state dir of the running mesh (default: the spec's)")
+    add_mesh_flags(rollout)
+    rollout.set_defaults(
+        interrupted="the rollout stays recorded at its step; `servemesh rollout resume MODEL` "
+        "continues it, `servemesh rollout abort MODEL` rolls it back"
+    )
     verbs = rollout.add_subparsers(dest="verb", required=True)
 
     start = verbs.add_parser(
         "start",
         help="roll VERSION of MODEL out step by step (exit 0 promoted, 3 rolled back, 4 refused)",
     )
+    add_mesh_flags(start, inherited=True)
     start.add_argument("model")
     start.add_argument("version")
     start.add_argument("--plan", help="a plan file (YAML: steps, analysis, checklist, deadline)")
@@ -395,42 +383,41 @@ def add_rollout_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore
         help="let a failed checklist item or gate through (each with its own --reason)",
     )
     start.add_argument("--reason", action="append", metavar="TEXT", help="why (recorded)")
-    start.set_defaults(func=_run(cmd_start))
+    start.set_defaults(func=cmd_start)
 
     status = verbs.add_parser("status", help="where each rollout stands")
+    add_mesh_flags(status, inherited=True)
     status.add_argument("model", nargs="?")
     status.add_argument("--json", action="store_true")
-    status.set_defaults(func=_run(cmd_status))
+    status.set_defaults(func=cmd_status)
 
     pause = verbs.add_parser("pause", help="hold the rollout at its current step")
+    add_mesh_flags(pause, inherited=True)
     pause.add_argument("model")
     pause.add_argument("--reason")
-    pause.set_defaults(func=_run(cmd_pause))
+    pause.set_defaults(func=cmd_pause)
 
     resume = verbs.add_parser(
         "resume", help="continue a paused rollout, or one whose controller died"
     )
+    add_mesh_flags(resume, inherited=True)
     resume.add_argument("model")
-    resume.set_defaults(func=_run(cmd_resume))
+    resume.set_defaults(func=cmd_resume)
 
     abort = verbs.add_parser("abort", help="roll back now (recorded with who and why)")
+    add_mesh_flags(abort, inherited=True)
     abort.add_argument("model")
     abort.add_argument("--reason", required=True)
-    abort.set_defaults(func=_run(cmd_abort))
+    abort.set_defaults(func=cmd_abort)
 
     promote = verbs.add_parser("promote", help="skip the remaining steps: 100%% now")
+    add_mesh_flags(promote, inherited=True)
     promote.add_argument("model")
     promote.add_argument("--reason")
-    promote.set_defaults(func=_run(cmd_promote))
+    promote.set_defaults(func=cmd_promote)
 
     history = verbs.add_parser("history", help="every rollout event, overrides and reasons")
+    add_mesh_flags(history, inherited=True)
     history.add_argument("model", nargs="?")
     history.add_argument("--json", action="store_true")
-    history.set_defaults(func=_run(cmd_history))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="servemesh")
-    add_rollout_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    history.set_defaults(func=cmd_history)

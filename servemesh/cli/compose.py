@@ -12,13 +12,14 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servemesh.discovery.compose import ComposeError, render_compose
-from servemesh.discovery.consul_acl import AclNotReady, apply_plan
+from servemesh.discovery.compose import render_compose
+from servemesh.discovery.consul_acl import apply_plan
 from servemesh.discovery.consul_catalog import consul_client
 from servemesh.discovery.control_plane import add_arguments, run_from_args
+from servemesh.errors import ServemeshError, UsageError
 from servemesh.identity import OPERATOR_IDENTITY, dial_registry, dial_service
-from servemesh.seeding import SeedConflict, seed_demo
-from servemesh.spec import SpecError, load_resolved
+from servemesh.seeding import seed_demo
+from servemesh.spec import load_resolved
 from servemesh.wire import message_size_options
 
 DEFAULT_COMPOSE_SPEC = Path("deploy/compose/mesh.yaml")
@@ -27,11 +28,7 @@ PROBE_TIMEOUT_S = 3.0
 
 
 def cmd_compose_init(args: argparse.Namespace) -> int:
-    try:
-        rendered = render_compose(Path(args.spec), Path(args.out))
-    except (ComposeError, SpecError) as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    rendered = render_compose(Path(args.spec), Path(args.out))
     instances = len(rendered.spec.instances())
     print(f"rendered {instances} instances' configs, certificates and secrets into {args.out}")
     print(f"next: docker compose --env-file {args.out}/compose.env up --build")
@@ -69,8 +66,7 @@ def instance_of_pid1(cmdline: Path = Path("/proc/1/cmdline")) -> str | None:
 def cmd_compose_probe(args: argparse.Namespace) -> int:
     instance = args.instance or instance_of_pid1()
     if instance is None:
-        print("no --instance given, and the container's command names none", file=sys.stderr)
-        return 2
+        raise UsageError("no --instance given, and the container's command names none")
     return 0 if asyncio.run(_probe(args.spec, instance)) else 1
 
 
@@ -83,11 +79,7 @@ async def _seed(spec_path: str) -> None:
 
 
 def cmd_compose_seed(args: argparse.Namespace) -> int:
-    try:
-        asyncio.run(_seed(args.spec))
-    except SeedConflict as exc:
-        print(exc, file=sys.stderr)
-        return 1
+    asyncio.run(_seed(args.spec))
     print("seeded the demo models and features")
     return 0
 
@@ -99,14 +91,13 @@ def cmd_compose_consul_acl(args: argparse.Namespace) -> int:
         spec = load_resolved(args.spec)
         plan = json.loads(Path(args.plan).read_text())
         apply_plan(consul_client(spec), plan)
-    except (SpecError, OSError, ValueError, AclNotReady) as exc:
-        print(f"compose consul-acl: {exc}", file=sys.stderr)
-        return 1
+    except (OSError, ValueError) as exc:  # the plan file (a SpecError is a ValueError)
+        raise ServemeshError(str(exc)) from None
     print(f"consul ACLs: {len(plan['policies'])} policies and {len(plan['tokens'])} tokens")
     return 0
 
 
-def add_compose_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     plane = sub.add_parser(
         "control-plane",
         help="watch the service catalog (Consul, or the spec) and write Envoy's endpoint files",
@@ -135,4 +126,4 @@ def add_compose_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignor
     )
     acl.add_argument("--spec", required=True, help="resolved mesh spec")
     acl.add_argument("--plan", required=True, help="the rendered consul-acl-plan.json")
-    acl.set_defaults(func=cmd_compose_consul_acl)
+    acl.set_defaults(func=cmd_compose_consul_acl, error_label="compose consul-acl")

@@ -10,16 +10,13 @@ import threading
 from collections import Counter
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
+from servemesh.cli.mesh import add_mesh_flags, running_mesh
+from servemesh.cli.output import console, out
+from servemesh.errors import ServemeshError
 from servemesh.identity.channels import dial_edge
 from servemesh.load import FixedRate, LoadRun, open_loop, predict_target, summarize
-from servemesh.proxy.apply import ApplyError, MeshPaths
-from servemesh.spec import SpecError
-
-console = Console(stderr=True, soft_wrap=True)
-out = Console(soft_wrap=True)
 
 
 def report(run: LoadRun, seconds: float) -> Table:
@@ -47,16 +44,12 @@ def report(run: LoadRun, seconds: float) -> Table:
 
 def cmd_load(args: argparse.Namespace) -> int:
     if args.rate <= 0 or args.seconds <= 0:
-        console.print("[red]--rate and --seconds must be above 0[/red]")
-        return 1
-    try:
-        spec = MeshPaths.of(args.state_dir).running_spec()
-    except (ApplyError, SpecError) as exc:
-        console.print(f"[red]{exc}[/red]")
-        return 1
+        raise ServemeshError("--rate and --seconds must be above 0")
+    spec = running_mesh(args).spec
     if args.model not in spec.models:
-        console.print(f"[red]--model: {args.model!r} is not served; served: {sorted(spec.models)}")
-        return 1
+        raise ServemeshError(
+            f"--model: {args.model!r} is not served; served: {sorted(spec.models)}"
+        )
     target = predict_target(
         dial_edge(spec),
         model=args.model,
@@ -75,10 +68,13 @@ def cmd_load(args: argparse.Namespace) -> int:
         stop.set()
     elapsed = min(args.seconds, max((o.sent_s for o in run.outcomes), default=0.0) + 1e-9)
     out.print(report(run, elapsed))
-    return 0 if all(o.ok for o in run.outcomes) else 3
+    failed = sum(not o.ok for o in run.outcomes)
+    if failed:
+        raise ServemeshError(f"{failed} of {len(run.outcomes)} Predicts failed")
+    return 0
 
 
-def add_load_parser(sub: Any) -> None:
+def register(sub: Any) -> None:
     parser = sub.add_parser(
         "load", help="steady Predict traffic through the running mesh's edge, then a summary"
     )
@@ -89,5 +85,5 @@ def add_load_parser(sub: Any) -> None:
         "--entities", type=int, default=0, help="cycle user-0..user-N-1 (default: the demo's)"
     )
     parser.add_argument("--timeout", type=float, default=2.0, help="each call's deadline, s")
-    parser.add_argument("--state-dir", help="the running mesh's state dir (default: the spec's)")
+    add_mesh_flags(parser)
     parser.set_defaults(func=cmd_load)

@@ -10,26 +10,18 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import sys
-from collections.abc import Callable
-from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
+from servemesh.cli.mesh import add_mesh_flags, running_mesh
+from servemesh.cli.output import out
+from servemesh.errors import UsageError
 from servemesh.identity.enroll import edge_names, issuing, mesh_identity
-from servemesh.proxy.apply import MeshPaths, NoRunningMesh
-from servemesh.spec import ResolvedSpec, SpecError, load_spec
-
-console = Console(stderr=True, soft_wrap=True)
-out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+from servemesh.spec import ResolvedSpec
 
 
 def _running(args: argparse.Namespace) -> ResolvedSpec:
-    state_dir = args.state_dir
-    if not state_dir:
-        state_dir = load_spec(args.spec).state_dir
-    return MeshPaths(Path(state_dir)).running_spec()
+    return running_mesh(args).spec
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -67,8 +59,7 @@ def cmd_rotate(args: argparse.Namespace) -> int:
     chosen = args.identities or known
     unknown = sorted(set(chosen) - set(known))
     if unknown:
-        console.print(f"[red]no certificate for {', '.join(unknown)}[/red]; known: {known}")
-        return 2
+        raise UsageError(f"no certificate for {', '.join(unknown)}; known: {known}")
     extra = edge_names(spec)
     with issuing(identity):
         for name in chosen:
@@ -82,29 +73,17 @@ def cmd_rotate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _guarded(
-    func: Callable[[argparse.Namespace], int],
-) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        try:
-            return func(args)
-        except (NoRunningMesh, SpecError) as exc:
-            console.print(f"[red]{exc}[/red]")
-            return 2
-
-    return run
-
-
-def add_certs_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     certs = sub.add_parser("certs", help="the mesh's TLS certificates: show them, rotate them")
-    certs.add_argument("--spec", help="mesh spec file (default ./mesh.yaml)")
-    certs.add_argument("--state-dir", help="state dir of the running mesh (default: the spec's)")
+    add_mesh_flags(certs)
     verbs = certs.add_subparsers(dest="verb", required=True)
     show = verbs.add_parser("show", help="every identity's certificate: serial and expiry")
+    add_mesh_flags(show, inherited=True)
     show.add_argument("--json", action="store_true")
-    show.set_defaults(func=_guarded(cmd_show))
+    show.set_defaults(func=cmd_show)
     rotate = verbs.add_parser(
         "rotate", help="issue new certificates and swap them in live (default: every identity)"
     )
+    add_mesh_flags(rotate, inherited=True)
     rotate.add_argument("identities", nargs="*", metavar="IDENTITY")
-    rotate.set_defaults(func=_guarded(cmd_rotate))
+    rotate.set_defaults(func=cmd_rotate)

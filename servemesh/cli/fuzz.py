@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
+from servemesh.cli.output import out as console
+from servemesh.errors import ServemeshError
 from servemesh.spec import Ports, load_spec
 
-# Wide enough for the statuses column when the report goes to a file or a pipe.
-console = Console(width=None if sys.stdout.isatty() else 160)
 
-
-def add_fuzz_parser(sub: Any) -> None:
+def register(sub: Any) -> None:
     fuzz = sub.add_parser(
         "fuzz",
         help="fuzz every public RPC of a fresh mesh (through Envoy and directly) and report",
@@ -34,8 +30,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         from servemesh.fuzz.campaign import run_campaign
         from servemesh.fuzz.report import print_report, write_json
     except ImportError as exc:  # hypothesis comes with the test extras
-        console.print(f"[red]{exc}: install servemesh[test][/red]")
-        return 2
+        raise ServemeshError(f"{exc}: install servemesh[test]") from None
     from servemesh.launcher import Mesh
 
     spec = load_spec(args.spec)

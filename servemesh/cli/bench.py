@@ -1,0 +1,136 @@
+"""`servemesh bench predict|observe|profile|model`: benchmarks, each on a mesh of its own."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def cmd_bench_predict(args: argparse.Namespace) -> int:
+    from servemesh.bench import main as bench_main
+
+    return bench_main(
+        args.spec,
+        args.concurrency,
+        args.seconds,
+        args.json_out,
+        repeats=args.repeats,
+        as_json=args.json,
+        direct=args.direct,
+    )
+
+
+def cmd_bench_observe(args: argparse.Namespace) -> int:
+    from servemesh.observe_bench import main as bench_observe_main
+
+    return bench_observe_main(
+        args.spec,
+        concurrency=args.concurrency,
+        seconds=args.seconds,
+        repeats=args.repeats,
+        probes=args.probes,
+        split=args.split,
+        out=args.json_out,
+    )
+
+
+def cmd_bench_profile(args: argparse.Namespace) -> int:
+    from servemesh.profile_bench import main as bench_profile_main
+
+    return bench_profile_main(
+        args.spec,
+        args.out,
+        concurrency=args.concurrency,
+        seconds=args.seconds,
+        rate_hz=args.rate,
+        top=args.top,
+        json_out=args.json_out,
+    )
+
+
+def cmd_bench_model(args: argparse.Namespace) -> int:
+    from servemesh.model_bench import main as bench_model_main
+
+    return bench_model_main(
+        quick=args.quick,
+        seconds=args.seconds,
+        rate=args.rate,
+        concurrencies=args.concurrency,
+        json_out=args.json_out,
+        server_cpu=None if args.no_pin else args.server_cpu,
+        client_cpu=None if args.no_pin else args.client_cpu,
+        repeats=args.repeats,
+        against=args.against,
+        as_json=args.json,
+    )
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    bench = sub.add_parser("bench", help="benchmarks (each starts its own mesh on free ports)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    bench_predict = bench_sub.add_parser(
+        "predict",
+        help="Predict through the mesh vs its model server alone, CPU per answer by process",
+    )
+    bench_predict.add_argument("--spec")
+    bench_predict.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    bench_predict.add_argument("--seconds", type=float, default=6.0, help="per measurement")
+    bench_predict.add_argument("--repeats", type=int, default=3, help="rounds per row (>= 3)")
+    bench_predict.add_argument(
+        "--direct", action="store_true", help="also load one gateway straight (no Envoy)"
+    )
+    bench_predict.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench_predict.add_argument("--json-out", help="also write the report here")
+    bench_predict.set_defaults(func=cmd_bench_predict)
+    bench_observe = bench_sub.add_parser(
+        "observe",
+        help="what tracing and the prediction log cost (a mesh with them against one "
+        "without, interleaved), and how soon a sampled trace can be read",
+    )
+    bench_observe.add_argument("--spec")
+    bench_observe.add_argument("--concurrency", type=int, default=64)
+    bench_observe.add_argument("--seconds", type=float, default=10.0, help="per measurement")
+    bench_observe.add_argument("--repeats", type=int, default=3, help="measurements per mesh")
+    bench_observe.add_argument(
+        "--probes", type=int, default=10, help="sampled Predicts timed to their trace, per phase"
+    )
+    bench_observe.add_argument(
+        "--split", action="store_true", help="also a mesh with tracing only, one with the log only"
+    )
+    bench_observe.add_argument("--json-out", help="also write the report here")
+    bench_observe.set_defaults(func=cmd_bench_observe)
+    bench_profile = bench_sub.add_parser(
+        "profile",
+        help="sample every Python service with py-spy under Predict load: top frames per kind",
+    )
+    bench_profile.add_argument("--spec")
+    bench_profile.add_argument("--concurrency", type=int, default=64)
+    bench_profile.add_argument("--seconds", type=float, default=8.0, help="sampled, under load")
+    bench_profile.add_argument("--rate", type=int, default=100, help="samples a second")
+    bench_profile.add_argument("--top", type=int, default=10, help="frames shown per kind")
+    bench_profile.add_argument("--out", help="where the raw stacks go (default: a temp dir)")
+    bench_profile.add_argument("--json-out", help="also write the report here")
+    bench_profile.set_defaults(func=cmd_bench_profile)
+    bench_model = bench_sub.add_parser(
+        "model",
+        help="the model server (adaptive, fixed window, batching off) vs echo and in-process",
+    )
+    bench_model.add_argument("--quick", action="store_true", help="1.5 s per measurement")
+    bench_model.add_argument("--seconds", type=float, help="per measurement (default 4)")
+    bench_model.add_argument("--rate", type=float, help="open-loop req/s (default 1600)")
+    bench_model.add_argument("--concurrency", type=int, nargs="+", help="default: 1 16 64")
+    bench_model.add_argument("--server-cpu", type=int, default=0)
+    bench_model.add_argument("--client-cpu", type=int, default=1)
+    bench_model.add_argument("--no-pin", action="store_true", help="do not pin to CPUs")
+    bench_model.add_argument("--json-out", help="also write the report here")
+    bench_model.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench_model.add_argument(
+        "--repeats", type=int, default=3, help="measurements per row (median, min-max)"
+    )
+    bench_model.add_argument(
+        "--against",
+        nargs="+",
+        choices=["triton"],
+        default=[],
+        help="peers measured in the same run (triton: pytriton from .venv-pytriton)",
+    )
+    bench_model.set_defaults(func=cmd_bench_model)
