@@ -80,9 +80,10 @@ def _flag_rows(parser: argparse.ArgumentParser) -> list[str]:
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
             continue
-        names = ", ".join(action.option_strings) or action.metavar or action.dest
+        metavar = action.metavar if isinstance(action.metavar, str) else None
+        names = ", ".join(action.option_strings) or metavar or action.dest
         if action.option_strings and action.nargs != 0:
-            names += f" {action.metavar or action.dest.upper()}"
+            names += f" {metavar or action.dest.upper()}"
         what = (action.help or "").replace("%%", "%").replace("|", "\\|")
         if action.choices is not None and not isinstance(action.choices, dict):
             what += f" (one of: {', '.join(str(c) for c in action.choices)})"
