@@ -9,6 +9,6 @@ prove it holds.
 - `servemesh.chaos.drill`: one running drill (its mesh, `chaos.mesh`, and its load), with
   its timeline (`chaos.timeline`), guard (`chaos.guard`), what faults leave running
   (`chaos.leftovers`) and which instances a fault acts on (`chaos.scope`).
-- `servemesh.chaos.runner` / `servemesh.chaos.cli`: `servemesh chaos run FILE`, `servemesh
-  chaos list`. The drills themselves are in `chaos/experiments/`.
+- `servemesh.chaos.runner` (its command in servemesh/cli/chaos.py): `servemesh chaos run
+  FILE`, `servemesh chaos list`. The drills themselves are in `chaos/experiments/`.
 """

@@ -7,7 +7,7 @@
     wiring.py          the store and log a gateway's spec asks for
     query.py           LogQuery answered by DuckDB (Parquet) or PostgreSQL
 
-`servemesh log` (servemesh/log_cli.py) is the command line over query.py.
+`servemesh log` (servemesh/cli/log.py) is the command line over query.py.
 """
 
 from servemesh.predlog.buffer import PredictionLog
