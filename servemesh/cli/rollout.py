@@ -27,9 +27,9 @@ from servemesh.cli.output import console, out
 from servemesh.proxy.admin import AdminError
 from servemesh.proxy.apply import ApplyError, MeshPaths, RouteManager
 from servemesh.rollout.controller import Controller, ControllerError, Parts, StartRequest
-from servemesh.rollout.state import RolloutState, StateStore
 from servemesh.rollout.types import Ending, Outcome
 from servemesh.rollout_plan import RolloutPlan
+from servemesh.rollout_state import RolloutState, StateStore
 from servemesh.spec import SpecError
 
 _VERDICT_STYLE = {" pass:": "green", " fail:": "bold red", " wait:": "yellow"}

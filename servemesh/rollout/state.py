@@ -8,18 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from servemesh.rollout.types import ArmWindow, Check, ChecklistItem
-from servemesh.rollout_state import CheckRecord, RolloutState, StateError, StateStore, WindowRecord
-
-# servemesh/cli/rollout.py still imports these from here; servemesh.rollout_state is their home.
-__all__ = [
-    "RolloutState",
-    "StateError",
-    "StateStore",
-    "arm_of",
-    "check_record",
-    "checklist_record",
-    "window_record",
-]
+from servemesh.rollout_state import CheckRecord, WindowRecord
 
 
 def check_record(check: Check) -> CheckRecord:
