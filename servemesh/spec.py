@@ -559,6 +559,64 @@ class SandboxSpec(_Strict):
     model_user: str = "auto"
 
 
+# A Redis stream key (a consumer reads one and writes two).
+StreamKey = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9:._{}-]{0,199}$")]
+
+
+class StreamSpec(_Strict):
+    """One streaming prediction: a consumer group reading events from a Redis stream,
+    writing one prediction per event to an output stream (`servemesh stream`,
+    docs/serving-patterns.md). Delivery is at least once with an idempotent effect: an
+    event is acknowledged only after its prediction is written, and a redelivered event
+    never adds a second output entry."""
+
+    name: Name
+    # The model that scores each event; `version` pins one (through the mesh, a pin at 0%
+    # of traffic is refused unless the caller is an operator); null: the routes decide
+    # (mesh), or the version with the most traffic (in_process).
+    model: Name
+    version: Name | None = None
+    # mesh: each batch is one Predict through the edge (routing, canaries, deadlines and
+    # the prediction log apply); in_process: the consumer loads the registry's verified
+    # artifact itself and reads the views straight from the feature store.
+    mode: Literal["mesh", "in_process"] = "mesh"
+    # The stream keys; null: streams:<name>:in, :out and :dead.
+    input: StreamKey | None = None
+    output: StreamKey | None = None
+    dead_letter: StreamKey | None = None
+    group: Name = "servemesh"
+    # Where the streams live; null: the mesh's own Redis (feature_store.redis_url).
+    redis_url: str | None = None
+    # A file whose first line is that Redis's password (with redis_url).
+    password_file: str | None = None
+    # A new group starts at the stream's first entry (earliest) or at its end (latest).
+    start: Literal["earliest", "latest"] = "earliest"
+    # Events read (and scored) per batch, and how long a read waits for one.
+    batch_size: Annotated[int, Field(ge=1, le=10_000)] = 64
+    block_ms: Annotated[int, Field(ge=1, le=60_000)] = 100
+    # Another consumer's pending entry idle this long is taken over (a consumer that died).
+    claim_min_idle: Duration = "30s"
+    # How long the marker that an event's prediction was written is kept: a redelivery
+    # later than this would write a second output entry.
+    dedup_ttl: Duration = "1d"
+    # The deadline of each Predict (mesh) or batch (in_process).
+    deadline_ms: Annotated[float, Field(gt=0, le=600_000)] = 2000.0
+    # The output and dead-letter streams are trimmed to about this many entries.
+    max_output_entries: Annotated[int, Field(ge=1000, le=1_000_000_000)] = 1_000_000
+
+    @property
+    def input_key(self) -> str:
+        return self.input or f"streams:{self.name}:in"
+
+    @property
+    def output_key(self) -> str:
+        return self.output or f"streams:{self.name}:out"
+
+    @property
+    def dead_letter_key(self) -> str:
+        return self.dead_letter or f"streams:{self.name}:dead"
+
+
 class MeshSpec(_Strict):
     name: Name = "servemesh"
     host: str = "127.0.0.1"
@@ -587,6 +645,8 @@ class MeshSpec(_Strict):
     discovery: DiscoverySpec = Field(default_factory=DiscoverySpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     sandbox: SandboxSpec = Field(default_factory=SandboxSpec)
+    # Streaming predictions: one consumer process per entry, started by `servemesh up`.
+    streams: list[StreamSpec] = Field(default_factory=list, max_length=64)
 
     @field_validator("host")
     @classmethod
@@ -638,6 +698,38 @@ class MeshSpec(_Strict):
                             f"{where}.features: not in feature view {spec.view!r}: {lacking[:10]}"
                         )
         return self
+
+    @model_validator(mode="after")
+    def _streams_name_known_models(self) -> MeshSpec:
+        names = [s.name for s in self.streams]
+        twice = sorted(n for n, count in Counter(names).items() if count > 1)
+        if twice:
+            raise ValueError(f"streams: names used more than once: {twice}")
+        for i, stream in enumerate(self.streams):
+            model = self.models.get(stream.model)
+            if model is None:
+                raise ValueError(
+                    f"streams[{i}].model: {stream.model!r} is not one of models "
+                    f"{sorted(self.models)}"
+                )
+            if stream.version is not None and stream.version not in model.versions:
+                raise ValueError(
+                    f"streams[{i}].version: {stream.version!r} is not a version of "
+                    f"{stream.model!r}: {sorted(model.versions)}"
+                )
+            keys = [stream.input_key, stream.output_key, stream.dead_letter_key]
+            if len(set(keys)) != 3:
+                raise ValueError(f"streams[{i}]: input, output and dead_letter must differ")
+            if stream.password_file is not None and stream.redis_url is None:
+                raise ValueError(f"streams[{i}].password_file: only with redis_url")
+        return self
+
+    def stream(self, name: str) -> StreamSpec:
+        for stream in self.streams:
+            if stream.name == name:
+                return stream
+        known = [s.name for s in self.streams]
+        raise SpecError(f"no stream named {name!r} in the spec's streams; known: {known}")
 
     def entity_of(self, view: str) -> str:
         """The entity `view` is keyed by: its `entity`, else its own name."""

@@ -117,6 +117,9 @@ ALLOWED: dict[str, set[str]] = {
     # (the registry's artifact client: the checklist verifies a version's sha256 with it;
     # the error-budget gate reads the budgets slo_rules defines)
     "rollout": CONTRACT | TOOLING | {"registry", "slo_rules"},
+    # streaming predictions: a Redis stream consumer scoring through the edge, or in process
+    # with the model server's loader and the feature store's reads and writes
+    "streams": CONTRACT | {"credentials", "services.feature", "services.model"},
     # loads a user's feature file through a running mesh's feature service (its row checks)
     "features": CONTRACT | {"proxy", "services.feature"},
     # the command line (servemesh/cli/, one module per command group): `compose` and

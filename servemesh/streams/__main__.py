@@ -1,0 +1,3 @@
+from servemesh.streams.process import main
+
+raise SystemExit(main())

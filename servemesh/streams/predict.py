@@ -1,0 +1,421 @@
+"""How a batch of events becomes predictions: through the mesh's edge, or in this process.
+
+Both answer, per event, a `Prediction` or the `Poison` it is (dead-lettered with the
+reason), and raise `Transient` for a failure that a later try may not meet (the batch
+stays pending and is read again). Which gRPC statuses are which:
+
+    poison     INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, OUT_OF_RANGE
+    transient  everything else (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...)
+
+A Predict of many events that answers a poison status is split: each event is asked
+alone, so one bad id never takes its batch-mates to the dead-letter stream.
+
+Feature values an event carries are written into its view's current version first
+(`FeatureWriter`, straight to the feature store's Redis), so the prediction reads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+import numpy as np
+import redis.asyncio as aioredis
+
+from servemesh.services.feature.store import (
+    LoadInProgress,
+    RedisFeatureStore,
+    VersionMoved,
+    pack_rows,
+)
+from servemesh.spec import ResolvedSpec, StreamSpec
+from servemesh.streams.events import Event, Poison
+
+POISON_CODES = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
+# An edge token the consumer signs for itself (jwt edge auth) is renewed this long before
+# it expires.
+TOKEN_TTL_S = 300.0
+TOKEN_RENEW_S = 60.0
+
+
+class Transient(Exception):
+    """A failure worth trying again (the events stay pending); `code` names it."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the output entry of one event holds besides the event's id and entity."""
+
+    model: str
+    version: str
+    outputs: dict[str, Any]
+    degraded: bool = False
+    request_id: str = ""
+
+
+Outcome = Prediction | Poison
+
+
+class Predictor(Protocol):
+    async def predict(self, events: Sequence[Event]) -> list[Outcome]: ...
+
+    async def close(self) -> None: ...
+
+
+def _rows_of(array: np.ndarray) -> list[Any]:
+    rows: list[Any] = array.tolist()
+    # One number per row ([n] or [n, 1]) reads as a number.
+    return [r[0] if isinstance(r, list) and len(r) == 1 else r for r in rows]
+
+
+def tensor_rows(tensor: Any) -> list[Any]:
+    """A public Tensor's values, one per row."""
+    for name in (
+        "float_values",
+        "double_values",
+        "int64_values",
+        "int_values",
+        "uint64_values",
+        "uint_values",
+        "bool_values",
+    ):
+        values = getattr(tensor, name)
+        if len(values):
+            shape = list(tensor.shape) or [len(values)]
+            return _rows_of(np.asarray(list(values)).reshape(shape))
+    return [None for _ in range(tensor.shape[0] if tensor.shape else 0)]
+
+
+class FeatureWriter:
+    """Writes the feature values events carry into their views' current versions."""
+
+    def __init__(self, store: RedisFeatureStore, spec: ResolvedSpec, model: str) -> None:
+        self.store = store
+        self.spec = spec
+        self.views = spec.models[model].views
+
+    def entity_of(self, event: Event, view: str) -> str:
+        entity = self.spec.entity_of(view)
+        if isinstance(event.entity, str):
+            return event.entity
+        found = event.entity.get(entity)
+        if found is None:
+            raise Poison(f"entity: names no {entity!r} id (view {view!r} is keyed by it)")
+        return found
+
+    async def write(self, events: Sequence[Event]) -> dict[str, Poison]:
+        """Write every event's values; the events refused, by id (their rows unwritten)."""
+        refused: dict[str, Poison] = {}
+        by_view: dict[str, list[tuple[Event, str, dict[str, float]]]] = {}
+        for event in events:
+            for view, values in event.features.items():
+                try:
+                    entity = self.entity_of(event, view)
+                except Poison as exc:
+                    refused[event.id] = exc
+                    continue
+                by_view.setdefault(view, []).append((event, entity, values))
+        for view, rows in by_view.items():
+            for _ in range(3):
+                version = await self.store.current(view)
+                if version is None:
+                    for event, _entity, _values in rows:
+                        refused[event.id] = Poison(f"features: view {view!r} has no rows yet")
+                    break
+                ids: list[str] = []
+                matrix: list[list[float]] = []
+                times: list[int] = []
+                for event, entity, values in rows:
+                    if event.id in refused:
+                        continue
+                    unknown = sorted(set(values) - set(version.features))
+                    lacking = [f for f in version.features if f not in values]
+                    if unknown or lacking:
+                        what = (
+                            f"not features of {view!r}: {unknown[:5]}"
+                            if unknown
+                            else (f"a write gives every feature of {view!r}; lacks {lacking[:5]}")
+                        )
+                        refused[event.id] = Poison(f"features: {what}")
+                        continue
+                    ids.append(entity)
+                    matrix.append([values[f] for f in version.features])
+                    times.append(event.event_time_ms)
+                if not ids:
+                    break
+                packed = pack_rows(
+                    np.asarray(matrix, dtype=np.float32), np.asarray(times, dtype=np.int64)
+                )
+                try:
+                    await self.store.write_current(version, ids, packed)
+                    break
+                except VersionMoved:
+                    continue
+                except LoadInProgress as exc:
+                    raise Transient("UNAVAILABLE", str(exc)) from None
+            else:
+                raise Transient("UNAVAILABLE", f"view {view!r}: its version keeps changing")
+        return refused
+
+
+def feature_store_client(spec: ResolvedSpec) -> aioredis.Redis:
+    return aioredis.Redis.from_url(
+        spec.redis_url, password=spec.redis_password(), socket_connect_timeout=2.0
+    )
+
+
+class _EdgeAuth:
+    """The credentials the consumer sends at the edge, as `servemesh predict` does: a token
+    it signs for itself (jwt), or the mesh's basic credentials."""
+
+    def __init__(self, spec: ResolvedSpec, subject: str) -> None:
+        self.spec = spec
+        self.subject = subject
+        self._token: tuple[float, list[tuple[str, str]]] | None = None
+
+    def metadata(self) -> list[tuple[str, str]]:
+        from servemesh.wire import AUTHORIZATION_HEADER
+
+        auth = self.spec.traffic.edge_auth
+        mode = auth.active_mode
+        if mode == "jwt":
+            now = time.monotonic()
+            if self._token is None or self._token[0] < now:
+                from servemesh.identity.tokens import issue_token, load_signing_key
+
+                key = load_signing_key(self.spec.state_dir)
+                token = issue_token(
+                    auth, self.spec.name, key, role=auth.roles[0], subject=self.subject,
+                    ttl_s=TOKEN_TTL_S,
+                )  # fmt: skip
+                header = [(AUTHORIZATION_HEADER, f"Bearer {token}")]
+                self._token = (now + TOKEN_TTL_S - TOKEN_RENEW_S, header)
+            return list(self._token[1])
+        if mode == "basic":
+            from servemesh.credentials import authorization_value, read_edge_credentials
+
+            credentials = read_edge_credentials(Path(self.spec.state_dir))
+            if credentials is not None:
+                return [(AUTHORIZATION_HEADER, authorization_value(*credentials))]
+        return []
+
+
+class MeshPredictor:
+    """One Predict per batch through the mesh's edge: routing, canaries, deadlines, the
+    prediction log and the gateway's metrics apply as to any caller."""
+
+    def __init__(
+        self, spec: ResolvedSpec, stream: StreamSpec, *, address: str | None = None
+    ) -> None:
+        from servemesh.identity import dial_edge_at
+
+        self.spec = spec
+        self.stream = stream
+        self.channel = dial_edge_at(spec, address or spec.edge_address).aio_channel()
+        self.auth = _EdgeAuth(spec, f"servemesh-stream:{stream.name}")
+        self.timeout_s = stream.deadline_ms / 1000
+
+    async def predict(self, events: Sequence[Event]) -> list[Outcome]:
+        from servemesh_api.gateway.v1 import gateway_pb2
+
+        entities = self.spec.entities_of(self._model)
+        if len(entities) != 1 and any(isinstance(e.entity, str) for e in events):
+            # A bare id names the model's only entity; this model reads several.
+            bare = f"entity: a bare id, but model {self.stream.model!r} reads {entities}"
+            keep = [e for e in events if not isinstance(e.entity, str)]
+            scored = iter(await self.predict(keep) if keep else [])
+            return [Poison(bare) if isinstance(e.entity, str) else next(scored) for e in events]
+        request = gateway_pb2.PredictRequest(
+            model=self.stream.model, version=self.stream.version or ""
+        )
+        for event in events:
+            ids = {entities[0]: event.entity} if isinstance(event.entity, str) else event.entity
+            request.entities.add().ids.update(ids)
+        try:
+            reply = await self._call(request)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code not in POISON_CODES:
+                raise Transient(code.name, exc.details() or "") from None
+            if len(events) == 1:
+                return [Poison(f"{code.name}: {exc.details()}")]
+            # Which event is it? Each one alone.
+            parts = await asyncio.gather(*(self.predict([e]) for e in events))
+            return [outcome for part in parts for outcome in part]
+        outputs = {name: tensor_rows(reply.outputs[name]) for name in sorted(reply.outputs)}
+        scores = list(reply.scores)
+        answers: list[Outcome] = []
+        for i in range(len(events)):
+            row = {name: values[i] for name, values in outputs.items()}
+            if not row and i < len(scores):
+                row = {"score": scores[i]}
+            answers.append(
+                Prediction(
+                    model=self.stream.model,
+                    version=reply.model_version,
+                    outputs=row,
+                    degraded=reply.degraded,
+                    request_id=reply.request_id,
+                )
+            )
+        return answers
+
+    @property
+    def _model(self) -> Any:
+        return self.spec.models[self.stream.model]
+
+    async def _call(self, request: Any) -> Any:
+        from servemesh_api.gateway.v1 import gateway_pb2_grpc
+
+        stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        return await stub.Predict(request, timeout=self.timeout_s, metadata=self.auth.metadata())
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class ModelRunnerLike(Protocol):
+    def run(self, batch: Any) -> Any: ...
+
+
+class InProcessPredictor:
+    """The model in this process: the registry's verified artifact (loaded once), the
+    views read straight from the feature store. No routing, canary or gateway: the version
+    is the stream's pin, else the one with the most traffic."""
+
+    def __init__(
+        self,
+        spec: ResolvedSpec,
+        stream: StreamSpec,
+        store: RedisFeatureStore,
+        runner: ModelRunnerLike,
+        *,
+        version: str,
+        input_names: Sequence[str],
+        output_names: Sequence[str],
+    ) -> None:
+        model = spec.models[stream.model]
+        inputs = model.effective_inputs
+        raw = sorted(name for name, source in inputs.items() if source.raw)
+        if raw:
+            raise ValueError(
+                f"stream {stream.name!r}: in_process scores models whose inputs all come "
+                f"from views; {stream.model!r} takes raw inputs {raw} (use mode: mesh)"
+            )
+        self.spec = spec
+        self.stream = stream
+        self.store = store
+        self.runner = runner
+        self.version = version
+        self.inputs = {name: inputs[name] for name in input_names}
+        self.output_names = list(output_names)
+
+    @staticmethod
+    def default_version(spec: ResolvedSpec, stream: StreamSpec) -> str:
+        if stream.version is not None:
+            return stream.version
+        traffic = spec.models[stream.model].traffic
+        return max(traffic, key=lambda v: (traffic[v], v))
+
+    @classmethod
+    async def from_registry(
+        cls, spec: ResolvedSpec, stream: StreamSpec, store: RedisFeatureStore
+    ) -> InProcessPredictor:
+        """Download and verify (sha256) the version from the mesh's registry, and load it
+        with the model server's own loader."""
+        from servemesh.identity import dial_registry
+        from servemesh.services.model.loader import registry_loader
+        from servemesh.wire import message_size_options
+
+        version = cls.default_version(spec, stream)
+        options = message_size_options(spec.limits.max_message_bytes)
+        async with dial_registry(spec).aio_channel(options=options) as channel:
+            loaded = await registry_loader(channel, spec)(stream.model, version)
+        await loaded.close()  # the batcher: this process runs the model itself
+        return cls(
+            spec,
+            stream,
+            store,
+            loaded.runner,
+            version=loaded.version,
+            input_names=[t.name for t in loaded.signature.inputs],
+            output_names=[t.name for t in loaded.signature.outputs],
+        )
+
+    async def predict(self, events: Sequence[Event]) -> list[Outcome]:
+        poison: dict[int, Poison] = {}
+        matrices: dict[str, np.ndarray] = {}
+        for name, source in self.inputs.items():
+            assert source.view is not None and source.features is not None
+            entity = self.spec.entity_of(source.view)
+            ids: list[str] = []
+            for i, event in enumerate(events):
+                if isinstance(event.entity, str):
+                    ids.append(event.entity)
+                elif entity in event.entity:
+                    ids.append(event.entity[entity])
+                else:
+                    ids.append("")
+                    poison.setdefault(i, Poison(f"entity: names no {entity!r} id"))
+            version, rows = await self.store.read(source.view, [i or "-" for i in ids])
+            if version is None or rows is None:
+                raise Transient("FAILED_PRECONDITION", f"view {source.view!r} has no rows yet")
+            try:
+                positions = version.positions(source.features)
+            except KeyError as exc:
+                lacks = f"view {source.view!r} lacks {exc}"
+                raise Transient("FAILED_PRECONDITION", lacks) from None
+            for i, present in enumerate(rows.present):
+                if not present:
+                    poison.setdefault(
+                        i, Poison(f"NOT_FOUND: entity {ids[i]!r} is not in view {source.view!r}")
+                    )
+            matrices[name] = np.ascontiguousarray(rows.values[:, positions], dtype=np.float32)
+        keep = [i for i in range(len(events)) if i not in poison]
+        answers: list[Outcome] = [poison.get(i) or Poison("") for i in range(len(events))]
+        if not keep:
+            return answers
+        if len(self.inputs) == 1:
+            batch: Any = next(iter(matrices.values()))[keep]
+        else:
+            from servemesh.services.model.batching.rows import NamedRows
+
+            batch = NamedRows({name: m[keep] for name, m in matrices.items()})
+        result = await asyncio.to_thread(self.runner.run, batch)
+        arrays = (
+            {self.output_names[0]: result}
+            if isinstance(result, np.ndarray)
+            else {name: result[name] for name in self.output_names}
+        )
+        per_output = {name: _rows_of(np.asarray(a)) for name, a in arrays.items()}
+        for j, i in enumerate(keep):
+            answers[i] = Prediction(
+                model=self.stream.model,
+                version=self.version,
+                outputs={name: rows[j] for name, rows in per_output.items()},
+            )
+        return answers
+
+    async def close(self) -> None:
+        await self.store.client.aclose()
+
+
+def encode_outputs(outputs: dict[str, Any]) -> str:
+    return json.dumps(outputs, separators=(",", ":"))
