@@ -76,7 +76,9 @@ SERVICE_MODULES = {
 # model or registry server, so those drain together (each takes half a second or more to
 # exit; one after another they added a second to every stop).
 # The trace store stops after every service, so the spans they flush on the way out land.
+# Stream consumers (servemesh.streams) stop first: each finishes its batch in flight.
 STOP_ORDER = [
+    ["stream"],
     ["prometheus"],
     ["envoy"],
     ["gateway"],
@@ -206,6 +208,7 @@ class Mesh:
             self._start_envoy(deadline)
             self.supervisor.wait_ready(gateways, deadline)
             self._start_prometheus(deadline)
+            self._start_streams(deadline)
             self._write_endpoints()
             self._start_fleet_follower()
         except BaseException:
@@ -545,6 +548,22 @@ class Mesh:
         self.supervisor.start(
             "envoy", argv, ready=ready, timeout_s=max(0.0, deadline - time.monotonic())
         )
+
+    def _start_streams(self, deadline: float) -> None:
+        """A consumer process per entry of the spec's `streams` (python -m servemesh.streams),
+        once the edge answers; ready when its group exists (it writes its ready file)."""
+        for stream in self.spec.streams:
+            ready = self.state_dir / "streams" / f"{stream.name}.ready"
+            ready.unlink(missing_ok=True)
+            argv = [sys.executable, "-m", "servemesh.streams", "--spec"]
+            argv += [str(self.resolved_spec_path), "--name", stream.name]
+            self.supervisor.start(
+                f"stream-{stream.name}",
+                argv,
+                group="stream",
+                ready=Check(ready.exists, f"stream {stream.name}: consumer ready ({ready})"),
+                timeout_s=max(0.0, deadline - time.monotonic()),
+            )
 
     def _start_prometheus(self, deadline: float) -> None:
         """Prometheus scraping every service and Envoy, when the spec wants one and the

@@ -36,6 +36,7 @@ MESH_PATHS = (
     "rollout/test_rollout_drills.py",
     "rollout/test_rollout_mesh.py",
     "rollout/test_sticky.py",
+    "streams/test_mesh_streams.py",
     "tracing/test_mesh_traces.py",
 )
 _TESTS = Path(__file__).parent

@@ -137,6 +137,7 @@ ALLOWED: dict[str, set[str]] = {
         "fuzz",
         "model_bench",
         "features",
+        "streams",
         "tracestore",
         "rollout",
         "discovery",
