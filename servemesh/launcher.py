@@ -230,7 +230,7 @@ class Mesh:
             self.endpoints_path.unlink(missing_ok=True)
             self.fleet_status_path.unlink(missing_ok=True)
 
-    def __enter__(self) -> Mesh:
+    def __enter__(self) -> Self:
         self.start()
         return self
 

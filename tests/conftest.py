@@ -57,8 +57,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.option.markexpr.replace(" ", "") == "notmesh":
         # The fast lane: nothing may start Envoy, session fixtures included. Test modules
         # are imported after this, so their own `from ... import envoy_command` gets it too.
-        process.envoy_command = _envoy_refused  # type: ignore[assignment]
-        launcher.envoy_command = _envoy_refused  # type: ignore[assignment]
+        process.envoy_command = _envoy_refused
+        # launcher imports the name without re-exporting it; its copy is replaced as well.
+        launcher.envoy_command = _envoy_refused  # type: ignore[attr-defined]
 
 
 def _envoy_refused(*args: object, **kwargs: object) -> list[str]:

@@ -306,7 +306,7 @@ def _plan() -> dict[str, Any]:
 def test_the_plan_is_applied_once_and_then_updated_in_place() -> None:
     fake = RecordingConsul()
     plan = _plan()
-    apply_plan(fake, plan, pause=lambda s: None)  # type: ignore[arg-type]
+    apply_plan(fake, plan, pause=lambda s: None)
     assert set(fake.policies) == {f"compose-{c}" for c in CLIENTS}
     assert {t["secret_id"] for t in fake.tokens.values()} == {f"secret-{c}" for c in CLIENTS}
     gateway = next(t for t in fake.tokens.values() if t["secret_id"] == "secret-gateway")
@@ -314,7 +314,7 @@ def test_the_plan_is_applied_once_and_then_updated_in_place() -> None:
     assert fake.policies["compose-gateway"]["rules"]["service"] == {"gateway": {"policy": "write"}}
 
     fake.calls.clear()
-    apply_plan(fake, plan, pause=lambda s: None)  # type: ignore[arg-type]
+    apply_plan(fake, plan, pause=lambda s: None)
     assert "policy.create" not in fake.calls and "token.create" not in fake.calls
     assert fake.calls.count("token.update") == len(CLIENTS)
     assert len(fake.tokens) == len(CLIENTS)
@@ -323,10 +323,10 @@ def test_the_plan_is_applied_once_and_then_updated_in_place() -> None:
 def test_a_refusing_leader_is_retried_then_given_up_on() -> None:
     pauses: list[float] = []
     fake = RecordingConsul(refusals=2)
-    apply_plan(fake, _plan(), attempts=3, every_s=0.5, pause=pauses.append)  # type: ignore[arg-type]
+    apply_plan(fake, _plan(), attempts=3, every_s=0.5, pause=pauses.append)
     assert pauses == [0.5, 0.5] and len(fake.tokens) == len(CLIENTS)
     with pytest.raises(AclNotReady, match="3 times"):
-        apply_plan(RecordingConsul(refusals=99), _plan(), attempts=3, pause=pauses.append)  # type: ignore[arg-type]
+        apply_plan(RecordingConsul(refusals=99), _plan(), attempts=3, pause=pauses.append)
 
 
 def test_the_token_comes_from_the_spec_s_file_else_the_environment_s(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import os
 import urllib.error
 import urllib.request
+from collections.abc import Awaitable
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,10 @@ from servemesh.discovery.registration import join_catalog
 from servemesh.spec import MeshSpec, ResolvedSpec, resolve
 
 ADDRESS = os.environ.get("CONSUL_HTTP_ADDR", "127.0.0.1:8500").removeprefix("http://")
+
+
+async def _awaited(step: Awaitable[None]) -> None:
+    await step
 
 
 def _agent_answers(address: str) -> bool:
@@ -62,7 +67,7 @@ def test_an_instance_registers_is_listed_with_its_zone_and_leaves(tmp_path: Path
         ]
         assert check["Type"] == "grpc"
     finally:
-        asyncio.run(leave())
+        asyncio.run(_awaited(leave()))
     # A blocking query wakes for the removal.
     _, after = catalog.watch("model", index, 10)
     assert not [e for e in after if e.instance == "model-zone-b-0"]

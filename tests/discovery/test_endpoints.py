@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -21,10 +22,10 @@ def _spec(**overrides: object) -> ResolvedSpec:
     return resolve(MeshSpec.model_validate({"ports": {"edge": 0, "mesh": 0}, **overrides}))
 
 
-def _hosts(files: dict[Path, dict[str, object]], cluster: str) -> list[tuple[str, int, str]]:
+def _hosts(files: dict[Path, dict[str, Any]], cluster: str) -> list[tuple[str, int, str]]:
     """(address:port, priority, zone) of every endpoint in a cluster's file."""
     content = files[LAYOUT.eds(cluster)]
-    [assignment] = content["resources"]  # type: ignore[index]
+    [assignment] = content["resources"]
     found = []
     for locality in assignment["endpoints"]:
         for lb in locality["lb_endpoints"]:
@@ -96,7 +97,7 @@ def test_the_file_catalog_is_the_spec_s_instances_at_their_ports() -> None:
              for e in FileCatalog(spec).entries(kind)]  # fmt: skip
     files = endpoint_files(resources, LAYOUT, every)
     for name, assignment in resources.load_assignments.items():
-        assert files[LAYOUT.eds(name)]["resources"][0]["endpoints"] == assignment["endpoints"]  # type: ignore[index]
+        assert files[LAYOUT.eds(name)]["resources"][0]["endpoints"] == assignment["endpoints"]
 
 
 def test_registration_names_kind_instance_zone_versions_and_a_mutual_tls_check() -> None:

@@ -156,7 +156,7 @@ async def load_view(stub: feature_pb2_grpc.FeatureServiceStub, ids: list[str]) -
     rng = np.random.default_rng(7)
     values = rng.standard_normal((len(ids), len(DEMO_FEATURES))).astype("<f4")
 
-    async def messages():  # type: ignore[no-untyped-def]
+    async def messages():
         yield feature_pb2.LoadFeaturesRequest(
             header=feature_pb2.LoadHeader(view=VIEW, feature_names=DEMO_FEATURES, source="bench")
         )
@@ -378,7 +378,7 @@ def _with_control(
     credential = control_metadata(ensure_control_token(state_dir))
 
     class Loading:
-        async def LoadFeatures(self, messages):  # type: ignore[no-untyped-def]  # noqa: N802
+        async def LoadFeatures(self, messages):  # noqa: N802
             return await stub.LoadFeatures(messages, metadata=credential, timeout=120)
 
     return Loading()  # type: ignore[return-value]

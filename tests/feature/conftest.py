@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import numpy as np
@@ -80,7 +80,7 @@ def features_spec(
     redis_url: str,
     state_dir: Path,
     views: Mapping[str, FeatureViewSpec],
-    missing: str = "error",
+    missing: Literal["error", "defaults"] = "error",
     max_message_bytes: int = 4 * 1024 * 1024,
     password_file: Path | None = None,
     limits: Limits | None = None,
@@ -108,6 +108,8 @@ def features_spec(
 
 
 StartFeatures = Callable[..., Coroutine[Any, Any, RunningFeatures]]
+# What a view does with a row older than its max_age (FeatureViewSpec.staleness).
+Staleness = Literal["error", "default", "degraded"]
 
 
 @pytest.fixture
@@ -166,7 +168,7 @@ async def load_rows(
 
 
 async def fresh_and_old(
-    start_features: StartFeatures, policy: str, max_age: str | None = "1h"
+    start_features: StartFeatures, policy: Staleness, max_age: str | None = "1h"
 ) -> tuple[feature_pb2_grpc.FeatureServiceStub, int, str]:
     """A view with `max_age` holding `old` (two days old) and `new` (now): its stub, now,
     and the service's metrics address."""

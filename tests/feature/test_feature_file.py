@@ -12,11 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from servemesh.features import FeatureFile, FileError
+from servemesh.features._read import FileRows
 
 NOW_MS = 1_800_000_000_000
 
 
-def read_all(file: FeatureFile, key: str = "id", timestamp: str | None = None) -> list:
+def read_all(file: FeatureFile, key: str = "id", timestamp: str | None = None) -> list[FileRows]:
     layout = file.layout(key, timestamp, None)
     return list(file.read(layout, allow_nan=False, now_ms=NOW_MS))
 

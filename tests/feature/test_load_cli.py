@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
 import grpc
@@ -24,7 +24,9 @@ CUSTOMER = {"customer": FeatureViewSpec(features=["amount", "visits"])}
 ANY_COLUMNS = {"events": FeatureViewSpec(features=None)}
 
 
-def write_parquet(path: Path, columns: dict[str, list[object]], row_group_size: int = 1000) -> Path:
+def write_parquet(
+    path: Path, columns: Mapping[str, Sequence[object]], row_group_size: int = 1000
+) -> Path:
     pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
     return path
 

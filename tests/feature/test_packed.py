@@ -11,7 +11,7 @@ import pytest
 from servemesh.services.feature.wire import build_request, read_matrix
 from servemesh.spec import FeatureViewSpec
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
-from tests.feature.conftest import DAY_MS, StartFeatures, fresh_and_old, load_rows
+from tests.feature.conftest import DAY_MS, Staleness, StartFeatures, fresh_and_old, load_rows
 
 FEATURES = ["a", "b", "c"]
 
@@ -91,7 +91,7 @@ async def test_a_view_with_no_rows_yet_answers_packed_defaults(
     [("default", [9.0, -1.0], True), ("degraded", [1.0, 2.0], False)],
 )
 async def test_stale_rows_follow_the_views_policy_in_the_packed_answer(
-    start_features: StartFeatures, policy: str, old_row: list[float], old_defaulted: bool
+    start_features: StartFeatures, policy: Staleness, old_row: list[float], old_defaulted: bool
 ) -> None:
     stub, now, _ = await fresh_and_old(start_features, policy)
     plain, packed = await both(stub, "fresh", ["new", "old"], ["a", "b"])

@@ -85,7 +85,7 @@ def wine_request(**changes: object) -> gateway_pb2.PredictRequest:
             for key, tensor in value.items():  # type: ignore[attr-defined]
                 request.inputs[key].CopyFrom(tensor)
         else:
-            request.ClearField(name)  # type: ignore[arg-type]
+            request.ClearField(name)
             getattr(request, name).extend(value)
     return request
 

@@ -125,4 +125,4 @@ async def test_a_row_the_model_refuses_fails_only_its_own_predict(
     assert answers[3] == grpc.StatusCode.INVALID_ARGUMENT
     good = [a for i, a in enumerate(answers) if i != 3]
     assert all(isinstance(a, gateway_pb2.PredictResponse) for a in good)
-    assert [a.scores[0] for a in good] == [1.0, 2.0, 3.0, 4.0, 5.0]  # type: ignore[union-attr]
+    assert [a.scores[0] for a in good] == [1.0, 2.0, 3.0, 4.0, 5.0]

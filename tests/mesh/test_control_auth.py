@@ -178,11 +178,11 @@ def test_a_control_call_without_the_credential_changes_nothing(
     call = _calls(channels)[method]
     with pytest.raises(grpc.RpcError) as missing:
         call(())
-    assert missing.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
-    assert missing.value.details() == MISSING  # type: ignore[attr-defined]
+    assert missing.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert missing.value.details() == MISSING
     with pytest.raises(grpc.RpcError) as wrong:
         call(WRONG)
-    assert wrong.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
+    assert wrong.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert _state(mesh, channels) == before
 
 
@@ -198,7 +198,7 @@ def test_the_unload_of_the_issue_leaves_fraud_loaded(
                 stub.RepositoryModelUnload(
                     oip.RepositoryModelUnloadRequest(model_name="fraud"), timeout=10
                 )
-            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
             health = health_pb2_grpc.HealthStub(channel)
             status = health.Check(
                 health_pb2.HealthCheckRequest(service=version_health_name("fraud", "v1")),
@@ -225,8 +225,8 @@ def test_with_the_credential_a_load_works_and_a_version_outside_the_spec_is_refu
             metadata=credential,
             timeout=30,
         )
-    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
-    details = refused.value.details()  # type: ignore[attr-defined]
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = refused.value.details()
     assert "fraud/v99" in details and "servemesh apply" in details
     index = model.RepositoryIndex(oip.RepositoryIndexRequest(), timeout=10)
     assert ("fraud", "v99") not in {(m.name, m.version) for m in index.models}

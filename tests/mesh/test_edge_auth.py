@@ -14,11 +14,17 @@ from pathlib import Path
 
 import grpc
 import pytest
+from cryptography.hazmat.primitives.asymmetric import ec
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servemesh.identity import dial_edge
 from servemesh.identity.edge_client import dial_edge_as
-from servemesh.identity.tokens import ensure_signing_key, issue_token, load_signing_key
+from servemesh.identity.tokens import (
+    DEFAULT_TTL_S,
+    ensure_signing_key,
+    issue_token,
+    load_signing_key,
+)
 from servemesh.launcher import Mesh
 from servemesh.policy import EdgeAuth, TrafficSpec
 from servemesh.rollout.analysis import EndpointsSource, pinned_between, window
@@ -38,11 +44,25 @@ def jwt_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         yield running
 
 
-def _token(spec: ResolvedSpec, role: str, **kwargs: object) -> str:
-    key = kwargs.pop("key", None) or load_signing_key(spec.state_dir)
+def _token(
+    spec: ResolvedSpec,
+    role: str,
+    *,
+    key: ec.EllipticCurvePrivateKey | None = None,
+    ttl_s: float = DEFAULT_TTL_S,
+    now: float | None = None,
+    issuer: str | None = None,
+) -> str:
     return issue_token(
-        spec.traffic.edge_auth, spec.name, key, role=role, subject=f"test-{role}", **kwargs
-    )  # type: ignore[arg-type]
+        spec.traffic.edge_auth,
+        spec.name,
+        key or load_signing_key(spec.state_dir),
+        role=role,
+        subject=f"test-{role}",
+        ttl_s=ttl_s,
+        now=now,
+        issuer=issuer,
+    )
 
 
 def _bearer(token: str) -> Metadata:
@@ -69,7 +89,7 @@ def _predict(
 
 
 def _code(answer: gateway_pb2.PredictResponse | grpc.RpcError) -> grpc.StatusCode:
-    return answer.code() if isinstance(answer, grpc.RpcError) else grpc.StatusCode.OK  # type: ignore[attr-defined]
+    return answer.code() if isinstance(answer, grpc.RpcError) else grpc.StatusCode.OK
 
 
 # --- mode jwt -----------------------------------------------------------------------------
@@ -110,7 +130,7 @@ def test_only_a_pin_role_or_the_operator_certificate_pins_a_version_at_zero(
     refused = _predict(spec, caller, version="v2")
     assert isinstance(refused, grpc.RpcError)
     assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert refused.details().startswith("version: ")  # type: ignore[attr-defined]
+    assert refused.details().startswith("version: ")
     # The caller's own copy of the role header never reaches the gateway.
     forged = _predict(spec, (*caller, (CALLER_ROLE_HEADER, "operator")), version="v2")
     assert _code(forged) == grpc.StatusCode.PERMISSION_DENIED
@@ -143,10 +163,10 @@ def test_refusals_name_what_was_sent_and_never_the_catalogue(jwt_mesh: Mesh) -> 
     caller = _bearer(_token(spec, "caller"))
     model = _predict(spec, caller, model="nope")
     assert isinstance(model, grpc.RpcError) and model.code() == grpc.StatusCode.NOT_FOUND
-    assert model.details() == "model: 'nope' is not served"  # type: ignore[attr-defined]
+    assert model.details() == "model: 'nope' is not served"
     version = _predict(spec, caller, version="v9")
     assert isinstance(version, grpc.RpcError)
-    assert version.details() == "version: model 'fraud' has no version 'v9'"  # type: ignore[attr-defined]
+    assert version.details() == "version: model 'fraud' has no version 'v9'"
 
 
 # --- edge auth off: the client certificate alone ------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -25,7 +25,7 @@ from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.apply import ApplyError, RouteManager
 from servemesh.proxy.live_apply import LiveApply
 from servemesh.registry.client import push_version
-from servemesh.spec import MeshSpec, Ports
+from servemesh.spec import DemoSpec, MeshSpec, Ports
 from servemesh.wire import LOAD_VERSION_PARAMETER, message_size_options
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.inference import grpc_service_pb2 as oip
@@ -59,7 +59,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     spec = MeshSpec(
         ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
         state_dir=str(tmp_path_factory.mktemp("live-apply")),
-        demo={"enabled": True, "entities": ENTITIES},
+        demo=DemoSpec(enabled=True, entities=ENTITIES),
     )
     with Mesh.from_spec(spec) as running:
         asyncio.run(_push_all(running))
@@ -68,6 +68,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 async def _push(mesh: Mesh, model: str, version: str, data: bytes) -> None:
     options = message_size_options(mesh.spec.limits.max_message_bytes)
+    signature = demo_signature()
     async with dial_registry(mesh.spec).aio_channel(options=options) as channel:
         await push_version(
             channel,
@@ -75,7 +76,8 @@ async def _push(mesh: Mesh, model: str, version: str, data: bytes) -> None:
             version=version,
             data=data,
             credential=control_metadata_for(mesh.state_dir),
-            **demo_signature(),
+            inputs=signature["inputs"],
+            outputs=signature["outputs"],
         )
 
 
@@ -104,6 +106,10 @@ def _held(mesh: Mesh, replica: str) -> set[tuple[str, str]]:
         stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
         index = stub.RepositoryIndex(oip.RepositoryIndexRequest(ready=True), timeout=5)
     return {(m.name, m.version) for m in index.models}
+
+
+def _unloaded(mesh: Mesh, replica: str) -> Callable[[], bool]:
+    return lambda: not {("fraud", "v3"), ("risk", "v1")} & _held(mesh, replica)
 
 
 def _replicas(mesh: Mesh) -> list[str]:
@@ -210,12 +216,7 @@ def test_models_and_versions_come_and_go_under_load_without_losing_a_request(
         assert sorted(removed.plan.removed_versions) == [("fraud", "v3"), ("risk", "v1")]
         # Envoy no longer routes them; the replicas unload what the spec dropped.
         for replica in _replicas(mesh):
-            wait_until(
-                lambda replica=replica: (
-                    not {("fraud", "v3"), ("risk", "v1")} & _held(mesh, replica)
-                ),
-                f"{replica} to unload fraud v3 and risk v1",
-            )
+            wait_until(_unloaded(mesh, replica), f"{replica} to unload fraud v3 and risk v1")
         with dial_edge(mesh.spec).channel() as channel:
             stub = gateway_pb2_grpc.GatewayStub(channel)
             with pytest.raises(grpc.RpcError) as gone:

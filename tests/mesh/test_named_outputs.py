@@ -142,8 +142,8 @@ async def push_wine(spec: ResolvedSpec, registry: grpc.aio.Channel) -> None:
         model="wine",
         version="v1",
         data=exported(MODEL, example),
-        inputs=SIGNATURE["inputs"],  # type: ignore[arg-type]
-        outputs=SIGNATURE["outputs"],  # type: ignore[arg-type]
+        inputs=SIGNATURE["inputs"],
+        outputs=SIGNATURE["outputs"],
         format="torch_export",
         credential=control_metadata_for(spec.state_dir),
     )

@@ -24,7 +24,7 @@ from servemesh.identity import dial_edge
 from servemesh.launcher import TRACE_STORE, Mesh
 from servemesh.load import BackgroundLoad, Outcome, predict_target
 from servemesh.predlog.buffer import STATUS_FILE, predictions_dir
-from servemesh.spec import MeshSpec, Ports, Replicas
+from servemesh.spec import DemoSpec, MeshSpec, Ports, Replicas
 from servemesh.tracestore.receiver import store_path
 from servemesh.tracestore.store import TraceStore
 from servemesh.wire import TRACE_HEADERS
@@ -53,7 +53,7 @@ def small_mesh_spec(state_dir: Path, **updates: Any) -> MeshSpec:
         gateway=one,
         feature=one,
         model_servers=one,
-        demo={"enabled": True, "entities": ENTITIES},
+        demo=DemoSpec(enabled=True, entities=ENTITIES),
     )
     return spec.model_copy(
         update={

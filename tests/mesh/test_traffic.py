@@ -33,7 +33,7 @@ from servemesh.policy import CircuitBreakers, RetryPolicy, RoutePolicy
 from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.apply import ApplyError, RouteManager
 from servemesh.services.runtime.faults import FaultSettings, set_fault
-from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, Ports
+from servemesh.spec import DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Ports
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.waiting import wait_until
 
@@ -64,7 +64,7 @@ def traffic_spec(state_dir: str) -> MeshSpec:
                 ),
             ),
         },
-        demo={"enabled": True, "entities": ENTITIES},
+        demo=DemoSpec(enabled=True, entities=ENTITIES),
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import grpc
 import pytest
@@ -182,7 +183,7 @@ def test_the_recording_rules_yield_the_slis_after_traffic(
     assert all(0 < value < 10 for _, value in p99)
 
 
-def _top(mesh: Mesh, source: str) -> dict[str, object]:
+def _top(mesh: Mesh, source: str) -> dict[str, Any]:
     answer = subprocess.run(
         [
             sys.executable,
@@ -202,7 +203,7 @@ def _top(mesh: Mesh, source: str) -> dict[str, object]:
         timeout=120,
     )
     assert answer.returncode == 0, answer.stderr
-    report: dict[str, object] = json.loads(answer.stdout)
+    report: dict[str, Any] = json.loads(answer.stdout)
     return report
 
 
@@ -224,7 +225,7 @@ def test_top_shows_the_version_traffic_went_to(
     sender.start()
     try:
 
-        def seen() -> dict[str, object] | None:
+        def seen() -> dict[str, Any] | None:
             report = _top(metrics_mesh, source)
             versions = report["versions"]
             assert isinstance(versions, list)
@@ -236,7 +237,7 @@ def test_top_shows_the_version_traffic_went_to(
         stop.set()
         sender.join()
     assert report["source"] == ("prometheus" if source == "prometheus" else "metrics endpoints")
-    services = {r["service"]: r for r in report["services"]}  # type: ignore[union-attr]
+    services = {r["service"]: r for r in report["services"]}
     assert services["gateway"]["rps"] > 0
     cost = report["cost"]
     assert isinstance(cost, dict)

@@ -18,7 +18,7 @@ import torch
 
 from servemesh.demo import Artifact
 from servemesh.identity import dial_address, serving_credentials
-from servemesh.services.model.batching import MONOTONIC, Batcher, BatchRunner, Clock
+from servemesh.services.model.batching import MONOTONIC, Batcher, BatchRunner, Clock, Rows
 from servemesh.services.model.loader import LoadedModel, warm_up_sizes
 from servemesh.services.model.runner import ModelRunner
 from servemesh.services.model.service import SERVICE_NAME
@@ -79,6 +79,12 @@ def rows(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).normal(size=(n, FEATURES)).astype(np.float32)
 
 
+def array_of(answer: Rows | BaseException) -> np.ndarray:
+    """A demo model's rows: it takes and gives one tensor, so they are one array."""
+    assert isinstance(answer, np.ndarray), answer
+    return answer
+
+
 def marked(value: float, n: int = 1) -> np.ndarray:
     """n rows filled with `value`: a request the model's input log can be searched for."""
     return np.full((n, FEATURES), value, dtype=np.float32)
@@ -128,7 +134,8 @@ class GatedModel:
         if not held:
             self._open.set()
 
-    def run(self, batch: np.ndarray) -> np.ndarray:
+    def run(self, batch: Rows) -> Rows:
+        batch = array_of(batch)
         self.started.append(self.clock.now())
         self.batches.append(batch.copy())
         if not self._open.is_set():
@@ -172,8 +179,8 @@ class AnnouncingBatcher(Batcher):
         self.admitted: asyncio.Queue[str] = asyncio.Queue()
 
     def enqueue(
-        self, rows: np.ndarray, deadline: float, request_id: str, priority: int = 0
-    ) -> asyncio.Future[np.ndarray]:
+        self, rows: Rows, deadline: float, request_id: str, priority: int = 0
+    ) -> asyncio.Future[Rows]:
         answer = super().enqueue(rows, deadline, request_id, priority)
         self.admitted.put_nowait(request_id)
         return answer

@@ -123,7 +123,7 @@ async def test_a_draining_replica_reports_every_version_not_serving(replica: Rep
         name = version_health_name("fraud", version)
         answer = await replica.server.health.Check(
             health_pb2.HealthCheckRequest(service=name),
-            None,  # type: ignore[arg-type]
+            None,
         )
         assert answer.status == NOT_SERVING
 

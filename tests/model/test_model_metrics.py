@@ -21,6 +21,7 @@ from servemesh.spec import (
     ModelSpec,
     ModelVersionSpec,
     Ports,
+    ResolvedSpec,
     SpecError,
     resolve,
 )
@@ -32,7 +33,7 @@ INSTANCE = "model-zone-a-0"
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def mesh_spec(tmp_path: Path, batching: BatchingSpec) -> MeshSpec:
+def mesh_spec(tmp_path: Path, batching: BatchingSpec) -> ResolvedSpec:
     return resolve(
         MeshSpec(
             ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
@@ -65,7 +66,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 @asynccontextmanager
 async def model_server(
-    spec: MeshSpec, loader: ModelLoader
+    spec: ResolvedSpec, loader: ModelLoader
 ) -> AsyncIterator[grpc_service_pb2_grpc.GRPCInferenceServiceStub]:
     server = await build_server(spec, INSTANCE, loader=loader, tls=False)
     await server.start()

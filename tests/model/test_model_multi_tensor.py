@@ -18,7 +18,7 @@ import torch
 from servemesh.services.model.artifacts import Format
 from servemesh.services.model.batching import Batcher, ManualClock, NamedRows, Rows, row_count
 from servemesh.services.model.errors import InferenceFailed, LoadError
-from servemesh.services.model.loader import LoadedModel, load_model
+from servemesh.services.model.loader import LoadedModel, ModelLoader, load_model
 from servemesh.services.model.runner import ModelRunner
 from servemesh.services.model.servicer import InferenceServicer
 from servemesh.services.model.tensors import (
@@ -334,7 +334,7 @@ async def test_multi_tensor_requests_share_a_batch_and_a_bad_one_fails_alone() -
 Built = dict[str, tuple[torch.nn.Module, tuple[torch.Tensor, ...], Signature]]
 
 
-def artifact_loader(models: Built, format: Format):  # type: ignore[no-untyped-def]
+def artifact_loader(models: Built, format: Format) -> ModelLoader:
     """A ModelLoader serving `models` as version v1, saved in `format` first."""
 
     async def load(model: str, version: str) -> LoadedModel:

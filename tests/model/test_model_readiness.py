@@ -14,10 +14,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servemesh.demo import Artifact
+from servemesh.policy import ShadowSpec
 from servemesh.services.model.loader import LoadedModel
 from servemesh.services.model.readiness import ModelServer, routed_versions
 from servemesh.services.model.service import SERVICE_NAME, build_server
-from servemesh.spec import MeshSpec, ModelSpec, Ports, resolve
+from servemesh.spec import MeshSpec, ModelSpec, Ports, ResolvedSpec, resolve
 from servemesh_api.inference import grpc_service_pb2 as oip
 from tests.control_kit import accept_test_credential, credentialed_channel
 from tests.model.model_helpers import Stub, rows
@@ -28,7 +29,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def _spec() -> MeshSpec:
+def _spec() -> ResolvedSpec:
     return resolve(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
 
 
@@ -101,7 +102,7 @@ def test_routed_versions_are_weighted_ones_and_shadow_targets() -> None:
     spec = MeshSpec(
         models={
             "fraud": ModelSpec(traffic={"v1": 100, "v2": 0}),
-            "churn": ModelSpec(traffic={"v1": 0, "v2": 100}, shadow={"version": "v1"}),
+            "churn": ModelSpec(traffic={"v1": 0, "v2": 100}, shadow=ShadowSpec(version="v1")),
         }
     )
     assert routed_versions(spec) == {("fraud", "v1"), ("churn", "v2"), ("churn", "v1")}
@@ -120,7 +121,7 @@ async def test_unloading_the_routed_version_turns_not_serving_and_loading_it_bac
     assert not (await stub.ServerReady(oip.ServerReadyRequest(), timeout=5)).ready
     [line] = [r for r in caplog.records if r.name == "servemesh.services.model.readiness"]
     assert line.getMessage() == "not ready: routed versions missing"
-    assert line.missing == ["fraud:v1"]
+    assert vars(line)["missing"] == ["fraud:v1"]
     await _load(stub, "v1")
     assert await _status(channel) == (SERVING, SERVING)
     assert (await stub.ServerReady(oip.ServerReadyRequest(), timeout=5)).ready
@@ -158,5 +159,5 @@ async def test_a_load_finishing_during_a_drain_does_not_turn_serving(
     # ... but the replica stays NOT_SERVING (the server no longer answers; ask its servicer).
     for service in ("", SERVICE_NAME):
         request = health_pb2.HealthCheckRequest(service=service)
-        answer = await server.health.Check(request, None)  # type: ignore[arg-type]
+        answer = await server.health.Check(request, None)
         assert answer.status == NOT_SERVING

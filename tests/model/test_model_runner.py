@@ -8,7 +8,7 @@ import torch
 
 from servemesh.demo import Artifact
 from servemesh.services.model.runner import ArtifactMismatch, ModelRunner, verify_artifact
-from tests.model.model_helpers import FEATURES, rows
+from tests.model.model_helpers import FEATURES, array_of, rows
 
 
 def load(artifact: Artifact, **kwargs: object) -> ModelRunner:
@@ -51,14 +51,14 @@ def test_runner_scores_match_torchscript_on_the_whole_batch(
     batch = rows(5)
     with torch.inference_mode():
         expected = reference[1](torch.from_numpy(batch.copy())).numpy()
-    np.testing.assert_allclose(runner.run(batch), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(array_of(runner.run(batch)), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_read_only_rows_are_accepted(artifacts: dict[int, Artifact]) -> None:
     runner = load(artifacts[1])
     view = np.frombuffer(rows(2).tobytes(), dtype="<f4").reshape(2, FEATURES)
     assert not view.flags.writeable
-    assert runner.run(view).shape == (2, 1)
+    assert array_of(runner.run(view)).shape == (2, 1)
 
 
 def test_warm_up_times_each_size_and_counts_injected_latency_without_sleeping(
@@ -70,7 +70,7 @@ def test_warm_up_times_each_size_and_counts_injected_latency_without_sleeping(
     assert slept == []  # 3 runs x 3 sizes would have slept 0.9 s
     assert sorted(timings) == [1, 4, 8]
     assert all(seconds >= 0.1 for seconds in timings.values())  # yet it is counted
-    assert runner.run(rows(1)).shape == (1, 1)
+    assert array_of(runner.run(rows(1))).shape == (1, 1)
     assert slept == [0.1]  # serving does sleep: it is a drill knob
 
 

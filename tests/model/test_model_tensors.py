@@ -23,7 +23,7 @@ from servemesh.services.model.tensors import (
 from servemesh.wire import REPLICA_PARAMETER, ZONE_PARAMETER
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.registry.v1 import registry_pb2
-from tests.model.model_helpers import FEATURES, SIGNATURE, rows
+from tests.model.model_helpers import FEATURES, SIGNATURE, array_of, rows
 
 MAX_ROWS = 8
 Request = oip.ModelInferRequest
@@ -54,9 +54,10 @@ def test_raw_input_decodes_without_copying() -> None:
     batch = rows(3)
     request = raw_request(batch)
     decoded = decode_request(request, SIGNATURE, MAX_ROWS)
-    np.testing.assert_array_equal(decoded.rows, batch)
-    assert decoded.rows.dtype == np.dtype("<f4") and decoded.rows.shape == (3, FEATURES)
-    assert not decoded.rows.flags.owndata  # a view over the request's bytes
+    decoded_rows = array_of(decoded.rows)
+    np.testing.assert_array_equal(decoded_rows, batch)
+    assert decoded_rows.dtype == np.dtype("<f4") and decoded_rows.shape == (3, FEATURES)
+    assert not decoded_rows.flags.owndata  # a view over the request's bytes
     assert decoded.raw and decoded.outputs == ("score",)
 
 
@@ -87,7 +88,8 @@ def _set(attr: str, value: object) -> Callable[[Request], None]:
     return lambda request: setattr(request.inputs[0], attr, value)
 
 
-BAD_RAW_REQUESTS: dict[str, tuple[Callable[[Request], None], str]] = {
+# case: (how to break a good request, the error it draws); what a mutation returns is unused.
+BAD_RAW_REQUESTS: dict[str, tuple[Callable[[Request], object], str]] = {
     "wrong datatype": (_set("datatype", "FP64"), "inputs[0].datatype: expected FP32, got FP64"),
     "wrong feature dim": (_set_shape([2, 63]), "inputs[0].shape: expected [-1, 64], got [2, 63]"),
     "wrong rank": (_set_shape([2, 64, 1]), "inputs[0].shape: expected [-1, 64], got [2, 64, 1]"),

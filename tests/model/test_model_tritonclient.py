@@ -21,7 +21,8 @@ from servemesh.services.model.service import SERVICE_NAME
 from servemesh.services.model.servicer import InferenceServicer
 from servemesh.services.runtime import ServiceServer
 from servemesh_api.inference import grpc_service_pb2_grpc
-from tests.model.test_model_server import REPLICA, demo_loader
+from tests.model.model_helpers import REPLICA
+from tests.model.test_model_server import demo_loader
 
 REPO = Path(__file__).resolve().parents[2]
 TRITON_PYTHON = REPO / ".venv-triton" / "bin" / "python"
@@ -82,14 +83,16 @@ async def test_tritonclient_works_unchanged(
     assert metadata["outputs"] == [{"name": "score", "datatype": "FP32", "shape": ["-1", "1"]}]
 
     expected = reference_scores(reference[1], seen["inputs"])
-    close = {"rtol": 1e-5, "atol": 1e-6}
-    np.testing.assert_allclose(seen["raw_scores"], expected, **close)
-    np.testing.assert_allclose(seen["with_parameters"], expected[:1], **close)
-    np.testing.assert_allclose(np.reshape(seen["typed_scores"], (3, 1)), expected, **close)
+    rtol, atol = 1e-5, 1e-6
+    np.testing.assert_allclose(seen["raw_scores"], expected, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(seen["with_parameters"], expected[:1], rtol=rtol, atol=atol)
+    typed = np.reshape(seen["typed_scores"], (3, 1))
+    np.testing.assert_allclose(typed, expected, rtol=rtol, atol=atol)
     assert seen["typed_raw_outputs"] == 0  # typed in, typed out
     assert len(seen["async_answers"]) == 16
     for index, answer in enumerate(seen["async_answers"]):
-        np.testing.assert_allclose(answer, expected[index % 3 : index % 3 + 1], **close)
+        row = expected[index % 3 : index % 3 + 1]
+        np.testing.assert_allclose(answer, row, rtol=rtol, atol=atol)
 
     assert seen["wrong_shape"] == {
         "status": "StatusCode.INVALID_ARGUMENT",

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from servemesh.netns import ZoneNetwork
 from servemesh.procs import Check, Supervisor
@@ -31,21 +33,26 @@ OWNER = (
 )
 
 
-def printed(log: Path) -> dict[str, object] | None:
+def printed(log: Path) -> dict[str, Any] | None:
     lines = [line for line in log.read_text().splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if lines else None
+
+
+def has_printed(log: Path) -> Callable[[], bool]:
+    return lambda: printed(log) is not None
 
 
 @needs_netns
 def test_a_dead_owners_network_is_swept_and_a_live_ones_is_left(tmp_path: Path) -> None:
     with Supervisor(tmp_path) as owners:
-        names = {}
+        names: dict[str, dict[str, Any]] = {}
         for owner in ("dead", "live"):
             argv = [sys.executable, "-c", OWNER, str(free_port()), str(free_port())]
             log = tmp_path / f"{owner}.log"
-            owners.start(owner, argv, ready=Check(lambda log=log: printed(log) is not None,
-                                                  f"{owner} created its network"))  # fmt: skip
-            names[owner] = printed(log)
+            owners.start(owner, argv, ready=Check(has_printed(log), f"{owner} created its network"))
+            found = printed(log)
+            assert found is not None
+            names[owner] = found
         dead_pid, live_pid = owners.pid("dead"), owners.pid("live")
         assert names["dead"] and names["dead"]["pid"] == dead_pid
         before_dead, before_live = owned_by(dead_pid), owned_by(live_pid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,10 @@ from tests.predlog.records import CONTEXT, BlockedStore, captured
 from tests.waiting import wait_until_async
 
 NOW = 1_800_000_000.0
+
+
+def _write_errors_are(log: PredictionLog, count: int) -> Callable[[], bool]:
+    return lambda: log.stats()["write_errors"] == count
 
 
 def _log(store: BlockedStore, status: Path | None = None, **settings: object) -> PredictionLog:
@@ -101,7 +106,7 @@ async def test_a_failing_store_is_counted_and_the_log_goes_on(
     log.start()
     for i in range(3):
         log.append(captured(NOW, request_id=f"r{i}"))
-        await wait_until_async(lambda i=i: log.stats()["write_errors"] == i + 1, "a failed write")
+        await wait_until_async(_write_errors_are(log, i + 1), "a failed write")
     # Counted every time, logged once per interval.
     assert [r.getMessage() for r in caplog.records].count(
         "prediction log: a batch could not be written"

@@ -55,6 +55,6 @@ async def test_a_missing_artifact_names_the_version_not_the_file(
     assert _leaks(error.details(), registry) == []
 
 
-async def _drain(call: grpc.aio.UnaryStreamCall) -> None:  # type: ignore[type-arg]
+async def _drain(call: grpc.aio.UnaryStreamCall) -> None:
     async for _ in call:
         pass

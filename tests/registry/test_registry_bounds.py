@@ -16,6 +16,7 @@ from servemesh.demo import Artifact
 from servemesh.registry.app import registry_server
 from servemesh.registry.client import push_version
 from servemesh.registry.store import RegistryStore
+from servemesh.services.runtime import ServiceServer
 from servemesh_api.registry.v1 import registry_pb2 as pb
 from servemesh_api.registry.v1 import registry_pb2_grpc
 from tests.control_kit import TEST_CREDENTIAL, TEST_TOKEN, credentialed_channel
@@ -62,7 +63,7 @@ Start = Callable[..., Awaitable[tuple[RegistryStore, grpc.aio.Channel, str]]]
 async def start_registry(tmp_path: Path) -> AsyncIterator[Start]:
     """`await start_registry(quota_bytes=..., idle_s=...)`: store, credentialed channel,
     address of a registry server with those bounds."""
-    running = []
+    running: list[tuple[ServiceServer, grpc.aio.Channel]] = []
 
     async def start(
         quota_bytes: int | None = None, idle_s: float = 30.0

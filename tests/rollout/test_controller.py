@@ -24,7 +24,8 @@ def weights_set(world: World) -> list[dict[str, int]]:
 
 
 def test_a_good_version_goes_from_shadow_to_full_and_is_promoted(tmp_path: Path) -> None:
-    world, lines = World(), []
+    world = World()
+    lines: list[str] = []
     ending = controller(tmp_path, world, lines=lines).start("fraud", "v2", short_plan(*FULL))
     assert ending.outcome == Outcome.PROMOTED, ending
     assert world.changes[0][1:] == ("shadow", "v2")
@@ -61,7 +62,8 @@ def test_a_failing_canary_is_rolled_back_within_one_interval_naming_the_check(
     tmp_path: Path,
 ) -> None:
     # 1,000 calls/s: the 1% arm has its 10 samples after one interval.
-    world, lines = World(rate_per_s=1000), []
+    world = World(rate_per_s=1000)
+    lines: list[str] = []
     world.arms["v2"] = Arm(error_ratio=0.30)
     plan = short_plan(1, 5, 100)
     ending = controller(tmp_path, world, lines=lines).start("fraud", "v2", plan)
@@ -268,7 +270,8 @@ def test_a_rollout_left_past_its_deadline_is_rolled_back_by_the_next_look(
 
 
 def test_pause_holds_the_step_and_resume_lets_it_go_on(tmp_path: Path) -> None:
-    world, lines = World(), []
+    world = World()
+    lines: list[str] = []
     ctl = controller(tmp_path, world, lines=lines)
     paused_at: list[float] = []
 
@@ -457,7 +460,7 @@ def test_a_fleet_strategy_watches_the_new_version_with_the_controllers_analysis(
         verdict = ctx.watch()
         if verdict is not None:
             ctx.manager.set_weights(ctx.model, {ctx.baseline: 100})
-            return verdict  # type: ignore[no-any-return]
+            return verdict
         return Ending(Outcome.PROMOTED, "switched")
 
     fleet = SimpleNamespace(StrategyContext=Context, run_blue_green=run_blue_green)

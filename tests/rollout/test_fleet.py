@@ -39,7 +39,7 @@ from servemesh.rollout.fleet import (
 from servemesh.rollout.types import Check, Ending
 from servemesh.rollout.types import Outcome as RolloutOutcome
 from servemesh.rollout_plan import RolloutPlan
-from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, Ports, Replicas
+from servemesh.spec import DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Ports, Replicas
 from servemesh.wire import model_cluster
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.waiting import wait_until
@@ -73,7 +73,7 @@ def fleet_mesh_spec(state_dir: Path) -> MeshSpec:
                 traffic={"v1": 100, "v2": 0},
             )
         },
-        demo={"enabled": True, "entities": ENTITIES},
+        demo=DemoSpec(enabled=True, entities=ENTITIES),
     )
     return spec.model_copy(
         update={"metrics": spec.metrics.model_copy(update={"prometheus": "off"})}

@@ -15,7 +15,7 @@ from servemesh.proxy.apply import MeshPaths, RouteManager
 from servemesh.rollout.fleet import StrategyContext, fleet_status, run_blue_green
 from servemesh.rollout.types import Outcome
 from servemesh.rollout_plan import RolloutPlan
-from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, Ports, Replicas
+from servemesh.spec import DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Ports, Replicas
 
 pytestmark = pytest.mark.mesh
 
@@ -56,7 +56,7 @@ def test_the_mesh_owns_the_green_set_and_stops_it(tmp_path: Path) -> None:
                 traffic={"v1": 100, "v2": 0},
             )
         },
-        demo={"enabled": True, "entities": 20},
+        demo=DemoSpec(enabled=True, entities=20),
     )
     spec = spec.model_copy(
         update={"metrics": spec.metrics.model_copy(update={"prometheus": "off"})}

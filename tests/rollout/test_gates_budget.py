@@ -21,15 +21,15 @@ from servemesh.rollout.budget import (
 )
 from servemesh.rollout_plan import RolloutSpec, SloSpec
 from servemesh.slo_rules import BUDGET_LEFT, BURN_RATE, burn_windows, render_rules, slow_bound_s
-from servemesh.spec import MeshSpec, Ports, resolve
+from servemesh.spec import MeshSpec, Ports, ResolvedSpec, resolve
 
 PROMTOOL = promtool_binary()
 
 
 def test_the_windows_are_the_sre_workbook_ones_for_a_30_day_slo() -> None:
     fast, slow = burn_windows(30 * 86400, 2.0)
-    assert (fast.short, fast.long, fast.threshold) == ("300s", "3600s", pytest.approx(14.4))
-    assert (slow.short, slow.long, slow.threshold) == ("1800s", "21600s", pytest.approx(6.0))
+    assert (fast.short, fast.long) == ("300s", "3600s") and fast.threshold == pytest.approx(14.4)
+    assert (slow.short, slow.long) == ("1800s", "21600s") and slow.threshold == pytest.approx(6.0)
 
 
 def test_short_slo_windows_are_floored_at_four_scrapes_and_lower_their_threshold() -> None:
@@ -50,7 +50,7 @@ def test_the_slow_bound_rounds_the_p99_objective_up_to_a_bucket() -> None:
     assert math.isinf(slow_bound_s(60_000))
 
 
-def _spec(tmp_path: Path, slos: dict[str, SloSpec]) -> MeshSpec:
+def _spec(tmp_path: Path, slos: dict[str, SloSpec]) -> ResolvedSpec:
     return resolve(
         MeshSpec(
             ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),

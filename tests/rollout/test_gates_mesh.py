@@ -35,7 +35,15 @@ from servemesh.rollout_plan import (
     SloSpec,
 )
 from servemesh.slo_rules import BUDGET_LEFT, BURN_RATE, burn_windows
-from servemesh.spec import MeshSpec, MetricsSpec, ModelSpec, ModelVersionSpec, Ports, ResolvedSpec
+from servemesh.spec import (
+    DemoSpec,
+    MeshSpec,
+    MetricsSpec,
+    ModelSpec,
+    ModelVersionSpec,
+    Ports,
+    ResolvedSpec,
+)
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
 from tests.registry.registry_kit import blob_path, corrupt
@@ -67,7 +75,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
                 traffic={"v1": 100, "v2": 0},
             )
         },
-        demo={"enabled": True, "entities": ENTITIES},
+        demo=DemoSpec(enabled=True, entities=ENTITIES),
         # A fast scrape: the budget's windows floor at four scrapes.
         metrics=MetricsSpec(scrape_interval_s=1.0),
         rollout=RolloutSpec(slos={"fraud": SLO}, freeze=FREEZE),

@@ -34,7 +34,7 @@ from servemesh.proxy.live_view import live_view
 from servemesh.rollout.gates import error_budget_item
 from servemesh.rollout_plan import FreezeSpec, RolloutSpec, SloSpec
 from servemesh.rollout_state import StateStore
-from servemesh.spec import MeshSpec, MetricsSpec, ModelSpec, ModelVersionSpec, Ports
+from servemesh.spec import DemoSpec, MeshSpec, MetricsSpec, ModelSpec, ModelVersionSpec, Ports
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.waiting import wait_until
 
@@ -90,7 +90,7 @@ def rollout_spec(state_dir: Path) -> MeshSpec:
                 versions=VERSIONS, traffic={v: 100 if v == "v1" else 0 for v in VERSIONS}
             )
         },
-        demo={"enabled": True, "entities": ENTITIES},
+        demo=DemoSpec(enabled=True, entities=ENTITIES),
         # A fast scrape: the budget's windows floor at four scrapes.
         metrics=MetricsSpec(scrape_interval_s=1.0),
         rollout=RolloutSpec(
@@ -152,7 +152,7 @@ def rollout(
 
 
 def failed_calls(load: BackgroundLoad) -> list[str]:
-    return [f"{o.code}: {o.error}" for o in load.run.snapshot() if not o.ok]
+    return [f"{o.code} at {o.sent_s:.2f}s" for o in load.run.snapshot() if not o.ok]
 
 
 def last_line(result: subprocess.CompletedProcess[str]) -> str:

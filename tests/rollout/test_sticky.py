@@ -23,7 +23,6 @@ from servemesh.observe.scrape import sample, scrape
 from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_view import live_view
-from servemesh.proxy.render import bucket_ranges
 from servemesh.rollout.analysis import (
     MODEL_CALLS,
     ArmSnapshot,
@@ -37,7 +36,8 @@ from servemesh.rollout.types import ArmWindow
 from servemesh.rollout_plan import AnalysisSpec
 from servemesh.services.gateway.predict import sticky_bucket
 from servemesh.services.runtime.faults import FaultSettings, set_fault
-from servemesh.spec import MeshSpec, MetricsSpec, ModelSpec, ModelVersionSpec, Ports
+from servemesh.spec import DemoSpec, MeshSpec, MetricsSpec, ModelSpec, ModelVersionSpec, Ports
+from servemesh.wire import bucket_ranges
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.waiting import wait_until
 
@@ -62,7 +62,7 @@ def sticky_spec(state_dir: str) -> MeshSpec:
                 fallback_score=0.5,
             )
         },
-        demo={"enabled": True, "entities": ENTITIES},
+        demo=DemoSpec(enabled=True, entities=ENTITIES),
         metrics=MetricsSpec(scrape_interval_s=0.5),
     )
 

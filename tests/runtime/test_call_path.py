@@ -8,7 +8,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 import pytest
@@ -22,7 +22,7 @@ from servemesh.services.runtime.interceptors import with_unary_behaviour
 SERVICE = "servemesh.test.Path"
 ECHO = f"/{SERVICE}/Echo"
 # A protobuf message type, so an undecodable body has a type to be named after.
-Message = health_pb2.HealthCheckRequest
+Message: TypeAlias = health_pb2.HealthCheckRequest
 
 
 async def echo(request: Message, context: grpc.aio.ServicerContext) -> Message:

@@ -39,12 +39,12 @@ from tests.runtime.legacy_chain import server_span_around
 
 
 class _Echo(health_pb2_grpc.HealthServicer):
-    async def Check(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+    async def Check(self, request, context):  # noqa: N802
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
 
 class _Drop(trace_service_pb2_grpc.TraceServiceServicer):
-    async def Export(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
+    async def Export(self, request, context):  # noqa: N802
         return trace_service_pb2.ExportTraceServiceResponse()
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -23,11 +22,9 @@ from grpc_health.v1 import health_pb2
 from servemesh.identity import Dial, dial_edge
 from servemesh.launcher import Mesh
 from servemesh.proxy.admin import AdminClient
-from servemesh.tracestore.receiver import store_path
 from servemesh.tracestore.store import TraceStore
 from servemesh.wire import GATEWAY_SERVICE, HEALTH_SERVICE, method_path
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.mesh.conftest import test_mesh_spec
 from tests.mesh.test_edge_limits import relay_from
 from tests.waiting import wait_until
 
@@ -35,22 +32,6 @@ pytestmark = pytest.mark.mesh
 
 FLOOD = 200
 PREDICT_SPAN = ("gateway", f"{GATEWAY_SERVICE}/Predict")
-
-
-@pytest.fixture(scope="module")
-def traced_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    spec = test_mesh_spec(str(tmp_path_factory.mktemp("forced-traces")), entities=50)
-    # Ratio 0: only a caller's sampled traceparent records anything; the default budget.
-    tracing = spec.tracing.model_copy(update={"sample_ratio": 0.0, "export_interval_ms": 100})
-    with Mesh.from_spec(spec.model_copy(update={"tracing": tracing})) as mesh:
-        yield mesh
-
-
-@pytest.fixture(scope="module")
-def store(traced_mesh: Mesh) -> Iterator[TraceStore]:
-    opened = TraceStore(store_path(traced_mesh.state_dir))
-    yield opened
-    opened.close()
 
 
 def _traceparent(flags: str = "01") -> tuple[str, str]:

@@ -5,7 +5,6 @@ and a request nobody asked to trace leaves nothing behind (sample ratio 0)."""
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
 
 import pytest
 
@@ -13,30 +12,13 @@ from servemesh.cli import main
 from servemesh.identity import dial_edge
 from servemesh.identity.edge_client import dial_edge_as
 from servemesh.launcher import Mesh
-from servemesh.tracestore.receiver import store_path
 from servemesh.tracestore.store import SpanRecord, TraceStore
 from servemesh.wire import Span as SpanAttr
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.mesh.conftest import SLOW_VERSION, test_mesh_spec
+from tests.mesh.conftest import SLOW_VERSION
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.mesh
-
-
-@pytest.fixture(scope="module")
-def traced_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    spec = test_mesh_spec(str(tmp_path_factory.mktemp("traced-mesh")), entities=50)
-    # Ratio 0: only a caller's sampled traceparent records anything; spans leave quickly.
-    tracing = spec.tracing.model_copy(update={"sample_ratio": 0.0, "export_interval_ms": 100})
-    with Mesh.from_spec(spec.model_copy(update={"tracing": tracing})) as mesh:
-        yield mesh
-
-
-@pytest.fixture(scope="module")
-def store(traced_mesh: Mesh) -> Iterator[TraceStore]:
-    opened = TraceStore(store_path(traced_mesh.state_dir))
-    yield opened
-    opened.close()
 
 
 # Every trace id a test forced: the only traces a ratio-0 mesh may record.

@@ -3,6 +3,7 @@ and retention by age and by size on an injected clock."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -71,9 +72,9 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def store(tmp_path: Path, clock: Clock) -> TraceStore:
+def store(tmp_path: Path, clock: Clock) -> Iterator[TraceStore]:
     opened = TraceStore(tmp_path / "traces.db", clock=clock)
-    yield opened  # type: ignore[misc]
+    yield opened
     opened.close()
 
 

@@ -27,7 +27,6 @@ from servemesh.proxy.offline import validate_offline
 from servemesh.proxy.process import EnvoyConfigError, validate_config
 from servemesh.proxy.render import (
     XdsLayout,
-    bucket_ranges,
     dynamic_bootstrap,
     render_resources,
     static_bootstrap,
@@ -39,6 +38,7 @@ from servemesh.spec import (
     ModelSpec,
     ModelVersionSpec,
     NetworkSpec,
+    Ports,
     ResolvedSpec,
     TlsSpec,
     TracingSpec,
@@ -60,6 +60,7 @@ from servemesh.wire import (
     SHADOW_ROLE_HEADER,
     TRACE_COLLECTOR_CLUSTER,
     VERSION_HEADER,
+    bucket_ranges,
     method_path,
     model_cluster,
     model_servers_cluster,
@@ -75,10 +76,10 @@ _USER = "edge:{SHA}" + "A" * 27 + "="
 
 def _spec(**overrides: object) -> ResolvedSpec:
     ports = {"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0}
-    return resolve(MeshSpec(ports=ports, **overrides))
+    return resolve(MeshSpec.model_validate({"ports": ports, **overrides}))
 
 
-def _routes(spec: MeshSpec, config: str) -> list[dict[str, Any]]:
+def _routes(spec: ResolvedSpec, config: str) -> list[dict[str, Any]]:
     resources = render_resources(spec, Path("/tmp"))
     return resources.route_configs[config]["virtual_hosts"][0]["routes"]
 
@@ -455,7 +456,7 @@ def test_the_committed_example_config_is_what_the_default_spec_renders() -> None
 # --- control calls, admin, runtime, the hardened edge ------------------------------------
 
 
-def _hcms(spec: MeshSpec) -> dict[str, dict[str, Any]]:
+def _hcms(spec: ResolvedSpec) -> dict[str, dict[str, Any]]:
     """The gRPC listeners' connection managers (not Envoy's own stats listener)."""
     return {
         listener["name"]: listener["filter_chains"][0]["filters"][0]["typed_config"]
@@ -487,7 +488,7 @@ def test_every_listener_denies_exactly_the_control_methods() -> None:
 def test_admin_is_a_unix_socket_in_the_state_dir_never_a_port(tmp_path: Path) -> None:
     spec = resolve(
         MeshSpec(
-            ports={"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0},
+            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
             state_dir=str(tmp_path),
         )
     )
@@ -503,7 +504,7 @@ def test_a_state_dir_too_long_for_a_socket_is_refused_naming_the_field(tmp_path:
 
 
 def test_the_admin_runtime_layer_exists_only_in_the_drill_profile() -> None:
-    def layers(spec: MeshSpec) -> list[str]:
+    def layers(spec: ResolvedSpec) -> list[str]:
         bootstrap = static_bootstrap(spec, render_resources(spec, Path("/tmp")), Path("/tmp"))
         return [layer["name"] for layer in bootstrap["layered_runtime"]["layers"]]
 

@@ -6,8 +6,16 @@ import pytest
 
 from servemesh.demo import DEMO_FEATURES
 from servemesh.proxy.live_apply import _keeping_removed, over_running, resolved_target
-from servemesh.proxy.live_plan import PlanRefused, first_difference, plan_apply
-from servemesh.spec import FeatureViewSpec, MeshSpec, Ports, SpecError, parse_spec, resolve
+from servemesh.proxy.live_plan import ApplyPlan, PlanRefused, first_difference, plan_apply
+from servemesh.spec import (
+    FeatureViewSpec,
+    MeshSpec,
+    Ports,
+    Replicas,
+    SpecError,
+    parse_spec,
+    resolve,
+)
 
 # The demo mesh: fraud v1 (100) and v2 (0), reading the `user` view.
 RUNNING = resolve(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
@@ -24,7 +32,7 @@ def _fraud(extra_versions: str = "", traffic: str = "{v1: 100, v2: 0}") -> str:
     return FRAUD % (extra_versions, traffic)
 
 
-def _plan(text: str, *, prune: bool = False, running: MeshSpec = RUNNING):  # type: ignore[no-untyped-def]
+def _plan(text: str, *, prune: bool = False, running: MeshSpec = RUNNING) -> ApplyPlan:
     return plan_apply(running, parse_spec(text, "mesh.yaml"), prune=prune)
 
 
@@ -227,9 +235,9 @@ def _one_zone() -> MeshSpec:
         MeshSpec(
             ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
             zones=["zone-a"],
-            gateway={"per_zone": one},
-            feature={"per_zone": one},
-            model_servers={"per_zone": one},
+            gateway=Replicas(per_zone=one),
+            feature=Replicas(per_zone=one),
+            model_servers=Replicas(per_zone=one),
             models={},
             feature_views={},
         )

@@ -10,10 +10,10 @@ from servemesh.bench import (
     MODEL_ALONE,
     Round,
     paired_ratios,
-    spread,
     summarize_rows,
     target_checks,
 )
+from servemesh.load.stats import spread
 
 
 def _round(target: str, c: int, repeat: int, rps: float, cpu: dict[str, float]) -> Round:

@@ -38,7 +38,7 @@ def test_lines_of_one_function_count_as_one_frame() -> None:
     assert merge_line("<native>") == "<native>"
     stacks = parse_collapsed(RAW)
     assert sum(stacks.values()) == 100  # the malformed line is skipped
-    plan = ("<module> (services/gateway/__main__.py)", "run (asyncio/runners.py)")
+    plan: tuple[str, ...] = ("<module> (services/gateway/__main__.py)", "run (asyncio/runners.py)")
     plan += ("Predict (services/gateway/service.py)", "plan (services/gateway/predict.py)")
     assert stacks[plan] == 30  # two lines of plan, under two lines of Predict
 
