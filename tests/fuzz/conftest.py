@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from servemesh.launcher import Mesh
-from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, Ports
+from servemesh.spec import DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Ports
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +24,7 @@ def fuzz_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
                 traffic={"v1": 100, "v2": 0},
             )
         },
-        demo={"enabled": True, "entities": 50},
+        demo=DemoSpec(enabled=True, entities=50),
     )
     with Mesh.from_spec(spec) as running:
         yield running

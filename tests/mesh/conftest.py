@@ -12,7 +12,7 @@ from servemesh.launcher import Mesh
 from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_apply import LiveApply
-from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, Ports
+from servemesh.spec import DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Ports
 from servemesh_api.gateway.v1 import gateway_pb2_grpc
 from tests.waiting import wait_until
 
@@ -35,11 +35,12 @@ def test_mesh_spec(state_dir: str, entities: int = 500) -> MeshSpec:
                 traffic={"v1": 100, "v2": 0, SLOW_VERSION: 0},
             )
         },
-        demo={"enabled": True, "entities": entities},
+        demo=DemoSpec(enabled=True, entities=entities),
     )
 
 
-test_mesh_spec.__test__ = False  # a helper, not a test
+# A helper, not a test (pytest reads the attribute; mypy knows no attributes on functions).
+test_mesh_spec.__test__ = False  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="session")
