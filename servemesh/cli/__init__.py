@@ -16,6 +16,7 @@ from types import ModuleType
 from servemesh.cli import (
     apply,
     auth,
+    batch,
     bench,
     certs,
     chaos,
@@ -61,6 +62,7 @@ COMMANDS: list[ModuleType] = [
     compose,
     envoy_config,
     bench,
+    batch,
 ]
 
 

@@ -1,0 +1,15 @@
+"""Batch prediction: score every entity of a feature view (or a file of ids) with a
+registry artifact, in full batches, into Parquet, PostgreSQL or Redis (docs/batch.md).
+
+| module | what |
+| --- | --- |
+| `errors` | BatchError and its kinds (exit 1, naming the field) |
+| `source` | the ids to score, and the rows of a view version pinned for the whole run |
+| `where` | `--where`: a filter on a row's event time and features |
+| `scorer` | the registry's verified artifact, loaded the way a model server loads it |
+| `writers` | Parquet, PostgreSQL and Redis outputs, each complete or not there |
+| `checkpoint` | what an interrupted run leaves, and what `--resume` continues from |
+| `job` | one run: read, score, write, checkpoint, chunk by chunk |
+| `schedule` | the spec's `batch:` jobs and when each is due |
+| `history` | one record per run, under the state dir |
+"""

@@ -1,0 +1,373 @@
+"""One batch run: the ids, then chunk by chunk: read the rows, score them in one batch,
+write them, record the checkpoint; at the end the output goes in place in one step.
+
+The read of the next chunk runs while the model scores this one (the model runs in a
+worker thread), so Redis round trips hide behind the forward pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import redis.asyncio as aioredis
+
+from servemesh.batch.checkpoint import Checkpoint, RunDir, same_job
+from servemesh.batch.errors import BatchError, NothingToResume
+from servemesh.batch.scorer import Scorer, load_scorer, view_inputs
+from servemesh.batch.source import (
+    PinnedView,
+    check_current,
+    pin_view,
+    read_entity_file,
+    read_rows,
+    view_entity_ids,
+)
+from servemesh.batch.where import Where, parse_where
+from servemesh.batch.writers import (
+    ParquetOutput,
+    PostgresOutput,
+    RedisOutput,
+    Writer,
+    chunk_table,
+    output_schema,
+    table_name,
+)
+from servemesh.services.feature.store import RedisFeatureStore, Rows
+from servemesh.spec import MeshSpec
+
+DEFAULT_CHUNK_ROWS = 1024
+MAX_CHUNK_ROWS = 65_536
+
+# (rows of ids done, ids in all): a progress bar's update.
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class ScoreJob:
+    """What `servemesh batch score` was asked for."""
+
+    model: str
+    out: str  # FILE.parquet, "redis" or postgresql://...
+    version: str | None = None
+    alias: str | None = None
+    view: str | None = None
+    entities: Path | None = None
+    entity_column: str | None = None
+    table: str | None = None
+    chunk_rows: int = DEFAULT_CHUNK_ROWS
+    where: str | None = None
+    resume: bool = False
+
+    @property
+    def kind(self) -> str:
+        if self.out == "redis":
+            return "redis"
+        if self.out.startswith(("postgresql://", "postgres://")):
+            return "postgresql"
+        return "parquet"
+
+    def output_key(self) -> str:
+        """What names this job's output (one run folder, one checkpoint per output)."""
+        if self.kind == "parquet":
+            return str(Path(self.out).resolve())
+        if self.kind == "postgresql":
+            return f"postgresql {self.table or ''} {self.model}"
+        return f"redis {self.model}"
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    model: str
+    version: str
+    sha256: str
+    rows: int  # rows written
+    ids: int  # ids the run went through
+    missing: int  # ids the view does not hold (left out)
+    filtered: int  # ids --where left out
+    chunks: int
+    seconds: float  # scoring time of this process (a resumed run: since it resumed)
+    output: str
+    source: str
+    resumed_at_chunk: int | None  # None: a fresh run
+    discarded_leftover: bool
+    started_at_ms: int = field(default_factory=lambda: time.time_ns() // 1_000_000)
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.rows / self.seconds if self.seconds > 0 else 0.0
+
+
+def default_version(spec: MeshSpec, model: str) -> str:
+    """The version most unpinned traffic goes to (the first such, in spec order)."""
+    model_spec = spec.models.get(model)
+    if model_spec is None:
+        raise BatchError(f"--model {model}: not a model of the spec")
+    traffic = model_spec.traffic or {v: 0 for v in model_spec.versions}
+    return max(traffic, key=lambda v: traffic[v])
+
+
+def _check(job: ScoreJob) -> None:
+    if job.version and job.alias:
+        raise BatchError("--version, --alias: give one, not both")
+    if job.view and job.entities:
+        raise BatchError("--view, --entities: give one, not both")
+    if not 1 <= job.chunk_rows <= MAX_CHUNK_ROWS:
+        raise BatchError(f"--chunk-rows: {job.chunk_rows} is not 1..{MAX_CHUNK_ROWS}")
+    if job.kind == "parquet" and not job.out.endswith((".parquet", ".pq")):
+        raise BatchError(f"--out {job.out}: a .parquet file, redis, or a postgresql:// address")
+    if job.table and job.kind != "postgresql":
+        raise BatchError("--table: only for --out postgresql://...")
+
+
+async def run_score(
+    job: ScoreJob,
+    *,
+    spec: MeshSpec,
+    registry: grpc.aio.Channel,
+    redis: aioredis.Redis,
+    run_dir: RunDir,
+    progress: Progress | None = None,
+    after_chunk: Callable[[int], None] | None = None,
+    num_threads: int | None = None,
+    device: str | None = None,
+) -> ScoreResult:
+    """Run `job` to the end; an exception (or Ctrl-C) leaves the checkpoint for --resume."""
+    _check(job)
+    inputs = view_inputs(spec, job.model)
+    views = list(dict.fromkeys(i.view for i in inputs))
+    entities = {spec.entity_of(v) for v in views}
+    if len(entities) > 1:
+        raise BatchError(
+            f"--model {job.model}: reads entities {sorted(entities)}; batch scoring takes one "
+            "entity's ids"
+        )
+    (entity,) = entities
+    source_view = job.view or views[0]
+    if source_view not in views:
+        raise BatchError(
+            f"--view {source_view}: model {job.model!r} reads {', '.join(views)}; name one of them"
+        )
+    saved = run_dir.load()
+    if job.resume and saved is None:
+        raise NothingToResume(
+            f"--resume: no interrupted run of model {job.model!r} into {job.out} to resume"
+        )
+    resuming = job.resume and saved is not None
+    version = saved.job["version"] if resuming and saved else (job.version or job.alias)
+    scorer = await load_scorer(
+        registry,
+        spec,
+        job.model,
+        version or default_version(spec, job.model),
+        num_threads=num_threads,
+        device=device,
+    )
+    store = RedisFeatureStore(redis, spec.feature_store.key_prefix)
+    pinned_at = saved.job.get("views", {}) if resuming and saved else {}
+    pinned = {v: await pin_view(store, v, pinned_at.get(v)) for v in views}
+    source = pinned[source_view]
+    where = parse_where(job.where, source.version.features) if job.where else None
+    if job.entities is not None:
+        file = read_entity_file(job.entities, job.entity_column, entity)
+        ids = file.ids
+        origin = f"{job.entities} ({file.sha256[:12]})"
+    else:
+        ids = run_dir.load_ids() if resuming else await view_entity_ids(store, source)
+        origin = f"view {source_view} version {source.version.version}"
+    identity: dict[str, Any] = {
+        "model": job.model,
+        "version": scorer.version,
+        "sha256": scorer.sha256,
+        "views": {v: p.version.version for v, p in pinned.items()},
+        "entities": origin,
+        "ids": len(ids),
+        "chunk_rows": job.chunk_rows,
+        "where": job.where,
+        "out": job.output_key(),
+    }
+    schema = output_schema(entity, _output_types(scorer))
+    writer = _writer(job, spec, redis, run_dir, scorer, schema, entity, origin)
+    discarded = False
+    try:
+        if resuming and saved is not None:
+            same_job(saved.job, identity)
+            checkpoint = saved
+            await writer.open(checkpoint, resuming=True)
+        else:
+            if saved is not None:
+                await writer.discard(saved)
+                run_dir.remove()
+                discarded = True
+            checkpoint = Checkpoint(job=identity, chunks=math.ceil(len(ids) / job.chunk_rows))
+            run_dir.create()
+            run_dir.save_ids(ids)
+            await writer.open(checkpoint, resuming=False)
+            run_dir.save(checkpoint)
+        started = time.perf_counter()
+        resumed_at = checkpoint.next_chunk if resuming else None
+        counts = await _chunks(
+            job, checkpoint, ids, pinned, redis, scorer, schema, writer, where, run_dir,
+            spec, progress, after_chunk,
+        )  # fmt: skip
+        for view in pinned.values():
+            await check_current(redis, view)
+        output = await writer.commit(checkpoint)
+        seconds = time.perf_counter() - started
+    finally:
+        await writer.close()
+    run_dir.remove()
+    return ScoreResult(
+        model=job.model,
+        version=scorer.version,
+        sha256=scorer.sha256,
+        rows=checkpoint.rows_written,
+        ids=len(ids),
+        missing=counts[0],
+        filtered=counts[1],
+        chunks=checkpoint.chunks,
+        seconds=seconds,
+        output=output,
+        source=origin,
+        resumed_at_chunk=resumed_at,
+        discarded_leftover=discarded,
+        started_at_ms=checkpoint.started_at_ms,
+    )
+
+
+def _output_types(scorer: Scorer) -> dict[str, tuple[np.dtype[Any], int]]:
+    return {t.name: (t.dtype, max(1, t.row_elements)) for t in scorer.signature.outputs}
+
+
+def _writer(
+    job: ScoreJob,
+    spec: MeshSpec,
+    redis: aioredis.Redis,
+    run_dir: RunDir,
+    scorer: Scorer,
+    schema: Any,
+    entity: str,
+    origin: str,
+) -> Writer:
+    if job.kind == "redis":
+        return RedisOutput(
+            redis,
+            spec.feature_store.key_prefix,
+            model=job.model,
+            version=scorer.version,
+            sha256=scorer.sha256,
+            source=origin,
+            output_names=scorer.output_names,
+            entity=entity,
+        )
+    if job.kind == "postgresql":
+        return PostgresOutput(job.out, table_name(job.table, job.model), schema)
+    return ParquetOutput(Path(job.out), run_dir, schema)
+
+
+async def _chunks(
+    job: ScoreJob,
+    checkpoint: Checkpoint,
+    ids: Sequence[str],
+    pinned: dict[str, PinnedView],
+    redis: aioredis.Redis,
+    scorer: Scorer,
+    schema: Any,
+    writer: Writer,
+    where: Where | None,
+    run_dir: RunDir,
+    spec: MeshSpec,
+    progress: Progress | None,
+    after_chunk: Callable[[int], None] | None,
+) -> tuple[int, int]:
+    """Score every chunk from the checkpoint on; (ids missing, ids filtered) of this process."""
+    size = job.chunk_rows
+    use_defaults = spec.feature_store.missing_entity == "defaults"
+    source = pinned[job.view] if job.view else next(iter(pinned.values()))
+    missing = filtered = 0
+
+    async def fetch(index: int) -> dict[str, Rows]:
+        chunk = ids[index * size : (index + 1) * size]
+        return {v: await read_rows(redis, p, chunk) for v, p in pinned.items()}
+
+    start = checkpoint.next_chunk
+    if progress is not None:
+        progress(min(start * size, len(ids)), len(ids))
+    pending = asyncio.ensure_future(fetch(start)) if start < checkpoint.chunks else None
+    try:
+        for index in range(start, checkpoint.chunks):
+            assert pending is not None
+            rows = await pending
+            pending = (
+                asyncio.ensure_future(fetch(index + 1)) if index + 1 < checkpoint.chunks else None
+            )
+            chunk = ids[index * size : (index + 1) * size]
+            present = np.ones(len(chunk), dtype=bool)
+            values = {}
+            for view, found in rows.items():
+                matrix = found.values
+                if not found.present.all():
+                    if use_defaults:
+                        matrix = matrix.copy()
+                        matrix[~found.present] = _defaults(spec, pinned[view])
+                    else:
+                        present &= found.present
+                values[view] = matrix
+            keep = present.copy()
+            missing += int((~present).sum())
+            if where is not None:
+                src = rows[source.view]
+                columns = {
+                    name: values[source.view][:, i]
+                    for name, i in zip(
+                        where.features, source.version.positions(where.features), strict=True
+                    )
+                }
+                passed = where.mask(src.event_ms, columns)
+                filtered += int((present & ~passed).sum())
+                keep &= passed
+            kept = [entity for entity, k in zip(chunk, keep, strict=True) if k]
+            if kept:
+                matrices = {}
+                for view_input in scorer.inputs:
+                    positions = pinned[view_input.view].version.positions(view_input.features)
+                    matrices[view_input.name] = np.ascontiguousarray(
+                        values[view_input.view][keep][:, positions], dtype=np.float32
+                    )
+                outputs = await asyncio.to_thread(scorer.score, matrices)
+                table = chunk_table(
+                    schema,
+                    kept,
+                    outputs,
+                    model=scorer.model,
+                    version=scorer.version,
+                    sha256=scorer.sha256,
+                    scored_at_ms=time.time_ns() // 1_000_000,
+                )
+                await writer.write(index, table)
+            checkpoint.next_chunk = index + 1
+            checkpoint.rows_written += len(kept)
+            run_dir.save(checkpoint)
+            if progress is not None:
+                progress(min((index + 1) * size, len(ids)), len(ids))
+            if after_chunk is not None:
+                after_chunk(index)
+    finally:
+        if pending is not None:
+            pending.cancel()
+    return missing, filtered
+
+
+def _defaults(spec: MeshSpec, pinned: PinnedView) -> np.ndarray:
+    """The view's default row: its `defaults`, else feature_store.default_value."""
+    view = spec.feature_views.get(pinned.view)
+    given = view.defaults if view is not None else {}
+    fallback = spec.feature_store.default_value
+    return np.array([given.get(f, fallback) for f in pinned.version.features], dtype=np.float32)

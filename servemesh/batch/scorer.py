@@ -1,0 +1,118 @@
+"""The model a batch run scores with: the registry's verified artifact, loaded by the model
+servers' own loader (services/model/loader.py: download with the sha256 checked, the spec's
+contract checked, the operator allowlist applied, the sha256 checked again before torch
+parses a byte, warm-up), then called in full batches in this process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from servemesh.batch.errors import BatchError
+from servemesh.errors import ServemeshError
+from servemesh.services.model.batching.rows import NamedRows
+from servemesh.services.model.loader import registry_loader
+from servemesh.services.model.runner import ModelRunner
+from servemesh.services.model.tensors import Signature
+from servemesh.spec import MeshSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ViewInput:
+    """One model input filled from a view: its tensor, the view and the features."""
+
+    name: str
+    view: str
+    features: tuple[str, ...]
+
+
+def view_inputs(spec: MeshSpec, model: str) -> list[ViewInput]:
+    """How each input of `model` is filled from its views; BatchError naming the model when
+    it is not in the spec or takes an input from the caller (batch runs have no caller)."""
+    model_spec = spec.models.get(model)
+    if model_spec is None:
+        raise BatchError(f"--model {model}: not a model of the spec; its models: "
+                         f"{', '.join(sorted(spec.models))}")  # fmt: skip
+    found = []
+    for name, source in model_spec.effective_inputs.items():
+        if source.raw or source.view is None or source.features is None:
+            raise BatchError(
+                f"--model {model}: input {name!r} is sent by the caller (raw); batch scoring "
+                "fills inputs from feature views only"
+            )
+        found.append(ViewInput(name, source.view, tuple(source.features)))
+    return found
+
+
+@dataclass
+class Scorer:
+    model: str
+    version: str
+    sha256: str
+    signature: Signature
+    runner: ModelRunner
+    inputs: list[ViewInput]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.signature.outputs]
+
+    def score(self, matrices: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every output of the model for the rows of `matrices` (float32, by input name),
+        as the model answers them; called from a worker thread, one batch at a time."""
+        from servemesh.services.gateway.tensors import to_wire
+
+        arrays = {}
+        for sig in self.signature.inputs:
+            matrix = matrices[sig.name]
+            try:
+                wire = to_wire(matrix, sig.datatype, f"input {sig.name!r}")
+            except ServemeshError as exc:
+                raise BatchError(f"--model {self.model}: {exc}") from None
+            arrays[sig.name] = wire.reshape(len(matrix), *sig.dims)
+        if self.runner.single:
+            (only,) = arrays.values()
+            return {self.output_names[0]: np.asarray(self.runner.run(only))}
+        answer = self.runner.run(NamedRows(arrays))
+        assert isinstance(answer, NamedRows)
+        return {name: np.asarray(answer[name]) for name in self.output_names}
+
+
+async def load_scorer(
+    channel: grpc.aio.Channel,
+    spec: MeshSpec,
+    model: str,
+    version: str,
+    *,
+    num_threads: int | None = None,
+    device: str | None = None,
+    retry_for_s: float = 5.0,
+) -> Scorer:
+    """The model `model` at `version` (a version or an alias) from the registry behind
+    `channel`; BatchError with the loader's reason when it does not load."""
+    inputs = view_inputs(spec, model)
+    load = registry_loader(channel, spec, device=device, retry_for_s=retry_for_s)
+    try:
+        loaded = await load(model, version)
+    except ServemeshError as exc:
+        raise BatchError(str(exc)) from None
+    # The batcher served warm-up; a batch run calls the runner itself, in full batches.
+    await loaded.close()
+    runner = loaded.runner
+    # A batch run owns its process: torch may use every core (None: torch's own default).
+    runner.num_threads = num_threads
+    return Scorer(
+        model=model,
+        version=loaded.version,
+        sha256=loaded.sha256,
+        signature=loaded.signature,
+        runner=runner,
+        inputs=inputs,
+    )
