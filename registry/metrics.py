@@ -38,6 +38,11 @@ class RegistryMetrics:
             "Artifact bytes sent by DownloadArtifact.",
             registry=self.registry,
         )
+        self.not_modified = Counter(
+            "servemesh_registry_downloads_not_modified",
+            "DownloadArtifact calls whose if_none_match was current: answered without bytes.",
+            registry=self.registry,
+        )
         self.aliases = Counter(
             "servemesh_registry_aliases_set",
             "Aliases set or moved (SetAlias).",

@@ -228,18 +228,28 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     async def DownloadArtifact(
         self, request: registry_pb2.DownloadArtifactRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[registry_pb2.ArtifactChunk]:
-        """The artifact in chunks; the first carries the ModelVersion to verify against.
+        """The artifact in chunks; the first carries the ModelVersion to verify against and
+        its ETag (the sha256). A caller whose if_none_match is that ETag (a device that holds
+        the alias's current artifact) gets one not_modified message and no bytes.
 
         Read a chunk at a time in a thread: a large artifact never sits in memory whole.
         """
         record = await self._call(context, self.store.get_version, request.model, request.version)
+        if request.if_none_match and request.if_none_match == record.sha256:
+            self.metrics.not_modified.inc()
+            yield registry_pb2.ArtifactChunk(
+                version=version_to_proto(record), etag=record.sha256, not_modified=True
+            )
+            return
         self.metrics.downloads.inc()
         # Opened here, not in a thread: a cancellation mid-open would leak the handle.
         blob = self.store.open_artifact(record)
         with blob:
             data = await asyncio.to_thread(blob.read, self.download_chunk_bytes)
             self.metrics.download_bytes.inc(len(data))
-            yield registry_pb2.ArtifactChunk(version=version_to_proto(record), data=data)
+            yield registry_pb2.ArtifactChunk(
+                version=version_to_proto(record), data=data, etag=record.sha256
+            )
             while data:
                 data = await asyncio.to_thread(blob.read, self.download_chunk_bytes)
                 if data:

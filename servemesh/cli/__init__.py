@@ -16,12 +16,12 @@ from types import ModuleType
 from servemesh.cli import (
     apply,
     auth,
-    batch,
     bench,
     certs,
     chaos,
     check,
     compose,
+    edge,
     envoy_config,
     features,
     fleet,
@@ -50,6 +50,7 @@ COMMANDS: list[ModuleType] = [
     rollout,
     apply,
     models,
+    edge,
     certs,
     auth,
     chaos,
@@ -62,7 +63,6 @@ COMMANDS: list[ModuleType] = [
     compose,
     envoy_config,
     bench,
-    batch,
 ]
 
 

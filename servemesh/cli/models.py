@@ -589,11 +589,62 @@ def cmd_alias(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- export for devices ---------------------------------------------------------------------
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Pull the version (sha256-verified, as a model server does), export it for a device
+    runtime, check it answers as the original, then write it and its manifest."""
+    # torch (and onnx) load here, for an export only (servemesh/edge/export.py).
+    from servemesh.edge.export import default_out, export_version, write_export
+    from servemesh.registry.client import fetch_verified
+
+    mesh = running_mesh(args)
+    target = Path(args.out) if args.out else default_out(args.model, args.version, args.format)
+
+    async def pull() -> tuple[registry_pb2.ModelVersion, bytes]:
+        async with mesh.registry_channel() as channel:
+            try:
+                return await fetch_verified(
+                    channel,
+                    args.model,
+                    args.version,
+                    timeout=UPLOAD_TIMEOUT_S,
+                    max_bytes=mesh.spec.limits.max_artifact_bytes,
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise _rpc_error(f"the registry at {mesh.spec.registry_address}", exc) from None
+
+    record, data = asyncio.run(pull())
+    exported = export_version(
+        data, record, args.format, atol=args.atol, rtol=args.rtol, target=str(target)
+    )
+    manifest = write_export(exported, target)
+    out.print(
+        f"exported {record.model} {record.version} ({record.format}, sha256 {record.sha256}) "
+        f"to {target}: {exported.format}, {_size(len(exported.data))}, sha256 {exported.sha256}",
+        highlight=False,
+        markup=False,
+    )
+    runtime = ", ".join(f"{key} {value}" for key, value in exported.runtime.items())
+    diffs = ", ".join(f"{c.name} {c.max_abs_diff:.3g}" for c in exported.checks)
+    out.print(
+        f"checked on {exported.rows} reference rows ({runtime}): max |diff| {diffs} "
+        f"(allowed: atol {exported.atol:g} + rtol {exported.rtol:g} x |original|)",
+        highlight=False,
+        markup=False,
+    )
+    if exported.note:
+        out.print(f"program: {exported.note}", highlight=False, markup=False)
+    out.print(f"manifest: {manifest}", highlight=False, markup=False)
+    return 0
+
+
 # --- the parser ----------------------------------------------------------------------------
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    models = sub.add_parser("models", help="push, list, show and alias model versions")
+    models = sub.add_parser("models", help="push, list, show, alias and export model versions")
     add_mesh_flags(models)
     verbs = models.add_subparsers(dest="verb", required=True)
 
@@ -636,3 +687,21 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     alias.add_argument("alias")
     alias.add_argument("version")
     alias.set_defaults(func=cmd_alias, error_label="models alias")
+
+    export = verbs.add_parser(
+        "export",
+        help="write a version for a device runtime (ONNX checked in onnxruntime, or .pt2) "
+        "with a manifest; refused when it does not answer as the original",
+    )
+    add_mesh_flags(export, inherited=True)
+    export.add_argument("model")
+    export.add_argument("version", help="a version or an alias")
+    export.add_argument("--format", required=True, choices=("onnx", "pt2"))
+    export.add_argument("--out", help="the file to write (default: ./MODEL-VERSION.onnx|.pt2)")
+    export.add_argument(
+        "--atol", type=float, default=1e-4, help="allowed absolute difference (default 1e-4)"
+    )
+    export.add_argument(
+        "--rtol", type=float, default=1e-3, help="allowed relative difference (default 1e-3)"
+    )
+    export.set_defaults(func=cmd_export, error_label="models export")

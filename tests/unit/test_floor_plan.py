@@ -120,6 +120,9 @@ ALLOWED: dict[str, set[str]] = {
     # streaming predictions: a Redis stream consumer scoring through the edge, or in process
     # with the model server's loader and the feature store's reads and writes
     "streams": CONTRACT | {"credentials", "services.feature", "services.model"},
+    # models on devices: a version exported (ONNX, checked in onnxruntime, or .pt2) with the
+    # model server's runner as the original, and an alias's artifact synced to a folder
+    "edge": CONTRACT | {"registry", "services.model"},
     # loads a user's feature file through a running mesh's feature service (its row checks)
     "features": CONTRACT | {"proxy", "services.feature"},
     # the command line (servemesh/cli/, one module per command group): `compose` and
@@ -137,6 +140,7 @@ ALLOWED: dict[str, set[str]] = {
         "fuzz",
         "model_bench",
         "features",
+        "edge",
         "streams",
         "tracestore",
         "rollout",

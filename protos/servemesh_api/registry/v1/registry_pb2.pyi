@@ -184,17 +184,23 @@ class SetAliasRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., alias: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
 
 class DownloadArtifactRequest(_message.Message):
-    __slots__ = ("model", "version")
+    __slots__ = ("model", "version", "if_none_match")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    IF_NONE_MATCH_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    if_none_match: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., if_none_match: _Optional[str] = ...) -> None: ...
 
 class ArtifactChunk(_message.Message):
-    __slots__ = ("version", "data")
+    __slots__ = ("version", "data", "etag", "not_modified")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    NOT_MODIFIED_FIELD_NUMBER: _ClassVar[int]
     version: ModelVersion
     data: bytes
-    def __init__(self, version: _Optional[_Union[ModelVersion, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    etag: str
+    not_modified: bool
+    def __init__(self, version: _Optional[_Union[ModelVersion, _Mapping]] = ..., data: _Optional[bytes] = ..., etag: _Optional[str] = ..., not_modified: _Optional[bool] = ...) -> None: ...

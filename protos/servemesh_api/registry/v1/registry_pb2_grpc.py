@@ -116,6 +116,8 @@ class RegistryServicer:
 
     def DownloadArtifact(self, request, context):
         """Server-streaming download of a version's artifact; the caller verifies the sha256.
+        Devices syncing an alias send the sha256 they hold as if_none_match (the ETag): when it
+        is the version's, one message answers not_modified, with no bytes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
