@@ -16,6 +16,7 @@ from types import ModuleType
 from servemesh.cli import (
     apply,
     auth,
+    batch,
     bench,
     certs,
     chaos,
@@ -63,6 +64,7 @@ COMMANDS: list[ModuleType] = [
     compose,
     envoy_config,
     bench,
+    batch,
 ]
 
 
