@@ -64,6 +64,20 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_bench_stream(args: argparse.Namespace) -> int:
+    from servemesh.stream_bench import main as bench_stream_main
+
+    return bench_stream_main(
+        args.spec,
+        rate=args.rate,
+        seconds=args.seconds,
+        repeats=args.repeats,
+        batch_size=args.batch_size,
+        out=args.json_out,
+        as_json=args.json,
+    )
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench = sub.add_parser("bench", help="benchmarks (each starts its own mesh on free ports)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -134,3 +148,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="peers measured in the same run (triton: pytriton from .venv-pytriton)",
     )
     bench_model.set_defaults(func=cmd_bench_model)
+    bench_stream = bench_sub.add_parser(
+        "stream",
+        help="streaming predictions: events/s end to end and p99 event-to-prediction latency "
+        "at a fixed input rate, through the mesh and in process",
+    )
+    bench_stream.add_argument("--spec")
+    bench_stream.add_argument("--rate", type=float, default=500.0, help="input events/s")
+    bench_stream.add_argument("--seconds", type=float, default=10.0, help="per round")
+    bench_stream.add_argument("--repeats", type=int, default=3, help="rounds per mode")
+    bench_stream.add_argument("--batch-size", type=int, default=64, help="events per read")
+    bench_stream.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench_stream.add_argument("--json-out", help="also write the report here")
+    bench_stream.set_defaults(func=cmd_bench_stream)

@@ -110,6 +110,8 @@ ALLOWED: dict[str, set[str]] = {
     "bench": CONTRACT | TOOLING | {"launcher", "observe_bench"},
     # py-spy on a mesh of its own under load (set up and settled as bench predict's)
     "profile_bench": CONTRACT | TOOLING | {"launcher", "observe_bench", "bench"},
+    # a stream consumer on a mesh of its own: events/s and event-to-prediction latency
+    "stream_bench": CONTRACT | TOOLING | {"launcher", "streams"},
     # fuzzes a mesh of its own (launcher) through Envoy and straight to its replicas
     "fuzz": CONTRACT | TOOLING | {"launcher"},
     "model_bench": CONTRACT | TOOLING | SERVICES,
@@ -137,6 +139,7 @@ ALLOWED: dict[str, set[str]] = {
         "bench",
         "observe_bench",
         "profile_bench",
+        "stream_bench",
         "fuzz",
         "model_bench",
         "features",
