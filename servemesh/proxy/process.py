@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import resource
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,20 @@ def validate_config(config: Path, timeout_s: float = 60.0) -> None:
     )
     if result.returncode != 0:
         lines = (result.stderr + result.stdout).strip().splitlines()
-        raise EnvoyConfigError("\n".join(lines[-15:]) or f"envoy exited {result.returncode}")
+        raise EnvoyConfigError(_envoy_words(lines) or f"envoy exited {result.returncode}")
+
+
+_BACKTRACE = re.compile(r"\]\[backtrace\]|\] #\d+ ")
+
+
+def _envoy_words(lines: list[str]) -> str:
+    """What Envoy said when it refused a config or crashed: its last lines, and, when it
+    crashed, the lines before its backtrace that say why (a backtrace alone says nothing)."""
+    backtrace = [i for i, line in enumerate(lines) if _BACKTRACE.search(line)]
+    if len(lines) <= 15 or not backtrace:
+        return "\n".join(lines[-15:])
+    cause = [line for line in lines[: backtrace[0]] if line.strip()][-5:]
+    return "\n".join([*cause, "...", *lines[-10:]])
 
 
 # Descriptors Envoy needs beside its client connections: upstream connections (one per
