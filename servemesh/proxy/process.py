@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import resource
 import re
+import resource
 import subprocess
 from pathlib import Path
 from typing import Any
