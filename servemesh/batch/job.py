@@ -334,6 +334,7 @@ async def _chunks(
                 filtered += int((present & ~passed).sum())
                 keep &= passed
             kept = [entity for entity, k in zip(chunk, keep, strict=True) if k]
+            outputs: dict[str, np.ndarray] = {}
             if kept:
                 matrices = {}
                 for view_input in scorer.inputs:
@@ -342,16 +343,16 @@ async def _chunks(
                         values[view_input.view][keep][:, positions], dtype=np.float32
                     )
                 outputs = await asyncio.to_thread(scorer.score, matrices)
-                table = chunk_table(
-                    schema,
-                    kept,
-                    outputs,
-                    model=scorer.model,
-                    version=scorer.version,
-                    sha256=scorer.sha256,
-                    scored_at_ms=time.time_ns() // 1_000_000,
-                )
-                await writer.write(index, table)
+            table = chunk_table(
+                schema,
+                kept,
+                outputs,
+                model=scorer.model,
+                version=scorer.version,
+                sha256=scorer.sha256,
+                scored_at_ms=time.time_ns() // 1_000_000,
+            )
+            await writer.write(index, table)
             checkpoint.next_chunk = index + 1
             checkpoint.rows_written += len(kept)
             run_dir.save(checkpoint)

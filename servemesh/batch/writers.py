@@ -90,6 +90,8 @@ def chunk_table(
 ) -> pa.Table:
     """One chunk's rows in `schema`."""
     n = len(ids)
+    if n == 0:
+        return schema.empty_table()
     columns: list[pa.Array] = [pa.array(list(ids), pa.string())]
     for name in schema.names[1 : len(schema.names) - len(RESERVED)]:
         field = schema.field(name)

@@ -50,3 +50,31 @@ async def test_every_entity_is_scored_once_into_parquet(
     expected = reference_scores(loaded["values"][order])
     np.testing.assert_allclose(table.column("score").to_numpy(), expected, rtol=1e-5, atol=1e-6)
     assert not (tmp_path / "run").exists()
+
+
+async def test_ids_from_a_file_and_a_where_filter(
+    start_mesh: StartBatchMesh, tmp_path: Path
+) -> None:
+    mesh = await start_mesh()
+    loaded = await mesh.load_view(100)
+    ids = tmp_path / "ids.csv"
+    # user-5 .. user-14, and one the view does not hold (left out, counted).
+    ids.write_text("user\n" + "".join(f"user-{i}\n" for i in range(5, 15)) + "ghost\n")
+    cut = int(loaded["event_ms"][9])  # rows are one second older per index
+    job = ScoreJob(
+        model="fraud",
+        out=str(tmp_path / "some.parquet"),
+        entities=ids,
+        where=f"event_ts >= {cut / 1000}",
+        chunk_rows=4,
+    )
+    result = await run_score(
+        job,
+        spec=mesh.spec,
+        registry=mesh.registry,
+        redis=mesh.redis,
+        run_dir=RunDir(tmp_path / "r"),
+    )
+    assert (result.rows, result.missing, result.filtered) == (5, 1, 5)
+    table = pq.read_table(tmp_path / "some.parquet")
+    assert table.column("user").to_pylist() == [f"user-{i}" for i in range(5, 10)]
