@@ -32,8 +32,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from sklearn.datasets import load_wine  # type: ignore[import-untyped]
-from sklearn.model_selection import train_test_split  # type: ignore[import-untyped]
+from sklearn.datasets import load_wine
+from sklearn.model_selection import train_test_split
 from torch import nn
 
 MODEL = "wine"

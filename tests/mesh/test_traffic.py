@@ -139,7 +139,8 @@ def test_weighted_split_matches_the_weights_within_three_points(
     answers = _many(mesh, "fraud", 2400)
     failures = [a for a in answers if isinstance(a, str)]
     assert not failures, failures[:3]
-    v2_share = sum(a.model_version == "v2" for a in answers) / len(answers)  # type: ignore[union-attr]
+    replies = [a for a in answers if not isinstance(a, str)]
+    v2_share = sum(a.model_version == "v2" for a in replies) / len(answers)
     assert abs(v2_share - 0.30) <= 0.03, v2_share
 
 
@@ -317,7 +318,7 @@ def test_a_replica_failing_every_call_is_ejected_and_callers_never_notice(
     else:
         pytest.fail("no batch of 60 calls fitted inside one ejection window")
     assert after.reached == before.reached, "traffic still reaches the ejected replica"
-    assert {a.model_zone for a in answers} == {"zone-b"}  # type: ignore[union-attr]
+    assert {a.model_zone for a in answers if not isinstance(a, str)} == {"zone-b"}
 
 
 def test_an_overloaded_cluster_trips_the_breaker_and_callers_fail_fast(
@@ -436,7 +437,7 @@ def test_shadow_copies_reach_the_shadow_version_and_callers_see_only_the_primary
     routes.set_shadow("fraud", "v2")
     answers = _many(mesh, "fraud", 60, workers=4)
     assert not [a for a in answers if isinstance(a, str)]
-    assert {a.model_version for a in answers} == {"v1"}  # type: ignore[union-attr]
+    assert {a.model_version for a in answers if not isinstance(a, str)} == {"v1"}
 
     def sixty_more_pairs() -> ShadowReport | None:
         report = shadow_report(ledgers, "fraud")

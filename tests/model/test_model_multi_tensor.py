@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import numpy as np
@@ -148,10 +148,10 @@ def test_an_input_of_the_wrong_datatype_is_refused_naming_it() -> None:
     ids=["row-counts", "missing", "duplicate", "unknown-output", "buffers", "bytes", "overflow"],
 )
 def test_every_input_is_checked_before_the_request_may_join_a_batch(
-    change: object, message: str
+    change: Callable[[Request], object], message: str
 ) -> None:
     request = churn_request(*churn_rows(2))
-    change(request)  # type: ignore[operator]
+    change(request)
     assert message in refused(request)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -11,14 +13,14 @@ from servemesh.services.model.runner import ArtifactMismatch, ModelRunner, verif
 from tests.model.model_helpers import FEATURES, array_of, rows
 
 
-def load(artifact: Artifact, **kwargs: object) -> ModelRunner:
+def load(artifact: Artifact, **kwargs: Any) -> ModelRunner:
     return ModelRunner.from_bytes(
         artifact.data,
         sha256=artifact.sha256,
         model="fraud",
         version="v1",
         row_shape=(FEATURES,),
-        **kwargs,  # type: ignore[arg-type]
+        **kwargs,
     )
 
 

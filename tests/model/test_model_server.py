@@ -7,6 +7,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -80,9 +81,9 @@ async def fraud(artifacts: dict[int, Artifact]) -> AsyncIterator[tuple[Stub, Inf
 
 
 def infer_request(
-    batch: np.ndarray, raw: bool = True, version: str = "", **extra: object
+    batch: np.ndarray, raw: bool = True, version: str = "", **extra: Any
 ) -> oip.ModelInferRequest:
-    request = oip.ModelInferRequest(model_name="fraud", model_version=version, id="req-1", **extra)  # type: ignore[arg-type]
+    request = oip.ModelInferRequest(model_name="fraud", model_version=version, id="req-1", **extra)
     tensor = request.inputs.add(name="features", datatype="FP32", shape=list(batch.shape))
     if raw:
         request.raw_input_contents.append(batch.tobytes())

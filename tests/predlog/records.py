@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 
@@ -61,8 +62,8 @@ def captured(
     return ended[0]
 
 
-def row(at: float, **kwargs: object) -> Row:
-    return to_row(captured(at, **kwargs), CONTEXT)  # type: ignore[arg-type]
+def row(at: float, **kwargs: Any) -> Row:
+    return to_row(captured(at, **kwargs), CONTEXT)
 
 
 class BlockedStore:

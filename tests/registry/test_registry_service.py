@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 import pytest
@@ -38,7 +39,7 @@ CHUNK = 256 * 1024
 def header(
     data: bytes, model: str = "fraud", version: str = "v1", **changes: object
 ) -> pb.UploadHeader:
-    fields: dict[str, object] = {
+    fields: dict[str, Any] = {
         "model": model,
         "version": version,
         "sha256": hashlib.sha256(data).hexdigest(),
@@ -48,7 +49,7 @@ def header(
         "outputs": OUTPUTS,
         **changes,
     }
-    return pb.UploadHeader(**fields)  # type: ignore[arg-type]
+    return pb.UploadHeader(**fields)
 
 
 def requests(head: pb.UploadHeader | None, data: bytes) -> list[pb.UploadVersionRequest]:

@@ -6,6 +6,7 @@ import hashlib
 import sqlite3
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,9 +27,9 @@ DATA = b"torchscript-ish bytes " * 1000
 
 
 def upload(
-    store: RegistryStore, data: bytes, chunk: int = 4096, **header_changes: object
+    store: RegistryStore, data: bytes, chunk: int = 4096, **header_changes: Any
 ) -> VersionRecord:
-    with store.begin_upload(header_for(data, **header_changes)) as up:  # type: ignore[arg-type]
+    with store.begin_upload(header_for(data, **header_changes)) as up:
         for start in range(0, len(data), chunk):
             up.write(data[start : start + chunk])
         return up.commit()
@@ -234,9 +235,9 @@ def test_unknown_model_version_and_alias_are_not_found_by_name(store: RegistrySt
     ],
 )
 def test_malformed_header_fields_are_refused_naming_the_field(
-    store: RegistryStore, store_root: Path, changes: dict[str, object], field: str
+    store: RegistryStore, store_root: Path, changes: dict[str, Any], field: str
 ) -> None:
-    header = replace(header_for(DATA), **changes)  # type: ignore[arg-type]
+    header = replace(header_for(DATA), **changes)
     with pytest.raises(InvalidArgumentError) as refused:
         store.begin_upload(header)
     assert str(refused.value).startswith(f"{field}: ")
@@ -331,10 +332,10 @@ def test_lineage_and_metrics_are_stored_with_the_version(store: RegistryStore) -
     ],
 )
 def test_malformed_lineage_and_metrics_are_refused_naming_the_field(
-    store: RegistryStore, store_root: Path, changes: dict[str, object], message: str
+    store: RegistryStore, store_root: Path, changes: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(InvalidArgumentError) as refused:
-        store.begin_upload(replace(header_for(DATA), **changes))  # type: ignore[arg-type]
+        store.begin_upload(replace(header_for(DATA), **changes))
     assert refused.value.message.startswith(message)
     assert_nothing_left(store, store_root)
 

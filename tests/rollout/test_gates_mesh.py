@@ -11,7 +11,7 @@ drill's defective build (`flaky:30`: 30% of entities fail), pinned by the test's
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from servemesh.observe.prom_query import PromClient
 from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_view import live_view
 from servemesh.rollout.gates import error_budget_item, preflight
+from servemesh.rollout.types import ChecklistItem
 from servemesh.rollout_plan import (
     ChecklistSpec,
     FreezeSpec,
@@ -91,7 +92,7 @@ def _routes(mesh: Mesh) -> tuple[int, list[tuple[str, int, bool]]]:
     return len(manager.history()), [(r.version, r.weight, r.shadow) for r in rows]
 
 
-def _by_name(items: list) -> dict:  # type: ignore[type-arg]
+def _by_name(items: Iterable[ChecklistItem]) -> dict[str, ChecklistItem]:
     return {item.name: item for item in items}
 
 

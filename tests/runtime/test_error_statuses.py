@@ -138,4 +138,4 @@ async def test_a_refusal_is_logged_once_and_never_twice(
             await call(name.encode(), timeout=5)
     refused = [r for r in caplog.records if r.getMessage() == "call refused"]
     # The interceptor logs the plain refusal; the one its raiser logged is not logged again.
-    assert [r.reason for r in refused] == ["field: NotFound"]  # type: ignore[attr-defined]
+    assert [vars(r)["reason"] for r in refused] == ["field: NotFound"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -32,7 +33,7 @@ def span(
     start_ms: float,
     ms: float,
     service: str = "gateway",
-    **extra: object,
+    **extra: Any,
 ) -> SpanRecord:
     return SpanRecord(
         trace_id=trace * 32,
@@ -42,7 +43,7 @@ def span(
         service=service,
         start_ns=T0 + int(start_ms * MS),
         end_ns=T0 + int((start_ms + ms) * MS),
-        **extra,  # type: ignore[arg-type]
+        **extra,
     )
 
 
