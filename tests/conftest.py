@@ -22,6 +22,7 @@ MESH_PATHS = (
     "mesh/",
     "chaos/test_drills.py",
     "chaos/test_partition.py",
+    "chaos/test_stream_drill.py",
     "discovery/test_control_plane.py",
     "examples/test_wine_walkthrough.py",
     "fuzz/test_campaign.py",

@@ -7,7 +7,6 @@ import math
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -38,9 +37,9 @@ DRILLS = {
 }
 
 
-def calls(start: float, end: float, rate: float, **kw: Any) -> list[Outcome]:
+def calls(start: float, end: float, rate: float, **kw: object) -> list[Outcome]:
     n = int((end - start) * rate)
-    return [Outcome(start + i / rate, 5.0, **kw) for i in range(n)]
+    return [Outcome(start + i / rate, 5.0, **kw) for i in range(n)]  # type: ignore[arg-type]
 
 
 def test_window_stats_count_answers_fallbacks_zones_and_failures() -> None:

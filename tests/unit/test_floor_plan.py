@@ -103,7 +103,7 @@ ALLOWED: dict[str, set[str]] = {
     "launcher": CONTRACT | TOOLING | {"seeding"},
     # what runs meshes and measures them; the chaos suite is imported by the CLI alone
     # (its drills drive `servemesh rollout` as a command, and read the state it records)
-    "chaos": CONTRACT | TOOLING | {"launcher", "seeding", "services.runtime"},
+    "chaos": CONTRACT | TOOLING | {"launcher", "seeding", "services.runtime", "streams"},
     # two meshes against each other, and the trace store read for a sampled trace
     "observe_bench": CONTRACT | TOOLING | {"launcher", "tracestore"},
     # the mesh against its own model server (it reads CPU and settles a mesh as observe_bench)
