@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,9 +38,9 @@ DRILLS = {
 }
 
 
-def calls(start: float, end: float, rate: float, **kw: object) -> list[Outcome]:
+def calls(start: float, end: float, rate: float, **kw: Any) -> list[Outcome]:
     n = int((end - start) * rate)
-    return [Outcome(start + i / rate, 5.0, **kw) for i in range(n)]  # type: ignore[arg-type]
+    return [Outcome(start + i / rate, 5.0, **kw) for i in range(n)]
 
 
 def test_window_stats_count_answers_fallbacks_zones_and_failures() -> None:
