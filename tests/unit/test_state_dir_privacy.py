@@ -140,10 +140,12 @@ def test_atomic_writes_are_private_whatever_the_umask_and_keep_a_granted_group(
 
 def test_children_run_under_umask_077(tmp_path: Path, loose_umask: None) -> None:
     with Supervisor(tmp_path / "logs") as supervisor:
-        child = supervisor.start("umask", ["sh", "-c", "umask; : > made"], timeout_s=None)
+        made = tmp_path / "made"
+        child = supervisor.start("umask", ["sh", "-c", f"umask; : > '{made}'"], timeout_s=None)
         child.wait(10)
     assert (tmp_path / "logs" / "umask.log").read_text().strip() == "0077"
     assert _mode(tmp_path / "logs" / "umask.log") == 0o600
+    assert _mode(made) == 0o600  # what the child itself creates
 
 
 def test_a_service_checks_a_digest_and_the_digest_is_no_token() -> None:
