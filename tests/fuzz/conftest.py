@@ -1,4 +1,5 @@
-"""One small mesh for the fuzz tests (one replica of each service per zone, the demo model)."""
+"""One small mesh for the fuzz tests (one replica of each service per zone, the demo model),
+stopped after the package's last test."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from servemesh.launcher import Mesh
 from servemesh.spec import DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Ports
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def fuzz_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     spec = MeshSpec(
         ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
