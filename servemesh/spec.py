@@ -14,6 +14,7 @@ from typing import Annotated, Literal, TypeVar
 
 import yaml
 from pydantic import (
+    ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
@@ -145,6 +146,51 @@ class ModelInputSpec(_Strict):
         return self
 
 
+# Where a precomputed tier's answers come from. `redis`: the output `servemesh batch score
+# --model M --version V --out redis` wrote for the model in the feature store's Redis, read
+# for the version a request would be routed to (docs/tiers.md).
+PRECOMPUTED_SOURCES = ("redis",)
+
+
+class PrecomputedTierSpec(_Strict):
+    """Answers a batch run computed ahead, served while younger than `max_age`."""
+
+    # `from` in the spec (a Python keyword here).
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        validate_by_alias=True,
+        validate_by_name=True,
+        serialize_by_alias=True,
+    )
+
+    source: Literal["redis"] = Field(default="redis", alias="from")
+    max_age: Duration = "26h"
+
+    @property
+    def max_age_ms(self) -> int:
+        return round(duration_seconds(self.max_age) * 1000)
+
+
+class CacheTierSpec(_Strict):
+    """Answers computed online, kept per gateway (LRU) for `ttl`."""
+
+    ttl: Duration = "10m"
+    max_entries: Annotated[int, Field(ge=1, le=10_000_000)] = 100_000
+
+    @property
+    def ttl_s(self) -> float:
+        return duration_seconds(self.ttl)
+
+
+class TiersSpec(_Strict):
+    """Tiers in front of a model's online path, tried in this order; off when absent. Only
+    for the shorthand's entity rows (entity_ids, no caller rows): other calls go online."""
+
+    precomputed: PrecomputedTierSpec | None = None
+    cache: CacheTierSpec | None = None
+
+
 class ModelSpec(_Strict):
     # The shorthand for a model with one input tensor named `features`: the feature view
     # the gateway reads for entity ids, and the feature order the model takes. Ignored (and
@@ -172,6 +218,8 @@ class ModelSpec(_Strict):
     # Overrides traffic.model for this model's routes and clusters.
     policy: RoutePolicy | None = None
     shadow: ShadowSpec | None = None
+    # Precomputed and cached answers in front of the online path (docs/tiers.md); off.
+    tiers: TiersSpec | None = None
 
     @model_validator(mode="after")
     def _inputs_or_shorthand(self) -> ModelSpec:
