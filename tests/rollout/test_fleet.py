@@ -21,6 +21,7 @@ import pytest
 
 from servemesh.cli import main
 from servemesh.identity import dial_edge
+from servemesh.identity.edge_client import dial_edge_as
 from servemesh.launcher import Mesh
 from servemesh.load import BackgroundLoad, Outcome, predict_target
 from servemesh.proxy.apply import MeshPaths, RouteManager
@@ -177,7 +178,9 @@ def alive(pid: int) -> bool:
 
 
 def predict(mesh: Mesh, version: str = "") -> gateway_pb2.PredictResponse:
-    with dial_edge(mesh.spec).channel() as channel:
+    # A pinned version may have no share of the split: only the operator pins those.
+    dial = dial_edge_as(mesh.spec, mesh.spec.edge_address) if version else dial_edge(mesh.spec)
+    with dial.channel() as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         reply: gateway_pb2.PredictResponse = stub.Predict(
             gateway_pb2.PredictRequest(model="fraud", entity_ids=["user-1"], version=version),
