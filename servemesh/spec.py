@@ -665,6 +665,78 @@ class StreamSpec(_Strict):
         return self.dead_letter or f"streams:{self.name}:dead"
 
 
+# The cron macros a batch job's schedule may be (else five fields: minute hour day month
+# weekday, in UTC).
+CRON_MACROS = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
+
+
+class BatchJobSpec(_Strict):
+    """One scheduled batch run: `servemesh batch score` with these arguments, run when its
+    cron `schedule` (UTC) comes round, by `servemesh batch run-due` or by `servemesh up`
+    (docs/batch.md)."""
+
+    name: Name
+    model: Name
+    # The model version, or a registry alias naming one; neither: the version most traffic
+    # goes to when the job runs.
+    version: Name | None = None
+    alias: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    # Score every entity of this view (default: the model's first), or the ids in this CSV
+    # or Parquet file (relative paths: to the directory the command runs in).
+    view: Name | None = None
+    entities: Annotated[str, Field(min_length=1)] | None = None
+    entity_column: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    # FILE.parquet, redis (the mesh's own, docs/batch.md's key layout) or postgresql://...
+    output: Annotated[str, Field(min_length=1)]
+    # The PostgreSQL table (default <model>_scores).
+    table: Annotated[str, Field(min_length=1, max_length=63)] | None = None
+    chunk_rows: Annotated[int, Field(ge=1, le=65_536)] = 1024
+    # Score only rows that pass, e.g. "event_ts > 2024-05-01 and f03 >= 0.5".
+    where: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+    # Cron, five fields (minute hour day-of-month month day-of-week) or a macro (@daily).
+    schedule: str
+    # torch intra-op threads for the run (null: torch's default).
+    threads: Annotated[int, Field(ge=1, le=1024)] | None = None
+
+    @field_validator("schedule")
+    @classmethod
+    def _cron(cls, schedule: str) -> str:
+        from croniter import croniter
+
+        text = " ".join(schedule.split())
+        if not text.startswith("@") and len(text.split()) != 5:
+            raise ValueError(
+                f"{schedule!r}: five cron fields (minute hour day month weekday) or one of "
+                f"{', '.join(CRON_MACROS)}"
+            )
+        if text.startswith("@") and text not in CRON_MACROS:
+            raise ValueError(f"{schedule!r}: not one of {', '.join(CRON_MACROS)}")
+        if not croniter.is_valid(text):
+            raise ValueError(f"{schedule!r}: not a valid cron expression")
+        return text
+
+    @model_validator(mode="after")
+    def _one_of_each(self) -> BatchJobSpec:
+        if self.version is not None and self.alias is not None:
+            raise ValueError("version, alias: give one, not both")
+        if self.view is not None and self.entities is not None:
+            raise ValueError("view, entities: give one, not both")
+        postgres = self.output.startswith(("postgresql://", "postgres://"))
+        if (
+            not postgres
+            and self.output != "redis"
+            and not self.output.endswith((".parquet", ".pq"))
+        ):
+            raise ValueError(
+                f"output: {self.output!r} is not a .parquet file, redis or postgresql://"
+            )
+        if self.table is not None and not postgres:
+            raise ValueError("table: only with a postgresql:// output")
+        if self.entity_column is not None and self.entities is None:
+            raise ValueError("entity_column: only with entities")
+        return self
+
+
 class MeshSpec(_Strict):
     name: Name = "servemesh"
     host: str = "127.0.0.1"
@@ -695,6 +767,8 @@ class MeshSpec(_Strict):
     sandbox: SandboxSpec = Field(default_factory=SandboxSpec)
     # Streaming predictions: one consumer process per entry, started by `servemesh up`.
     streams: list[StreamSpec] = Field(default_factory=list, max_length=64)
+    # Scheduled batch runs (docs/batch.md): `servemesh batch run-due`, or `servemesh up`.
+    batch: list[BatchJobSpec] = Field(default_factory=list, max_length=64)
 
     @field_validator("host")
     @classmethod
@@ -771,6 +845,36 @@ class MeshSpec(_Strict):
             if stream.password_file is not None and stream.redis_url is None:
                 raise ValueError(f"streams[{i}].password_file: only with redis_url")
         return self
+
+    @model_validator(mode="after")
+    def _batch_jobs_name_known_models(self) -> MeshSpec:
+        names = [j.name for j in self.batch]
+        twice = sorted(n for n, count in Counter(names).items() if count > 1)
+        if twice:
+            raise ValueError(f"batch: names used more than once: {twice}")
+        for i, job in enumerate(self.batch):
+            model = self.models.get(job.model)
+            if model is None:
+                raise ValueError(
+                    f"batch[{i}].model: {job.model!r} is not one of models {sorted(self.models)}"
+                )
+            if job.version is not None and job.version not in model.versions:
+                raise ValueError(
+                    f"batch[{i}].version: {job.version!r} is not a version of "
+                    f"{job.model!r}: {sorted(model.versions)}"
+                )
+            if job.view is not None and job.view not in model.views:
+                raise ValueError(
+                    f"batch[{i}].view: model {job.model!r} reads {model.views}, not {job.view!r}"
+                )
+        return self
+
+    def batch_job(self, name: str) -> BatchJobSpec:
+        for job in self.batch:
+            if job.name == name:
+                return job
+        known = [j.name for j in self.batch]
+        raise SpecError(f"no batch job named {name!r} in the spec's batch; known: {known}")
 
     def stream(self, name: str) -> StreamSpec:
         for stream in self.streams:
