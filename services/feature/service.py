@@ -65,6 +65,8 @@ T = TypeVar("T")
 
 # Checked with fullmatch: `$` would let a trailing newline through.
 _VIEW = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+# A model or version name, as the spec spells it.
+_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 MAX_FEATURE_NAME = 64
 MAX_SOURCE_LENGTH = 1024
 # Problems one refused load lists; the rest are counted.
@@ -487,7 +489,33 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         count = int(np.count_nonzero(stale))
         if count:
             self.metrics.stale_reads.labels(read.view, view.staleness).inc(count)
-        return assemble(read, view, self.policy, rows, positions, stale, now)
+        response = assemble(read, view, self.policy, rows, positions, stale, now)
+        if version is not None:
+            response.view_version = version.version  # a gateway's cache keys on it
+        return response
+
+    async def GetTierAnswers(
+        self, request: feature_pb2.GetTierAnswersRequest, context: grpc.aio.ServicerContext
+    ) -> feature_pb2.GetTierAnswersResponse:
+        bind_request_id(request_id_from(context.invocation_metadata()))
+        for field, value in (("model", request.model), ("version", request.version)):
+            if not _NAME.fullmatch(value):
+                raise InvalidArgument(f"{field}: {shown(value)} is not a model or version name")
+        if len(request.entity_ids) > self.max_entities:
+            raise InvalidArgument(
+                f"entity_ids: {len(request.entity_ids)} ids, at most {self.max_entities} per call"
+            )
+        _check_ids("entity_ids", request.entity_ids)
+        found = await self._call_store(
+            context, self.store.tier_answers(request.model, request.version, request.entity_ids)
+        )
+        return feature_pb2.GetTierAnswersResponse(
+            flush_generation=found.flush,
+            run=found.run,
+            sha256=found.sha256,
+            scored_at_unix_ms=found.scored_at_ms,
+            answers=found.answers,
+        )
 
     def _max_age_ms(self, name: str, view: FeatureViewSpec) -> int | None:
         """The view's max_age in ms, parsed once per view spec (a spec change brings a new

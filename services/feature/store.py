@@ -42,6 +42,7 @@ from opentelemetry.trace import Span, SpanKind
 
 from servemesh.errors import ServemeshError
 from servemesh.services.runtime.tracing import tracer
+from servemesh.tier_keys import flush_key, scores_base
 
 # A load that sends nothing for this long loses its lease; the next load cleans up after it.
 LOAD_LEASE_MS = 60_000
@@ -146,6 +147,18 @@ class Rows:
     present: np.ndarray  # bool (n,)
     event_ms: np.ndarray  # int64 (n,), 0 where absent
     values: np.ndarray  # float32 (n, features), 0 where absent
+
+
+@dataclass(frozen=True)
+class TierRead:
+    """A model version's precomputed answers for some entities and the model's flush
+    generation (servemesh/tier_keys.py)."""
+
+    flush: int
+    run: int  # the version's current batch run; 0: none
+    sha256: str
+    scored_at_ms: int
+    answers: list[bytes]  # per entity, as stored; b"" when the run has none
 
 
 @dataclass(frozen=True)
@@ -313,6 +326,38 @@ class RedisFeatureStore:
                 return cached, unpack_rows(rows, len(cached.features))
             cached = await self.refresh(view, now)
         raise VersionMoved(f"view {view!r}: its version changed {READ_ATTEMPTS} times in one read")
+
+    async def tier_answers(self, model: str, version: str, entity_ids: Sequence[str]) -> TierRead:
+        """The flush generation of `model`, and the answers of the current batch run of
+        `model` `version` for `entity_ids`: read with the run pointer last (as a view's rows
+        are), so every answer is from the run that was current while it was read."""
+        base = scores_base(self.key_prefix, model, version)
+        pointer = f"{base}:current"
+        with _redis_span("MGET", 2):
+            flushed = flush_key(self.key_prefix, model)
+            flush_raw, run_raw = await self.client.mget([flushed, pointer])
+        flush = int(flush_raw or 0)
+        for _ in range(READ_ATTEMPTS):
+            run = int(run_raw or 0)
+            if not run or not entity_ids:
+                return TierRead(flush, run, "", 0, [])
+            run_key = f"{base}@{run}"
+            with _redis_span("MGET", len(entity_ids) + 1):
+                async with self.client.pipeline(transaction=False) as pipe:
+                    pipe.hmget(run_key, ["sha256", "scored_at_ms"])
+                    pipe.mget([*(f"{run_key}:{e}" for e in entity_ids), pointer])
+                    meta, values = await pipe.execute()
+            *stored, run_raw = values
+            if int(run_raw or 0) == run:
+                sha256, scored_at = meta
+                return TierRead(
+                    flush,
+                    run,
+                    sha256.decode() if isinstance(sha256, bytes) else "",
+                    int(scored_at or 0),
+                    [v if isinstance(v, bytes) else b"" for v in stored],
+                )
+        raise VersionMoved(f"{base}: its run changed {READ_ATTEMPTS} times in one read")
 
     # --- writes into the current version ------------------------------------------------
 

@@ -8,6 +8,7 @@ by status, and their latency, beside the RPC metrics every service has.
 | servemesh_gateway_prediction_score | histogram | model, version, route |
 | servemesh_gateway_model_calls_total | counter | model, version, code, route |
 | servemesh_gateway_coalesced_members | histogram | call |
+| servemesh_gateway_tier_lookups_total | counter | model, tier, result |
 
 `version` is the version that answered (the replica says which); a call whose model call
 failed carries the version Envoy routed it to (Envoy names it in a response header), one
@@ -34,6 +35,11 @@ The last two are what a rollout's analysis compares between a canary and its bas
 `coalesced_members`: the Predicts that shared each downstream call the gateway made while
 coalescing (services/gateway/coalesce.py), by call ("features": a GetFeatures, "model": a
 ModelInfer); a call made for one Predict alone counts 1.
+
+`tier_lookups_total`: each lookup of a model's precomputed and cache tiers
+(services/gateway/tiers.py) by result: "hit" (it answered), "miss", "stale" (an answer
+there, refused for its age) or "skipped" (the lookup could not be made: the feature store
+unreachable; the call went online). The answer's tier is in the prediction log.
 """
 
 from __future__ import annotations
@@ -101,11 +107,25 @@ class PredictMetrics:
             buckets=COALESCED_BUCKETS,
             registry=self.registry,
         )
+        self._tiers = Counter(
+            "servemesh_gateway_tier_lookups",
+            "Lookups of a model's precomputed and cache tiers by result.",
+            ["model", "tier", "result"],
+            registry=self.registry,
+        )
+        self._tier_children: dict[tuple[str, str, str], Any] = {}
         self._coalesced_by: dict[str, Any] = {}
         self._counters: dict[Key, Any] = {}
         self._timers: dict[tuple[str, str, str], Any] = {}
         self._scores: dict[tuple[str, str, str], Any] = {}
         self._calls: dict[tuple[str, str, str, str], Any] = {}
+
+    def record_tier(self, model: str, tier: str, result: str) -> None:
+        key = (model, tier, result)
+        child = self._tier_children.get(key)
+        if child is None:
+            child = self._tier_children[key] = self._tiers.labels(*key)
+        child.inc()
 
     def record(
         self,

@@ -20,6 +20,7 @@ from opentelemetry.trace import Link
 
 from servemesh.policy import CircuitBreakers
 from servemesh.predlog import PredictionLog
+from servemesh.predlog.record import PredictWatch
 from servemesh.services.feature.wire import build_request, read_matrix
 from servemesh.services.gateway.callers import caller_of, check_pin
 from servemesh.services.gateway.coalesce import Coalescer, Member, fail, settle
@@ -40,11 +41,23 @@ from servemesh.services.gateway.predict import (
     view_inputs,
     wire_inputs,
 )
+from servemesh.services.gateway.tiers import (
+    HIT,
+    MISS,
+    SKIPPED,
+    STALE,
+    AnswerCache,
+    cache_keys,
+    precomputed_rows,
+    response_of,
+    rows_of,
+    tiers_for,
+)
 from servemesh.services.runtime import DeadlineBudget, bind_request_id, request_id_from
 from servemesh.services.runtime.errors import Internal, MeshError
 from servemesh.services.runtime.logs import new_request_id
 from servemesh.services.runtime.tracing import traced_call, tracer
-from servemesh.spec import MeshSpec, ModelSpec
+from servemesh.spec import CacheTierSpec, MeshSpec, ModelSpec
 from servemesh.wire import (
     BUCKET_HEADER,
     BUCKET_RANGE_HEADER,
@@ -79,6 +92,7 @@ M = TypeVar("M")
 
 GET_FEATURES_METHOD = method_path(FEATURE_SERVICE, "GetFeatures")
 MODEL_METADATA_METHOD = method_path(OIP_SERVICE, "ModelMetadata")
+GET_TIER_ANSWERS_METHOD = method_path(FEATURE_SERVICE, "GetTierAnswers")
 
 # Downstream failures a configured fallback may answer for. Not DEADLINE_EXCEEDED: when the
 # caller's time is up, a late fallback helps nobody.
@@ -111,6 +125,12 @@ class FeatureAsk:
 
 # A shared GetFeatures: the view and the features read (the same for every member).
 FeatureKey = tuple[str, tuple[str, ...]]
+# How fresh each row read is: the view's version and each entity's event time (ms), which
+# a tier's cache keys on (services/gateway/tiers.py).
+Fresh = tuple[int, list[int]]
+# One view read: its matrix, why stale rows degrade the answer (""), the rows' freshness.
+ViewAnswer = tuple[np.ndarray, str, Fresh]
+Features = tuple[dict[str, np.ndarray], str, dict[str, Fresh]]
 # A shared ModelInfer: the model, its spec entry (by identity: a spec change starts new
 # calls), where Envoy sends it (a pinned version, or a version's bucket range), and the
 # per-row shape of every input (rows of one shape concatenate).
@@ -175,7 +195,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.signatures: dict[str, ModelSignature] = {}
         # Concurrent Predicts share calls (services/gateway/coalesce.py): one GetFeatures
         # per view and one ModelInfer per model and routing arm.
-        self.feature_calls: Coalescer[FeatureKey, FeatureAsk, tuple[np.ndarray, str]] = Coalescer(
+        self.feature_calls: Coalescer[FeatureKey, FeatureAsk, ViewAnswer] = Coalescer(
             self._send_features, on_call=self._counted("features")
         )
         self.model_calls: Coalescer[ModelKey, ModelAsk, gateway_pb2.PredictResponse] = Coalescer(
@@ -190,6 +210,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._shadowed: dict[str, ModelSpec] = {}
         # Each model's sticky bucket ranges, for the spec entry they were made from.
         self._ranges: dict[str, tuple[ModelSpec, dict[str, tuple[int, int]]]] = {}
+        # The cache tier of each model whose spec has one (services/gateway/tiers.py).
+        self.caches: dict[str, AnswerCache] = {}
+        self.clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000
 
     def use_channel(self, mesh_channel: grpc.aio.Channel) -> None:
         """Send calls from now on over `mesh_channel` (a re-dial after a rotation)."""
@@ -202,6 +225,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         for name in list(self.signatures):
             if spec.models.get(name) != self.spec.models.get(name):
                 del self.signatures[name]
+        for name, cache in list(self.caches.items()):
+            model = spec.models.get(name)
+            bounds = model.tiers.cache if model is not None and model.tiers else None
+            if bounds is None:
+                del self.caches[name]
+            else:
+                cache.configure(bounds.max_entries, bounds.ttl_s)
         self.spec = spec
         self._spec_stamp = _file_stamp(self.spec_file())
 
@@ -234,7 +264,39 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             shared = self.spec.coalescing.enabled
             features = self._features_shared if shared else self._features
             infer = self._infer_shared if shared else self._infer
-            matrices, stale = await watch.features(features(plan, deadline, metadata))
+            tiers = tiers_for(plan)
+            version = self._tier_version(plan) if tiers is not None else None
+            lookup: asyncio.Task[feature_pb2.GetTierAnswersResponse | None] | None = None
+            if tiers is not None and version is not None:
+                lookup = asyncio.ensure_future(
+                    self._tier_lookup(
+                        plan, version, tiers.precomputed is not None, deadline, metadata
+                    )
+                )
+                if tiers.precomputed is not None:
+                    found = await self._precomputed(plan, signature, await lookup)
+                    if found is not None:
+                        return self._tier_answered(watch, found, request_id, span)
+            feature_read = features(plan, deadline, metadata)
+            if lookup is not None and not lookup.done():
+                (matrices, stale, fresh), _ = await asyncio.gather(
+                    watch.features(feature_read), lookup
+                )
+            else:
+                matrices, stale, fresh = await watch.features(feature_read)
+            cache: AnswerCache | None = None
+            keys: list[tuple[str, str, str, int, int]] = []
+            if lookup is not None and tiers is not None and tiers.cache is not None and version:
+                cache, keys = self._cache_of(
+                    plan, tiers.cache, lookup.result(), version, fresh, stale
+                )
+                if cache is not None:
+                    rows, expired = cache.get_all(keys)
+                    if rows is not None:
+                        self.metrics.record_tier(plan.model_name, "cache", HIT)
+                        found = response_of(rows, version, gateway_pb2.TIER_CACHE)
+                        return self._tier_answered(watch, found, request_id, span)
+                    self.metrics.record_tier(plan.model_name, "cache", STALE if expired else MISS)
             answer = await watch.inference(
                 infer(
                     plan,
@@ -245,6 +307,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     request_id,
                 )
             )
+            if cache is not None and answer.model_version == version and not stale:
+                # Only the version the key names: Envoy may have routed elsewhere meanwhile.
+                online_rows = rows_of(answer, plan.n_rows)
+                if online_rows is not None:
+                    cache.put_all(keys, online_rows)
         except DownstreamError as exc:
             fallback = (
                 fallback_response(plan, request_id, str(exc))
@@ -278,6 +345,104 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # The model answered from features older than their view allows: say so.
             answer.degraded = True
             answer.degraded_reason = stale
+        return watch.answered(answer)
+
+    # --- tiers (services/gateway/tiers.py) -----------------------------------------------
+
+    def _tier_version(self, plan: PredictPlan) -> str | None:
+        """The version the call would be routed to per the spec this gateway follows; None
+        when unknown (the weighted split picks, or the spec file changed and is not yet
+        followed: Envoy may route by the new one already)."""
+        arm = self._arm(plan)
+        if arm is None or self._spec_in_flux():
+            return None
+        return arm[0]
+
+    async def _tier_lookup(
+        self,
+        plan: PredictPlan,
+        version: str,
+        precomputed: bool,
+        deadline: float,
+        metadata: list[tuple[str, str]],
+    ) -> feature_pb2.GetTierAnswersResponse | None:
+        """The model's flush generation and (`precomputed`) the version's batch answers for
+        the call's entities; None when the store cannot say (the tiers are skipped)."""
+        ids = plan.reads[0].entity_ids if precomputed else []
+        ask = feature_pb2.GetTierAnswersRequest(
+            model=plan.model_name, version=version, entity_ids=ids
+        )
+        try:
+            return await traced_call(
+                GET_TIER_ANSWERS_METHOD,
+                lambda sent: self.features.GetTierAnswers(
+                    ask, timeout=self.budget.remaining(deadline), metadata=sent
+                ),
+                metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.debug("tiers skipped", extra={"code": exc.code().name})
+            return None
+
+    async def _precomputed(
+        self,
+        plan: PredictPlan,
+        signature: ModelSignature,
+        found: feature_pb2.GetTierAnswersResponse | None,
+    ) -> gateway_pb2.PredictResponse | None:
+        tiers = plan.model.tiers
+        assert tiers is not None and tiers.precomputed is not None
+        if found is None:
+            self.metrics.record_tier(plan.model_name, "precomputed", SKIPPED)
+            return None
+        rows = precomputed_rows(
+            found.answers,
+            signature,
+            found.scored_at_unix_ms,
+            self.clock_ms(),
+            tiers.precomputed.max_age_ms,
+        )
+        if rows.rows is None:
+            self.metrics.record_tier(plan.model_name, "precomputed", STALE if rows.stale else MISS)
+            return None
+        self.metrics.record_tier(plan.model_name, "precomputed", HIT)
+        version = self._tier_version(plan)  # the answers are this version's run
+        assert version is not None
+        return response_of(rows.rows, version, gateway_pb2.TIER_PRECOMPUTED)
+
+    def _cache_of(
+        self,
+        plan: PredictPlan,
+        bounds: CacheTierSpec,
+        found: feature_pb2.GetTierAnswersResponse | None,
+        version: str,
+        fresh: Mapping[str, Fresh],
+        stale: str,
+    ) -> tuple[AnswerCache | None, list[tuple[str, str, str, int, int]]]:
+        """The model's cache and the call's keys, or no cache: the store could not say
+        whether it was flushed, or the features are stale (such answers are not kept)."""
+        if found is None:
+            self.metrics.record_tier(plan.model_name, "cache", SKIPPED)
+            return None, []
+        if stale:
+            return None, []
+        cache = self.caches.get(plan.model_name)
+        if cache is None:
+            cache = self.caches[plan.model_name] = AnswerCache(bounds.max_entries, bounds.ttl_s)
+        cache.flushed(found.flush_generation)
+        read = plan.reads[0]
+        view_version, event_ms = fresh[read.view]
+        return cache, cache_keys(plan.model_name, version, read.entity_ids, view_version, event_ms)
+
+    def _tier_answered(
+        self,
+        watch: PredictWatch,
+        answer: gateway_pb2.PredictResponse,
+        request_id: str,
+        span: trace.Span,
+    ) -> gateway_pb2.PredictResponse:
+        answer.request_id = request_id
+        span.set_attribute(SpanAttr.VERSION, answer.model_version)
         return watch.answered(answer)
 
     def _routing(self, plan: PredictPlan) -> list[tuple[str, str]]:
@@ -317,19 +482,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _features(
         self, plan: PredictPlan, deadline: float, metadata: list[tuple[str, str]]
-    ) -> tuple[dict[str, np.ndarray], str]:
-        """Each view's feature matrix (one GetFeatures per view, all at once), and why the
-        answer is degraded by stale features ("" when it is not)."""
+    ) -> Features:
+        """Each view's feature matrix (one GetFeatures per view, all at once), why the
+        answer is degraded by stale features ("" when it is not), each view's freshness."""
         if not plan.reads:
-            return {}, ""
+            return {}, "", {}
         read = await asyncio.gather(*(self._read_view(r, deadline, metadata) for r in plan.reads))
-        matrices = {r.view: matrix for r, (matrix, _) in zip(plan.reads, read, strict=True)}
-        reasons = [reason for _, reason in read if reason]
-        return matrices, "; ".join(reasons)
+        return _features_of(plan, read)
 
     async def _read_view(
         self, read: ViewRead, deadline: float, metadata: list[tuple[str, str]]
-    ) -> tuple[np.ndarray, str]:
+    ) -> ViewAnswer:
         lookup = build_request(read.view, read.entity_ids, read.features)
         try:
             reply = await traced_call(
@@ -342,7 +505,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except grpc.aio.AioRpcError as exc:
             raise DownstreamError("feature service", exc) from None
         matrix = _matrix_of(reply, read.view, len(read.entity_ids), len(read.features))
-        return matrix, stale_reason(read.entity_ids, reply.vectors)
+        return matrix, stale_reason(read.entity_ids, reply.vectors), _fresh(reply, reply.vectors)
 
     async def _infer(
         self,
@@ -390,10 +553,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _features_shared(
         self, plan: PredictPlan, deadline: float, metadata: list[tuple[str, str]]
-    ) -> tuple[dict[str, np.ndarray], str]:
+    ) -> Features:
         """As `_features`, each view's read shared with the concurrent Predicts that read it."""
         if not plan.reads:
-            return {}, ""
+            return {}, "", {}
         breakers = self.spec.traffic.feature.circuit_breakers
         if _breaker_counts_calls(breakers, self.spec.coalescing.max_rows):
             return await self._features(plan, deadline, metadata)
@@ -412,12 +575,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             for read in plan.reads
         ]
         read = [await asks[0]] if len(asks) == 1 else await asyncio.gather(*asks)
-        matrices = {r.view: matrix for r, (matrix, _) in zip(plan.reads, read, strict=True)}
-        reasons = [reason for _, reason in read if reason]
-        return matrices, "; ".join(reasons)
+        return _features_of(plan, read)
 
     async def _send_features(
-        self, key: FeatureKey, members: list[Member[FeatureAsk, tuple[np.ndarray, str]]]
+        self, key: FeatureKey, members: list[Member[FeatureAsk, ViewAnswer]]
     ) -> None:
         """One GetFeatures for every member: the union of their entity ids (an entity asked
         twice is read once), each member answered its own rows and stale entities."""
@@ -450,14 +611,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 fail(member, exc)
             return
         if len(members) == 1:
-            settle(members[0], (matrix, stale_reason(ids, reply.vectors)))
+            settle(
+                members[0], (matrix, stale_reason(ids, reply.vectors), _fresh(reply, reply.vectors))
+            )
             return
         position = {entity: i for i, entity in enumerate(ids)}
         for member in members:
             own = member.item.read.entity_ids
             rows = [position[entity] for entity in own]
             vectors = [reply.vectors[i] for i in rows]
-            settle(member, (matrix[rows], stale_reason(own, vectors)))
+            settle(member, (matrix[rows], stale_reason(own, vectors), _fresh(reply, vectors)))
 
     async def _send_each_or_all(
         self,
@@ -703,6 +866,19 @@ def _current(span: trace.Span | None) -> Iterator[None]:
         return
     with trace.use_span(span, end_on_exit=True):
         yield
+
+
+def _features_of(plan: PredictPlan, read: Sequence[ViewAnswer]) -> Features:
+    matrices = {r.view: answer[0] for r, answer in zip(plan.reads, read, strict=True)}
+    reasons = [answer[1] for answer in read if answer[1]]
+    fresh = {r.view: answer[2] for r, answer in zip(plan.reads, read, strict=True)}
+    return matrices, "; ".join(reasons), fresh
+
+
+def _fresh(
+    reply: feature_pb2.GetFeaturesResponse, vectors: Sequence[feature_pb2.FeatureVector]
+) -> Fresh:
+    return reply.view_version, [v.event_time_unix_ms for v in vectors]
 
 
 def _matrix_of(

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&servemesh_api/feature/v1/feature.proto\x12\x14servemesh.feature.v1\"]\n\x12GetFeaturesRequest\x12\x0c\n\x04view\x18\x01 \x01(\t\x12\x12\n\nentity_ids\x18\x02 \x03(\t\x12\x15\n\rfeature_names\x18\x03 \x03(\t\x12\x0e\n\x06packed\x18\x04 \x01(\x08\"p\n\rFeatureVector\x12\x11\n\tentity_id\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\x02\x12\x11\n\tdefaulted\x18\x03 \x01(\x08\x12\r\n\x05stale\x18\x04 \x01(\x08\x12\x1a\n\x12\x65vent_time_unix_ms\x18\x05 \x01(\x03\"b\n\x13GetFeaturesResponse\x12\x34\n\x07vectors\x18\x01 \x03(\x0b\x32#.servemesh.feature.v1.FeatureVector\x12\x15\n\rpacked_values\x18\x02 \x01(\x0c\"\xb0\x01\n\x0e\x45ntityFeatures\x12\x11\n\tentity_id\x18\x01 \x01(\t\x12@\n\x06values\x18\x02 \x03(\x0b\x32\x30.servemesh.feature.v1.EntityFeatures.ValuesEntry\x12\x1a\n\x12\x65vent_time_unix_ms\x18\x03 \x01(\x03\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\\\n\x14WriteFeaturesRequest\x12\x0c\n\x04view\x18\x01 \x01(\t\x12\x36\n\x08\x65ntities\x18\x02 \x03(\x0b\x32$.servemesh.feature.v1.EntityFeatures\"(\n\x15WriteFeaturesResponse\x12\x0f\n\x07written\x18\x01 \x01(\r\"t\n\nLoadHeader\x12\x0c\n\x04view\x18\x01 \x01(\t\x12\x15\n\rfeature_names\x18\x02 \x03(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x31\n\trow_label\x18\x04 \x01(\x0e\x32\x1e.servemesh.feature.v1.RowLabel\"_\n\tLoadChunk\x12\x12\n\nentity_ids\x18\x01 \x03(\t\x12\x0e\n\x06values\x18\x02 \x01(\x0c\x12\x1b\n\x13\x65vent_times_unix_ms\x18\x03 \x03(\x03\x12\x11\n\tfirst_row\x18\x04 \x01(\x04\"\x1a\n\nLoadCommit\x12\x0c\n\x04rows\x18\x01 \x01(\x04\"\xb7\x01\n\x13LoadFeaturesRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32 .servemesh.feature.v1.LoadHeaderH\x00\x12\x30\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1f.servemesh.feature.v1.LoadChunkH\x00\x12\x32\n\x06\x63ommit\x18\x03 \x01(\x0b\x32 .servemesh.feature.v1.LoadCommitH\x00\x42\x06\n\x04part\"\x85\x01\n\x14LoadFeaturesResponse\x12\x0c\n\x04view\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x10\n\x08\x65ntities\x18\x04 \x01(\x04\x12\x18\n\x10replaced_version\x18\x05 \x01(\x04\x12\x14\n\x0c\x64\x65leted_keys\x18\x06 \x01(\x04*1\n\x08RowLabel\x12\x11\n\rROW_LABEL_ROW\x10\x00\x12\x12\n\x0eROW_LABEL_LINE\x10\x01\x32\xcd\x02\n\x0e\x46\x65\x61tureService\x12\x64\n\x0bGetFeatures\x12(.servemesh.feature.v1.GetFeaturesRequest\x1a).servemesh.feature.v1.GetFeaturesResponse\"\x00\x12j\n\rWriteFeatures\x12*.servemesh.feature.v1.WriteFeaturesRequest\x1a+.servemesh.feature.v1.WriteFeaturesResponse\"\x00\x12i\n\x0cLoadFeatures\x12).servemesh.feature.v1.LoadFeaturesRequest\x1a*.servemesh.feature.v1.LoadFeaturesResponse\"\x00(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&servemesh_api/feature/v1/feature.proto\x12\x14servemesh.feature.v1\"]\n\x12GetFeaturesRequest\x12\x0c\n\x04view\x18\x01 \x01(\t\x12\x12\n\nentity_ids\x18\x02 \x03(\t\x12\x15\n\rfeature_names\x18\x03 \x03(\t\x12\x0e\n\x06packed\x18\x04 \x01(\x08\"p\n\rFeatureVector\x12\x11\n\tentity_id\x18\x01 \x01(\t\x12\x0e\n\x06values\x18\x02 \x03(\x02\x12\x11\n\tdefaulted\x18\x03 \x01(\x08\x12\r\n\x05stale\x18\x04 \x01(\x08\x12\x1a\n\x12\x65vent_time_unix_ms\x18\x05 \x01(\x03\"x\n\x13GetFeaturesResponse\x12\x34\n\x07vectors\x18\x01 \x03(\x0b\x32#.servemesh.feature.v1.FeatureVector\x12\x15\n\rpacked_values\x18\x02 \x01(\x0c\x12\x14\n\x0cview_version\x18\x03 \x01(\x04\"\xb0\x01\n\x0e\x45ntityFeatures\x12\x11\n\tentity_id\x18\x01 \x01(\t\x12@\n\x06values\x18\x02 \x03(\x0b\x32\x30.servemesh.feature.v1.EntityFeatures.ValuesEntry\x12\x1a\n\x12\x65vent_time_unix_ms\x18\x03 \x01(\x03\x1a-\n\x0bValuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\\\n\x14WriteFeaturesRequest\x12\x0c\n\x04view\x18\x01 \x01(\t\x12\x36\n\x08\x65ntities\x18\x02 \x03(\x0b\x32$.servemesh.feature.v1.EntityFeatures\"(\n\x15WriteFeaturesResponse\x12\x0f\n\x07written\x18\x01 \x01(\r\"t\n\nLoadHeader\x12\x0c\n\x04view\x18\x01 \x01(\t\x12\x15\n\rfeature_names\x18\x02 \x03(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x31\n\trow_label\x18\x04 \x01(\x0e\x32\x1e.servemesh.feature.v1.RowLabel\"_\n\tLoadChunk\x12\x12\n\nentity_ids\x18\x01 \x03(\t\x12\x0e\n\x06values\x18\x02 \x01(\x0c\x12\x1b\n\x13\x65vent_times_unix_ms\x18\x03 \x03(\x03\x12\x11\n\tfirst_row\x18\x04 \x01(\x04\"\x1a\n\nLoadCommit\x12\x0c\n\x04rows\x18\x01 \x01(\x04\"\xb7\x01\n\x13LoadFeaturesRequest\x12\x32\n\x06header\x18\x01 \x01(\x0b\x32 .servemesh.feature.v1.LoadHeaderH\x00\x12\x30\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1f.servemesh.feature.v1.LoadChunkH\x00\x12\x32\n\x06\x63ommit\x18\x03 \x01(\x0b\x32 .servemesh.feature.v1.LoadCommitH\x00\x42\x06\n\x04part\"\x85\x01\n\x14LoadFeaturesResponse\x12\x0c\n\x04view\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x10\n\x08\x65ntities\x18\x04 \x01(\x04\x12\x18\n\x10replaced_version\x18\x05 \x01(\x04\x12\x14\n\x0c\x64\x65leted_keys\x18\x06 \x01(\x04\"K\n\x15GetTierAnswersRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x12\n\nentity_ids\x18\x03 \x03(\t\"{\n\x16GetTierAnswersResponse\x12\x18\n\x10\x66lush_generation\x18\x01 \x01(\x04\x12\x0b\n\x03run\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x19\n\x11scored_at_unix_ms\x18\x04 \x01(\x03\x12\x0f\n\x07\x61nswers\x18\x05 \x03(\x0c*1\n\x08RowLabel\x12\x11\n\rROW_LABEL_ROW\x10\x00\x12\x12\n\x0eROW_LABEL_LINE\x10\x01\x32\xbc\x03\n\x0e\x46\x65\x61tureService\x12\x64\n\x0bGetFeatures\x12(.servemesh.feature.v1.GetFeaturesRequest\x1a).servemesh.feature.v1.GetFeaturesResponse\"\x00\x12j\n\rWriteFeatures\x12*.servemesh.feature.v1.WriteFeaturesRequest\x1a+.servemesh.feature.v1.WriteFeaturesResponse\"\x00\x12i\n\x0cLoadFeatures\x12).servemesh.feature.v1.LoadFeaturesRequest\x1a*.servemesh.feature.v1.LoadFeaturesResponse\"\x00(\x01\x12m\n\x0eGetTierAnswers\x12+.servemesh.feature.v1.GetTierAnswersRequest\x1a,.servemesh.feature.v1.GetTierAnswersResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,32 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENTITYFEATURES_VALUESENTRY']._loaded_options = None
   _globals['_ENTITYFEATURES_VALUESENTRY']._serialized_options = b'8\001'
-  _globals['_ROWLABEL']._serialized_start=1253
-  _globals['_ROWLABEL']._serialized_end=1302
+  _globals['_ROWLABEL']._serialized_start=1477
+  _globals['_ROWLABEL']._serialized_end=1526
   _globals['_GETFEATURESREQUEST']._serialized_start=64
   _globals['_GETFEATURESREQUEST']._serialized_end=157
   _globals['_FEATUREVECTOR']._serialized_start=159
   _globals['_FEATUREVECTOR']._serialized_end=271
   _globals['_GETFEATURESRESPONSE']._serialized_start=273
-  _globals['_GETFEATURESRESPONSE']._serialized_end=371
-  _globals['_ENTITYFEATURES']._serialized_start=374
-  _globals['_ENTITYFEATURES']._serialized_end=550
-  _globals['_ENTITYFEATURES_VALUESENTRY']._serialized_start=505
-  _globals['_ENTITYFEATURES_VALUESENTRY']._serialized_end=550
-  _globals['_WRITEFEATURESREQUEST']._serialized_start=552
-  _globals['_WRITEFEATURESREQUEST']._serialized_end=644
-  _globals['_WRITEFEATURESRESPONSE']._serialized_start=646
-  _globals['_WRITEFEATURESRESPONSE']._serialized_end=686
-  _globals['_LOADHEADER']._serialized_start=688
-  _globals['_LOADHEADER']._serialized_end=804
-  _globals['_LOADCHUNK']._serialized_start=806
-  _globals['_LOADCHUNK']._serialized_end=901
-  _globals['_LOADCOMMIT']._serialized_start=903
-  _globals['_LOADCOMMIT']._serialized_end=929
-  _globals['_LOADFEATURESREQUEST']._serialized_start=932
-  _globals['_LOADFEATURESREQUEST']._serialized_end=1115
-  _globals['_LOADFEATURESRESPONSE']._serialized_start=1118
-  _globals['_LOADFEATURESRESPONSE']._serialized_end=1251
-  _globals['_FEATURESERVICE']._serialized_start=1305
-  _globals['_FEATURESERVICE']._serialized_end=1638
+  _globals['_GETFEATURESRESPONSE']._serialized_end=393
+  _globals['_ENTITYFEATURES']._serialized_start=396
+  _globals['_ENTITYFEATURES']._serialized_end=572
+  _globals['_ENTITYFEATURES_VALUESENTRY']._serialized_start=527
+  _globals['_ENTITYFEATURES_VALUESENTRY']._serialized_end=572
+  _globals['_WRITEFEATURESREQUEST']._serialized_start=574
+  _globals['_WRITEFEATURESREQUEST']._serialized_end=666
+  _globals['_WRITEFEATURESRESPONSE']._serialized_start=668
+  _globals['_WRITEFEATURESRESPONSE']._serialized_end=708
+  _globals['_LOADHEADER']._serialized_start=710
+  _globals['_LOADHEADER']._serialized_end=826
+  _globals['_LOADCHUNK']._serialized_start=828
+  _globals['_LOADCHUNK']._serialized_end=923
+  _globals['_LOADCOMMIT']._serialized_start=925
+  _globals['_LOADCOMMIT']._serialized_end=951
+  _globals['_LOADFEATURESREQUEST']._serialized_start=954
+  _globals['_LOADFEATURESREQUEST']._serialized_end=1137
+  _globals['_LOADFEATURESRESPONSE']._serialized_start=1140
+  _globals['_LOADFEATURESRESPONSE']._serialized_end=1273
+  _globals['_GETTIERANSWERSREQUEST']._serialized_start=1275
+  _globals['_GETTIERANSWERSREQUEST']._serialized_end=1350
+  _globals['_GETTIERANSWERSRESPONSE']._serialized_start=1352
+  _globals['_GETTIERANSWERSRESPONSE']._serialized_end=1475
+  _globals['_FEATURESERVICE']._serialized_start=1529
+  _globals['_FEATURESERVICE']._serialized_end=1973
 # @@protoc_insertion_point(module_scope)

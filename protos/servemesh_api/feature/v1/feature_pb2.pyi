@@ -41,12 +41,14 @@ class FeatureVector(_message.Message):
     def __init__(self, entity_id: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ..., defaulted: _Optional[bool] = ..., stale: _Optional[bool] = ..., event_time_unix_ms: _Optional[int] = ...) -> None: ...
 
 class GetFeaturesResponse(_message.Message):
-    __slots__ = ("vectors", "packed_values")
+    __slots__ = ("vectors", "packed_values", "view_version")
     VECTORS_FIELD_NUMBER: _ClassVar[int]
     PACKED_VALUES_FIELD_NUMBER: _ClassVar[int]
+    VIEW_VERSION_FIELD_NUMBER: _ClassVar[int]
     vectors: _containers.RepeatedCompositeFieldContainer[FeatureVector]
     packed_values: bytes
-    def __init__(self, vectors: _Optional[_Iterable[_Union[FeatureVector, _Mapping]]] = ..., packed_values: _Optional[bytes] = ...) -> None: ...
+    view_version: int
+    def __init__(self, vectors: _Optional[_Iterable[_Union[FeatureVector, _Mapping]]] = ..., packed_values: _Optional[bytes] = ..., view_version: _Optional[int] = ...) -> None: ...
 
 class EntityFeatures(_message.Message):
     __slots__ = ("entity_id", "values", "event_time_unix_ms")
@@ -134,3 +136,27 @@ class LoadFeaturesResponse(_message.Message):
     replaced_version: int
     deleted_keys: int
     def __init__(self, view: _Optional[str] = ..., version: _Optional[int] = ..., rows: _Optional[int] = ..., entities: _Optional[int] = ..., replaced_version: _Optional[int] = ..., deleted_keys: _Optional[int] = ...) -> None: ...
+
+class GetTierAnswersRequest(_message.Message):
+    __slots__ = ("model", "version", "entity_ids")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENTITY_IDS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: str
+    entity_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., entity_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetTierAnswersResponse(_message.Message):
+    __slots__ = ("flush_generation", "run", "sha256", "scored_at_unix_ms", "answers")
+    FLUSH_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SCORED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    flush_generation: int
+    run: int
+    sha256: str
+    scored_at_unix_ms: int
+    answers: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, flush_generation: _Optional[int] = ..., run: _Optional[int] = ..., sha256: _Optional[str] = ..., scored_at_unix_ms: _Optional[int] = ..., answers: _Optional[_Iterable[bytes]] = ...) -> None: ...

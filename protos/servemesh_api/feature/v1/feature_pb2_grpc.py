@@ -49,6 +49,11 @@ class FeatureServiceStub:
                 request_serializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.LoadFeaturesRequest.SerializeToString,
                 response_deserializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.LoadFeaturesResponse.FromString,
                 _registered_method=True)
+        self.GetTierAnswers = channel.unary_unary(
+                '/servemesh.feature.v1.FeatureService/GetTierAnswers',
+                request_serializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.GetTierAnswersRequest.SerializeToString,
+                response_deserializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.GetTierAnswersResponse.FromString,
+                _registered_method=True)
 
 
 class FeatureServiceServicer:
@@ -81,6 +86,15 @@ class FeatureServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTierAnswers(self, request, context):
+        """What a gateway's tiers need of the store for one model version: its answers precomputed
+        by `servemesh batch score --out redis` for entities (the current run's), and the
+        model's flush generation (`servemesh cache flush` raises it). One read of the store.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FeatureServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +112,11 @@ def add_FeatureServiceServicer_to_server(servicer, server):
                     servicer.LoadFeatures,
                     request_deserializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.LoadFeaturesRequest.FromString,
                     response_serializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.LoadFeaturesResponse.SerializeToString,
+            ),
+            'GetTierAnswers': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTierAnswers,
+                    request_deserializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.GetTierAnswersRequest.FromString,
+                    response_serializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.GetTierAnswersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -181,6 +200,33 @@ class FeatureService:
             '/servemesh.feature.v1.FeatureService/LoadFeatures',
             servemesh__api_dot_feature_dot_v1_dot_feature__pb2.LoadFeaturesRequest.SerializeToString,
             servemesh__api_dot_feature_dot_v1_dot_feature__pb2.LoadFeaturesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTierAnswers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/servemesh.feature.v1.FeatureService/GetTierAnswers',
+            servemesh__api_dot_feature_dot_v1_dot_feature__pb2.GetTierAnswersRequest.SerializeToString,
+            servemesh__api_dot_feature_dot_v1_dot_feature__pb2.GetTierAnswersResponse.FromString,
             options,
             channel_credentials,
             insecure,

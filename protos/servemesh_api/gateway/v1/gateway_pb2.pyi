@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_ONLINE: _ClassVar[Tier]
+    TIER_CACHE: _ClassVar[Tier]
+    TIER_PRECOMPUTED: _ClassVar[Tier]
+TIER_ONLINE: Tier
+TIER_CACHE: Tier
+TIER_PRECOMPUTED: Tier
 
 class Tensor(_message.Message):
     __slots__ = ("datatype", "shape", "float_values", "double_values", "int64_values", "int_values", "uint64_values", "uint_values", "bool_values")
@@ -71,7 +81,7 @@ class PredictRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., entity_ids: _Optional[_Iterable[str]] = ..., rows: _Optional[_Iterable[_Union[FeatureRow, _Mapping]]] = ..., version: _Optional[str] = ..., entities: _Optional[_Iterable[_Union[EntityRow, _Mapping]]] = ..., inputs: _Optional[_Mapping[str, Tensor]] = ...) -> None: ...
 
 class PredictResponse(_message.Message):
-    __slots__ = ("scores", "model_version", "degraded", "request_id", "degraded_reason", "model_replica", "model_zone", "outputs")
+    __slots__ = ("scores", "model_version", "degraded", "request_id", "degraded_reason", "model_replica", "model_zone", "outputs", "tier")
     class OutputsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +97,7 @@ class PredictResponse(_message.Message):
     MODEL_REPLICA_FIELD_NUMBER: _ClassVar[int]
     MODEL_ZONE_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     scores: _containers.RepeatedScalarFieldContainer[float]
     model_version: str
     degraded: bool
@@ -95,4 +106,5 @@ class PredictResponse(_message.Message):
     model_replica: str
     model_zone: str
     outputs: _containers.MessageMap[str, Tensor]
-    def __init__(self, scores: _Optional[_Iterable[float]] = ..., model_version: _Optional[str] = ..., degraded: _Optional[bool] = ..., request_id: _Optional[str] = ..., degraded_reason: _Optional[str] = ..., model_replica: _Optional[str] = ..., model_zone: _Optional[str] = ..., outputs: _Optional[_Mapping[str, Tensor]] = ...) -> None: ...
+    tier: Tier
+    def __init__(self, scores: _Optional[_Iterable[float]] = ..., model_version: _Optional[str] = ..., degraded: _Optional[bool] = ..., request_id: _Optional[str] = ..., degraded_reason: _Optional[str] = ..., model_replica: _Optional[str] = ..., model_zone: _Optional[str] = ..., outputs: _Optional[_Mapping[str, Tensor]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
