@@ -18,6 +18,7 @@ from servemesh.cli import (
     auth,
     batch,
     bench,
+    cache,
     certs,
     chaos,
     check,
@@ -65,6 +66,7 @@ COMMANDS: list[ModuleType] = [
     envoy_config,
     bench,
     batch,
+    cache,
 ]
 
 
