@@ -146,10 +146,11 @@ class ModelInputSpec(_Strict):
         return self
 
 
-# Where a precomputed tier's answers come from. `redis`: the output `servemesh batch score
-# --model M --version V --out redis` wrote for the model in the feature store's Redis, read
-# for the version a request would be routed to (docs/tiers.md).
-PRECOMPUTED_SOURCES = ("redis",)
+# Where a precomputed tier's answers come from: `batch.<job>`, a job of the spec's `batch:`
+# list scoring this model into redis, or `redis`, whatever `servemesh batch score --model M
+# --version V --out redis` wrote for the model. Either way the gateway reads the output of
+# the version a request would be routed to, in the feature store's Redis (docs/tiers.md).
+PRECOMPUTED_SOURCE = r"^(redis|batch\.[a-z0-9][a-z0-9_-]{0,62})$"
 
 
 class PrecomputedTierSpec(_Strict):
@@ -164,7 +165,7 @@ class PrecomputedTierSpec(_Strict):
         serialize_by_alias=True,
     )
 
-    source: Literal["redis"] = Field(default="redis", alias="from")
+    source: str = Field(default="redis", alias="from", pattern=PRECOMPUTED_SOURCE)
     max_age: Duration = "26h"
 
     @property
@@ -866,6 +867,25 @@ class MeshSpec(_Strict):
             if job.view is not None and job.view not in model.views:
                 raise ValueError(
                     f"batch[{i}].view: model {job.model!r} reads {model.views}, not {job.view!r}"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _precomputed_tiers_name_redis_jobs(self) -> MeshSpec:
+        for name, model in self.models.items():
+            tier = model.tiers.precomputed if model.tiers else None
+            if tier is None or not tier.source.startswith("batch."):
+                continue
+            job_name = tier.source.removeprefix("batch.")
+            where = f"models.{name}.tiers.precomputed.from"
+            job = next((j for j in self.batch if j.name == job_name), None)
+            if job is None:
+                known = [j.name for j in self.batch]
+                raise ValueError(f"{where}: no batch job named {job_name!r}; known: {known}")
+            if job.model != name or job.output != "redis":
+                raise ValueError(
+                    f"{where}: batch job {job_name!r} scores {job.model!r} into {job.output!r}; "
+                    f"the tier reads a job scoring {name!r} into redis"
                 )
         return self
 
