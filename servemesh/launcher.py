@@ -76,9 +76,10 @@ SERVICE_MODULES = {
 # model or registry server, so those drain together (each takes half a second or more to
 # exit; one after another they added a second to every stop).
 # The trace store stops after every service, so the spans they flush on the way out land.
-# Stream consumers (servemesh.streams) stop first: each finishes its batch in flight.
+# Stream consumers (servemesh.streams) stop first: each finishes its batch in flight; with
+# them the batch scheduler (a run in flight is left interrupted, its output never half there).
 STOP_ORDER = [
-    ["stream"],
+    ["stream", "batch"],
     ["prometheus"],
     ["envoy"],
     ["gateway"],
@@ -209,6 +210,7 @@ class Mesh:
             self.supervisor.wait_ready(gateways, deadline)
             self._start_prometheus(deadline)
             self._start_streams(deadline)
+            self._start_batch_scheduler(deadline)
             self._write_endpoints()
             self._start_fleet_follower()
         except BaseException:
@@ -564,6 +566,25 @@ class Mesh:
                 ready=Check(ready.exists, f"stream {stream.name}: consumer ready ({ready})"),
                 timeout_s=max(0.0, deadline - time.monotonic()),
             )
+
+    def _start_batch_scheduler(self, deadline: float) -> None:
+        """The spec's `batch:` jobs, run when due (servemesh.batch.scheduler), when it has
+        any; ready once it wrote its ready file (before its first round)."""
+        if not self.spec.batch:
+            return
+        from servemesh.batch.scheduler import ready_path
+
+        ready = ready_path(self.state_dir)
+        ready.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "servemesh.batch.scheduler"]
+        argv += ["--state-dir", str(self.state_dir)]
+        self.supervisor.start(
+            "batch-scheduler",
+            argv,
+            group="batch",
+            ready=Check(ready.exists, f"batch scheduler ready ({ready})"),
+            timeout_s=max(0.0, deadline - time.monotonic()),
+        )
 
     def _start_prometheus(self, deadline: float) -> None:
         """Prometheus scraping every service and Envoy, when the spec wants one and the

@@ -11,5 +11,6 @@ registry artifact, in full batches, into Parquet, PostgreSQL or Redis (docs/batc
 | `checkpoint` | what an interrupted run leaves, and what `--resume` continues from |
 | `job` | one run: read, score, write, checkpoint, chunk by chunk |
 | `schedule` | the spec's `batch:` jobs and when each is due |
+| `scheduler` | the process `servemesh up` starts to run them when due |
 | `history` | one record per run, under the state dir |
 """

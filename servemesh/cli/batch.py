@@ -28,6 +28,7 @@ from servemesh.cli.output import console, out
 
 if TYPE_CHECKING:
     from servemesh.batch.job import ScoreJob, ScoreResult
+    from servemesh.spec import BatchJobSpec
 
 
 def run_dir_for(mesh_state: Path, job: ScoreJob) -> Path:
@@ -77,10 +78,10 @@ async def score(
 
 
 def record(mesh: RunningMesh, name: str, job: ScoreJob, result: ScoreResult | None, error: str,
-           started_ms: int) -> None:  # fmt: skip
+           started_ms: int, finished_ms: int | None = None) -> None:  # fmt: skip
     from servemesh.batch.history import RunRecord, record_run
 
-    now = time.time_ns() // 1_000_000
+    now = time.time_ns() // 1_000_000 if finished_ms is None else finished_ms
     record_run(
         mesh.state_dir,
         RunRecord(
@@ -177,6 +178,103 @@ def cmd_score(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_job(
+    mesh: RunningMesh, job_spec: BatchJobSpec, progress_mode: str, now: datetime | None = None
+) -> ScoreResult:
+    """Run the spec's job `job_spec` now and record it under its name (a failed run too,
+    then re-raised). `now`: the clock the run is recorded at (the real one when None)."""
+    from servemesh.batch.schedule import score_job, to_ms
+
+    job = score_job(job_spec)
+    started = time.perf_counter()
+    started_ms = to_ms(now) if now is not None else time.time_ns() // 1_000_000
+
+    def finished() -> int | None:
+        return None if now is None else started_ms + round((time.perf_counter() - started) * 1000)
+
+    try:
+        with _progress(progress_mode) as progress:
+            result = asyncio.run(score(mesh, job, progress, job_spec.threads))
+    except Exception as exc:
+        error = " ".join(str(exc).split())
+        record(mesh, job_spec.name, job, None, error, started_ms, finished())
+        raise
+    record(mesh, job_spec.name, job, result, "", started_ms, finished())
+    return result
+
+
+def run_due(mesh: RunningMesh, now: datetime | None, progress_mode: str = "off") -> int:
+    """Run every spec job due at `now` (the real time when None), one after another; the
+    number that failed. A job whose lock another process holds is left to it."""
+    from servemesh.batch.history import read_history
+    from servemesh.batch.schedule import decide, job_lock
+
+    failed = 0
+    for job_spec in mesh.spec.batch:
+        when = now or datetime.now(UTC)
+        decision = decide(job_spec, read_history(mesh.state_dir, job_spec.name), when)
+        if not decision.due:
+            out.print(f"{job_spec.name}: not due ({decision.reason()})", markup=False)
+            continue
+        with job_lock(mesh.state_dir, job_spec.name) as held:
+            if not held:
+                out.print(f"{job_spec.name}: running in another process", markup=False)
+                continue
+            # Another process may have run it between the first look and the lock.
+            when = now or datetime.now(UTC)
+            decision = decide(job_spec, read_history(mesh.state_dir, job_spec.name), when)
+            if not decision.due:
+                out.print(f"{job_spec.name}: not due ({decision.reason()})", markup=False)
+                continue
+            out.print(f"{job_spec.name}: due ({decision.reason()})", markup=False)
+            try:
+                result = run_job(mesh, job_spec, progress_mode, now)
+            except Exception as exc:
+                failed += 1
+                console.print(f"{job_spec.name}: failed: {exc}", markup=False)
+                continue
+            out.print(f"{job_spec.name}: ", end="", markup=False)
+            summary(result)
+    return failed
+
+
+def _parse_now(text: str | None) -> datetime | None:
+    from servemesh.batch.errors import BatchError
+    from servemesh.batch.schedule import utc
+
+    if text is None:
+        return None
+    try:
+        return utc(datetime.fromisoformat(text))
+    except ValueError:
+        raise BatchError(
+            f"--now {text}: not an ISO 8601 time (e.g. 2026-05-01T02:00:00Z)"
+        ) from None
+
+
+def cmd_run_due(args: argparse.Namespace) -> int:
+    mesh = running_mesh(args)
+    now = _parse_now(args.now)
+    if not mesh.spec.batch:
+        out.print("no batch jobs in the spec", markup=False)
+        return 0
+    return 1 if run_due(mesh, now, args.progress) else 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from servemesh.batch.errors import BatchError
+    from servemesh.errors import ServemeshError
+
+    mesh = running_mesh(args)
+    try:
+        job_spec = mesh.spec.batch_job(args.job)
+    except ServemeshError as exc:
+        raise BatchError(str(exc)) from None
+    args.interrupted = "the next run of the job starts afresh"
+    summary(run_job(mesh, job_spec, args.progress, _parse_now(args.now)))
+    return 0
+
+
 def summary(result: ScoreResult) -> None:
     if result.discarded_leftover:
         console.print("an interrupted run of this job was discarded (no --resume)")
@@ -263,6 +361,26 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     add_mesh_flags(s, inherited=True)
     s.set_defaults(func=cmd_score, error_label="not scored")
+
+    d = verbs.add_parser(
+        "run-due",
+        help="run the spec's batch jobs whose schedule came round since their last run",
+        description="For a host's own scheduler (cron, a systemd timer): every job of the "
+        "spec's batch: list whose cron schedule (UTC) fired since its last recorded run runs "
+        "now, one after another, and is recorded. A job never run is due. Exit 1 when one "
+        "failed.",
+    )
+    d.add_argument("--now", help="decide (and record) at this ISO 8601 time instead of the clock's")
+    d.add_argument("--progress", choices=["auto", "lines", "off"], default="off")
+    add_mesh_flags(d, inherited=True)
+    d.set_defaults(func=cmd_run_due, error_label="not run")
+
+    r = verbs.add_parser("run", help="run one of the spec's batch jobs now, due or not")
+    r.add_argument("job", help="the job's name in the spec's batch: list")
+    r.add_argument("--now", help="record the run at this ISO 8601 time instead of the clock's")
+    r.add_argument("--progress", choices=["auto", "lines", "off"], default="auto")
+    add_mesh_flags(r, inherited=True)
+    r.set_defaults(func=cmd_run, error_label="not run")
 
     h = verbs.add_parser("history", help="the batch runs recorded under the state dir")
     h.add_argument("--job", help="only the runs of this spec job")
