@@ -9,12 +9,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
 
 from servemesh.identity.edge_client import dial_edge_as
 from servemesh.launcher import Mesh
+from servemesh.spec import TiersSpec, parse_spec
 from servemesh.tier_keys import scores_base
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.mesh.conftest import apply_live, log_lines, test_mesh_spec
@@ -37,9 +39,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         yield running
 
 
-def parse_tiers():  # type: ignore[no-untyped-def]
-    from servemesh.spec import parse_spec
-
+def parse_tiers() -> TiersSpec | None:
     return parse_spec(tiered("{v1: 100, v2: 0}")).models["fraud"].tiers
 
 
@@ -147,7 +147,7 @@ def test_precomputed_answers_of_a_batch_run(
     client.close()
 
 
-def _ids(mesh: Mesh, ids: list[str]):  # type: ignore[no-untyped-def]
+def _ids(mesh: Mesh, ids: list[str]) -> Path:
     path = mesh.state_dir / "ids.csv"
     path.write_text("user\n" + "\n".join(ids) + "\n")
     return path
