@@ -1,4 +1,5 @@
-"""`servemesh bench predict|observe|profile|model`: benchmarks, each on a mesh of its own."""
+"""`servemesh bench predict|observe|profile|model|stream|batch`: benchmarks, each on a mesh of
+its own (batch: a registry and a Redis of its own)."""
 
 from __future__ import annotations
 
@@ -74,6 +75,19 @@ def cmd_bench_stream(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         batch_size=args.batch_size,
         out=args.json_out,
+        as_json=args.json,
+    )
+
+
+def cmd_bench_batch(args: argparse.Namespace) -> int:
+    from servemesh.batch_bench import main as bench_batch_main
+
+    return bench_batch_main(
+        rows=args.rows,
+        batch_sizes=args.batch_size,
+        repeats=args.repeats,
+        threads=args.threads,
+        json_out=args.json_out,
         as_json=args.json,
     )
 
@@ -161,3 +175,17 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench_stream.add_argument("--json", action="store_true", help="print the report as JSON")
     bench_stream.add_argument("--json-out", help="also write the report here")
     bench_stream.set_defaults(func=cmd_bench_stream)
+    bench_batch = bench_sub.add_parser(
+        "batch",
+        help="batch scoring in process: rows/s of the whole run against the model alone in a "
+        "tight loop on the same rows, for the demo and the wine example's models",
+    )
+    bench_batch.add_argument("--rows", type=int, default=20_000, help="entities per view")
+    bench_batch.add_argument(
+        "--batch-size", type=int, nargs="+", default=[64, 1024], help="rows per chunk and batch"
+    )
+    bench_batch.add_argument("--repeats", type=int, default=3, help="rounds per row")
+    bench_batch.add_argument("--threads", type=int, help="torch intra-op threads")
+    bench_batch.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench_batch.add_argument("--json-out", help="also write the report here")
+    bench_batch.set_defaults(func=cmd_bench_batch)

@@ -1,0 +1,247 @@
+"""`servemesh bench batch`: batch scoring's rows/s in process against the model's own limit.
+
+For the demo model (64 features) and the wine example's model (13 features, both inputs
+filled from one `lot` view here: a batch run has no caller to send `tasting`), at each batch
+size: the whole batch run (`run_score`: Redis reads, the forward passes, Parquet parts, the
+output put in place) over N entities, against the limit: the same loaded model called in a
+tight loop on the same rows in batches of the same size, nothing else. Both in the same
+process, the rounds interleaved, `repeats` of each; median, spread ((max-min)/median) and
+the ratio batch / limit (the goal: >= 0.8).
+
+A registry (in this process, over mutual TLS) and a redis-server of its own, in a temp dir;
+nothing of a running mesh is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from servemesh.load.stats import SPREAD_LIMIT, spread
+
+GOAL = 0.8
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    batch: int
+    rows: int
+    batch_rows_s: list[float]
+    limit_rows_s: list[float]
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.batch_rows_s) / statistics.median(self.limit_rows_s)
+
+
+def _wine_artifact(folder: Path) -> Path:
+    from examples.wine.train import export, load, train
+
+    path = folder / "wine.pt2"
+    export(train(load()).model, path)
+    return path
+
+
+async def _measure(
+    rows: int, batch_sizes: list[int], repeats: int, threads: int | None, folder: Path
+) -> list[Row]:
+    import redis.asyncio as aioredis
+
+    from examples.wine.train import CHEMISTRY, TASTING
+    from servemesh.batch.checkpoint import RunDir
+    from servemesh.batch.job import ScoreJob, run_score
+    from servemesh.batch.scorer import load_scorer
+    from servemesh.cli.models import PushRequest, check_push
+    from servemesh.cli.models import _spec as tensor_spec
+    from servemesh.control_credential import control_metadata, ensure_control_token
+    from servemesh.demo import DEMO_FEATURES, demo_artifact, demo_features, demo_signature
+    from servemesh.identity import dial_registry
+    from servemesh.procs import RedisServer, Supervisor
+    from servemesh.proxy.apply import MeshPaths
+    from servemesh.registry.app import build_server
+    from servemesh.registry.client import push_version
+    from servemesh.services.feature.store import RedisFeatureStore
+    from servemesh.spec import (
+        FeatureStoreSpec,
+        FeatureViewSpec,
+        MeshSpec,
+        ModelInputSpec,
+        ModelSpec,
+        ModelVersionSpec,
+        Ports,
+        Replicas,
+        dump_spec,
+        resolve,
+    )
+
+    wine_features = [*CHEMISTRY, *TASTING]
+    with Supervisor(folder / "logs") as supervisor:
+        redis_server = RedisServer(supervisor, folder / "redis")
+        redis_server.start(timeout_s=15)
+        url = f"redis://:{redis_server.password}@{redis_server.host}:{redis_server.port}/0"
+        state_dir = folder / "state"
+        state_dir.mkdir()
+        spec = resolve(
+            MeshSpec(
+                zones=["zone-a"],
+                ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+                state_dir=str(state_dir),
+                gateway=Replicas(per_zone={"zone-a": 1}),
+                feature=Replicas(per_zone={"zone-a": 1}),
+                model_servers=Replicas(per_zone={"zone-a": 1}),
+                models={
+                    "fraud": ModelSpec(
+                        versions={"v1": ModelVersionSpec(source="registry")}, traffic={"v1": 100}
+                    ),
+                    "wine": ModelSpec(
+                        inputs={
+                            "chemistry": ModelInputSpec(view="lot", features=list(CHEMISTRY)),
+                            "tasting": ModelInputSpec(view="lot", features=list(TASTING)),
+                        },
+                        versions={"v1": ModelVersionSpec(source="registry")},
+                        traffic={"v1": 100},
+                    ),
+                },
+                feature_views={
+                    "user": FeatureViewSpec(features=list(DEMO_FEATURES)),
+                    "lot": FeatureViewSpec(features=wine_features),
+                },
+                feature_store=FeatureStoreSpec(
+                    redis_url=url, key_prefix=f"b{uuid.uuid4().hex[:8]}"
+                ),
+            )
+        )
+        MeshPaths(state_dir).resolved_spec.write_text(dump_spec(spec))
+        token = ensure_control_token(state_dir)
+        server = await build_server(spec, spec.registry_instance)
+        await server.start()
+        channel = dial_registry(spec).aio_channel()
+        client = aioredis.Redis.from_url(url)
+        try:
+            await push_version(
+                channel, model="fraud", version="v1", data=demo_artifact(1).data,
+                credential=control_metadata(token), **demo_signature(64),  # type: ignore[arg-type]
+            )  # fmt: skip
+            wine_file = await asyncio.to_thread(_wine_artifact, folder)
+            data, fmt, sig, _ = await asyncio.to_thread(
+                check_push, PushRequest(wine_file, "wine", "v1"), spec.limits.max_artifact_bytes
+            )
+            await push_version(
+                channel, model="wine", version="v1", data=data, format=fmt,
+                inputs=[tensor_spec(t) for t in sig.inputs],
+                outputs=[tensor_spec(t) for t in sig.outputs],
+                credential=control_metadata(token),
+            )  # fmt: skip
+            store = RedisFeatureStore(client, spec.feature_store.key_prefix)
+            demo = demo_features(rows, 7)
+            views: dict[str, tuple[list[str], np.ndarray, list[str]]] = {
+                "user": (list(demo), np.stack(list(demo.values())), list(DEMO_FEATURES)),
+            }
+            from examples.wine.train import load
+
+            wine = load()
+            both = np.concatenate([wine.chemistry, wine.tasting], axis=1)
+            tiled = both[np.arange(rows) % len(both)]
+            views["lot"] = ([f"L-{i:06d}" for i in range(rows)], tiled, wine_features)
+            now = time.time_ns() // 1_000_000
+            for view, (ids, values, features) in views.items():
+                load_ = await store.begin_load(view, features, "bench")
+                try:
+                    for start in range(0, rows, 2000):
+                        end = start + 2000
+                        event = np.full(len(ids[start:end]), now, dtype=np.int64)
+                        await load_.add(ids[start:end], values[start:end], event)
+                    await load_.commit()
+                finally:
+                    await load_.abort()
+            results = []
+            for model, view in (("fraud", "user"), ("wine", "lot")):
+                scorer = await load_scorer(channel, spec, model, "v1", num_threads=threads)
+                ids, values, features = views[view]
+                matrices = {
+                    vi.name: np.ascontiguousarray(
+                        values[:, [features.index(f) for f in vi.features]], dtype=np.float32
+                    )
+                    for vi in scorer.inputs
+                }
+                await asyncio.to_thread(_limit, scorer, matrices, max(batch_sizes))  # warm-up
+                for size in batch_sizes:
+                    batch_rates: list[float] = []
+                    limit_rates: list[float] = []
+                    for r in range(repeats):
+                        job = ScoreJob(model=model, out=str(folder / f"{model}-{size}-{r}.parquet"),
+                                       chunk_rows=size)  # fmt: skip
+                        result = await run_score(
+                            job, spec=spec, registry=channel, redis=client,
+                            run_dir=RunDir(folder / f"run-{model}-{size}-{r}"), num_threads=threads,
+                        )  # fmt: skip
+                        batch_rates.append(result.rows / result.seconds)
+                        (folder / f"{model}-{size}-{r}.parquet").unlink()
+                        limit_rates.append(await asyncio.to_thread(_limit, scorer, matrices, size))
+                    results.append(Row(model, size, rows, batch_rates, limit_rates))
+            return results
+        finally:
+            await client.aclose()
+            await channel.close()
+            await server.drain()
+
+
+def _limit(scorer: Any, matrices: dict[str, np.ndarray], size: int) -> float:
+    """rows/s of the model alone: every row, in batches of `size`, in a tight loop."""
+    n = len(next(iter(matrices.values())))
+    started = time.perf_counter()
+    for start in range(0, n, size):
+        scorer.score({k: v[start : start + size] for k, v in matrices.items()})
+    return n / (time.perf_counter() - started)
+
+
+def report(rows: list[Row]) -> str:
+    lines = [
+        f"{'model':<6} {'batch':>5} {'rows':>7} {'batch rows/s':>13} {'spread':>7} "
+        f"{'limit rows/s':>13} {'spread':>7} {'ratio':>6}"
+    ]
+    for row in rows:
+        b, lim = row.batch_rows_s, row.limit_rows_s
+        flag = " (noisy)" if max(spread(b), spread(lim)) > SPREAD_LIMIT else ""
+        below = "" if row.ratio >= GOAL else f" < {GOAL}"
+        lines.append(
+            f"{row.model:<6} {row.batch:>5} {row.rows:>7,} {statistics.median(b):>13,.0f} "
+            f"{spread(b):>7.0%} {statistics.median(lim):>13,.0f} {spread(lim):>7.0%} "
+            f"{row.ratio:>5.2f}x{below}{flag}"
+        )
+    lines.append(
+        f"batch: the whole run (reads, forward passes, Parquet, put in place); limit: the model "
+        f"alone on the same rows; median of {len(rows[0].batch_rows_s) if rows else 0} rounds, "
+        f"spread (max-min)/median, noisy above {SPREAD_LIMIT:.0%}; goal ratio >= {GOAL}"
+    )
+    return "\n".join(lines)
+
+
+def main(
+    *,
+    rows: int,
+    batch_sizes: list[int],
+    repeats: int,
+    threads: int | None,
+    json_out: str | None,
+    as_json: bool,
+) -> int:
+    with tempfile.TemporaryDirectory(prefix="servemesh-bench-batch-") as tmp:
+        folder = Path(tmp)
+        folder.chmod(0o700)
+        results = asyncio.run(_measure(rows, batch_sizes, repeats, threads, folder))
+    data = [asdict(r) | {"ratio": r.ratio} for r in results]
+    if json_out:
+        Path(json_out).write_text(json.dumps(data, indent=2) + "\n")
+    print(json.dumps(data, indent=2) if as_json else report(results))
+    return 0
