@@ -84,6 +84,22 @@ class Scorer:
         assert isinstance(answer, NamedRows)
         return {name: np.asarray(answer[name]) for name in self.output_names}
 
+    def score_batches(
+        self, matrices: Mapping[str, np.ndarray], batch_size: int
+    ) -> dict[str, np.ndarray]:
+        """`score` over the rows of `matrices` in model batches of `batch_size` rows (the
+        last one shorter), the outputs joined in row order: a chunk read and written as one
+        is scored as many batches, in one call of a worker thread."""
+        n = len(next(iter(matrices.values())))
+        if n <= batch_size:
+            return self.score(matrices)
+        parts = [
+            self.score({name: m[start : start + batch_size] for name, m in matrices.items()})
+            for start in range(0, n, batch_size)
+        ]
+        return {name: np.concatenate([p[name] for p in parts]) for name in self.output_names}
+
+
 
 async def load_scorer(
     channel: grpc.aio.Channel,
