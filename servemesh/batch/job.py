@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from servemesh.batch.checkpoint import Checkpoint, RunDir, same_job
+from servemesh.batch.chunk import ChunkPlan, ScoredChunk, ScoredChunks, select_chunk
 from servemesh.batch.errors import BatchError, NothingToResume
 from servemesh.batch.scorer import Scorer, load_scorer, view_inputs
 from servemesh.batch.source import (
@@ -30,7 +32,7 @@ from servemesh.batch.source import (
     read_rows,
     view_entity_ids,
 )
-from servemesh.batch.where import Where, parse_where
+from servemesh.batch.where import parse_where
 from servemesh.batch.writers import (
     ParquetOutput,
     PostgresOutput,
@@ -45,6 +47,7 @@ from servemesh.spec import MeshSpec
 
 DEFAULT_CHUNK_ROWS = 1024
 MAX_CHUNK_ROWS = 65_536
+ENGINES = ("process", "dask")
 
 # (rows of ids done, ids in all): a progress bar's update.
 Progress = Callable[[int, int], None]
@@ -65,6 +68,11 @@ class ScoreJob:
     chunk_rows: int = DEFAULT_CHUNK_ROWS
     where: str | None = None
     resume: bool = False
+    # Where the chunks are scored: in this process, or on a Dask cluster (dask_engine):
+    # the one at `scheduler`, else a local one of `workers` processes the run starts.
+    engine: str = "process"
+    scheduler: str | None = None
+    workers: int | None = None
 
     @property
     def kind(self) -> str:
@@ -125,6 +133,14 @@ def _check(job: ScoreJob) -> None:
         raise BatchError(f"--out {job.out}: a .parquet file, redis, or a postgresql:// address")
     if job.table and job.kind != "postgresql":
         raise BatchError("--table: only for --out postgresql://...")
+    if job.engine not in ENGINES:
+        raise BatchError(f"--engine {job.engine}: not one of {', '.join(ENGINES)}")
+    if job.engine != "dask" and (job.scheduler or job.workers is not None):
+        raise BatchError("--scheduler, --workers: only with --engine dask")
+    if job.scheduler and job.workers is not None:
+        raise BatchError("--workers: only for the local cluster (no --scheduler)")
+    if job.workers is not None and not 1 <= job.workers <= 256:
+        raise BatchError(f"--workers: {job.workers} is not 1..256")
 
 
 async def run_score(
@@ -169,6 +185,7 @@ async def run_score(
         version or default_version(spec, job.model),
         num_threads=num_threads,
         device=device,
+        keep_artifact=job.engine == "dask",
     )
     store = RedisFeatureStore(redis, spec.feature_store.key_prefix)
     pinned_at = saved.job.get("views", {}) if resuming and saved else {}
@@ -211,16 +228,28 @@ async def run_score(
             run_dir.save_ids(ids)
             await writer.open(checkpoint, resuming=False)
             run_dir.save(checkpoint)
-        started = time.perf_counter()
         resumed_at = checkpoint.next_chunk if resuming else None
-        counts = await _chunks(
-            job, checkpoint, ids, pinned, redis, scorer, schema, writer, where, run_dir,
-            spec, progress, after_chunk,
-        )  # fmt: skip
-        for view in pinned.values():
-            await check_current(redis, view)
-        output = await writer.commit(checkpoint)
-        seconds = time.perf_counter() - started
+        plan = ChunkPlan(
+            pinned=pinned,
+            source_view=source_view,
+            inputs=tuple(scorer.inputs),
+            defaults=(
+                {v: _defaults(spec, p) for v, p in pinned.items()}
+                if spec.feature_store.missing_entity == "defaults"
+                else None
+            ),
+            where=where,
+        )
+        async with _engine(job, spec, ids, plan, redis, scorer, run_dir) as scored:
+            started = time.perf_counter()
+            counts = await _chunks(
+                job, checkpoint, ids, scored, scorer, schema, writer, run_dir, progress,
+                after_chunk,
+            )  # fmt: skip
+            for view in pinned.values():
+                await check_current(redis, view)
+            output = await writer.commit(checkpoint)
+            seconds = time.perf_counter() - started
     finally:
         await writer.close()
     run_dir.remove()
@@ -240,6 +269,36 @@ async def run_score(
         discarded_leftover=discarded,
         started_at_ms=checkpoint.started_at_ms,
     )
+
+
+@asynccontextmanager
+async def _engine(
+    job: ScoreJob,
+    spec: MeshSpec,
+    ids: Sequence[str],
+    plan: ChunkPlan,
+    redis: aioredis.Redis,
+    scorer: Scorer,
+    run_dir: RunDir,
+) -> AsyncIterator[ScoredChunks]:
+    """The chunks scored by the job's engine; a Dask cluster the run started is closed
+    (its worker processes ended) when the block ends, however it ends."""
+    if job.engine != "dask":
+        yield _in_process(ids, job.chunk_rows, plan, redis, scorer)
+        return
+    from servemesh.batch import dask_engine
+
+    assert scorer.artifact is not None, "kept for a dask run"
+    async with dask_engine.cluster(job.scheduler, job.workers) as client:
+        yield dask_engine.scored_chunks(
+            client,
+            ids,
+            job.chunk_rows,
+            plan,
+            dask_engine.worker_model(scorer),
+            scorer.artifact.data,
+            dask_engine.redis_access(spec, run_dir),
+        )
 
 
 def _output_types(scorer: Scorer) -> dict[str, tuple[np.dtype[Any], int]]:
@@ -276,77 +335,29 @@ async def _chunks(
     job: ScoreJob,
     checkpoint: Checkpoint,
     ids: Sequence[str],
-    pinned: dict[str, PinnedView],
-    redis: aioredis.Redis,
+    scored: ScoredChunks,
     scorer: Scorer,
     schema: Any,
     writer: Writer,
-    where: Where | None,
     run_dir: RunDir,
-    spec: MeshSpec,
     progress: Progress | None,
     after_chunk: Callable[[int], None] | None,
 ) -> tuple[int, int]:
-    """Score every chunk from the checkpoint on; (ids missing, ids filtered) of this process."""
+    """Write every chunk from the checkpoint on, in chunk order, as `scored` answers them;
+    (ids missing, ids filtered) of this process."""
     size = job.chunk_rows
-    use_defaults = spec.feature_store.missing_entity == "defaults"
-    source = pinned[job.view] if job.view else next(iter(pinned.values()))
     missing = filtered = 0
-
-    async def fetch(index: int) -> dict[str, Rows]:
-        chunk = ids[index * size : (index + 1) * size]
-        return {v: await read_rows(redis, p, chunk) for v, p in pinned.items()}
-
     start = checkpoint.next_chunk
     if progress is not None:
         progress(min(start * size, len(ids)), len(ids))
-    pending = asyncio.ensure_future(fetch(start)) if start < checkpoint.chunks else None
-    try:
-        for index in range(start, checkpoint.chunks):
-            assert pending is not None
-            rows = await pending
-            pending = (
-                asyncio.ensure_future(fetch(index + 1)) if index + 1 < checkpoint.chunks else None
-            )
-            chunk = ids[index * size : (index + 1) * size]
-            present = np.ones(len(chunk), dtype=bool)
-            values = {}
-            for view, found in rows.items():
-                matrix = found.values
-                if not found.present.all():
-                    if use_defaults:
-                        matrix = matrix.copy()
-                        matrix[~found.present] = _defaults(spec, pinned[view])
-                    else:
-                        present &= found.present
-                values[view] = matrix
-            keep = present.copy()
-            missing += int((~present).sum())
-            if where is not None:
-                src = rows[source.view]
-                columns = {
-                    name: values[source.view][:, i]
-                    for name, i in zip(
-                        where.features, source.version.positions(where.features), strict=True
-                    )
-                }
-                passed = where.mask(src.event_ms, columns)
-                filtered += int((present & ~passed).sum())
-                keep &= passed
-            kept = [entity for entity, k in zip(chunk, keep, strict=True) if k]
-            outputs: dict[str, np.ndarray] = {}
-            if kept:
-                matrices = {}
-                for view_input in scorer.inputs:
-                    positions = pinned[view_input.view].version.positions(view_input.features)
-                    matrices[view_input.name] = np.ascontiguousarray(
-                        values[view_input.view][keep][:, positions], dtype=np.float32
-                    )
-                outputs = await asyncio.to_thread(scorer.score, matrices)
+    async with aclosing(scored(start, checkpoint.chunks)) as chunks:
+        async for index, done in chunks:
+            missing += done.missing
+            filtered += done.filtered
             table = chunk_table(
                 schema,
-                kept,
-                outputs,
+                done.kept,
+                done.outputs,
                 model=scorer.model,
                 version=scorer.version,
                 sha256=scorer.sha256,
@@ -354,16 +365,43 @@ async def _chunks(
             )
             await writer.write(index, table)
             checkpoint.next_chunk = index + 1
-            checkpoint.rows_written += len(kept)
+            checkpoint.rows_written += len(done.kept)
             run_dir.save(checkpoint)
             if progress is not None:
                 progress(min((index + 1) * size, len(ids)), len(ids))
             if after_chunk is not None:
                 after_chunk(index)
-    finally:
-        if pending is not None:
-            pending.cancel()
     return missing, filtered
+
+
+def _in_process(
+    ids: Sequence[str], size: int, plan: ChunkPlan, redis: aioredis.Redis, scorer: Scorer
+) -> ScoredChunks:
+    """Chunks scored in this process: the read of the next chunk runs while the model
+    scores this one."""
+
+    async def fetch(index: int) -> dict[str, Rows]:
+        chunk = ids[index * size : (index + 1) * size]
+        return {v: await read_rows(redis, p, chunk) for v, p in plan.pinned.items()}
+
+    async def scored(start: int, chunks: int) -> AsyncGenerator[tuple[int, ScoredChunk]]:
+        pending = asyncio.ensure_future(fetch(start)) if start < chunks else None
+        try:
+            for index in range(start, chunks):
+                assert pending is not None
+                rows = await pending
+                pending = asyncio.ensure_future(fetch(index + 1)) if index + 1 < chunks else None
+                selected = select_chunk(plan, ids[index * size : (index + 1) * size], rows)
+                outputs: dict[str, np.ndarray] = {}
+                if selected.kept:
+                    outputs = await asyncio.to_thread(scorer.score, selected.matrices)
+                done = ScoredChunk(selected.kept, outputs, selected.missing, selected.filtered)
+                yield index, done
+        finally:
+            if pending is not None:
+                pending.cancel()
+
+    return scored
 
 
 def _defaults(spec: MeshSpec, pinned: PinnedView) -> np.ndarray:

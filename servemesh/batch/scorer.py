@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -51,6 +52,15 @@ def view_inputs(spec: MeshSpec, model: str) -> list[ViewInput]:
     return found
 
 
+@dataclass(frozen=True)
+class Artifact:
+    """The verified artifact's bytes, kept for a run that loads the model elsewhere too (a
+    distributed run's workers load them with the same allowlisted loader)."""
+
+    data: bytes
+    format: str  # "torchscript" or "torch_export"
+
+
 @dataclass
 class Scorer:
     model: str
@@ -59,6 +69,7 @@ class Scorer:
     signature: Signature
     runner: ModelRunner
     inputs: list[ViewInput]
+    artifact: Artifact | None = None
 
     @property
     def output_names(self) -> list[str]:
@@ -100,7 +111,6 @@ class Scorer:
         return {name: np.concatenate([p[name] for p in parts]) for name in self.output_names}
 
 
-
 async def load_scorer(
     channel: grpc.aio.Channel,
     spec: MeshSpec,
@@ -110,11 +120,28 @@ async def load_scorer(
     num_threads: int | None = None,
     device: str | None = None,
     retry_for_s: float = 5.0,
+    keep_artifact: bool = False,
 ) -> Scorer:
     """The model `model` at `version` (a version or an alias) from the registry behind
-    `channel`; BatchError with the loader's reason when it does not load."""
+    `channel`; BatchError with the loader's reason when it does not load. `keep_artifact`:
+    the Scorer keeps the verified bytes it was loaded from."""
     inputs = view_inputs(spec, model)
-    load = registry_loader(channel, spec, device=device, retry_for_s=retry_for_s)
+    fetched: list[tuple[Any, bytes]] = []
+
+    async def fetch(*args: Any, **kwargs: Any) -> tuple[Any, bytes]:
+        from servemesh.registry.client import fetch_verified
+
+        record, data = await fetch_verified(*args, **kwargs)
+        fetched[:] = [(record, data)]
+        return record, data
+
+    load = registry_loader(
+        channel,
+        spec,
+        device=device,
+        retry_for_s=retry_for_s,
+        fetch=fetch if keep_artifact else None,
+    )
     try:
         loaded = await load(model, version)
     except ServemeshError as exc:
@@ -124,6 +151,13 @@ async def load_scorer(
     runner = loaded.runner
     # A batch run owns its process: torch may use every core (None: torch's own default).
     runner.num_threads = num_threads
+    artifact = None
+    if keep_artifact:
+        ((record, data),) = fetched
+        # The bytes the loader verified and loaded: the same sha256, checked again where
+        # they are loaded next.
+        kind = "torch_export" if record.format == "torch_export" else "torchscript"
+        artifact = Artifact(data, kind)
     return Scorer(
         model=model,
         version=loaded.version,
@@ -131,4 +165,5 @@ async def load_scorer(
         signature=loaded.signature,
         runner=runner,
         inputs=inputs,
+        artifact=artifact,
     )

@@ -18,9 +18,11 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import redis.asyncio as aioredis
+from redis import Redis
 
 from servemesh.batch.errors import BatchError, SourceChanged
 from servemesh.services.feature.store import (
@@ -88,8 +90,20 @@ def _replaced(pinned: PinnedView, raw: object) -> str:
 
 async def read_rows(client: aioredis.Redis, pinned: PinnedView, entity_ids: Sequence[str]) -> Rows:
     """The rows of `entity_ids` in the pinned version: one MGET, the pointer key last."""
+    return _decode(pinned, await client.mget(_keys(pinned, entity_ids)))
+
+
+def read_rows_sync(client: Redis, pinned: PinnedView, entity_ids: Sequence[str]) -> Rows:
+    """`read_rows` with a blocking client (a distributed run's workers)."""
+    return _decode(pinned, client.mget(_keys(pinned, entity_ids)))
+
+
+def _keys(pinned: PinnedView, entity_ids: Sequence[str]) -> list[str]:
     base = pinned.version.key_base
-    answer = await client.mget([*(base + e for e in entity_ids), pinned.pointer])
+    return [*(base + e for e in entity_ids), pinned.pointer]
+
+
+def _decode(pinned: PinnedView, answer: Sequence[Any]) -> Rows:
     *stored, raw = answer
     if raw is None or int(raw) != pinned.version.version:
         raise SourceChanged(_replaced(pinned, raw))

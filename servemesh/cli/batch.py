@@ -159,6 +159,9 @@ def _job(args: argparse.Namespace) -> ScoreJob:
         chunk_rows=args.chunk_rows,
         where=args.where,
         resume=args.resume,
+        engine=args.engine,
+        scheduler=args.scheduler,
+        workers=args.workers,
     )
 
 
@@ -328,8 +331,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "score",
         help="score every entity of a view (or the ids in a file) into Parquet, "
         "PostgreSQL or Redis",
-        description="Runs in this process with the registry's verified artifact and the "
-        "online store's rows: one row per entity (its id, every output, model, version, "
+        description="Runs in this process (or, with --engine dask, chunk by chunk on a Dask "
+        "cluster) with the registry's verified artifact and the online store's rows: one row "
+        "per entity (its id, every output, model, version, "
         "sha256, scored_at). The output is complete or not there; Ctrl-C or a crash leaves a "
         "checkpoint that --resume continues from.",
     )
@@ -359,6 +363,23 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="auto: a bar on a terminal; lines: a line per chunk on stderr",
     )
     s.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    s.add_argument(
+        "--engine",
+        choices=["process", "dask"],
+        default="process",
+        help="process: score in this process; dask: each chunk a task on a Dask cluster "
+        "(docs/batch.md)",
+    )
+    s.add_argument(
+        "--scheduler",
+        help="--engine dask: the cluster's scheduler, e.g. tcp://10.0.0.5:8786 (default: a "
+        "local cluster started and closed by the command)",
+    )
+    s.add_argument(
+        "--workers",
+        type=int,
+        help="--engine dask: worker processes of the local cluster (default 2)",
+    )
     add_mesh_flags(s, inherited=True)
     s.set_defaults(func=cmd_score, error_label="not scored")
 

@@ -1,0 +1,194 @@
+"""`batch score --engine dask`: the chunks scored on a Dask distributed cluster give the same
+rows as an in-process run; a run interrupted on the command's own local cluster resumes
+with every entity once; the local cluster's worker processes are gone when the command is."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from servemesh.batch.checkpoint import RunDir
+from servemesh.batch.errors import BatchError
+from servemesh.batch.job import ScoreJob, run_score
+from tests.batch.conftest import BatchMesh, StartBatchMesh
+from tests.batch.test_resume import checkpoint_of
+from tests.batch.test_score import reference_scores
+
+pytest.importorskip("distributed")
+
+N = 2000
+CHUNK = 50
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid` (children, theirs, ...), from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces and parentheses.
+        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie has ended: it only waits to be reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def is_dask_worker(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"multiprocessing" in cmdline and b"spawn_main" in cmdline
+
+
+async def watch_run(
+    mesh: BatchMesh, *args: str, stop_after: int | None = None
+) -> tuple[int, set[int], set[int]]:
+    """Run `batch score ARGS --progress lines`; with `stop_after`, SIGINT once that many
+    chunks are written. Its exit status, the processes below it seen while it ran (looked at
+    with each progress line) and which of them were Dask workers."""
+    proc = await mesh.start_cli(*args, "--progress", "lines", "--chunk-rows", str(CHUNK))
+    assert proc.stderr is not None
+    seen: set[int] = set()
+    workers: set[int] = set()
+    lines: list[str] = []
+    while True:
+        line = (await asyncio.wait_for(proc.stderr.readline(), timeout=120)).decode()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("scored "):
+            now = descendants(proc.pid)
+            seen |= now
+            workers |= {pid for pid in now if is_dask_worker(pid)}
+        if stop_after is not None and line.startswith(f"scored {stop_after * CHUNK:,}/"):
+            proc.send_signal(signal.SIGINT)
+            stop_after = None
+    await asyncio.wait_for(proc.communicate(), timeout=60)
+    assert proc.returncode is not None, "".join(lines)
+    return proc.returncode, seen, workers
+
+
+def assert_gone(pids: set[int], workers: set[int]) -> None:
+    assert len(workers) >= 2, f"no worker processes seen below the command: {pids}"
+    left = sorted(pid for pid in pids if alive(pid))
+    assert not left, f"processes of the command still running: {left}"
+
+
+async def test_a_cluster_at_an_address_scores_the_same_rows_as_in_process(
+    start_mesh: StartBatchMesh, tmp_path: Path
+) -> None:
+    from distributed import Client, LocalCluster
+
+    from servemesh.batch import dask_engine
+
+    mesh = await start_mesh()
+    loaded = await mesh.load_view(1500)
+    local = tmp_path / "local.parquet"
+    job = ScoreJob(model="fraud", out=str(local), chunk_rows=200)
+    result = await run_score(
+        job,
+        spec=mesh.spec,
+        registry=mesh.registry,
+        redis=mesh.redis,
+        run_dir=RunDir(tmp_path / "r"),
+    )
+    async with LocalCluster(
+        n_workers=2,
+        threads_per_worker=1,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address=None,
+        asynchronous=True,
+    ) as cluster:
+        async with Client(cluster, asynchronous=True) as client:
+            out = tmp_path / "dask.parquet"
+            code, stdout, err = await mesh.cli(
+                "batch", "score", "--model", "fraud", "--out", str(out), "--chunk-rows", "200",
+                "--engine", "dask", "--scheduler", cluster.scheduler_address,
+            )  # fmt: skip
+            assert code == 0, err
+            # The workers loaded the artifact (once each at most), verified by its sha256.
+            loaded_by = await client.run(lambda: [k[0] for k in dask_engine._models])
+    assert any(keys == [result.sha256] for keys in loaded_by.values()), loaded_by
+    assert f"(sha256 {result.sha256[:12]})" in stdout and "scored 1,500 rows" in stdout
+    ours, theirs = pq.read_table(local), pq.read_table(out)
+    assert theirs.column_names == ours.column_names
+    assert theirs.column("user").to_pylist() == ours.column("user").to_pylist()  # chunk order
+    for column in ("model", "version", "sha256"):
+        assert theirs.column(column).to_pylist() == ours.column(column).to_pylist()
+    assert set(theirs.column("version").to_pylist()) == {"v1"}
+    scores = theirs.column("score").to_numpy()
+    np.testing.assert_allclose(scores, ours.column("score").to_numpy(), rtol=1e-5, atol=1e-6)
+    index = {e: i for i, e in enumerate(loaded["ids"])}
+    order = [index[e] for e in theirs.column("user").to_pylist()]
+    expected = reference_scores(loaded["values"][order])
+    np.testing.assert_allclose(scores, expected, rtol=1e-5, atol=1e-6)
+
+
+async def test_interrupted_on_a_local_cluster_resumes_once_and_leaves_no_worker(
+    start_mesh: StartBatchMesh, tmp_path: Path
+) -> None:
+    # 100 ms a batch: 40 chunks on 2 workers take ~2 s, interrupted well before the end.
+    mesh = await start_mesh(inject_latency_ms=100.0)
+    loaded = await mesh.load_view(N)
+    out = tmp_path / "scores.parquet"
+    args = ("batch", "score", "--model", "fraud", "--out", str(out), "--engine", "dask")
+    code, seen, workers = await watch_run(mesh, *args, stop_after=3)
+    assert code == 130
+    assert_gone(seen, workers)
+    assert not out.exists()  # never half a file
+    run_dir = tmp_path / ".scores.parquet.batch"
+    saved = checkpoint_of(run_dir)
+    done = saved["next_chunk"]
+    assert isinstance(done, int) and 3 <= done < N // CHUNK
+    assert saved["rows_written"] == done * CHUNK
+
+    code, seen, workers = await watch_run(mesh, *args, "--resume")
+    assert code == 0
+    assert_gone(seen, workers)
+    ids = pq.read_table(out).column("user").to_pylist()
+    assert len(ids) == N and set(ids) == set(loaded["ids"])  # once each, none missing
+    assert not run_dir.exists()
+
+
+async def test_engine_flags_are_checked(start_mesh: StartBatchMesh, tmp_path: Path) -> None:
+    mesh = await start_mesh()
+    await mesh.load_view(10)
+    for job, message in [
+        (ScoreJob(model="fraud", out="x.parquet", scheduler="tcp://127.0.0.1:1"), "--scheduler"),
+        (ScoreJob(model="fraud", out="x.parquet", engine="ray"), "--engine ray"),
+        (
+            ScoreJob(
+                model="fraud", out="x.parquet", engine="dask", scheduler="tcp://a:1", workers=2
+            ),
+            "--workers",
+        ),
+    ]:
+        with pytest.raises(BatchError, match=message):
+            await run_score(
+                job, spec=mesh.spec, registry=mesh.registry, redis=mesh.redis,
+                run_dir=RunDir(tmp_path / "r"),
+            )  # fmt: skip
+    assert not (tmp_path / "r").exists()
