@@ -8,11 +8,11 @@ line naming the field and what to do instead.
 Allowed live: routing and policy (`traffic`, `models.*.traffic|shadow|policy`), models added
 (removed only with `--prune`; without it a model the file leaves out keeps running),
 versions added and removed, feature views added (removed only with `--prune`, and never
-while a model reads them), a model's `fallback_score`, the gateways' `coalescing` and the
-services' `logs` (each service follows them on its next look at the spec). Everything
-else describes processes or what a served version computes: zones, replicas, ports and
-limits need a restart; a served version's inputs, features or batching change only as a
-new version.
+while a model reads them), a model's `fallback_score` and `tiers`, the gateways'
+`coalescing` and the services' `logs` (each service follows them on its next look at the
+spec). Everything else describes processes or what a served version computes: zones,
+replicas, ports and limits need a restart; a served version's inputs, features or batching
+change only as a new version.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servemesh.errors import ServemeshError
-from servemesh.spec import CoalescingSpec, LogsSpec, MeshSpec, ModelSpec
+from servemesh.spec import CoalescingSpec, LogsSpec, MeshSpec, ModelSpec, TiersSpec
 from servemesh.spec import declared as declared_part
 
 Key = tuple[str, str]
@@ -33,7 +33,9 @@ LIVE_TOP = {"models", "feature_views", "traffic", "coalescing", "logs"}
 # running mesh keeps its own, as `routes apply` does.
 IGNORED_TOP = {"ports", "state_dir", "feature_store", "demo", "network"}
 # Per model: what may change while its versions serve.
-LIVE_MODEL = {"traffic", "shadow", "policy", "versions", "fallback_score"}
+# `tiers`: each gateway follows them (a cache dropped or resized); the answers they keep
+# are keyed by version, so no served version computes anything else.
+LIVE_MODEL = {"traffic", "shadow", "policy", "versions", "fallback_score", "tiers"}
 # Per version: where it was seeded from is history, not what it computes.
 IGNORED_VERSION = {"source"}
 
@@ -64,6 +66,8 @@ class ApplyPlan:
     weights: dict[str, tuple[dict[str, int], dict[str, int]]] = field(default_factory=dict)
     # model -> (before, after), for kept models whose fallback score changes.
     fallback: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+    # model -> (before, after), for kept models whose tiers change.
+    tiers: dict[str, tuple[TiersSpec | None, TiersSpec | None]] = field(default_factory=dict)
     # True when routing or policy changes beyond weights (shadow, policy, mesh traffic).
     routing_changed: bool = False
     # (before, after) when the gateways' coalescing changes.
@@ -86,6 +90,7 @@ class ApplyPlan:
             or self.removes
             or self.weights
             or self.fallback
+            or self.tiers
             or self.routing_changed
             or self.coalescing
             or self.logs
@@ -104,6 +109,8 @@ class ApplyPlan:
             found.append(f"~ weights {model}: {_weights(before) or '-'} -> {_weights(after)}")
         for model, (old, new) in sorted(self.fallback.items()):
             found.append(f"~ fallback_score {model}: {old} -> {new}")
+        for model, (was, now) in sorted(self.tiers.items()):
+            found.append(f"~ tiers {model}: {tiers_text(was)} -> {tiers_text(now)}")
         if self.coalescing is not None:
             before_text, after_text = (coalescing_text(c) for c in self.coalescing)
             found.append(f"~ coalescing: {before_text} -> {after_text}")
@@ -111,6 +118,16 @@ class ApplyPlan:
             before_text, after_text = (logs_text(c) for c in self.logs)
             found.append(f"~ logs: {before_text} -> {after_text}")
         return found
+
+
+def tiers_text(tiers: TiersSpec | None) -> str:
+    parts = []
+    if tiers is not None and tiers.precomputed is not None:
+        found = tiers.precomputed
+        parts.append(f"precomputed from {found.source}, max_age {found.max_age}")
+    if tiers is not None and tiers.cache is not None:
+        parts.append(f"cache ttl {tiers.cache.ttl}, {tiers.cache.max_entries} entries")
+    return "; ".join(parts) or "off"
 
 
 def logs_text(logs: LogsSpec) -> str:
@@ -264,6 +281,7 @@ def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) ->
     versions: dict[str, list[Key]] = {"added": [], "removed": []}
     weights: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
     fallback: dict[str, tuple[float | None, float | None]] = {}
+    tiers: dict[str, tuple[TiersSpec | None, TiersSpec | None]] = {}
     routing_changed = running.traffic != declared.traffic
 
     for name, live in running.models.items():
@@ -285,6 +303,8 @@ def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) ->
             weights[name] = (dict(live.traffic), dict(wanted.traffic))
         if live.fallback_score != wanted.fallback_score:
             fallback[name] = (live.fallback_score, wanted.fallback_score)
+        if live.tiers != wanted.tiers:
+            tiers[name] = (live.tiers, wanted.tiers)
         routing_changed |= _routing_of(running, name) != _routing_of(declared, name)
     for name, wanted in declared.models.items():
         if name not in running.models:
@@ -355,6 +375,7 @@ def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) ->
         kept_views=kept_views,
         weights=weights,
         fallback=fallback,
+        tiers=tiers,
         routing_changed=routing_changed,
         coalescing=(
             (running.coalescing, declared.coalescing)

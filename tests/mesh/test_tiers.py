@@ -1,7 +1,9 @@
 """Precomputed and cached tiers on a real mesh: the cache answers the second call with the
 same score and version, a weight change, a feature load and `servemesh cache flush` each
 make the next call go online, a real `servemesh batch score --out redis` run is served as
-precomputed for the version it scored, and refused when too old or of another version."""
+precomputed for the version it scored, and refused when too old or of another version; with
+the mesh's Redis down the tiers are skipped (counted) and the call ends as the online path
+ends, and they answer again once Redis is back."""
 
 from __future__ import annotations
 
@@ -11,11 +13,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
 
+from servemesh.identity import dial_service
 from servemesh.identity.edge_client import dial_edge_as
 from servemesh.launcher import Mesh
+from servemesh.observe.scrape import scrape, sum_by
 from servemesh.spec import TiersSpec, parse_spec
 from servemesh.tier_keys import scores_base
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -23,10 +28,14 @@ from tests.mesh.conftest import apply_live, log_lines, test_mesh_spec
 from tests.waiting import wait_until
 
 TIERS = "    tiers:\n      precomputed: {from: redis, max_age: 26h}\n      cache: {ttl: 10m}\n"
+GATEWAY = "gateway-zone-a-0"
+LOOKUPS = "servemesh_gateway_tier_lookups_total"
+# A gateway's feature read once its Envoy holds no feature replica healthy.
+SETTLED = "feature service: no healthy upstream"
 
 
-def tiered(traffic: str) -> str:
-    return f"models:\n  fraud:\n    traffic: {traffic}\n{TIERS}"
+def tiered(traffic: str, extra: str = "", tiers: str = TIERS) -> str:
+    return f"models:\n  fraud:\n    traffic: {traffic}\n{extra}{tiers}"
 
 
 @pytest.fixture(scope="module")
@@ -65,15 +74,16 @@ def until_cached(gateway: gateway_pb2_grpc.GatewayStub, entity: str) -> gateway_
     raise AssertionError(f"{entity}: never answered from the cache")
 
 
-def weights(mesh: Mesh, traffic: str) -> None:
-    """Apply the weights live; return once both gateways follow them."""
+def weights(mesh: Mesh, traffic: str, extra: str = "", tiers: str = TIERS) -> None:
+    """Apply the weights (and `extra` fields, `tiers`) live; return once both gateways
+    follow them."""
 
     def taken() -> int:
         lines = log_lines(mesh, "gateway-zone-b-0")
         return sum(1 for line in lines if line.get("msg") == "spec changed")
 
     before = taken()
-    apply_live(mesh, tiered(traffic), "gateway-zone-a-0")
+    apply_live(mesh, tiered(traffic, extra, tiers), "gateway-zone-a-0")
     wait_until(lambda: taken() > before, "gateway-zone-b-0 to take the new spec")
 
 
@@ -151,3 +161,80 @@ def _ids(mesh: Mesh, ids: list[str]) -> Path:
     path = mesh.state_dir / "ids.csv"
     path.write_text("user\n" + "\n".join(ids) + "\n")
     return path
+
+
+def _skipped(mesh: Mesh) -> float:
+    """The gateway's tier lookups of fraud skipped so far, every tier."""
+    samples = scrape(mesh.spec.metrics_address_of(GATEWAY))
+    return sum_by(samples, LOOKUPS, ("model", "result")).get(("fraud", "skipped"), 0.0)
+
+
+def _outcome(stub: gateway_pb2_grpc.GatewayStub, entity: str) -> tuple[object, ...]:
+    """A Predict's answer as the caller sees it, less its request id: the status code on
+    an error, else (scores, version, tier, degraded, reason)."""
+    try:
+        reply = predict(stub, entity)
+    except grpc.RpcError as exc:
+        return (exc.code(),)
+    return (
+        tuple(round(s, 6) for s in reply.scores),
+        reply.model_version,
+        reply.tier,
+        reply.degraded,
+        reply.degraded_reason,
+    )
+
+
+def _fallen_back(stub: gateway_pb2_grpc.GatewayStub) -> tuple[object, ...]:
+    """A Predict of user-5 that must end on fraud's fallback, as the online path does
+    without features; its outcome."""
+    outcome = _outcome(stub, "user-5")
+    assert outcome[:4] == ((0.25,), "fallback", gateway_pb2.TIER_ONLINE, True), outcome
+    assert str(outcome[4]).startswith("feature service: "), outcome
+    return outcome
+
+
+def test_redis_down_skips_the_tiers_and_ends_as_online(mesh: Mesh) -> None:
+    # A fallback keeps the gateways serving without features: the calls reach a gateway,
+    # which must try the tiers, skip them, and end as it would online (the fallback answer).
+    fallback = "    fallback_score: 0.25\n"
+    weights(mesh, "{v1: 100, v2: 0}", fallback)
+    # (the feature load above left user-5 alone in the view)
+    assert mesh.redis is not None, "the test mesh runs its own Redis"
+    with dial_service(mesh.spec, GATEWAY).channel() as channel:
+        direct = gateway_pb2_grpc.GatewayStub(channel)
+        assert until_cached(direct, "user-5").model_version == "v1"
+
+        skipped = _skipped(mesh)
+        mesh.redis.outage()
+        try:
+            # Every call ends on the fallback, the tiers tried and skipped (counted). The
+            # reason's wording follows each hop noticing (the feature replicas' health,
+            # Envoy's checks of them); settled once Envoy holds none of them healthy.
+            calls = [_fallen_back(direct)]
+
+            def settled() -> bool:
+                calls.append(_fallen_back(direct))
+                return calls[-1][4] == SETTLED
+
+            wait_until(settled, "Envoy to hold no feature replica healthy", timeout_s=60)
+            assert _skipped(mesh) >= skipped + len(calls)
+
+            # The online path with Redis down: the same model without tiers, the same
+            # call, ends alike (each apply swaps Envoy's config: settled again after).
+            weights(mesh, "{v1: 100, v2: 0}", fallback, tiers="")
+            before = _skipped(mesh)
+            wait_until(lambda: _fallen_back(direct) == calls[-1], "online: as tiered", timeout_s=60)
+            assert _skipped(mesh) == before  # no tiers, no lookup
+            weights(mesh, "{v1: 100, v2: 0}", fallback)
+            wait_until(lambda: _fallen_back(direct) == calls[-1], "tiered: as online", timeout_s=60)
+            assert _skipped(mesh) > before
+        finally:
+            mesh.redis.start(timeout_s=30)
+
+        # Redis back: the tiers answer again (the cache fills on a miss, then hits).
+        wait_until(
+            lambda: predict(direct, "user-5").tier == gateway_pb2.TIER_CACHE,
+            "the cache to answer again",
+        )
+        assert predict(direct, "user-5").model_version == "v1"

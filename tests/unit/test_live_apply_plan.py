@@ -191,6 +191,21 @@ def test_a_fallback_score_and_policy_change_live() -> None:
     assert plan.lines() == ["~ fallback_score fraud: None -> 0.5"]
 
 
+def test_a_model_s_tiers_change_live() -> None:
+    tiers = "tiers: {precomputed: {from: redis, max_age: 2h}, cache: {ttl: 1m}}"
+    plan = _plan(_fraud().replace("traffic:", f"{tiers}\n    traffic:"))
+    assert plan.changed and not plan.adds and not plan.removes
+    assert plan.lines() == [
+        "~ tiers fraud: off -> precomputed from redis, max_age 2h; cache ttl 1m, 100000 entries"
+    ]
+    target = plan.target.models["fraud"].tiers
+    assert target is not None and target.cache is not None and target.cache.ttl == "1m"
+    off = plan_apply(plan.target, parse_spec(_fraud(), "mesh.yaml"))
+    assert off.lines() == [
+        "~ tiers fraud: precomputed from redis, max_age 2h; cache ttl 1m, 100000 entries -> off"
+    ]
+
+
 def test_the_gateways_coalescing_changes_live_and_reaches_the_resolved_spec() -> None:
     plan = _plan(_fraud() + "coalescing: {enabled: true, max_rows: 16}\n")
     assert plan.changed and not plan.adds and not plan.removes
