@@ -26,6 +26,8 @@ it, its worker processes ended, when the run ends however it ends.
 
 from __future__ import annotations
 
+import logging
+import signal
 import threading
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -151,6 +153,10 @@ async def cluster(scheduler: str | None, workers: int | None) -> AsyncIterator[C
         processes=True,
         host="127.0.0.1",
         dashboard_address=None,
+        # dask_setup below, in each worker process.
+        preload=[__name__],
+        # Chunks still running when a run stops are cancelled: no warning for each.
+        silence_logs=logging.ERROR,
         asynchronous=True,
     ) as local:
         async with Client(local, asynchronous=True) as client:
@@ -205,6 +211,15 @@ def scored_chunks(
 
 
 # --- the workers -------------------------------------------------------------------------
+
+
+def dask_setup(worker: object) -> None:
+    """Run by each worker process of a local cluster as it starts: Ctrl-C at a terminal
+    reaches every process of the command's group, and the command alone stops: it ends its
+    workers when it closes the cluster (a worker interrupted on its own only prints a
+    traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
 
 _lock = threading.Lock()
 _models: dict[tuple[str, str, int | None], Scorer] = {}

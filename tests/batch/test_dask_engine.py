@@ -5,7 +5,9 @@ with every entity once; the local cluster's worker processes are gone when the c
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -65,10 +67,15 @@ def is_dask_worker(pid: int) -> bool:
 async def watch_run(
     mesh: BatchMesh, *args: str, stop_after: int | None = None
 ) -> tuple[int, set[int], set[int]]:
-    """Run `batch score ARGS --progress lines`; with `stop_after`, SIGINT once that many
-    chunks are written. Its exit status, the processes below it seen while it ran (looked at
-    with each progress line) and which of them were Dask workers."""
-    proc = await mesh.start_cli(*args, "--progress", "lines", "--chunk-rows", str(CHUNK))
+    """Run `batch score ARGS --progress lines` in a process group of its own; with
+    `stop_after`, SIGINT to the whole group (a terminal's Ctrl-C) once that many chunks are
+    written. Its exit status, the processes below it seen while it ran (looked at with each
+    progress line) and which of them were Dask workers."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "servemesh", *args, "--progress", "lines",
+        "--chunk-rows", str(CHUNK), "--state-dir", str(mesh.state_dir),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
     assert proc.stderr is not None
     seen: set[int] = set()
     workers: set[int] = set()
@@ -83,17 +90,26 @@ async def watch_run(
             seen |= now
             workers |= {pid for pid in now if is_dask_worker(pid)}
         if stop_after is not None and line.startswith(f"scored {stop_after * CHUNK:,}/"):
-            proc.send_signal(signal.SIGINT)
+            os.killpg(proc.pid, signal.SIGINT)
             stop_after = None
     await asyncio.wait_for(proc.communicate(), timeout=60)
     assert proc.returncode is not None, "".join(lines)
+    # The workers ignore Ctrl-C (the command ends them): none is interrupted on its own.
+    assert "KeyboardInterrupt" not in "".join(lines), "".join(lines)
     return proc.returncode, seen, workers
 
 
-def assert_gone(pids: set[int], workers: set[int]) -> None:
+async def assert_gone(pids: set[int], workers: set[int]) -> None:
+    """The worker processes ended with the command; any other process below it (Python's
+    multiprocessing resource tracker, which exits when it sees its parent gone) ends too."""
     assert len(workers) >= 2, f"no worker processes seen below the command: {pids}"
-    left = sorted(pid for pid in pids if alive(pid))
-    assert not left, f"processes of the command still running: {left}"
+    left = sorted(pid for pid in workers if alive(pid))
+    assert not left, f"worker processes of the command still running: {left}"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while others := sorted(pid for pid in pids - workers if alive(pid)):
+        assert loop.time() < deadline, f"processes of the command still running: {others}"
+        await asyncio.sleep(0.05)
 
 
 async def test_a_cluster_at_an_address_scores_the_same_rows_as_in_process(
@@ -157,7 +173,7 @@ async def test_interrupted_on_a_local_cluster_resumes_once_and_leaves_no_worker(
     args = ("batch", "score", "--model", "fraud", "--out", str(out), "--engine", "dask")
     code, seen, workers = await watch_run(mesh, *args, stop_after=3)
     assert code == 130
-    assert_gone(seen, workers)
+    await assert_gone(seen, workers)
     assert not out.exists()  # never half a file
     run_dir = tmp_path / ".scores.parquet.batch"
     saved = checkpoint_of(run_dir)
@@ -167,7 +183,7 @@ async def test_interrupted_on_a_local_cluster_resumes_once_and_leaves_no_worker(
 
     code, seen, workers = await watch_run(mesh, *args, "--resume")
     assert code == 0
-    assert_gone(seen, workers)
+    await assert_gone(seen, workers)
     ids = pq.read_table(out).column("user").to_pylist()
     assert len(ids) == N and set(ids) == set(loaded["ids"])  # once each, none missing
     assert not run_dir.exists()
