@@ -3,8 +3,11 @@
 For the demo model (64 features) and the wine example's model (13 features, both inputs
 filled from one `lot` view here: a batch run has no caller to send `tasting`), at each batch
 size: the whole batch run (`run_score`: Redis reads, the forward passes, Parquet parts, the
-output put in place) over N entities, against the limit: the same loaded model called in a
-tight loop on the same rows in batches of the same size, nothing else. Both in the same
+checkpoints, the output put in place) over N entities, the model called in batches of that
+size over chunks of `chunk_rows` (the unit of reading and writing), against the limit: the
+same loaded model called in a tight loop on the same rows in batches of the same size
+(`Scorer.score`: the same conversion, torch.inference_mode, the same torch threads), nothing
+else. Both in the same
 process, the rounds interleaved, `repeats` of each; median, spread ((max-min)/median) and
 the ratio batch / limit (the goal: >= 0.8).
 
@@ -53,7 +56,12 @@ def _wine_artifact(folder: Path) -> Path:
 
 
 async def _measure(
-    rows: int, batch_sizes: list[int], repeats: int, threads: int | None, folder: Path
+    rows: int,
+    batch_sizes: list[int],
+    repeats: int,
+    threads: int | None,
+    folder: Path,
+    chunk_rows: int,
 ) -> list[Row]:
     import redis.asyncio as aioredis
 
@@ -180,7 +188,7 @@ async def _measure(
                     limit_rates: list[float] = []
                     for r in range(repeats):
                         job = ScoreJob(model=model, out=str(folder / f"{model}-{size}-{r}.parquet"),
-                                       chunk_rows=size)  # fmt: skip
+                                       batch_size=size, chunk_rows=chunk_rows)  # fmt: skip
                         result = await run_score(
                             job, spec=spec, registry=channel, redis=client,
                             run_dir=RunDir(folder / f"run-{model}-{size}-{r}"), num_threads=threads,
@@ -220,7 +228,8 @@ def report(rows: list[Row]) -> str:
             f"{row.ratio:>5.2f}x{below}{flag}"
         )
     lines.append(
-        f"batch: the whole run (reads, forward passes, Parquet, put in place); limit: the model "
+        f"batch: the whole run (reads, forward passes, Parquet, checkpoints, put in place), "
+        f"the model called in batches of that size; limit: the model "
         f"alone on the same rows; median of {len(rows[0].batch_rows_s) if rows else 0} rounds, "
         f"spread (max-min)/median, noisy above {SPREAD_LIMIT:.0%}; goal ratio >= {GOAL}"
     )
@@ -235,11 +244,16 @@ def main(
     threads: int | None,
     json_out: str | None,
     as_json: bool,
+    chunk_rows: int | None = None,
 ) -> int:
+    from servemesh.batch.job import DEFAULT_CHUNK_ROWS
+
     with tempfile.TemporaryDirectory(prefix="servemesh-bench-batch-") as tmp:
         folder = Path(tmp)
         folder.chmod(0o700)
-        results = asyncio.run(_measure(rows, batch_sizes, repeats, threads, folder))
+        results = asyncio.run(
+            _measure(rows, batch_sizes, repeats, threads, folder, chunk_rows or DEFAULT_CHUNK_ROWS)
+        )
     data = [asdict(r) | {"ratio": r.ratio} for r in results]
     if json_out:
         Path(json_out).write_text(json.dumps(data, indent=2) + "\n")

@@ -1,8 +1,11 @@
-"""One batch run: the ids, then chunk by chunk: read the rows, score them in one batch,
-write them, record the checkpoint; at the end the output goes in place in one step.
+"""One batch run: the ids, then chunk by chunk: read the rows, score them, write them,
+record the checkpoint; at the end the output goes in place in one step.
 
-The read of the next chunk runs while the model scores this one (the model runs in a
-worker thread), so Redis round trips hide behind the forward pass.
+Two sizes: a chunk (`chunk_rows`) is the unit of reading, writing and checkpointing, a
+batch (`batch_size`) the rows the model is called with; a chunk is scored as its batches in
+one worker thread. The stages overlap: the read of the next chunk runs while the model
+scores this one, and a chunk is written (its part and the checkpoint, in a worker thread)
+while the next one is scored, so a chunk's fixed costs hide behind the forward passes.
 """
 
 from __future__ import annotations
@@ -45,8 +48,11 @@ from servemesh.batch.writers import (
 from servemesh.services.feature.store import RedisFeatureStore, Rows
 from servemesh.spec import MeshSpec
 
-DEFAULT_CHUNK_ROWS = 1024
-MAX_CHUNK_ROWS = 65_536
+DEFAULT_CHUNK_ROWS = 16_384
+MAX_CHUNK_ROWS = 1_048_576
+DEFAULT_BATCH_SIZE = 1024
+MAX_BATCH_SIZE = 65_536
+WRITES_BEHIND = 2
 ENGINES = ("process", "dask")
 
 # (rows of ids done, ids in all): a progress bar's update.
@@ -66,6 +72,8 @@ class ScoreJob:
     entity_column: str | None = None
     table: str | None = None
     chunk_rows: int = DEFAULT_CHUNK_ROWS
+    # Rows per call of the model (not part of the job's identity: a resumed run may differ).
+    batch_size: int = DEFAULT_BATCH_SIZE
     where: str | None = None
     resume: bool = False
     # Where the chunks are scored: in this process, or on a Dask cluster (dask_engine):
@@ -129,6 +137,8 @@ def _check(job: ScoreJob) -> None:
         raise BatchError("--view, --entities: give one, not both")
     if not 1 <= job.chunk_rows <= MAX_CHUNK_ROWS:
         raise BatchError(f"--chunk-rows: {job.chunk_rows} is not 1..{MAX_CHUNK_ROWS}")
+    if not 1 <= job.batch_size <= MAX_BATCH_SIZE:
+        raise BatchError(f"--batch-size: {job.batch_size} is not 1..{MAX_BATCH_SIZE}")
     if job.kind == "parquet" and not job.out.endswith((".parquet", ".pq")):
         raise BatchError(f"--out {job.out}: a .parquet file, redis, or a postgresql:// address")
     if job.table and job.kind != "postgresql":
@@ -284,7 +294,7 @@ async def _engine(
     """The chunks scored by the job's engine; a Dask cluster the run started is closed
     (its worker processes ended) when the block ends, however it ends."""
     if job.engine != "dask":
-        yield _in_process(ids, job.chunk_rows, plan, redis, scorer)
+        yield _in_process(ids, job.chunk_rows, job.batch_size, plan, redis, scorer)
         return
     from servemesh.batch import dask_engine
 
@@ -350,35 +360,62 @@ async def _chunks(
     start = checkpoint.next_chunk
     if progress is not None:
         progress(min(start * size, len(ids)), len(ids))
-    async with aclosing(scored(start, checkpoint.chunks)) as chunks:
-        async for index, done in chunks:
-            missing += done.missing
-            filtered += done.filtered
-            table = chunk_table(
-                schema,
-                done.kept,
-                done.outputs,
-                model=scorer.model,
-                version=scorer.version,
-                sha256=scorer.sha256,
-                scored_at_ms=time.time_ns() // 1_000_000,
-            )
-            await writer.write(index, table)
-            checkpoint.next_chunk = index + 1
-            checkpoint.rows_written += len(done.kept)
-            run_dir.save(checkpoint)
-            if progress is not None:
-                progress(min((index + 1) * size, len(ids)), len(ids))
-            if after_chunk is not None:
-                after_chunk(index)
+
+    async def write(index: int, done: ScoredChunk, previous: asyncio.Future[None] | None) -> None:
+        """Chunk `index` into the output once the chunk before it is there, then the
+        checkpoint says the output holds it."""
+        if previous is not None:
+            await previous
+        table = chunk_table(
+            schema,
+            done.kept,
+            done.outputs,
+            model=scorer.model,
+            version=scorer.version,
+            sha256=scorer.sha256,
+            scored_at_ms=time.time_ns() // 1_000_000,
+        )
+        await writer.write(index, table)
+        checkpoint.next_chunk = index + 1
+        checkpoint.rows_written += len(done.kept)
+        await asyncio.to_thread(run_dir.save, checkpoint)
+        if progress is not None:
+            progress(min((index + 1) * size, len(ids)), len(ids))
+        if after_chunk is not None:
+            after_chunk(index)
+
+    # Chunks are written while the next ones are scored; writes stay in chunk order (a write
+    # starts when the one before it has ended), so the checkpoint never skips a chunk. At
+    # most WRITES_BEHIND chunks wait for their write: memory stays bounded.
+    writes: list[asyncio.Future[None]] = []
+    try:
+        async with aclosing(scored(start, checkpoint.chunks)) as chunks:
+            async for index, done in chunks:
+                missing += done.missing
+                filtered += done.filtered
+                writes.append(
+                    asyncio.ensure_future(write(index, done, writes[-1] if writes else None))
+                )
+                if len(writes) > WRITES_BEHIND:
+                    await writes.pop(0)
+        for pending in writes:
+            await pending
+    finally:
+        for pending in writes:
+            pending.cancel()
     return missing, filtered
 
 
 def _in_process(
-    ids: Sequence[str], size: int, plan: ChunkPlan, redis: aioredis.Redis, scorer: Scorer
+    ids: Sequence[str],
+    size: int,
+    batch_size: int,
+    plan: ChunkPlan,
+    redis: aioredis.Redis,
+    scorer: Scorer,
 ) -> ScoredChunks:
-    """Chunks scored in this process: the read of the next chunk runs while the model
-    scores this one."""
+    """Chunks scored in this process, each in batches of `batch_size` in one worker thread:
+    the read of the next chunk runs while the model scores this one."""
 
     async def fetch(index: int) -> dict[str, Rows]:
         chunk = ids[index * size : (index + 1) * size]
@@ -394,7 +431,9 @@ def _in_process(
                 selected = select_chunk(plan, ids[index * size : (index + 1) * size], rows)
                 outputs: dict[str, np.ndarray] = {}
                 if selected.kept:
-                    outputs = await asyncio.to_thread(scorer.score, selected.matrices)
+                    outputs = await asyncio.to_thread(
+                        scorer.score_batches, selected.matrices, batch_size
+                    )
                 done = ScoredChunk(selected.kept, outputs, selected.missing, selected.filtered)
                 yield index, done
         finally:

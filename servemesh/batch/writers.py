@@ -41,7 +41,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -131,19 +131,28 @@ class Writer(Protocol):
 
 
 class ParquetOutput:
-    """`FILE.parquet`: a part per chunk in the run's folder; at the end one file beside
-    FILE (a dot-name), flushed, renamed over FILE."""
+    """`FILE.parquet`: a part per chunk in the run's folder (what `--resume` continues from)
+    and, as the chunks come, the whole output in one staging file beside FILE (a
+    dot-name), flushed to disk chunk by chunk; at the end its footer is written, it is
+    flushed and renamed over FILE. A resumed run rebuilds the staging file from its parts."""
 
     def __init__(self, path: Path, run_dir: RunDir, schema: pa.Schema) -> None:
         self.path = path
         self.run_dir = run_dir
         self.schema = schema
+        self._handle: BinaryIO | None = None
+        self._staging: pq.ParquetWriter | None = None
+        self._next = 0  # the chunk the staging file takes next
 
     def describe(self) -> str:
         return str(self.path)
 
     def _part(self, index: int) -> Path:
         return self.run_dir.parts / f"{index:08d}.parquet"
+
+    @property
+    def _tmp(self) -> Path:
+        return self.path.with_name(f".{self.path.name}.staging")
 
     async def open(self, checkpoint: Checkpoint, resuming: bool) -> None:
         if not self.path.parent.is_dir():
@@ -152,37 +161,51 @@ class ParquetOutput:
         for part in self.run_dir.parts.glob("*.parquet"):
             if not resuming or int(part.stem) >= checkpoint.next_chunk:
                 part.unlink()
+        await asyncio.to_thread(self._open_staging, checkpoint.next_chunk if resuming else 0)
+
+    def _open_staging(self, chunks: int) -> None:
+        self._handle = open(self._tmp, "wb")  # noqa: SIM115 (closed by commit or close)
+        self._staging = pq.ParquetWriter(self._handle, self.schema)
+        for index in range(chunks):
+            part = self._part(index)
+            if not part.is_file():
+                raise BatchError(f"chunk {index} of the run is missing ({part})")
+            # One file's reader (read_table's dataset machinery costs more than a part's
+            # whole read); the part was written in this schema.
+            self._staging.write_table(pq.ParquetFile(part).read().cast(self.schema))
+        self._next = chunks
 
     async def write(self, index: int, table: pa.Table) -> None:
         # In a worker thread: the event loop goes on reading the next chunk meanwhile.
         await asyncio.to_thread(self._write_part, index, table)
 
     def _write_part(self, index: int, table: pa.Table) -> None:
+        assert self._staging is not None and self._handle is not None, "open() first"
+        if index != self._next:
+            raise BatchError(f"chunk {index} written out of order (chunk {self._next} is next)")
         part = self._part(index)
         tmp = part.with_suffix(".tmp")
         pq.write_table(table, tmp)
         os.replace(tmp, part)
+        self._staging.write_table(table)
+        # Flushed chunk by chunk: the last flush, before the rename, has little left to do.
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        self._next = index + 1
 
     async def commit(self, checkpoint: Checkpoint) -> str:
         return await asyncio.to_thread(self._commit, checkpoint)
 
     def _commit(self, checkpoint: Checkpoint) -> str:
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        try:
-            with pq.ParquetWriter(tmp, self.schema) as writer:
-                for index in range(checkpoint.chunks):
-                    part = self._part(index)
-                    if not part.is_file():
-                        raise BatchError(f"chunk {index} of the run is missing ({part})")
-                    # One file's reader (read_table's dataset machinery costs more than a
-                    # part's whole read); the part was written in this schema.
-                    writer.write_table(pq.ParquetFile(part).read().cast(self.schema))
-            with open(tmp, "rb") as handle:
-                os.fsync(handle.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        assert self._staging is not None and self._handle is not None, "open() first"
+        if self._next != checkpoint.chunks:
+            raise BatchError(f"the run wrote {self._next} of its {checkpoint.chunks} chunks")
+        self._staging.close()
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        self._handle.close()
+        self._staging = self._handle = None
+        os.replace(self._tmp, self.path)
         folder = os.open(self.path.parent, os.O_RDONLY)
         try:
             os.fsync(folder)
@@ -194,7 +217,11 @@ class ParquetOutput:
         return None  # the parts live in the run's folder, removed with it
 
     async def close(self) -> None:
-        return None
+        # Not committed (an error, Ctrl-C): the staging file goes; the parts stay.
+        if self._handle is not None:
+            self._handle.close()
+            self._staging = self._handle = None
+            self._tmp.unlink(missing_ok=True)
 
 
 # --- Redis -------------------------------------------------------------------------------

@@ -157,6 +157,7 @@ def _job(args: argparse.Namespace) -> ScoreJob:
         entity_column=args.entity_column,
         table=args.table,
         chunk_rows=args.chunk_rows,
+        batch_size=args.batch_size,
         where=args.where,
         resume=args.resume,
         engine=args.engine,
@@ -353,7 +354,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument("--table", help="the PostgreSQL table (default: <model>_scores)")
     s.add_argument("--resume", action="store_true", help="continue an interrupted run")
     s.add_argument(
-        "--chunk-rows", type=int, default=1024, help="rows per chunk and per batch (default 1024)"
+        "--chunk-rows",
+        type=int,
+        default=16_384,
+        help="rows per chunk: the unit read, written and checkpointed (default 16384)",
+    )
+    s.add_argument(
+        "--batch-size",
+        type=int,
+        default=1024,
+        help="rows per call of the model (default 1024); a chunk is scored as its batches",
     )
     s.add_argument("--where", help='score only rows that pass, e.g. "event_ts > 2024-05-01"')
     s.add_argument(

@@ -89,6 +89,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         threads=args.threads,
         json_out=args.json_out,
         as_json=args.json,
+        chunk_rows=args.chunk_rows,
     )
 
 
@@ -182,7 +183,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     bench_batch.add_argument("--rows", type=int, default=20_000, help="entities per view")
     bench_batch.add_argument(
-        "--batch-size", type=int, nargs="+", default=[64, 1024], help="rows per chunk and batch"
+        "--batch-size", type=int, nargs="+", default=[64, 1024], help="rows per call of the model"
+    )
+    bench_batch.add_argument(
+        "--chunk-rows", type=int, help="rows per read, write and checkpoint (default 16384)"
     )
     bench_batch.add_argument("--repeats", type=int, default=3, help="rounds per row")
     bench_batch.add_argument("--threads", type=int, help="torch intra-op threads")

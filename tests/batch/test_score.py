@@ -27,7 +27,9 @@ async def test_every_entity_is_scored_once_into_parquet(
     mesh = await start_mesh()
     loaded = await mesh.load_view(2500)
     out = tmp_path / "scores.parquet"
-    job = ScoreJob(model="fraud", out=str(out), chunk_rows=1000)
+    # Model batches of 96 rows within chunks of 1000 (neither divides the other): the
+    # outputs of a chunk's batches are joined in row order.
+    job = ScoreJob(model="fraud", out=str(out), chunk_rows=1000, batch_size=96)
     seen: list[tuple[int, int]] = []
     result = await run_score(
         job,
