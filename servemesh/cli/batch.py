@@ -1,5 +1,5 @@
-"""`servemesh batch score|run-due|history`: batch prediction with the registry's verified
-artifact over a feature view (docs/batch.md)."""
+"""`servemesh batch score|run-due|run|history|plan-tiers`: batch prediction with the
+registry's verified artifact over a feature view (docs/batch.md)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from servemesh.cli import plan_tiers
 from servemesh.cli.mesh import RunningMesh, add_mesh_flags, recorded_state_dir, running_mesh
 from servemesh.cli.output import console, out
 
@@ -418,3 +419,5 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     h.add_argument("--limit", type=int, default=20, help="the last N runs (default 20)")
     add_mesh_flags(h, inherited=True)
     h.set_defaults(func=cmd_history)
+
+    plan_tiers.register(verbs)

@@ -84,6 +84,49 @@ class LogSummary:
     gateways: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass
+class TopEntities:
+    """The entities a model's calls named most, by calls: (id, calls) most first, and the
+    calls naming one of the entity's ids in all (what a share is of)."""
+
+    rows: list[tuple[str, int]]
+    calls: int
+    distinct: int  # how many ids were named at all
+
+
+# One query per dialect: the entity keys ("user=user-42") of the model's calls since a time,
+# counted per key (most first, then by id), with the total and the distinct count.
+_TOP_SQL = """
+WITH keys AS (
+    SELECT k FROM (SELECT unnest(entity_keys) AS k FROM {source} WHERE ts >= {mark}
+                   AND model = {mark}) AS named
+    WHERE left(k, {mark}) = {mark}
+), counted AS (SELECT k, count(*) AS n FROM keys GROUP BY k)
+SELECT k, n, (SELECT sum(n) FROM counted), (SELECT count(*) FROM counted)
+FROM counted ORDER BY n DESC, k LIMIT {mark}
+"""
+
+
+def _top(
+    execute: Callable[[str, list[Any]], list[tuple[Any, ...]]],
+    source: str,
+    mark: str,
+    model: str,
+    entity: str,
+    since: datetime,
+    limit: int,
+) -> TopEntities:
+    prefix = f"{entity}="
+    found = execute(
+        _TOP_SQL.format(source=source, mark=mark),
+        [since, model, len(prefix), prefix, limit],
+    )
+    if not found:
+        return TopEntities([], 0, 0)
+    rows = [(str(k)[len(prefix) :], int(n)) for k, n, _, _ in found]
+    return TopEntities(rows, int(found[0][2]), int(found[0][3]))
+
+
 def _filters(q: LogQuery, now: float, mark: str, entity_sql: str) -> tuple[str, list[Any]]:
     """The WHERE clause and its parameters; `mark` is the dialect's placeholder."""
     clauses = [f"ts >= {mark}"]
@@ -166,6 +209,21 @@ class ParquetReader:
 
             return _answer(q, execute, "read_parquet(?, union_by_name = true)", where, params, "?")
 
+    def top_entities(self, model: str, entity: str, since_s: float, limit: int) -> TopEntities:
+        """The `limit` ids of `entity` that `model`'s calls of the last `since_s` named most."""
+        now = self.clock()
+        files = [str(f.path) for f in live_files(self.root, int((now - since_s) * 1000))]
+        if not files:
+            return TopEntities([], 0, 0)
+        since = datetime.fromtimestamp(now - since_s, UTC)
+        with duckdb.connect() as con:
+
+            def execute(text: str, args: list[Any]) -> list[tuple[Any, ...]]:
+                return con.execute(text, [files, *args]).fetchall()
+
+            source = "read_parquet(?, union_by_name = true)"
+            return _top(execute, source, "?", model, entity, since, limit)
+
     def summary(self) -> LogSummary:
         files = live_files(self.root)
         rows, oldest, newest = 0, None, None
@@ -207,6 +265,21 @@ class PostgresReader:
                 return conn.execute(text.encode(), args).fetchall()
 
             return _answer(q, execute, source, where, params, "%s")
+
+    def top_entities(self, model: str, entity: str, since_s: float, limit: int) -> TopEntities:
+        """As ParquetReader.top_entities, in PostgreSQL."""
+        from psycopg import sql
+
+        from servemesh.predlog.postgres_store import connect
+
+        since = datetime.fromtimestamp(self.clock() - since_s, UTC)
+        source = sql.Identifier(self.table).as_string(None)
+        with connect(self.dsn) as conn:
+
+            def execute(text: str, args: list[Any]) -> list[tuple[Any, ...]]:
+                return conn.execute(text.encode(), args).fetchall()
+
+            return _top(execute, source, "%s", model, entity, since, limit)
 
     def summary(self) -> LogSummary:
         from psycopg import sql

@@ -230,3 +230,25 @@ def test_several_gateways_write_side_by_side_and_old_files_go(tmp_path: Path) ->
     # A writer that starts again carries on after its last sequence number.
     again = ParquetStore(root, "gateway-zone-a-0", lambda: NOW)
     assert again.next_seq == 3
+
+
+def test_the_entities_a_model_s_calls_named_most(backend: Backend) -> None:
+    # user-0 in 8 calls, user-1 in 4, user-2 in 2, user-3 in 1; one call names two; one
+    # call of another model and one older than the window are not counted.
+    rows = [row(NOW - i, request_id=f"a{i}", entity_ids=("user-0",)) for i in range(8)]
+    rows += [row(NOW - 10 - i, request_id=f"b{i}", entity_ids=("user-1",)) for i in range(3)]
+    rows.append(row(NOW - 20, request_id="c", entity_ids=("user-1", "user-2")))
+    rows.append(row(NOW - 21, request_id="d", entity_ids=("user-2",), status="UNAVAILABLE"))
+    rows.append(row(NOW - 22, request_id="e", entity_ids=("user-3",)))
+    rows.append(row(NOW - 23, request_id="f", entity_ids=("user-3",), model="other"))
+    rows.append(row(NOW - 3 * 86400, request_id="g", entity_ids=("user-3",)))
+    backend.store.write(rows)
+    top = backend.reader.top_entities("fraud", "user", since_s=86400, limit=2)
+    assert top.rows == [("user-0", 8), ("user-1", 4)]
+    assert (top.calls, top.distinct) == (15, 4)
+    assert backend.reader.top_entities("fraud", "user", since_s=86400, limit=9).rows[2:] == [
+        ("user-2", 2),
+        ("user-3", 1),
+    ]
+    assert backend.reader.top_entities("fraud", "account", 86400, 5).rows == []
+    assert backend.reader.top_entities("nobody", "user", 86400, 5).calls == 0
