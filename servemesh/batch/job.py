@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +81,8 @@ class ScoreJob:
     engine: str = "process"
     scheduler: str | None = None
     workers: int | None = None
+    # Scored by the running mesh's model servers at a low priority (through_mesh.py).
+    through_mesh: bool = False
 
     @property
     def kind(self) -> str:
@@ -151,6 +153,8 @@ def _check(job: ScoreJob) -> None:
         raise BatchError("--workers: only for the local cluster (no --scheduler)")
     if job.workers is not None and not 1 <= job.workers <= 256:
         raise BatchError(f"--workers: {job.workers} is not 1..256")
+    if job.through_mesh and job.engine != "process":
+        raise BatchError("--through-mesh, --engine: the mesh's model servers score, or an engine")
 
 
 async def run_score(
@@ -164,8 +168,10 @@ async def run_score(
     after_chunk: Callable[[int], None] | None = None,
     num_threads: int | None = None,
     device: str | None = None,
+    mesh: grpc.aio.Channel | None = None,
 ) -> ScoreResult:
-    """Run `job` to the end; an exception (or Ctrl-C) leaves the checkpoint for --resume."""
+    """Run `job` to the end; an exception (or Ctrl-C) leaves the checkpoint for --resume.
+    `mesh`: a channel to a zone's mesh listener, for `job.through_mesh`."""
     _check(job)
     inputs = view_inputs(spec, job.model)
     views = list(dict.fromkeys(i.view for i in inputs))
@@ -250,7 +256,7 @@ async def run_score(
             ),
             where=where,
         )
-        async with _engine(job, spec, ids, plan, redis, scorer, run_dir) as scored:
+        async with _engine(job, spec, ids, plan, redis, scorer, run_dir, mesh) as scored:
             started = time.perf_counter()
             counts = await _chunks(
                 job, checkpoint, ids, scored, scorer, schema, writer, run_dir, progress,
@@ -290,11 +296,24 @@ async def _engine(
     redis: aioredis.Redis,
     scorer: Scorer,
     run_dir: RunDir,
+    mesh: grpc.aio.Channel | None = None,
 ) -> AsyncIterator[ScoredChunks]:
     """The chunks scored by the job's engine; a Dask cluster the run started is closed
     (its worker processes ended) when the block ends, however it ends."""
+    if job.through_mesh:
+        from servemesh.batch.through_mesh import mesh_model
+
+        if mesh is None:
+            raise BatchError("--through-mesh: no channel to the mesh")
+        served = mesh_model(spec, scorer, mesh, job.batch_size, f"batch-{run_dir.path.name}")
+
+        async def through(matrices: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return await served.score_batches(matrices, job.batch_size)
+
+        yield _in_process(ids, job.chunk_rows, plan, redis, through)
+        return
     if job.engine != "dask":
-        yield _in_process(ids, job.chunk_rows, job.batch_size, plan, redis, scorer)
+        yield _in_process(ids, job.chunk_rows, plan, redis, _in_thread(scorer, job.batch_size))
         return
     from servemesh.batch import dask_engine
 
@@ -406,16 +425,28 @@ async def _chunks(
     return missing, filtered
 
 
+# A chunk's selected rows -> the model's outputs for them.
+ScoreRows = Callable[[dict[str, np.ndarray]], Awaitable[dict[str, np.ndarray]]]
+
+
+def _in_thread(scorer: Scorer, batch_size: int) -> ScoreRows:
+    """The model in this process, a chunk's batches in one worker thread."""
+
+    async def score(matrices: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return await asyncio.to_thread(scorer.score_batches, matrices, batch_size)
+
+    return score
+
+
 def _in_process(
     ids: Sequence[str],
     size: int,
-    batch_size: int,
     plan: ChunkPlan,
     redis: aioredis.Redis,
-    scorer: Scorer,
+    score: ScoreRows,
 ) -> ScoredChunks:
-    """Chunks scored in this process, each in batches of `batch_size` in one worker thread:
-    the read of the next chunk runs while the model scores this one."""
+    """Chunks read and selected in this process and scored by `score`: the read of the next
+    chunk runs while this one is scored."""
 
     async def fetch(index: int) -> dict[str, Rows]:
         chunk = ids[index * size : (index + 1) * size]
@@ -431,9 +462,7 @@ def _in_process(
                 selected = select_chunk(plan, ids[index * size : (index + 1) * size], rows)
                 outputs: dict[str, np.ndarray] = {}
                 if selected.kept:
-                    outputs = await asyncio.to_thread(
-                        scorer.score_batches, selected.matrices, batch_size
-                    )
+                    outputs = await score(selected.matrices)
                 done = ScoredChunk(selected.kept, outputs, selected.missing, selected.filtered)
                 yield index, done
         finally:

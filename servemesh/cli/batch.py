@@ -53,16 +53,18 @@ async def score(
 
     from servemesh.batch.checkpoint import RunDir
     from servemesh.batch.job import run_score
-    from servemesh.identity import dial_registry
+    from servemesh.identity import dial_mesh, dial_registry
     from servemesh.wire import message_size_options
 
     spec = mesh.spec
     client = aioredis.Redis.from_url(
         spec.redis_url, password=spec.redis_password(), socket_connect_timeout=2.0
     )
-    channel = dial_registry(spec).aio_channel(
-        options=message_size_options(spec.limits.max_message_bytes)
-    )
+    sizes = message_size_options(spec.limits.max_message_bytes)
+    channel = dial_registry(spec).aio_channel(options=sizes)
+    # --through-mesh: the first zone's mesh listener (Envoy balances over every zone's
+    # replicas of the version, the local zone's first).
+    served = dial_mesh(spec, spec.zones[0]).aio_channel(options=sizes) if job.through_mesh else None
     try:
         return await run_score(
             job,
@@ -72,8 +74,11 @@ async def score(
             run_dir=RunDir(run_dir_for(mesh.state_dir, job)),
             progress=progress,
             num_threads=threads,
+            mesh=served,
         )
     finally:
+        if served is not None:
+            await served.close()
         await channel.close()
         await client.aclose()
 
@@ -164,6 +169,7 @@ def _job(args: argparse.Namespace) -> ScoreJob:
         engine=args.engine,
         scheduler=args.scheduler,
         workers=args.workers,
+        through_mesh=args.through_mesh,
     )
 
 
@@ -365,6 +371,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         type=int,
         default=1024,
         help="rows per call of the model (default 1024); a chunk is scored as its batches",
+    )
+    s.add_argument(
+        "--through-mesh",
+        action="store_true",
+        help="score with the running mesh's model servers (OIP ModelInfer at the model's "
+        "lowest batcher priority, so online calls go first) instead of in this process",
     )
     s.add_argument("--where", help='score only rows that pass, e.g. "event_ts > 2024-05-01"')
     s.add_argument(
