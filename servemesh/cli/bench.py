@@ -9,6 +9,21 @@ import argparse
 def cmd_bench_predict(args: argparse.Namespace) -> int:
     from servemesh.bench import main as bench_main
 
+    if args.tiers:
+        from servemesh.spec import load_spec
+        from servemesh.tiers_bench import main as bench_tiers_main
+
+        return bench_tiers_main(
+            load_spec(args.spec),
+            entities=args.entities,
+            precomputed=args.precompute,
+            concurrency=max(args.concurrency),
+            seconds=args.seconds,
+            repeats=args.repeats,
+            out=args.json_out,
+            as_json=args.json,
+        )
+
     return bench_main(
         args.spec,
         args.concurrency,
@@ -106,6 +121,22 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench_predict.add_argument("--repeats", type=int, default=3, help="rounds per row (>= 3)")
     bench_predict.add_argument(
         "--direct", action="store_true", help="also load one gateway straight (no Envoy)"
+    )
+    bench_predict.add_argument(
+        "--tiers",
+        action="store_true",
+        help="instead: a tiered model's req/s, CPU and hit ratio with its tiers on vs off "
+        "(a Zipf(1.1) entity mix at the largest --concurrency), and p50 at c=1 of a cached "
+        "answer vs the online one",
+    )
+    bench_predict.add_argument(
+        "--entities", type=int, default=100_000, help="--tiers: demo entities (default 100000)"
+    )
+    bench_predict.add_argument(
+        "--precompute",
+        type=int,
+        default=1000,
+        help="--tiers: the hottest entities scored into Redis first (default 1000)",
     )
     bench_predict.add_argument("--json", action="store_true", help="print the report as JSON")
     bench_predict.add_argument("--json-out", help="also write the report here")
