@@ -65,7 +65,7 @@ def _client() -> Any:
 def _lag(client: Any, keys: StreamKeys) -> tuple[int, int, float]:
     pending: Any = client.xpending(keys.input, keys.group)
     groups: Any = client.xinfo_groups(keys.input)
-    info = next((g for g in groups if g["name"].decode() == keys.group), {})
+    info: dict[str, Any] = next((g for g in groups if g["name"].decode() == keys.group), {})
     count = int(pending.get("pending") or 0)
     age = 0.0
     if count and pending.get("min"):
