@@ -69,8 +69,6 @@ async def _measure(
     from servemesh.batch.checkpoint import RunDir
     from servemesh.batch.job import ScoreJob, run_score
     from servemesh.batch.scorer import load_scorer
-    from servemesh.cli.models import PushRequest, check_push
-    from servemesh.cli.models import _spec as tensor_spec
     from servemesh.control_credential import control_metadata, ensure_control_token
     from servemesh.demo import DEMO_FEATURES, demo_artifact, demo_features, demo_signature
     from servemesh.identity import dial_registry
@@ -78,7 +76,9 @@ async def _measure(
     from servemesh.proxy.apply import MeshPaths
     from servemesh.registry.app import build_server
     from servemesh.registry.client import push_version
+    from servemesh.registry.records import TensorSpec
     from servemesh.services.feature.store import RedisFeatureStore
+    from servemesh.services.model.artifacts import open_artifact
     from servemesh.spec import (
         FeatureStoreSpec,
         FeatureViewSpec,
@@ -141,13 +141,16 @@ async def _measure(
                 credential=control_metadata(token), **demo_signature(64),  # type: ignore[arg-type]
             )  # fmt: skip
             wine_file = await asyncio.to_thread(_wine_artifact, folder)
-            data, fmt, sig, _ = await asyncio.to_thread(
-                check_push, PushRequest(wine_file, "wine", "v1"), spec.limits.max_artifact_bytes
-            )
+            data = wine_file.read_bytes()
+            # The bench's own export: opened (and checked) as the registry's loaders open it,
+            # for the signature it records.
+            opened = await asyncio.to_thread(open_artifact, data)
+            assert opened.signature is not None  # a torch.export program records one
+            sig = opened.signature
             await push_version(
-                channel, model="wine", version="v1", data=data, format=fmt,
-                inputs=[tensor_spec(t) for t in sig.inputs],
-                outputs=[tensor_spec(t) for t in sig.outputs],
+                channel, model="wine", version="v1", data=data, format=opened.format,
+                inputs=[TensorSpec(t.name, t.datatype, t.shape) for t in sig.inputs],
+                outputs=[TensorSpec(t.name, t.datatype, t.shape) for t in sig.outputs],
                 credential=control_metadata(token),
             )  # fmt: skip
             store = RedisFeatureStore(client, spec.feature_store.key_prefix)

@@ -568,15 +568,15 @@ class Mesh:
             )
 
     def _start_batch_scheduler(self, deadline: float) -> None:
-        """The spec's `batch:` jobs, run when due (servemesh.batch.scheduler), when it has
+        """The spec's `batch:` jobs, run when due (servemesh.cli.batch_scheduler), when it has
         any; ready once it wrote its ready file (before its first round)."""
         if not self.spec.batch:
             return
-        from servemesh.batch.scheduler import ready_path
+        from servemesh.batch.schedule import ready_path
 
         ready = ready_path(self.state_dir)
         ready.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "servemesh.batch.scheduler"]
+        argv = [sys.executable, "-m", "servemesh.cli.batch_scheduler"]
         argv += ["--state-dir", str(self.state_dir)]
         self.supervisor.start(
             "batch-scheduler",

@@ -122,3 +122,12 @@ def job_lock(state_dir: Path, name: str) -> Iterator[bool]:
         yield True
     finally:
         os.close(fd)
+
+
+# The batch scheduler process (`python -m servemesh.cli.batch_scheduler`, started by `up`
+# when the spec has jobs) writes this file once it runs: the launcher's readiness check.
+READY = Path("batch") / "scheduler.ready"
+
+
+def ready_path(state_dir: Path) -> Path:
+    return state_dir / READY

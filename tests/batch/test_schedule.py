@@ -17,8 +17,7 @@ import pytest
 from pydantic import ValidationError
 
 from servemesh.batch.history import RunRecord, read_history
-from servemesh.batch.schedule import decide, job_lock, last_fire, next_fire, to_ms
-from servemesh.batch.scheduler import ready_path
+from servemesh.batch.schedule import decide, job_lock, last_fire, next_fire, ready_path, to_ms
 from servemesh.control_credential import control_metadata
 from servemesh.registry.client import set_alias
 from servemesh.spec import BatchJobSpec, MeshSpec, parse_spec
@@ -169,7 +168,7 @@ async def test_the_scheduler_up_starts_runs_a_due_job_and_stops_on_sigterm(
     mesh = await start_mesh(batch=[nightly(name="hourly", output=str(out), schedule="@hourly")])
     await mesh.load_view(50)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "servemesh.batch.scheduler", "--state-dir", str(mesh.state_dir),
+        sys.executable, "-m", "servemesh.cli.batch_scheduler", "--state-dir", str(mesh.state_dir),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:

@@ -32,6 +32,7 @@ CONTRACT = {
     "echo",
     "identity",
     "errors",
+    "tier_keys",
 }
 SERVICES = {"services.runtime", "services.gateway", "services.feature", "services.model"}
 TOOLING = {"procs", "netns", "load", "proxy", "credentials", "observe", "state_dir"}
@@ -45,6 +46,8 @@ ALLOWED: dict[str, set[str]] = {
     # the state dir's privacy: umask, modes, secrets checked, lock files
     "private": {"errors"},
     "echo": set(),  # caller strings quoted and bounded in error messages
+    # where the gateway's tiers find batch answers and flush generations in Redis
+    "tier_keys": set(),
     "demo": {"demo_model"},  # torch only when a demo model is built
     "demo_model": set(),
     "policy": {"durations"},
@@ -100,7 +103,13 @@ ALLOWED: dict[str, set[str]] = {
     # the service catalog (file or Consul), the control plane that turns it into Envoy's
     # endpoint files, and the docker-compose topology's rendered configs
     "discovery": CONTRACT | {"proxy", "procs", "slo_rules"},
-    "launcher": CONTRACT | TOOLING | {"seeding"},
+    # batch scoring: a view's rows from the feature store, scored with the model server's
+    # loader and runner (in process, on a Dask cluster, or through the mesh's model servers,
+    # its rows put on the wire as the gateway puts them); artifacts from the registry
+    "batch": CONTRACT
+    | {"credentials", "registry", "services.feature", "services.gateway", "services.model"},
+    # the launcher starts the batch scheduler when the spec has jobs (its ready file)
+    "launcher": CONTRACT | TOOLING | {"seeding", "batch"},
     # what runs meshes and measures them; the chaos suite is imported by the CLI alone
     # (its drills drive `servemesh rollout` as a command, and read the state it records)
     "chaos": CONTRACT | TOOLING | {"launcher", "seeding", "services.runtime", "streams"},
@@ -110,6 +119,10 @@ ALLOWED: dict[str, set[str]] = {
     "bench": CONTRACT | TOOLING | {"launcher", "observe_bench"},
     # py-spy on a mesh of its own under load (set up and settled as bench predict's)
     "profile_bench": CONTRACT | TOOLING | {"launcher", "observe_bench", "bench"},
+    # batch scoring against the model in a tight loop, on a registry and Redis of its own
+    "batch_bench": CONTRACT | TOOLING | {"batch", "registry", "services.feature", "services.model"},
+    # Predicts with the gateway's tiers on and off, on a mesh of its own
+    "tiers_bench": CONTRACT | TOOLING | {"launcher", "observe_bench", "bench", "batch"},
     # a stream consumer on a mesh of its own: events/s and event-to-prediction latency
     "stream_bench": CONTRACT | TOOLING | {"launcher", "streams"},
     # fuzzes a mesh of its own (launcher) through Envoy and straight to its replicas
@@ -140,6 +153,9 @@ ALLOWED: dict[str, set[str]] = {
         "observe_bench",
         "profile_bench",
         "stream_bench",
+        "batch",
+        "batch_bench",
+        "tiers_bench",
         "fuzz",
         "model_bench",
         "features",

@@ -1,4 +1,4 @@
-"""`python -m servemesh.batch.scheduler --state-dir D`: the spec's `batch:` jobs, run by
+"""`python -m servemesh.cli.batch_scheduler --state-dir D`: the spec's `batch:` jobs, run by
 `servemesh up` when they are due (the process `up` starts when the spec has jobs).
 
 It does what `servemesh batch run-due` does, at every time a job's schedule fires: the same
@@ -24,21 +24,15 @@ from types import FrameType
 
 log = logging.getLogger(__name__)
 
-READY = Path("batch") / "scheduler.ready"
-
-
-def ready_path(state_dir: Path) -> Path:
-    return state_dir / READY
-
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m servemesh.batch.scheduler")
+    parser = argparse.ArgumentParser(prog="python -m servemesh.cli.batch_scheduler")
     parser.add_argument("--state-dir", required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     state_dir = Path(args.state_dir)
 
-    from servemesh.batch.schedule import next_fire
+    from servemesh.batch.schedule import READY, next_fire, ready_path
     from servemesh.cli.batch import run_due
     from servemesh.cli.mesh import RunningMesh
     from servemesh.private import private_dir
