@@ -18,17 +18,21 @@ nothing of a running mesh is touched.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import statistics
+import sys
 import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from servemesh.errors import ServemeshError
 from servemesh.load.stats import SPREAD_LIMIT, spread
 
 GOAL = 0.8
@@ -47,11 +51,24 @@ class Row:
         return statistics.median(self.batch_rows_s) / statistics.median(self.limit_rows_s)
 
 
-def _wine_artifact(folder: Path) -> Path:
-    from examples.wine.train import export, load, train
+def _wine_example() -> ModuleType:
+    """The wine example (examples/wine/train.py) of the checkout this package runs from:
+    the console script does not put the working directory on sys.path."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "examples" / "wine" / "train.py").is_file():
+        raise ServemeshError(
+            f"bench batch scores the wine example, which is not at {root}/examples/wine: "
+            "run it from a checkout of the repository"
+        )
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module("examples.wine.train")
 
+
+def _wine_artifact(folder: Path) -> Path:
+    wine = _wine_example()
     path = folder / "wine.pt2"
-    export(train(load()).model, path)
+    wine.export(wine.train(wine.load()).model, path)
     return path
 
 
@@ -65,7 +82,6 @@ async def _measure(
 ) -> list[Row]:
     import redis.asyncio as aioredis
 
-    from examples.wine.train import CHEMISTRY, TASTING
     from servemesh.batch.checkpoint import RunDir
     from servemesh.batch.job import ScoreJob, run_score
     from servemesh.batch.scorer import load_scorer
@@ -92,6 +108,8 @@ async def _measure(
         resolve,
     )
 
+    wine_example = _wine_example()
+    CHEMISTRY, TASTING = wine_example.CHEMISTRY, wine_example.TASTING
     wine_features = [*CHEMISTRY, *TASTING]
     with Supervisor(folder / "logs") as supervisor:
         redis_server = RedisServer(supervisor, folder / "redis")
@@ -158,9 +176,7 @@ async def _measure(
             views: dict[str, tuple[list[str], np.ndarray, list[str]]] = {
                 "user": (list(demo), np.stack(list(demo.values())), list(DEMO_FEATURES)),
             }
-            from examples.wine.train import load
-
-            wine = load()
+            wine = _wine_example().load()
             both = np.concatenate([wine.chemistry, wine.tasting], axis=1)
             tiled = both[np.arange(rows) % len(both)]
             views["lot"] = ([f"L-{i:06d}" for i in range(rows)], tiled, wine_features)
