@@ -13,7 +13,8 @@ TRITON_STAMP := $(TRITON_VENV)/.installed
 PYTRITON_VENV  := .venv-pytriton
 PYTRITON_STAMP := $(PYTRITON_VENV)/.installed
 
-# The fast lane: every test that starts no Envoy (tests/conftest.py MESH_PATHS), in a few minutes.
+# The fast lane: every test that starts no Envoy and is not slow (tests/conftest.py MESH_PATHS,
+# SLOW_PATHS), in under three minutes.
 .PHONY: up test test-fast typecheck lint install triton-venv pytriton-venv protos check-protos bench fuzz clean
 
 up: $(STAMP)
@@ -24,7 +25,7 @@ test: $(STAMP) $(TRITON_STAMP) typecheck lint
 	$(BIN)/pytest
 
 test-fast: $(STAMP) typecheck lint
-	$(BIN)/pytest -m "not mesh"
+	$(BIN)/pytest -m "not mesh and not slow"
 
 typecheck: $(STAMP)
 	$(BIN)/python -m servemesh.typecheck

@@ -40,22 +40,37 @@ MESH_PATHS = (
     "streams/test_mesh_streams.py",
     "tracing/test_mesh_traces.py",
 )
+# Tests that start no Envoy but run whole commands or clusters for seconds each (the batch
+# command in child processes, a Dask cluster): marked `slow`, left out of the fast lane
+# (`make test-fast` runs `-m "not mesh and not slow"`), run by `make test`.
+SLOW_PATHS = (
+    "batch/test_dask_engine.py",
+    "batch/test_outputs.py",
+    "batch/test_resume.py",
+    "batch/test_schedule.py",
+)
 _TESTS = Path(__file__).parent
 
 
-def _starts_envoy(path: Path) -> bool:
+def _under(path: Path, prefixes: tuple[str, ...]) -> bool:
     relative = path.relative_to(_TESTS).as_posix()
-    return any(relative.startswith(prefix) for prefix in MESH_PATHS)
+    return any(relative.startswith(prefix) for prefix in prefixes)
+
+
+def _starts_envoy(path: Path) -> bool:
+    return _under(path, MESH_PATHS)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _starts_envoy(item.path):
             item.add_marker(pytest.mark.mesh)
+        if _under(item.path, SLOW_PATHS):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if config.option.markexpr.replace(" ", "") == "notmesh":
+    if config.option.markexpr.replace(" ", "").startswith("notmesh"):
         # The fast lane: nothing may start Envoy, session fixtures included. Test modules
         # are imported after this, so their own `from ... import envoy_command` gets it too.
         process.envoy_command = _envoy_refused
