@@ -18,6 +18,7 @@ from servemesh.services.runtime import ServiceServer
 from servemesh.services.runtime.errors import NotFound
 from servemesh.services.runtime.faults import FaultSettings, control_file, set_fault
 from servemesh.services.runtime.interceptors import with_unary_behaviour
+from tests.waiting import wait_until_async
 
 SERVICE = "servemesh.test.Path"
 ECHO = f"/{SERVICE}/Echo"
@@ -131,15 +132,26 @@ async def test_metrics_count_each_call_by_the_status_its_caller_saw(served: Serv
         await channel.unary_unary(ECHO)(b"\xff\xff\xff", timeout=5)
     assert undecodable.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "grpc.health.v1.HealthCheckRequest" in (undecodable.value.details() or "")
-    counted = {
-        code: _calls(server, code)
-        for code in ("OK", "NOT_FOUND", "ALREADY_EXISTS", "INVALID_ARGUMENT")
-    }
-    assert counted == {"OK": 1, "NOT_FOUND": 1, "ALREADY_EXISTS": 1, "INVALID_ARGUMENT": 1}
-    in_flight = server.metrics.registry.get_sample_value(
-        "servemesh_rpc_in_flight", {"service": "path", "method": ECHO}
+
+    def counted() -> dict[str, float]:
+        return {
+            code: _calls(server, code)
+            for code in ("OK", "NOT_FOUND", "ALREADY_EXISTS", "INVALID_ARGUMENT")
+        }
+
+    # A call is counted as its handler ends, which may come just after its caller has the
+    # status: wait for the four, then check no call was counted twice.
+    expected = {"OK": 1, "NOT_FOUND": 1, "ALREADY_EXISTS": 1, "INVALID_ARGUMENT": 1}
+
+    def in_flight() -> float | None:
+        return server.metrics.registry.get_sample_value(
+            "servemesh_rpc_in_flight", {"service": "path", "method": ECHO}
+        )
+
+    await wait_until_async(
+        lambda: counted() == expected and in_flight() == 0, "each call counted once, none open"
     )
-    assert in_flight == 0
+    assert counted() == expected
 
 
 async def test_an_injected_error_answers_every_call_but_health_checks(
