@@ -61,8 +61,17 @@ def _line(state: Path) -> str:
     return f"error: no running mesh at {state}: start one with `servemesh up`"
 
 
-@pytest.mark.parametrize("where", ["after", "group"])
-@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+# Every command with the flags after it; those of a group with subcommands also with the
+# flags before the subcommand.
+PLACES = [
+    pytest.param(command, where, id=f"{' '.join(command)}-{where}")
+    for command in COMMANDS
+    for where in ("after", "group")
+    if where == "after" or command[0] in GROUPS
+]
+
+
+@pytest.mark.parametrize(("command", "where"), PLACES)
 def test_no_running_mesh_is_exit_2_and_one_line(
     command: list[str],
     where: str,
@@ -70,8 +79,6 @@ def test_no_running_mesh_is_exit_2_and_one_line(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if where == "group" and command[0] not in GROUPS:
-        pytest.skip("no subcommand to put the flag before")
     monkeypatch.delenv("SERVEMESH_STATE_DIR", raising=False)
     state = tmp_path / "state"
     state.mkdir()
