@@ -119,6 +119,18 @@ OIP_DATATYPES: Final = frozenset(
     | {"FP16", "BF16", "FP32", "FP64", "BYTES"}
 )
 
+# The typed fields a public Tensor (servemesh.gateway.v1) may hold its values in, one per
+# datatype family; a tensor fills exactly one of them.
+TENSOR_VALUE_FIELDS: Final = (
+    "float_values",
+    "double_values",
+    "int64_values",
+    "int_values",
+    "uint64_values",
+    "uint_values",
+    "bool_values",
+)
+
 # --- gRPC services and method paths ----------------------------------------------------------
 
 OIP_SERVICE: Final = "inference.GRPCInferenceService"

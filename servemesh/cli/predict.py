@@ -20,7 +20,7 @@ from servemesh.identity.edge_client import dial_edge_as
 from servemesh.proxy.apply import MeshPaths, NoRunningMesh
 from servemesh.spec import MeshSpec, load_spec
 from servemesh.tracestore.traceparent import new_traceparent
-from servemesh.wire import AUTHORIZATION_HEADER, TRACE_HEADERS
+from servemesh.wire import AUTHORIZATION_HEADER, TENSOR_VALUE_FIELDS, TRACE_HEADERS
 
 
 def _edge_dial(spec: MeshSpec, address: str, as_operator: bool = False) -> Dial:
@@ -134,15 +134,7 @@ def _tensor_rows(tensor: Any) -> list[Any]:
     """A public Tensor's values as nested lists, one per row."""
     import numpy as np
 
-    for field in (
-        "float_values",
-        "double_values",
-        "int64_values",
-        "int_values",
-        "uint64_values",
-        "uint_values",
-        "bool_values",
-    ):
+    for field in TENSOR_VALUE_FIELDS:
         values = getattr(tensor, field)
         if len(values):
             rows: list[Any] = (

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from servemesh.wire import TRACE_HEADERS
+from servemesh.wire import TENSOR_VALUE_FIELDS, TRACE_HEADERS
 from servemesh_api.gateway.v1 import gateway_pb2
 
 T = TypeVar("T")
@@ -53,16 +53,6 @@ Row = tuple[Any, ...]
 _JSON = json.JSONEncoder(separators=(",", ":"))
 _TRACEPARENT = TRACE_HEADERS[0]  # W3C traceparent: version-traceid-spanid-flags
 _TRACE_ID = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
-# The typed fields a public Tensor may hold its values in (one per datatype family).
-_VALUE_FIELDS = (
-    "float_values",
-    "double_values",
-    "int64_values",
-    "int_values",
-    "uint64_values",
-    "uint_values",
-    "bool_values",
-)
 
 
 class PredictWatch:
@@ -245,7 +235,7 @@ def _outputs_json(answer: gateway_pb2.PredictResponse, max_bytes: int) -> str:
     shown: dict[str, Any] = {}
     for name, tensor in sorted(answer.outputs.items()):
         values: list[Any] = []
-        for field_name in _VALUE_FIELDS:
+        for field_name in TENSOR_VALUE_FIELDS:
             held = getattr(tensor, field_name)
             if held:
                 values = list(held[:budget])

@@ -36,6 +36,7 @@ from servemesh.services.feature.store import (
 )
 from servemesh.spec import ResolvedSpec, StreamSpec
 from servemesh.streams.events import Event, Poison
+from servemesh.wire import TENSOR_VALUE_FIELDS
 
 POISON_CODES = frozenset(
     {
@@ -87,15 +88,7 @@ def _rows_of(array: np.ndarray) -> list[Any]:
 
 def tensor_rows(tensor: Any) -> list[Any]:
     """A public Tensor's values, one per row."""
-    for name in (
-        "float_values",
-        "double_values",
-        "int64_values",
-        "int_values",
-        "uint64_values",
-        "uint_values",
-        "bool_values",
-    ):
+    for name in TENSOR_VALUE_FIELDS:
         values = getattr(tensor, name)
         if len(values):
             shape = list(tensor.shape) or [len(values)]
