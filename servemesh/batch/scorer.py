@@ -52,6 +52,22 @@ def view_inputs(spec: MeshSpec, model: str) -> list[ViewInput]:
     return found
 
 
+def wire_inputs(
+    model: str, signature: Signature, matrices: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """Each input of `signature`, in its order, as the flat array of its wire datatype (as the
+    gateway encodes a caller's tensor); BatchError naming the input when a value does not fit."""
+    from servemesh.services.gateway.tensors import to_wire
+
+    wires = {}
+    for sig in signature.inputs:
+        try:
+            wires[sig.name] = to_wire(matrices[sig.name], sig.datatype, f"input {sig.name!r}")
+        except ServemeshError as exc:
+            raise BatchError(f"--model {model}: {exc}") from None
+    return wires
+
+
 @dataclass(frozen=True)
 class Artifact:
     """The verified artifact's bytes, kept for a run that loads the model elsewhere too (a
@@ -78,16 +94,11 @@ class Scorer:
     def score(self, matrices: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Every output of the model for the rows of `matrices` (float32, by input name),
         as the model answers them; called from a worker thread, one batch at a time."""
-        from servemesh.services.gateway.tensors import to_wire
-
-        arrays = {}
-        for sig in self.signature.inputs:
-            matrix = matrices[sig.name]
-            try:
-                wire = to_wire(matrix, sig.datatype, f"input {sig.name!r}")
-            except ServemeshError as exc:
-                raise BatchError(f"--model {self.model}: {exc}") from None
-            arrays[sig.name] = wire.reshape(len(matrix), *sig.dims)
+        wires = wire_inputs(self.model, self.signature, matrices)
+        arrays = {
+            sig.name: wires[sig.name].reshape(len(matrices[sig.name]), *sig.dims)
+            for sig in self.signature.inputs
+        }
         if self.runner.single:
             (only,) = arrays.values()
             return {self.output_names[0]: np.asarray(self.runner.run(only))}

@@ -32,7 +32,7 @@ import grpc
 import numpy as np
 
 from servemesh.batch.errors import BatchError
-from servemesh.batch.scorer import Scorer
+from servemesh.batch.scorer import Scorer, wire_inputs
 from servemesh.errors import ServemeshError
 from servemesh.services.model.tensors import Signature
 from servemesh.spec import MeshSpec
@@ -63,18 +63,13 @@ class MeshModel:
 
     def request(self, matrices: Mapping[str, np.ndarray]) -> oip.ModelInferRequest:
         """One ModelInfer for the rows of `matrices`, raw little-endian tensors."""
-        from servemesh.services.gateway.tensors import to_wire
-
         request = oip.ModelInferRequest(model_name=self.model, model_version=self.version)
         request.parameters["priority"].int64_param = self.priority
+        wires = wire_inputs(self.model, self.signature, matrices)
         for sig in self.signature.inputs:
-            matrix = matrices[sig.name]
-            try:
-                wire = to_wire(matrix, sig.datatype, f"input {sig.name!r}")
-            except ServemeshError as exc:
-                raise BatchError(f"--model {self.model}: {exc}") from None
-            request.inputs.add(name=sig.name, datatype=sig.datatype, shape=[len(matrix), *sig.dims])
-            request.raw_input_contents.append(wire.tobytes())
+            rows = len(matrices[sig.name])
+            request.inputs.add(name=sig.name, datatype=sig.datatype, shape=[rows, *sig.dims])
+            request.raw_input_contents.append(wires[sig.name].tobytes())
         return request
 
     async def score(self, matrices: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
