@@ -23,7 +23,6 @@ if TYPE_CHECKING:
         LoadSummary,
         feature_addresses,
         load_file,
-        running_mesh_spec,
     )
 
 # Where each public name lives; imported on first use, so `servemesh` commands other than
@@ -38,7 +37,6 @@ _HOMES = {
     "LoadSummary": "_send",
     "feature_addresses": "_send",
     "load_file": "_send",
-    "running_mesh_spec": "_send",
 }
 __all__ = [
     "DEFAULT_BATCH_ROWS",
@@ -50,7 +48,6 @@ __all__ = [
     "LoadSummary",
     "feature_addresses",
     "load_file",
-    "running_mesh_spec",
 ]
 
 

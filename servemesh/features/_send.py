@@ -71,16 +71,6 @@ class _Outcome:
     sent: int = 0
 
 
-def running_mesh_spec(state_dir: Path) -> ResolvedSpec:
-    """The resolved spec the running mesh under `state_dir` wrote."""
-    from servemesh.proxy.apply import MeshPaths, NoRunningMesh
-
-    try:
-        return MeshPaths(state_dir).running_spec()
-    except NoRunningMesh as exc:
-        raise LoadError(str(exc), exit_code=exc.exit_code) from None
-
-
 def feature_addresses(spec: ResolvedSpec, address: str | None = None) -> list[Dial]:
     """Every feature service of the mesh, in spec order (only the one at `address`, when
     given: it must be one of the mesh's, whose certificate the load then checks)."""
