@@ -15,6 +15,12 @@ PYTRITON_STAMP := $(PYTRITON_VENV)/.installed
 
 # The fast lane: every test that starts no Envoy and is not slow (tests/conftest.py MESH_PATHS,
 # SLOW_PATHS), in under three minutes.
+# Both lanes run on TEST_WORKERS pytest-xdist workers; each test's group (a module, a shared
+# mesh's modules, the network-namespace tests) runs whole on one worker (tests/conftest.py).
+# Three on a 2-core machine: much of a mesh test's time is waiting (health intervals, a
+# drill's timed phases), and a third worker fills it (docs/testing.md, 2026-12-02).
+TEST_WORKERS ?= 3
+PYTEST := $(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
 .PHONY: up test test-fast typecheck lint install triton-venv pytriton-venv protos check-protos bench fuzz clean
 
 up: $(STAMP)
@@ -22,10 +28,10 @@ up: $(STAMP)
 
 # The type check and the linter run first: a type error fails the run in seconds.
 test: $(STAMP) $(TRITON_STAMP) typecheck lint
-	$(BIN)/pytest
+	$(PYTEST)
 
-test-fast: $(STAMP) typecheck lint
-	$(BIN)/pytest -m "not mesh and not slow"
+test-fast: $(STAMP) $(TRITON_STAMP) typecheck lint
+	$(PYTEST) -m "not mesh and not slow"
 
 typecheck: $(STAMP)
 	$(BIN)/python -m servemesh.typecheck

@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servemesh.chaos.drill import current
 from servemesh.chaos.errors import DrillError
-from servemesh.chaos.report import envoy_deltas
+from servemesh.chaos.report import drill_recovery, envoy_deltas
 from servemesh.control_credential import control_metadata_for
 from servemesh.identity import Dial, dial_service
 from servemesh.load import WindowStats, window_stats
@@ -51,13 +51,18 @@ __all__ = [
     "observe",
     "envoy_stats",
     "healthy_hosts",
+    "wait_healthy_hosts",
     "services_healthy",
     "redis_reachable",
     "try_model_load",
     "model_load_fails_cleanly",
+    "p99_against_baseline",
 ]
 
 SETTLE_S = 0.5
+# How often a recovery watch reads the numbers so far, and a health wait Envoy's view.
+RECOVERY_POLL_S = 1.0
+HEALTH_POLL_S = 0.25
 
 
 def _stats(scope: str = "last", window_s: float = 5.0) -> WindowStats:
@@ -128,19 +133,48 @@ def version_share(version: str, scope: str = "last", window_s: float = 5.0) -> f
     return round(_stats(scope, window_s).versions.get(version, 0.0), 3)
 
 
+def p99_against_baseline() -> dict[str, Any]:
+    """p99 in the fault windows over the baseline's (the load before the first fault):
+    what a slow zone costs callers. Marked on the timeline."""
+    drill = current()
+    load = drill.load
+    if load is None or not drill.windows:
+        raise DrillError("p99_against_baseline: needs the load and a fault window")
+    baseline = window_stats(list(load.outcomes), 0.0, drill.windows[0].start_s)
+    faults = _stats("faults")
+    ratio = faults.p99_ms / baseline.p99_ms if baseline.p99_ms else float("nan")
+    found = {
+        "baseline_p99_ms": _number(baseline.p99_ms),
+        "fault_p99_ms": _number(faults.p99_ms),
+        "ratio": _number(ratio),
+    }
+    drill.timeline.mark(
+        f"p99 in the fault window {found['fault_p99_ms']:g} ms = {found['ratio']:g}x the "
+        f"baseline's {found['baseline_p99_ms']:g} ms"
+    )
+    return found
+
+
 def window(scope: str = "last", window_s: float = 5.0) -> dict[str, Any]:
     """Every number of a window: calls, failures by status, latency, zones, versions."""
     return _stats(scope, window_s).as_dict()
 
 
-def observe(seconds: float, label: str = "") -> dict[str, Any]:
+def observe(seconds: float, label: str = "", until_recovered: bool = False) -> dict[str, Any]:
     """Keep the fault in place for `seconds` while the load runs, then report that period.
 
-    This is how a drill holds a fault: unlike a pause, the guard can cut it short.
+    This is how a drill holds a fault: unlike a pause, the guard can cut it short. With
+    `until_recovered` (a recovery watch, after the faults), `seconds` is the longest it
+    watches: it ends as soon as the report's recovery numbers are in, the SLO met and every
+    zone back for a whole recovery window. A quick recovery then costs no fixed wait, and a
+    slow one (a busy machine restarting a replica) is still watched to its end.
     """
     drill = current()
     start = drill.now_s()
-    completed = drill.sleep(float(seconds))
+    if until_recovered:
+        completed, recovered = _watch_recovery(start + float(seconds))
+    else:
+        completed, recovered = drill.sleep(float(seconds)), None
     end = drill.now_s()
     # Give calls sent at the end of the period time to answer before reading it.
     time.sleep(min(SETTLE_S, float(seconds)))
@@ -148,7 +182,30 @@ def observe(seconds: float, label: str = "") -> dict[str, Any]:
     stats = drill.load.window(start, end).as_dict()
     stats["label"] = label
     stats["interrupted"] = not completed
+    if recovered is not None:
+        stats["recovered"] = recovered
     return stats
+
+
+def _watch_recovery(until_s: float) -> tuple[bool, bool]:
+    """Wait until the drill's calls so far show a recovery, or until `until_s`.
+
+    Returns (not cut short by the guard, recovered). Calls of the last SETTLE_S may still be
+    in flight, so the numbers are read up to that moment only.
+    """
+    drill = current()
+    assert drill.load is not None
+    while True:
+        if not drill.sleep(RECOVERY_POLL_S):
+            return False, False
+        now = drill.now_s()
+        settled = now - SETTLE_S
+        sent = [o for o in drill.load.snapshot() if o.sent_s < settled]
+        so_far = drill_recovery(drill, sent, settled)
+        if so_far.time_to_recover_s is not None and so_far.zones_back_s is not None:
+            return True, True
+        if now >= until_s:
+            return True, False
 
 
 # --- what Envoy sees -------------------------------------------------------------------------
@@ -202,6 +259,33 @@ def healthy_hosts(service: str = "model", zone: str | None = None, via: str | No
         raise DrillError(f"Envoy has no cluster {name!r}")
     counts = view.healthy_by_zone()
     return counts.get(zone, 0) if zone else sum(counts.values())
+
+
+def wait_healthy_hosts(
+    service: str = "model",
+    zone: str | None = None,
+    via: str | None = None,
+    at_least: int = 1,
+    seconds: float = 15.0,
+) -> dict[str, Any]:
+    """Wait (`seconds` at most) until Envoy holds `at_least` hosts of `service` healthy, as
+    `healthy_hosts` counts them; report the count and how long that took.
+
+    After a heal, a host is healthy again only after its health checks pass again: a steady
+    state read at once would find a recovered mesh still catching up.
+    """
+    drill = current()
+    start = drill.now_s()
+    healthy = healthy_hosts(service, zone, via)
+    while healthy < at_least and drill.now_s() - start < float(seconds):
+        if not drill.sleep(HEALTH_POLL_S):
+            break
+        healthy = healthy_hosts(service, zone, via)
+    return {
+        "healthy": healthy,
+        "seconds": round(drill.now_s() - start, 2),
+        "in_time": healthy >= at_least,
+    }
 
 
 # --- services and Redis ----------------------------------------------------------------------

@@ -201,6 +201,10 @@ def run_drill(
         known = sorted(set(configuration) | set(DEFAULTS))
         raise DrillFileError(f"{path}: no configuration key {unknown}; known: {known}")
     configuration.update(overrides)
+    # Activities may name a default the file leaves out (`${recover_early}`); Chaos Toolkit
+    # would pass such a name on as its literal text.
+    for key, value in DEFAULTS.items():
+        configuration.setdefault(key, value)
 
     # Chaos Toolkit logs to its own logger: into the run's folder, not over the live view.
     ctk = logging.getLogger("chaostoolkit")

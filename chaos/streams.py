@@ -24,6 +24,7 @@ import redis
 from servemesh.chaos.drill import current
 from servemesh.chaos.errors import DrillError
 from servemesh.streams.keys import StreamKeys
+from servemesh.streams.metrics import read_lag_now
 from servemesh.streams.produce import delivery, produce
 
 LAG_EVERY_S = 0.25
@@ -63,16 +64,11 @@ def _client() -> Any:
 
 
 def _lag(client: Any, keys: StreamKeys) -> tuple[int, int, float]:
-    pending: Any = client.xpending(keys.input, keys.group)
-    groups: Any = client.xinfo_groups(keys.input)
-    info: dict[str, Any] = next((g for g in groups if g["name"].decode() == keys.group), {})
-    count = int(pending.get("pending") or 0)
-    age = 0.0
-    if count and pending.get("min"):
-        now_s, now_us = client.time()
-        oldest_ms = int(pending["min"].decode().split("-")[0])
-        age = max(0.0, (now_s * 1000 + now_us // 1000 - oldest_ms) / 1000)
-    return count, int(info.get("lag") or 0), age
+    """Pending, undelivered and the oldest pending entry's age: one consistent reading."""
+    lag = read_lag_now(client, keys)
+    if lag is None:
+        return 0, 0, 0.0
+    return lag.pending, lag.undelivered or 0, lag.oldest_pending_age_s
 
 
 def start_stream_load(
@@ -161,6 +157,9 @@ def stream_settled(stream: str = "events", timeout_s: float = 120) -> float:
     while time.monotonic() - began < timeout_s:
         pending, undelivered, _ = _lag(load.client, load.keys)
         if load.produced.is_set() and pending == 0 and undelivered == 0:
+            # What was seen here is a sample too: the sampler's next one may come after
+            # it stopped, and the lag's recovery would then have no point at its end.
+            load.samples.append((current().now_s(), 0, 0, 0.0))
             return round(time.monotonic() - began, 2)
         time.sleep(0.05)
     return -1.0

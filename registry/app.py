@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import grpc
 
 from servemesh.control_credential import control_verifier
 from servemesh.identity import serving_credentials
+from servemesh.registry.backup import BackupMetrics, backup_every
 from servemesh.registry.metrics import RegistryMetrics
 from servemesh.registry.service import SERVICE_NAME, UPLOAD_IDLE_TIMEOUT_S, RegistryServicer
 from servemesh.registry.store import RegistryStore
@@ -59,7 +59,7 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         raise SpecError(f"instance {instance!r} is not a registry instance")
     store = await asyncio.to_thread(
         RegistryStore,
-        Path(spec.state_dir) / "registry",
+        spec.registry_store_dir,
         spec.limits.max_artifact_bytes,
         spec.limits.registry_quota_bytes,
     )
@@ -74,4 +74,12 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         credentials=serving_credentials(spec, instance),
     )
     server.serve_metrics(spec.metrics_ports.get(instance, 0))
+    backups = spec.registry.backup
+    if backups.interval_s is not None:
+        metrics = BackupMetrics(server.metrics.registry)
+        every = backup_every(
+            backups.interval_s, spec.registry_store_dir, spec.registry_backup_dir, backups.keep,
+            metrics,
+        )  # fmt: skip
+        server.run_in_background(every)
     return server

@@ -38,7 +38,7 @@ from servemesh.load.outcome import Reply, Request
 from servemesh.load.stats import SPREAD_LIMIT, spread
 from servemesh.observe_bench import cpu_by_kind, wait_answering
 from servemesh.proxy.apply import RouteManager
-from servemesh.spec import MeshSpec, Ports, load_spec
+from servemesh.spec import MeshSpec, Ports, Replicas, load_spec
 from servemesh.wire import OIP_SERVICE
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.inference import grpc_service_pb2 as oip
@@ -279,6 +279,22 @@ def bench_spec(spec: MeshSpec) -> MeshSpec:
         update={
             "ports": Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
             "metrics": spec.metrics.model_copy(update={"prometheus": "off"}),
+        }
+    )
+
+
+def one_zone_spec(spec: MeshSpec, model_servers: int = 1) -> MeshSpec:
+    """`bench_spec` on the spec's first zone alone: one gateway and one feature service,
+    `model_servers` model servers (what one pool's load or one replica of each kind is
+    measured on)."""
+    zone = spec.zones[0]
+    one = Replicas(per_zone={zone: 1})
+    return bench_spec(spec).model_copy(
+        update={
+            "zones": [zone],
+            "gateway": one,
+            "feature": one,
+            "model_servers": Replicas(per_zone={zone: model_servers}),
         }
     )
 

@@ -78,8 +78,9 @@ SERVICE_MODULES = {
 # The trace store stops after every service, so the spans they flush on the way out land.
 # Stream consumers (servemesh.streams) stop first: each finishes its batch in flight; with
 # them the batch scheduler (a run in flight is left interrupted, its output never half there).
+# The scaler stops with them, first: it changes the fleet the mesh stops.
 STOP_ORDER = [
-    ["stream", "batch"],
+    ["stream", "batch", "scaler"],
     ["prometheus"],
     ["envoy"],
     ["gateway"],
@@ -123,6 +124,9 @@ class Mesh:
     _fleet_thread: threading.Thread | None = field(default=None, init=False, repr=False)
     # The user model servers run as (servemesh.procs.sandbox); None: the launcher's own.
     model_user: RunAs | None = field(default=None, init=False)
+    # Run the scaler (servemesh.scaling) beside the mesh when the spec's scaling is on:
+    # `servemesh up` does; a test's mesh keeps its size unless it asks for one.
+    scaler: bool = False
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(
@@ -211,6 +215,7 @@ class Mesh:
             self._start_prometheus(deadline)
             self._start_streams(deadline)
             self._start_batch_scheduler(deadline)
+            self._start_scaler(deadline)
             self._write_endpoints()
             self._start_fleet_follower()
         except BaseException:
@@ -414,6 +419,8 @@ class Mesh:
             del self._fleet[name]
         self._write_fleet_status()
         self._write_endpoints()
+        if self.prometheus is not None:
+            self.prometheus.write_targets(spec)
 
     def _write_fleet_status(self) -> None:
         pids = self.pids()
@@ -583,6 +590,24 @@ class Mesh:
             argv,
             group="batch",
             ready=Check(ready.exists, f"batch scheduler ready ({ready})"),
+            timeout_s=max(0.0, deadline - time.monotonic()),
+        )
+
+    def _start_scaler(self, deadline: float) -> None:
+        """The scaler (python -m servemesh.scaling), when asked for and the spec's scaling is
+        on; ready once it wrote its ready file (before its first round)."""
+        if not self.scaler or not self.spec.scaling.enabled:
+            return
+        from servemesh.scaling.__main__ import ready_path
+
+        ready = ready_path(self.state_dir)
+        ready.unlink(missing_ok=True)
+        argv = [sys.executable, "-m", "servemesh.scaling", "--state-dir", str(self.state_dir)]
+        self.supervisor.start(
+            "scaler",
+            argv,
+            group="scaler",
+            ready=Check(ready.exists, f"scaler ready ({ready})"),
             timeout_s=max(0.0, deadline - time.monotonic()),
         )
 

@@ -67,6 +67,13 @@ class RetryPolicy(StrictModel):
     num_retries: Annotated[int, Field(ge=0, le=10)] = 2
     # 0 disables the per-try timeout; the caller's deadline still bounds every try.
     per_try_timeout_ms: Millis = 1000
+    # Hedge: once a try has taken per_try_timeout_ms, send another (to another host, the
+    # other zone once the local one was tried) without cancelling the first; the first
+    # answer wins and the other is cancelled. For idempotent reads only (Predict's
+    # ModelInfer and GetFeatures are); hedges are retries, so the retry budget bounds
+    # them and a general slowdown cannot double the load. Set per_try_timeout_ms near the
+    # route's baseline p95-p99 (docs/operators.md, "Hedged requests").
+    hedge_on_per_try_timeout: bool = False
     backoff_base_ms: Annotated[int, Field(ge=1, le=10_000)] = 5
     backoff_max_ms: Annotated[int, Field(ge=1, le=60_000)] = 50
     # Retry on another host, and on another priority (zone) once the first has failed.
@@ -85,6 +92,11 @@ class RetryPolicy(StrictModel):
             raise ValueError(f"retry_on: unknown conditions {unknown}")
         if self.backoff_max_ms < self.backoff_base_ms:
             raise ValueError("backoff_max_ms: must not be below backoff_base_ms")
+        if self.hedge_on_per_try_timeout and not (self.per_try_timeout_ms and self.num_retries):
+            raise ValueError(
+                "hedge_on_per_try_timeout: needs per_try_timeout_ms above 0 and num_retries "
+                "of at least 1 (a hedge is sent when a try times out, as a retry)"
+            )
         return self
 
 

@@ -268,10 +268,74 @@ def _span_seconds(text: str) -> float:
     return duration_seconds(text)
 
 
+# --- cost: what a million predictions of each model cost, and an alert when it rises ----
+#
+# Over an hour, each model is given the CPU it caused: the model servers' cores split by its
+# share of their compute seconds (servemesh_model_compute_seconds), the gateways' and
+# feature services' by its share of the answered Predicts, and its model servers' GPUs (a
+# replica reporting servemesh_model_on_gpu for it). Priced at the spec's `cost:`, over its
+# answered Predicts. Envoy and Redis are not in it (their CPU is not in their metrics;
+# `servemesh top` reads it from /proc). The mesh's external label `mesh` tells one
+# environment's figures from another's.
+
+COST_RULES_GROUP = "servemesh-cost"
+COST_WINDOW = "1h"
+COST_PER_MILLION = "servemesh:cost_per_million_predictions:rate1h"
+COST_PER_HOUR = "servemesh:cost_per_hour:rate1h"
+COST_ALERT = "ServemeshCostPerMillionRising"
+
+
+def cost_rules(spec: MeshSpec) -> list[dict[str, Any]]:
+    w = COST_WINDOW
+    ok = f'sum by (model) (rate({PREDICT}{{code="OK"}}[{w}]))'
+    compute = f"sum by (model) (rate(servemesh_model_compute_seconds_sum[{w}]))"
+
+    def cores(services: str) -> str:
+        where = f'job="{SERVICES_JOB}",service=~"{services}"'
+        # No such process scraped (a mesh without feature services, say): none of its cost.
+        return f"scalar(sum(rate(process_cpu_seconds_total{{{where}}}[{w}])) or vector(0))"
+
+    model_cores = f"({compute} / scalar(sum({compute}))) * {cores('model')}"
+    front_cores = f"({ok} / scalar(sum({ok}))) * {cores('gateway|feature')}"
+    gpus = "count by (model) (servemesh_model_on_gpu == 1)"
+    price = spec.cost
+    rules: list[dict[str, Any]] = [
+        _rule("servemesh:model_cpu_cores:rate1h", f"{model_cores} + {front_cores}"),
+        _rule(
+            COST_PER_HOUR,
+            f"""servemesh:model_cpu_cores:rate1h * {floatToGoString(price.per_core_hour)}
+                + on(model) ({gpus} * {floatToGoString(price.per_gpu_hour)}
+                  or servemesh:model_cpu_cores:rate1h * 0)""",
+        ),
+        _rule(COST_PER_MILLION, f"{COST_PER_HOUR} / ({ok} * 3600) * 1e6"),
+    ]
+    rise = price.alert_weekly_rise
+    if rise is not None:
+        rules.append(
+            {
+                "alert": COST_ALERT,
+                "expr": " ".join(
+                    f"""{COST_PER_MILLION} > {floatToGoString(1 + rise)}
+                        * ({COST_PER_MILLION} offset 1w)""".split()
+                ),
+                "for": "1h",
+                "labels": {"severity": "ticket"},
+                "annotations": {
+                    "summary": f"{{{{ $labels.model }}}}: a million predictions cost more "
+                    f"than {rise:.0%} above the same hour last week",
+                },
+            }
+        )
+    return rules
+
+
 def render_rules(spec: MeshSpec | None = None) -> dict[str, Any]:
-    """The rules file: the SLI group, and the SLO group when `spec` states SLOs."""
+    """The rules file: the SLI group, the SLO group when `spec` states SLOs, and the cost
+    group for `spec`'s prices."""
     groups: list[dict[str, Any]] = [{"name": "servemesh-sli", "rules": RULES}]
     slo = slo_rules(spec) if spec is not None else []
     if slo:
         groups.append({"name": SLO_RULES_GROUP, "rules": slo})
+    if spec is not None:
+        groups.append({"name": COST_RULES_GROUP, "rules": cost_rules(spec)})
     return {"groups": groups}

@@ -7,7 +7,11 @@ spec: the defaults below are the demo mesh that `servemesh up` runs.
 
 from __future__ import annotations
 
+import os
+import random
 import socket
+import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
@@ -28,6 +32,7 @@ from servemesh.durations import Duration, duration_seconds
 from servemesh.errors import ServemeshError
 from servemesh.policy import RoutePolicy, ShadowSpec, StrictModel, TrafficSpec
 from servemesh.rollout_plan import RolloutSpec
+from servemesh.scaling_policy import ScalingSpec
 
 ZoneName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,30}$")]
 Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
@@ -596,9 +601,48 @@ class MetricsSpec(_Strict):
     scrape_interval_s: Annotated[float, Field(ge=0.5, le=300)] = 2.0
     # How long Prometheus keeps samples (its storage lives under the state dir).
     retention: Duration = "1d"
-    # Prices for the cost per million predictions (`servemesh top`, `bench predict`).
-    price_per_core_hour: Annotated[float, Field(ge=0)] = 0.04
-    price_per_gpu_hour: Annotated[float, Field(ge=0)] = 2.50
+
+
+class RegistryBackupSpec(_Strict):
+    """Scheduled backups of the registry's store, taken by the registry process itself
+    (`servemesh registry backup` takes one by hand; docs/registry.md)."""
+
+    # How often; null: never on a schedule.
+    interval: Duration | None = None
+    # Where the snapshots and artifacts go; null: <state_dir>/registry-backups.
+    directory: str | None = None
+    # The newest this many snapshots are kept (and the artifacts they name).
+    keep: Annotated[int, Field(ge=1, le=10_000)] = 7
+
+    @property
+    def interval_s(self) -> float | None:
+        return None if self.interval is None else duration_seconds(self.interval)
+
+
+class RegistrySpec(_Strict):
+    backup: RegistryBackupSpec = Field(default_factory=RegistryBackupSpec)
+
+
+class CostSpec(_Strict):
+    """What the mesh's resources cost: the cost per million predictions (`servemesh top`,
+    `bench predict`) and the capacity plan's cost per hour (`servemesh capacity plan`)."""
+
+    per_core_hour: Annotated[float, Field(ge=0)] = 0.04
+    per_gib_hour: Annotated[float, Field(ge=0)] = 0.005
+    # Counted only where a model server uses a GPU.
+    per_gpu_hour: Annotated[float, Field(ge=0)] = 2.50
+    # The cores one replica of a service is given: its price, and the CPU the capacity
+    # plan counts its capacity in (a gateway, feature or model server is one event loop).
+    cores_per_replica: Annotated[float, Field(gt=0, le=256)] = 1.0
+    # The mesh's Prometheus alerts (ServemeshCostPerMillionRising) when a model's cost per
+    # million predictions is more than this share above the same hour a week before, for
+    # an hour; null: no alert. Needs `metrics.retention` of a week or more to compare.
+    alert_weekly_rise: Annotated[float, Field(gt=0, le=100)] | None = 0.25
+
+
+# Where the prices lived before `cost:` existed; a spec that still sets them there means
+# the same (moved by MeshSpec).
+_OLD_PRICE_KEYS = {"price_per_core_hour": "per_core_hour", "price_per_gpu_hour": "per_gpu_hour"}
 
 
 class SandboxSpec(_Strict):
@@ -770,6 +814,28 @@ class MeshSpec(_Strict):
     streams: list[StreamSpec] = Field(default_factory=list, max_length=64)
     # Scheduled batch runs (docs/batch.md): `servemesh batch run-due`, or `servemesh up`.
     batch: list[BatchJobSpec] = Field(default_factory=list, max_length=64)
+    # The scaler `servemesh up` runs: model servers per zone follow the traffic between the
+    # policy's bounds (docs/capacity.md).
+    scaling: ScalingSpec = Field(default_factory=ScalingSpec)
+    cost: CostSpec = Field(default_factory=CostSpec)
+    # The model registry's own settings (its size limits are in `limits`).
+    registry: RegistrySpec = Field(default_factory=RegistrySpec)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prices_moved_to_cost(cls, data: object) -> object:
+        metrics = data.get("metrics") if isinstance(data, dict) else None
+        if not isinstance(metrics, dict) or not set(metrics) & set(_OLD_PRICE_KEYS):
+            return data
+        assert isinstance(data, dict)
+        cost = dict(data.get("cost") or {})
+        metrics = dict(metrics)
+        for old, new in _OLD_PRICE_KEYS.items():
+            if old in metrics:
+                if new in cost:
+                    raise ValueError(f"metrics.{old} and cost.{new} both set: keep cost.{new}")
+                cost[new] = metrics.pop(old)
+        return {**data, "metrics": metrics, "cost": cost}
 
     @field_validator("host")
     @classmethod
@@ -788,6 +854,35 @@ class MeshSpec(_Strict):
             if sum(replicas.per_zone.values()) < 1:
                 raise ValueError(f"{service}.per_zone: needs at least one replica")
         return self
+
+    @model_validator(mode="after")
+    def _replicas_within_the_scaling_bounds(self) -> MeshSpec:
+        policy = self.scaling.model_servers
+        if not self.scaling.enabled:
+            return self
+        for zone, count in sorted(self.model_servers.per_zone.items()):
+            # A zone with no model server is no pool: the scaler leaves it empty.
+            if count and not policy.min <= count <= policy.max:
+                raise ValueError(
+                    f"model_servers.per_zone.{zone}: {count} is outside the scaler's bounds "
+                    f"scaling.model_servers.min {policy.min} .. max {policy.max}"
+                )
+        return self
+
+    @property
+    def registry_backup_dir(self) -> Path:
+        """Where the registry's backups go (`registry.backup.directory`)."""
+        given = self.registry.backup.directory
+        return Path(given) if given else Path(self.state_dir) / "registry-backups"
+
+    @property
+    def registry_store_dir(self) -> Path:
+        """The registry's store: metadata and artifacts (registry/store.py)."""
+        return Path(self.state_dir) / "registry"
+
+    def scaled_zones(self) -> list[str]:
+        """The zones whose model servers the scaler manages: those the spec gives any."""
+        return [z for z in self.zones if self.model_servers.per_zone.get(z, 0) > 0]
 
     @model_validator(mode="after")
     def _hosts_name_known_parts(self) -> MeshSpec:
@@ -982,6 +1077,7 @@ class ResolvedSpec(MeshSpec):
         models = {i.name for i in self.instances() if i.service == "model"}
         for field_name, listed in (
             ("draining", self.fleet.draining),
+            ("standby", self.fleet.standby),
             ("generations", list(self.fleet.generations)),
         ):
             unknown = sorted(set(listed) - models)
@@ -1000,8 +1096,15 @@ class ResolvedSpec(MeshSpec):
     def _model_instances(self) -> list[Instance]:
         found: list[Instance] = []
         for replica_set in self.fleet.sets:
-            found += model_set_instances(replica_set.name, self.zones, self.model_servers)
+            found += model_set_instances(replica_set.name, self.zones, self.live_model_servers)
         return found
+
+    @property
+    def live_model_servers(self) -> Replicas:
+        """Model servers per zone as they run: the scaler's counts, else the spec's."""
+        if self.fleet.per_zone is None:
+            return self.model_servers
+        return Replicas.model_construct(per_zone=dict(self.fleet.per_zone))
 
     def replica_set_of(self, model: str, version: str) -> ReplicaSet:
         """The set whose replicas a version's clusters list: the one that serves it, else
@@ -1169,6 +1272,12 @@ class FleetState(_Strict):
     # How many times a rolling update asked for a replica to be replaced, by instance; the
     # launcher restarts a replica whose number went up.
     generations: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    # Model servers per zone as the scaler set them (servemesh.scaling); None: the spec's
+    # `model_servers.per_zone`. Every set has this many per zone.
+    per_zone: dict[ZoneName, Annotated[int, Field(ge=0, le=16)]] | None = None
+    # Replicas started but out of rotation (Envoy is told DRAINING, so no call reaches them):
+    # a replica the scaler added, until it holds every version, and the pool's warm standbys.
+    standby: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _set_names_unique(self) -> FleetState:
@@ -1180,6 +1289,11 @@ class FleetState(_Strict):
 
 # The embedded Redis's password, in the state dir (owner-only; created by the launcher).
 REDIS_PASSWORD_FILE = "redis-password"
+# Each running stream consumer's /metrics address as a Prometheus file-discovery target,
+# in the state dir (servemesh/streams/process.py writes one, the mesh's Prometheus reads them).
+STREAM_TARGETS_GLOB = "streams/*.targets.json"
+# The scaler's /metrics address, likewise (servemesh/scaling/__main__.py writes it).
+SCALER_TARGETS_FILE = "scaling/scaler.targets.json"
 # What the running mesh started of its model-server fleet, by instance (PID, generation):
 # written by the launcher in the state dir, read by blue-green and rolling updates.
 FLEET_STATUS_FILE = "fleet-status.json"
@@ -1195,8 +1309,94 @@ RESOLVED_FIELDS = {
 }
 
 
+# Where free_port looks first: the ports just below the kernel's ephemeral range.
+_LISTEN_SPAN = 20000
+# How long a port free_port picked stays claimed: its service binds it within seconds (an
+# Envoy, after every service it fronts is ready: well under a minute on a busy machine).
+# Short, because a test run resolves thousands of ports.
+RESERVATION_S = 120.0
+# Expired claims are swept at most this often by each process.
+_SWEEP_EVERY_S = 30.0
+_last_sweep = [0.0]
+
+
+def _claims_folder() -> Path:
+    folder = Path(tempfile.gettempdir()) / f"servemesh-ports-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder
+
+
+def _sweep(folder: Path) -> None:
+    """Remove the expired claims (left by every caller: none removes its own)."""
+    now = time.time()
+    if now - _last_sweep[0] < _SWEEP_EVERY_S:
+        return
+    _last_sweep[0] = now
+    for claim in folder.iterdir():
+        try:
+            if now - claim.stat().st_mtime >= RESERVATION_S:
+                claim.unlink(missing_ok=True)
+        except OSError:
+            continue
+
+
+_PICKER = random.Random()  # seeded from the OS: two processes never walk the same ports
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _reserve(port: int) -> bool:
+    """Claim `port` for this machine's next RESERVATION_S: false when another caller of
+    free_port (any process of this user) holds it. A claim older than that has been bound
+    by its service long since, or was never used: it is taken over."""
+    folder = _claims_folder()
+    _sweep(folder)
+    claim = folder / str(port)
+    for _ in range(2):
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            try:
+                age = time.time() - claim.stat().st_mtime
+            except FileNotFoundError:
+                continue  # released meanwhile: try again
+            if age < RESERVATION_S:
+                return False
+            claim.unlink(missing_ok=True)
+            continue
+        os.write(fd, f"{os.getpid()}\n".encode())
+        os.close(fd)
+        return True
+    return False
+
+
 def free_port(host: str) -> int:
+    """A port nobody listens on now, for a service that binds it later.
+
+    Taken below the kernel's ephemeral range when there is room: the kernel hands ports of
+    that range to every outgoing connection and every bind to port 0, so a port picked there
+    could be taken by one of those before its service binds it (seen with two meshes
+    starting side by side). Below it, only another caller of this function could take it:
+    each port picked is claimed in a folder of the user's for RESERVATION_S, so two meshes
+    resolving at once (two test workers, a benchmark beside the suite) never pick the same
+    one in the seconds before their services bind (seen: an Envoy's listener taken)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low = _ephemeral_low()
+    start = max(1024, low - _LISTEN_SPAN)
+    for _ in range(256 if low - start >= 1024 else 0):
+        port = _PICKER.randrange(start, low)
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        if _reserve(port):
+            return port
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])

@@ -9,6 +9,7 @@ Shared with the model servers' group, when they run as another user (nothing els
     <state>/                      0710  pass through, not list
     <state>/mesh.resolved.yaml    0640  the spec they serve (rewrites keep the group)
     <state>/faults/               2750  the fault drills' files (new ones are 0640)
+    <state>/faults/applied/       2770  where each acknowledges its fault settings
     <state>/shadow/               2770  where each writes its shadow ledger
     <state>/tls/                  0710  pass through, not list
     <state>/tls/trust.pem         0640  the CA certificate (public)
@@ -36,6 +37,7 @@ from servemesh.procs.sandbox import RunAs
 from servemesh.spec import REDIS_PASSWORD_FILE
 
 FAULTS_DIR = "faults"
+FAULTS_APPLIED_DIR = "applied"  # services.runtime.faults.APPLIED_DIR
 SHADOW_DIR = "shadow"
 
 
@@ -66,12 +68,14 @@ def tighten(root: Path) -> list[Path]:
 def model_grants(root: Path, resolved_spec: Path, identity: MeshIdentity, gid: int) -> list[Grant]:
     """What the model servers' group is given (see the module's table), folders made."""
     private_dir(root / FAULTS_DIR)
+    private_dir(root / FAULTS_DIR / FAULTS_APPLIED_DIR)
     private_dir(root / SHADOW_DIR)
     return [
         Grant(root, gid, 0o710),
         Grant(resolved_spec, gid, 0o640),
         Grant(root / FAULTS_DIR, gid, 0o2750),
         *(Grant(f, gid, 0o640) for f in _files(root / FAULTS_DIR)),
+        Grant(root / FAULTS_DIR / FAULTS_APPLIED_DIR, gid, 0o2770),
         Grant(root / SHADOW_DIR, gid, 0o2770),
         Grant(identity.root, gid, 0o710),
         Grant(identity.trust_file, gid, 0o640),
@@ -83,9 +87,10 @@ def share_with_models(
 ) -> None:
     for grant in model_grants(root, resolved_spec, identity, run_as.gid):
         grant.apply()
-    # Ledgers an earlier run of a model server (as another user) wrote: theirs now.
-    for ledger in _files(root / SHADOW_DIR):
-        os.chown(ledger, run_as.uid, run_as.gid)
+    # Ledgers and acknowledgements an earlier run of a model server (as another user)
+    # wrote: theirs now.
+    for written in (*_files(root / SHADOW_DIR), *_files(root / FAULTS_DIR / FAULTS_APPLIED_DIR)):
+        os.chown(written, run_as.uid, run_as.gid)
 
 
 def share_identity(identity: MeshIdentity, names: Iterable[str], run_as: RunAs) -> None:

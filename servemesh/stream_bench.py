@@ -20,9 +20,11 @@ from typing import Any, Literal
 
 import redis
 
+from servemesh.bench import one_zone_spec
 from servemesh.launcher import Mesh
-from servemesh.spec import MeshSpec, MetricsSpec, Ports, Replicas, StreamSpec, load_spec
+from servemesh.spec import MeshSpec, StreamSpec, load_spec
 from servemesh.streams.keys import StreamKeys
+from servemesh.streams.metrics import read_lag_now
 from servemesh.streams.produce import delivery, percentile, produce
 
 MODES: tuple[Literal["mesh", "in_process"], ...] = ("mesh", "in_process")
@@ -30,16 +32,9 @@ SETTLE_TIMEOUT_S = 120.0
 
 
 def bench_spec(spec: MeshSpec, batch_size: int) -> MeshSpec:
-    one = Replicas(per_zone={spec.zones[0]: 1})
     model = next(iter(sorted(spec.models)))
-    return spec.model_copy(
+    return one_zone_spec(spec).model_copy(
         update={
-            "zones": [spec.zones[0]],
-            "ports": Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
-            "gateway": one,
-            "feature": one,
-            "model_servers": one,
-            "metrics": MetricsSpec(prometheus="off"),
             "streams": [
                 StreamSpec(
                     name=f"bench-{mode.replace('_', '-')}",
@@ -61,10 +56,8 @@ def one_round(
     produced_s = time.monotonic() - began
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
     while time.monotonic() < deadline:
-        pending: Any = client.xpending(keys.input, keys.group)
-        groups: Any = client.xinfo_groups(keys.input)
-        lag = next(g for g in groups if g["name"].decode() == keys.group)["lag"]
-        if pending["pending"] == 0 and lag == 0:
+        lag = read_lag_now(client, keys)
+        if lag is not None and lag.settled:
             break
         time.sleep(0.05)
     found = delivery(client, keys, ids)

@@ -20,9 +20,12 @@ from tests.postgres_server import PostgresServer
 # list cannot fall behind the tests.
 MESH_PATHS = (
     "mesh/",
+    "capacity/test_capacity_plan_cli.py",
     "chaos/test_drills.py",
     "chaos/test_partition.py",
+    "chaos/test_registry_drill.py",
     "chaos/test_stream_drill.py",
+    "chaos/test_zone_and_replica_drills.py",
     "discovery/test_control_plane.py",
     "examples/test_wine_walkthrough.py",
     "fuzz/test_campaign.py",
@@ -37,6 +40,7 @@ MESH_PATHS = (
     "rollout/test_rollout_drills.py",
     "rollout/test_rollout_mesh.py",
     "rollout/test_sticky.py",
+    "scaling/test_mesh_scaling.py",
     "streams/test_mesh_streams.py",
     "tracing/test_mesh_traces.py",
 )
@@ -49,6 +53,13 @@ SLOW_PATHS = (
     "batch/test_resume.py",
     "batch/test_schedule.py",
 )
+# `make test` runs the suite on three workers (pytest-xdist, `--dist loadgroup`): each test is
+# in a group that runs whole on one worker, in collection order. A module is its own group,
+# so its module-scoped fixtures (its mesh) start once; the modules on a package's shared mesh
+# are one group; and tests that make network namespaces are one group, so they never run side
+# by side (each picks its subnet at random from one range, and cleans up what it made).
+PACKAGE_MESHES = ("metrics/", "fuzz/", "tracing/")
+NETNS_PATHS = ("netns/", "chaos/test_partition.py", "mesh/test_up_command.py")
 _TESTS = Path(__file__).parent
 
 
@@ -61,21 +72,80 @@ def _starts_envoy(path: Path) -> bool:
     return _under(path, MESH_PATHS)
 
 
+def worker_group(item: pytest.Item, on_mesh_package: set[Path]) -> str:
+    """The group a test runs in under `--dist loadgroup` (see PACKAGE_MESHES)."""
+    relative = item.path.relative_to(_TESTS).as_posix()
+    if _under(item.path, NETNS_PATHS):
+        return "netns"
+    for package in PACKAGE_MESHES:
+        if relative.startswith(package):
+            return package
+    if item.path in on_mesh_package:
+        return "mesh/ (shared mesh)"
+    return relative
+
+
+# First: pytest-xdist's worker reads the groups in its own pass over the items.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    from tests.mesh.conftest import on_package_mesh
+
+    # A module of tests/mesh with any test on the package's mesh runs beside the others on it.
+    on_mesh_package = {item.path for item in items if on_package_mesh(item)}
     for item in items:
         if _starts_envoy(item.path):
             item.add_marker(pytest.mark.mesh)
         if _under(item.path, SLOW_PATHS):
             item.add_marker(pytest.mark.slow)
+        item.add_marker(pytest.mark.xdist_group(worker_group(item, on_mesh_package)))
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(GroupOrder(), "servemesh-group-order")
     if config.option.markexpr.replace(" ", "").startswith("notmesh"):
         # The fast lane: nothing may start Envoy, session fixtures included. Test modules
         # are imported after this, so their own `from ... import envoy_command` gets it too.
         process.envoy_command = _envoy_refused
         # launcher imports the name without re-exporting it; its copy is replaced as well.
         launcher.envoy_command = _envoy_refused  # type: ignore[attr-defined]
+
+
+def _cost(item: pytest.Item) -> float:
+    """A rough guess of a test's seconds, to start the longest groups first."""
+    relative = item.path.relative_to(_TESTS).as_posix()
+    if "drill" in relative or relative.startswith("chaos/test_partition"):
+        return 25.0
+    if item.get_closest_marker("mesh") is not None:
+        return 4.0
+    if item.get_closest_marker("slow") is not None:
+        return 3.0
+    return 0.1
+
+
+class GroupOrder:
+    """Last, after every reordering (tests/mesh/conftest.py's among them): whole groups, the
+    costliest first, each in its own order. The scheduler hands groups to the workers in
+    this order, so the long ones start at once and the many short ones fill the end of the
+    run (longest-processing-time first), rather than one long group running alone at the
+    end. (A plugin of its own: a conftest holds one hook implementation per name.)"""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        order_groups(items)
+
+
+def order_groups(items: list[pytest.Item]) -> None:
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        groups.setdefault(str(mark.args[0]) if mark else item.nodeid, []).append(item)
+    cost = {
+        name: sum(_cost(i) for i in members)
+        + (15.0 if any(i.get_closest_marker("mesh") for i in members) else 0.0)
+        for name, members in groups.items()
+    }
+    ordered = sorted(groups, key=lambda name: -cost[name])
+    items[:] = [item for name in ordered for item in groups[name]]
 
 
 def _envoy_refused(*args: object, **kwargs: object) -> list[str]:

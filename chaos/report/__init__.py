@@ -12,6 +12,7 @@ from servemesh.chaos.report.markdown import markdown
 from servemesh.chaos.report.numbers import (
     DrillSummary,
     Recovery,
+    drill_recovery,
     envoy_deltas,
     recovery,
     summarize,
@@ -22,6 +23,7 @@ from servemesh.chaos.report.plot import plot_timeline
 __all__ = [
     "DrillSummary",
     "Recovery",
+    "drill_recovery",
     "envoy_deltas",
     "markdown",
     "plot_timeline",

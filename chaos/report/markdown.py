@@ -139,7 +139,8 @@ def _envoy_and_marks(summary: DrillSummary) -> list[str]:
         "",
         "## Envoy (since the drill started)",
         "",
-        f"- retries: {_shares_counts(env['retries'])}",
+        f"- retries (hedges included, where a route hedges): {_shares_counts(env['retries'])};"
+        f" retried calls answered: {_shares_counts(env.get('retry_successes', {}))}",
         f"- outlier ejections: {_shares_counts(env['ejections'])}",
         f"- overflows (circuit breakers, retry budget): {_shares_counts(env['overflows'])}",
         "",

@@ -233,7 +233,12 @@ def envoy_deltas(start: dict[str, int], end: dict[str, int]) -> dict[str, dict[s
     """Retries, outlier ejections and overflows between two counter snapshots, summed by
     kind of cluster (model, feature, gateway, registry, shadow)."""
     suffixes = {
+        # With hedging on a route, a try past its per-try timeout is retried beside the
+        # first (a hedge): Envoy counts it as a retry, and the call, once answered, as a
+        # retry success (whichever try answered first).
+        "requests": (".upstream_rq_total",),
         "retries": (".upstream_rq_retry",),
+        "retry_successes": (".upstream_rq_retry_success",),
         "ejections": (".outlier_detection.ejections_enforced_total",),
         "overflows": (
             ".upstream_rq_pending_overflow",
@@ -391,14 +396,29 @@ def _network(drill: Drill) -> Network:
     )
 
 
+def _baseline_end(drill: Drill, spans: list[Span], end_s: float) -> float:
+    """The baseline runs until the first fault (else until the method began)."""
+    first_fault = min((a for a, _ in spans), default=None)
+    if first_fault is not None:
+        return first_fault
+    method_at = next((m.at_s for m in drill.marks if m.label == "method"), None)
+    return method_at or end_s
+
+
+def drill_recovery(drill: Drill, outcomes: Sequence[Outcome], end_s: float) -> Recovery:
+    """The recovery numbers of a drill's calls sent before `end_s`: the drill's end for its
+    report, or a moment ago while it runs (the recovery watch that ends once recovered)."""
+    spans = _spans(drill, end_s)
+    baseline = window_stats(outcomes, 0.0, _baseline_end(drill, spans, end_s))
+    slo = float(drill.config["slo_success_pct"])
+    return recovery(outcomes, spans, end_s, slo, baseline.zones)
+
+
 def summarize(drill: Drill, journal: dict[str, Any]) -> DrillSummary:
     outcomes = drill.outcomes_final
     end_s = max((o.sent_s for o in outcomes), default=0.0) + 1e-6
     spans = _spans(drill, end_s)
-    method_at = next((m.at_s for m in drill.marks if m.label == "method"), None)
-    first_fault = min((a for a, _ in spans), default=None)
-    baseline_end = first_fault if first_fault is not None else (method_at or end_s)
-    baseline = window_stats(outcomes, 0.0, baseline_end)
+    baseline = window_stats(outcomes, 0.0, _baseline_end(drill, spans, end_s))
     phases = {"baseline": baseline}
     if spans:
         phases["during faults"] = window_stats(_in_spans(outcomes, spans), 0, math.inf)
@@ -409,7 +429,6 @@ def summarize(drill: Drill, journal: dict[str, Any]) -> DrillSummary:
     before = _steady(journal.get("steady_states", {}).get("before"), drill.config)
     after = _steady(journal.get("steady_states", {}).get("after"), drill.config)
     verdict, text = _verdict(drill, journal, before, after)
-    slo = float(drill.config["slo_success_pct"])
     activities = [
         Activity(
             name=run.get("activity", {}).get("name"),
@@ -438,7 +457,7 @@ def summarize(drill: Drill, journal: dict[str, Any]) -> DrillSummary:
             degraded=whole.degraded,
             success_pct=whole.as_dict()["success_pct"],
             failures_by_code=whole.codes,
-            recovery=recovery(outcomes, spans, end_s, slo, baseline.zones),
+            recovery=drill_recovery(drill, outcomes, end_s),
         ),
         phases=phases,
         windows=[

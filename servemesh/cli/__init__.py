@@ -19,6 +19,7 @@ from servemesh.cli import (
     batch,
     bench,
     cache,
+    capacity,
     certs,
     chaos,
     check,
@@ -32,8 +33,10 @@ from servemesh.cli import (
     log,
     models,
     predict,
+    registry,
     rollout,
     routes,
+    scale,
     stream,
     top,
     trace,
@@ -52,6 +55,7 @@ COMMANDS: list[ModuleType] = [
     rollout,
     apply,
     models,
+    registry,
     edge,
     certs,
     auth,
@@ -67,6 +71,8 @@ COMMANDS: list[ModuleType] = [
     bench,
     batch,
     cache,
+    scale,
+    capacity,
 ]
 
 

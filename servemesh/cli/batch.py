@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -177,6 +178,11 @@ def cmd_score(args: argparse.Namespace) -> int:
     mesh = running_mesh(args)
     job = _job(args)
     args.interrupted = "the checkpoint is kept; the same command with --resume continues it"
+    if job.through_mesh:
+        # Through the mesh, this process (its Redis reads, the requests it encodes) shares
+        # the mesh's cores with online serving: it yields them, as the batch scheduler
+        # does, on top of the lowest batcher priority its calls carry.
+        os.nice(10)
     started_ms = time.time_ns() // 1_000_000
     try:
         with _progress(args.progress) as progress:

@@ -1,4 +1,4 @@
-"""`servemesh bench predict|observe|profile|model|stream|batch`: benchmarks, each on a mesh of
+"""`servemesh bench predict|observe|profile|model|stream|batch|scale`: benchmarks, each on a mesh of
 its own (batch: a registry and a Redis of its own)."""
 
 from __future__ import annotations
@@ -95,16 +95,46 @@ def cmd_bench_stream(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_batch(args: argparse.Namespace) -> int:
+    if args.through_mesh:
+        from servemesh.batch_mesh_bench import main as bench_during_batch_main
+
+        return bench_during_batch_main(
+            args.spec,
+            entities=args.rows or 400_000,
+            concurrency=args.concurrency,
+            seconds=args.seconds,
+            repeats=args.repeats,
+            batch_size=(args.batch_size or [256])[0],
+            json_out=args.json_out,
+            as_json=args.json,
+        )
     from servemesh.batch_bench import main as bench_batch_main
 
     return bench_batch_main(
-        rows=args.rows,
-        batch_sizes=args.batch_size,
+        rows=args.rows or 20_000,
+        batch_sizes=args.batch_size or [64, 1024],
         repeats=args.repeats,
         threads=args.threads,
         json_out=args.json_out,
         as_json=args.json,
         chunk_rows=args.chunk_rows,
+    )
+
+
+def cmd_bench_scale(args: argparse.Namespace) -> int:
+    from servemesh.scale_bench import main as bench_scale_main
+
+    return bench_scale_main(
+        args.spec,
+        low=args.low,
+        high=args.high,
+        seconds=args.seconds,
+        slo_ms=args.slo_ms,
+        min_replicas=args.min,
+        max_replicas=args.max,
+        cold_repeats=args.cold_repeats,
+        json_out=args.json_out,
+        as_json=args.json,
     )
 
 
@@ -212,9 +242,28 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="batch scoring in process: rows/s of the whole run against the model alone in a "
         "tight loop on the same rows, for the demo and the wine example's models",
     )
-    bench_batch.add_argument("--rows", type=int, default=20_000, help="entities per view")
     bench_batch.add_argument(
-        "--batch-size", type=int, nargs="+", default=[64, 1024], help="rows per call of the model"
+        "--through-mesh",
+        action="store_true",
+        help="instead: online Predict p50/p99 at --concurrency through the edge of a mesh, "
+        "alone and while `batch score --through-mesh` scores every entity of the view "
+        "(--rows, default 400000; the first --batch-size, default 256)",
+    )
+    bench_batch.add_argument("--spec", help="--through-mesh: the mesh spec (default built in)")
+    bench_batch.add_argument(
+        "--concurrency", type=int, default=8, help="--through-mesh: online callers (default 8)"
+    )
+    bench_batch.add_argument(
+        "--seconds", type=float, default=6.0, help="--through-mesh: per measurement"
+    )
+    bench_batch.add_argument(
+        "--rows", type=int, help="entities per view (default 20000; --through-mesh 400000)"
+    )
+    bench_batch.add_argument(
+        "--batch-size",
+        type=int,
+        nargs="+",
+        help="rows per call of the model (default 64 1024; --through-mesh 256)",
     )
     bench_batch.add_argument(
         "--chunk-rows", type=int, help="rows per read, write and checkpoint (default 16384)"
@@ -224,3 +273,22 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench_batch.add_argument("--json", action="store_true", help="print the report as JSON")
     bench_batch.add_argument("--json-out", help="also write the report here")
     bench_batch.set_defaults(func=cmd_bench_batch)
+    bench_scale = bench_sub.add_parser(
+        "scale",
+        help="an open-loop ramp against fixed min, fixed max and autoscaled model servers in "
+        "one run: p99 per window, failed calls, replica-seconds; and cold start with and "
+        "without a warm standby",
+    )
+    bench_scale.add_argument("--spec")
+    bench_scale.add_argument("--low", type=float, default=20.0, help="req/s at both ends")
+    bench_scale.add_argument("--high", type=float, default=300.0, help="req/s at the top")
+    bench_scale.add_argument("--seconds", type=float, default=90.0, help="the whole ramp")
+    bench_scale.add_argument("--slo-ms", type=float, default=100.0, help="the p99 SLO")
+    bench_scale.add_argument("--min", type=int, default=1, help="replicas (fixed min, start)")
+    bench_scale.add_argument("--max", type=int, default=3, help="replicas (fixed max, ceiling)")
+    bench_scale.add_argument(
+        "--cold-repeats", type=int, default=2, help="scale-ups timed per kind (standby, cold)"
+    )
+    bench_scale.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench_scale.add_argument("--json-out", help="also write the report here")
+    bench_scale.set_defaults(func=cmd_bench_scale)

@@ -51,6 +51,7 @@ def cmd_query(args: argparse.Namespace) -> int:
             entities=tuple(parse_entity(e) for e in args.entity or ()),
             errors=args.errors,
             degraded=args.degraded,
+            tier=args.tier,
             model=args.model,
             version=args.version,
             request_id=args.request_id,
@@ -153,6 +154,7 @@ def _table(rows: list[dict[str, Any]]) -> Table:
         table.add_column(column, justify="right")
     table.add_column("status")
     table.add_column("degraded")
+    table.add_column("tier")
     table.add_column("entities")
     # Errors say why: their message, when the rows hold any.
     with_message = any(row["status"] != "OK" for row in rows)
@@ -174,6 +176,7 @@ def _table(rows: list[dict[str, Any]]) -> Table:
             _ms(row["inference_ms"]),
             status,
             "yes" if row["degraded"] else "",
+            row["tier"] or "-",
             entities,
             *([row["message"] or row["degraded_reason"]] if with_message else []),
         )
@@ -203,6 +206,11 @@ def register(sub: Any) -> None:
     query.add_argument("--errors", action="store_true", help="calls answered with a non-OK status")
     query.add_argument(
         "--degraded", action="store_true", help="calls answered degraded (fallback, stale features)"
+    )
+    query.add_argument(
+        "--tier",
+        choices=("online", "cache", "precomputed"),
+        help="calls answered by this tier (a model's tiers: docs/tiers.md)",
     )
     query.add_argument("--model")
     query.add_argument("--version")

@@ -52,6 +52,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         "requests",
         "errors",
         "retries",
+        "retried ok",
+        "per-try timeout",
         "ejections",
         "overflows",
     ):
@@ -71,6 +73,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             str(row.requests),
             str(row.errors),
             str(row.retries),
+            str(row.retry_successes),
+            (f"{row.per_try_timeout_ms} ms" if row.per_try_timeout_ms else "none")
+            + (", hedged" if row.hedging else ""),
             str(row.ejections),
             str(row.overflows),
         )

@@ -24,6 +24,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         network = spec.network.model_copy(update={"mode": "netns"})
         spec = spec.model_copy(update={"network": network})
     mesh = Mesh.from_spec(spec, Path(args.state_dir) if args.state_dir else None)
+    mesh.scaler = not args.no_scaler  # the scaler follows the traffic (docs/capacity.md)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -76,6 +77,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     up = sub.add_parser("up", help="start the whole mesh and keep it running until Ctrl-C")
     up.add_argument("--spec", help="mesh spec (default: ./mesh.yaml, else built-in defaults)")
     up.add_argument("--state-dir", help="where logs, the registry and rendered config go")
+    up.add_argument(
+        "--no-scaler",
+        action="store_true",
+        help="keep every replica count fixed (the spec's scaling runs otherwise)",
+    )
     up.add_argument(
         "--netns",
         action="store_true",

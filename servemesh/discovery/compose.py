@@ -38,7 +38,7 @@ from servemesh.discovery.consul_acl import AGENT, CLIENTS, CONSUL_NODE, render_p
 from servemesh.errors import ServemeshError
 from servemesh.identity import issue_mesh_certificates, mesh_identity
 from servemesh.identity.enroll import edge_names
-from servemesh.procs.prometheus import render_config
+from servemesh.procs.prometheus import SERVICES_TARGETS, render_config, service_targets
 from servemesh.procs.redis_server import DISABLED_COMMANDS
 from servemesh.proxy.process import validate_config
 from servemesh.proxy.render import (
@@ -155,7 +155,10 @@ def _envoy(spec: ResolvedSpec, out: Path, state: Path) -> None:
 
 def _prometheus(spec: ResolvedSpec, out: Path) -> None:
     folder = out / "prometheus"
-    _write(folder / "prometheus.yml", _dump(render_config(spec, PROMETHEUS_DIR / "rules.yml")))
+    services = PROMETHEUS_DIR / SERVICES_TARGETS
+    config = render_config(spec, PROMETHEUS_DIR / "rules.yml", services)
+    _write(folder / "prometheus.yml", _dump(config))
+    _write(folder / SERVICES_TARGETS, json.dumps(service_targets(spec), indent=1) + "\n")
     _write(folder / "rules.yml", _dump(render_rules(spec)))
 
 

@@ -6,27 +6,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 
 from servemesh.identity import Dial
+from servemesh.observe.cpu import rss_bytes
 from servemesh.wire import GATEWAY_SERVICE, method_path
 from servemesh_api.gateway.v1 import gateway_pb2
 
 PREDICT = method_path(GATEWAY_SERVICE, "Predict")
-
-
-def rss_bytes(pid: int) -> int | None:
-    """A process's resident set (VmRSS in /proc/PID/status); None once it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return None
 
 
 @dataclass

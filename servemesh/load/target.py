@@ -38,18 +38,20 @@ def predict_target(
     entities: int = 100,
     timeout_s: float = 2.0,
     metadata: Sequence[tuple[str, str]] = (),
+    entity_ids: Sequence[str] = (),
 ) -> Target:
-    """Gateway Predict for one entity per call, cycling through `user-0`..`user-<entities-1>`
-    (the demo's seeded entities), to the edge `edge` leads to (an address: plaintext)."""
+    """Gateway Predict for one entity per call, cycling through `entity_ids`, else
+    `user-0`..`user-<entities-1>` (the demo's seeded entities), to the edge `edge` leads to
+    (an address: plaintext)."""
     dial = Dial(edge, None) if isinstance(edge, str) else edge
-    count = max(1, entities)
+    ids = list(entity_ids) or [f"user-{i}" for i in range(max(1, entities))]
     sent_metadata = tuple(metadata) or None
 
     def build(channel: grpc.aio.Channel) -> Request:
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         async def predict(index: int) -> Reply:
-            request = gateway_pb2.PredictRequest(model=model, entity_ids=[f"user-{index % count}"])
+            request = gateway_pb2.PredictRequest(model=model, entity_ids=[ids[index % len(ids)]])
             reply = await stub.Predict(request, timeout=timeout_s, metadata=sent_metadata)
             return Reply(reply.model_version, reply.model_replica, reply.model_zone, reply.degraded)
 

@@ -1,10 +1,11 @@
-"""CPU seconds of a process from /proc (Envoy and Redis, whose own metrics do not carry
-them), and the cost arithmetic of a million predictions."""
+"""CPU seconds and resident memory of a process from /proc (Envoy and Redis, whose own
+metrics do not carry them), and the cost arithmetic of a million predictions."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -19,6 +20,18 @@ def proc_cpu_seconds(pid: int) -> float | None:
     # The command name may hold spaces: fields count from after its closing parenthesis.
     fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def rss_bytes(pid: int) -> int | None:
+    """A process's resident set (VmRSS in /proc/PID/status); None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return None
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ PREDICT_SECONDS = "servemesh_gateway_predict_duration_seconds"
 RPC = "servemesh_rpc_requests_total"
 RPC_SECONDS = "servemesh_rpc_duration_seconds"
 CPU = "process_cpu_seconds_total"
+TIER_LOOKUPS = "servemesh_gateway_tier_lookups_total"
+TIER_KEYS = ("model", "tier", "result")
 ON_GPU = "servemesh_model_on_gpu"
 # Processes whose own metrics carry no CPU counter: read from /proc by PID.
 PROC_PARTS = ("envoy", "redis")
@@ -62,6 +64,64 @@ class Row:
         }
 
 
+@dataclass(frozen=True)
+class TierRow:
+    """One model's tier at the gateways: its lookups and how they ended, and the share of
+    the model's answered Predicts that this tier answered."""
+
+    model: str
+    tier: str  # precomputed or cache
+    lookups_per_s: float
+    hit_ratio: float | None  # of its lookups: answered
+    stale_ratio: float | None  # refused for their age
+    skipped_ratio: float | None  # not made (the store unreachable, no time left)
+    answered_share: float | None  # of the model's Predicts answered OK
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "tier": self.tier,
+            "lookups_per_s": round(self.lookups_per_s, 2),
+            "hit_ratio": _round(self.hit_ratio, 4),
+            "stale_ratio": _round(self.stale_ratio, 4),
+            "skipped_ratio": _round(self.skipped_ratio, 4),
+            "answered_share": _round(self.answered_share, 4),
+        }
+
+
+def tier_rows(
+    lookups: Mapping[tuple[str, ...], float],
+    answered: Mapping[tuple[str, ...], float],
+    seconds: float,
+) -> list[TierRow]:
+    """Rows from lookup counts by (model, tier, result) and OK Predicts by (model,)."""
+    by_tier: dict[tuple[str, str], dict[str, float]] = {}
+    for (model, tier, result), count in lookups.items():
+        by_tier.setdefault((model, tier), {})[result] = count
+    rows = []
+    for (model, tier), results in sorted(by_tier.items()):
+        total = sum(results.values())
+        ok = answered.get((model,), 0.0)
+
+        def share(
+            result: str, total: float = total, results: dict[str, float] = results
+        ) -> float | None:
+            return results.get(result, 0.0) / total if total else None
+
+        rows.append(
+            TierRow(
+                model=model,
+                tier=tier,
+                lookups_per_s=total / seconds if seconds else 0.0,
+                hit_ratio=share("hit"),
+                stale_ratio=share("stale"),
+                skipped_ratio=share("skipped"),
+                answered_share=results.get("hit", 0.0) / ok if ok else None,
+            )
+        )
+    return rows
+
+
 @dataclass
 class TopReport:
     source: str  # "prometheus" or "metrics endpoints"
@@ -69,6 +129,7 @@ class TopReport:
     services: list[Row] = field(default_factory=list)
     versions: list[Row] = field(default_factory=list)
     zones: list[Row] = field(default_factory=list)
+    tiers: list[TierRow] = field(default_factory=list)
     cost: Cost | None = None
 
     def as_dict(self) -> dict[str, object]:
@@ -78,6 +139,7 @@ class TopReport:
             "services": [r.as_dict() for r in self.services],
             "versions": [r.as_dict() for r in self.versions],
             "zones": [r.as_dict() for r in self.zones],
+            "tiers": [r.as_dict() for r in self.tiers],
             "cost": self.cost.as_dict() if self.cost else None,
         }
 
@@ -170,8 +232,8 @@ def cost_between(before: MeshSnapshot, after: MeshSnapshot, spec: ResolvedSpec) 
         cpu_by_part=by_part,
         gpus=len(gpus),
         seconds=after.at - before.at,
-        price_per_core_hour=spec.metrics.price_per_core_hour,
-        price_per_gpu_hour=spec.metrics.price_per_gpu_hour,
+        price_per_core_hour=spec.cost.per_core_hour,
+        price_per_gpu_hour=spec.cost.per_gpu_hour,
     )
 
 
@@ -205,6 +267,11 @@ def report_between(before: MeshSnapshot, after: MeshSnapshot, spec: ResolvedSpec
             seconds,
         )
         setattr(report, attr, rows)
+    report.tiers = tier_rows(
+        sum_by(moved, TIER_LOOKUPS, TIER_KEYS),
+        sum_by(moved, PREDICT, ("model",), lambda labels: labels.get("code") == "OK"),
+        seconds,
+    )
     report.cost = cost_between(before, after, spec)
     return report
 
@@ -274,6 +341,22 @@ def measure_prometheus(
     )
     report.versions = _prom_rows(client, PREDICT, PREDICT_SECONDS, ("model", "version"), window)
     report.zones = _prom_rows(client, PREDICT, PREDICT_SECONDS, ("zone",), window)
+    # Rates times the window: the counts tier_rows takes (its shares are rate ratios).
+    report.tiers = tier_rows(
+        {
+            k: v * window_s
+            for k, v in _by(
+                client, f"sum by (model, tier, result) (rate({TIER_LOOKUPS}[{window}]))", TIER_KEYS
+            ).items()
+        },
+        {
+            k: v * window_s
+            for k, v in _by(
+                client, f'sum by (model) (rate({PREDICT}{{code="OK"}}[{window}]))', ("model",)
+            ).items()
+        },
+        window_s,
+    )
     before = proc_times(pids)
     started = time.monotonic()
     time.sleep(interval_s)
@@ -294,8 +377,8 @@ def measure_prometheus(
         cpu_by_part={k: v * window_s for k, v in cores.items()},
         gpus=gpus,
         seconds=window_s,
-        price_per_core_hour=spec.metrics.price_per_core_hour,
-        price_per_gpu_hour=spec.metrics.price_per_gpu_hour,
+        price_per_core_hour=spec.cost.per_core_hour,
+        price_per_gpu_hour=spec.cost.per_gpu_hour,
     )
     return report
 
@@ -368,6 +451,23 @@ def render(report: TopReport) -> Any:
                 _ratio(row.error_ratio),
                 _ms(row.p50_ms),
                 _ms(row.p99_ms),
+            )
+        parts.append(table)
+    if report.tiers:
+        table = Table(title="tiers (lookups at the gateways)", title_justify="left")
+        for column in ("model", "tier"):
+            table.add_column(column)
+        for column in ("lookups/s", "hit", "stale", "skipped", "of answers"):
+            table.add_column(column, justify="right")
+        for tier in report.tiers:
+            table.add_row(
+                tier.model,
+                tier.tier,
+                f"{tier.lookups_per_s:.1f}",
+                _ratio(tier.hit_ratio),
+                _ratio(tier.stale_ratio),
+                _ratio(tier.skipped_ratio),
+                _ratio(tier.answered_share),
             )
         parts.append(table)
     cost = report.cost

@@ -51,6 +51,8 @@ SCHEMA = pa.schema(
         ("message", pa.string()),
         ("degraded", pa.bool_()),
         ("degraded_reason", pa.string()),
+        # Files written before the column existed read it as null.
+        ("tier", pa.string()),
     ]
 )
 assert tuple(SCHEMA.names) == COLUMNS

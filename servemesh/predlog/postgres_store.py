@@ -33,7 +33,10 @@ _TYPES = (
     "text NOT NULL",
     "boolean NOT NULL",
     "text NOT NULL",
+    "text NOT NULL DEFAULT ''",
 )
+# Columns added after the first release: a table made before them gains them in place.
+_ADDED = ("tier",)
 assert len(_TYPES) == len(COLUMNS)
 
 # Index name suffix -> (method, columns): time ranges, entity lookups, errors, one request.
@@ -59,6 +62,13 @@ def ensure_table(conn: psycopg.Connection[tuple[Any, ...]], table: str) -> None:
     statements = [
         sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(sql.Identifier(table), columns)
     ]
+    kinds = dict(zip(COLUMNS, _TYPES, strict=True))
+    for name in _ADDED:
+        statements.append(
+            sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
+                sql.Identifier(table), sql.Identifier(name), sql.SQL(kinds[name])
+            )
+        )
     for suffix, (method, cols) in _INDEXES.items():
         statements.append(
             sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} USING {} ({})").format(

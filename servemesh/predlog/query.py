@@ -60,6 +60,7 @@ class LogQuery:
     entities: tuple[tuple[str, str], ...] = ()
     errors: bool = False  # status other than OK
     degraded: bool = False  # answered from a fallback or from stale features
+    tier: str | None = None  # answered by this tier (online, cache, precomputed)
     model: str | None = None
     version: str | None = None
     request_id: str | None = None
@@ -107,6 +108,30 @@ FROM counted ORDER BY n DESC, k LIMIT {mark}
 """
 
 
+# Calls per hour since a time (UTC hours), oldest first: what a forecast learns from.
+_HOURLY_SQL = """
+SELECT date_trunc('hour', ts) AS hour, count(*) FROM {source}
+WHERE ts >= {mark} GROUP BY hour ORDER BY hour
+"""
+
+
+def _hourly(
+    execute: Callable[[str, list[Any]], list[tuple[Any, ...]]],
+    source: str,
+    mark: str,
+    since: datetime,
+) -> list[tuple[datetime, int]]:
+    found = execute(_HOURLY_SQL.format(source=source, mark=mark), [since])
+    return [(_utc(hour), int(n)) for hour, n in found]
+
+
+def _utc(value: Any) -> datetime:
+    """An hour as DuckDB (naive, or in the session's zone) or PostgreSQL (aware) gives it."""
+    if not isinstance(value, datetime):
+        raise TypeError(f"not a time: {value!r}")
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
 def _top(
     execute: Callable[[str, list[Any]], list[tuple[Any, ...]]],
     source: str,
@@ -143,6 +168,7 @@ def _filters(q: LogQuery, now: float, mark: str, entity_sql: str) -> tuple[str, 
         ("version", q.version),
         ("request_id", q.request_id),
         ("trace_id", q.trace_id),
+        ("tier", q.tier),
     )
     for column, value in chosen:
         if value is not None:
@@ -183,6 +209,7 @@ def _answer(
             if isinstance(row[key], str):
                 row[key] = json.loads(row[key])
         row["entity_keys"] = list(row["entity_keys"] or [])
+        row["tier"] = row["tier"] or ""  # null in files written before the column
     return QueryResult(rows, matched, selected)
 
 
@@ -223,6 +250,21 @@ class ParquetReader:
 
             source = "read_parquet(?, union_by_name = true)"
             return _top(execute, source, "?", model, entity, since, limit)
+
+    def hourly_calls(self, since_s: float) -> list[tuple[datetime, int]]:
+        """Every gateway's calls per UTC hour over the last `since_s`, oldest first."""
+        now = self.clock()
+        files = [str(f.path) for f in live_files(self.root, int((now - since_s) * 1000))]
+        if not files:
+            return []
+        since = datetime.fromtimestamp(now - since_s, UTC)
+        with duckdb.connect() as con:
+            con.execute("SET TimeZone = 'UTC'")
+
+            def execute(text: str, args: list[Any]) -> list[tuple[Any, ...]]:
+                return con.execute(text, [files, *args]).fetchall()
+
+            return _hourly(execute, "read_parquet(?, union_by_name = true)", "?", since)
 
     def summary(self) -> LogSummary:
         files = live_files(self.root)
@@ -280,6 +322,22 @@ class PostgresReader:
                 return conn.execute(text.encode(), args).fetchall()
 
             return _top(execute, source, "%s", model, entity, since, limit)
+
+    def hourly_calls(self, since_s: float) -> list[tuple[datetime, int]]:
+        """As ParquetReader.hourly_calls, in PostgreSQL (hours truncated in UTC)."""
+        from psycopg import sql
+
+        from servemesh.predlog.postgres_store import connect
+
+        since = datetime.fromtimestamp(self.clock() - since_s, UTC)
+        source = sql.Identifier(self.table).as_string(None)
+        with connect(self.dsn) as conn:
+            conn.execute("SET TIME ZONE 'UTC'")
+
+            def execute(text: str, args: list[Any]) -> list[tuple[Any, ...]]:
+                return conn.execute(text.encode(), args).fetchall()
+
+            return _hourly(execute, source, "%s", since)
 
     def summary(self) -> LogSummary:
         from psycopg import sql

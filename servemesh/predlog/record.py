@@ -45,6 +45,7 @@ COLUMNS: tuple[str, ...] = (
     "message",  # its message (capped); "" when OK
     "degraded",
     "degraded_reason",
+    "tier",  # which tier answered: online, cache or precomputed ("" when none did)
 )
 
 Row = tuple[Any, ...]
@@ -207,7 +208,14 @@ def to_row(c: PredictWatch, ctx: RowContext) -> Row:
         message,
         bool(answer is not None and answer.degraded),
         answer.degraded_reason[: ctx.max_message_chars] if answer is not None else "",
+        tier_name(answer.tier) if answer is not None else "",
     )
+
+
+def tier_name(tier: int) -> str:
+    """A PredictResponse.tier as the log, the metrics and the CLI write it: "online",
+    "cache", "precomputed"."""
+    return gateway_pb2.Tier.Name(tier).removeprefix("TIER_").lower()
 
 
 def _entities(c: PredictWatch, ctx: RowContext) -> dict[str, list[str]]:

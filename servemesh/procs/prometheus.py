@@ -2,13 +2,19 @@
 started and stopped by PID like every other child.
 
 Every service instance is a target with labels service, instance and zone (job
-`servemesh`), and Envoy's stats listener one more (job `envoy`); storage lives under
-`<state_dir>/prometheus`. The recording rules it evaluates (the SLIs, and the error
-budgets of the spec's SLOs) come from servemesh.slo_rules; they are written beside the config.
+`servemesh`), each running stream consumer one (job `servemesh-streams`: the consumer
+writes its address under the state dir while it runs), the scaler one (job
+`servemesh-scaler`, likewise), and Envoy's stats listener one more (job `envoy`). The
+first three are found by file: the instances' file is rewritten whenever the fleet
+changes (a replica the scaler or an update starts is scraped from then on, one it stops is
+dropped). Storage lives under `<state_dir>/prometheus`. The recording rules it evaluates
+(the SLIs, and the error budgets of the spec's SLOs) come from servemesh.slo_rules; they
+are written beside the config.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import urllib.error
 import urllib.request
@@ -24,11 +30,15 @@ from servemesh.private import private_dir
 from servemesh.procs.ready import Check
 from servemesh.procs.supervisor import Child, Supervisor
 from servemesh.slo_rules import SERVICES_JOB, render_rules
-from servemesh.spec import ResolvedSpec
+from servemesh.spec import SCALER_TARGETS_FILE, STREAM_TARGETS_GLOB, ResolvedSpec
 from servemesh.wire import ENVOY_STATS_PATH
 
 NAME = "prometheus"
 ENVOY_JOB = "envoy"
+# Stream consumers listen on a free port each, so they are found by file, not listed.
+STREAMS_JOB = "servemesh-streams"
+SCALER_JOB = "servemesh-scaler"
+SERVICES_TARGETS = "services.targets.json"
 
 
 def prometheus_binary() -> str | None:
@@ -44,16 +54,32 @@ def _duration(seconds: float) -> str:
     return f"{round(seconds * 1000)}ms"
 
 
-def render_config(spec: ResolvedSpec, rules_file: Path) -> dict[str, Any]:
-    """Prometheus's config for the mesh: every instance's /metrics and Envoy's stats."""
-    interval = _duration(spec.metrics.scrape_interval_s)
-    services = [
+def service_targets(spec: ResolvedSpec) -> list[dict[str, Any]]:
+    """Every service instance as a file-discovery target group."""
+    return [
         {
             "targets": [spec.metrics_address_of(inst.name)],
             "labels": {"service": inst.service, "instance": inst.name, "zone": inst.zone},
         }
         for inst in spec.instances()
     ]
+
+
+def render_config(spec: ResolvedSpec, rules_file: Path, services_file: Path) -> dict[str, Any]:
+    """Prometheus's config for the mesh: every instance's /metrics (listed in
+    `services_file`), the stream consumers', the scaler's and Envoy's stats."""
+    interval = _duration(spec.metrics.scrape_interval_s)
+
+    def by_file(job: str, pattern: Path) -> dict[str, Any]:
+        return {
+            "job_name": job,
+            # The metrics carry their own `service` (and stream) labels, equal to the
+            # target's: kept as they are rather than renamed exported_service.
+            "honor_labels": True,
+            "file_sd_configs": [{"files": [str(pattern)], "refresh_interval": interval}],
+        }
+
+    state = Path(spec.state_dir)
     return {
         "global": {
             "scrape_interval": interval,
@@ -64,13 +90,9 @@ def render_config(spec: ResolvedSpec, rules_file: Path) -> dict[str, Any]:
         },
         "rule_files": [str(rules_file)],
         "scrape_configs": [
-            {
-                "job_name": SERVICES_JOB,
-                # The RPC metrics carry their own `service` label, equal to the target's:
-                # kept as is rather than renamed exported_service.
-                "honor_labels": True,
-                "static_configs": services,
-            },
+            by_file(SERVICES_JOB, services_file),
+            by_file(STREAMS_JOB, state / STREAM_TARGETS_GLOB),
+            by_file(SCALER_JOB, state / SCALER_TARGETS_FILE),
             {
                 "job_name": ENVOY_JOB,
                 "metrics_path": ENVOY_STATS_PATH,
@@ -110,11 +132,22 @@ class PrometheusServer:
     def rules_file(self) -> Path:
         return self.root / "rules.yml"
 
+    @property
+    def services_file(self) -> Path:
+        return self.root / SERVICES_TARGETS
+
     def write_config(self) -> None:
         private_dir(self.root)  # its data too: Prometheus runs under umask 077
         atomic_write_text(self.rules_file, yaml.safe_dump(render_rules(self.spec), sort_keys=False))
-        config = render_config(self.spec, self.rules_file)
+        self.write_targets(self.spec)
+        config = render_config(self.spec, self.rules_file, self.services_file)
         atomic_write_text(self.config_file, yaml.safe_dump(config, sort_keys=False))
+
+    def write_targets(self, spec: ResolvedSpec) -> None:
+        """The instances of `spec` as the services job's targets (whole, by rename:
+        Prometheus never reads half a file); it reads them again within an interval."""
+        self.spec = spec
+        atomic_write_text(self.services_file, json.dumps(service_targets(spec), indent=1) + "\n")
 
     def argv(self) -> list[str]:
         retention = f"{round(duration_seconds(self.spec.metrics.retention))}s"

@@ -417,8 +417,9 @@ def _ms(started: float) -> float:
 
 
 def resolved_target(live: ResolvedSpec, target: MeshSpec) -> ResolvedSpec:
-    """The running mesh with the target's models, views, traffic, coalescing and logs
-    (processes and ports cannot change live, so the rest is the running mesh's own)."""
+    """The running mesh with the target's models, views, traffic, coalescing, logs and
+    scaling policy (processes and ports cannot change live, so the rest is the running
+    mesh's own)."""
     return live.model_copy(
         update={
             "models": dict(target.models),
@@ -426,6 +427,7 @@ def resolved_target(live: ResolvedSpec, target: MeshSpec) -> ResolvedSpec:
             "traffic": target.traffic,
             "coalescing": target.coalescing,
             "logs": target.logs,
+            "scaling": target.scaling,
         }
     )
 

@@ -22,13 +22,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servemesh.errors import ServemeshError
+from servemesh.scaling_policy import ScalingSpec
 from servemesh.spec import CoalescingSpec, LogsSpec, MeshSpec, ModelSpec, TiersSpec
 from servemesh.spec import declared as declared_part
 
 Key = tuple[str, str]
 
 # Top-level fields a live apply may change (the rest describe processes).
-LIVE_TOP = {"models", "feature_views", "traffic", "coalescing", "logs"}
+# `scaling`: the scaler reads the running spec every round.
+LIVE_TOP = {"models", "feature_views", "traffic", "coalescing", "logs", "scaling"}
 # Resolved by the launcher (or set by `up --netns`): a file usually leaves them out, and the
 # running mesh keeps its own, as `routes apply` does.
 IGNORED_TOP = {"ports", "state_dir", "feature_store", "demo", "network"}
@@ -74,6 +76,8 @@ class ApplyPlan:
     coalescing: tuple[CoalescingSpec, CoalescingSpec] | None = None
     # (before, after) when what the services log changes.
     logs: tuple[LogsSpec, LogsSpec] | None = None
+    # (before, after) when the scaler's policy changes.
+    scaling: tuple[ScalingSpec, ScalingSpec] | None = None
 
     @property
     def adds(self) -> bool:
@@ -94,6 +98,7 @@ class ApplyPlan:
             or self.routing_changed
             or self.coalescing
             or self.logs
+            or self.scaling
         )
 
     def lines(self) -> list[str]:
@@ -117,7 +122,22 @@ class ApplyPlan:
         if self.logs is not None:
             before_text, after_text = (logs_text(c) for c in self.logs)
             found.append(f"~ logs: {before_text} -> {after_text}")
+        if self.scaling is not None:
+            before_text, after_text = (scaling_text(c) for c in self.scaling)
+            found.append(f"~ scaling: {before_text} -> {after_text}")
         return found
+
+
+def scaling_text(scaling: ScalingSpec) -> str:
+    if not scaling.enabled:
+        return "off"
+    pool = scaling.model_servers
+    floors = len(pool.schedule.floors)
+    return (
+        f"model servers {pool.min}..{pool.max} per zone"
+        + (f", standby {pool.standby}" if pool.standby else "")
+        + (f", {floors} schedule floor{'s' * (floors != 1)}" if floors else "")
+    )
 
 
 def tiers_text(tiers: TiersSpec | None) -> str:
@@ -357,6 +377,7 @@ def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) ->
                 "traffic": declared.traffic.model_dump(),
                 "coalescing": declared.coalescing.model_dump(),
                 "logs": declared.logs.model_dump(),
+                "scaling": declared.scaling.model_dump(),
             }
         )
     except ValueError as exc:
@@ -383,4 +404,7 @@ def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) ->
             else None
         ),
         logs=(running.logs, declared.logs) if running.logs != declared.logs else None,
+        scaling=(running.scaling, declared.scaling)
+        if running.scaling != declared.scaling
+        else None,
     )

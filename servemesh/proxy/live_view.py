@@ -28,6 +28,13 @@ class VersionView:
     retries: int = 0
     ejections: int = 0
     overflows: int = 0
+    # The model's route policy: a try's timeout (0: none), and whether a try past it is
+    # hedged (another try sent beside it, the first answer winning).
+    per_try_timeout_ms: int = 0
+    hedging: bool = False
+    # Retried calls that were answered in the end (with hedging, `retries` counts the
+    # hedges sent too, and a hedged call answered by either try counts here).
+    retry_successes: int = 0
 
 
 def served_split(
@@ -100,6 +107,9 @@ def live_view(admin: AdminClient, spec: MeshSpec) -> list[VersionView]:
         for version in sorted(model.versions):
             row = VersionView(model_name, version, weights.get(version, 0), shadow == version)
             row.buckets = buckets.get((model_name, version))
+            retries = (model.policy or spec.traffic.model).retries
+            row.per_try_timeout_ms = retries.per_try_timeout_ms
+            row.hedging = retries.hedge_on_per_try_timeout
             for zone in spec.zones:
                 name = model_cluster(model_name, version, zone)
                 _add_counters(row, name, counters)
@@ -124,6 +134,7 @@ def _add_counters(row: VersionView, cluster: str, counters: dict[str, int]) -> N
     row.requests += get(f"{INFER_STATS}.total")
     row.errors += get(f"{INFER_STATS}.failure")
     row.retries += get("upstream_rq_retry")
+    row.retry_successes += get("upstream_rq_retry_success")
     row.ejections += get("outlier_detection.ejections_enforced_total")
     row.overflows += sum(
         get(stat)

@@ -231,7 +231,8 @@ def _load_assignment(
     spec: ResolvedSpec, name: str, members: list[Instance], local_zone: str | None
 ) -> dict[str, Any]:
     """The cluster's endpoints as the spec places its instances (the file catalog)."""
-    draining = set(spec.fleet.draining)
+    # A standby replica (the scaler's, not yet or not now in rotation) is told DRAINING too.
+    draining = set(spec.fleet.draining) | set(spec.fleet.standby)
     return load_assignment(
         name,
         (
@@ -381,6 +382,8 @@ def _route_action(policy: RoutePolicy, retries: bool = True) -> dict[str, Any]:
     }
     if retries:
         action["retry_policy"] = _retry_policy(policy.retries)
+        if policy.retries.hedge_on_per_try_timeout:
+            action["hedge_policy"] = {"hedge_on_per_try_timeout": True}
     return action
 
 

@@ -141,7 +141,7 @@ def _supported(spec: ResolvedSpec) -> None:
         )
 
 
-def _version_health(spec: ResolvedSpec, instance: str, names: list[str]) -> dict[str, bool]:
+def version_health(spec: ResolvedSpec, instance: str, names: list[str]) -> dict[str, bool]:
     """Each health name's status on the replica itself (False: not SERVING or no answer)."""
     found = dict.fromkeys(names, False)
     try:
@@ -204,7 +204,7 @@ def _clusters_listing(spec: ResolvedSpec, instance: str) -> list[str]:
     return found
 
 
-def _every_version(spec: ResolvedSpec) -> list[str]:
+def every_version_health_name(spec: ResolvedSpec) -> list[str]:
     return [
         version_health_name(model_name, version)
         for model_name, model in sorted(spec.models.items())
@@ -260,7 +260,7 @@ def _wait_serving(
 
     def serving() -> bool:
         for name in sorted(pending):
-            if all(_version_health(spec, name, health).values()):
+            if all(version_health(spec, name, health).values()):
                 pending.discard(name)
         return not pending
 
@@ -542,7 +542,7 @@ def retire_old_set(
                 )
     replicas = [i.name for i in live.set_replicas(new.name)]
     # Every version, not only the new one: after this the new set serves everything.
-    _wait_serving(ctx, live, replicas, ["", *_every_version(live)])
+    _wait_serving(ctx, live, replicas, ["", *every_version_health_name(live)])
     everything = {m: sorted(model.versions) for m, model in live.models.items()}
     taking_over = new.model_copy(update={"serves": everything})
     step = live.fleet.model_copy(update={"sets": [old, taking_over]})
@@ -691,7 +691,7 @@ def _replace(ctx: StrategyContext, name: str, *, resumed: bool) -> None:
         ctx.record(f"{ROLLING_RENEWING}:{name}", {"old_pid": old_pid})
     _wait_started(ctx, {name: generation}, {name: old_pid} if not resumed else {})
     # 4. The new process holds every version, warmed up, before it takes calls again.
-    _wait_serving(ctx, live, [name], ["", *_every_version(live)])
+    _wait_serving(ctx, live, [name], ["", *every_version_health_name(live)])
     _undrain(ctx, name)
     _wait_envoy(
         ctx,

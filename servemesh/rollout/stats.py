@@ -148,3 +148,36 @@ def binomial_tail(k: int, n: int, p: float) -> float:
         if term < total * 1e-12:
             break
     return min(1.0, total)
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """P(X >= x) for X ~ chi-square with `df` degrees of freedom (df >= 1), in closed form:
+    for an even df a Poisson sum, for an odd one erfc plus a series."""
+    if df < 1:
+        raise ValueError(f"df must be at least 1, got {df}")
+    if x <= 0:
+        return 1.0
+    half = x / 2
+    if df % 2 == 0:
+        term = total = math.exp(-half)
+        for i in range(1, df // 2):
+            term *= half / i
+            total += term
+        return min(1.0, total)
+    total = math.erfc(math.sqrt(half))
+    term = math.sqrt(half) * math.exp(-half) * 2 / math.sqrt(math.pi)
+    for i in range(1, (df + 1) // 2):
+        total += term
+        term *= half / (i + 0.5)
+    return min(1.0, total)
+
+
+def psi_chance(result: Psi, baseline_n: float, canary_n: float) -> float:
+    """How likely two samples of one distribution, of these sizes, show a PSI this large:
+    PSI is the symmetrised KL divergence of the two arms' shares, and for samples of one
+    distribution PSI x nb nc / (nb + nc) is about chi-square with (bins - 1) degrees of
+    freedom (the two-sample chi-square statistic it approximates)."""
+    if result.bins < 2 or baseline_n <= 0 or canary_n <= 0:
+        return 1.0
+    effective = baseline_n * canary_n / (baseline_n + canary_n)
+    return chi2_sf(result.value * effective, result.bins - 1)

@@ -38,6 +38,11 @@ class Lag:
     output_length: int
     dead_letters: int
 
+    @property
+    def settled(self) -> bool:
+        """Every entry read and acknowledged: nothing pending, nothing undelivered."""
+        return self.pending == 0 and self.undelivered == 0
+
     @classmethod
     def from_replies(
         cls,
@@ -63,22 +68,50 @@ class Lag:
         )
 
 
-async def read_lag(client: Any, keys: StreamKeys) -> Lag | None:
-    """The group's lag (None: no such group yet). `client`: redis.asyncio."""
-    import redis
+def _queue_lag(pipe: Any, keys: StreamKeys) -> None:
+    pipe.xinfo_groups(keys.input).xpending(keys.input, keys.group)
+    pipe.xlen(keys.input).xlen(keys.output).xlen(keys.dead_letter).time()
 
-    try:
-        groups = await client.xinfo_groups(keys.input)
-    except redis.ResponseError:
-        return None  # no such stream
+
+def _lag_of(replies: list[Any], keys: StreamKeys) -> Lag | None:
+    groups, pending, n_in, n_out, n_dead, now = replies
     if not any(text(g.get("name", b"")) == keys.group for g in groups):
         return None
-    pending = await client.xpending(keys.input, keys.group)
-    async with client.pipeline(transaction=False) as pipe:
-        pipe.xlen(keys.input).xlen(keys.output).xlen(keys.dead_letter).time()
-        n_in, n_out, n_dead, now = await pipe.execute()
     now_ms = int(now[0]) * 1000 + int(now[1]) // 1000
     return Lag.from_replies(pending, groups, keys.group, (n_in, n_out, n_dead), now_ms)
+
+
+# The group's lag and its pending entries are read in one MULTI: read one after the other,
+# a batch the consumer takes between the two reads is in neither (not pending yet when
+# XPENDING ran, no longer undelivered when XINFO did), and a stream looks settled while
+# that batch is still being scored.
+
+
+async def read_lag(client: Any, keys: StreamKeys) -> Lag | None:
+    """The group's lag, one consistent reading (None: no such stream or group yet).
+    `client`: redis.asyncio."""
+    import redis
+
+    async with client.pipeline(transaction=True) as pipe:
+        _queue_lag(pipe, keys)
+        try:
+            replies = await pipe.execute()
+        except redis.ResponseError:
+            return None  # no such stream, or no such group
+    return _lag_of(replies, keys)
+
+
+def read_lag_now(client: Any, keys: StreamKeys) -> Lag | None:
+    """As `read_lag`, for a blocking `redis.Redis` (drills, benchmarks, tests)."""
+    import redis
+
+    with client.pipeline(transaction=True) as pipe:
+        _queue_lag(pipe, keys)
+        try:
+            replies = pipe.execute()
+        except redis.ResponseError:
+            return None
+    return _lag_of(replies, keys)
 
 
 class StreamMetrics:

@@ -174,7 +174,7 @@ def feature_store_client(spec: ResolvedSpec) -> aioredis.Redis:
     )
 
 
-class _EdgeAuth:
+class EdgeAuthMetadata:
     """The credentials the consumer sends at the edge, as `servemesh predict` does: a token
     it signs for itself (jwt), or the mesh's basic credentials."""
 
@@ -222,7 +222,7 @@ class MeshPredictor:
         self.spec = spec
         self.stream = stream
         self.channel = dial_edge_at(spec, address or spec.edge_address).aio_channel()
-        self.auth = _EdgeAuth(spec, f"servemesh-stream:{stream.name}")
+        self.auth = EdgeAuthMetadata(spec, f"servemesh-stream:{stream.name}")
         self.timeout_s = stream.deadline_ms / 1000
 
     async def predict(self, events: Sequence[Event]) -> list[Outcome]:

@@ -2,20 +2,24 @@
 starts for each entry of the spec's `streams` (python -m servemesh.streams).
 
 SIGTERM (or SIGINT) ends it after the batch in flight. Its /metrics listen on a free
-loopback port, named in the stream's stats hash (`servemesh stream status`). Once its
-group exists it writes `<state_dir>/streams/<name>.ready` (removed on the way out), which is
-what the launcher waits for.
+loopback port, named in the stream's stats hash (`servemesh stream status`) and, while it
+runs, in `<state_dir>/streams/<name>-<consumer>.targets.json` (a Prometheus file-discovery
+target: the mesh's Prometheus scrapes it from there). Once its group exists it writes
+`<state_dir>/streams/<name>.ready` (removed on the way out), which is what the launcher
+waits for.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 from pathlib import Path
 
-from servemesh.spec import ResolvedSpec, StreamSpec, load_resolved
+from servemesh.atomic import atomic_write_text
+from servemesh.spec import STREAM_TARGETS_GLOB, ResolvedSpec, StreamSpec, load_resolved
 from servemesh.streams.consumer import Consumer, stream_client
 from servemesh.streams.metrics import StreamMetrics
 from servemesh.streams.predict import (
@@ -31,6 +35,20 @@ log = logging.getLogger(__name__)
 
 def ready_path(state_dir: str | Path, name: str) -> Path:
     return Path(state_dir) / "streams" / f"{name}.ready"
+
+
+def targets_path(state_dir: str | Path, name: str, consumer: str) -> Path:
+    """Where a running consumer names its /metrics for Prometheus (STREAM_TARGETS_GLOB)."""
+    found = Path(state_dir) / STREAM_TARGETS_GLOB.replace("*", f"{name}-{consumer}")
+    return found
+
+
+def write_targets(path: Path, address: str, stream: str, consumer: str) -> None:
+    """The consumer's /metrics as one file-discovery target (written whole, by rename:
+    Prometheus never reads half a file)."""
+    labels = {"service": "stream", "instance": consumer, "stream": stream}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps([{"targets": [address], "labels": labels}]) + "\n")
 
 
 async def build_predictor(
@@ -75,6 +93,7 @@ async def consume(
     )
     predictor = await build_predictor(spec, stream, edge=edge)
     ready = ready_path(spec.state_dir, stream.name)
+    targets: Path | None = None
     try:
         worker = Consumer(
             client,
@@ -87,12 +106,17 @@ async def consume(
             metrics_address=address,
         )
         await worker.ensure_group()
+        if address:
+            targets = targets_path(spec.state_dir, stream.name, worker.name)
+            write_targets(targets, address, stream.name, worker.name)
         ready.parent.mkdir(parents=True, exist_ok=True)
         ready.write_text(f"{worker.name}\n")
         log.info("consuming", extra={"stream": stream.name, "consumer": worker.name})
         await worker.run(stop)
     finally:
         ready.unlink(missing_ok=True)
+        if targets is not None:
+            targets.unlink(missing_ok=True)
         await predictor.close()
         await features.aclose()
         await client.aclose()

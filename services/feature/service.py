@@ -40,6 +40,7 @@ from servemesh.services.feature.store import (
     Rows,
     StagedLoad,
     StoreError,
+    TierRead,
     VersionMoved,
     ViewVersion,
     pack_rows,
@@ -124,6 +125,47 @@ def read_of(
     _check_ids("entity_ids", read.ids)
     _check_names(read.names)
     return read
+
+
+@dataclass(frozen=True)
+class TierAsk:
+    """A checked GetFeaturesRequest.tier."""
+
+    model: str
+    version: str
+    precomputed: bool
+
+
+def tier_ask_of(ask: feature_pb2.TierAsk) -> TierAsk:
+    """GetFeaturesRequest.tier checked (its entities are the read's, checked with it);
+    InvalidArgument naming the bad field."""
+    _check_tier_names(ask.model, ask.version, "tier.")
+    return TierAsk(ask.model, ask.version, ask.precomputed)
+
+
+def _check_tier_names(model: str, version: str, prefix: str) -> None:
+    for field, value in (("model", model), ("version", version)):
+        if not _NAME.fullmatch(value):
+            raise InvalidArgument(f"{prefix}{field}: {shown(value)} is not a model or version name")
+
+
+def tier_message(found: TierRead) -> feature_pb2.GetTierAnswersResponse:
+    return feature_pb2.GetTierAnswersResponse(
+        flush_generation=found.flush,
+        run=found.run,
+        sha256=found.sha256,
+        scored_at_unix_ms=found.scored_at_ms,
+        answers=found.answers,
+    )
+
+
+async def _or_none(read: Coroutine[Any, Any, TierRead]) -> TierRead | None:
+    """A tier read whose failure is not the call's: logged, and None."""
+    try:
+        return await read
+    except (StoreError, redis.exceptions.RedisError, OSError) as exc:
+        log.debug("tier state unread", extra={"error": str(exc), "kind": type(exc).__name__})
+        return None
 
 
 @functools.lru_cache(maxsize=256)
@@ -478,8 +520,15 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         bind_request_id(request_id_from(context.invocation_metadata()))
         read = read_of(request, self.max_entities, self.limits)
         view = self._view(read.view)
+        tier = tier_ask_of(request.tier) if request.HasField("tier") else None
         started = time.perf_counter()
-        version, rows = await self._call_store(context, self.store.read(read.view, read.ids))
+        tier_read: TierRead | None = None
+        if tier is None:
+            version, rows = await self._call_store(context, self.store.read(read.view, read.ids))
+        else:
+            (version, rows), tier_read = await self._call_store(
+                context, self._read_with_tier(read, tier)
+            )
         found = int(np.count_nonzero(rows.present)) if rows is not None else 0
         wanted = len(read.ids)
         self.metrics.read(read.view, wanted, wanted - found, time.perf_counter() - started)
@@ -492,15 +541,28 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         response = assemble(read, view, self.policy, rows, positions, stale, now)
         if version is not None:
             response.view_version = version.version  # a gateway's cache keys on it
+        if tier_read is not None:
+            response.tier.CopyFrom(tier_message(tier_read))
         return response
+
+    async def _read_with_tier(
+        self, read: Read, tier: TierAsk
+    ) -> tuple[tuple[ViewVersion | None, Rows | None], TierRead | None]:
+        """The rows, and the tier state beside them (both Redis round trips at once); the
+        tier state is None when it alone could not be read: the caller skips its tiers,
+        the rows still answer."""
+        ids = read.ids if tier.precomputed else []
+        rows, found = await asyncio.gather(
+            self.store.read(read.view, read.ids),
+            _or_none(self.store.tier_answers(tier.model, tier.version, ids)),
+        )
+        return rows, found
 
     async def GetTierAnswers(
         self, request: feature_pb2.GetTierAnswersRequest, context: grpc.aio.ServicerContext
     ) -> feature_pb2.GetTierAnswersResponse:
         bind_request_id(request_id_from(context.invocation_metadata()))
-        for field, value in (("model", request.model), ("version", request.version)):
-            if not _NAME.fullmatch(value):
-                raise InvalidArgument(f"{field}: {shown(value)} is not a model or version name")
+        _check_tier_names(request.model, request.version, "")
         if len(request.entity_ids) > self.max_entities:
             raise InvalidArgument(
                 f"entity_ids: {len(request.entity_ids)} ids, at most {self.max_entities} per call"
@@ -509,13 +571,7 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         found = await self._call_store(
             context, self.store.tier_answers(request.model, request.version, request.entity_ids)
         )
-        return feature_pb2.GetTierAnswersResponse(
-            flush_generation=found.flush,
-            run=found.run,
-            sha256=found.sha256,
-            scored_at_unix_ms=found.scored_at_ms,
-            answers=found.answers,
-        )
+        return tier_message(found)
 
     def _max_age_ms(self, name: str, view: FeatureViewSpec) -> int | None:
         """The view's max_age in ms, parsed once per view spec (a spec change brings a new

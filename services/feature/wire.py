@@ -24,12 +24,19 @@ class MalformedAnswer(ServemeshError, ValueError):
 
 
 def build_request(
-    view: str, entity_ids: Sequence[str], feature_names: Sequence[str]
+    view: str,
+    entity_ids: Sequence[str],
+    feature_names: Sequence[str],
+    tier: tuple[str, str, bool] | None = None,
 ) -> feature_pb2.GetFeaturesRequest:
-    """A GetFeatures request for `entity_ids` x `feature_names` of `view`, answered packed."""
-    return feature_pb2.GetFeaturesRequest(
+    """A GetFeatures request for `entity_ids` x `feature_names` of `view`, answered packed;
+    with `tier` (model, version, precomputed), that model version's tier state beside it."""
+    request = feature_pb2.GetFeaturesRequest(
         view=view, entity_ids=entity_ids, feature_names=feature_names, packed=True
     )
+    if tier is not None:
+        request.tier.model, request.tier.version, request.tier.precomputed = tier
+    return request
 
 
 def read_matrix(response: feature_pb2.GetFeaturesResponse, n_features: int) -> np.ndarray:

@@ -47,6 +47,7 @@ from servemesh.services.gateway.tiers import (
     SKIPPED,
     STALE,
     AnswerCache,
+    TierState,
     cache_keys,
     precomputed_rows,
     response_of,
@@ -57,7 +58,7 @@ from servemesh.services.runtime import DeadlineBudget, bind_request_id, request_
 from servemesh.services.runtime.errors import Internal, MeshError
 from servemesh.services.runtime.logs import new_request_id
 from servemesh.services.runtime.tracing import traced_call, tracer
-from servemesh.spec import CacheTierSpec, MeshSpec, ModelSpec
+from servemesh.spec import CacheTierSpec, MeshSpec, ModelSpec, TiersSpec
 from servemesh.wire import (
     BUCKET_HEADER,
     BUCKET_RANGE_HEADER,
@@ -92,7 +93,6 @@ M = TypeVar("M")
 
 GET_FEATURES_METHOD = method_path(FEATURE_SERVICE, "GetFeatures")
 MODEL_METADATA_METHOD = method_path(OIP_SERVICE, "ModelMetadata")
-GET_TIER_ANSWERS_METHOD = method_path(FEATURE_SERVICE, "GetTierAnswers")
 
 # Downstream failures a configured fallback may answer for. Not DEADLINE_EXCEEDED: when the
 # caller's time is up, a late fallback helps nobody.
@@ -123,14 +123,19 @@ class FeatureAsk:
     span: trace.SpanContext  # its server span's
 
 
-# A shared GetFeatures: the view and the features read (the same for every member).
-FeatureKey = tuple[str, tuple[str, ...]]
+# A tiered call's read also asks for its model version's tier state (model, version,
+# whether precomputed answers are read): GetFeaturesRequest.tier.
+TierKey = tuple[str, str, bool]
+# A shared GetFeatures: the view, the features read and the tier state asked for (the same
+# for every member).
+FeatureKey = tuple[str, tuple[str, ...], TierKey | None]
 # How fresh each row read is: the view's version and each entity's event time (ms), which
 # a tier's cache keys on (services/gateway/tiers.py).
 Fresh = tuple[int, list[int]]
-# One view read: its matrix, why stale rows degrade the answer (""), the rows' freshness.
-ViewAnswer = tuple[np.ndarray, str, Fresh]
-Features = tuple[dict[str, np.ndarray], str, dict[str, Fresh]]
+# One view read: its matrix, why stale rows degrade the answer (""), the rows' freshness,
+# and the tier state read with it (None: not asked, or the store could not say).
+ViewAnswer = tuple[np.ndarray, str, Fresh, TierState | None]
+Features = tuple[dict[str, np.ndarray], str, dict[str, Fresh], TierState | None]
 # A shared ModelInfer: the model, its spec entry (by identity: a spec change starts new
 # calls), where Envoy sends it (a pinned version, or a version's bucket range), and the
 # per-row shape of every input (rows of one shape concatenate).
@@ -264,32 +269,29 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             shared = self.spec.coalescing.enabled
             features = self._features_shared if shared else self._features
             infer = self._infer_shared if shared else self._infer
+            # A tiered call reads its version's tier state with its features: one call to
+            # the feature service whichever tier answers (services/gateway/tiers.py).
             tiers = tiers_for(plan)
             version = self._tier_version(plan) if tiers is not None else None
-            lookup: asyncio.Task[feature_pb2.GetTierAnswersResponse | None] | None = None
+            tier: TierKey | None = None
             if tiers is not None and version is not None:
-                lookup = asyncio.ensure_future(
-                    self._tier_lookup(
-                        plan, version, tiers.precomputed is not None, deadline, metadata
-                    )
+                tier = (plan.model_name, version, tiers.precomputed is not None)
+            try:
+                matrices, stale, fresh, state = await watch.features(
+                    features(plan, deadline, metadata, tier)
                 )
-                if tiers.precomputed is not None:
-                    found = await self._precomputed(plan, signature, await lookup)
-                    if found is not None:
-                        return self._tier_answered(watch, found, request_id, span)
-            feature_read = features(plan, deadline, metadata)
-            if lookup is not None and not lookup.done():
-                (matrices, stale, fresh), _ = await asyncio.gather(
-                    watch.features(feature_read), lookup
-                )
-            else:
-                matrices, stale, fresh = await watch.features(feature_read)
+            except DownstreamError:
+                if tier is not None and tiers is not None:
+                    self._tiers_skipped(plan.model_name, tiers)
+                raise
+            if tier is not None and tiers is not None and tiers.precomputed is not None:
+                found = self._precomputed(plan, signature, state)
+                if found is not None:
+                    return self._tier_answered(watch, found, request_id, span)
             cache: AnswerCache | None = None
             keys: list[tuple[str, str, str, int, int]] = []
-            if lookup is not None and tiers is not None and tiers.cache is not None and version:
-                cache, keys = self._cache_of(
-                    plan, tiers.cache, lookup.result(), version, fresh, stale
-                )
+            if tier is not None and tiers is not None and tiers.cache is not None and version:
+                cache, keys = self._cache_of(plan, tiers.cache, state, version, fresh, stale)
                 if cache is not None:
                     rows, expired = cache.get_all(keys)
                     if rows is not None:
@@ -358,37 +360,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return None
         return arm[0]
 
-    async def _tier_lookup(
-        self,
-        plan: PredictPlan,
-        version: str,
-        precomputed: bool,
-        deadline: float,
-        metadata: list[tuple[str, str]],
-    ) -> feature_pb2.GetTierAnswersResponse | None:
-        """The model's flush generation and (`precomputed`) the version's batch answers for
-        the call's entities; None when the store cannot say (the tiers are skipped)."""
-        ids = plan.reads[0].entity_ids if precomputed else []
-        ask = feature_pb2.GetTierAnswersRequest(
-            model=plan.model_name, version=version, entity_ids=ids
-        )
-        try:
-            return await traced_call(
-                GET_TIER_ANSWERS_METHOD,
-                lambda sent: self.features.GetTierAnswers(
-                    ask, timeout=self.budget.remaining(deadline), metadata=sent
-                ),
-                metadata,
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.debug("tiers skipped", extra={"code": exc.code().name})
-            return None
+    def _tiers_skipped(self, model: str, tiers: TiersSpec) -> None:
+        """The feature read that carried the tier state failed: each tier is counted skipped
+        (the call ends as the online path does, a fallback or the error)."""
+        if tiers.precomputed is not None:
+            self.metrics.record_tier(model, "precomputed", SKIPPED)
+        if tiers.cache is not None:
+            self.metrics.record_tier(model, "cache", SKIPPED)
 
-    async def _precomputed(
+    def _precomputed(
         self,
         plan: PredictPlan,
         signature: ModelSignature,
-        found: feature_pb2.GetTierAnswersResponse | None,
+        found: TierState | None,
     ) -> gateway_pb2.PredictResponse | None:
         tiers = plan.model.tiers
         assert tiers is not None and tiers.precomputed is not None
@@ -398,7 +382,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         rows = precomputed_rows(
             found.answers,
             signature,
-            found.scored_at_unix_ms,
+            found.scored_at_ms,
             self.clock_ms(),
             tiers.precomputed.max_age_ms,
         )
@@ -414,7 +398,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self,
         plan: PredictPlan,
         bounds: CacheTierSpec,
-        found: feature_pb2.GetTierAnswersResponse | None,
+        found: TierState | None,
         version: str,
         fresh: Mapping[str, Fresh],
         stale: str,
@@ -481,19 +465,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return signature
 
     async def _features(
-        self, plan: PredictPlan, deadline: float, metadata: list[tuple[str, str]]
+        self,
+        plan: PredictPlan,
+        deadline: float,
+        metadata: list[tuple[str, str]],
+        tier: TierKey | None = None,
     ) -> Features:
         """Each view's feature matrix (one GetFeatures per view, all at once), why the
-        answer is degraded by stale features ("" when it is not), each view's freshness."""
+        answer is degraded by stale features ("" when it is not), each view's freshness,
+        and the `tier` state asked for with the first view's read (a tiered call has one)."""
         if not plan.reads:
-            return {}, "", {}
-        read = await asyncio.gather(*(self._read_view(r, deadline, metadata) for r in plan.reads))
+            return {}, "", {}, None
+        read = await asyncio.gather(
+            *(
+                self._read_view(r, deadline, metadata, tier if i == 0 else None)
+                for i, r in enumerate(plan.reads)
+            )
+        )
         return _features_of(plan, read)
 
     async def _read_view(
-        self, read: ViewRead, deadline: float, metadata: list[tuple[str, str]]
+        self,
+        read: ViewRead,
+        deadline: float,
+        metadata: list[tuple[str, str]],
+        tier: TierKey | None,
     ) -> ViewAnswer:
-        lookup = build_request(read.view, read.entity_ids, read.features)
+        lookup = build_request(read.view, read.entity_ids, read.features, tier)
         try:
             reply = await traced_call(
                 GET_FEATURES_METHOD,
@@ -505,7 +503,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except grpc.aio.AioRpcError as exc:
             raise DownstreamError("feature service", exc) from None
         matrix = _matrix_of(reply, read.view, len(read.entity_ids), len(read.features))
-        return matrix, stale_reason(read.entity_ids, reply.vectors), _fresh(reply, reply.vectors)
+        return (
+            matrix,
+            stale_reason(read.entity_ids, reply.vectors),
+            _fresh(reply, reply.vectors),
+            _tier_state(reply, tier, None),
+        )
 
     async def _infer(
         self,
@@ -552,27 +555,32 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return count
 
     async def _features_shared(
-        self, plan: PredictPlan, deadline: float, metadata: list[tuple[str, str]]
+        self,
+        plan: PredictPlan,
+        deadline: float,
+        metadata: list[tuple[str, str]],
+        tier: TierKey | None = None,
     ) -> Features:
-        """As `_features`, each view's read shared with the concurrent Predicts that read it."""
+        """As `_features`, each view's read shared with the concurrent Predicts that read it
+        (and ask for the same tier state)."""
         if not plan.reads:
-            return {}, "", {}
+            return {}, "", {}, None
         breakers = self.spec.traffic.feature.circuit_breakers
         if _breaker_counts_calls(breakers, self.spec.coalescing.max_rows):
-            return await self._features(plan, deadline, metadata)
+            return await self._features(plan, deadline, metadata, tier)
         span = trace.get_current_span().get_span_context()
         limits = self.spec.limits
         max_rows = min(self.spec.coalescing.max_rows, limits.max_rows_per_predict)
         leave_by = deadline - self.budget.hop_budget_s
         asks = [
             self.feature_calls.submit(
-                (read.view, tuple(read.features)),
+                (read.view, tuple(read.features), tier if i == 0 else None),
                 FeatureAsk(read, metadata, span),
                 len(read.entity_ids),
                 leave_by,
                 min(max_rows, limits.max_feature_cells // max(1, len(read.features))),
             )
-            for read in plan.reads
+            for i, read in enumerate(plan.reads)
         ]
         read = [await asks[0]] if len(asks) == 1 else await asyncio.gather(*asks)
         return _features_of(plan, read)
@@ -582,12 +590,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> None:
         """One GetFeatures for every member: the union of their entity ids (an entity asked
         twice is read once), each member answered its own rows and stale entities."""
-        view, features = key
+        view, features, tier = key
         if len(members) == 1:
             ids = members[0].item.read.entity_ids
         else:
             ids = list(dict.fromkeys(e for m in members for e in m.item.read.entity_ids))
-        lookup = build_request(view, ids, features)
+        lookup = build_request(view, ids, features, tier)
         deadline = min(m.deadline for m in members) + self.budget.hop_budget_s
         try:
             with _current(_shared_span(GET_FEATURES_METHOD, members)):
@@ -612,7 +620,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return
         if len(members) == 1:
             settle(
-                members[0], (matrix, stale_reason(ids, reply.vectors), _fresh(reply, reply.vectors))
+                members[0],
+                (
+                    matrix,
+                    stale_reason(ids, reply.vectors),
+                    _fresh(reply, reply.vectors),
+                    _tier_state(reply, tier, None),
+                ),
             )
             return
         position = {entity: i for i, entity in enumerate(ids)}
@@ -620,7 +634,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             own = member.item.read.entity_ids
             rows = [position[entity] for entity in own]
             vectors = [reply.vectors[i] for i in rows]
-            settle(member, (matrix[rows], stale_reason(own, vectors), _fresh(reply, vectors)))
+            settle(
+                member,
+                (
+                    matrix[rows],
+                    stale_reason(own, vectors),
+                    _fresh(reply, vectors),
+                    _tier_state(reply, tier, rows),
+                ),
+            )
 
     async def _send_each_or_all(
         self,
@@ -872,7 +894,24 @@ def _features_of(plan: PredictPlan, read: Sequence[ViewAnswer]) -> Features:
     matrices = {r.view: answer[0] for r, answer in zip(plan.reads, read, strict=True)}
     reasons = [answer[1] for answer in read if answer[1]]
     fresh = {r.view: answer[2] for r, answer in zip(plan.reads, read, strict=True)}
-    return matrices, "; ".join(reasons), fresh
+    return matrices, "; ".join(reasons), fresh, read[0][3]
+
+
+def _tier_state(
+    reply: feature_pb2.GetFeaturesResponse, tier: TierKey | None, rows: Sequence[int] | None
+) -> TierState | None:
+    """The tier state a read brought for the member whose entities are `rows` of the call's
+    (None: all of them); None when none was asked for or the store could not say."""
+    if tier is None or not reply.HasField("tier"):
+        return None
+    found = reply.tier
+    # No answers at all: the version has no batch run (a miss); else one per entity.
+    answers: Sequence[bytes] = found.answers
+    if answers and len(answers) != len(reply.vectors):
+        return None  # not one answer per entity: not ours to guess at
+    if rows is not None and answers:
+        answers = [answers[i] for i in rows]
+    return TierState(found.flush_generation, found.scored_at_unix_ms, answers)
 
 
 def _fresh(

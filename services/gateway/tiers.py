@@ -5,7 +5,8 @@ the cache (LRU + TTL, per gateway) and its keys, and answers made from a tier's 
 gateway (services/gateway/service.py) does the reads:
 
 1. precomputed: the version's current batch run (`servemesh batch score --out redis`),
-   read through the feature service (GetTierAnswers), used when younger than `max_age`;
+   read by the feature service with the call's features (GetFeaturesRequest.tier: one call
+   to the feature service whichever tier answers), used when younger than `max_age`;
 2. cache: answers this gateway computed online, keyed by model, version, entity and the
    entity's feature row as the feature service just read it (the view's load version and
    the row's event time), so a changed row misses;
@@ -26,17 +27,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from servemesh.predlog.record import tier_name
 from servemesh.services.gateway.predict import ModelSignature, PredictPlan, scores_of
 from servemesh.services.gateway.tensors import DATATYPES
 from servemesh.spec import TiersSpec
 from servemesh_api.gateway.v1 import gateway_pb2
 
 # Tier names as the metrics and the prediction log write them.
-TIER_NAMES: dict[int, str] = {
-    gateway_pb2.TIER_ONLINE: "online",
-    gateway_pb2.TIER_CACHE: "cache",
-    gateway_pb2.TIER_PRECOMPUTED: "precomputed",
-}
+TIER_NAMES: dict[int, str] = {tier: tier_name(tier) for tier in gateway_pb2.Tier.values()}
 # Lookup results the metrics count per tier: `stale` is an answer refused for its age,
 # `skipped` a lookup that could not be made (the store unreachable, no time left).
 HIT, MISS, STALE, SKIPPED = "hit", "miss", "stale", "skipped"
@@ -192,6 +190,15 @@ def response_of(
         model_version=version,
         tier=tier,
     )
+
+
+@dataclass(frozen=True)
+class TierState:
+    """What the feature service read of a model version's tiers beside a call's features."""
+
+    flush_generation: int  # the model's (`servemesh cache flush` raises it)
+    scored_at_ms: int  # when the version's current batch run was put in place
+    answers: Sequence[bytes]  # the run's stored answer per entity of the call; b"": none
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,10 @@ endpoints are slow" need. Health checks and reflection are never faulted, so a f
 replica still looks healthy to active checks and only outlier detection can catch it.
 
 Control: a JSON file per instance (`<state_dir>/faults/<instance>.json`), polled; the
-replica acknowledges each change in `<instance>.applied.json` with the same `version`.
+replica acknowledges each change in `<state_dir>/faults/applied/<instance>.json` with the
+same `version`. The acknowledgements have a folder of their own: model servers running as
+a user of their own may write there, and only read the control files (one could otherwise
+set another service's faults).
 """
 
 from __future__ import annotations
@@ -114,7 +117,12 @@ class FaultInjector:
             log.warning("fault settings applied", extra=asdict(settings))
         else:
             log.info("fault settings cleared")
-        _atomic_write_json(control.with_name(control.stem + ".applied.json"), asdict(settings))
+        ack = ack_file(control)
+        try:
+            ack.parent.mkdir(exist_ok=True)
+            _atomic_write_json(ack, asdict(settings))
+        except OSError as exc:  # applied all the same; the drill waiting on it says so
+            log.warning("fault settings not acknowledged", extra={"error": str(exc)})
 
 
 def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
@@ -123,6 +131,15 @@ def _atomic_write_json(path: Path, data: dict[str, Any]) -> None:
 
 def control_file(state_dir: Path, instance: str) -> Path:
     return Path(state_dir) / "faults" / f"{instance}.json"
+
+
+# Where replicas acknowledge their control file's settings (the state dir grants the
+# model servers' group write access to it, and only read access to the control files).
+APPLIED_DIR = "applied"
+
+
+def ack_file(control: Path) -> Path:
+    return control.parent / APPLIED_DIR / control.name
 
 
 def set_fault(
@@ -135,7 +152,7 @@ def set_fault(
     FaultSettings.from_json(data)  # refuse bad settings here, not in the replica
     path = control_file(state_dir, instance)
     _atomic_write_json(path, data)
-    ack = path.with_name(path.stem + ".applied.json")
+    ack = ack_file(path)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:

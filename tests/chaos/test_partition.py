@@ -103,7 +103,10 @@ def test_inter_zone_partition_drill_each_zone_serves_alone(tmp_path: Path) -> No
     assert min(cut["zones"].get(z, 0) for z in ("zone-a", "zone-b")) > 30, cut["zones"]
     # ... while zone-a's Envoy clusters could not reach zone-b's replicas at all.
     assert method_output(result, "zone-b-models-healthy-seen-from-zone-a-during") == 0
-    # Healed: the steady state after checks zone-b is healthy from zone-a again.
+    # Healed: the drill waited for zone-a's Envoy to hold zone-b's replicas healthy again,
+    # and the steady state after checks it.
+    again = method_output(result, "zone-b-models-healthy-again-from-zone-a")
+    assert again["in_time"] is True and again["healthy"] >= 1, again
     after = {p["name"]: p for p in result.summary["steady_state"]["after"]["probes"]}
     assert after["zone-b-models-healthy-seen-from-zone-a"]["value"] >= 1
     # Nothing of the drill's network is left: none of its namespaces, none of its chains.

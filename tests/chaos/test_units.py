@@ -31,6 +31,7 @@ DRILLS = {
     "replica-crash-loop",
     "feature-store-down",
     "registry-down",
+    "registry-restore",
     "bad-canary",
     "inter-zone-partition",
     "rollout-controller-killed",

@@ -27,6 +27,7 @@ from servemesh.spec import (
     Replicas,
     ResolvedSpec,
     dump_spec,
+    free_port,
     resolve,
 )
 from tests.feature.test_feature_health import NOT_SERVING, SERVING, health_becomes
@@ -166,7 +167,7 @@ async def deps(own_redis: RedisServer, tmp_path: Path) -> AsyncIterator[Dependen
     await world.open_listener()
     yield world
     await channel.close()
-    for server in (gateway, feature, model):
+    for server in (gateway, feature, world.model):  # a test may have replaced the model
         await server.drain()
     if world.listener is not None:
         await world.close_listener()
@@ -212,3 +213,76 @@ async def test_models_and_fallbacks_applied_live_change_the_rule(deps: Dependenc
 
     await asyncio.to_thread(deps.redis.start, 15)
     await health_becomes(deps.gateway, SERVING)
+
+
+class Relay:
+    """A TCP relay in front of a replica that can freeze: its connections stay open and no
+    byte passes either way, which is how a stalled (say SIGSTOPped) process looks from
+    outside. New connections are accepted, and frozen too, as the kernel would."""
+
+    def __init__(self, host: str, port: int, target_port: int) -> None:
+        self.host, self.port, self.target_port = host, port, target_port
+        self.flowing = asyncio.Event()
+        self.flowing.set()
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, self.host, self.port)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(self.host, self.target_port)
+        except OSError:
+            writer.close()
+            return
+        self._writers += [writer, up_writer]
+        await asyncio.gather(
+            self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True
+        )
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            await self.flowing.wait()
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    async def close(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._writers:
+            writer.close()
+        self.flowing.set()
+        await self._server.wait_closed()
+
+
+async def test_a_model_replica_that_stops_or_stalls_takes_the_gateway_down_until_it_answers(
+    deps: Dependencies,
+) -> None:
+    # How fast the gateway notices a dead dependency, whatever its probes become: a replica
+    # that stops refuses them, and one that stalls lets them time out.
+    await health_becomes(deps.gateway, SERVING)
+    await deps.model.drain()
+    await health_becomes(deps.gateway, NOT_SERVING)
+
+    # The replica returns behind a relay on its address: the gateway reaches it again.
+    spec = deps.spec
+    model = ServiceServer(
+        MODEL,
+        host=spec.host,
+        port=free_port(spec.host),
+        credentials=serving_credentials(spec, MODEL),
+    )
+    await model.start()
+    deps.model = model  # the fixture drains this one
+    relay = Relay(spec.host, spec.port_of(MODEL), model.port)
+    await relay.start()
+    try:
+        await health_becomes(deps.gateway, SERVING)
+        relay.flowing.clear()  # stalled: connected, answering nothing
+        await health_becomes(deps.gateway, NOT_SERVING)
+        relay.flowing.set()
+        await health_becomes(deps.gateway, SERVING)
+    finally:
+        await relay.close()

@@ -1,10 +1,7 @@
 """A whole local mesh (Redis, registry, model servers, features, gateways, Envoy) for the
-package (`mesh`), and the order the package's modules run in.
-
-The package's modules that never ask for `mesh` (each starts a mesh or an Envoy of its own)
-run first, then the modules on `mesh`: it starts with the first test that asks for it and
-stops after the package's last test (package scope), so it never idles beside another
-module's mesh or beside the packages that run after this one."""
+package (`mesh`), package-scoped: the modules on it run as one group (tests/conftest.py,
+`worker_group`), so it starts once, with the group's first test, and stops after its last.
+The package's modules that never ask for it start a mesh or an Envoy of their own."""
 
 from __future__ import annotations
 
@@ -31,24 +28,15 @@ SLOW_MS = 200.0
 _HERE = Path(__file__).parent
 
 
-def _on_package_mesh(item: pytest.Item) -> bool:
-    """Whether a test asks for the package's `mesh` (itself or through another fixture),
-    rather than for a fixture of its own module that has the same name."""
+def on_package_mesh(item: pytest.Item) -> bool:
+    """Whether a test of this package asks for the package's `mesh` (itself or through
+    another fixture), rather than for a fixture of its own module that has the same name."""
     return (
         isinstance(item, pytest.Function)
+        and item.path.parent == _HERE
         and "mesh" in item.fixturenames
         and "mesh" not in vars(item.module)
     )
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """In this package, whole modules not on `mesh` first, then the modules on it; the
-    order inside each group, and every item outside this package, is kept."""
-    slots = [i for i, item in enumerate(items) if item.path.parent == _HERE]
-    ours = [items[i] for i in slots]
-    on_mesh = {item.path for item in ours if _on_package_mesh(item)}
-    for slot, item in zip(slots, sorted(ours, key=lambda i: i.path in on_mesh), strict=True):
-        items[slot] = item
 
 
 def test_mesh_spec(state_dir: str, entities: int = 500) -> MeshSpec:

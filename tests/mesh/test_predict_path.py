@@ -140,9 +140,9 @@ def test_deadline_shorter_than_the_model_is_deadline_exceeded_and_the_replica_dr
         )
     elapsed_ms = (time.perf_counter() - started) * 1000
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert elapsed_ms < 60 + 20, (
-        f"answered after {elapsed_ms:.0f} ms"
-    )  # 20 ms slack for a 2-core box
+    # Answered at the caller's deadline, not after the model's ~200 ms batch; the slack is
+    # for a 2-core box with a busy core, where the client's own timer can fire late.
+    assert elapsed_ms < 50 + 100, f"answered after {elapsed_ms:.0f} ms"
 
     # The replica refused to run it rather than computing a late answer (it knows a batch
     # takes ~200 ms); the line may land a moment after the client gave up.

@@ -9,17 +9,30 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client import start_http_server
 
+from servemesh.observe.prom_query import PromClient
 from servemesh.observe.scrape import delta, parse, quantile, quantiles_by, sum_by
-from servemesh.procs.prometheus import PrometheusServer, promtool_binary, render_config
+from servemesh.procs.prometheus import (
+    STREAMS_JOB,
+    PrometheusServer,
+    prometheus_binary,
+    promtool_binary,
+    render_config,
+    service_targets,
+)
 from servemesh.procs.supervisor import Supervisor
-from servemesh.slo_rules import render_rules
-from servemesh.spec import MeshSpec, Ports, resolve
+from servemesh.slo_rules import SERVICES_JOB, render_rules
+from servemesh.spec import MeshSpec, MetricsSpec, Ports, resolve
+from servemesh.streams.metrics import StreamMetrics
+from servemesh.streams.process import targets_path, write_targets
+from tests.waiting import wait_until
 
 PROMTOOL = promtool_binary()
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None, reason="promtool is not installed (Debian package `prometheus`)"
 )
+PROMETHEUS = prometheus_binary()
 
 
 def _spec(tmp_path: Path) -> MeshSpec:
@@ -41,7 +54,8 @@ def test_the_rendered_config_and_rules_pass_promtool(tmp_path: Path) -> None:
         [PROMTOOL, "check", "rules", str(server.rules_file)], capture_output=True, text=True
     )
     assert rules.returncode == 0, rules.stdout + rules.stderr
-    assert f"SUCCESS: {len(render_rules()['groups'][0]['rules'])} rules found" in rules.stdout
+    count = sum(len(group["rules"]) for group in render_rules(spec)["groups"])
+    assert f"SUCCESS: {count} rules found" in rules.stdout
     config = subprocess.run(
         [PROMTOOL, "check", "config", str(server.config_file)], capture_output=True, text=True
     )
@@ -52,9 +66,12 @@ def test_every_instance_and_envoy_are_targets_labelled_service_instance_zone(
     tmp_path: Path,
 ) -> None:
     spec = resolve(_spec(tmp_path))
-    config = render_config(spec, tmp_path / "rules.yml")
-    services, envoy = config["scrape_configs"]
-    targets = {t["labels"]["instance"]: t for t in services["static_configs"]}
+    config = render_config(spec, tmp_path / "rules.yml", tmp_path / "services.json")
+    services, streams, scaler, envoy = config["scrape_configs"]
+    assert services["file_sd_configs"][0]["files"] == [f"{tmp_path}/services.json"]
+    assert streams["file_sd_configs"][0]["files"] == [f"{tmp_path}/streams/*.targets.json"]
+    assert scaler["file_sd_configs"][0]["files"] == [f"{tmp_path}/scaling/scaler.targets.json"]
+    targets = {t["labels"]["instance"]: t for t in service_targets(spec)}
     assert set(targets) == {i.name for i in spec.instances()}
     gateway = targets["gateway-zone-b-0"]
     assert gateway["labels"] == {
@@ -69,6 +86,68 @@ def test_every_instance_and_envoy_are_targets_labelled_service_instance_zone(
     records = {r["record"] for r in render_rules()["groups"][0]["rules"]}
     assert {"servemesh:predict_success_ratio:rate1m", "servemesh:predict_latency_p99:1m"} <= records
     yaml.safe_dump(config)  # plain data, as written
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (Debian package)")
+def test_targets_found_by_file_come_and_go_a_stream_consumer_and_a_fleet_replica(
+    tmp_path: Path,
+) -> None:
+    """A stream consumer's /metrics is scraped while its file is there; a model server the
+    fleet adds (as the scaler's change does) becomes a target, and leaves once dropped.
+    Both change at once: Prometheus sends discovered targets on at most every 5 s."""
+    base = _spec(tmp_path)
+    # Prometheus reads the files again every scrape interval: a short one.
+    spec = resolve(base.model_copy(update={"metrics": MetricsSpec(scrape_interval_s=0.5)}))
+    metrics = StreamMetrics("orders")
+    metrics.events.labels("orders", "predicted").inc(7)
+    server, thread = start_http_server(0, "127.0.0.1", registry=metrics.registry)
+    assert PROMETHEUS is not None
+
+    def instances(prometheus: PromClient, job: str) -> set[str]:
+        found = prometheus.targets()
+        return {t["labels"]["instance"] for t in found if t["labels"].get("job") == job}
+
+    try:
+        first = {i.name for i in spec.instances()}
+        fleet = spec.fleet.model_copy(update={"per_zone": {"zone-a": 2, "zone-b": 1}})
+        grown = resolve(spec.model_copy(update={"fleet": fleet}))
+        added = {i.name for i in grown.instances()} - first
+        assert added == {"model-zone-a-1"}
+        with Supervisor(tmp_path / "logs") as supervisor:
+            prom = PrometheusServer(supervisor, spec, tmp_path / "prometheus", PROMETHEUS)
+            prom.start(30)
+            prometheus = PromClient(spec.prometheus_address)
+            wait_until(lambda: instances(prometheus, SERVICES_JOB) == first, "the instances")
+            targets = targets_path(spec.state_dir, "orders", "consumer-1")
+            write_targets(targets, f"127.0.0.1:{server.server_port}", "orders", "consumer-1")
+            prom.write_targets(grown)
+
+            def events() -> list[tuple[dict[str, str], float]]:
+                return prometheus.query('servemesh_stream_events_total{outcome="predicted"}')
+
+            [(labels, value)] = wait_until(events, "Prometheus to scrape the consumer")
+            assert value == 7.0
+            assert (labels["job"], labels["stream"], labels["instance"]) == (
+                STREAMS_JOB,
+                "orders",
+                "consumer-1",
+            )
+            wait_until(
+                lambda: instances(prometheus, SERVICES_JOB) == first | added, "the new replica"
+            )
+            targets.unlink()  # as the consumer does on its way out
+            prom.write_targets(spec)  # the fleet drops the replica again
+
+            def dropped() -> bool:
+                return not instances(prometheus, STREAMS_JOB) and (
+                    instances(prometheus, SERVICES_JOB) == first
+                )
+
+            wait_until(dropped, "Prometheus to drop the consumer and the replica")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
 
 
 TEXT_BEFORE = """

@@ -68,12 +68,16 @@ async def test_deadline_mix_marks_its_short_callers(echo_address: str) -> None:
         rate=200,
         seconds=0.5,
         warmup_s=0.05,
-        timeout_for=lambda i: 0.02 if i % 10 < 3 else 1.0,
+        # The short deadline is still generous: this checks the marking, and a box with a
+        # busy core can hold an echo call past 20 ms. Whether short callers meet a tight
+        # deadline is what the benchmark itself measures.
+        timeout_for=lambda i: 5.0 if i % 10 < 3 else 10.0,
         is_short=lambda i: i % 10 < 3,
     )
     assert mix.mode == "deadline-mix"
     assert mix.short_sent == pytest.approx(0.3 * mix.sent, abs=2)
-    assert mix.short_ok == mix.short_sent  # an echo server meets 20 ms easily
+    assert mix.errors == {}
+    assert mix.short_ok == mix.short_sent
 
 
 async def test_an_unreachable_server_is_counted_as_errors() -> None:

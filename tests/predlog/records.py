@@ -37,6 +37,7 @@ def captured(
     model: str = "fraud",
     version: str = "v1",
     degraded: bool = False,
+    tier: gateway_pb2.Tier = gateway_pb2.TIER_ONLINE,
 ) -> PredictWatch:
     """A finished call at time `at`, as its watch hands it to the log."""
     ended: list[PredictWatch] = []
@@ -50,6 +51,7 @@ def captured(
     watch.feature_s = 0.001
     if status == "OK":
         reply = answer(version=version)
+        reply.tier = tier
         if degraded:
             reply.degraded = True
             reply.degraded_reason = "feature service: down"

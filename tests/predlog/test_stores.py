@@ -6,16 +6,19 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC
 from pathlib import Path
 
 import psycopg
+import pyarrow.parquet as pq
 import pytest
 from psycopg import sql
 
 from servemesh.predlog.parquet_store import MERGE_RUN, ParquetStore, instance_files, live_files
 from servemesh.predlog.postgres_store import PostgresStore
 from servemesh.predlog.query import LogQuery, ParquetReader, PostgresReader
-from servemesh.predlog.record import Row
+from servemesh.predlog.record import COLUMNS, Row
+from servemesh_api.gateway.v1 import gateway_pb2
 from tests.postgres_server import PostgresServer
 from tests.predlog.records import row
 
@@ -252,3 +255,88 @@ def test_the_entities_a_model_s_calls_named_most(backend: Backend) -> None:
     ]
     assert backend.reader.top_entities("fraud", "account", 86400, 5).rows == []
     assert backend.reader.top_entities("nobody", "user", 86400, 5).calls == 0
+
+
+def test_each_call_says_which_tier_answered_and_can_be_found_by_it(backend: Backend) -> None:
+    backend.store.write(
+        [
+            row(NOW - 30, request_id="online"),
+            row(NOW - 20, request_id="cached", tier=gateway_pb2.TIER_CACHE),
+            row(NOW - 10, request_id="batch", tier=gateway_pb2.TIER_PRECOMPUTED),
+            row(NOW - 5, request_id="failed", status="UNAVAILABLE"),
+        ]
+    )
+    every = backend.reader.query(LogQuery(since_s=300))
+    assert {r["request_id"]: r["tier"] for r in every.rows} == {
+        "online": "online",
+        "cached": "cache",
+        "batch": "precomputed",
+        "failed": "",  # no tier answered it
+    }
+    found = backend.reader.query(LogQuery(since_s=300, tier="cache"))
+    assert [r["request_id"] for r in found.rows] == ["cached"]
+
+
+def test_files_written_before_the_tier_column_read_as_no_tier(tmp_path: Path) -> None:
+    root = tmp_path / "predictions"
+    store = ParquetStore(root, "gateway-zone-a-0", lambda: NOW)
+    store.write([row(NOW - 10, request_id="old")])
+    (written,) = instance_files(root / "gateway-zone-a-0")
+    table = pq.read_table(written.path)
+    pq.write_table(table.drop_columns(["tier"]), written.path)  # as an older gateway wrote it
+    store.write([row(NOW - 5, request_id="new", tier=gateway_pb2.TIER_CACHE)])
+    found = ParquetReader(root, lambda: NOW).query(LogQuery(since_s=300))
+    assert {r["request_id"]: r["tier"] for r in found.rows} == {"old": "", "new": "cache"}
+
+
+def test_a_table_made_before_the_tier_column_gains_it(dsn: str) -> None:
+    for table in _postgres_table(dsn):
+        columns = [c for c in COLUMNS if c != "tier"]
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("CREATE TABLE {} ({})").format(
+                    sql.Identifier(table),
+                    sql.SQL(", ").join(
+                        sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(kind))
+                        for c, kind in zip(columns, OLD_TYPES, strict=True)
+                    ),
+                )
+            )
+        store = PostgresStore(dsn, table)
+        try:
+            store.write([row(NOW - 5, request_id="new", tier=gateway_pb2.TIER_PRECOMPUTED)])
+        finally:
+            store.close()
+        found = PostgresReader(dsn, table, lambda: NOW).query(LogQuery(since_s=300))
+        assert [(r["request_id"], r["tier"]) for r in found.rows] == [("new", "precomputed")]
+
+
+# The column types of a table as the first release made it (every column before `tier`).
+OLD_TYPES = (
+    "timestamptz NOT NULL",
+    *("text NOT NULL",) * 8,
+    "jsonb NOT NULL",
+    "text[] NOT NULL",
+    "jsonb NOT NULL",
+    "double precision",
+    "double precision",
+    "double precision NOT NULL",
+    "text NOT NULL",
+    "text NOT NULL",
+    "boolean NOT NULL",
+    "text NOT NULL",
+)
+
+
+def test_calls_are_counted_per_utc_hour_for_a_forecast(backend: Backend) -> None:
+    hour = NOW - NOW % 3600  # 08:00 UTC
+    backend.store.write(
+        [
+            row(hour - 3600 + 10, request_id="a"),
+            row(hour - 3600 + 20, request_id="b"),
+            row(hour + 5, request_id="c"),
+            row(hour - 3 * 86400, request_id="old"),
+        ]
+    )
+    found = backend.reader.hourly_calls(86400)
+    assert [(at.astimezone(UTC).hour, n) for at, n in found] == [(7, 2), (8, 1)]

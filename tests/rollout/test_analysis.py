@@ -22,6 +22,7 @@ from servemesh.rollout.analysis import (
 from servemesh.rollout.stats import (
     binomial_tail,
     bucket_quantile,
+    chi2_sf,
     count_above,
     ks_distance,
     merged_bins,
@@ -241,6 +242,31 @@ def test_psi_waits_while_chance_alone_could_reach_the_limit() -> None:
     canary = _arm("v2", 120, scores=_scores(rng, 120))
     check = _by_name(judge(baseline, canary, ANALYSIS))["psi"]
     assert check.verdict == "wait" and "too few scores" in check.detail
+
+
+def test_psi_over_the_limit_waits_when_chance_could_give_it() -> None:
+    # A good canary's handful of scores against the baseline's (seen in a real rollout: 26
+    # against 31 over two bins, PSI 0.55 > 0.5): a shift that large happens by chance at
+    # these sizes about once in two hundred windows. Wait for more.
+    baseline = _arm("v1", 31, scores=[0.2] * 15 + [0.8] * 16)
+    canary = _arm("v2", 26, scores=[0.2] * 22 + [0.8] * 4)
+    loose = AnalysisSpec(min_samples=20, max_psi=0.5)
+    check = _by_name(judge(baseline, canary, loose))["psi"]
+    assert check.verdict == "wait", check
+    assert "which chance alone could give" in check.detail and "> 0.5" in check.detail
+    # The same shares over ten times the scores are no chance.
+    many = _arm("v1", 310, scores=[0.2] * 150 + [0.8] * 160)
+    moved = _arm("v2", 260, scores=[0.2] * 220 + [0.8] * 40)
+    check = _by_name(judge(many, moved, loose))["psi"]
+    assert check.verdict == "fail", check
+
+
+def test_chi2_survival_matches_the_tables() -> None:
+    # The 5% and 0.1% critical values of chi-square at 1, 2, 5 and 9 degrees of freedom.
+    for x, df, p in ((3.841, 1, 0.05), (5.991, 2, 0.05), (11.070, 5, 0.05), (16.919, 9, 0.05),
+                     (10.828, 1, 0.001), (27.877, 9, 0.001)):  # fmt: skip
+        assert chi2_sf(x, df) == pytest.approx(p, rel=2e-3), (x, df)
+    assert chi2_sf(0.0, 3) == 1.0
 
 
 def test_a_model_without_scores_passes_psi() -> None:

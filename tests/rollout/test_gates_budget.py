@@ -63,7 +63,7 @@ def _spec(tmp_path: Path, slos: dict[str, SloSpec]) -> ResolvedSpec:
 def test_a_spec_with_slos_renders_burn_rate_and_budget_rules_per_model(tmp_path: Path) -> None:
     spec = _spec(tmp_path, {"fraud": SloSpec(availability=0.99, p99_ms=100, window="30d")})
     groups = render_rules(spec)["groups"]
-    assert [g["name"] for g in groups] == ["servemesh-sli", "servemesh-slo"]
+    assert [g["name"] for g in groups] == ["servemesh-sli", "servemesh-slo", "servemesh-cost"]
     rules = groups[1]["rules"]
     burns = {
         (r["labels"]["objective"], r["labels"]["window"]) for r in rules if r["record"] == BURN_RATE
@@ -82,8 +82,11 @@ def test_a_spec_with_slos_renders_burn_rate_and_budget_rules_per_model(tmp_path:
     assert availability["expr"].endswith("/ 0.010000000000000009)")
     latency = budgets[1]["expr"]
     assert 'le=~"0\\\\.1"' in latency and latency.endswith("/ 0.01)")
-    # Without SLOs, only the SLI group (what compose and older callers render).
-    assert [g["name"] for g in render_rules(_spec(tmp_path, {}))["groups"]] == ["servemesh-sli"]
+    # Without SLOs, no SLO group.
+    assert [g["name"] for g in render_rules(_spec(tmp_path, {}))["groups"]] == [
+        "servemesh-sli",
+        "servemesh-cost",
+    ]
 
 
 @pytest.mark.skipif(

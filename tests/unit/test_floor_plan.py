@@ -22,6 +22,7 @@ CONTRACT = {
     "policy",
     "durations",
     "rollout_plan",
+    "scaling_policy",
     "rollout_state",
     "demo",
     "demo_model",
@@ -57,7 +58,9 @@ ALLOWED: dict[str, set[str]] = {
     # what a rollout records under <state_dir>/rollouts/: the controller writes it, `rollout
     # status` and the chaos drills read it
     "rollout_state": {"atomic", "private", "rollout_plan", "errors"},
-    "spec": {"demo", "policy", "durations", "rollout_plan", "errors"},
+    "spec": {"demo", "policy", "durations", "rollout_plan", "scaling_policy", "errors"},
+    # what the scaler holds each pool to: bounds, targets, windows, calendar floors
+    "scaling_policy": {"durations", "policy"},
     # does a model's spec entry fit an artifact's signature (apply, loader, gateway)
     "model_contract": {"spec", "wire"},
     # the control credential: services check it, every control caller sends it
@@ -109,10 +112,22 @@ ALLOWED: dict[str, set[str]] = {
     "batch": CONTRACT
     | {"credentials", "registry", "services.feature", "services.gateway", "services.model"},
     # the launcher starts the batch scheduler when the spec has jobs (its ready file)
-    "launcher": CONTRACT | TOOLING | {"seeding", "batch"},
+    "launcher": CONTRACT | TOOLING | {"seeding", "batch", "scaling"},
+    # the scaler: signals from the replicas' /metrics, decisions, fleet changes through the
+    # route manager (the fleet's own waits: a replica's version health, Envoy's hosts)
+    "scaling": CONTRACT | TOOLING | {"rollout", "predlog", "capacity"},
+    # the capacity plan's arithmetic and the measurement it keeps (the scaler's forecast
+    # reads it)
+    "capacity": CONTRACT,
+    # the capacity plan's step load, on a mesh of its own (the stream consumer's edge
+    # credentials for its calls)
+    "capacity_probe": CONTRACT | TOOLING | {"launcher", "bench", "capacity", "streams"},
     # what runs meshes and measures them; the chaos suite is imported by the CLI alone
-    # (its drills drive `servemesh rollout` as a command, and read the state it records)
-    "chaos": CONTRACT | TOOLING | {"launcher", "seeding", "services.runtime", "streams"},
+    # (its drills drive `servemesh rollout` as a command, and read the state it records;
+    # the registry-restore drill backs the registry up and restores it with its own module)
+    "chaos": CONTRACT
+    | TOOLING
+    | {"launcher", "seeding", "services.runtime", "streams", "registry"},
     # two meshes against each other, and the trace store read for a sampled trace
     "observe_bench": CONTRACT | TOOLING | {"launcher", "tracestore"},
     # the mesh against its own model server (it reads CPU and settles a mesh as observe_bench)
@@ -123,8 +138,13 @@ ALLOWED: dict[str, set[str]] = {
     "batch_bench": CONTRACT | TOOLING | {"batch", "registry", "services.feature", "services.model"},
     # Predicts with the gateway's tiers on and off, on a mesh of its own
     "tiers_bench": CONTRACT | TOOLING | {"launcher", "observe_bench", "bench", "batch"},
+    "batch_mesh_bench": CONTRACT | TOOLING | {"launcher", "observe_bench", "bench", "tiers_bench"},
+    # fixed and autoscaled meshes under one ramp (the scaler's history, the fleet's waits)
+    "scale_bench": CONTRACT
+    | TOOLING
+    | {"launcher", "bench", "observe_bench", "scaling", "rollout"},
     # a stream consumer on a mesh of its own: events/s and event-to-prediction latency
-    "stream_bench": CONTRACT | TOOLING | {"launcher", "streams"},
+    "stream_bench": CONTRACT | TOOLING | {"launcher", "bench", "streams"},
     # fuzzes a mesh of its own (launcher) through Envoy and straight to its replicas
     "fuzz": CONTRACT | TOOLING | {"launcher"},
     "model_bench": CONTRACT | TOOLING | SERVICES,
@@ -156,6 +176,11 @@ ALLOWED: dict[str, set[str]] = {
         "batch",
         "batch_bench",
         "tiers_bench",
+        "batch_mesh_bench",
+        "scale_bench",
+        "scaling",
+        "capacity",
+        "capacity_probe",
         "fuzz",
         "model_bench",
         "features",

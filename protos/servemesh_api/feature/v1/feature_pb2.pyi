@@ -15,16 +15,28 @@ ROW_LABEL_ROW: RowLabel
 ROW_LABEL_LINE: RowLabel
 
 class GetFeaturesRequest(_message.Message):
-    __slots__ = ("view", "entity_ids", "feature_names", "packed")
+    __slots__ = ("view", "entity_ids", "feature_names", "packed", "tier")
     VIEW_FIELD_NUMBER: _ClassVar[int]
     ENTITY_IDS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_NAMES_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     view: str
     entity_ids: _containers.RepeatedScalarFieldContainer[str]
     feature_names: _containers.RepeatedScalarFieldContainer[str]
     packed: bool
-    def __init__(self, view: _Optional[str] = ..., entity_ids: _Optional[_Iterable[str]] = ..., feature_names: _Optional[_Iterable[str]] = ..., packed: _Optional[bool] = ...) -> None: ...
+    tier: TierAsk
+    def __init__(self, view: _Optional[str] = ..., entity_ids: _Optional[_Iterable[str]] = ..., feature_names: _Optional[_Iterable[str]] = ..., packed: _Optional[bool] = ..., tier: _Optional[_Union[TierAsk, _Mapping]] = ...) -> None: ...
+
+class TierAsk(_message.Message):
+    __slots__ = ("model", "version", "precomputed")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PRECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: str
+    precomputed: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., precomputed: _Optional[bool] = ...) -> None: ...
 
 class FeatureVector(_message.Message):
     __slots__ = ("entity_id", "values", "defaulted", "stale", "event_time_unix_ms")
@@ -41,14 +53,16 @@ class FeatureVector(_message.Message):
     def __init__(self, entity_id: _Optional[str] = ..., values: _Optional[_Iterable[float]] = ..., defaulted: _Optional[bool] = ..., stale: _Optional[bool] = ..., event_time_unix_ms: _Optional[int] = ...) -> None: ...
 
 class GetFeaturesResponse(_message.Message):
-    __slots__ = ("vectors", "packed_values", "view_version")
+    __slots__ = ("vectors", "packed_values", "view_version", "tier")
     VECTORS_FIELD_NUMBER: _ClassVar[int]
     PACKED_VALUES_FIELD_NUMBER: _ClassVar[int]
     VIEW_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     vectors: _containers.RepeatedCompositeFieldContainer[FeatureVector]
     packed_values: bytes
     view_version: int
-    def __init__(self, vectors: _Optional[_Iterable[_Union[FeatureVector, _Mapping]]] = ..., packed_values: _Optional[bytes] = ..., view_version: _Optional[int] = ...) -> None: ...
+    tier: GetTierAnswersResponse
+    def __init__(self, vectors: _Optional[_Iterable[_Union[FeatureVector, _Mapping]]] = ..., packed_values: _Optional[bytes] = ..., view_version: _Optional[int] = ..., tier: _Optional[_Union[GetTierAnswersResponse, _Mapping]] = ...) -> None: ...
 
 class EntityFeatures(_message.Message):
     __slots__ = ("entity_id", "values", "event_time_unix_ms")

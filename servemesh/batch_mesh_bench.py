@@ -1,0 +1,272 @@
+"""`servemesh bench batch --through-mesh`: online Predict latency while a batch run scores
+through the same mesh's model servers, against the same load without it, in one run.
+
+One mesh starts from the spec with `entities` demo entities. Then, `repeats` times, the
+order turning each repeat:
+
+- online alone: c=`concurrency` Predicts of random entities through the edge for
+  `seconds` (after the warm-up every `bench` round has);
+- online during batch: a real `servemesh batch score --view ... --through-mesh` run (a child
+  process: its own interpreter, as an operator would start it) scoring every entity of the
+  view at the model's lowest batcher priority, and, once it is seen scoring (the model
+  servers' ModelInfer count moves with no online load), the same online load. The round
+  counts only when the batch run was still scoring when the load ended; its rows/s over
+  the window is reported beside.
+
+The goal (issue: "through the mesh, the online p99 measured during a batch run stays within
+1.5x of the p99 without it") is read from the medians of the repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from servemesh.bench import Round, bench_spec, measure, summarize_rows
+from servemesh.identity import dial_edge
+from servemesh.launcher import Mesh
+from servemesh.load.stats import spread
+from servemesh.observe.scrape import scrape, sum_by
+from servemesh.observe_bench import wait_answering
+from servemesh.spec import MeshSpec
+from servemesh.tiers_bench import entity_target
+from servemesh.wire import OIP_SERVICE
+
+ALONE, DURING = "online alone", "online during batch"
+GOAL_P99_RATIO = 1.5
+RPC = "servemesh_rpc_requests_total"
+INFER_METHOD = f"/{OIP_SERVICE}/ModelInfer"
+
+
+@dataclass(frozen=True)
+class BatchWindow:
+    """What the batch run did while one `during` round measured."""
+
+    repeat: int
+    rows_per_s: float  # rows the model servers scored for it over the window
+    overlapped: bool  # still scoring when the online load ended
+
+
+def model_infer_calls(mesh: Mesh) -> float:
+    """ModelInfer calls answered so far, over every model server."""
+    total = 0.0
+    for instance in mesh.spec.instances():
+        if instance.service != "model":
+            continue
+        samples = scrape(mesh.spec.metrics_address_of(instance.name))
+        calls = sum_by(samples, RPC, ("method",), lambda labels: labels.get("code") == "OK")
+        total += calls.get((INFER_METHOD,), 0.0)
+    return total
+
+
+class BatchRun:
+    """One `servemesh batch score --through-mesh` child of the benchmark, stopped by PID."""
+
+    def __init__(self, mesh: Mesh, model: str, view: str, out: Path, batch_size: int) -> None:
+        self.out = out
+        argv = [
+            sys.executable, "-m", "servemesh", "batch", "--state-dir", str(mesh.state_dir),
+            "score", "--model", model, "--view", view, "--through-mesh",
+            "--batch-size", str(batch_size), "--out", str(out), "--progress", "off",
+        ]  # fmt: skip
+        self.process = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self) -> None:
+        """Interrupt it as Ctrl-C would (it keeps a checkpoint) and reap it."""
+        if self.running():
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stderr is not None:
+            self.process.stderr.close()
+
+    def failure(self) -> str:
+        """Why it ended, when it ended badly on its own ("" otherwise)."""
+        code = self.process.poll()
+        if code in (None, 0, 130):
+            return ""
+        tail = self.process.stderr.read()[-2000:] if self.process.stderr else ""
+        return f"batch score exited {code}: {tail}"
+
+
+def wait_scoring(mesh: Mesh, run: BatchRun, timeout_s: float = 120.0) -> None:
+    """Until the model servers answer ModelInfer calls with no online load: the batch run
+    is scoring."""
+    start = model_infer_calls(mesh)
+    deadline = time.monotonic() + timeout_s
+    while model_infer_calls(mesh) <= start:
+        if not run.running():
+            raise RuntimeError(run.failure() or "batch score ended before it scored a batch")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"batch score made no ModelInfer call within {timeout_s:g} s")
+        time.sleep(0.05)
+
+
+def bench_during_batch(
+    spec: MeshSpec,
+    *,
+    entities: int = 200_000,
+    concurrency: int = 8,
+    seconds: float = 6.0,
+    repeats: int = 3,
+    batch_size: int = 256,
+    progress: Callable[[Round], None] = lambda _: None,
+) -> dict[str, object]:
+    spec = bench_spec(spec)
+    spec = spec.model_copy(update={"demo": spec.demo.model_copy(update={"entities": entities})})
+    model = next(iter(sorted(spec.models)))
+    view = next(iter(spec.models[model].effective_inputs.values())).view
+    assert view is not None, f"{model}: its first input comes from no view"
+    ids = [f"user-{k}" for k in np.random.default_rng(0).integers(0, entities, 4096)]
+    rounds: list[Round] = []
+    windows: list[BatchWindow] = []
+    with tempfile.TemporaryDirectory() as state:
+        mesh = Mesh.from_spec(spec, Path(state))
+        mesh.start()
+        try:
+            wait_answering(mesh)
+            target = entity_target(dial_edge(mesh.spec), model, ids)
+            for repeat in range(repeats):
+                for phase in (ALONE, DURING) if repeat % 2 == 0 else (DURING, ALONE):
+                    if phase == ALONE:
+                        found = measure(mesh, target, ALONE, concurrency, seconds, repeat)
+                        progress(found)
+                        rounds.append(found)
+                        continue
+                    out = Path(state) / f"batch-{repeat}.parquet"
+                    run = BatchRun(mesh, model, view, out, batch_size)
+                    try:
+                        wait_scoring(mesh, run)
+                        calls_before, started = model_infer_calls(mesh), time.monotonic()
+                        found = measure(mesh, target, DURING, concurrency, seconds, repeat)
+                        overlapped = run.running()
+                        calls = model_infer_calls(mesh) - calls_before
+                        elapsed = time.monotonic() - started
+                    finally:
+                        run.stop()
+                    # Each batch call carries `batch_size` rows; the online calls one each
+                    # (coalesced at the gateways, so this overcounts online: a lower bound).
+                    online = found.rps * seconds
+                    batch_rows = max(0.0, calls - online) * batch_size
+                    windows.append(BatchWindow(repeat, round(batch_rows / elapsed), overlapped))
+                    progress(found)
+                    rounds.append(found)
+        finally:
+            mesh.stop()
+    rows = summarize_rows(rounds, set())
+    by = {r.target: r for r in rows}
+    alone = [r.p99_ms for r in rounds if r.target == ALONE]
+    during = [r.p99_ms for r in rounds if r.target == DURING]
+    ratio = statistics.median(during) / statistics.median(alone)
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "model": model,
+        "view": view,
+        "entities": entities,
+        "concurrency": concurrency,
+        "seconds": seconds,
+        "repeats": repeats,
+        "batch_size": batch_size,
+        "rows": [asdict(r) for r in rows],
+        "batch_windows": [asdict(w) for w in windows],
+        "p99_during_over_alone": {
+            "median": round(ratio, 3),
+            "per_repeat": [round(d / a, 3) for d, a in zip(during, alone, strict=False)],
+            "spread_alone": round(spread(alone), 3),
+            "spread_during": round(spread(during), 3),
+        },
+        "p50_during_over_alone": round(by[DURING].p50_ms_median / by[ALONE].p50_ms_median, 3),
+        "goals": [
+            {
+                "goal": f"online p99 during a batch run / alone <= {GOAL_P99_RATIO}",
+                "measured": round(ratio, 3),
+                "met": ratio <= GOAL_P99_RATIO and all(w.overlapped for w in windows),
+            }
+        ],
+        "rounds": [asdict(r) for r in rounds],
+    }
+
+
+def print_report(report: Mapping[str, object]) -> None:
+    print(
+        f"online Predicts at c={report['concurrency']} through the edge, {report['repeats']} "
+        f"repeats of {report['seconds']} s, with and without `batch score --through-mesh` of "
+        f"{report['entities']:,} {report['view']} entities (batch {report['batch_size']})"
+    )
+    print(f"{'phase':<20} {'req/s':>7} {'min-max':>11} {'p50 ms':>7} {'p99 ms':>7} {'p99 max':>8}")
+    for row in report["rows"]:  # type: ignore[attr-defined]
+        print(
+            f"{row['target']:<20} {row['rps_median']:>7,.0f} "
+            f"{row['rps_min']:>5,.0f}-{row['rps_max']:<5,.0f} {row['p50_ms_median']:>7.2f} "
+            f"{row['p99_ms_median']:>7.2f} {row['p99_ms_max']:>8.2f}"
+        )
+    windows = report["batch_windows"]
+    shown = ", ".join(
+        f"{w['rows_per_s']:,} rows/s{'' if w['overlapped'] else ' (ended early)'}"
+        for w in windows  # type: ignore[attr-defined]
+    )
+    print(f"batch run during each window: {shown}")
+    ratio = report["p99_during_over_alone"]
+    print(f"p99 during / alone: {ratio['median']}x (per repeat {ratio['per_repeat']})")  # type: ignore[index]
+    print(f"p50 during / alone: {report['p50_during_over_alone']}x")
+    for goal in report["goals"]:  # type: ignore[attr-defined]
+        print(f"  {goal['goal']}: {goal['measured']} {'met' if goal['met'] else 'MISSED'}")
+
+
+def main(
+    spec_path: str | None,
+    *,
+    entities: int,
+    concurrency: int,
+    seconds: float,
+    repeats: int,
+    batch_size: int,
+    json_out: str | None,
+    as_json: bool,
+) -> int:
+    from servemesh.spec import load_spec
+
+    spec = load_spec(spec_path) if spec_path else MeshSpec()
+
+    def show(found: Round) -> None:
+        if not as_json:
+            print(
+                f"  {found.target} repeat {found.repeat}: {found.rps:,.0f} req/s, "
+                f"p99 {found.p99_ms:.1f} ms",
+                flush=True,
+            )
+
+    report = bench_during_batch(
+        spec,
+        entities=entities,
+        concurrency=concurrency,
+        seconds=seconds,
+        repeats=repeats,
+        batch_size=batch_size,
+        progress=show,
+    )
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=2) + "\n")
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0

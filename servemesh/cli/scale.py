@@ -1,0 +1,205 @@
+"""`servemesh scale status|history|run`: the scaler's view of each zone, what it decided and
+why, and the scaler itself in the foreground (docs/capacity.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rich.table import Table
+
+from servemesh.cli.mesh import add_mesh_flags, recorded_state_dir, running_mesh
+from servemesh.cli.output import out
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from servemesh.scaling.actuator import busy_with_an_update, zone_replicas
+    from servemesh.scaling.history import read_status
+
+    mesh = running_mesh(args)
+    spec = mesh.spec
+    found = read_status(mesh.state_dir) or {}
+    zones: dict[str, Any] = found.get("zones", {})
+    pool = spec.scaling.model_servers
+    rows = []
+    for zone in spec.scaled_zones():
+        rotation, standby = zone_replicas(spec, zone)
+        last = zones.get(zone, {})
+        rows.append(
+            {
+                "zone": zone,
+                "in_rotation": len(rotation),
+                "standby": len(standby),
+                "min": pool.min,
+                "max": pool.max,
+                "floor": last.get("floor"),
+                "signals": last.get("signals", {}),
+                "decision": last.get("decision", ""),
+            }
+        )
+    held = busy_with_an_update(spec) or zones.get("", {}).get("held", "")
+    if not spec.scaling.enabled:
+        held = "scaling.enabled is false"
+    if args.json:
+        print(json.dumps({"at": found.get("at"), "held": held, "zones": rows}))
+        return 0
+    table = Table(title=f"model servers per zone (last round {found.get('at', '-')})")
+    for column in ("zone", "in rotation", "standby", "min..max", "floor"):
+        table.add_column(column)
+    for column in ("p99 ms", "queue", "cpu", "calls/s"):
+        table.add_column(column, justify="right")
+    table.add_column("last decision")
+    for row in rows:
+        signals = row["signals"]
+        table.add_row(
+            row["zone"],
+            str(row["in_rotation"]),
+            str(row["standby"]),
+            f"{row['min']}..{row['max']}",
+            "-" if row["floor"] is None else str(row["floor"]),
+            *(_shown(signals.get(k)) for k in ("p99_ms", "queue_depth", "cpu", "calls_per_s")),
+            row["decision"] or "-",
+        )
+    out.print(table)
+    if held:
+        out.print(f"held: {held}", markup=False)
+    return 0
+
+
+def _shown(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    from servemesh.scaling.history import FOLDER, read_history
+
+    state_dir = recorded_state_dir(args, FOLDER)
+    entries = read_history(state_dir, args.limit)
+    if args.json:
+        for entry in entries:
+            print(json.dumps(entry))
+        return 0
+    if not entries:
+        out.print("no scaling decision recorded yet")
+        return 0
+    table = Table()
+    for column in ("at (UTC)", "zone", "change", "why", "outcome", "s"):
+        table.add_column(column)
+    for entry in entries:
+        table.add_row(
+            str(entry["at"]),
+            str(entry["zone"]),
+            f"{entry['from']} -> {entry['to']}",
+            str(entry["reason"]),
+            str(entry["outcome"]),
+            "-" if entry.get("seconds") is None else f"{entry['seconds']:.1f}",
+        )
+    out.print(table)
+    return 0
+
+
+def cmd_forecast(args: argparse.Namespace) -> int:
+    from datetime import UTC, datetime, timedelta
+    from zoneinfo import ZoneInfo
+
+    from servemesh.scaling.forecast import forecast, replica_capacity
+    from servemesh.scaling.loop import logged_hours
+
+    mesh = running_mesh(args)
+    spec = mesh.spec
+    pool = spec.scaling.model_servers
+    zone = ZoneInfo(pool.schedule.timezone)
+    zones = len(spec.scaled_zones())
+    capacity, source = replica_capacity(spec, mesh.state_dir)
+    history = logged_hours(spec, pool.forecast.weeks * 7 * 86400.0 + args.hours * 3600.0)
+    actual = {at: calls / 3600.0 for at, calls in history}
+    now = datetime.now(UTC)
+    this_hour = now.replace(minute=0, second=0, microsecond=0)
+    rows: list[dict[str, Any]] = []
+    for offset in range(-args.hours, args.hours + 1):
+        at = this_hour + timedelta(hours=offset)
+        # A past hour is forecast as it would have been an hour before it began.
+        seen_from = min(now, at) if offset > 0 else at - timedelta(hours=1)
+        expected = forecast(history, at, seen_from, zone)
+        rows.append(
+            {
+                "hour": at.isoformat(),
+                "local": at.astimezone(zone).strftime("%a %H:%M"),
+                "profile_rps": round(expected.profile_rps, 2),
+                "trend": round(expected.trend, 3),
+                "forecast_rps": round(expected.rps, 2),
+                "actual_rps": None if offset >= 0 else round(actual.get(at, 0.0), 2),
+                "replicas_per_zone": expected.replicas(zones, capacity),
+            }
+        )
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    table = Table(
+        title=f"calls per second by hour ({pool.schedule.timezone}), "
+        f"{capacity:g} per replica ({source}) over {zones} zone(s)"
+        + (
+            ""
+            if pool.forecast.enabled
+            else "; forecast floors are off (scaling.model_servers.forecast)"
+        )
+    )
+    for column in ("hour", "profile", "trend", "forecast", "actual", "replicas/zone"):
+        table.add_column(column, justify="right" if column != "hour" else "left")
+    for row in rows:
+        table.add_row(
+            str(row["local"]),
+            f"{row['profile_rps']:g}",
+            f"{row['trend']:g}",
+            f"{row['forecast_rps']:g}",
+            "-" if row["actual_rps"] is None else f"{row['actual_rps']:g}",
+            str(row["replicas_per_zone"]),
+        )
+    out.print(table)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from servemesh.scaling.__main__ import run
+
+    mesh = running_mesh(args)
+    args.interrupted = "the scaler stopped; the mesh keeps the sizes it confirmed"
+    return run(mesh.state_dir)
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    scale = sub.add_parser(
+        "scale", help="capacity that follows the traffic: the scaler's view and its decisions"
+    )
+    add_mesh_flags(scale)
+    verbs = scale.add_subparsers(dest="verb", required=True)
+    status = verbs.add_parser(
+        "status", help="each zone's model servers, the last signals and decision"
+    )
+    add_mesh_flags(status, inherited=True)
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_status)
+    history = verbs.add_parser(
+        "history", help="every scaling decision with its inputs, oldest first"
+    )
+    add_mesh_flags(history, inherited=True)
+    history.add_argument("--limit", type=int, default=50, help="the last N (default 50)")
+    history.add_argument("--json", action="store_true", help="one JSON record a line")
+    history.set_defaults(func=cmd_history)
+    fc = verbs.add_parser(
+        "forecast",
+        help="the request rate the forecast expects by hour, beside the actual, and the "
+        "replicas per zone it asks for",
+    )
+    add_mesh_flags(fc, inherited=True)
+    fc.add_argument("--hours", type=int, default=12, help="hours before and after now")
+    fc.add_argument("--json", action="store_true")
+    fc.set_defaults(func=cmd_forecast)
+    run = verbs.add_parser(
+        "run",
+        help="run the scaler in the foreground (`servemesh up --no-scaler`, or a mesh "
+        "started elsewhere) until Ctrl-C",
+    )
+    add_mesh_flags(run, inherited=True)
+    run.set_defaults(func=cmd_run)

@@ -1,0 +1,93 @@
+"""What the scaler did and why, under `<state_dir>/scaling/`:
+
+- `history.jsonl`: append-only, one JSON record per change of a pool (and per change that
+  failed): when, which pool and zone, from and to, the reason, every signal it was decided
+  on, and how it ended. `servemesh scale history` prints it.
+- `status.json`: rewritten every round: each zone's replicas (in rotation and standby), its
+  last signals and what the last round decided (a hold says why). `servemesh scale status`
+  prints it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from servemesh.atomic import atomic_write_text
+from servemesh.private import private_dir
+from servemesh.scaling.decide import Decision
+
+FOLDER = "scaling"
+
+
+def history_path(state_dir: str | Path) -> Path:
+    return Path(state_dir) / FOLDER / "history.jsonl"
+
+
+def status_path(state_dir: str | Path) -> Path:
+    return Path(state_dir) / FOLDER / "status.json"
+
+
+def _when(at: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
+
+
+def record(
+    state_dir: str | Path,
+    decision: Decision,
+    outcome: str,
+    *,
+    pool: str = "model",
+    seconds: float | None = None,
+    at: float | None = None,
+) -> dict[str, Any]:
+    """Append one decision that changed (or tried to change) a pool; the record written."""
+    path = history_path(state_dir)
+    private_dir(path.parent)
+    entry = {
+        "at": _when(time.time() if at is None else at),
+        "pool": pool,
+        "zone": decision.zone,
+        "from": decision.current,
+        "to": decision.desired,
+        "reason": decision.reason,
+        "line": decision.line(pool),
+        "floor": decision.floor,
+        "signals": decision.signals.as_dict(),
+        "outcome": outcome,
+        "seconds": None if seconds is None else round(seconds, 2),
+    }
+    with path.open("a") as out:
+        out.write(json.dumps(entry) + "\n")
+    return entry
+
+
+def read_history(state_dir: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """The recorded decisions, oldest first (the last `limit`); a torn last line is skipped."""
+    path = history_path(state_dir)
+    if not path.is_file():
+        return []
+    found = []
+    for line in path.read_text().splitlines():
+        try:
+            found.append(json.loads(line))
+        except ValueError:
+            continue
+    return found[-limit:] if limit else found
+
+
+def write_status(state_dir: str | Path, zones: Mapping[str, Mapping[str, Any]]) -> None:
+    path = status_path(state_dir)
+    private_dir(path.parent)
+    atomic_write_text(path, json.dumps({"at": _when(time.time()), "zones": zones}, indent=2))
+
+
+def read_status(state_dir: str | Path) -> dict[str, Any] | None:
+    try:
+        found = json.loads(status_path(state_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
