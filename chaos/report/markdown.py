@@ -63,6 +63,7 @@ def _numbers(summary: DrillSummary) -> list[str]:
     back = n.recovery.zones_back_s
     back_text = _fmt(back, " s after the faults") if back is not None else "not by the end"
     failures = ", ".join(f"{c} {k}" for c, k in n.failures_by_code.items())
+    fallbacks = "; ".join(f"{count} `{why}`" for why, count in n.fallbacks_by_reason.items())
     return [
         f"# Drill: {summary.drill}",
         "",
@@ -79,7 +80,8 @@ def _numbers(summary: DrillSummary) -> list[str]:
         "",
         f"- requests sent: **{n.sent}**, answered {n.answered}, failed **{n.failed}**"
         + (f" ({failures})" if n.failures_by_code else "")
-        + f", degraded (fallback) answers **{n.degraded}**",
+        + f", degraded (fallback) answers **{n.degraded}**"
+        + (f" ({fallbacks})" if fallbacks else ""),
         f"- success over the whole drill: **{_fmt(n.success_pct, '%')}**",
         f"- seconds below the SLO ({config['slo_success_pct']:g}% answered, real "
         f"answers): {_fmt(n.recovery.slo_breach_s)}",

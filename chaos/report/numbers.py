@@ -92,6 +92,7 @@ class Numbers:
     success_pct: float | None  # rounded as in summary.json; None when nothing was sent
     failures_by_code: dict[str, int]
     recovery: Recovery
+    fallbacks_by_reason: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -101,6 +102,7 @@ class Numbers:
             "degraded": self.degraded,
             "success_pct": self.success_pct,
             "failures_by_code": self.failures_by_code,
+            "fallbacks_by_reason": self.fallbacks_by_reason,
             **self.recovery.as_dict(),
         }
 
@@ -458,6 +460,7 @@ def summarize(drill: Drill, journal: dict[str, Any]) -> DrillSummary:
             success_pct=whole.as_dict()["success_pct"],
             failures_by_code=whole.codes,
             recovery=drill_recovery(drill, outcomes, end_s),
+            fallbacks_by_reason=whole.fallbacks,
         ),
         phases=phases,
         windows=[

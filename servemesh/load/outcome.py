@@ -32,6 +32,7 @@ class Outcome:
     replica: str = ""
     zone: str = ""
     degraded: bool = False
+    degraded_reason: str = ""  # why the gateway answered with its fallback (its hop: error)
     lag_ms: float = 0.0  # how late it actually left after `sent_s`
     index: int = -1  # its number in the schedule (request bodies and deadlines cycle on it)
 
@@ -48,6 +49,7 @@ class Reply:
     replica: str = ""
     zone: str = ""
     degraded: bool = False
+    degraded_reason: str = ""
 
 
 NO_REPLY = Reply()
@@ -78,6 +80,7 @@ async def timed(request: Request, index: int, *, due: float, origin: float) -> O
         replica=reply.replica,
         zone=reply.zone,
         degraded=reply.degraded,
+        degraded_reason=reply.degraded_reason,
         lag_ms=max(0.0, left - due) * 1000,
         index=index,
     )

@@ -119,6 +119,8 @@ class WindowStats:
     zones: dict[str, float] = field(default_factory=dict)  # % of answers served per zone
     versions: dict[str, float] = field(default_factory=dict)  # % of answers per version
     codes: dict[str, int] = field(default_factory=dict)  # failures by gRPC status
+    # Degraded answers by their reason (the hop that failed and its error's first words)
+    fallbacks: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able: floats rounded to 3 places, NaN (nothing to measure) as None."""
@@ -151,4 +153,20 @@ def window_stats(outcomes: Iterable[Outcome], start_s: float, end_s: float) -> W
         zones={z: 100 * n / len(served) for z, n in sorted(zones.items())},
         versions={v: 100 * n / len(ok) for v, n in sorted(versions.items())},
         codes=error_counts(chosen),
+        fallbacks=fallback_counts(ok),
     )
+
+
+# A degraded reason's first characters: enough for the hop and the error's kind, while the
+# rest (addresses, timings) would give every answer a key of its own.
+FALLBACK_REASON_CHARS = 80
+
+
+def fallback_counts(outcomes: Iterable[Outcome]) -> dict[str, int]:
+    """Degraded answers by reason, the most frequent first."""
+    counts = Counter(
+        (o.degraded_reason or "no reason given")[:FALLBACK_REASON_CHARS]
+        for o in outcomes
+        if o.degraded
+    )
+    return dict(counts.most_common())

@@ -53,7 +53,13 @@ def predict_target(
         async def predict(index: int) -> Reply:
             request = gateway_pb2.PredictRequest(model=model, entity_ids=[ids[index % len(ids)]])
             reply = await stub.Predict(request, timeout=timeout_s, metadata=sent_metadata)
-            return Reply(reply.model_version, reply.model_replica, reply.model_zone, reply.degraded)
+            return Reply(
+                reply.model_version,
+                reply.model_replica,
+                reply.model_zone,
+                reply.degraded,
+                reply.degraded_reason,
+            )
 
         return predict
 

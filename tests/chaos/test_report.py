@@ -75,3 +75,21 @@ def test_write_report_writes_the_four_files_from_one_summary(tmp_path: Path) -> 
     assert data["phases"]["whole drill"]["p99_ms"] == round(summary.phases["whole drill"].p99_ms, 3)
     saved = json.loads(Path(files["journal"]).read_text())
     assert saved["servemesh"]["files"] == files and saved["servemesh"]["verdict"] == "held"
+
+
+def test_the_report_names_why_answers_were_fallbacks(tmp_path: Path) -> None:
+    drill, journal = a_finished_drill(tmp_path)
+    reason = "model service: no healthy upstream"
+    drill.outcomes_final = [
+        *drill.outcomes_final,
+        *(Outcome(19.0, 2.0, "OK", degraded=True, degraded_reason=reason) for _ in range(3)),
+    ]
+    try:
+        summary = summarize(drill, journal)
+    finally:
+        drill.close()
+    assert summary.numbers.degraded == 3
+    assert summary.numbers.fallbacks_by_reason == {reason: 3}
+    assert summary.as_dict()["numbers"]["fallbacks_by_reason"] == {reason: 3}
+    line = next(line for line in markdown(summary).splitlines() if "degraded (fallback)" in line)
+    assert line.endswith(f"degraded (fallback) answers **3** (3 `{reason}`)")

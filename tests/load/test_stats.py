@@ -19,6 +19,7 @@ from servemesh.load import (
     window,
     window_stats,
 )
+from servemesh.load.stats import FALLBACK_REASON_CHARS
 
 
 def ok(sent_s: float, latency_ms: float, **kw: Any) -> Outcome:
@@ -53,6 +54,28 @@ def test_a_window_is_chosen_by_send_time_half_open() -> None:
     stats = window_stats(outcomes, 0.0, 1.0)
     assert (stats.sent, stats.p50_ms, stats.p99_ms) == (2, 1, 900)
     assert math.isnan(window_stats(outcomes, 3.0, 4.0).p99_ms)
+
+
+def test_fallbacks_are_counted_by_their_reason_most_frequent_first() -> None:
+    head = "model: upstream connect error or disconnect/reset before headers. reset reason: "
+    long_reason = head + "connection failure, transport failure reason: delayed connect error: 111"
+    outcomes = [
+        ok(0, 1, degraded=True, degraded_reason="features: connection refused"),
+        ok(0, 1, degraded=True, degraded_reason=long_reason),
+        ok(0, 1, degraded=True, degraded_reason=long_reason.replace("111", "113")),
+        ok(0, 1, degraded=True),
+        ok(0, 1),  # a real answer is no fallback
+        Outcome(0, 1, "UNAVAILABLE", degraded_reason="ignored: not an answer"),
+    ]
+    stats = window_stats(outcomes, 0, 1)
+    # The long reasons differ only past their first words: one key, counted twice.
+    assert stats.fallbacks == {
+        long_reason[:FALLBACK_REASON_CHARS]: 2,
+        "features: connection refused": 1,
+        "no reason given": 1,
+    }
+    assert list(stats.fallbacks)[0] == long_reason[:FALLBACK_REASON_CHARS]
+    assert stats.degraded == sum(stats.fallbacks.values())
 
 
 def test_success_ratio_and_share_count_answers() -> None:

@@ -20,9 +20,12 @@ from servemesh.spec import DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Port
 from servemesh_api.gateway.v1 import gateway_pb2_grpc
 from tests.waiting import wait_until
 
-# v3 is the demo model made slow on purpose (200 ms per batch): the deadline tests pin it.
+# v3 is the demo model made slow on purpose (300 ms per batch): the deadline tests pin it.
+# Long enough that a deadline just below it surely reaches a replica on a busy machine (with
+# too little time left for a batch there), short enough that two batches in a row stay
+# below the mesh's 1 s per-try timeout.
 SLOW_VERSION = "v3"
-SLOW_MS = 200.0
+SLOW_MS = 300.0
 
 
 _HERE = Path(__file__).parent

@@ -1,7 +1,7 @@
 """Coalescing through a real mesh: concurrent Predicts share the gateway's feature reads and
 model calls, and sharing changes no answer, no failure and no deadline.
 
-The slow version (v3: the demo model plus 200 ms a batch) holds a call in flight long enough
+The slow version (v3: the demo model plus 300 ms a batch) holds a call in flight long enough
 for the next Predicts to queue behind it, so they leave together; calls go straight to one
 gateway, so they meet in its coalescer."""
 
@@ -120,7 +120,7 @@ def test_a_short_deadline_member_gets_deadline_exceeded_and_the_others_their_ans
     with ThreadPoolExecutor(max_workers=8) as pool:
         first = pool.submit(_predict, direct, "user-50", SLOW_VERSION)
         _when_in_flight(mesh, model_before[0])
-        # Queued behind a 200 ms call with 80 ms to live: it cannot be answered in time.
+        # Queued behind a 300 ms call with 80 ms to live: it cannot be answered in time.
         short = pool.submit(_predict, direct, "user-51", SLOW_VERSION, 0.08)
         others = list(pool.map(lambda e: _predict(direct, e, SLOW_VERSION), ["user-52", "user-53"]))
     assert short.result() == grpc.StatusCode.DEADLINE_EXCEEDED

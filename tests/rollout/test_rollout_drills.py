@@ -15,7 +15,7 @@ pytestmark = pytest.mark.mesh
 
 def test_a_killed_controller_is_resumed_and_not_one_call_fails(tmp_path: Path) -> None:
     result = drill("rollout-controller-killed", tmp_path, unattended_s=3, recover_s=2)
-    assert result.verdict == "held", result.text
+    assert result.verdict == "held", (result.text, result.summary["numbers"])
     killed = method_output(result, "kill-the-controller")
     assert killed["step"] == "50%" and killed["weights"] == {"v1": 50, "v2": 50}
     # While nobody drove it, Envoy kept the split the controller last set.

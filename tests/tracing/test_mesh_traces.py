@@ -15,7 +15,7 @@ from servemesh.launcher import Mesh
 from servemesh.tracestore.store import SpanRecord, TraceStore
 from servemesh.wire import Span as SpanAttr
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.mesh.conftest import SLOW_VERSION
+from tests.mesh.conftest import SLOW_MS, SLOW_VERSION
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.mesh
@@ -141,14 +141,14 @@ def test_slowest_lists_the_slow_version_first(
     traced_mesh: Mesh, store: TraceStore, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fast = [predict(traced_mesh, traced=True) for _ in range(2)]
-    slow = predict(traced_mesh, traced=True, version=SLOW_VERSION)  # 200 ms per batch
+    slow = predict(traced_mesh, traced=True, version=SLOW_VERSION)  # SLOW_MS per batch
     for _, trace_id in [*fast, slow]:
         assert trace_id is not None
         complete_trace(store, trace_id)
     found = store.slowest(50, since_ns=0)
     durations = [s.duration_ns for s in found]
     assert durations == sorted(durations, reverse=True)
-    assert found[0].request_id == slow[0] and found[0].duration_ns >= 200_000_000
+    assert found[0].request_id == slow[0] and found[0].duration_ns >= SLOW_MS * 1_000_000
     capsys.readouterr()
     state = str(traced_mesh.state_dir)
     assert (
