@@ -101,7 +101,47 @@ async def push_version(
             yield registry_pb2.UploadVersionRequest(chunk=bytes(view[start : start + chunk_size]))
 
     stub = registry_pb2_grpc.RegistryStub(channel)
+    await _refuse_a_taken_name(stub, model, version, sha256, credential, timeout)
     return await stub.UploadVersion(messages(), timeout=timeout, metadata=credential)
+
+
+async def _refuse_a_taken_name(
+    stub: registry_pb2_grpc.RegistryStub,
+    model: str,
+    version: str,
+    sha256: str,
+    credential: Metadata,
+    timeout: float,
+) -> None:
+    """Raise the registry's ALREADY_EXISTS before any byte is streamed when the version
+    exists with other bytes.
+
+    The registry refuses such an upload right after its header, while the client may still
+    be writing chunks; grpcio then sometimes reports its own failed write (INTERNAL,
+    "Failed execute_batch") over the server's status. Asking first keeps the answer the
+    registry's; the registry's own check after the header still decides a race with
+    another uploader.
+    """
+    try:
+        existing = await stub.GetVersion(
+            registry_pb2.GetVersionRequest(model=model, version=version),
+            timeout=timeout,
+            metadata=credential,
+        )
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
+            return  # a new version (or model): nothing to refuse
+        raise
+    if existing.version == version and existing.sha256 != sha256:
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.ALREADY_EXISTS,
+            grpc.aio.Metadata(),
+            grpc.aio.Metadata(),
+            details=(
+                f"version {model}/{version} already exists with sha256 {existing.sha256}; "
+                "versions are immutable"
+            ),
+        )
 
 
 async def fetch_verified(

@@ -277,9 +277,14 @@ async def test_a_second_upload_of_a_version_with_other_bytes_already_exists(
     first = await push(registry, demo1.data)
     assert await push(registry, demo1.data) == first  # identical bytes: idempotent
 
+    # The client asks before it streams a byte (the registry never sees this upload) ...
     error = await refused(push(registry, demo2.data))
     assert error.code() == grpc.StatusCode.ALREADY_EXISTS
     assert "fraud/v1" in error.details()
+    # ... and the registry refuses one that comes anyway, right after its header, in the
+    # same words.
+    raw = await refused(registry.stub.UploadVersion(stream(requests(header(demo2.data), b""))))
+    assert (raw.code(), raw.details()) == (error.code(), error.details())
     _, data = await fetch_verified(registry.channel, "fraud", "v1")
     assert data == demo1.data
     assert temp_files(registry.store.root) == []
@@ -377,7 +382,9 @@ async def test_uploads_are_logged_with_their_header_and_never_their_bytes(
 ) -> None:
     caplog.set_level(logging.INFO, logger="servemesh.registry")
     await push(registry, demo1.data)
-    await refused(push(registry, demo1.data + b"!"))
+    # Straight to the service: the client would refuse other bytes before streaming them.
+    other = demo1.data + b"!"
+    await refused(registry.stub.UploadVersion(stream(requests(header(other), other))))
 
     lines = {r.getMessage(): r for r in caplog.records if r.name == "servemesh.registry.service"}
     accepted, refusal = lines["upload accepted"], lines["upload refused"]
