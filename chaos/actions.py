@@ -138,6 +138,10 @@ def resume_replicas(
     return {"resumed": resumed}
 
 
+# The longest the crash loop waits for one replica it restarted to be SERVING again.
+CRASH_LOOP_RESTART_S = 60.0
+
+
 def start_crash_loop(
     service: str = "model",
     zone: str | None = None,
@@ -160,7 +164,7 @@ def start_crash_loop(
                 return
             for name in names:
                 if not mesh.is_running(name):
-                    mesh.restart(name)
+                    mesh.restart(name, timeout_s=CRASH_LOOP_RESTART_S)
             stop.wait(up_s)
 
     drill.timeline.open_window("crash-loop", f"crash loop {', '.join(names)}")
@@ -171,7 +175,10 @@ def start_crash_loop(
 def stop_crash_loop(timeout_s: float = 60.0) -> dict[str, Any]:
     """Stop crashing, and bring every replica the loop left dead back."""
     drill = current()
-    stopped = drill.leftovers.stop_background("crash-loop")
+    # A restart in progress runs to its end (a model server's start can take half a
+    # minute on a busy machine): a loop still restarting when the mesh stops would start
+    # a replica behind the mesh's back.
+    stopped = drill.leftovers.stop_background("crash-loop", timeout_s=CRASH_LOOP_RESTART_S + 10)
     mesh = drill.running_mesh
     restarted = []
     for inst in drill.spec.instances():

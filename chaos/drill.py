@@ -61,6 +61,9 @@ DEFAULTS: dict[str, Any] = {
     "rate": 100.0,  # Predict calls per second, open loop
     "load_timeout_s": 2.0,  # each call's deadline
     "baseline_s": 10.0,  # load before the steady state is first checked
+    # Then, at most this long, until the last `slo_window_s` looks settled (every call
+    # answered for real, every zone serving); 0: check right after the baseline.
+    "settle_s": 20.0,
     "tail_s": 3.0,  # load kept after the rollbacks, for the timeline
     # End the recovery watch once recovered (recover_s is then its longest) rather than
     # watching all of recover_s: for the suite's shortened drills on a busy machine.
@@ -74,6 +77,9 @@ DEFAULTS: dict[str, Any] = {
     # own, root only), which partitions need.
     "network": "",
 }
+
+# How often the settle step after the baseline looks at the load's last window.
+SETTLE_POLL_S = 0.5
 
 _current: Drill | None = None
 _lock = threading.Lock()
@@ -172,6 +178,39 @@ class Drill:
         self.guard.watch(self.load, self.now_s)
         self.phase = "baseline"
         self.sleep(float(self.config["baseline_s"]))
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wait, at most `settle_s`, until the load's last window looks settled: every call
+        answered (none by a fallback) and every zone serving at least half its equal share.
+
+        A fresh mesh on a busy machine can have a replica ejected by Envoy, or a zone slow,
+        for its first seconds; judging the steady state then would call the drill NOT-RUN
+        for its start-up rather than for the mesh. A mesh that does not settle is judged as
+        it is (the steady state then says what was wrong). The wait is on the timeline."""
+        limit = float(self.config["settle_s"])
+        window = float(self.config.get("slo_window_s", 5.0))
+        zones = self.spec.zones
+        began = self.now_s()
+        looked = 0
+        while not self._settled(window, zones):
+            if self.now_s() - began >= limit or not self.sleep(SETTLE_POLL_S):
+                self.timeline.mark(f"not settled after {self.now_s() - began:.1f} s")
+                return
+            looked += 1
+        if looked:
+            self.timeline.mark(f"settled after {self.now_s() - began:.1f} s more")
+
+    def _settled(self, window_s: float, zones: list[str]) -> bool:
+        assert self.load is not None
+        stats = self.load.last(window_s)
+        floor = 100.0 / len(zones) / 2 if zones else 0.0
+        return (
+            stats.sent > 0
+            and stats.failed == 0
+            and stats.degraded == 0
+            and all(stats.zones.get(zone, 0.0) >= floor for zone in zones)
+        )
 
     def _mesh_spec(self) -> MeshSpec:
         """The spec file, with the network the configuration asks for (if any)."""

@@ -7,6 +7,7 @@ ended well, was aborted by its guard, or crashed.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -15,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from servemesh.procs import Supervisor
+
+log = logging.getLogger(__name__)
 
 
 class Leftovers:
@@ -67,8 +70,10 @@ class Leftovers:
         self._background[key] = (thread, stop)
         thread.start()
 
-    def stop_background(self, key: str | None = None) -> list[str]:
-        """Stop one loop (or all of them) and wait for it; the keys stopped."""
+    def stop_background(self, key: str | None = None, timeout_s: float = 30.0) -> list[str]:
+        """Stop one loop (or all of them) and wait for it, each at most `timeout_s` (a loop
+        in the middle of a step ends it first: give it the step's own longest); the keys
+        stopped."""
         keys = [key] if key is not None else list(self._background)
         stopped = []
         for name in keys:
@@ -77,7 +82,9 @@ class Leftovers:
                 continue
             thread, stop = entry
             stop.set()
-            thread.join(30)
+            thread.join(timeout_s)
+            if thread.is_alive():
+                log.warning("drill loop %s still running after %g s", name, timeout_s)
             stopped.append(name)
         return stopped
 
@@ -109,7 +116,8 @@ class Leftovers:
         """Undo everything: loops stopped, paused processes continued, hogs and commands
         killed."""
         try:
-            self.stop_background()
+            # Long enough for a crash loop's restart in progress (chaos.actions).
+            self.stop_background(timeout_s=75.0)
             self.resume_all()
         finally:
             try:
