@@ -5,7 +5,8 @@ A request never waits for the log and never fails because of it: `append` is a l
 check and a list append; when the buffer is full the record is dropped and counted. The
 flusher wakes every `flush_interval_ms`, or once `flush_records` are waiting, and writes
 in one worker thread (file and database I/O, and the formatting of rows, stay off the
-event loop). Write failures are counted and logged at most once per ERROR_LOG_INTERVAL_S;
+event loop). Write failures are counted, and each kind (a batch, the upkeep, the status
+file) is logged at most once per ERROR_LOG_INTERVAL_S, so one kind never hides another;
 a failed batch is not retried (a store that is down would otherwise pile up memory).
 """
 
@@ -82,7 +83,7 @@ class PredictionLog:
         self.written = 0
         self.dropped = 0
         self.write_errors = 0
-        self._last_error_log = -ERROR_LOG_INTERVAL_S
+        self._last_error_log: dict[str, float] = {}  # by message: when it was last logged
         self._last_expire = -EXPIRE_INTERVAL_S
         self._last_status: dict[str, int] | None = None
         self._wake = asyncio.Event()
@@ -219,9 +220,10 @@ class PredictionLog:
 
     def _log_error(self, what: str, exc: Exception, records: int) -> None:
         now = time.monotonic()
-        if now - self._last_error_log < ERROR_LOG_INTERVAL_S:
+        last = self._last_error_log.get(what)
+        if last is not None and now - last < ERROR_LOG_INTERVAL_S:
             return
-        self._last_error_log = now
+        self._last_error_log[what] = now
         log.warning(
             what,
             extra={

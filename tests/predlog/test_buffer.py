@@ -118,6 +118,28 @@ async def test_a_failing_store_is_counted_and_the_log_goes_on(
     assert [r[1] for r in store.rows] == ["after"]
 
 
+async def test_each_kind_of_failure_is_logged_though_another_was_just_logged(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """A status file that cannot be written must not hide, for the whole interval, that
+    the batches are being lost too (and the other way round)."""
+    store = BlockedStore()
+    store.release.set()
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file where the status file's folder should be\n")
+    log = _log(store, blocked / "status.json")
+    log.start()
+    log.append(captured(NOW, request_id="ok"))  # written; only its status fails
+    await wait_until_async(lambda: log.stats()["written"] == 1, "the first write")
+    store.fail = True
+    log.append(captured(NOW, request_id="lost"))
+    await wait_until_async(_write_errors_are(log, 1), "the failed batch")
+    await log.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages.count("prediction log: the status file could not be written") == 1
+    assert messages.count("prediction log: a batch could not be written") == 1
+
+
 async def test_batches_wait_for_the_interval_or_flush_records() -> None:
     store = BlockedStore()
     store.release.set()
