@@ -49,32 +49,36 @@ def _send(edge: gateway_pb2_grpc.GatewayStub, request: gateway_pb2.PredictReques
 def test_each_service_counts_its_calls_by_method_and_status(
     metrics_mesh: Mesh, edge: gateway_pb2_grpc.GatewayStub
 ) -> None:
-    before = {s: _mesh_samples(metrics_mesh, s) for s in ("gateway", "feature", "model")}
+    services = ("gateway", "feature", "model")
+    before = {s: _mesh_samples(metrics_mesh, s) for s in services}
     for _ in range(3):
         _send(edge, GOOD)
     _send(edge, BAD_ROW)
-    after = {s: _mesh_samples(metrics_mesh, s) for s in ("gateway", "feature", "model")}
+    seconds = "servemesh_rpc_duration_seconds_count"
+    labels = {"method": PREDICT}
+
+    # A call is counted as its handler ends, which can come just after the caller has its
+    # answer (an abort sends the status before the handler's frame unwinds): the numbers
+    # are read once the last call, the refused one, is counted in both its series.
+    def last_call_counted() -> dict[str, list[Sample]] | None:
+        now = {s: _mesh_samples(metrics_mesh, s) for s in services}
+        refused = _rpc(now["gateway"], PREDICT, "INVALID_ARGUMENT") - _rpc(
+            before["gateway"], PREDICT, "INVALID_ARGUMENT"
+        )
+        timed = sample(now["gateway"], seconds, labels) - sample(before["gateway"], seconds, labels)
+        return now if refused >= 1 and timed >= 4 else None
+
+    after = wait_until(last_call_counted, "the refused Predict counted as INVALID_ARGUMENT")
 
     def moved(service: str, method: str, code: str) -> float:
         return _rpc(after[service], method, code) - _rpc(before[service], method, code)
 
     assert moved("gateway", PREDICT, "OK") == 3
-    # The bad row is refused by the gateway, and the metric says so. An abort sends the
-    # status before the handler's frame unwinds, so the count may trail the caller's
-    # answer by a moment: wait for it.
-    refused = wait_until(
-        lambda: (
-            _rpc(_mesh_samples(metrics_mesh, "gateway"), PREDICT, "INVALID_ARGUMENT")
-            - _rpc(before["gateway"], PREDICT, "INVALID_ARGUMENT")
-        ),
-        "the refused Predict counted as INVALID_ARGUMENT",
-    )
-    assert refused == 1
+    # The bad row is refused by the gateway, and the metric says so.
+    assert moved("gateway", PREDICT, "INVALID_ARGUMENT") == 1
     assert moved("feature", "/servemesh.feature.v1.FeatureService/GetFeatures", "OK") == 3
     assert moved("model", method_path(OIP_SERVICE, "ModelInfer"), "OK") == 3
     # The latency histogram counts the same calls, and the process collector is there.
-    seconds = "servemesh_rpc_duration_seconds_count"
-    labels = {"method": PREDICT}
     assert (
         sample(after["gateway"], seconds, labels) - sample(before["gateway"], seconds, labels) == 4
     )
@@ -107,32 +111,25 @@ def test_the_feature_service_counts_reads_and_misses_per_view(
     before = _mesh_samples(metrics_mesh, "feature")
     _send(edge, GOOD)
     _send(edge, MISSING)
-    after = _mesh_samples(metrics_mesh, "feature")
-
-    def moved(name: str) -> float:
-        return sample(after, name, view) - sample(before, name, view)
-
     not_found = {"code": "NOT_FOUND", "method": "/servemesh.feature.v1.FeatureService/GetFeatures"}
-    counted = wait_until(
-        lambda: (
-            sample(
-                _mesh_samples(metrics_mesh, "feature"), "servemesh_rpc_requests_total", not_found
-            )
-            - sample(before, "servemesh_rpc_requests_total", not_found)
-        ),
-        "the missing entity's read counted as NOT_FOUND",
-    )
-    assert counted == 1
+
+    # A call is counted as its handler ends, which can come just after the caller has its
+    # status: the numbers are read once the last call's count is in.
+    def last_call_counted() -> list[Sample] | None:
+        now = _mesh_samples(metrics_mesh, "feature")
+        counted = sample(now, "servemesh_rpc_requests_total", not_found)
+        return now if counted > sample(before, "servemesh_rpc_requests_total", not_found) else None
+
+    after = wait_until(last_call_counted, "the missing entity's read counted as NOT_FOUND")
+
+    def moved(name: str, labels: dict[str, str] = view) -> float:
+        return sample(after, name, labels) - sample(before, name, labels)
+
+    assert moved("servemesh_rpc_requests_total", not_found) == 1
     assert moved("servemesh_feature_reads_total") == 2
     assert moved("servemesh_feature_entities_read_total") == 2
     assert moved("servemesh_feature_misses_total") == 1
     assert moved("servemesh_feature_redis_read_seconds_count") == 2
-    not_found = {"code": "NOT_FOUND", "method": "/servemesh.feature.v1.FeatureService/GetFeatures"}
-    assert (
-        sample(after, "servemesh_rpc_requests_total", not_found)
-        - sample(before, "servemesh_rpc_requests_total", not_found)
-        == 1
-    )
 
 
 def _prometheus(mesh: Mesh) -> PromClient:
