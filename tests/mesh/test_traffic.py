@@ -33,7 +33,7 @@ from servemesh.policy import CircuitBreakers, RetryPolicy, RoutePolicy
 from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.apply import ApplyError, RouteManager
 from servemesh.services.runtime.faults import FaultSettings, set_fault
-from servemesh.spec import DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Ports
+from servemesh.spec import CoalescingSpec, DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Ports
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.waiting import wait_until
 
@@ -71,6 +71,10 @@ def traffic_spec(state_dir: str) -> MeshSpec:
             ),
         },
         demo=DemoSpec(enabled=True, entities=ENTITIES),
+        # Each Predict makes its own model call, so each meets the breaker as it arrives:
+        # coalesced, a burst's Predicts wait behind the one in flight (the slow model's
+        # second) and are shed only as their shared call leaves.
+        coalescing=CoalescingSpec(enabled=False),
     )
 
 
