@@ -36,6 +36,7 @@ import redis
 
 from servemesh.chaos.drill import current
 from servemesh.chaos.errors import DrillError
+from servemesh.chaos.leftovers import LOOP_STEP_MAX_S
 from servemesh.chaos.scope import describe
 from servemesh.policy import GRPC_CODES
 from servemesh.services.runtime.faults import FaultSettings, control_file, set_fault
@@ -138,10 +139,6 @@ def resume_replicas(
     return {"resumed": resumed}
 
 
-# The longest the crash loop waits for one replica it restarted to be SERVING again.
-CRASH_LOOP_RESTART_S = 60.0
-
-
 def start_crash_loop(
     service: str = "model",
     zone: str | None = None,
@@ -164,7 +161,7 @@ def start_crash_loop(
                 return
             for name in names:
                 if not mesh.is_running(name):
-                    mesh.restart(name, timeout_s=CRASH_LOOP_RESTART_S)
+                    mesh.restart(name, timeout_s=LOOP_STEP_MAX_S)
             stop.wait(up_s)
 
     drill.timeline.open_window("crash-loop", f"crash loop {', '.join(names)}")
@@ -175,10 +172,7 @@ def start_crash_loop(
 def stop_crash_loop(timeout_s: float = 60.0) -> dict[str, Any]:
     """Stop crashing, and bring every replica the loop left dead back."""
     drill = current()
-    # A restart in progress runs to its end (a model server's start can take half a
-    # minute on a busy machine): a loop still restarting when the mesh stops would start
-    # a replica behind the mesh's back.
-    stopped = drill.leftovers.stop_background("crash-loop", timeout_s=CRASH_LOOP_RESTART_S + 10)
+    stopped = drill.leftovers.stop_background("crash-loop")
     mesh = drill.running_mesh
     restarted = []
     for inst in drill.spec.instances():

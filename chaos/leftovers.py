@@ -19,6 +19,13 @@ from servemesh.procs import Supervisor
 
 log = logging.getLogger(__name__)
 
+# The longest one step of a background fault loop may take (the crash loop's restart of a
+# model server, which can take half a minute on a busy machine). Stopping a loop waits for
+# its step to end, with some slack: a loop still in a step when the mesh stops would start
+# a replica behind the mesh's back.
+LOOP_STEP_MAX_S = 60.0
+LOOP_STOP_TIMEOUT_S = LOOP_STEP_MAX_S + 15.0
+
 
 class Leftovers:
     def __init__(self) -> None:
@@ -70,10 +77,11 @@ class Leftovers:
         self._background[key] = (thread, stop)
         thread.start()
 
-    def stop_background(self, key: str | None = None, timeout_s: float = 30.0) -> list[str]:
+    def stop_background(
+        self, key: str | None = None, timeout_s: float = LOOP_STOP_TIMEOUT_S
+    ) -> list[str]:
         """Stop one loop (or all of them) and wait for it, each at most `timeout_s` (a loop
-        in the middle of a step ends it first: give it the step's own longest); the keys
-        stopped."""
+        in the middle of a step ends it first); the keys stopped."""
         keys = [key] if key is not None else list(self._background)
         stopped = []
         for name in keys:
@@ -116,8 +124,7 @@ class Leftovers:
         """Undo everything: loops stopped, paused processes continued, hogs and commands
         killed."""
         try:
-            # Long enough for a crash loop's restart in progress (chaos.actions).
-            self.stop_background(timeout_s=75.0)
+            self.stop_background()
             self.resume_all()
         finally:
             try:

@@ -16,7 +16,7 @@ import grpc
 from servemesh.control_credential import Metadata
 from servemesh.errors import ServemeshError
 from servemesh.registry.convert import tensor_spec_to_proto
-from servemesh.registry.errors import ArtifactTooLargeError
+from servemesh.registry.errors import ArtifactTooLargeError, version_taken
 from servemesh.registry.records import TensorSpec
 from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
 
@@ -137,10 +137,7 @@ async def _refuse_a_taken_name(
             grpc.StatusCode.ALREADY_EXISTS,
             grpc.aio.Metadata(),
             grpc.aio.Metadata(),
-            details=(
-                f"version {model}/{version} already exists with sha256 {existing.sha256}; "
-                "versions are immutable"
-            ),
+            details=version_taken(model, version, existing.sha256),
         )
 
 

@@ -37,6 +37,12 @@ class AlreadyExistsError(AlreadyExists):
     """The name is taken: versions are immutable, models are created once."""
 
 
+def version_taken(model: str, version: str, sha256: str) -> str:
+    """Why an upload of other bytes under an existing version name is refused, in the words
+    the store and the client's check before streaming both use."""
+    return f"version {model}/{version} already exists with sha256 {sha256}; versions are immutable"
+
+
 class ArtifactTooLargeError(ResourceExhausted):
     """An artifact exceeds a size limit (the registry's, or the caller's)."""
 

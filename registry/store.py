@@ -32,6 +32,7 @@ from servemesh.registry.errors import (
     InvalidArgumentError,
     NotFoundError,
     QuotaExceededError,
+    version_taken,
 )
 from servemesh.registry.records import ModelRecord, TensorSpec, UploadHeader, VersionRecord
 from servemesh.registry.validation import (
@@ -380,10 +381,7 @@ class RegistryStore:
                 f"header.version: {header.version!r} is an alias of model {header.model!r}"
             )
         if existing is not None and existing.sha256 != header.sha256:
-            raise AlreadyExistsError(
-                f"version {header.model}/{header.version} already exists with sha256 "
-                f"{existing.sha256}; versions are immutable"
-            )
+            raise AlreadyExistsError(version_taken(header.model, header.version, existing.sha256))
         return existing
 
     def _commit_version(
