@@ -89,7 +89,7 @@ STOP_ORDER = [
     ["redis"],
 ]
 TRACE_STORE = "tracestore"
-# How often the mesh looks at its resolved spec for a change of its model-server fleet
+# How often the mesh looks at its resolved spec for a change of its fleet of replicas
 # (a blue-green set to start or retire, a replica a rolling update replaces).
 FLEET_POLL_S = 0.2
 
@@ -118,7 +118,7 @@ class Mesh:
     network: ZoneNetwork | None = field(default=None, init=False)
     # The mesh's Prometheus (None: metrics.prometheus is off, or no binary is installed).
     prometheus: PrometheusServer | None = field(default=None, init=False)
-    # The fleet follower: the generation each model server was started at, by instance.
+    # The fleet follower: the generation each replica was started at, by instance.
     _fleet: dict[str, int] = field(default_factory=dict, init=False, repr=False)
     _fleet_stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _fleet_thread: threading.Thread | None = field(default=None, init=False, repr=False)
@@ -360,10 +360,12 @@ class Mesh:
 
     @staticmethod
     def _fleet_generations(spec: ResolvedSpec) -> dict[str, int]:
+        """Every replica the fleet may add or drop (all but the registry): model servers,
+        and the gateways and feature services the scaler sizes."""
         return {
             inst.name: spec.fleet.generations.get(inst.name, 0)
             for inst in spec.instances()
-            if inst.service == "model"
+            if inst.service != "registry"
         }
 
     def _follow_fleet(self) -> None:
@@ -389,7 +391,7 @@ class Mesh:
                 log.exception("fleet: could not follow the resolved spec")
 
     def follow_fleet(self, spec: ResolvedSpec) -> None:
-        """Make the running model servers match `spec.fleet`: start the new, restart the
+        """Make the running replicas match `spec.fleet`: start the new, restart the
         renewed (SIGTERM and its drain first), stop the dropped. Does not wait for the new
         ones to be ready: whoever changed the fleet waits for what it needs."""
         wanted = self._fleet_generations(spec)
@@ -426,7 +428,12 @@ class Mesh:
         pids = self.pids()
         status = {
             "instances": {
-                name: {"generation": generation, "pid": pids.get(name)}
+                name: {
+                    # Every replica's name starts with its kind (spec.instance_name).
+                    "service": name.split("-", 1)[0],
+                    "generation": generation,
+                    "pid": pids.get(name),
+                }
                 for name, generation in sorted(self._fleet.items())
             }
         }

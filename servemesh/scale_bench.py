@@ -80,10 +80,8 @@ class ReplicaMeter:
         self._thread = threading.Thread(target=self._run, name="replica-meter", daemon=True)
 
     def _count(self) -> int:
-        status = fleet_status(self.state_dir)
-        return sum(
-            1 for name, entry in status.items() if name.startswith("model-") and entry.get("pid")
-        )
+        status = fleet_status(self.state_dir, "model")
+        return sum(1 for entry in status.values() if entry.get("pid"))
 
     def _run(self) -> None:
         last = time.monotonic()

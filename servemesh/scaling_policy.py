@@ -1,6 +1,7 @@
 """How the mesh's capacity follows its traffic, as the spec states it (`scaling:`): per pool
-(the model servers of each zone), the bounds, the targets the scaler holds them to, how fast
-it may move, and calendar floors that raise the minimum ahead of known peaks.
+(each zone's model servers, gateways and feature services), the bounds, the targets the
+scaler holds them to, how fast it may move, and calendar floors that raise the minimum
+ahead of known peaks.
 
 Everything here is data; the scaler (`servemesh.scaling`) reads it on every round, so an
 `apply` that changes it takes effect at the next decision.
@@ -14,6 +15,9 @@ Everything here is data; the scaler (`servemesh.scaling`) reads it on every roun
           timezone: Europe/Berlin
           floors:
             - {days: [mon, tue, wed, thu, fri], from: "08:45", to: "18:00", min: 2}
+      gateway:
+        max: 4
+        target: {in_flight: 32, cpu: 0.7}
 """
 
 from __future__ import annotations
@@ -42,15 +46,25 @@ class ScalingTargets(StrictModel):
     queue_depth: Annotated[float, Field(gt=0)] | None = 8.0
     # A replica's CPU in cores (1.0: one core busy), averaged over the pool.
     cpu: Annotated[float, Field(gt=0)] | None = 0.7
+    # Calls a replica is handling at once (its serving method's, sampled each round),
+    # averaged over the pool: the gateways' and feature services' load signal.
+    in_flight: Annotated[float, Field(gt=0)] | None = None
     # Failed calls (the SLI's failure codes) as a share of the pool's calls: above it, the
     # pool grows by one step (errors under overload), never in proportion.
     error_ratio: Annotated[float, Field(gt=0, le=1)] | None = None
 
     @model_validator(mode="after")
     def _one_signal(self) -> ScalingTargets:
-        if self.p99_ms is None and self.queue_depth is None and self.cpu is None:
-            raise ValueError("give at least one of p99_ms, queue_depth and cpu")
+        if all(v is None for v in (self.p99_ms, self.queue_depth, self.cpu, self.in_flight)):
+            raise ValueError("give at least one of p99_ms, queue_depth, cpu and in_flight")
         return self
+
+
+def front_targets() -> ScalingTargets:
+    """The gateways' and feature services' default targets: their own load (calls in
+    flight, CPU). Not their p99: a gateway's Predict p99 holds the feature and model calls
+    it waits for, which more gateways would not shorten; and they have no batch queue."""
+    return ScalingTargets(p99_ms=None, queue_depth=None, cpu=0.7, in_flight=32.0)
 
 
 class ScheduleFloor(StrictModel):
@@ -166,8 +180,13 @@ class PoolPolicy(StrictModel):
         return duration_seconds(self.cooldown)
 
 
+def front_pool() -> PoolPolicy:
+    return PoolPolicy(target=front_targets())
+
+
 class ScalingSpec(StrictModel):
-    """The scaler `servemesh up` runs (and `servemesh scale run` runs on its own)."""
+    """The scaler `servemesh up` runs (and `servemesh scale run` runs on its own): a pool
+    per kind of replica, each zone's replicas of it scaled on their own."""
 
     enabled: bool = True
     # How often the scaler reads the signals and decides.
@@ -178,6 +197,12 @@ class ScalingSpec(StrictModel):
     # (its own drain on SIGTERM then lets them finish within its grace period).
     drain_timeout: Duration = "30s"
     model_servers: PoolPolicy = Field(default_factory=PoolPolicy)
+    gateway: PoolPolicy = Field(default_factory=front_pool)
+    feature: PoolPolicy = Field(default_factory=front_pool)
+
+    def pool(self, kind: Literal["model", "gateway", "feature"]) -> PoolPolicy:
+        """The policy of a kind's pool."""
+        return self.model_servers if kind == "model" else getattr(self, kind)
 
     @property
     def interval_s(self) -> float:

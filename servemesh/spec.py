@@ -38,6 +38,12 @@ ZoneName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]{0,30}$")]
 Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")]
 Port = Annotated[int, Field(ge=0, le=65535)]
 ServiceKind = Literal["registry", "model", "feature", "gateway"]
+# The kinds whose replicas per zone the scaler sets (servemesh.scaling): every kind but the
+# registry. The model servers' count lives in FleetState.per_zone (it predates the others).
+ScaledKind = Literal["model", "feature", "gateway"]
+SCALED_KINDS: tuple[ScaledKind, ...] = ("model", "gateway", "feature")
+# The kinds besides the model servers, whose live counts are FleetState.pools.
+FrontKind = Literal["feature", "gateway"]
 Spec = TypeVar("Spec", bound="MeshSpec")
 
 
@@ -857,17 +863,28 @@ class MeshSpec(_Strict):
 
     @model_validator(mode="after")
     def _replicas_within_the_scaling_bounds(self) -> MeshSpec:
-        policy = self.scaling.model_servers
         if not self.scaling.enabled:
             return self
-        for zone, count in sorted(self.model_servers.per_zone.items()):
-            # A zone with no model server is no pool: the scaler leaves it empty.
-            if count and not policy.min <= count <= policy.max:
-                raise ValueError(
-                    f"model_servers.per_zone.{zone}: {count} is outside the scaler's bounds "
-                    f"scaling.model_servers.min {policy.min} .. max {policy.max}"
-                )
+        for kind in SCALED_KINDS:
+            policy = self.scaling.pool(kind)
+            field_name = replicas_field(kind)
+            for zone, count in sorted(self.declared_replicas(kind).per_zone.items()):
+                # A zone with none of a kind is no pool: the scaler leaves it empty.
+                if count and not policy.min <= count <= policy.max:
+                    raise ValueError(
+                        f"{field_name}.per_zone.{zone}: {count} is outside the scaler's "
+                        f"bounds scaling.{field_name}.min {policy.min} .. max {policy.max}"
+                    )
         return self
+
+    def declared_replicas(self, kind: ScaledKind) -> Replicas:
+        """The spec's replicas per zone of a kind (`gateway`, `feature`, `model_servers`)."""
+        found: Replicas = getattr(self, replicas_field(kind))
+        return found
+
+    def replicas_of(self, kind: ScaledKind) -> Replicas:
+        """Replicas per zone of a kind as they run (a declared spec: as declared)."""
+        return self.declared_replicas(kind)
 
     @property
     def registry_backup_dir(self) -> Path:
@@ -880,9 +897,10 @@ class MeshSpec(_Strict):
         """The registry's store: metadata and artifacts (registry/store.py)."""
         return Path(self.state_dir) / "registry"
 
-    def scaled_zones(self) -> list[str]:
-        """The zones whose model servers the scaler manages: those the spec gives any."""
-        return [z for z in self.zones if self.model_servers.per_zone.get(z, 0) > 0]
+    def scaled_zones(self, kind: ScaledKind = "model") -> list[str]:
+        """The zones whose replicas of `kind` the scaler manages: those the spec gives any."""
+        declared = self.declared_replicas(kind).per_zone
+        return [z for z in self.zones if declared.get(z, 0) > 0]
 
     @model_validator(mode="after")
     def _hosts_name_known_parts(self) -> MeshSpec:
@@ -1020,15 +1038,15 @@ class MeshSpec(_Strict):
         """Every service process of the mesh, in start order (registry first)."""
         found = [Instance(name=REGISTRY_INSTANCE, service="registry", zone=self.zones[0])]
         found += self._model_instances()
-        processes: tuple[tuple[ServiceKind, Replicas], ...] = (
-            ("feature", self.feature),
-            ("gateway", self.gateway),
-        )
-        for service, replicas in processes:
+        kinds: tuple[FrontKind, ...] = ("feature", "gateway")
+        for service in kinds:
+            replicas = self.replicas_of(service)
             for zone in self.zones:
                 for index in range(replicas.per_zone.get(zone, 0)):
                     found.append(
-                        Instance(name=f"{service}-{zone}-{index}", service=service, zone=zone)
+                        Instance(
+                            name=instance_name(service, zone, index), service=service, zone=zone
+                        )
                     )
         return found
 
@@ -1075,14 +1093,16 @@ class ResolvedSpec(MeshSpec):
         if twice:
             raise ValueError(f"fleet.sets: instance names collide: {twice}")
         models = {i.name for i in self.instances() if i.service == "model"}
-        for field_name, listed in (
-            ("draining", self.fleet.draining),
-            ("standby", self.fleet.standby),
-            ("generations", list(self.fleet.generations)),
+        scaled = {i.name for i in self.instances() if i.service != "registry"}
+        for field_name, listed, known in (
+            ("draining", self.fleet.draining, scaled),
+            ("standby", self.fleet.standby, scaled),
+            ("generations", list(self.fleet.generations), models),
         ):
-            unknown = sorted(set(listed) - models)
+            unknown = sorted(set(listed) - known)
             if unknown:
-                raise ValueError(f"fleet.{field_name}: names no model server: {unknown}")
+                kind = "model server" if known is models else "replica"
+                raise ValueError(f"fleet.{field_name}: names no {kind}: {unknown}")
         for index, replica_set in enumerate(self.fleet.sets):
             for model, versions in replica_set.serves.items():
                 where = f"fleet.sets[{index}].serves.{model}"
@@ -1105,6 +1125,15 @@ class ResolvedSpec(MeshSpec):
         if self.fleet.per_zone is None:
             return self.model_servers
         return Replicas.model_construct(per_zone=dict(self.fleet.per_zone))
+
+    def replicas_of(self, kind: ScaledKind) -> Replicas:
+        """Replicas per zone of a kind as they run: the scaler's counts, else the spec's."""
+        if kind == "model":
+            return self.live_model_servers
+        counts = self.fleet.pools.get(kind)
+        if counts is None:
+            return self.declared_replicas(kind)
+        return Replicas.model_construct(per_zone=dict(counts))
 
     def replica_set_of(self, model: str, version: str) -> ReplicaSet:
         """The set whose replicas a version's clusters list: the one that serves it, else
@@ -1228,6 +1257,16 @@ class Instance(_Strict):
 SetName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9]{0,15}$")]
 
 
+def replicas_field(kind: ScaledKind) -> str:
+    """The spec's field (and the scaling policy's) holding a kind's replicas."""
+    return "model_servers" if kind == "model" else kind
+
+
+def instance_name(kind: ScaledKind, zone: str, index: int) -> str:
+    """The name of a kind's `index`-th replica in `zone` (a model server of the first set)."""
+    return model_instance_name("", zone, index) if kind == "model" else f"{kind}-{zone}-{index}"
+
+
 def model_instance_name(set_name: str, zone: str, index: int) -> str:
     """model-<zone>-<i> in the set named "" (the mesh's first), model-<set>-<zone>-<i> in
     any other: the prefix `model-` is what Envoy's certificate check asks of a model server."""
@@ -1275,8 +1314,14 @@ class FleetState(_Strict):
     # Model servers per zone as the scaler set them (servemesh.scaling); None: the spec's
     # `model_servers.per_zone`. Every set has this many per zone.
     per_zone: dict[ZoneName, Annotated[int, Field(ge=0, le=16)]] | None = None
+    # Gateways and feature services per zone as the scaler set them, by kind; a kind not
+    # here: the spec's `gateway.per_zone` / `feature.per_zone`.
+    pools: dict[FrontKind, dict[ZoneName, Annotated[int, Field(ge=0, le=16)]]] = Field(
+        default_factory=dict
+    )
     # Replicas started but out of rotation (Envoy is told DRAINING, so no call reaches them):
-    # a replica the scaler added, until it holds every version, and the pool's warm standbys.
+    # a replica the scaler added, until it is ready (a model server: holds every version),
+    # and the pools' warm standbys. Any kind but the registry.
     standby: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")

@@ -1,5 +1,6 @@
-"""`servemesh scale status|history|run`: the scaler's view of each zone, what it decided and
-why, and the scaler itself in the foreground (docs/capacity.md)."""
+"""`servemesh scale status|history|forecast|run`: the scaler's view of each pool (model
+servers, gateways, feature services) in each zone, what it decided and why, the model
+servers' forecast, and the scaler itself in the foreground (docs/capacity.md)."""
 
 from __future__ import annotations
 
@@ -15,50 +16,56 @@ from servemesh.cli.output import out
 
 def cmd_status(args: argparse.Namespace) -> int:
     from servemesh.scaling.actuator import busy_with_an_update, zone_replicas
-    from servemesh.scaling.history import read_status
+    from servemesh.scaling.history import pool_status, read_status
+    from servemesh.spec import SCALED_KINDS
 
     mesh = running_mesh(args)
     spec = mesh.spec
-    found = read_status(mesh.state_dir) or {}
-    zones: dict[str, Any] = found.get("zones", {})
-    pool = spec.scaling.model_servers
+    found = read_status(mesh.state_dir)
     rows = []
-    for zone in spec.scaled_zones():
-        rotation, standby = zone_replicas(spec, zone)
-        last = zones.get(zone, {})
-        rows.append(
-            {
-                "zone": zone,
-                "in_rotation": len(rotation),
-                "standby": len(standby),
-                "min": pool.min,
-                "max": pool.max,
-                "floor": last.get("floor"),
-                "signals": last.get("signals", {}),
-                "decision": last.get("decision", ""),
-            }
-        )
-    held = busy_with_an_update(spec) or zones.get("", {}).get("held", "")
+    for kind in SCALED_KINDS:
+        pool = spec.scaling.pool(kind)
+        zones = pool_status(found, kind)
+        for zone in spec.scaled_zones(kind):
+            rotation, standby = zone_replicas(spec, zone, kind)
+            last = zones.get(zone, {})
+            rows.append(
+                {
+                    "pool": kind,
+                    "zone": zone,
+                    "in_rotation": len(rotation),
+                    "standby": len(standby),
+                    "min": pool.min,
+                    "max": pool.max,
+                    "floor": last.get("floor"),
+                    "signals": last.get("signals", {}),
+                    "decision": last.get("decision", ""),
+                }
+            )
+    held = busy_with_an_update(spec) or str((found or {}).get("held") or "")
     if not spec.scaling.enabled:
         held = "scaling.enabled is false"
+    at = (found or {}).get("at")
     if args.json:
-        print(json.dumps({"at": found.get("at"), "held": held, "zones": rows}))
+        print(json.dumps({"at": at, "held": held, "pools": rows}))
         return 0
-    table = Table(title=f"model servers per zone (last round {found.get('at', '-')})")
-    for column in ("zone", "in rotation", "standby", "min..max", "floor"):
+    table = Table(title=f"replicas per pool and zone (last round {at or '-'})")
+    for column in ("pool", "zone", "in rotation", "standby", "min..max", "floor"):
         table.add_column(column)
-    for column in ("p99 ms", "queue", "cpu", "calls/s"):
+    signals_shown = ("p99_ms", "queue_depth", "in_flight", "cpu", "calls_per_s")
+    for column in ("p99 ms", "queue", "in flight", "cpu", "calls/s"):
         table.add_column(column, justify="right")
     table.add_column("last decision")
     for row in rows:
         signals = row["signals"]
         table.add_row(
+            row["pool"],
             row["zone"],
             str(row["in_rotation"]),
             str(row["standby"]),
             f"{row['min']}..{row['max']}",
             "-" if row["floor"] is None else str(row["floor"]),
-            *(_shown(signals.get(k)) for k in ("p99_ms", "queue_depth", "cpu", "calls_per_s")),
+            *(_shown(signals.get(k)) for k in signals_shown),
             row["decision"] or "-",
         )
     out.print(table)
@@ -84,11 +91,12 @@ def cmd_history(args: argparse.Namespace) -> int:
         out.print("no scaling decision recorded yet")
         return 0
     table = Table()
-    for column in ("at (UTC)", "zone", "change", "why", "outcome", "s"):
+    for column in ("at (UTC)", "pool", "zone", "change", "why", "outcome", "s"):
         table.add_column(column)
     for entry in entries:
         table.add_row(
             str(entry["at"]),
+            str(entry.get("pool", "model")),
             str(entry["zone"]),
             f"{entry['from']} -> {entry['to']}",
             str(entry["reason"]),
@@ -175,7 +183,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_mesh_flags(scale)
     verbs = scale.add_subparsers(dest="verb", required=True)
     status = verbs.add_parser(
-        "status", help="each zone's model servers, the last signals and decision"
+        "status",
+        help="each pool's replicas per zone (model servers, gateways, feature services), "
+        "the last signals and decision",
     )
     add_mesh_flags(status, inherited=True)
     status.add_argument("--json", action="store_true")

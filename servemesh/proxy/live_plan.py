@@ -131,13 +131,19 @@ class ApplyPlan:
 def scaling_text(scaling: ScalingSpec) -> str:
     if not scaling.enabled:
         return "off"
-    pool = scaling.model_servers
-    floors = len(pool.schedule.floors)
-    return (
-        f"model servers {pool.min}..{pool.max} per zone"
-        + (f", standby {pool.standby}" if pool.standby else "")
-        + (f", {floors} schedule floor{'s' * (floors != 1)}" if floors else "")
-    )
+    parts = []
+    for what, pool in (
+        ("model servers", scaling.model_servers),
+        ("gateways", scaling.gateway),
+        ("feature services", scaling.feature),
+    ):
+        floors = len(pool.schedule.floors)
+        parts.append(
+            f"{what} {pool.min}..{pool.max} per zone"
+            + (f", standby {pool.standby}" if pool.standby else "")
+            + (f", {floors} schedule floor{'s' * (floors != 1)}" if floors else "")
+        )
+    return "; ".join(parts)
 
 
 def tiers_text(tiers: TiersSpec | None) -> str:

@@ -1011,10 +1011,11 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
         # Every replica of a cluster is of one service kind; Envoy accepts only a
         # certificate naming an instance of that kind.
         cluster["transport_socket"] = upstream_tls(spec, kind)
-        if kind == "model":
-            # A model server the endpoints stop listing (a blue-green switch of a version's
-            # cluster to the new set, a retired set) leaves at once, its calls in flight
-            # finishing; by default Envoy would keep it while it passes health checks.
+        if kind != "registry":
+            # A replica the endpoints stop listing (a blue-green switch of a version's
+            # cluster to the new set, a retired set, one the scaler drained and stops)
+            # leaves at once, its calls in flight finishing; by default Envoy would keep it
+            # while it passes health checks.
             cluster["ignore_health_on_host_removal"] = True
         if local_zone is not None and spec.network.mode == "netns":
             # Zones in network namespaces: a zone's clusters send from a loopback source of

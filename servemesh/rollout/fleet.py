@@ -117,15 +117,19 @@ class StrategyContext:
 # --- reading the mesh -----------------------------------------------------------------------
 
 
-def fleet_status(state_dir: Path) -> dict[str, dict[str, int | None]]:
-    """What the running mesh says it started, by instance: {"generation", "pid"} ({} when
-    it wrote nothing yet)."""
+def fleet_status(state_dir: Path, kind: str | None = None) -> dict[str, dict[str, Any]]:
+    """What the running mesh says it started, by instance: {"service", "generation", "pid"}
+    ({} when it wrote nothing yet); with `kind`, only the replicas of that service."""
     try:
         data = json.loads((Path(state_dir) / FLEET_STATUS_FILE).read_text())
     except (OSError, ValueError):
         return {}
     instances = data.get("instances", {}) if isinstance(data, dict) else {}
-    return instances if isinstance(instances, dict) else {}
+    if not isinstance(instances, dict):
+        return {}
+    if kind is None:
+        return instances
+    return {n: e for n, e in instances.items() if isinstance(e, dict) and e.get("service") == kind}
 
 
 def _supported(spec: ResolvedSpec) -> None:

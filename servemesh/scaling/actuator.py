@@ -1,16 +1,19 @@
-"""Changing how many model servers a zone runs, in the running mesh, without losing a call.
+"""Changing how many replicas of a kind (model servers, gateways, feature services) a zone
+runs, in the running mesh, without losing a call.
 
-A zone's replicas are `model-<zone>-0 .. N-1`; the first R are in rotation, the rest
-(`fleet.standby`) run but Envoy is told they are DRAINING, so no new call reaches them. Each
-step is one change of the resolved spec's fleet through the route manager (rendered,
-validated, swapped, confirmed by Envoy, recorded in `routes history`), which `servemesh up`
-follows by starting and stopping processes by PID (servemesh.launcher):
+A zone's replicas are `<kind>-<zone>-0 .. N-1` (model servers: `model-<zone>-i`); the first
+R are in rotation, the rest (`fleet.standby`) run but Envoy is told they are DRAINING, so no
+new call reaches them. Each step is one change of the resolved spec's fleet through the
+route manager (rendered, validated, swapped, confirmed by Envoy, recorded in `routes
+history`), which `servemesh up` follows by starting and stopping processes by PID
+(servemesh.launcher):
 
-- **grow** to R': standbys already warm join the rotation first (one change: seconds).
+- **grow** to R': standbys already ready join the rotation first (one change: seconds).
   Then, when more are needed, N grows: the new replicas start out of rotation, and join it
-  (one more change) only once each reports every version SERVING on its own health service
-  (loaded and warmed); then Envoy must count them healthy. Last, the pool's `standby`
-  replicas are started again behind the rotation.
+  (one more change) only once each is ready on its own health service (a model server:
+  every version SERVING, loaded and warmed; a gateway or feature service: its own deep
+  health SERVING, its dependencies reachable); then Envoy must count them healthy. Last,
+  the pool's `standby` replicas are started again behind the rotation.
 - **shrink** to R': the replicas past R' leave the rotation (DRAINING: calls in flight
   finish, no new ones come), and once Envoy has no call open to those that go (or after
   `drain_timeout`), N shrinks: the mesh stops them with SIGTERM, and each drains itself.
@@ -32,8 +35,15 @@ from servemesh.rollout.fleet import (
     fleet_status,
     version_health,
 )
-from servemesh.spec import FleetState, ResolvedSpec, model_instance_name, resolve
-from servemesh.wire import model_cluster
+from servemesh.spec import (
+    FleetState,
+    ResolvedSpec,
+    ScaledKind,
+    instance_name,
+    replicas_field,
+    resolve,
+)
+from servemesh.wire import GATEWAY_CLUSTER, feature_cluster, model_cluster
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +52,16 @@ class ScaleError(ServemeshError, RuntimeError):
     """A scaling step could not be made or confirmed; the message says which and why."""
 
 
-def zone_replicas(spec: ResolvedSpec, zone: str) -> tuple[list[str], list[str]]:
-    """The zone's model servers of the first set, (in rotation, standby), in index order."""
+def zone_replicas(
+    spec: ResolvedSpec, zone: str, kind: ScaledKind = "model"
+) -> tuple[list[str], list[str]]:
+    """The zone's replicas of `kind` (model servers: of the first set), (in rotation,
+    standby), in index order."""
     standby = set(spec.fleet.standby)
     names = [
         i.name
         for i in spec.instances()
-        if i.service == "model" and i.zone == zone and i.replica_set == ""
+        if i.service == kind and i.zone == zone and i.replica_set == ""
     ]
     return [n for n in names if n not in standby], [n for n in names if n in standby]
 
@@ -75,6 +88,7 @@ class PoolActuator:
     ready_timeout_s: float = 120.0
     drain_timeout_s: float = 30.0
     poll_s: float = 0.2
+    kind: ScaledKind = "model"
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
 
@@ -84,7 +98,7 @@ class PoolActuator:
         """Put `to` replicas of `zone` in rotation, keeping `standby` warm behind them;
         the names that joined the rotation."""
         live = self.manager.live_spec()
-        rotation, spare = zone_replicas(live, zone)
+        rotation, spare = zone_replicas(live, zone, self.kind)
         warm = self._warm(live, spare[: max(0, to - len(rotation))])
         joined: list[str] = []
         if warm:
@@ -94,7 +108,7 @@ class PoolActuator:
             rotation += warm
         if len(rotation) < to:
             live = self.manager.live_spec()
-            total = sum(len(names) for names in zone_replicas(live, zone))
+            total = sum(len(names) for names in zone_replicas(live, zone, self.kind))
             wanted_total = max(total, to)
             self._layout(zone, wanted_total, len(rotation), f"{reason}: starting")
             fresh = self._names(zone, to)[len(rotation) :]
@@ -109,7 +123,7 @@ class PoolActuator:
         """Take `zone` down to `to` replicas in rotation (and `standby` behind them); the
         names that were stopped."""
         live = self.manager.live_spec()
-        rotation, spare = zone_replicas(live, zone)
+        rotation, spare = zone_replicas(live, zone, self.kind)
         total = len(rotation) + len(spare)
         self._layout(zone, total, to, f"{reason}: draining")
         keep = to + standby
@@ -123,7 +137,7 @@ class PoolActuator:
         """Start standbys behind the rotation until the zone has `standby` of them (they warm
         on their own; a grow checks them before they join)."""
         live = self.manager.live_spec()
-        rotation, spare = zone_replicas(live, zone)
+        rotation, spare = zone_replicas(live, zone, self.kind)
         if len(spare) >= standby:
             return []
         return self._layout(
@@ -133,30 +147,36 @@ class PoolActuator:
     # --- steps ----------------------------------------------------------------------------
 
     def _names(self, zone: str, count: int) -> list[str]:
-        return [model_instance_name("", zone, index) for index in range(count)]
+        return [instance_name(self.kind, zone, index) for index in range(count)]
 
     def _layout(self, zone: str, total: int, rotation: int, action: str) -> list[str]:
-        """One fleet change: `total` model servers in `zone`, the first `rotation` of them
-        in rotation. The names the change adds."""
+        """One fleet change: `total` replicas of the kind in `zone`, the first `rotation` of
+        them in rotation. The names the change adds."""
         live = self.manager.live_spec()
-        counts = dict(live.live_model_servers.per_zone)
+        counts = dict(live.replicas_of(self.kind).per_zone)
         before = counts.get(zone, 0)
         counts[zone] = total
         names = self._names(zone, total)
-        others = [n for n in live.fleet.standby if not self._in_zone(live, n, zone)]
-        fleet = FleetState.model_validate(
-            {**live.fleet.model_dump(), "per_zone": counts, "standby": others + names[rotation:]}
-        )
-        if fleet == live.fleet:
+        others = [n for n in live.fleet.standby if not self._in_pool(live, n, zone)]
+        fleet = live.fleet.model_dump()
+        if self.kind == "model":
+            fleet["per_zone"] = counts
+        else:
+            fleet["pools"] = {**fleet["pools"], self.kind: counts}
+        fleet["standby"] = others + names[rotation:]
+        changed = FleetState.model_validate(fleet)
+        if changed == live.fleet:
             return []
-        proposed = resolve(live.model_copy(update={"fleet": fleet}))
-        line = f"model servers {zone}: {before} -> {total}, {rotation} in rotation"
+        proposed = resolve(live.model_copy(update={"fleet": changed}))
+        what = replicas_field(self.kind).replace("_", " ")
+        line = f"{what} {zone}: {before} -> {total}, {rotation} in rotation"
         self.manager.swap(live, proposed, f"scale: {action}", changes=[line])
         return names[before:]
 
-    @staticmethod
-    def _in_zone(spec: ResolvedSpec, name: str, zone: str) -> bool:
-        return any(i.name == name and i.zone == zone for i in spec.instances())
+    def _in_pool(self, spec: ResolvedSpec, name: str, zone: str) -> bool:
+        return any(
+            i.name == name and i.zone == zone and i.service == self.kind for i in spec.instances()
+        )
 
     def _until(self, what: str, timeout_s: float, done: Callable[[], bool]) -> None:
         give_up = self.clock() + timeout_s
@@ -166,8 +186,11 @@ class PoolActuator:
             self.sleep(self.poll_s)
 
     def _warm(self, spec: ResolvedSpec, names: list[str]) -> list[str]:
-        """Those of `names` that answer every version SERVING now."""
-        health = ["", *every_version_health_name(spec)]
+        """Those of `names` that are ready now: their own health SERVING, and for a model
+        server every version's too."""
+        health = [""]
+        if self.kind == "model":
+            health += every_version_health_name(spec)
         return [n for n in names if all(version_health(spec, n, health).values())]
 
     def _wait_ready(self, names: list[str]) -> None:
@@ -188,22 +211,31 @@ class PoolActuator:
             return not pending
 
         self._until(
-            f"{', '.join(sorted(pending))} did not hold every version SERVING",
+            f"{', '.join(sorted(pending))} did not become ready (health SERVING)",
             self.ready_timeout_s,
             ready,
         )
 
     def _hosts(self, spec: ResolvedSpec, names: list[str]) -> dict[str, list[tuple[str, str]]]:
-        """Each replica's (cluster, host:port) entries in Envoy: every version's clusters."""
+        """Each replica's (cluster, host:port) entries in Envoy: a model server's in every
+        version's clusters, a feature service's in every zone's feature cluster, a gateway's
+        in the edge's gateway cluster (not its streams cluster: a Watch stream lasts up to
+        a minute, and a draining gateway's stop ends what is left of them)."""
         found: dict[str, list[tuple[str, str]]] = {}
         for name in names:
             address = f"{spec.host_of(name)}:{spec.port_of(name)}"
-            found[name] = [
-                (model_cluster(model, version, zone), address)
-                for model, entry in spec.models.items()
-                for version in entry.versions
-                for zone in spec.zones
-            ]
+            if self.kind == "gateway":
+                clusters = [GATEWAY_CLUSTER]
+            elif self.kind == "feature":
+                clusters = [feature_cluster(zone) for zone in spec.zones]
+            else:
+                clusters = [
+                    model_cluster(model, version, zone)
+                    for model, entry in spec.models.items()
+                    for version in entry.versions
+                    for zone in spec.zones
+                ]
+            found[name] = [(cluster, address) for cluster in clusters]
         return found
 
     def _wait_envoy(self, names: list[str]) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from servemesh.scaling.schedule import floor_at
@@ -42,6 +42,7 @@ class PoolSignals:
     p99_ms: float | None = None
     queue_depth: float | None = None
     cpu: float | None = None
+    in_flight: float | None = None
     error_ratio: float | None = None
     calls_per_s: float = 0.0
 
@@ -51,6 +52,7 @@ class PoolSignals:
             "p99_ms": _rounded(self.p99_ms),
             "queue_depth": _rounded(self.queue_depth),
             "cpu": _rounded(self.cpu),
+            "in_flight": _rounded(self.in_flight),
             "error_ratio": _rounded(self.error_ratio, 4),
             "calls_per_s": _rounded(self.calls_per_s),
         }
@@ -74,6 +76,7 @@ def ratios(policy: PoolPolicy, signals: PoolSignals) -> dict[str, tuple[float, f
         ("p99_ms", signals.p99_ms, target.p99_ms),
         ("queue_depth", signals.queue_depth, target.queue_depth),
         ("cpu", signals.cpu, target.cpu),
+        ("in_flight", signals.in_flight, target.in_flight),
     ):
         if value is not None and goal is not None:
             found[name] = (value, goal)
@@ -146,13 +149,15 @@ class Decision:
     signals: PoolSignals
     floor: int
     held: str = ""  # why no change although the signals asked for one ("" otherwise)
+    pool: str = "model"  # the kind of replica: model, gateway or feature
 
     @property
     def changes(self) -> bool:
         return self.desired != self.current
 
-    def line(self, pool: str = "model") -> str:
+    def line(self) -> str:
         """What `servemesh scale history` prints for it."""
+        pool = self.pool
         if self.changes:
             return f"{self.reason}: {pool} {self.zone} {self.current} -> {self.desired}"
         return f"{self.reason}: {pool} {self.zone} stays {self.current}" + (
@@ -168,10 +173,24 @@ def decide(
     at: float,
     now: datetime,
     predicted: tuple[int, str] | None = None,
+    pool: str = "model",
 ) -> Decision:
-    """One round for one zone: `at` on the scaler's monotonic clock, `now` the wall time
-    (the schedule's floors are local times); `predicted`: the forecast's floor and why
-    (servemesh/scaling/forecast.py), when the policy forecasts."""
+    """One round for one zone's pool of `pool` replicas: `at` on the scaler's monotonic
+    clock, `now` the wall time (the schedule's floors are local times); `predicted`: the
+    forecast's floor and why (servemesh/scaling/forecast.py), when the policy forecasts."""
+    decision = _decide(zone, policy, signals, stabilizer, at, now, predicted)
+    return replace(decision, pool=pool)
+
+
+def _decide(
+    zone: str,
+    policy: PoolPolicy,
+    signals: PoolSignals,
+    stabilizer: Stabilizer,
+    at: float,
+    now: datetime,
+    predicted: tuple[int, str] | None,
+) -> Decision:
     n = signals.replicas
     recommendation = recommend(policy, signals)
     stabilizer.note(at, recommendation, max(policy.up_window_s, policy.down_window_s))

@@ -3,8 +3,9 @@
 - `history.jsonl`: append-only, one JSON record per change of a pool (and per change that
   failed): when, which pool and zone, from and to, the reason, every signal it was decided
   on, and how it ended. `servemesh scale history` prints it.
-- `status.json`: rewritten every round: each zone's replicas (in rotation and standby), its
-  last signals and what the last round decided (a hold says why). `servemesh scale status`
+- `status.json`: rewritten every round: per pool (model, gateway, feature), each zone's
+  replicas (in rotation and standby), its last signals and what the last round decided (a
+  hold says why). `servemesh scale status`
   prints it.
 """
 
@@ -40,7 +41,6 @@ def record(
     decision: Decision,
     outcome: str,
     *,
-    pool: str = "model",
     seconds: float | None = None,
     at: float | None = None,
 ) -> dict[str, Any]:
@@ -49,12 +49,12 @@ def record(
     private_dir(path.parent)
     entry = {
         "at": _when(time.time() if at is None else at),
-        "pool": pool,
+        "pool": decision.pool,
         "zone": decision.zone,
         "from": decision.current,
         "to": decision.desired,
         "reason": decision.reason,
-        "line": decision.line(pool),
+        "line": decision.line(),
         "floor": decision.floor,
         "signals": decision.signals.as_dict(),
         "outcome": outcome,
@@ -79,10 +79,24 @@ def read_history(state_dir: str | Path, limit: int | None = None) -> list[dict[s
     return found[-limit:] if limit else found
 
 
-def write_status(state_dir: str | Path, zones: Mapping[str, Mapping[str, Any]]) -> None:
+def write_status(
+    state_dir: str | Path,
+    pools: Mapping[str, Mapping[str, Mapping[str, Any]]],
+    held: str = "",
+) -> None:
+    """`pools`: by kind (model, gateway, feature), each zone's last round; `held`: why the
+    scaler did not decide at all ("" when it did)."""
     path = status_path(state_dir)
     private_dir(path.parent)
-    atomic_write_text(path, json.dumps({"at": _when(time.time()), "zones": zones}, indent=2))
+    found = {"at": _when(time.time()), "held": held, "pools": pools}
+    atomic_write_text(path, json.dumps(found, indent=2))
+
+
+def pool_status(found: Mapping[str, Any] | None, pool: str) -> dict[str, Any]:
+    """One pool's zones from what `read_status` gave ({} when none)."""
+    pools = (found or {}).get("pools", {})
+    zones = pools.get(pool, {}) if isinstance(pools, dict) else {}
+    return zones if isinstance(zones, dict) else {}
 
 
 def read_status(state_dir: str | Path) -> dict[str, Any] | None:

@@ -1,4 +1,4 @@
-"""The scaler's round: read every zone's signals, decide, act, record.
+"""The scaler's round: read every pool's signals in every zone, decide, act, record.
 
 `Scaler.round()` is one round, with the clocks injected; `run()` repeats it every
 `scaling.interval` until stopped. The running spec is read again each round, so an `apply`
@@ -25,8 +25,9 @@ from servemesh.scaling.decide import Decision, Stabilizer, decide
 from servemesh.scaling.forecast import Forecast, forecast, replica_capacity
 from servemesh.scaling.history import record, write_status
 from servemesh.scaling.metrics import ScalerMetrics
-from servemesh.scaling.signals import PoolReader
-from servemesh.spec import ResolvedSpec
+from servemesh.scaling.signals import SERVING_METHODS, PoolReader
+from servemesh.scaling_policy import DEFAULT_CAPACITY_RPS
+from servemesh.spec import SCALED_KINDS, ResolvedSpec, ScaledKind
 
 # The wait between rounds while the live spec cannot be read (the last interval read is
 # kept once there was one).
@@ -47,50 +48,71 @@ class Scaler:
     scrape: Callable[[str], list[Sample]] = scrape
     clock: Callable[[], float] = time.monotonic
     wall: Callable[[], datetime] = _wall
-    actuator: PoolActuator | None = None
+    # The actuator of each kind's pool (tests inject their own); missing: a real one.
+    actuators: dict[ScaledKind, PoolActuator] | None = None
     # Calls per hour, for the forecast: the prediction log's when None.
     hourly: Callable[[ResolvedSpec, float], list[tuple[datetime, int]]] | None = None
     metrics: ScalerMetrics = field(default_factory=ScalerMetrics)
-    _stabilizers: dict[str, Stabilizer] = field(default_factory=dict, init=False)
-    _reader: PoolReader = field(init=False)
+    _stabilizers: dict[tuple[ScaledKind, str], Stabilizer] = field(default_factory=dict, init=False)
+    # One reader per pool and zone: a reader forgets the replicas a read does not name.
+    _readers: dict[tuple[ScaledKind, str], PoolReader] = field(default_factory=dict, init=False)
     _history: tuple[float, list[tuple[datetime, int]]] | None = field(default=None, init=False)
-
-    def __post_init__(self) -> None:
-        self._reader = PoolReader(self.scrape, self.clock)
 
     @property
     def state_dir(self) -> Path:
         return self.manager.paths.state_dir
 
     def round(self) -> list[Decision]:
-        """Decide (and act) once for every zone's pool; the decisions made."""
+        """Decide (and act) once for every pool's zones (model servers first, then the
+        gateways and the feature services); the decisions made."""
         live = self.manager.live_spec()
         policy = live.scaling
         if not policy.enabled:
-            write_status(self.state_dir, {"": {"held": "scaling.enabled is false"}})
+            write_status(self.state_dir, {}, held="scaling.enabled is false")
             self.metrics.rounds.labels("held").inc()
             return []
         busy = busy_with_an_update(live)
         if busy:
-            write_status(self.state_dir, {"": {"held": busy}})
+            write_status(self.state_dir, {}, held=busy)
             self.metrics.rounds.labels("held").inc()
             return []
-        pool = policy.model_servers
-        actuator = self.actuator or PoolActuator(
-            self.manager, policy.ready_timeout_s, policy.drain_timeout_s
-        )
         decisions: list[Decision] = []
-        status: dict[str, dict[str, Any]] = {}
-        zones = live.scaled_zones()
-        predicted = self.predicted_floor(live, len(zones))
+        status: dict[str, dict[str, dict[str, Any]]] = {}
+        for kind in SCALED_KINDS:
+            # Each pool reads the spec as the last one's moves left it.
+            live = self.manager.live_spec() if decisions else live
+            found = self._pool_round(live, kind)
+            status[kind] = {d.zone: entry for d, entry in found}
+            decisions += [d for d, _ in found]
+        write_status(self.state_dir, status)
+        self.metrics.rounds.labels("ok").inc()
+        return decisions
+
+    def _pool_round(
+        self, live: ResolvedSpec, kind: ScaledKind
+    ) -> list[tuple[Decision, dict[str, Any]]]:
+        """One round for one kind's pool in every zone it has replicas in."""
+        scaling = live.scaling
+        pool = scaling.pool(kind)
+        actuator = (self.actuators or {}).get(kind) or PoolActuator(
+            self.manager, scaling.ready_timeout_s, scaling.drain_timeout_s, kind=kind
+        )
+        zones = live.scaled_zones(kind)
+        predicted = self.predicted_floor(live, len(zones), kind)
+        found: list[tuple[Decision, dict[str, Any]]] = []
         for zone in zones:
-            rotation, standby = zone_replicas(live, zone)
-            signals = self._reader.read({n: live.metrics_address_of(n) for n in rotation})
-            stabilizer = self._stabilizers.setdefault(zone, Stabilizer())
-            decision = decide(zone, pool, signals, stabilizer, self.clock(), self.wall(), predicted)
-            decisions.append(decision)
+            rotation, standby = zone_replicas(live, zone, kind)
+            reader = self._readers.get((kind, zone))
+            if reader is None:
+                reader = PoolReader(self.scrape, self.clock, SERVING_METHODS[kind])
+                self._readers[(kind, zone)] = reader
+            signals = reader.read({n: live.metrics_address_of(n) for n in rotation})
+            stabilizer = self._stabilizers.setdefault((kind, zone), Stabilizer())
+            decision = decide(
+                zone, pool, signals, stabilizer, self.clock(), self.wall(), predicted, kind
+            )
             self.metrics.observe(decision, len(rotation), len(standby))
-            status[zone] = {
+            entry: dict[str, Any] = {
                 "in_rotation": rotation,
                 "standby": standby,
                 "signals": signals.as_dict(),
@@ -98,16 +120,15 @@ class Scaler:
                 "decision": decision.line(),
             }
             if decision.changes:
-                status[zone]["outcome"] = self._act(actuator, decision, pool.standby)
+                entry["outcome"] = self._act(actuator, decision, pool.standby)
                 stabilizer.changed(self.clock())
             elif len(standby) < pool.standby:
                 try:
                     actuator.keep_standby(zone, pool.standby)
                 except ScaleError as exc:
-                    log.warning("scale: %s standby: %s", zone, exc)
-        write_status(self.state_dir, status)
-        self.metrics.rounds.labels("ok").inc()
-        return decisions
+                    log.warning("scale: %s %s standby: %s", kind, zone, exc)
+            found.append((decision, entry))
+        return found
 
     def forecast(self, live: ResolvedSpec, at: datetime) -> Forecast:
         """The rate expected at `at` from the history the policy's forecast reads."""
@@ -122,9 +143,12 @@ class Scaler:
             cached = self._history = (self.clock(), read(live, span))
         return forecast(cached[1], at, now, ZoneInfo(pool.schedule.timezone))
 
-    def predicted_floor(self, live: ResolvedSpec, zones: int) -> tuple[int, str] | None:
-        """The forecast's floor per zone and why, when the policy forecasts."""
-        pool = live.scaling.model_servers
+    def predicted_floor(
+        self, live: ResolvedSpec, zones: int, kind: ScaledKind = "model"
+    ) -> tuple[int, str] | None:
+        """The forecast's floor per zone of a kind's pool and why, when its policy
+        forecasts."""
+        pool = live.scaling.pool(kind)
         if not pool.forecast.enabled or not zones:
             return None
         at = self.wall() + timedelta(seconds=pool.forecast.lead_s)
@@ -133,7 +157,10 @@ class Scaler:
         except (OSError, ValueError) as exc:  # no log yet, or one being replaced
             log.info("scale: no forecast: %s", exc)
             return None
-        capacity, _source = replica_capacity(live, self.state_dir)
+        if kind == "model":
+            capacity, _source = replica_capacity(live, self.state_dir)
+        else:  # a capacity plan measures model servers: the pool's own figure, else the default
+            capacity = pool.forecast.capacity_rps or DEFAULT_CAPACITY_RPS
         replicas = expected.replicas(zones, capacity)
         why = (
             f"forecast {expected.rps:.0f} req/s at {at:%H:%M} UTC (lead {pool.forecast.lead}, "

@@ -309,7 +309,7 @@ def test_blue_green_switches_in_one_change_and_the_old_set_keeps_answering(
     assert {r for v, r in answered(0, float("inf")) if v == "v1"} <= set(BLUE)
     # Blue never restarted; green runs beside it, each with its own PID.
     assert {name: mesh.pid(name) for name in BLUE} == blue_pids
-    status = fleet_status(mesh.state_dir)
+    status = fleet_status(mesh.state_dir, "model")
     assert set(status) == set(BLUE) | set(GREEN)
     assert all(alive(int(status[n]["pid"] or 0)) for n in GREEN)
     # Envoy: v2's cluster lists the green replicas only, v1's the blue ones.
@@ -350,7 +350,7 @@ def test_retiring_the_old_set_leaves_the_green_set_alone(
     assert [(s.name, s.serves) for s in live.fleet.sets] == [("green", {})]
     assert [i.name for i in live.instances() if i.service == "model"] == GREEN
     assert not any(alive(pid) for pid in blue_pids)
-    assert set(fleet_status(mesh.state_dir)) == set(GREEN)
+    assert set(fleet_status(mesh.state_dir, "model")) == set(GREEN)
     assert {o.replica for o in outcomes if o.sent_s > retired_at} <= set(GREEN)
     # Every version is served by the green set now, the baseline too.
     assert predict(mesh, "v1").model_replica in GREEN
@@ -411,9 +411,8 @@ def test_a_rolling_update_replaces_each_replica_once_without_a_failed_call(
     # Once each, one at a time, in order.
     replaced = [m.split(":", 2)[2] for m in recorder.names() if m.startswith(ROLLING_REPLACED)]
     assert replaced == GREEN
-    assert {n: s["generation"] for n, s in fleet_status(mesh.state_dir).items()} == dict.fromkeys(
-        GREEN, 1
-    )
+    replaced_at = fleet_status(mesh.state_dir, "model")
+    assert {n: s["generation"] for n, s in replaced_at.items()} == dict.fromkeys(GREEN, 1)
     assert manager.live_spec().fleet.draining == []
     assert [e["after"]["models"]["fraud"]["traffic"] for e in weight_changes(manager, before)] == [
         {"v1": 100, "v2": 0}

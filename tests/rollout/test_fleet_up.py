@@ -86,7 +86,7 @@ def test_the_mesh_owns_the_green_set_and_stops_it(tmp_path: Path) -> None:
             )
         )
         assert ending.outcome == Outcome.PROMOTED, ending.reason
-        status = fleet_status(state)
+        status = fleet_status(state, "model")
         pids = {name: int(entry["pid"] or 0) for name, entry in status.items()}
         assert set(pids) == {"model-zone-a-0", GREEN}
         # Started by the mesh, not by this process: `up` is their parent.

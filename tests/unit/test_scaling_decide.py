@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 from servemesh.scaling.decide import PoolSignals, Stabilizer, decide, recommend
 from servemesh.scaling.schedule import floor_at
-from servemesh.scaling_policy import PoolPolicy, ScalingSchedule, ScheduleFloor
+from servemesh.scaling_policy import PoolPolicy, ScalingSchedule, ScheduleFloor, front_targets
 
 MONDAY_NOON = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
@@ -162,3 +162,17 @@ def test_floors_are_local_wall_times_across_dst_and_midnight() -> None:
     assert floor_at(weekend, datetime(2026, 12, 5, 3, 0, tzinfo=UTC))[0] == 4  # saturday 03:00
     assert floor_at(weekend, datetime(2026, 12, 4, 3, 0, tzinfo=UTC))[0] == 0  # friday 03:00
     assert floor_at(weekend, datetime(2026, 12, 4, 23, 0, tzinfo=UTC))[0] == 4  # friday 23:00
+
+
+def test_a_gateway_pool_scales_on_calls_in_flight_and_says_which_pool() -> None:
+    """The gateways' default targets: calls in flight and CPU, no p99 (theirs holds the
+    feature and model calls they wait for); the decision's line names the pool."""
+    p = PoolPolicy(up_window="0s", target=front_targets())
+    busy = PoolSignals(replicas=1, p99_ms=900.0, cpu=0.2, in_flight=60.0)
+    assert recommend(p, busy).why == "in_flight 60 > 32"
+    up = decide("zone-a", p, busy, Stabilizer(), 0.0, MONDAY_NOON, pool="gateway")
+    assert (up.current, up.desired) == (1, 2)
+    assert up.line() == "in_flight 60 > 32 over 0s: gateway zone-a 1 -> 2"
+    # A slow Predict alone (the model's time) asks for no more gateways.
+    slow = PoolSignals(replicas=1, p99_ms=900.0, cpu=0.2, in_flight=4.0)
+    assert recommend(p, slow).replicas == 1

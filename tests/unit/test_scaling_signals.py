@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from servemesh.observe.scrape import Sample, parse
-from servemesh.scaling.signals import INFER, PoolReader
+from servemesh.scaling.signals import INFER, SERVING_METHODS, PoolReader
 from servemesh.services.runtime.metrics import MethodMetrics, RpcCollector
 
 
@@ -71,3 +71,57 @@ def test_a_replica_that_does_not_answer_is_left_out_and_a_gone_one_forgotten() -
     now[0] = 1.0
     found = reader.read({"x": "up"})
     assert found.replicas == 1 and found.calls_per_s == pytest.approx(10.0)
+
+
+PREDICT = SERVING_METHODS["gateway"]
+
+
+def test_a_gateway_pool_reads_its_predict_calls_and_in_flight_not_other_methods() -> None:
+    """A gateway's load is its Predict calls: their rate, p99 and the calls in flight when
+    scraped; a Health call beside them counts for nothing, and it has no batch queue."""
+    registry = CollectorRegistry()
+    predict, health = MethodMetrics(), MethodMetrics()
+    registry.register(
+        RpcCollector("gateway", {PREDICT: predict, "/grpc.health.v1.Health/Check": health})
+    )
+    now = [0.0]
+    reader = PoolReader(
+        lambda address: parse(generate_latest(registry).decode()),
+        clock=lambda: now[0],
+        method=PREDICT,
+    )
+    reader.read({"gateway-zone-a-0": "g"})
+    for _ in range(40):
+        predict.end(predict.begin() - 0.002, "OK")
+    for _ in range(500):
+        health.end(health.begin() - 3.0, "OK")
+    open_calls = [predict.begin() for _ in range(12)]
+    health.begin()
+    now[0] = 2.0
+    found = reader.read({"gateway-zone-a-0": "g"})
+    assert found.calls_per_s == pytest.approx(20.0)  # 40 Predicts in 2 s, not the 500 Checks
+    assert found.p99_ms is not None and found.p99_ms <= 5.0  # the Checks' 3 s left out
+    assert found.in_flight == pytest.approx(12.0)
+    assert found.queue_depth is None
+    for started in open_calls:
+        predict.end(started, "OK")
+
+
+def test_each_pool_and_zone_keeps_its_own_interval() -> None:
+    """Two zones read in turn each get their interval's calls: a reader forgets what a read
+    does not name, so the scaler keeps one per pool and zone (one shared reader saw no
+    interval in any zone of a two-zone mesh)."""
+    replicas = {"a": Replica(), "b": Replica()}
+    now = [0.0]
+    readers = {
+        zone: PoolReader(lambda address: replicas[address].text(), clock=lambda: now[0])
+        for zone in ("a", "b")
+    }
+    for zone in ("a", "b"):
+        readers[zone].read({f"model-zone-{zone}-0": zone})
+    replicas["a"].calls(10, 0.01)
+    replicas["b"].calls(30, 0.01)
+    now[0] = 1.0
+    found = {zone: readers[zone].read({f"model-zone-{zone}-0": zone}) for zone in ("a", "b")}
+    assert found["a"].calls_per_s == pytest.approx(10.0)
+    assert found["b"].calls_per_s == pytest.approx(30.0)
