@@ -30,7 +30,8 @@ from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_apply import LiveApply
 from servemesh.rollout.fleet import every_version_health_name, fleet_status, version_health
 from servemesh.scaling.__main__ import metrics_address
-from servemesh.scaling.history import read_history, read_status
+from servemesh.scaling.history import pool_status, read_history, read_status
+from servemesh.scaling.signals import SERVING_METHODS
 from servemesh.scaling_policy import PoolPolicy, ScalingSpec, ScalingTargets
 from servemesh.spec import DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Ports, Replicas
 from tests.waiting import wait_until
@@ -83,9 +84,9 @@ def mesh(tmp_path: Path) -> Iterator[Mesh]:
 
 
 def _status(mesh: Mesh) -> dict[str, Any]:
-    found = read_status(mesh.state_dir) or {}
-    zones: dict[str, Any] = found.get("zones", {})
-    return zones.get(ZONE, {})
+    zones = pool_status(read_status(mesh.state_dir), "model")
+    found: dict[str, Any] = zones.get(ZONE, {})
+    return found
 
 
 def _serving(mesh: Mesh, name: str) -> bool:
@@ -157,9 +158,9 @@ def test_load_promotes_the_standby_and_a_lower_max_drains_back_without_a_failed_
         )  # fmt: skip
 
     decisions = "servemesh_scaler_decisions_total"
-    assert value(decisions, zone=ZONE, direction="up", outcome="done") >= 1
-    assert value(decisions, zone=ZONE, direction="down", outcome="done") >= 1
-    assert value("servemesh_scaler_replicas", zone=ZONE, state="in_rotation") == 1
+    assert value(decisions, pool="model", zone=ZONE, direction="up", outcome="done") >= 1
+    assert value(decisions, pool="model", zone=ZONE, direction="down", outcome="done") >= 1
+    assert value("servemesh_scaler_replicas", pool="model", zone=ZONE, state="in_rotation") == 1
     assert value("servemesh_scaler_rounds_total", outcome="ok") >= 1
 
     shown = subprocess.run(
@@ -168,3 +169,138 @@ def test_load_promotes_the_standby_and_a_lower_max_drains_back_without_a_failed_
     )  # fmt: skip
     assert shown.returncode == 0, shown.stderr
     assert "1 -> 2" in shown.stdout and "2 -> 1" in shown.stdout and "max 1" in shown.stdout
+
+
+# --- gateways and feature services: pools of their own ---------------------------------
+
+GATEWAYS = [f"gateway-{ZONE}-{i}" for i in range(2)]
+FEATURES = [f"feature-{ZONE}-{i}" for i in range(2)]
+
+
+def front_scaling(max_replicas: int) -> ScalingSpec:
+    """The gateways and the feature services between 1 and `max_replicas`, on a Predict (a
+    GetFeatures) p99 far below what any call takes, so load alone asks for more; the model
+    servers held at one."""
+    pool = PoolPolicy(
+        min=1,
+        max=max_replicas,
+        target=ScalingTargets(p99_ms=0.5, queue_depth=None, cpu=None),
+        up_window="2s",
+        down_window="30s",
+        cooldown="1s",
+    )
+    return ScalingSpec(
+        interval="1s",
+        drain_timeout="10s",
+        model_servers=PoolPolicy(min=1, max=1),
+        gateway=pool,
+        feature=pool,
+    )
+
+
+@pytest.fixture
+def front_mesh(tmp_path: Path) -> Iterator[Mesh]:
+    one = Replicas(per_zone={ZONE: 1})
+    spec = MeshSpec(
+        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        state_dir=str(tmp_path / "state"),
+        zones=[ZONE],
+        gateway=one,
+        feature=one,
+        model_servers=one,
+        models={
+            "fraud": ModelSpec(
+                versions={"v1": ModelVersionSpec(source="demo:1")}, traffic={"v1": 100}
+            )
+        },
+        demo=DemoSpec(enabled=True, entities=50),
+        scaling=front_scaling(2),
+    )
+    spec = spec.model_copy(
+        update={"metrics": spec.metrics.model_copy(update={"prometheus": "off"})}
+    )
+    running = Mesh.from_spec(spec)
+    running.scaler = True
+    with running:
+        yield running
+
+
+def _served(mesh: Mesh, name: str, method: str) -> float:
+    """Calls of `method` the replica itself counted as answered OK."""
+    live = RouteManager(mesh.paths).live_spec()
+    samples = scrape(live.metrics_address_of(name))
+    return sum(
+        s.value
+        for s in samples
+        if s.name == "servemesh_rpc_requests_total"
+        and s.labels.get("method") == method
+        and s.labels.get("code") == "OK"
+    )
+
+
+def _pool_done(mesh: Mesh, pool: str, start: int, end: int) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in read_history(mesh.state_dir)
+        if (e.get("pool"), e["zone"], e["from"], e["to"], e["outcome"])
+        == (pool, ZONE, start, end, "done")
+    ]
+
+
+def test_gateways_and_feature_services_grow_under_load_and_drain_back_without_a_failed_call(
+    front_mesh: Mesh,
+) -> None:
+    mesh = front_mesh
+    target = predict_target(dial_edge(mesh.spec), entities=50, timeout_s=5.0)
+    load = BackgroundLoad(target, rate_per_s=40)
+    load.start()
+    try:
+        for pool in ("gateway", "feature"):
+            grown = wait_until(
+                lambda pool=pool: _pool_done(mesh, pool, 1, 2), f"{pool}s: 1 -> 2", timeout_s=120
+            )
+            assert "p99_ms" in grown[0]["reason"], grown[0]
+        # The new replicas take their share of the calls: the edge sends Predicts to the
+        # second gateway, the zone's Envoy GetFeatures to the second feature service.
+        wait_until(lambda: _served(mesh, GATEWAYS[1], SERVING_METHODS["gateway"]) > 0, GATEWAYS[1])
+        wait_until(lambda: _served(mesh, FEATURES[1], SERVING_METHODS["feature"]) > 0, FEATURES[1])
+        # The mesh started them (by PID, as any replica), and Envoy lists them.
+        started = fleet_status(mesh.state_dir)
+        assert all(started[n]["pid"] for n in GATEWAYS + FEATURES), started
+
+        # An operator lowers both pools' max under load: each drains its second replica.
+        applier = LiveApply(RouteManager(mesh.paths, AdminClient.of_mesh(mesh.state_dir)))
+        text = json.dumps({"scaling": front_scaling(1).model_dump(mode="json")})
+        lines = applier.apply(text, "lower-max.yaml").plan.lines()
+        assert any("gateways 1..1 per zone" in line for line in lines), lines
+        for pool, names in (("gateway", GATEWAYS), ("feature", FEATURES)):
+            shrunk = wait_until(
+                lambda pool=pool: _pool_done(mesh, pool, 2, 1), f"{pool}s: 2 -> 1", timeout_s=120
+            )
+            assert shrunk[0]["reason"] == "max 1"
+            wait_until(
+                lambda names=names: names[1] not in fleet_status(mesh.state_dir),
+                f"{names[1]} stopped",
+            )
+        settled = load.now_s()
+        wait_until(lambda: len(load.run.window(settled)) >= 40, "a second of load after it")
+    finally:
+        load.stop()
+    assert not load.error
+    failed = [o for o in load.snapshot() if not o.ok or o.degraded]
+    assert not failed, failed[:3]
+    live = RouteManager(mesh.paths).live_spec()
+    assert [i.name for i in live.instances() if i.service in ("gateway", "feature")] == [
+        FEATURES[0],
+        GATEWAYS[0],
+    ]
+    status_argv = ["scale", "status", "--json", "--state-dir", str(mesh.state_dir)]
+    shown = subprocess.run(
+        [sys.executable, "-m", "servemesh", *status_argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    rows = {(r["pool"], r["zone"]): r for r in json.loads(shown.stdout)["pools"]}
+    assert rows[("gateway", ZONE)]["in_rotation"] == 1 and rows[("gateway", ZONE)]["max"] == 1
