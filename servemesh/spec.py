@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -1577,9 +1577,20 @@ def parse_spec(text: str, source: str = "<spec>") -> MeshSpec:
     return _parse(MeshSpec, text, source)
 
 
+# libyaml's loader where PyYAML was built with it (its wheels are): the resolved spec is
+# read by every service on each live change and by the scaler every round, and the pure
+# Python loader took about 27 ms for it, the C one 6 ms. Both build the same safe types.
+_YAML_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def safe_yaml(text: str) -> object:
+    """`yaml.safe_load` on the fastest safe loader there is."""
+    return yaml.load(text, Loader=_YAML_LOADER)
+
+
 def _parse(kind: type[Spec], text: str, source: str) -> Spec:
     try:
-        data = yaml.safe_load(text) or {}
+        data = safe_yaml(text) or {}
     except yaml.YAMLError as exc:
         raise SpecError(f"{source}: malformed YAML: {exc}") from None
     if not isinstance(data, dict):
@@ -1620,7 +1631,7 @@ def parse_resolved(text: str, source: str = "<resolved spec>") -> ResolvedSpec:
 def parse_spec_or_resolved(text: str, source: str = "<spec>") -> MeshSpec:
     """A declared spec, or a resolved one when the text names resolved ports."""
     try:
-        data = yaml.safe_load(text)
+        data = safe_yaml(text)
     except yaml.YAMLError:
         data = None  # parse_spec says what is wrong with it
     if isinstance(data, dict) and RESOLVED_FIELDS & set(data):

@@ -79,11 +79,12 @@ class Scaler:
         decisions: list[Decision] = []
         status: dict[str, dict[str, dict[str, Any]]] = {}
         for kind in SCALED_KINDS:
-            # Each pool reads the spec as the last one's moves left it.
-            live = self.manager.live_spec() if decisions else live
             found = self._pool_round(live, kind)
             status[kind] = {d.zone: entry for d, entry in found}
             decisions += [d for d, _ in found]
+            if any(d.changes for d, _ in found):
+                # The next pool reads the spec as these moves left it (ports, fleet).
+                live = self.manager.live_spec()
         write_status(self.state_dir, status)
         self.metrics.rounds.labels("ok").inc()
         return decisions

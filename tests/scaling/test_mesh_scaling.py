@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +239,10 @@ def _served(mesh: Mesh, name: str, method: str) -> float:
     )
 
 
+def _stopped(mesh: Mesh, name: str) -> bool:
+    return name not in fleet_status(mesh.state_dir)
+
+
 def _pool_done(mesh: Mesh, pool: str, start: int, end: int) -> list[dict[str, Any]]:
     return [
         e
@@ -257,14 +262,14 @@ def test_gateways_and_feature_services_grow_under_load_and_drain_back_without_a_
     try:
         for pool in ("gateway", "feature"):
             grown = wait_until(
-                lambda pool=pool: _pool_done(mesh, pool, 1, 2), f"{pool}s: 1 -> 2", timeout_s=120
+                partial(_pool_done, mesh, pool, 1, 2), f"{pool}s: 1 -> 2", timeout_s=120
             )
             assert "p99_ms" in grown[0]["reason"], grown[0]
         # The new replicas take their share of the calls: the edge sends Predicts to the
         # second gateway, the zone's Envoy GetFeatures to the second feature service.
         wait_until(lambda: _served(mesh, GATEWAYS[1], SERVING_METHODS["gateway"]) > 0, GATEWAYS[1])
         wait_until(lambda: _served(mesh, FEATURES[1], SERVING_METHODS["feature"]) > 0, FEATURES[1])
-        # The mesh started them (by PID, as any replica), and Envoy lists them.
+        # The mesh started them, by PID, as any replica.
         started = fleet_status(mesh.state_dir)
         assert all(started[n]["pid"] for n in GATEWAYS + FEATURES), started
 
@@ -275,13 +280,10 @@ def test_gateways_and_feature_services_grow_under_load_and_drain_back_without_a_
         assert any("gateways 1..1 per zone" in line for line in lines), lines
         for pool, names in (("gateway", GATEWAYS), ("feature", FEATURES)):
             shrunk = wait_until(
-                lambda pool=pool: _pool_done(mesh, pool, 2, 1), f"{pool}s: 2 -> 1", timeout_s=120
+                partial(_pool_done, mesh, pool, 2, 1), f"{pool}s: 2 -> 1", timeout_s=120
             )
             assert shrunk[0]["reason"] == "max 1"
-            wait_until(
-                lambda names=names: names[1] not in fleet_status(mesh.state_dir),
-                f"{names[1]} stopped",
-            )
+            wait_until(partial(_stopped, mesh, names[1]), f"{names[1]} stopped")
         settled = load.now_s()
         wait_until(lambda: len(load.run.window(settled)) >= 40, "a second of load after it")
     finally:
