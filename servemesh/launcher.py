@@ -42,16 +42,26 @@ from servemesh.identity import (
 from servemesh.identity.tokens import ensure_signing_key
 from servemesh.netns import ZoneNetwork
 from servemesh.netns import available as netns_available
-from servemesh.procs import All, Check, Child, GrpcHealth, RedisServer, StartError, Supervisor
+from servemesh.procs import (
+    All,
+    Check,
+    Child,
+    GrpcHealth,
+    Readiness,
+    RedisServer,
+    StartError,
+    Supervisor,
+)
 from servemesh.procs.prometheus import PrometheusServer, prometheus_binary
 from servemesh.procs.sandbox import RunAs, model_user
 from servemesh.procs.spawn import with_death_signal
 from servemesh.proxy.admin import admin_socket_path, prepare_admin_dir
 from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
-from servemesh.proxy.render import dynamic_bootstrap, render_resources, static_bootstrap
+from servemesh.proxy.render import dynamic_bootstrap, render_proxies, static_bootstrap
 from servemesh.seeding import SeedConflict, SeedStep, seed_demo
 from servemesh.spec import (
+    EDGE_PROXY,
     FLEET_STATUS_FILE,
     MeshSpec,
     ResolvedSpec,
@@ -92,6 +102,12 @@ TRACE_STORE = "tracestore"
 # How often the mesh looks at its resolved spec for a change of its fleet of replicas
 # (a blue-green set to start or retire, a replica a rolling update replaces).
 FLEET_POLL_S = 0.2
+
+
+def envoy_child(proxy: str) -> str:
+    """The supervisor's name for one of the mesh's Envoys: `envoy` for the edge's (the
+    shared layout's only one), `envoy-<zone>` for a zone's."""
+    return "envoy" if proxy == EDGE_PROXY else f"envoy-{proxy}"
 
 
 class MeshStartError(StartError):
@@ -297,13 +313,18 @@ class Mesh:
             "edge": spec.edge_address,
             "mesh": spec.mesh_address,
             "mesh_by_zone": {zone: spec.mesh_address_for(zone) for zone in spec.zones},
-            # Envoy's admin API: a Unix socket only this user can reach (AdminClient).
+            # Envoy's admin API: a Unix socket only this user can reach (AdminClient). The
+            # edge's; with an Envoy per zone, each one's by name in envoy_admins.
             "envoy_admin": str(admin_socket_path(self.state_dir)),
+            "envoy_admins": {p: str(admin_socket_path(self.state_dir, p)) for p in spec.proxies()},
             "redis": spec.feature_store.redis_url,  # never with the password in it
             "redis_password_file": spec.feature_store.password_file,
             "services": {i.name: spec.address_of(i.name) for i in spec.instances()},
             "metrics": {name: spec.metrics_address_of(name) for name in spec.metrics_ports},
             "envoy_stats": f"http://{spec.envoy_stats_address}{ENVOY_STATS_PATH}",
+            "envoy_stats_by_proxy": {
+                p: f"http://{spec.proxy_stats_address(p)}{ENVOY_STATS_PATH}" for p in spec.proxies()
+            },
             "prometheus": spec.prometheus_address if self.prometheus is not None else None,
             "trace_store": spec.tracing.otlp_endpoint if spec.tracing.enabled else None,
             "logs": str(self.logs_dir),
@@ -539,30 +560,44 @@ class Mesh:
         self.network.attach_host(zone_ports, host_ports)
 
     def _write_envoy_config(self) -> None:
-        """Validate the whole config inline, then write the watched files and the bootstrap."""
-        resources = render_resources(self.spec, self.logs_dir)
-        static = self.envoy_config_path.with_name("envoy.static.yaml")
-        static.parent.mkdir(parents=True, exist_ok=True)
-        static.write_text(
-            yaml.safe_dump(static_bootstrap(self.spec, resources, self.logs_dir), sort_keys=False)
-        )
-        validate_config(static)
-        write_initial(self.spec, resources, self.paths.xds)
-        bootstrap = dynamic_bootstrap(self.spec, resources, self.paths.xds, self.logs_dir)
-        self.envoy_config_path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
-        validate_config(self.envoy_config_path)
+        """For each of the mesh's Envoys: validate its whole config inline, then write its
+        watched files and its bootstrap."""
+        for proxy, resources in render_proxies(self.spec, self.logs_dir).items():
+            config = self.paths.envoy_config_of(proxy)
+            static = config.with_name(f"{config.stem}.static.yaml")
+            static.parent.mkdir(parents=True, exist_ok=True)
+            bootstrap = static_bootstrap(self.spec, resources, self.logs_dir, proxy)
+            static.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+            validate_config(static)
+            layout = self.paths.xds_of(proxy)
+            write_initial(self.spec, resources, layout)
+            running = dynamic_bootstrap(self.spec, resources, layout, self.logs_dir, proxy)
+            config.write_text(yaml.safe_dump(running, sort_keys=False))
+            validate_config(config)
 
     def _start_envoy(self, deadline: float) -> None:
-        argv = envoy_command(self.envoy_config_path, base_id=self.spec.ports.envoy_admin)
-        admin = prepare_admin_dir(self.state_dir)
-        # Ready means Envoy finished its first health-check round; then confirm the edge
-        # path end to end: Envoy -> a gateway answering SERVING.
-        ready = All(
-            Check(lambda: is_ready(admin), f"Envoy admin at {admin} ready"),
-            GrpcHealth(dial_edge(self.spec)),
-        )
+        """The zones' Envoys first (per-zone layout): a gateway is SERVING only once its
+        zone's mesh listener accepts connections, and the edge's readiness needs one."""
+        zones = [p for p in self.spec.proxies() if p != EDGE_PROXY]
+        for index, proxy in enumerate(zones, 1):
+            self._start_one_envoy(proxy, self.spec.ports.envoy_admin + index, None)
+        self.supervisor.wait_ready([envoy_child(p) for p in zones], deadline)
+        self._start_one_envoy(EDGE_PROXY, self.spec.ports.envoy_admin, deadline)
+
+    def _start_one_envoy(self, proxy: str, base_id: int, deadline: float | None) -> None:
+        argv = envoy_command(self.paths.envoy_config_of(proxy), base_id=base_id)
+        admin = prepare_admin_dir(self.state_dir, proxy)
+        checks: list[Readiness] = [Check(lambda: is_ready(admin), f"Envoy admin at {admin} ready")]
+        if proxy == EDGE_PROXY:
+            # Ready means Envoy finished its first health-check round; then confirm the edge
+            # path end to end: Envoy -> a gateway answering SERVING.
+            checks.append(GrpcHealth(dial_edge(self.spec)))
         self.supervisor.start(
-            "envoy", argv, ready=ready, timeout_s=max(0.0, deadline - time.monotonic())
+            envoy_child(proxy),
+            argv,
+            group="envoy",
+            ready=All(*checks),
+            timeout_s=None if deadline is None else max(0.0, deadline - time.monotonic()),
         )
 
     def _start_streams(self, deadline: float) -> None:

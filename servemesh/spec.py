@@ -407,6 +407,24 @@ class NetworkSpec(_Strict):
     mode: Literal["loopback", "netns"] = "loopback"
 
 
+# The Envoy that holds the edge listener: the mesh's only one in the shared layout, and the
+# edge's own in the per-zone layout, where each zone's Envoy is named by its zone. The name
+# keeps the admin socket, config and log paths the shared layout has always had.
+EDGE_PROXY = "envoy"
+
+
+class ProxySpec(_Strict):
+    """How the mesh's Envoy is laid out over processes (docs/architecture.md, "Zones").
+
+    shared:   one Envoy holds the edge listener and every zone's mesh listener.
+    per_zone: the edge is an Envoy of its own, and each zone has its own, holding that
+              zone's mesh listener and clusters; one Envoy's crash, or a config it refuses,
+              takes out its own zone (or the edge), not every zone at once.
+    """
+
+    layout: Literal["shared", "per_zone"] = "shared"
+
+
 class TlsSpec(_Strict):
     """Certificates. Every hop inside the mesh is mutual TLS with certificates from a CA
     that `servemesh up` creates under <state_dir>/tls; there is no switch for that."""
@@ -806,6 +824,7 @@ class MeshSpec(_Strict):
     deadlines: Deadlines = Field(default_factory=Deadlines)
     demo: DemoSpec = Field(default_factory=DemoSpec)
     network: NetworkSpec = Field(default_factory=NetworkSpec)
+    proxy: ProxySpec = Field(default_factory=ProxySpec)
     tls: TlsSpec = Field(default_factory=TlsSpec)
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     prediction_log: PredictionLogSpec = Field(default_factory=PredictionLogSpec)
@@ -896,6 +915,31 @@ class MeshSpec(_Strict):
     def registry_store_dir(self) -> Path:
         """The registry's store: metadata and artifacts (registry/store.py)."""
         return Path(self.state_dir) / "registry"
+
+    @model_validator(mode="after")
+    def _per_zone_proxies_where_they_run(self) -> MeshSpec:
+        if self.proxy.layout != "per_zone":
+            return self
+        if self.network.mode == "netns":
+            raise ValueError(
+                "proxy.layout: per_zone does not run with network.mode netns yet "
+                "(use the shared layout)"
+            )
+        if self.discovery.backend != "file":
+            raise ValueError(
+                "proxy.layout: per_zone runs with the file discovery backend only "
+                f"(this spec: {self.discovery.backend!r})"
+            )
+        return self
+
+    def proxies(self) -> list[str]:
+        """The mesh's Envoys by name: the edge's (EDGE_PROXY) first, then, in the per-zone
+        layout, one per zone, named by its zone."""
+        return [EDGE_PROXY] + (list(self.zones) if self.proxy.layout == "per_zone" else [])
+
+    def proxy_of_zone(self, zone: str) -> str:
+        """The Envoy holding `zone`'s mesh listener and clusters."""
+        return zone if self.proxy.layout == "per_zone" else EDGE_PROXY
 
     def scaled_zones(self, kind: ScaledKind = "model") -> list[str]:
         """The zones whose replicas of `kind` the scaler manages: those the spec gives any."""
@@ -1076,6 +1120,9 @@ class ResolvedSpec(MeshSpec):
     instance_ports: dict[str, Port]
     # The Prometheus /metrics side port of every service instance, by instance name.
     metrics_ports: dict[str, Port]
+    # Each zone Envoy's stats listener port, in the per-zone layout (the edge Envoy's is
+    # ports.envoy_stats); empty in the shared layout.
+    zone_stats_ports: dict[ZoneName, Port] = Field(default_factory=dict)
     # The port of the Redis the launcher runs itself; None when the spec names its own
     # (feature_store.redis_url is set either way).
     embedded_redis_port: Port | None = None
@@ -1212,8 +1259,21 @@ class ResolvedSpec(MeshSpec):
 
     @property
     def envoy_stats_address(self) -> str:
-        """host:port of Envoy's stats listener (GET /stats/prometheus)."""
+        """host:port of Envoy's stats listener (GET /stats/prometheus); in the per-zone
+        layout, the edge Envoy's."""
         return f"{self.host_of(ENVOY_PART)}:{self.ports.envoy_stats}"
+
+    def proxy_stats_port(self, proxy: str) -> int:
+        """The stats listener's port of one of the mesh's Envoys."""
+        if proxy == EDGE_PROXY:
+            return self.ports.envoy_stats
+        try:
+            return self.zone_stats_ports[proxy]
+        except KeyError:
+            raise SpecError(f"no Envoy named {proxy!r}; Envoys: {self.proxies()}") from None
+
+    def proxy_stats_address(self, proxy: str) -> str:
+        return f"{self.host_of(ENVOY_PART)}:{self.proxy_stats_port(proxy)}"
 
     @property
     def prometheus_address(self) -> str:
@@ -1347,6 +1407,7 @@ FLEET_STATUS_FILE = "fleet-status.json"
 RESOLVED_FIELDS = {
     "fleet",
     "mesh_ports",
+    "zone_stats_ports",
     "instance_ports",
     "metrics_ports",
     "embedded_redis_port",
@@ -1493,6 +1554,11 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
     for inst in by_kind:
         kept = known.metrics_ports.get(inst.name, 0) if known else 0
         metrics_ports[inst.name] = pick(kept, fresh=known is not None and not kept)
+    # The zone Envoys' stats listeners (per-zone layout): kept when resolved, else free.
+    zone_stats_ports = {
+        zone: pick(known.zone_stats_ports.get(zone, 0) if known else 0)
+        for zone in (spec.zones if spec.proxy.layout == "per_zone" else [])
+    }
     # No Redis named: the launcher runs one, on a port chosen now with the others.
     embedded_redis_port = known.embedded_redis_port if known else None
     store = spec.feature_store
@@ -1530,6 +1596,7 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
             "fleet": known.fleet.model_dump() if known else FleetState().model_dump(),
             "ports": ports.model_dump(),
             "mesh_ports": mesh_ports,
+            "zone_stats_ports": zone_stats_ports,
             "instance_ports": instance_ports,
             "metrics_ports": metrics_ports,
         }

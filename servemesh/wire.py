@@ -243,6 +243,27 @@ TRACE_COLLECTOR_CLUSTER: Final = "trace_collector"
 _VIA: Final = "-via-"
 
 
+# A gateway's answer header saying its own way downstream (its zone's Envoy) failed, not the
+# hop it called: the edge retries such a call on another zone's gateway (per-zone layout).
+RETRY_ELSEWHERE_HEADER: Final = "x-servemesh-retry-elsewhere"
+# The transport errors (grpc core's words) of a call whose connection to the mesh listener
+# was refused or lost: no answer came from Envoy or a replica.
+_PATH_LOST_WORDS: Final = (
+    "failed to connect",
+    "connection refused",
+    "socket closed",
+    "connection reset",
+    "broken pipe",
+)
+
+
+def lost_the_mesh_listener(code_name: str, details: str) -> bool:
+    """A failed call's status (its code's name and details) says the connection to the
+    mesh listener was refused or lost, rather than carrying Envoy's or a replica's answer."""
+    found = details.lower()
+    return code_name == "UNAVAILABLE" and any(word in found for word in _PATH_LOST_WORDS)
+
+
 def model_cluster(model: str, version: str, zone: str) -> str:
     """The cluster of one model version as seen from callers in `zone`."""
     return f"model-{model}-{version}{_VIA}{zone}"

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from servemesh.spec import load_spec
+from servemesh.spec import EDGE_PROXY, SpecError, load_spec
 
 
 def cmd_envoy_config(args: argparse.Namespace) -> int:
@@ -16,8 +16,13 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     from servemesh.spec import resolve
 
     spec = resolve(load_spec(args.spec))
+    if args.proxy not in spec.proxies():
+        raise SpecError(
+            f"--proxy: no Envoy named {args.proxy!r} in this spec; Envoys: {spec.proxies()}"
+        )
     logs = Path(spec.state_dir) / "logs"
-    config = static_bootstrap(spec, render_resources(spec, logs), logs)
+    resources = render_resources(spec, logs, args.proxy)
+    config = static_bootstrap(spec, resources, logs, args.proxy)
     # Plain stdout: rich would wrap long lines and read [brackets] as markup.
     sys.stdout.write(yaml.safe_dump(config, sort_keys=False))
     return 0
@@ -26,4 +31,10 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     envoy = sub.add_parser("envoy-config", help="print the Envoy config a spec renders")
     envoy.add_argument("--spec")
+    envoy.add_argument(
+        "--proxy",
+        default=EDGE_PROXY,
+        help="which Envoy (proxy.layout per_zone: a zone's name; default: the edge's, the "
+        "shared layout's only one)",
+    )
     envoy.set_defaults(func=cmd_envoy_config)

@@ -30,7 +30,7 @@ from servemesh.private import private_dir
 from servemesh.procs.ready import Check
 from servemesh.procs.supervisor import Child, Supervisor
 from servemesh.slo_rules import SERVICES_JOB, render_rules
-from servemesh.spec import SCALER_TARGETS_FILE, STREAM_TARGETS_GLOB, ResolvedSpec
+from servemesh.spec import EDGE_PROXY, SCALER_TARGETS_FILE, STREAM_TARGETS_GLOB, ResolvedSpec
 from servemesh.wire import ENVOY_STATS_PATH
 
 NAME = "prometheus"
@@ -96,11 +96,17 @@ def render_config(spec: ResolvedSpec, rules_file: Path, services_file: Path) -> 
             {
                 "job_name": ENVOY_JOB,
                 "metrics_path": ENVOY_STATS_PATH,
+                # Every Envoy of the mesh: the edge's (the shared layout's only one) is
+                # instance "envoy", a zone's "envoy-<zone>".
                 "static_configs": [
                     {
-                        "targets": [spec.envoy_stats_address],
-                        "labels": {"service": "envoy", "instance": "envoy"},
+                        "targets": [spec.proxy_stats_address(proxy)],
+                        "labels": {
+                            "service": "envoy",
+                            "instance": "envoy" if proxy == EDGE_PROXY else f"envoy-{proxy}",
+                        },
                     }
+                    for proxy in spec.proxies()
                 ],
             },
         ],

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from servemesh.errors import ServemeshError
+from servemesh.spec import EDGE_PROXY
 
 # Linux's limit on a Unix socket path (sun_path holds 108 bytes, one for the NUL).
 _MAX_SOCKET_PATH = 107
@@ -33,9 +34,11 @@ def admin_dir(state_dir: Path | str) -> Path:
     return Path(state_dir) / "admin"
 
 
-def admin_socket_path(state_dir: Path | str) -> Path:
-    """Where the Envoy of the mesh with this state dir serves its admin API."""
-    path = admin_dir(state_dir) / "envoy.sock"
+def admin_socket_path(state_dir: Path | str, proxy: str = EDGE_PROXY) -> Path:
+    """Where an Envoy of the mesh with this state dir serves its admin API: the edge's (the
+    only one in the shared layout) at admin/envoy.sock, a zone's at admin/envoy-<zone>.sock."""
+    name = "envoy.sock" if proxy == EDGE_PROXY else f"envoy-{proxy}.sock"
+    path = admin_dir(state_dir) / name
     if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
         raise ValueError(
             f"state_dir: {state_dir} is too long for Envoy's admin socket "
@@ -44,10 +47,10 @@ def admin_socket_path(state_dir: Path | str) -> Path:
     return path
 
 
-def prepare_admin_dir(state_dir: Path | str) -> Path:
+def prepare_admin_dir(state_dir: Path | str, proxy: str = EDGE_PROXY) -> Path:
     """Create the admin socket's directory (0700, even if it existed with another mode) and
     remove a socket a previous Envoy left; the socket's path."""
-    path = admin_socket_path(state_dir)
+    path = admin_socket_path(state_dir, proxy)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path.parent, 0o700)
     path.unlink(missing_ok=True)

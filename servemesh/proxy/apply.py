@@ -37,16 +37,17 @@ import yaml
 from servemesh.atomic import atomic_write_text
 from servemesh.errors import NoMesh, ServemeshError
 from servemesh.private import open_lock
-from servemesh.proxy.admin import AdminClient, AdminError
+from servemesh.proxy.admin import AdminClient, AdminError, admin_socket_path
 from servemesh.proxy.process import validate_config
 from servemesh.proxy.render import (
     EnvoyResources,
     XdsLayout,
-    render_resources,
+    render_proxies,
     static_bootstrap,
     xds_files,
 )
 from servemesh.spec import (
+    EDGE_PROXY,
     MeshSpec,
     ResolvedSpec,
     SpecError,
@@ -171,7 +172,12 @@ class MeshPaths:
 
     @property
     def xds(self) -> XdsLayout:
+        """The edge Envoy's watched files (the shared layout's only Envoy's)."""
         return XdsLayout(self.state_dir / "xds")
+
+    def xds_of(self, proxy: str) -> XdsLayout:
+        """One of the mesh's Envoys' watched files: a zone Envoy's under xds-<zone>."""
+        return self.xds if proxy == EDGE_PROXY else XdsLayout(self.state_dir / f"xds-{proxy}")
 
     @property
     def history(self) -> Path:
@@ -184,6 +190,12 @@ class MeshPaths:
     @property
     def envoy_config(self) -> Path:
         return self.state_dir / "envoy" / "envoy.yaml"
+
+    def envoy_config_of(self, proxy: str) -> Path:
+        """One of the mesh's Envoys' bootstrap: a zone Envoy's is envoy/envoy-<zone>.yaml."""
+        if proxy == EDGE_PROXY:
+            return self.envoy_config
+        return self.envoy_config.with_name(f"envoy-{proxy}.yaml")
 
 
 @dataclass(frozen=True)
@@ -276,6 +288,7 @@ class RouteManager:
         # caller's working directory (Envoy runs in the state dir and would not find them).
         self.paths = MeshPaths(Path(paths.state_dir).resolve())
         self._admin = admin
+        self._admins: dict[str, AdminClient] = {}
         # How long Envoy has to report a swapped version before the change is undone.
         self.confirm_timeout_s = confirm_timeout_s
 
@@ -289,12 +302,28 @@ class RouteManager:
 
     @property
     def admin(self) -> AdminClient:
+        """The edge Envoy's admin API (the shared layout's only Envoy's)."""
         if self._admin is None:
             if not self.paths.endpoints.is_file():
                 raise ApplyError(str(NoMesh(self.paths.state_dir)), exit_code=NoMesh.exit_code)
             endpoints = json.loads(self.paths.endpoints.read_text())
             self._admin = AdminClient(str(endpoints["envoy_admin"]))
         return self._admin
+
+    def admin_of(self, proxy: str) -> AdminClient:
+        """The admin API of one of the mesh's Envoys (by name: spec.proxies())."""
+        if proxy == EDGE_PROXY:
+            return self.admin
+        found = self._admins.get(proxy)
+        if found is None:
+            found = AdminClient(admin_socket_path(self.paths.state_dir, proxy))
+            self._admins[proxy] = found
+        return found
+
+    def admins(self, spec: MeshSpec | None = None) -> dict[str, AdminClient]:
+        """Every Envoy of the mesh by name, the edge's first."""
+        proxies = (spec or self.live_spec()).proxies()
+        return {proxy: self.admin_of(proxy) for proxy in proxies}
 
     def history(self) -> list[dict[str, Any]]:
         """Every entry, oldest first, each as its last line says (pending, applied or
@@ -470,26 +499,32 @@ class RouteManager:
         except SpecError as exc:
             raise ApplyError(str(exc)) from None
         diff = [*(changes or []), *diff_lines(live, proposed)]
-        resources = render_resources(proposed, self.paths.logs)
-        self._validate(proposed, resources)
+        by_proxy = render_proxies(proposed, self.paths.logs)
+        self._validate(proposed, by_proxy)
         version = str(int(time.time() * 1000))
-        files = xds_files(resources, self.paths.xds, version)
-        changed = {p: c for p, c in files.items() if _without_version(c) != _on_disk(p)}
-        routes = {c["resources"][0]["name"] for p, c in changed.items() if p.parent.name == "rds"}
-        clusters: set[str] = set()
-        if self.paths.xds.cds in changed:
-            before = _on_disk_resources(self.paths.xds.cds)
-            clusters = {
-                r["name"]
-                for r in changed[self.paths.xds.cds]["resources"]
-                if before.get(r["name"]) != r
+        changed: dict[Path, dict[str, Any]] = {}
+        # What each Envoy must report at the new version once its files are swapped.
+        routes: dict[str, set[str]] = {}
+        clusters: dict[str, set[str]] = {}
+        stale: list[Path] = []
+        for proxy, resources in by_proxy.items():
+            layout = self.paths.xds_of(proxy)
+            files = xds_files(resources, layout, version)
+            mine = {p: c for p, c in files.items() if _without_version(c) != _on_disk(p)}
+            changed.update(mine)
+            routes[proxy] = {
+                c["resources"][0]["name"] for p, c in mine.items() if p.parent.name == "rds"
             }
-        # Endpoint files of clusters the change removes (deleted once Envoy confirmed).
-        stale = [
-            path
-            for path in self.paths.xds.eds_files()
-            if path not in files and path.suffix == ".yaml"
-        ]
+            clusters[proxy] = set()
+            if layout.cds in mine:
+                before = _on_disk_resources(layout.cds)
+                clusters[proxy] = {
+                    r["name"] for r in mine[layout.cds]["resources"] if before.get(r["name"]) != r
+                }
+            # Endpoint files of clusters the change removes (deleted once Envoy confirmed).
+            stale += [
+                path for path in layout.eds_files() if path not in files and path.suffix == ".yaml"
+            ]
         route_files = [p for p in changed if p.parent.name == "rds"]
         cluster_files = sorted(
             (p for p in changed if p.parent.name != "rds"), key=lambda p: p.parent.name != "eds"
@@ -497,8 +532,9 @@ class RouteManager:
         # A route naming a cluster Envoy does not serve (yet, or any more) answers no
         # cluster: new clusters must be active (warmed: endpoints read, first health checks
         # passed) before a route names them, and routes must stop naming clusters before
-        # those go. So the two halves are swapped and confirmed one after the other.
-        none: set[str] = set()
+        # those go. So the two halves are swapped and confirmed one after the other, on
+        # every Envoy of the mesh before the next half.
+        none: dict[str, set[str]] = {}
         steps = [(cluster_files, none, clusters), (route_files, routes, none)]
         if routes_first:
             steps.reverse()
@@ -511,7 +547,13 @@ class RouteManager:
             for paths, step_routes, step_clusters in steps:
                 for path in paths:  # endpoints before the clusters that read them
                     atomic_write_text(path, _dump(changed[path]))
-                self._confirm(step_routes, step_clusters, version)
+                for proxy in by_proxy:
+                    self._confirm(
+                        proxy,
+                        step_routes.get(proxy, set()),
+                        step_clusters.get(proxy, set()),
+                        version,
+                    )
         except (ApplyError, OSError) as exc:
             # Envoy never took it (or a file could not be written): put the old files back
             # so what Envoy serves, the files and the resolved spec (not written) agree.
@@ -545,28 +587,35 @@ class RouteManager:
             entry_id=entry_id,
         )
 
-    def _validate(self, spec: ResolvedSpec, resources: EnvoyResources) -> None:
+    def _validate(self, spec: ResolvedSpec, by_proxy: dict[str, EnvoyResources]) -> None:
+        """Each Envoy's part checked by Envoy itself (`--mode validate`), before any file
+        moves: a part one Envoy would refuse is refused for all of them."""
         with tempfile.TemporaryDirectory() as tmp:
-            config = Path(tmp) / "envoy.yaml"
-            config.write_text(_dump(static_bootstrap(spec, resources, self.paths.logs)))
-            try:
-                validate_config(config)
-            except ValueError as exc:
-                raise ApplyError(f"Envoy refuses the rendered config:\n{exc}") from None
+            for proxy, resources in by_proxy.items():
+                config = Path(tmp) / f"{proxy}.yaml"
+                bootstrap = static_bootstrap(spec, resources, self.paths.logs, proxy)
+                config.write_text(_dump(bootstrap))
+                try:
+                    validate_config(config)
+                except ValueError as exc:
+                    raise ApplyError(
+                        f"{_envoy_named(proxy)} refuses the rendered config:\n{exc}"
+                    ) from None
 
-    def _confirm(self, routes: set[str], clusters: set[str], version: str) -> None:
-        """Wait until Envoy's admin API reports the new version of what changed."""
+    def _confirm(self, proxy: str, routes: set[str], clusters: set[str], version: str) -> None:
+        """Wait until the Envoy's admin API reports the new version of what changed."""
         if not routes and not clusters:
-            return  # this step moved nothing Envoy reports a version of
+            return  # this step moved nothing this Envoy reports a version of
         timeout_s = self.confirm_timeout_s
         deadline = time.monotonic() + timeout_s
+        envoy = _envoy_named(proxy)
         while True:
             try:
-                served = self.admin.served_versions()
+                served = self.admin_of(proxy).served_versions()
             except AdminError as exc:  # Envoy gone or not answering: not confirmed
                 if time.monotonic() > deadline:
                     raise ApplyError(
-                        f"Envoy's admin API did not answer within {timeout_s:g} s ({exc})"
+                        f"{envoy}'s admin API did not answer within {timeout_s:g} s ({exc})"
                     ) from None
                 time.sleep(0.05)
                 continue
@@ -576,7 +625,7 @@ class RouteManager:
                 return
             if time.monotonic() > deadline:
                 raise ApplyError(
-                    f"Envoy did not pick up version {version} within {timeout_s:g} s "
+                    f"{envoy} did not pick up version {version} within {timeout_s:g} s "
                     f"for {sorted(pending)}"
                 )
             time.sleep(0.01)
@@ -720,6 +769,11 @@ def _who() -> str:
         return getpass.getuser()
     except (KeyError, OSError):
         return "unknown"
+
+
+def _envoy_named(proxy: str) -> str:
+    """How a message names one of the mesh's Envoys."""
+    return "Envoy" if proxy == EDGE_PROXY else f"{proxy}'s Envoy"
 
 
 def write_initial(spec: ResolvedSpec, resources: EnvoyResources, layout: XdsLayout) -> None:

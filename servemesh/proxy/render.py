@@ -47,7 +47,7 @@ from servemesh.proxy.tracing import (
     tracer_runtime,
     with_forced_trace_routes,
 )
-from servemesh.spec import Instance, MeshSpec, ModelSpec, ResolvedSpec, ServiceKind
+from servemesh.spec import EDGE_PROXY, Instance, MeshSpec, ModelSpec, ResolvedSpec, ServiceKind
 from servemesh.wire import (
     BUCKET_HEADER,
     BUCKET_RANGE_HEADER,
@@ -65,9 +65,11 @@ from servemesh.wire import (
     REFLECTION_METHODS,
     REGISTRY_CLUSTER,
     REGISTRY_SERVICE,
+    RETRY_ELSEWHERE_HEADER,
     SHADOW_ROLE_HEADER,
     SHADOW_ROLE_PRIMARY,
     SHADOW_ROLE_SHADOW,
+    TRACE_COLLECTOR_CLUSTER,
     VERSION_HEADER,
     bucket_ranges,
     fault_runtime_prefix,
@@ -79,6 +81,7 @@ from servemesh.wire import (
     model_servers_cluster,
     shadow_cluster,
     version_health_name,
+    zone_of_cluster,
 )
 from servemesh_api.feature.v1 import feature_pb2
 from servemesh_api.gateway.v1 import gateway_pb2
@@ -560,6 +563,14 @@ def _edge_routes(spec: MeshSpec) -> list[dict[str, Any]]:
         # Load balancers and probes check health without credentials.
         "typed_per_filter_config": _edge_auth_disabled(spec.traffic.edge_auth),
     }
+    to_gateways = {"cluster": GATEWAY_CLUSTER, **_route_action(edge)}
+    if spec.proxy.layout == "per_zone":
+        # A gateway whose zone's Envoy is down says so in a header (it reached nothing
+        # downstream): the call is tried again on another gateway (previous_hosts), within
+        # the edge's retries and their budget.
+        retry = to_gateways["retry_policy"]
+        retry["retry_on"] = ",".join([*retry["retry_on"].split(","), "retriable-headers"])
+        retry["retriable_headers"] = [{"name": RETRY_ELSEWHERE_HEADER, "present_match": True}]
     routes = [
         *([open_health] if spec.traffic.edge_auth.active_mode != "off" else []),
         *_stream_routes(spec),
@@ -567,7 +578,7 @@ def _edge_routes(spec: MeshSpec) -> list[dict[str, Any]]:
             {
                 "name": "gateway",
                 "match": {"prefix": "/"},
-                "route": {"cluster": GATEWAY_CLUSTER, **_route_action(edge)},
+                "route": to_gateways,
             },
             "edge",
             edge.fault,
@@ -985,8 +996,57 @@ def _listener(
 # --- the whole configuration -------------------------------------------------------------
 
 
-def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
-    """Every listener, route configuration, cluster and endpoint set for a resolved spec."""
+def render_resources(spec: ResolvedSpec, log_dir: Path, proxy: str = EDGE_PROXY) -> EnvoyResources:
+    """Every listener, route configuration, cluster and endpoint set one of the mesh's
+    Envoys (`proxy`, a name of spec.proxies()) serves: in the shared layout the one Envoy
+    serves all of them; in the per-zone layout see `_held_by`."""
+    everything = _render_all(spec, log_dir, proxy)
+    if spec.proxy.layout == "shared":
+        return everything
+    return _held_by(spec, everything, proxy)
+
+
+def render_proxies(spec: ResolvedSpec, log_dir: Path) -> dict[str, EnvoyResources]:
+    """What each of the mesh's Envoys serves, by name (the edge's first)."""
+    return {proxy: render_resources(spec, log_dir, proxy) for proxy in spec.proxies()}
+
+
+def _held_by(spec: ResolvedSpec, everything: EnvoyResources, proxy: str) -> EnvoyResources:
+    """The part of the whole mesh's resources one Envoy of the per-zone layout holds.
+
+    The edge: the edge listener and the gateways' clusters. A zone: its mesh listener and
+    the clusters its callers reach (those named for the zone, and the registry). Each has
+    its own stats listener (rendered for it) and the trace collector."""
+    if proxy == EDGE_PROXY:
+        routes = {"edge"}
+        clusters = {GATEWAY_CLUSTER, GATEWAY_STREAMS_CLUSTER}
+    elif proxy in spec.zones:
+        routes = {mesh_route_config(proxy)}
+        clusters = {
+            c["name"] for c in everything.clusters if zone_of_cluster(c["name"]) == proxy
+        } | {REGISTRY_CLUSTER}
+    else:
+        raise ValueError(f"no Envoy named {proxy!r}; Envoys: {spec.proxies()}")
+    routes.add(ENVOY_STATS_LISTENER)
+    clusters |= {ENVOY_ADMIN_CLUSTER, TRACE_COLLECTOR_CLUSTER}
+    return EnvoyResources(
+        listeners=[
+            listener for listener in everything.listeners if _route_config_of(listener) in routes
+        ],
+        route_configs={k: v for k, v in everything.route_configs.items() if k in routes},
+        clusters=[c for c in everything.clusters if c["name"] in clusters],
+        load_assignments={k: v for k, v in everything.load_assignments.items() if k in clusters},
+        endpoint_sets={k: v for k, v in everything.endpoint_sets.items() if k in clusters},
+    )
+
+
+def _route_config_of(listener: dict[str, Any]) -> str:
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return str(hcm["rds"]["route_config_name"])
+
+
+def _render_all(spec: ResolvedSpec, log_dir: Path, proxy: str) -> EnvoyResources:
+    """Every resource of the mesh, the stats listener rendered for `proxy`."""
     instances = spec.instances()
 
     def of(service: str) -> list[Instance]:
@@ -1128,7 +1188,7 @@ def render_resources(spec: ResolvedSpec, log_dir: Path) -> EnvoyResources:
                 edge=False,
             )
         )
-    _add_stats_listener(spec, log_dir, listeners, route_configs, clusters, assignments)
+    _add_stats_listener(spec, log_dir, listeners, route_configs, clusters, assignments, proxy)
     return EnvoyResources(
         listeners=listeners,
         route_configs=route_configs,
@@ -1145,8 +1205,10 @@ def _add_stats_listener(
     route_configs: dict[str, dict[str, Any]],
     clusters: list[dict[str, Any]],
     assignments: dict[str, dict[str, Any]],
+    proxy: str = EDGE_PROXY,
 ) -> None:
-    """Envoy's stats for Prometheus, on a loopback port of their own (ports.envoy_stats).
+    """An Envoy's stats for Prometheus, on a loopback port of their own (ports.envoy_stats;
+    a zone Envoy's in the per-zone layout: zone_stats_ports).
 
     The admin API stays on its Unix socket (it can stop Envoy and rewrite its runtime):
     this listener's one route is `GET /stats/prometheus`, proxied to that socket; every
@@ -1183,7 +1245,10 @@ def _add_stats_listener(
         "access_log": [
             {
                 "name": "envoy.access_loggers.file",
-                "typed_config": {"@type": _FILE_LOG, "path": str(log_dir / f"envoy-{name}.log")},
+                "typed_config": {
+                    "@type": _FILE_LOG,
+                    "path": str(log_dir / f"{_log_prefix(proxy)}-{name}.log"),
+                },
             }
         ],
         "rds": {"route_config_name": name},
@@ -1192,7 +1257,7 @@ def _add_stats_listener(
     listeners.append(
         {
             "name": name,
-            "address": _address(spec.listen_host, spec.ports.envoy_stats),
+            "address": _address(spec.listen_host, spec.proxy_stats_port(proxy)),
             "filter_chains": [
                 {
                     "filters": [
@@ -1207,7 +1272,7 @@ def _add_stats_listener(
     )
     # The admin socket, spoken to in HTTP/1.1 like any admin client.
     clusters.append({"name": ENVOY_ADMIN_CLUSTER, "connect_timeout": "0.25s", "type": "EDS"})
-    socket_address = {"pipe": {"path": str(admin_socket_path(spec.state_dir))}}
+    socket_address = {"pipe": {"path": str(admin_socket_path(spec.state_dir, proxy))}}
     assignments[ENVOY_ADMIN_CLUSTER] = {
         "cluster_name": ENVOY_ADMIN_CLUSTER,
         "endpoints": [{"lb_endpoints": [{"endpoint": {"address": socket_address}}]}],
@@ -1259,15 +1324,21 @@ def _runtime_layers(spec: ResolvedSpec) -> list[dict[str, Any]]:
     return layers
 
 
-def _bootstrap_base(spec: ResolvedSpec, log_dir: Path) -> dict[str, Any]:
+def _log_prefix(proxy: str) -> str:
+    """The edge's (the shared Envoy's) logs are envoy-*.log, a zone Envoy's envoy-<zone>-*."""
+    return "envoy" if proxy == EDGE_PROXY else f"envoy-{proxy}"
+
+
+def _bootstrap_base(spec: ResolvedSpec, log_dir: Path, proxy: str) -> dict[str, Any]:
+    node = spec.name if proxy == EDGE_PROXY else f"{spec.name}-{proxy}"
     return {
-        "node": {"id": spec.name, "cluster": spec.name},
+        "node": {"id": node, "cluster": spec.name},
         "admin": {
             # A Unix socket in a 0700 directory, never a TCP port: only the mesh's user can
             # reach the API that stops Envoy and rewrites its runtime.
             "address": {
                 "pipe": {
-                    "path": str(admin_socket_path(spec.state_dir)),
+                    "path": str(admin_socket_path(spec.state_dir, proxy)),
                     "mode": ADMIN_SOCKET_MODE,
                 }
             },
@@ -1276,7 +1347,7 @@ def _bootstrap_base(spec: ResolvedSpec, log_dir: Path) -> dict[str, Any]:
                     "name": "envoy.access_loggers.file",
                     "typed_config": {
                         "@type": _FILE_LOG,
-                        "path": str(log_dir / "envoy-admin-access.log"),
+                        "path": str(log_dir / f"{_log_prefix(proxy)}-admin-access.log"),
                     },
                 }
             ],
@@ -1287,7 +1358,7 @@ def _bootstrap_base(spec: ResolvedSpec, log_dir: Path) -> dict[str, Any]:
 
 
 def static_bootstrap(
-    spec: ResolvedSpec, resources: EnvoyResources, log_dir: Path
+    spec: ResolvedSpec, resources: EnvoyResources, log_dir: Path, proxy: str = EDGE_PROXY
 ) -> dict[str, Any]:
     """One self-contained config: what `envoy --mode validate` checks and people read."""
     listeners = []
@@ -1303,7 +1374,7 @@ def static_bootstrap(
         for c in resources.clusters
     ]
     return {
-        **_bootstrap_base(spec, log_dir),
+        **_bootstrap_base(spec, log_dir, proxy),
         "static_resources": {"listeners": listeners, "clusters": clusters},
     }
 
@@ -1340,7 +1411,11 @@ class XdsLayout:
 
 
 def dynamic_bootstrap(
-    spec: ResolvedSpec, resources: EnvoyResources, layout: XdsLayout, log_dir: Path
+    spec: ResolvedSpec,
+    resources: EnvoyResources,
+    layout: XdsLayout,
+    log_dir: Path,
+    proxy: str = EDGE_PROXY,
 ) -> dict[str, Any]:
     """The bootstrap Envoy runs with: static listeners, everything else from watched files."""
     listeners = []
@@ -1352,7 +1427,7 @@ def dynamic_bootstrap(
         chain = {**first, "filters": [{**first["filters"][0], "typed_config": {**hcm, "rds": rds}}]}
         listeners.append({**listener, "filter_chains": [chain]})
     return {
-        **_bootstrap_base(spec, log_dir),
+        **_bootstrap_base(spec, log_dir, proxy),
         "static_resources": {"listeners": listeners},
         "dynamic_resources": {"cds_config": _file_source(layout.cds)},
     }

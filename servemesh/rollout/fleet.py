@@ -169,9 +169,30 @@ class HostState:
 
 
 def envoy_hosts(manager: RouteManager) -> dict[str, dict[str, HostState]]:
-    """Envoy's view of every cluster's hosts, by cluster and host:port: healthy (health
-    checks, EDS status, ejection) and the calls in flight to it (`rq_active`)."""
-    data = json.loads(manager.admin.get("/clusters?format=json"))
+    """The mesh's Envoys' view of every cluster's hosts, by cluster and host:port: healthy
+    (health checks, EDS status, ejection) and the calls in flight to it (`rq_active`). With
+    an Envoy per zone, a cluster more than one holds (the registry's) is healthy where
+    every one of them counts the host healthy, its calls in flight summed."""
+    views: dict[str, dict[str, HostState]] = {}
+    for admin in manager.admins().values():
+        for cluster, hosts in _hosts_of(admin.get("/clusters?format=json")).items():
+            seen = views.setdefault(cluster, {})
+            for address, state in hosts.items():
+                before = seen.get(address)
+                seen[address] = (
+                    state
+                    if before is None
+                    else HostState(
+                        healthy=before.healthy and state.healthy,
+                        in_flight=before.in_flight + state.in_flight,
+                    )
+                )
+    return views
+
+
+def _hosts_of(text: str) -> dict[str, dict[str, HostState]]:
+    """One Envoy's /clusters?format=json as host states by cluster and host:port."""
+    data = json.loads(text)
     views: dict[str, dict[str, HostState]] = {}
     for status in data.get("cluster_statuses", []):
         hosts: dict[str, HostState] = {}

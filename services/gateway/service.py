@@ -68,6 +68,7 @@ from servemesh.wire import (
     OIP_SERVICE,
     REPLICA_PARAMETER,
     REQUEST_ID_HEADER,
+    RETRY_ELSEWHERE_HEADER,
     ROUTE_PINNED,
     ROUTE_ROUTED,
     SHADOW_ROLE_HEADER,
@@ -76,6 +77,7 @@ from servemesh.wire import (
     VERSION_HEADER,
     ZONE_PARAMETER,
     bucket_ranges,
+    lost_the_mesh_listener,
     method_path,
 )
 from servemesh.wire import (
@@ -163,6 +165,9 @@ class DownstreamError(MeshError):
         super().__init__(f"{hop}: {error.details()}", code=error.code())
         self.hop = hop
         self.routed_version = routed_version
+        # The zone's mesh listener refused or dropped the call: this gateway's way
+        # downstream failed, not the hop it called.
+        self.path_lost = lost_the_mesh_listener(error.code().name, error.details() or "")
 
 
 def routed_version(error: grpc.aio.AioRpcError) -> str:
@@ -315,6 +320,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if online_rows is not None:
                     cache.put_all(keys, online_rows)
         except DownstreamError as exc:
+            if exc.path_lost and self.spec.proxy.layout == "per_zone":
+                # With an Envoy per zone, this zone's is down while the others may not be:
+                # the edge tries the call again on another zone's gateway (its retry policy
+                # matches the header), rather than this gateway answering a fallback.
+                context.set_trailing_metadata(((RETRY_ELSEWHERE_HEADER, "true"),))
+                watch.failed(exc)
+                raise
             fallback = (
                 fallback_response(plan, request_id, str(exc))
                 if plan and exc.code in FALLBACK_CODES
