@@ -38,11 +38,12 @@ def _report(result: ApplyResult) -> None:
 def cmd_show(args: argparse.Namespace) -> int:
     manager = _manager(args)
     spec = manager.live_spec()
-    rows = live_view(manager.admin, spec)
+    rows = live_view(manager.admin, spec, manager.admins(spec))
     if args.json:
         print(json.dumps([vars(r) for r in rows]))
         return 0
-    table = Table(title=f"what Envoy serves ({manager.admin.address})", title_justify="left")
+    where = ", ".join(a.address for a in manager.admins(spec).values())
+    table = Table(title=f"what Envoy serves ({where})", title_justify="left")
     for column in (
         "model",
         "version",

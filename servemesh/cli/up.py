@@ -12,11 +12,11 @@ from pathlib import Path
 from rich.table import Table
 
 from servemesh.cli.output import console, out
-from servemesh.spec import load_spec
+from servemesh.spec import EDGE_PROXY, load_spec
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from servemesh.launcher import Mesh
+    from servemesh.launcher import Mesh, envoy_child
     from servemesh.procs import StartError
 
     spec = load_spec(args.spec)
@@ -46,9 +46,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     pids = mesh.pids()
     table.add_row("edge (clients, grpcurl)", str(endpoints["edge"]), str(pids.get("envoy", "")))
     for zone in mesh.spec.zones:
-        table.add_row(f"mesh listener of {zone}", mesh.spec.mesh_address_for(zone), "")
+        # Its own Envoy's PID in the per-zone layout; the edge's holds it in the shared one.
+        own = pids.get(envoy_child(zone), "") if mesh.spec.proxy.layout == "per_zone" else ""
+        table.add_row(f"mesh listener of {zone}", mesh.spec.mesh_address_for(zone), str(own))
     # A Unix socket (curl --unix-socket PATH http://localhost/...), not a TCP port.
-    table.add_row("envoy admin", f"unix:{endpoints['envoy_admin']}", "")
+    for proxy, socket in dict(endpoints["envoy_admins"]).items():  # type: ignore[call-overload]
+        what = "envoy admin" if proxy == EDGE_PROXY else f"envoy admin of {proxy}"
+        table.add_row(what, f"unix:{socket}", "")
     table.add_row("redis", str(endpoints["redis"]), str(pids.get("redis", "")))
     if endpoints.get("trace_store"):
         # `servemesh trace` reads what it stores; a collector of the spec's when no pid.

@@ -3,6 +3,7 @@ the sticky bucket range, health per zone, and each version's (arm's) traffic cou
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from servemesh.proxy.admin import AdminClient, ClusterView
@@ -92,15 +93,24 @@ def served_buckets(
     return found
 
 
-def live_view(admin: AdminClient, spec: MeshSpec) -> list[VersionView]:
+def live_view(
+    admin: AdminClient, spec: MeshSpec, admins: Mapping[str, AdminClient] | None = None
+) -> list[VersionView]:
     """One row per model version: served weight, healthy hosts per zone, traffic counters.
 
     Counters add up every zone's cluster of the version (each zone's callers have their own).
+    `admin` is the mesh's Envoy; with an Envoy per zone, `admins` names each (by
+    spec.proxies()): the split and health are the first zone's Envoy's, the counters every
+    zone's.
     """
-    clusters = admin.clusters()
-    counters = admin.counters("cluster.model-")
-    split = served_split(admin, spec, spec.zones[0])
-    buckets = served_buckets(admin, spec, spec.zones[0])
+    first = admin if admins is None else admins[spec.proxy_of_zone(spec.zones[0])]
+    clusters = first.clusters()
+    counters: dict[str, int] = {}
+    for one in [admin] if admins is None else admins.values():
+        for name, value in one.counters("cluster.model-").items():
+            counters[name] = counters.get(name, 0) + value
+    split = served_split(first, spec, spec.zones[0])
+    buckets = served_buckets(first, spec, spec.zones[0])
     rows = []
     for model_name, model in sorted(spec.models.items()):
         weights, shadow = split.get(model_name, ({}, None))

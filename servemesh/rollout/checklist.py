@@ -273,7 +273,8 @@ def rollback_target_item(spec: ResolvedSpec, model: str, version: str) -> Checkl
     """judge_rollback_target on what Envoy serves now (its admin API)."""
     try:
         manager = RouteManager(MeshPaths(Path(spec.state_dir)))
-        rows = live_view(manager.admin, manager.live_spec())
+        live = manager.live_spec()
+        rows = live_view(manager.admin, live, manager.admins(live))
     except (ApplyError, AdminError, OSError, KeyError, ValueError) as exc:
         return failed(ROLLBACK_TARGET, f"cannot read what Envoy serves: {_one_line(str(exc))}")
     return judge_rollback_target(rows, model, version)
