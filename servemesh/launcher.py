@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import signal
 import sys
 import threading
@@ -47,6 +48,7 @@ from servemesh.procs import (
     Check,
     Child,
     GrpcHealth,
+    ProcessError,
     Readiness,
     RedisServer,
     StartError,
@@ -102,6 +104,10 @@ TRACE_STORE = "tracestore"
 # How often the mesh looks at its resolved spec for a change of its fleet of replicas
 # (a blue-green set to start or retire, a replica a rolling update replaces).
 FLEET_POLL_S = 0.2
+# An Envoy of the per-zone layout that exits is started again (servemesh up's own watch):
+# at most once a second each, and given this long to be ready.
+ENVOY_REVIVE_MIN_S = 1.0
+ENVOY_REVIVE_TIMEOUT_S = 30.0
 
 
 def envoy_child(proxy: str) -> str:
@@ -138,6 +144,8 @@ class Mesh:
     _fleet: dict[str, int] = field(default_factory=dict, init=False, repr=False)
     _fleet_stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _fleet_thread: threading.Thread | None = field(default=None, init=False, repr=False)
+    # When each Envoy the mesh starts again itself was last started again (monotonic).
+    _revived_at: dict[str, float] = field(default_factory=dict, init=False, repr=False)
     # The user model servers run as (servemesh.procs.sandbox); None: the launcher's own.
     model_user: RunAs | None = field(default=None, init=False)
     # Run the scaler (servemesh.scaling) beside the mesh when the spec's scaling is on:
@@ -304,8 +312,9 @@ class Mesh:
         return self.pid(name)
 
     def reap_exited(self) -> list[Child]:
-        """Processes that exited on their own since the last call (now forgotten)."""
-        return self.supervisor.reap()
+        """Processes that exited on their own since the last call (now forgotten), but for
+        the Envoys the mesh starts again itself (the per-zone layout's)."""
+        return self.supervisor.reap(keep=self._revives)
 
     def endpoints(self) -> dict[str, object]:
         spec = self.spec
@@ -392,6 +401,7 @@ class Mesh:
     def _follow_fleet(self) -> None:
         seen: tuple[int, int] | None = None
         while not self._fleet_stop.wait(FLEET_POLL_S):
+            self._revive_proxies()
             try:
                 stat = self.resolved_spec_path.stat()
             except OSError:
@@ -444,6 +454,31 @@ class Mesh:
         self._write_endpoints()
         if self.prometheus is not None:
             self.prometheus.write_targets(spec)
+
+    def _revives(self, child: Child) -> bool:
+        """Whether the mesh starts `child` again when it exits: an Envoy of the per-zone
+        layout (one zone's, or the edge's), so a crash costs its zone seconds."""
+        if self.spec.proxy.layout != "per_zone":
+            return False
+        return child.name in {envoy_child(p) for p in self.spec.proxies()}
+
+    def _revive_proxies(self) -> None:
+        """Start again every Envoy of the per-zone layout that exited (crashed, or killed
+        by a drill), as it was started, at most once every ENVOY_REVIVE_MIN_S each."""
+        for name, child in list(self.supervisor.children.items()):
+            if child.alive() or child.stopped or not self._revives(child):
+                continue
+            now = time.monotonic()
+            if now - self._revived_at.get(name, -math.inf) < ENVOY_REVIVE_MIN_S:
+                continue
+            self._revived_at[name] = now
+            log.warning("%s exited with %s; starting it again", name, child.returncode)
+            try:
+                pid = self.supervisor.restart(name, ENVOY_REVIVE_TIMEOUT_S).pid
+            except (StartError, ProcessError) as exc:
+                log.error("%s did not start again: %s", name, exc)
+                continue
+            log.warning("%s is running again (pid %d)", name, pid)
 
     def _write_fleet_status(self) -> None:
         pids = self.pids()

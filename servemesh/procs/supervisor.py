@@ -7,7 +7,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -257,10 +257,15 @@ class Supervisor:
             if child.popen.returncode is None:
                 child.popen.wait(timeout=5)
 
-    def reap(self) -> list[Child]:
-        """Children that exited on their own since the last call (now forgotten)."""
+    def reap(self, keep: Callable[[Child], bool] | None = None) -> list[Child]:
+        """Children that exited on their own since the last call (now forgotten); those
+        `keep` names stay, for their owner to start again."""
         with self._lock:
-            dead = [c for c in self._children.values() if not c.alive() and not c.stopped]
+            dead = [
+                c
+                for c in self._children.values()
+                if not c.alive() and not c.stopped and not (keep is not None and keep(c))
+            ]
             for child in dead:
                 del self._children[child.name]
         return dead
