@@ -37,13 +37,17 @@ import redis
 from servemesh.chaos.drill import current
 from servemesh.chaos.errors import DrillError
 from servemesh.chaos.leftovers import LOOP_STEP_MAX_S
+from servemesh.chaos.probes import services_healthy
 from servemesh.chaos.scope import describe
+from servemesh.launcher import envoy_child
 from servemesh.policy import GRPC_CODES
 from servemesh.services.runtime.faults import FaultSettings, control_file, set_fault
 from servemesh.wire import fault_runtime_prefix
 
 __all__ = [
     "kill_replicas",
+    "kill_zone_proxy",
+    "await_zone_proxy",
     "restart_replicas",
     "pause_replicas",
     "resume_replicas",
@@ -112,6 +116,44 @@ def restart_replicas(
             started[inst.name] = mesh.restart(inst.name, timeout_s=timeout_s)
     drill.timeline.close_window(f"kill:{describe(service, zone, replicas)}")
     return {"restarted": started, "seconds": round(time.perf_counter() - began, 3)}
+
+
+def kill_zone_proxy(zone: str = "zone-a") -> dict[str, Any]:
+    """SIGKILL a zone's Envoy (the per-zone layout's): its gateways lose their way
+    downstream until the mesh starts it again (await_zone_proxy)."""
+    drill = current()
+    mesh = drill.running_mesh
+    if mesh.spec.proxy.layout != "per_zone":
+        raise DrillError(
+            "a zone's Envoy of its own needs proxy.layout per_zone "
+            "(the experiment's `proxy: per_zone`, or --var proxy=per_zone)"
+        )
+    name = envoy_child(zone)
+    drill.timeline.open_window(f"kill:{name}", f"kill {zone}'s Envoy")
+    return {"killed": {name: drill.kill(name)}}
+
+
+def await_zone_proxy(zone: str = "zone-a", timeout_s: float = 30.0) -> dict[str, Any]:
+    """Until the mesh has started the zone's Envoy again by itself (a new process, its
+    admin API ready) and the zone's gateways are SERVING again; closes the kill window.
+    Says how long the zone's Envoy was gone."""
+    drill = current()
+    mesh = drill.running_mesh
+    name = envoy_child(zone)
+    began = time.perf_counter()
+    give_up = time.monotonic() + timeout_s
+
+    def back() -> bool:
+        return mesh.is_running(name) and services_healthy("gateway", zone)
+
+    while not back():
+        if time.monotonic() > give_up:
+            raise DrillError(
+                f"{name} was not running with its zone's gateways SERVING within {timeout_s:g} s"
+            )
+        time.sleep(0.05)
+    drill.timeline.close_window(f"kill:{name}")
+    return {"pid": mesh.pid(name), "seconds": round(time.perf_counter() - began, 3)}
 
 
 def pause_replicas(

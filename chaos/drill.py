@@ -76,6 +76,9 @@ DEFAULTS: dict[str, Any] = {
     # as `servemesh up`) or netns (each zone's services in a network namespace of their
     # own, root only), which partitions need.
     "network": "",
+    # The spec's `proxy.layout` unless set: shared (one Envoy) or per_zone (the edge and
+    # each zone an Envoy of their own), which the zone-proxy-crash drill needs.
+    "proxy": "",
 }
 
 # How often the settle step after the baseline looks at the load's last window.
@@ -221,6 +224,13 @@ class Drill:
         if mode:
             spec = spec.model_copy(
                 update={"network": spec.network.model_copy(update={"mode": mode})}
+            )
+        layout = self.config["proxy"]
+        if layout not in ("", "shared", "per_zone"):
+            raise DrillError(f"proxy {layout!r}: shared or per_zone")
+        if layout:
+            spec = spec.model_copy(
+                update={"proxy": spec.proxy.model_copy(update={"layout": layout})}
             )
         return spec
 
@@ -368,12 +378,19 @@ class Drill:
         return self.leftovers.resume(name)
 
     def _counters(self) -> dict[str, int]:
-        if self.admin is None:
+        """Every Envoy's cluster counters, summed (one Envoy, or the edge's and each
+        zone's); {} when none answers."""
+        if self.admin is None or self.routes is None or self.mesh is None:
             return {}
-        try:
-            return self.admin.counters("cluster.")
-        except AdminError:
-            return {}
+        found: dict[str, int] = {}
+        for admin in self.routes.admins(self.mesh.spec).values():
+            try:
+                counters = admin.counters("cluster.")
+            except AdminError:
+                continue
+            for name, value in counters.items():
+                found[name] = found.get(name, 0) + value
+        return found
 
     # --- what the live view shows ------------------------------------------------------------
 

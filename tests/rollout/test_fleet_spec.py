@@ -116,7 +116,7 @@ def test_the_fleet_survives_the_resolved_file_and_is_no_part_of_a_declared_spec(
 @pytest.mark.parametrize(
     ("fleet", "message"),
     [
-        ({"draining": ["model-zone-c-0"]}, "fleet.draining: names no model server"),
+        ({"draining": ["model-zone-c-0"]}, "fleet.draining: names no replica"),
         ({"generations": {"gateway-zone-a-0": 1}}, "fleet.generations: names no model server"),
         (
             {"sets": [ReplicaSet(), ReplicaSet(name="green", serves={"fraud": ["v9"]})]},
@@ -157,9 +157,11 @@ def test_a_version_s_clusters_list_the_set_that_serves_it(tmp_path: Path) -> Non
         } == blue
         assert {port_of(e) for e in endpoints(both, model_servers_cluster(zone), tmp_path)} == blue
     clusters = {c["name"]: c for c in render_resources(both, tmp_path).clusters}
-    # A host the endpoints stop listing leaves at once, on model clusters alone.
+    # A host the endpoints stop listing leaves at once (the scaler's drained gateways and
+    # feature services too), but not on the registry's cluster.
     assert clusters[model_cluster("fraud", "v2", "zone-a")]["ignore_health_on_host_removal"]
-    assert "ignore_health_on_host_removal" not in clusters["gateway"]
+    assert clusters["gateway"]["ignore_health_on_host_removal"]
+    assert "ignore_health_on_host_removal" not in clusters["registry"]
 
 
 def test_a_draining_replica_is_listed_as_draining_in_every_cluster(tmp_path: Path) -> None:
