@@ -41,6 +41,7 @@ from servemesh.chaos.probes import services_healthy
 from servemesh.chaos.scope import describe
 from servemesh.launcher import envoy_child
 from servemesh.policy import GRPC_CODES
+from servemesh.proxy.admin import AdminClient, admin_socket_path
 from servemesh.services.runtime.faults import FaultSettings, control_file, set_fault
 from servemesh.wire import fault_runtime_prefix
 
@@ -130,7 +131,14 @@ def kill_zone_proxy(zone: str = "zone-a") -> dict[str, Any]:
         )
     name = envoy_child(zone)
     drill.timeline.open_window(f"kill:{name}", f"kill {zone}'s Envoy")
-    return {"killed": {name: drill.kill(name)}}
+    pid = drill.kill(name)
+    _killed_proxies[name] = pid
+    return {"killed": {name: pid}}
+
+
+# The PID each zone Envoy had when kill_zone_proxy killed it: await_zone_proxy waits for
+# another one.
+_killed_proxies: dict[str, int | None] = {}
 
 
 def await_zone_proxy(zone: str = "zone-a", timeout_s: float = 30.0) -> dict[str, Any]:
@@ -143,8 +151,13 @@ def await_zone_proxy(zone: str = "zone-a", timeout_s: float = 30.0) -> dict[str,
     began = time.perf_counter()
     give_up = time.monotonic() + timeout_s
 
+    killed = _killed_proxies.get(name)
+    admin = AdminClient(admin_socket_path(mesh.state_dir, zone))
+
     def back() -> bool:
-        return mesh.is_running(name) and services_healthy("gateway", zone)
+        if not mesh.is_running(name) or mesh.pid(name) == killed:
+            return False
+        return admin.is_ready() and services_healthy("gateway", zone)
 
     while not back():
         if time.monotonic() > give_up:
