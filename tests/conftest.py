@@ -26,6 +26,7 @@ MESH_PATHS = (
     "chaos/test_registry_drill.py",
     "chaos/test_stream_drill.py",
     "chaos/test_zone_and_replica_drills.py",
+    "chaos/test_zone_proxy_drill.py",
     "discovery/test_control_plane.py",
     "examples/test_wine_walkthrough.py",
     "fuzz/test_campaign.py",

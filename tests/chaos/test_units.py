@@ -28,6 +28,7 @@ from servemesh.spec import MeshSpec
 DRILLS = {
     "zone-outage",
     "zone-brownout",
+    "zone-proxy-crash",
     "replica-crash-loop",
     "feature-store-down",
     "registry-down",
