@@ -216,22 +216,20 @@ class Drill:
         )
 
     def _mesh_spec(self) -> MeshSpec:
-        """The spec file, with the network the configuration asks for (if any)."""
+        """The spec file, with the network and the Envoy layout the configuration asks
+        for (each only if set)."""
         spec = load_spec(self.spec_path)
-        mode = self.config["network"]
-        if mode not in ("", "loopback", "netns"):
-            raise DrillError(f"network {mode!r}: loopback or netns")
-        if mode:
-            spec = spec.model_copy(
-                update={"network": spec.network.model_copy(update={"mode": mode})}
-            )
-        layout = self.config["proxy"]
-        if layout not in ("", "shared", "per_zone"):
-            raise DrillError(f"proxy {layout!r}: shared or per_zone")
-        if layout:
-            spec = spec.model_copy(
-                update={"proxy": spec.proxy.model_copy(update={"layout": layout})}
-            )
+        for key, section, field_name, allowed in (
+            ("network", "network", "mode", ("loopback", "netns")),
+            ("proxy", "proxy", "layout", ("shared", "per_zone")),
+        ):
+            value = self.config[key]
+            if value == "":
+                continue
+            if value not in allowed:
+                raise DrillError(f"{key} {value!r}: {' or '.join(allowed)}")
+            part = getattr(spec, section).model_copy(update={field_name: value})
+            spec = spec.model_copy(update={section: part})
         return spec
 
     def _edge_metadata(self) -> list[tuple[str, str]]:

@@ -289,6 +289,7 @@ class RouteManager:
         self.paths = MeshPaths(Path(paths.state_dir).resolve())
         self._admin = admin
         self._admins: dict[str, AdminClient] = {}
+        self._proxies: list[str] | None = None
         # How long Envoy has to report a swapped version before the change is undone.
         self.confirm_timeout_s = confirm_timeout_s
 
@@ -321,9 +322,14 @@ class RouteManager:
         return found
 
     def admins(self, spec: MeshSpec | None = None) -> dict[str, AdminClient]:
-        """Every Envoy of the mesh by name, the edge's first."""
-        proxies = (spec or self.live_spec()).proxies()
-        return {proxy: self.admin_of(proxy) for proxy in proxies}
+        """Every Envoy of the mesh by name, the edge's first. The set is read from the
+        running spec once: the layout and the zones are topology, which no live change
+        moves (pollers such as envoy_hosts would otherwise load the spec each round)."""
+        if spec is not None:
+            return {proxy: self.admin_of(proxy) for proxy in spec.proxies()}
+        if self._proxies is None:
+            self._proxies = self.live_spec().proxies()
+        return {proxy: self.admin_of(proxy) for proxy in self._proxies}
 
     def history(self) -> list[dict[str, Any]]:
         """Every entry, oldest first, each as its last line says (pending, applied or

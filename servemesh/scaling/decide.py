@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from servemesh.scaling.schedule import floor_at
@@ -173,24 +173,11 @@ def decide(
     at: float,
     now: datetime,
     predicted: tuple[int, str] | None = None,
-    pool: str = "model",
 ) -> Decision:
-    """One round for one zone's pool of `pool` replicas: `at` on the scaler's monotonic
-    clock, `now` the wall time (the schedule's floors are local times); `predicted`: the
-    forecast's floor and why (servemesh/scaling/forecast.py), when the policy forecasts."""
-    decision = _decide(zone, policy, signals, stabilizer, at, now, predicted)
-    return replace(decision, pool=pool)
-
-
-def _decide(
-    zone: str,
-    policy: PoolPolicy,
-    signals: PoolSignals,
-    stabilizer: Stabilizer,
-    at: float,
-    now: datetime,
-    predicted: tuple[int, str] | None,
-) -> Decision:
+    """One round for one zone: `at` on the scaler's monotonic clock, `now` the wall time
+    (the schedule's floors are local times); `predicted`: the forecast's floor and why
+    (servemesh/scaling/forecast.py), when the policy forecasts. The decision is of the
+    model servers' pool unless the caller names another (`dataclasses.replace(d, pool=)`)."""
     n = signals.replicas
     recommendation = recommend(policy, signals)
     stabilizer.note(at, recommendation, max(policy.up_window_s, policy.down_window_s))

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -109,9 +109,10 @@ class Scaler:
                 self._readers[(kind, zone)] = reader
             signals = reader.read({n: live.metrics_address_of(n) for n in rotation})
             stabilizer = self._stabilizers.setdefault((kind, zone), Stabilizer())
-            decision = decide(
-                zone, pool, signals, stabilizer, self.clock(), self.wall(), predicted, kind
+            found_now = decide(
+                zone, pool, signals, stabilizer, self.clock(), self.wall(), predicted
             )
+            decision = replace(found_now, pool=kind)
             self.metrics.observe(decision, len(rotation), len(standby))
             entry: dict[str, Any] = {
                 "in_rotation": rotation,

@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,10 @@ def scaling(max_replicas: int) -> ScalingSpec:
     )
 
 
-@pytest.fixture
-def mesh(tmp_path: Path) -> Iterator[Mesh]:
+@contextmanager
+def scaled_mesh(tmp_path: Path, policy: ScalingSpec) -> Iterator[Mesh]:
+    """One zone, one replica of each kind, fraud v1 on the demo model, no Prometheus; the
+    scaler runs beside it as `servemesh up` runs it, with `policy`."""
     one = Replicas(per_zone={ZONE: 1})
     spec = MeshSpec(
         ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
@@ -73,7 +76,7 @@ def mesh(tmp_path: Path) -> Iterator[Mesh]:
             )
         },
         demo=DemoSpec(enabled=True, entities=50),
-        scaling=scaling(2),
+        scaling=policy,
     )
     spec = spec.model_copy(
         update={"metrics": spec.metrics.model_copy(update={"prometheus": "off"})}
@@ -81,6 +84,12 @@ def mesh(tmp_path: Path) -> Iterator[Mesh]:
     running = Mesh.from_spec(spec)
     running.scaler = True
     with running:
+        yield running
+
+
+@pytest.fixture
+def mesh(tmp_path: Path) -> Iterator[Mesh]:
+    with scaled_mesh(tmp_path, scaling(2)) as running:
         yield running
 
 
@@ -201,28 +210,7 @@ def front_scaling(max_replicas: int) -> ScalingSpec:
 
 @pytest.fixture
 def front_mesh(tmp_path: Path) -> Iterator[Mesh]:
-    one = Replicas(per_zone={ZONE: 1})
-    spec = MeshSpec(
-        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
-        state_dir=str(tmp_path / "state"),
-        zones=[ZONE],
-        gateway=one,
-        feature=one,
-        model_servers=one,
-        models={
-            "fraud": ModelSpec(
-                versions={"v1": ModelVersionSpec(source="demo:1")}, traffic={"v1": 100}
-            )
-        },
-        demo=DemoSpec(enabled=True, entities=50),
-        scaling=front_scaling(2),
-    )
-    spec = spec.model_copy(
-        update={"metrics": spec.metrics.model_copy(update={"prometheus": "off"})}
-    )
-    running = Mesh.from_spec(spec)
-    running.scaler = True
-    with running:
+    with scaled_mesh(tmp_path, front_scaling(2)) as running:
         yield running
 
 

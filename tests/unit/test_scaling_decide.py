@@ -4,6 +4,7 @@ square wave, cooldown, floors and bounds, and calendar floors that are local tim
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 from servemesh.scaling.decide import PoolSignals, Stabilizer, decide, recommend
@@ -170,7 +171,7 @@ def test_a_gateway_pool_scales_on_calls_in_flight_and_says_which_pool() -> None:
     p = PoolPolicy(up_window="0s", target=front_targets())
     busy = PoolSignals(replicas=1, p99_ms=900.0, cpu=0.2, in_flight=60.0)
     assert recommend(p, busy).why == "in_flight 60 > 32"
-    up = decide("zone-a", p, busy, Stabilizer(), 0.0, MONDAY_NOON, pool="gateway")
+    up = replace(decide("zone-a", p, busy, Stabilizer(), 0.0, MONDAY_NOON), pool="gateway")
     assert (up.current, up.desired) == (1, 2)
     assert up.line() == "in_flight 60 > 32 over 0s: gateway zone-a 1 -> 2"
     # A slow Predict alone (the model's time) asks for no more gateways.
