@@ -249,7 +249,8 @@ def inject_route_fault(
     delay_ms: int = 0,
 ) -> dict[str, Any]:
     """Envoy's fault filter on a route (`model.<name>`, `feature`, `edge`): exact percentages
-    of calls aborted with a gRPC status, or delayed, set live through runtime keys."""
+    of calls aborted with a gRPC status, or delayed, set live through runtime keys on every
+    Envoy that serves the route (each zone's own, in the per-zone layout)."""
     drill = current()
     if abort_status not in GRPC_CODES:
         raise DrillError(f"abort_status {abort_status!r}: one of {sorted(GRPC_CODES)}")
@@ -263,8 +264,8 @@ def inject_route_fault(
         f"{prefix}.delay_percent": int(delay_percent),
         f"{prefix}.delay_ms": int(delay_ms),
     }
-    assert drill.admin is not None
-    drill.admin.set_runtime(values)
+    for admin in drill.route_admins(route):
+        admin.set_runtime(values)
     what = []
     if abort_percent:
         what.append(f"{abort_percent}% {abort_status}")
@@ -281,8 +282,8 @@ def clear_route_fault(route: str = "model.fraud") -> dict[str, Any]:
         f"{prefix}.abort_percent": 0,
         f"{prefix}.delay_percent": 0,
     }
-    assert drill.admin is not None
-    drill.admin.set_runtime(values)
+    for admin in drill.route_admins(route):
+        admin.set_runtime(values)
     drill.timeline.close_window(f"route:{route}")
     return {"runtime": values}
 

@@ -34,7 +34,7 @@ from servemesh.load import BackgroundLoad, WindowStats, window_stats
 from servemesh.netns import ZoneNetwork
 from servemesh.proxy.admin import AdminClient, AdminError
 from servemesh.proxy.apply import RouteManager
-from servemesh.spec import Instance, MeshSpec, ResolvedSpec, load_spec
+from servemesh.spec import EDGE_PROXY, Instance, MeshSpec, ResolvedSpec, load_spec
 
 __all__ = [
     "DEFAULTS",
@@ -164,7 +164,7 @@ class Drill:
         self.initial_weights = {
             name: dict(model.traffic) for name, model in self.mesh.spec.models.items()
         }
-        self.counters_start = self._counters()
+        self.counters_start = self.counters()
         model = str(self.config["model"])
         if model not in self.mesh.spec.models:
             raise DrillError(f"model {model!r} is not in the spec {self.spec_path}")
@@ -247,7 +247,7 @@ class Drill:
         self.timeline.mark("load stopped", "phase")
         end_s = self.now_s()
         self.load.stop()
-        self.counters_end = self._counters()
+        self.counters_end = self.counters()
         self.timeline.close_all(end_s)
         self.outcomes_final = self.load.snapshot()
 
@@ -345,6 +345,27 @@ class Drill:
         """The zones' namespaces when the mesh runs them (`network: netns`), else None."""
         return self.mesh.network if self.mesh is not None else None
 
+    def admin_of_zone(self, zone: str) -> AdminClient:
+        """The admin API of the Envoy holding `zone`'s mesh listener and clusters: the
+        mesh's only one in the shared layout, the zone's own in the per-zone layout."""
+        routes = self._routes()
+        return routes.admin_of(self.spec.proxy_of_zone(zone))
+
+    def route_admins(self, route: str) -> list[AdminClient]:
+        """The Envoys that serve `route` (a fault filter's name, wire.fault_runtime_prefix):
+        `edge` is the edge's; a model's or the feature route is every zone's mesh listener,
+        each Envoy named once (one in the shared layout)."""
+        routes = self._routes()
+        if route == "edge":
+            return [routes.admin_of(EDGE_PROXY)]
+        proxies = dict.fromkeys(self.spec.proxy_of_zone(zone) for zone in self.spec.zones)
+        return [routes.admin_of(proxy) for proxy in proxies]
+
+    def _routes(self) -> RouteManager:
+        if self.routes is None:
+            raise DrillError("the drill's mesh is not running")
+        return self.routes
+
     def select(
         self,
         service: str = "model",
@@ -375,7 +396,7 @@ class Drill:
     def resume(self, name: str) -> bool:
         return self.leftovers.resume(name)
 
-    def _counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, int]:
         """Every Envoy's cluster counters, summed (one Envoy, or the edge's and each
         zone's); {} when none answers."""
         if self.admin is None or self.routes is None or self.mesh is None:

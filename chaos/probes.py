@@ -212,17 +212,18 @@ def _watch_recovery(until_s: float) -> tuple[bool, bool]:
 
 
 def envoy_stats() -> dict[str, Any]:
-    """Retries, outlier ejections, overflows since the drill began (by kind of cluster), and
-    healthy hosts per locality as the first zone's clusters see them now."""
+    """Retries, outlier ejections, overflows since the drill began (by kind of cluster,
+    summed over every Envoy), and healthy hosts per locality as the first zone's clusters
+    (and the edge's gateways) see them now."""
     drill = current()
     assert drill.admin is not None
+    first = drill.spec.zones[0]
     try:
-        counters = drill.admin.counters("cluster.")
-        clusters = drill.admin.clusters()
+        counters = drill.counters()
+        clusters = {**drill.admin_of_zone(first).clusters(), **drill.admin.clusters()}
     except AdminError as exc:
         return {"error": str(exc)}
     delta = envoy_deltas(drill.counters_start, counters)
-    first = drill.spec.zones[0]
     healthy: dict[str, dict[str, str]] = {}
     for cluster_name, view in sorted(clusters.items()):
         if zone_of_cluster(cluster_name) != first and cluster_name != GATEWAY_CLUSTER:
@@ -253,8 +254,9 @@ def healthy_hosts(service: str = "model", zone: str | None = None, via: str | No
         name = service
     else:
         raise DrillError(f"healthy_hosts: unknown service {service!r}")
-    assert drill.admin is not None
-    view = drill.admin.clusters().get(name)
+    admin = drill.admin if name == GATEWAY_CLUSTER else drill.admin_of_zone(via)
+    assert admin is not None
+    view = admin.clusters().get(name)
     if view is None:
         raise DrillError(f"Envoy has no cluster {name!r}")
     counts = view.healthy_by_zone()

@@ -1,5 +1,5 @@
-"""`servemesh bench predict|observe|profile|model|stream|batch|scale`: benchmarks, each on a mesh of
-its own (batch: a registry and a Redis of its own)."""
+"""`servemesh bench predict|observe|profile|model|stream|batch|scale|layout`: benchmarks,
+each on a mesh of its own (batch: a registry and a Redis of its own)."""
 
 from __future__ import annotations
 
@@ -133,6 +133,20 @@ def cmd_bench_scale(args: argparse.Namespace) -> int:
         min_replicas=args.min,
         max_replicas=args.max,
         cold_repeats=args.cold_repeats,
+        json_out=args.json_out,
+        as_json=args.json,
+    )
+
+
+def cmd_bench_layout(args: argparse.Namespace) -> int:
+    from servemesh.layout_bench import main as bench_layout_main
+
+    return bench_layout_main(
+        args.spec,
+        repeats=args.repeats,
+        idle_s=args.idle_seconds,
+        seconds=args.seconds,
+        concurrency=args.concurrency,
         json_out=args.json_out,
         as_json=args.json,
     )
@@ -292,3 +306,20 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench_scale.add_argument("--json", action="store_true", help="print the report as JSON")
     bench_scale.add_argument("--json-out", help="also write the report here")
     bench_scale.set_defaults(func=cmd_bench_scale)
+    bench_layout = bench_sub.add_parser(
+        "layout",
+        help="one shared Envoy against an Envoy per zone plus the edge's, in one run: "
+        "start-up, memory and idle CPU of every process, Predict p50 and req/s",
+    )
+    bench_layout.add_argument("--spec")
+    bench_layout.add_argument("--repeats", type=int, default=3, help="meshes per layout")
+    bench_layout.add_argument(
+        "--idle-seconds", type=float, default=10.0, help="idle CPU read over this long"
+    )
+    bench_layout.add_argument("--seconds", type=float, default=4.0, help="per Predict round")
+    bench_layout.add_argument(
+        "--concurrency", type=int, default=16, help="callers of the req/s round (default 16)"
+    )
+    bench_layout.add_argument("--json", action="store_true", help="print the report as JSON")
+    bench_layout.add_argument("--json-out", help="also write the report here")
+    bench_layout.set_defaults(func=cmd_bench_layout)

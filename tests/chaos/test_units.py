@@ -7,7 +7,8 @@ import math
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 import torch
@@ -15,14 +16,17 @@ from chaoslib.experiment import ensure_experiment_is_valid
 
 from servemesh.chaos.canary import failing_threshold, flaky_artifact, parse_flaky_source
 from servemesh.chaos.control import _plain
+from servemesh.chaos.drill import Drill
 from servemesh.chaos.errors import DrillError
 from servemesh.chaos.guard import Guard
+from servemesh.chaos.mesh import DrillMesh
 from servemesh.chaos.report import envoy_deltas, recovery
 from servemesh.chaos.runner import list_drills, load_experiment
 from servemesh.chaos.scope import describe, select
 from servemesh.chaos.timeline import Timeline
 from servemesh.demo import demo_features
 from servemesh.load import Outcome, percentile, window_stats
+from servemesh.proxy.apply import RouteManager
 from servemesh.spec import MeshSpec
 
 DRILLS = {
@@ -202,3 +206,30 @@ def test_the_shifted_canary_moves_every_score_and_keeps_them_within_0_and_1() ->
         shifted = torch.jit.load(io.BytesIO(shifted_artifact(0.3, 1).data))(rows)
     assert torch.allclose(shifted, torch.clamp(original + 0.3, 0.0, 1.0))
     assert float(shifted.max()) <= 1.0 and float((shifted - original).min()) >= 0.0
+
+
+class _Admins:
+    """Stands for the drill's RouteManager: each proxy's admin API by name."""
+
+    def admin_of(self, proxy: str) -> str:
+        return proxy
+
+
+@pytest.mark.parametrize(
+    ("layout", "zone_routes", "zone_a"),
+    [("shared", ["envoy"], "envoy"), ("per_zone", ["zone-a", "zone-b"], "zone-a")],
+)
+def test_route_faults_and_zone_probes_go_to_the_envoys_that_serve_them(
+    layout: str, zone_routes: list[str], zone_a: str
+) -> None:
+    # A model's route and the feature route live in every zone's mesh listener (each zone's
+    # own Envoy in the per-zone layout); the edge route, in the edge's Envoy alone.
+    spec = MeshSpec.model_validate({"proxy": {"layout": layout}})
+    drill = Drill("layout", {"spec": "drill-mesh"})
+    drill.mesh = cast(DrillMesh, SimpleNamespace(spec=spec))
+    drill.routes = cast(RouteManager, _Admins())
+    # (str(): each "admin" here is the proxy's name itself)
+    assert [str(a) for a in drill.route_admins("model.fraud")] == zone_routes
+    assert [str(a) for a in drill.route_admins("feature")] == zone_routes
+    assert [str(a) for a in drill.route_admins("edge")] == ["envoy"]
+    assert str(drill.admin_of_zone("zone-a")) == zone_a

@@ -1,9 +1,10 @@
 """An Envoy per zone (`proxy.layout: per_zone`), on a real two-zone mesh: the edge and each
 zone run an Envoy of their own, each holding only its part of the config; a route change
 is confirmed by every one of them, and one that a stalled zone Envoy cannot confirm is
-rolled back on all of them; with zone-a's Envoy killed under load, the mesh starts it
-again, calls keep being answered throughout (through zone-b meanwhile), and zone-a
-answers again once its Envoy is back."""
+rolled back on all of them; with one zone's Envoy killed under load (each zone in turn),
+the mesh starts it again, calls keep being answered throughout (through the other zone
+meanwhile), and the zone answers again once its Envoy is back. Every Envoy's listener
+refuses strangers, and a certificate rotation is served by each of them."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from servemesh.identity import dial_edge
+from servemesh.identity import dial_edge, mesh_identity
 from servemesh.launcher import Mesh, envoy_child
 from servemesh.load import BackgroundLoad, predict_target
 from servemesh.proxy.apply import ApplyError, RouteManager
@@ -27,6 +28,12 @@ from servemesh.spec import (
     ProxySpec,
 )
 from servemesh.wire import GATEWAY_CLUSTER, feature_cluster, mesh_route_config
+from tests.mesh.tls_probe import (
+    assert_rotation_served,
+    assert_strangers_refused,
+    rotate_all,
+    serials,
+)
 from tests.waiting import wait_until
 
 ZONES = ("zone-a", "zone-b")
@@ -116,10 +123,11 @@ def test_a_change_one_zones_envoy_cannot_confirm_is_rolled_back_on_every_envoy(
     wait_until(lambda: _served_route(routes, "zone-a") == before, "zone-a's Envoy as it was")
 
 
+@pytest.mark.parametrize("zone", ZONES)
 def test_a_killed_zone_envoy_is_started_again_and_calls_keep_being_answered(
-    mesh: Mesh, routes: RouteManager
+    mesh: Mesh, routes: RouteManager, zone: str
 ) -> None:
-    name = envoy_child("zone-a")
+    name = envoy_child(zone)
     target = predict_target(dial_edge(mesh.spec), entities=50, timeout_s=5.0)
     load = BackgroundLoad(target, rate_per_s=40)
     load.start()
@@ -134,8 +142,8 @@ def test_a_killed_zone_envoy_is_started_again_and_calls_keep_being_answered(
         wait_until(lambda: mesh.is_running(name) and mesh.pid(name) != old, f"{name} again")
         back_at = load.now_s()
         wait_until(
-            lambda: "zone-a" in {o.zone for o in load.run.window(back_at)},
-            "zone-a answering again",
+            lambda: zone in {o.zone for o in load.run.window(back_at)},
+            f"{zone} answering again",
             timeout_s=30,
         )
         settled = load.now_s()
@@ -146,8 +154,36 @@ def test_a_killed_zone_envoy_is_started_again_and_calls_keep_being_answered(
     outcomes = load.snapshot()
     failed = [o for o in outcomes if not o.ok]
     # A gateway whose zone's Envoy is gone says so, and the edge tries another zone's
-    # gateway: calls keep being answered while zone-a's Envoy is down and coming back.
+    # gateway: calls keep being answered while the zone's Envoy is down and coming back.
     assert len(failed) <= 0.02 * len(outcomes), failed[:3]
     answered = [o.sent_s for o in outcomes if o.ok and o.sent_s >= killed_at]
     gaps = [later - earlier for earlier, later in zip(answered, answered[1:], strict=False)]
     assert max(gaps, default=0.0) < 1.0, (killed_at, back_at, max(gaps))
+
+
+def test_every_envoys_listener_refuses_strangers(mesh: Mesh, tmp_path: Path) -> None:
+    # Each zone's mesh listener is its own Envoy's here: every one must hold the line.
+    assert_strangers_refused(mesh, tmp_path)
+
+
+def test_a_rotation_is_served_by_every_envoy(mesh: Mesh) -> None:
+    identity = mesh_identity(mesh.spec)
+    before = serials(identity)
+    rotate_all(mesh)
+    after = serials(identity)
+    assert all(after[name] != before[name] for name in before)
+    # The edge's Envoy and each zone's re-read the same SDS files: each shows the new pair.
+    assert_rotation_served(mesh, after)
+    # And calls go on through every zone on the new certificates, none failing.
+    target = predict_target(dial_edge(mesh.spec), entities=50, timeout_s=5.0)
+    load = BackgroundLoad(target, rate_per_s=40)
+    load.start()
+    try:
+        wait_until(
+            lambda: {o.zone for o in load.run.window(0.0) if o.ok} >= set(ZONES),
+            "both zones answering on the new certificates",
+        )
+    finally:
+        load.stop()
+    assert not load.error
+    assert all(o.ok for o in load.snapshot()), [o for o in load.snapshot() if not o.ok][:3]

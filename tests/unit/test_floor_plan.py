@@ -143,6 +143,8 @@ ALLOWED: dict[str, set[str]] = {
     "scale_bench": CONTRACT
     | TOOLING
     | {"launcher", "bench", "observe_bench", "scaling", "rollout"},
+    # one shared Envoy against an Envoy per zone: two meshes measured back to back
+    "layout_bench": CONTRACT | TOOLING | {"launcher", "bench", "observe_bench"},
     # a stream consumer on a mesh of its own: events/s and event-to-prediction latency
     "stream_bench": CONTRACT | TOOLING | {"launcher", "bench", "streams"},
     # fuzzes a mesh of its own (launcher) through Envoy and straight to its replicas
@@ -178,6 +180,7 @@ ALLOWED: dict[str, set[str]] = {
         "tiers_bench",
         "batch_mesh_bench",
         "scale_bench",
+        "layout_bench",
         "scaling",
         "capacity",
         "capacity_probe",
