@@ -204,7 +204,7 @@ def print_report(report: Mapping[str, object]) -> None:
         f"repeats, order turning; idle {report['idle_s']} s, Predict c=1 and "
         f"c={report['concurrency']} for {report['seconds']} s each"
     )
-    print(f" {'figure':<20} {'shared':>20} {'per_zone':>20}  per_zone/shared (per repeat)")
+    print(f" {'figure':<20} {'shared':>24} {'per_zone':>24}  per_zone/shared (per repeat)")
     for name, entry in figures.items():
         cells = []
         for layout in LAYOUTS:
@@ -213,7 +213,7 @@ def print_report(report: Mapping[str, object]) -> None:
         ratios = ", ".join(f"{r:.2f}" for r in entry["ratios"])
         label = f"{name} ({entry['unit']})" if entry["unit"] else name
         print(
-            f" {label:<20} {cells[0]:>20} {cells[1]:>20}  {entry['ratio_median']:.2f}x ({ratios})"
+            f" {label:<20} {cells[0]:>24} {cells[1]:>24}  {entry['ratio_median']:.2f}x ({ratios})"
         )
 
 
