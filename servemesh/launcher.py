@@ -70,6 +70,7 @@ from servemesh.spec import (
     SpecError,
     dump_spec,
     load_resolved,
+    proxy_part,
     resolve,
 )
 from servemesh.state_dir import secure_state_dir, share_identity, share_with_models, tighten
@@ -111,9 +112,9 @@ ENVOY_REVIVE_TIMEOUT_S = 30.0
 
 
 def envoy_child(proxy: str) -> str:
-    """The supervisor's name for one of the mesh's Envoys: `envoy` for the edge's (the
-    shared layout's only one), `envoy-<zone>` for a zone's."""
-    return "envoy" if proxy == EDGE_PROXY else f"envoy-{proxy}"
+    """The supervisor's name for one of the mesh's Envoys: its name as a part of the mesh
+    (`envoy` for the edge's, the shared layout's only one; `envoy-<zone>` for a zone's)."""
+    return proxy_part(proxy)
 
 
 class MeshStartError(StartError):

@@ -554,8 +554,16 @@ class TracingSpec(_Strict):
         return duration_seconds(self.retention.max_age)
 
 
-# The name `discovery.hosts` gives Envoy by (every other part is named by its instance).
+# The name `discovery.hosts` gives the edge's Envoy by (the shared layout's only one; every
+# other part is named by its instance, a zone's Envoy by proxy_part).
 ENVOY_PART = "envoy"
+
+
+def proxy_part(proxy: str) -> str:
+    """The name of one of the mesh's Envoys (spec.proxies()) as a part of the mesh: in
+    `discovery.hosts`, as a process of the launcher's, as a Prometheus instance. `envoy` for
+    the edge's (the shared layout's only one), `envoy-<zone>` for a zone's."""
+    return ENVOY_PART if proxy == EDGE_PROXY else f"{ENVOY_PART}-{proxy}"
 
 
 class DiscoverySpec(_Strict):
@@ -925,11 +933,6 @@ class MeshSpec(_Strict):
                 "proxy.layout: per_zone does not run with network.mode netns yet "
                 "(use the shared layout)"
             )
-        if self.discovery.backend != "file":
-            raise ValueError(
-                "proxy.layout: per_zone runs with the file discovery backend only "
-                f"(this spec: {self.discovery.backend!r})"
-            )
         return self
 
     def proxies(self) -> list[str]:
@@ -948,10 +951,13 @@ class MeshSpec(_Strict):
 
     @model_validator(mode="after")
     def _hosts_name_known_parts(self) -> MeshSpec:
-        known = {i.name for i in self.instances()} | {ENVOY_PART}
+        envoys = {proxy_part(proxy) for proxy in self.proxies()}
+        known = {i.name for i in self.instances()} | envoys
         unknown = sorted(set(self.discovery.hosts) - known)
         if unknown:
-            raise ValueError(f"discovery.hosts: names no instance or {ENVOY_PART!r}: {unknown}")
+            raise ValueError(
+                f"discovery.hosts: names no instance or Envoy ({sorted(envoys)}): {unknown}"
+            )
         return self
 
     @model_validator(mode="after")
@@ -1239,7 +1245,8 @@ class ResolvedSpec(MeshSpec):
             raise SpecError(f"no instance named {instance_name!r}") from None
 
     def host_of(self, part: str) -> str:
-        """Where an instance (or Envoy, ENVOY_PART) is reached: discovery.hosts, else host."""
+        """Where an instance (or an Envoy, proxy_part) is reached: discovery.hosts, else
+        host."""
         return self.discovery.hosts.get(part, self.host)
 
     @property
@@ -1273,7 +1280,7 @@ class ResolvedSpec(MeshSpec):
             raise SpecError(f"no Envoy named {proxy!r}; Envoys: {self.proxies()}") from None
 
     def proxy_stats_address(self, proxy: str) -> str:
-        return f"{self.host_of(ENVOY_PART)}:{self.proxy_stats_port(proxy)}"
+        return f"{self.host_of(proxy_part(proxy))}:{self.proxy_stats_port(proxy)}"
 
     @property
     def prometheus_address(self) -> str:
@@ -1289,9 +1296,10 @@ class ResolvedSpec(MeshSpec):
         """Where services of `zone` reach each other: that zone's Envoy mesh listener, whose
         clusters prefer endpoints in the same zone and fail over to the others."""
         try:
-            return f"{self.host_of(ENVOY_PART)}:{self.mesh_ports[zone]}"
+            port = self.mesh_ports[zone]
         except KeyError:
             raise SpecError(f"no zone named {zone!r}; zones: {self.zones}") from None
+        return f"{self.host_of(proxy_part(self.proxy_of_zone(zone)))}:{port}"
 
     @property
     def edge_address(self) -> str:

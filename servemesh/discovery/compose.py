@@ -6,7 +6,8 @@ parts it needs (its own certificate, the CA, the control token). Here:
 
     mesh.yaml                   the resolved spec every container reads
     compose.env                 the user id containers run as (the owner of the keys below)
-    envoy/envoy.yaml            Envoy's bootstrap; cds/ and rds/ its clusters and routes
+    envoy/envoy.yaml            the edge Envoy's bootstrap (the shared layout's only one);
+    envoy/envoy-<zone>.yaml     in the per-zone layout, each zone's Envoy's
     prometheus/                 prometheus.yml (compose host names) and the SLI rules
     consul/consul.json          the agent: one server, ACLs on (default deny), mesh TLS
                                 for its health checks
@@ -16,7 +17,9 @@ parts it needs (its own certificate, the CA, the control token). Here:
                                 the ACL plan the consul-acl one-shot applies
     state/control-token         the mesh's control credential
     state/tls/                  the mesh CA's certificates (keys 0600, owner only)
-    state/xds/eds/              Envoy's endpoint files, written by the control plane
+    state/xds/                  the edge Envoy's clusters and routes (cds/, rds/), and its
+                                endpoint files (eds/), written by the control plane
+    state/xds-<zone>/           the same for each zone's Envoy (per-zone layout)
     state/registry/, state/predictions/   the registry's store and the prediction log
 """
 
@@ -40,16 +43,16 @@ from servemesh.identity import issue_mesh_certificates, mesh_identity
 from servemesh.identity.enroll import edge_names
 from servemesh.procs.prometheus import SERVICES_TARGETS, render_config, service_targets
 from servemesh.procs.redis_server import DISABLED_COMMANDS
+from servemesh.proxy.apply import MeshPaths
 from servemesh.proxy.process import validate_config
 from servemesh.proxy.render import (
-    XdsLayout,
     dynamic_bootstrap,
-    render_resources,
+    render_proxies,
     static_bootstrap,
     xds_files,
 )
 from servemesh.slo_rules import render_rules
-from servemesh.spec import ResolvedSpec, dump_spec, load_spec, resolve
+from servemesh.spec import ResolvedSpec, dump_spec, load_spec, proxy_part, resolve
 
 # The state dir inside every container (the compose spec's `state_dir`).
 CONTAINER_STATE = Path("/var/lib/servemesh")
@@ -100,9 +103,10 @@ def check_compose_spec(spec: ResolvedSpec) -> None:
         problems.append("discovery.backend: must be consul (the control plane feeds Envoy)")
     if spec.discovery.listen_host != "0.0.0.0":
         problems.append("discovery.listen_host: must be 0.0.0.0 (peers are other containers)")
-    unplaced = [i.name for i in spec.instances() if i.name not in spec.discovery.hosts]
-    if unplaced or "envoy" not in spec.discovery.hosts:
-        problems.append(f"discovery.hosts: name every instance and envoy; missing {unplaced}")
+    parts = [i.name for i in spec.instances()] + [proxy_part(p) for p in spec.proxies()]
+    unplaced = [part for part in parts if part not in spec.discovery.hosts]
+    if unplaced:
+        problems.append(f"discovery.hosts: name every instance and Envoy; missing {unplaced}")
     if spec.embedded_redis_port is not None or spec.embedded_trace_store_port is not None:
         problems.append("feature_store.redis_url and tracing.otlp_endpoint: name the containers")
     if spec.discovery.consul_token_file != CONTAINER_CONSUL_TOKEN:
@@ -129,28 +133,34 @@ def _issue_certificates(spec: ResolvedSpec, state: Path) -> None:
 
 
 def _envoy(spec: ResolvedSpec, out: Path, state: Path) -> None:
-    """Envoy's bootstrap, clusters and routes as the container sees them; validated with
-    `envoy --mode validate` against the files here, every endpoint set empty (they come
-    from the control plane)."""
+    """Each Envoy's bootstrap, clusters and routes as its container sees them (the shared
+    layout's one, or the edge's and each zone's: envoy/envoy[-<zone>].yaml, with their
+    files under state/xds[-<zone>]/); each validated with `envoy --mode validate` against
+    the files here, every endpoint set empty (they come from the control plane)."""
     logs = CONTAINER_STATE / "logs"
-    resources = render_resources(spec, logs)
-    layout = XdsLayout(CONTAINER_STATE / "xds")
-    for path, content in xds_files(resources, layout, "1").items():
-        if path.parent.name == "eds":
-            continue  # the control plane's
-        _write(state / path.relative_to(CONTAINER_STATE), _dump(content))
-    (state / "xds" / "eds").mkdir(parents=True, exist_ok=True)
-    _write(out / "envoy" / "envoy.yaml", _dump(dynamic_bootstrap(spec, resources, layout, logs)))
+    inside = MeshPaths(CONTAINER_STATE)
+    (state / "logs").mkdir(parents=True, exist_ok=True)
+    for proxy, resources in render_proxies(spec, logs).items():
+        layout = inside.xds_of(proxy)
+        for path, content in xds_files(resources, layout, "1").items():
+            if path.parent.name == "eds":
+                continue  # the control plane's
+            _write(state / path.relative_to(CONTAINER_STATE), _dump(content))
+        (state / layout.root.relative_to(CONTAINER_STATE) / "eds").mkdir(
+            parents=True, exist_ok=True
+        )
+        bootstrap = dynamic_bootstrap(spec, resources, layout, logs, proxy)
+        _write(out / "envoy" / inside.envoy_config_of(proxy).name, _dump(bootstrap))
 
-    empty = {name: {"cluster_name": name, "endpoints": []} for name in resources.endpoint_sets}
-    assignments = {**resources.load_assignments, **empty}
-    static = static_bootstrap(spec, replace(resources, load_assignments=assignments), logs)
-    text = _dump(static).replace(str(CONTAINER_STATE), str(state))
-    with tempfile.TemporaryDirectory() as scratch:
-        check = Path(scratch) / "envoy.static.yaml"
-        check.write_text(text)
-        (state / "logs").mkdir(exist_ok=True)
-        validate_config(check)
+        empty = {name: {"cluster_name": name, "endpoints": []} for name in resources.endpoint_sets}
+        assignments = {**resources.load_assignments, **empty}
+        with_empty = replace(resources, load_assignments=assignments)
+        static = static_bootstrap(spec, with_empty, logs, proxy)
+        text = _dump(static).replace(str(CONTAINER_STATE), str(state))
+        with tempfile.TemporaryDirectory() as scratch:
+            check = Path(scratch) / "envoy.static.yaml"
+            check.write_text(text)
+            validate_config(check)
 
 
 def _prometheus(spec: ResolvedSpec, out: Path) -> None:

@@ -23,7 +23,7 @@ from servemesh.discovery.catalog import Catalog, CatalogEntry, FileCatalog
 from servemesh.discovery.consul_catalog import ConsulCatalog
 from servemesh.discovery.endpoints import endpoint_files, write_endpoint_files
 from servemesh.proxy.apply import MeshPaths
-from servemesh.proxy.render import EnvoyResources, XdsLayout, render_resources
+from servemesh.proxy.render import EnvoyResources, XdsLayout, render_proxies
 from servemesh.spec import ResolvedSpec, ServiceKind, load_resolved
 
 log = logging.getLogger(__name__)
@@ -42,26 +42,31 @@ def catalog_for(spec: ResolvedSpec) -> Catalog:
 
 
 class ControlPlane:
-    """Writes the endpoint files of `spec`'s clusters under `layout` from `catalog`."""
+    """Writes the endpoint files of `spec`'s clusters from `catalog`, for each of the mesh's
+    Envoys under its own watched folder (`paths.xds_of`): the shared layout's one, or in the
+    per-zone layout the edge's and each zone's, each with only the clusters it holds."""
 
     def __init__(
         self,
         spec: ResolvedSpec,
         catalog: Catalog,
-        layout: XdsLayout,
+        paths: MeshPaths,
         *,
         wait_s: float = WAIT_S,
         retry_s: float = RETRY_S,
     ) -> None:
         self.spec = spec
         self.catalog = catalog
-        self.layout = layout
         self.wait_s = wait_s
         self.retry_s = retry_s
         # Only the endpoint sets are used: the log paths in listeners never reach a file.
-        self.resources: EnvoyResources = render_resources(spec, Path(spec.state_dir) / "logs")
+        logs = Path(spec.state_dir) / "logs"
+        self.targets: list[tuple[EnvoyResources, XdsLayout]] = [
+            (resources, paths.xds_of(proxy))
+            for proxy, resources in render_proxies(spec, logs).items()
+        ]
         self.kinds: list[ServiceKind] = sorted(
-            {s.kind for s in self.resources.endpoint_sets.values()}
+            {s.kind for resources, _ in self.targets for s in resources.endpoint_sets.values()}
         )
         self._changed = threading.Condition()
         self._seen: dict[ServiceKind, list[CatalogEntry]] = {}
@@ -71,8 +76,12 @@ class ControlPlane:
         self.rounds = 0
 
     def sync(self, entries: list[CatalogEntry]) -> list[Path]:
-        """Write the endpoint files for `entries` now; returns the files that changed."""
-        return write_endpoint_files(endpoint_files(self.resources, self.layout, entries))
+        """Write every Envoy's endpoint files for `entries` now; returns the files that
+        changed."""
+        written: list[Path] = []
+        for resources, layout in self.targets:
+            written += write_endpoint_files(endpoint_files(resources, layout, entries))
+        return written
 
     def stop(self) -> None:
         self._stop.set()
@@ -153,8 +162,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     """Run the control plane of the spec until SIGTERM or SIGINT."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     spec = load_resolved(args.spec)
-    layout = MeshPaths(Path(spec.state_dir)).xds
-    plane = ControlPlane(spec, catalog_for(spec), layout)
+    paths = MeshPaths(Path(spec.state_dir))
+    plane = ControlPlane(spec, catalog_for(spec), paths)
 
     def stop(signum: int, frame: FrameType | None) -> None:
         plane.stop()
@@ -162,7 +171,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     ready = mark_ready(Path(args.ready_file)) if args.ready_file else None
-    print(f"control plane: {spec.discovery.backend} catalog -> {layout.root / 'eds'}", flush=True)
+    folders = ", ".join(str(layout.root / "eds") for _, layout in plane.targets)
+    print(f"control plane: {spec.discovery.backend} catalog -> {folders}", flush=True)
     # The watch runs in a thread of its own, so this one stays free to take the signals.
     runner = threading.Thread(target=plane.run, args=(ready,), name="control-plane")
     runner.start()

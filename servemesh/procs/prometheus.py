@@ -30,7 +30,12 @@ from servemesh.private import private_dir
 from servemesh.procs.ready import Check
 from servemesh.procs.supervisor import Child, Supervisor
 from servemesh.slo_rules import SERVICES_JOB, render_rules
-from servemesh.spec import EDGE_PROXY, SCALER_TARGETS_FILE, STREAM_TARGETS_GLOB, ResolvedSpec
+from servemesh.spec import (
+    SCALER_TARGETS_FILE,
+    STREAM_TARGETS_GLOB,
+    ResolvedSpec,
+    proxy_part,
+)
 from servemesh.wire import ENVOY_STATS_PATH
 
 NAME = "prometheus"
@@ -103,7 +108,7 @@ def render_config(spec: ResolvedSpec, rules_file: Path, services_file: Path) -> 
                         "targets": [spec.proxy_stats_address(proxy)],
                         "labels": {
                             "service": "envoy",
-                            "instance": "envoy" if proxy == EDGE_PROXY else f"envoy-{proxy}",
+                            "instance": proxy_part(proxy),
                         },
                     }
                     for proxy in spec.proxies()

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from servemesh.cli.compose import instance_of_pid1
 from servemesh.discovery.compose import ComposeError, check_compose_spec, render_compose
-from servemesh.spec import ENVOY_PART, load_spec, resolve
+from servemesh.spec import EDGE_PROXY, ENVOY_PART, load_spec, proxy_part, resolve
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
@@ -159,6 +159,11 @@ def test_it_mirrors_the_compose_spec_every_instance_a_service_of_its_name() -> N
         assert spec.host_of(inst.name) == inst.name
         command = compose.services[inst.name].model_extra["command"]  # type: ignore[index]
         assert command[-2:] == ["--instance", inst.name]
+    # An Envoy container per Envoy of the spec: the edge's, and each zone's.
+    assert spec.proxy.layout == "per_zone"
+    for proxy in spec.proxies():
+        assert spec.host_of(proxy_part(proxy)) == proxy_part(proxy)
+        assert proxy_part(proxy) in compose.services, proxy
     assert spec.host_of(ENVOY_PART) in compose.services
     assert spec.tracing.otlp_endpoint is not None
     jaeger = compose.services["jaeger"].networks
@@ -218,3 +223,28 @@ def test_the_probe_finds_the_instance_in_the_container_s_command(tmp_path: Path)
     assert instance_of_pid1(cmdline) == "model-zone-a-0"
     cmdline.write_bytes(b"servemesh\0compose\0seed\0")
     assert instance_of_pid1(cmdline) is None
+
+
+def test_each_zone_has_an_envoy_container_of_its_own_that_its_gateways_wait_for() -> None:
+    """One Envoy per zone and one for the edge: a zone's gateways dial their zone's Envoy
+    (the spec's mesh address names its container) and start after it; a zone's Envoy
+    mounts its own bootstrap and watched files, and not the edge's key; the edge's alone
+    publishes a port; the control plane writes every Envoy's endpoint files."""
+    spec = resolve(load_spec(COMPOSE_SPEC))
+    compose = _compose()
+    for zone in spec.zones:
+        envoy = proxy_part(zone)
+        assert spec.mesh_address_for(zone).split(":")[0] == envoy
+        for inst in spec.instances():
+            if inst.service == "gateway" and inst.zone == zone:
+                assert envoy in compose.services[inst.name].depends_on, inst.name
+        mounts = [v.split(":")[1] for v in compose.services[envoy].volumes]
+        assert f"/var/lib/servemesh/xds-{zone}/cds" in mounts
+        assert not [m for m in mounts if m.endswith("/tls/edge")], mounts
+        assert not compose.services[envoy].ports
+        bootstrap = compose.services[envoy].volumes[0].split(":")[0]
+        assert bootstrap == f"{RENDERED}envoy/envoy-{zone}.yaml"
+    assert compose.services[proxy_part(EDGE_PROXY)].ports == ["8080:8080"]
+    plane = [v.split(":")[1] for v in compose.services["control-plane"].volumes]
+    for folder in ["xds", *(f"xds-{zone}" for zone in spec.zones)]:
+        assert f"/var/lib/servemesh/{folder}/eds" in plane, folder

@@ -18,7 +18,7 @@ from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready
 from servemesh.proxy.render import dynamic_bootstrap, render_resources
 from servemesh.spec import MeshSpec, ResolvedSpec, ServiceKind, resolve
-from servemesh.wire import feature_cluster, model_servers_cluster
+from servemesh.wire import GATEWAY_CLUSTER, feature_cluster, model_servers_cluster
 from tests.waiting import wait_until
 
 
@@ -65,7 +65,7 @@ def test_only_changed_files_are_renamed_into_place_and_run_follows_the_catalog(
     spec = _spec(tmp_path)
     layout = MeshPaths(tmp_path).xds
     catalog = ListedCatalog([MODEL_A, FEATURE_A])
-    plane = ControlPlane(spec, catalog, layout)
+    plane = ControlPlane(spec, catalog, MeshPaths(tmp_path))
     first = threading.Event()
     runner = threading.Thread(target=plane.run, args=(first.set,))
     runner.start()
@@ -118,7 +118,7 @@ def test_a_running_envoy_serves_the_endpoints_the_control_plane_writes(
     envoy: tuple[ResolvedSpec, AdminClient], tmp_path: Path
 ) -> None:
     spec, admin = envoy
-    plane = ControlPlane(spec, ListedCatalog([]), MeshPaths(tmp_path).xds)
+    plane = ControlPlane(spec, ListedCatalog([]), MeshPaths(tmp_path))
     cluster = model_servers_cluster("zone-b")
     # Before: the spec's own instances on loopback (the file catalog's endpoints).
     assert {h.address for h in admin.clusters()[cluster].hosts} == {
@@ -138,3 +138,32 @@ def test_a_running_envoy_serves_the_endpoints_the_control_plane_writes(
     # Every instance gone from the catalog: an empty set, not the old endpoints.
     plane.sync([])
     wait_until(lambda: hosts() == set(), "Envoy to drop the endpoints")
+
+
+def test_each_envoy_of_the_per_zone_layout_gets_the_endpoints_of_its_own_clusters(
+    tmp_path: Path,
+) -> None:
+    declared = {"ports": {"edge": 0, "mesh": 0, "services_base": 0, "envoy_admin": 0},
+                "state_dir": str(tmp_path), "tracing": {"enabled": False},
+                "proxy": {"layout": "per_zone"}}  # fmt: skip
+    spec = resolve(MeshSpec.model_validate(declared))
+    paths = MeshPaths(tmp_path)
+    plane = ControlPlane(spec, ListedCatalog([]), paths)
+    gateway = CatalogEntry("gateway", "gateway-zone-b-0", "zone-b", "127.0.0.5", 41004)
+    written = plane.sync([MODEL_A, MODEL_B, FEATURE_A, gateway])
+    edge, zone_a, zone_b = (paths.xds_of(p) for p in ("envoy", "zone-a", "zone-b"))
+    # The edge's Envoy holds the gateways; each zone's, its own clusters only.
+    assert edge.eds(GATEWAY_CLUSTER) in written
+    assert not edge.eds(model_servers_cluster("zone-a")).exists()
+    assert zone_a.eds(model_servers_cluster("zone-a")) in written
+    assert not zone_a.eds(model_servers_cluster("zone-b")).exists()
+    assert not zone_a.eds(GATEWAY_CLUSTER).exists()
+    assignment = yaml.safe_load(zone_b.eds(model_servers_cluster("zone-b")).read_text())
+    zones = {
+        loc["locality"]["zone"]: loc["priority"] for loc in assignment["resources"][0]["endpoints"]
+    }
+    assert zones == {"zone-b": 0, "zone-a": 1}
+    gateways = yaml.safe_load(edge.eds(GATEWAY_CLUSTER).read_text())["resources"][0]
+    hosts = [e["endpoint"]["address"]["socket_address"] for loc in gateways["endpoints"]
+             for e in loc["lb_endpoints"]]  # fmt: skip
+    assert hosts == [{"address": "127.0.0.5", "port_value": 41004}]

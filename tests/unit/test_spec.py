@@ -119,3 +119,17 @@ def test_a_spec_without_redis_gets_the_launchers_own_on_a_port_chosen_with_the_o
     assert declared(spec).feature_store.redis_url is None  # not something the file said
     own = resolve(MeshSpec(feature_store=FeatureStoreSpec(redis_url="redis://127.0.0.1:6400/0")))
     assert own.embedded_redis_port is None and own.redis_url == "redis://127.0.0.1:6400/0"
+
+
+def test_each_envoy_of_the_per_zone_layout_is_a_part_discovery_hosts_can_place() -> None:
+    hosts = {"envoy": "edge-host", "envoy-zone-a": "a-host", "envoy-zone-b": "b-host"}
+    spec = resolve(
+        MeshSpec.model_validate({"proxy": {"layout": "per_zone"}, "discovery": {"hosts": hosts}})
+    )
+    assert spec.edge_address.startswith("edge-host:")
+    assert spec.mesh_address_for("zone-a").startswith("a-host:")
+    assert spec.mesh_address_for("zone-b").startswith("b-host:")
+    assert spec.proxy_stats_address("zone-b").startswith("b-host:")
+    # In the shared layout there is no zone Envoy to place.
+    with pytest.raises(ValueError, match=r"discovery.hosts: names no instance or Envoy"):
+        MeshSpec.model_validate({"discovery": {"hosts": {"envoy-zone-a": "a-host"}}})
