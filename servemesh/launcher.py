@@ -576,24 +576,42 @@ class Mesh:
     def _join_zone_network(self) -> None:
         """Create the zones' namespaces and join them to the machine's loopback: each
         zone's service and metrics ports lead into its namespace; out of a zone lead only
-        the ports its services call: that zone's Envoy mesh listener (gateways), the
-        registry (model servers) and Redis (feature services)."""
+        the ports its services call: the registry (model servers), Redis (feature
+        services), the trace store, and that zone's Envoy mesh listener (gateways) where it
+        runs on the machine (the shared layout).
+
+        In the per-zone layout each zone's Envoy runs inside its zone: its mesh listener
+        and stats port lead into the zone from the machine (the edge's and the operator's
+        tools, Prometheus), and it reaches the other zones' feature and model replicas
+        straight across the zones' bridge (`join_zones`), so a partition cuts those
+        calls."""
         spec = self.spec
+        own_envoy = spec.proxy.layout == "per_zone"
         zone_ports: dict[str, list[int]] = {zone: [] for zone in spec.zones}
+        replica_ports: dict[str, list[int]] = {zone: [] for zone in spec.zones}
         for inst in spec.instances():
             if inst.service != "registry":
                 zone_ports[inst.zone].append(spec.port_of(inst.name))
                 if inst.name in spec.metrics_ports:
                     zone_ports[inst.zone].append(spec.metrics_ports[inst.name])
+            if inst.service in ("feature", "model"):
+                replica_ports[inst.zone].append(spec.port_of(inst.name))
         shared = [spec.port_of("registry-0")]
         if spec.embedded_trace_store_port is not None:
             shared.append(spec.embedded_trace_store_port)
         redis_port = urllib.parse.urlparse(spec.redis_url).port
         if redis_port:
             shared.append(redis_port)
-        host_ports = {zone: [spec.mesh_ports[zone], *shared] for zone in spec.zones}
+        if own_envoy:
+            for zone in spec.zones:
+                zone_ports[zone] += [spec.mesh_ports[zone], spec.proxy_stats_port(zone)]
+            host_ports = {zone: list(shared) for zone in spec.zones}
+        else:
+            host_ports = {zone: [spec.mesh_ports[zone], *shared] for zone in spec.zones}
         self.network = ZoneNetwork(list(spec.zones)).create()
         self.network.attach_host(zone_ports, host_ports)
+        if own_envoy:
+            self.network.join_zones(replica_ports)
 
     def _write_envoy_config(self) -> None:
         """For each of the mesh's Envoys: validate its whole config inline, then write its
@@ -622,6 +640,8 @@ class Mesh:
 
     def _start_one_envoy(self, proxy: str, base_id: int, deadline: float | None) -> None:
         argv = envoy_command(self.paths.envoy_config_of(proxy), base_id=base_id)
+        if self.network is not None and proxy != EDGE_PROXY:
+            argv = self.network.exec_argv(proxy, argv)  # a zone's Envoy runs in its zone
         admin = prepare_admin_dir(self.state_dir, proxy)
         checks: list[Readiness] = [Check(lambda: is_ready(admin), f"Envoy admin at {admin} ready")]
         if proxy == EDGE_PROXY:

@@ -6,7 +6,9 @@ created. `attach_host` adds one more veth from the machine into that bridge, so 
 whose zone services run inside the namespaces keeps its loopback addressing (the launcher
 does this for a spec with `network: {mode: netns}`): NAT rules in chains of their own carry
 127.0.0.1:<port> across, and `zone_source_address` is the loopback address Envoy's
-clusters for a zone send from, which the zones see as that zone's address.
+clusters for a zone send from, which the zones see as that zone's address. With an Envoy
+per zone, each runs inside its zone instead, and `join_zones` lets it reach the other
+zones' replicas at 127.0.0.1 straight across the bridge.
 `partition(a, b)` drops every packet between two zones with iptables (or nftables) rules
 inside both zones' namespaces; `heal()` removes exactly those rules; `close()` removes the
 chains, the link and the namespaces. tc netem is not available on this kernel, so there is
@@ -526,6 +528,39 @@ class ZoneNetwork:
                 _iptables("-t", "nat", "-A", "POSTROUTING", "-o", link, "-s", loopback,
                           "-d", f"{self.gateway}/32", *tcp(ports), "-j", "SNAT",
                           "--to-source", self.address(zone), netns=ns)  # fmt: skip
+
+    def join_zones(self, replica_ports: Mapping[str, Sequence[int]]) -> None:
+        """Let a process inside one zone reach the other zones' replicas at 127.0.0.1, as a
+        process on the machine does (each zone's own Envoy, in the per-zone layout): a
+        connection from inside zone Z to 127.0.0.1:<one of replica_ports[other]> crosses the
+        bridge from Z's own address straight to that zone, where it arrives on loopback.
+        Every rule names tcp, those ports and this network's addresses, inside the zones'
+        namespaces (gone with them); a partition between two zones drops these calls too,
+        since they travel between the zones' own addresses. Call after attach_host (which
+        lets 127.0.0.0/8 cross each zone's link)."""
+        unknown = sorted(set(replica_ports) - set(self.zones))
+        if unknown:
+            raise NetnsError(f"join_zones: no zone {unknown} in this network")
+
+        def tcp(ports: str) -> tuple[str, ...]:
+            return ("-p", "tcp", "-m", "multiport", "--dports", ports)
+
+        for here in self.zones:
+            ns, link, source = self.namespace(here), self.link(here), self.address(here)
+            for there in self.zones:
+                if there == here:
+                    continue
+                target = self.address(there)
+                for ports in _chunks(replica_ports.get(there, ())):
+                    _iptables("-t", "nat", "-A", "OUTPUT", "-d", "127.0.0.1/32", *tcp(ports),
+                              "-j", "DNAT", "--to-destination", target, netns=ns)  # fmt: skip
+                    _iptables("-t", "nat", "-A", "POSTROUTING", "-o", link, "-s", "127.0.0.0/8",
+                              "-d", f"{target}/32", *tcp(ports), "-j", "SNAT",
+                              "--to-source", source, netns=ns)  # fmt: skip
+                    _iptables("-t", "nat", "-A", "PREROUTING", "-i", self.link(there),
+                              "-s", f"{source}/32", "-d", f"{target}/32", *tcp(ports), "-j",
+                              "DNAT", "--to-destination", "127.0.0.1",
+                              netns=self.namespace(there))  # fmt: skip
 
     # --- partitions ------------------------------------------------------------------------
 

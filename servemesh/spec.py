@@ -924,17 +924,6 @@ class MeshSpec(_Strict):
         """The registry's store: metadata and artifacts (registry/store.py)."""
         return Path(self.state_dir) / "registry"
 
-    @model_validator(mode="after")
-    def _per_zone_proxies_where_they_run(self) -> MeshSpec:
-        if self.proxy.layout != "per_zone":
-            return self
-        if self.network.mode == "netns":
-            raise ValueError(
-                "proxy.layout: per_zone does not run with network.mode netns yet "
-                "(use the shared layout)"
-            )
-        return self
-
     def proxies(self) -> list[str]:
         """The mesh's Envoys by name: the edge's (EDGE_PROXY) first, then, in the per-zone
         layout, one per zone, named by its zone."""

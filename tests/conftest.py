@@ -33,6 +33,7 @@ MESH_PATHS = (
     "fuzz/test_command.py",
     "metrics/",
     "netns/test_sigterm.py",
+    "netns/test_zone_envoys.py",
     "registry/test_models_cli.py",
     "rollout/test_budget_promql.py",
     "rollout/test_fleet.py",

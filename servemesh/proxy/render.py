@@ -1077,10 +1077,16 @@ def _render_all(spec: ResolvedSpec, log_dir: Path, proxy: str) -> EnvoyResources
             # leaves at once, its calls in flight finishing; by default Envoy would keep it
             # while it passes health checks.
             cluster["ignore_health_on_host_removal"] = True
-        if local_zone is not None and spec.network.mode == "netns":
-            # Zones in network namespaces: a zone's clusters send from a loopback source of
-            # their own, which the namespaces see as that zone's address, so a partition
-            # between two zones also cuts the calls Envoy proxies for one to the other.
+        if (
+            local_zone is not None
+            and spec.network.mode == "netns"
+            and spec.proxy.layout == "shared"
+        ):
+            # Zones in network namespaces, one Envoy on the machine for all: a zone's
+            # clusters send from a loopback source of their own, which the namespaces see as
+            # that zone's address, so a partition between two zones also cuts the calls
+            # Envoy proxies for one to the other. (An Envoy per zone runs inside its zone
+            # and sends from the zone's own address.)
             source = zone_source_address(spec.zones.index(local_zone))
             cluster["upstream_bind_config"] = {
                 "source_address": {"address": source, "port_value": 0}
