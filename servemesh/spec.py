@@ -416,13 +416,15 @@ EDGE_PROXY = "envoy"
 class ProxySpec(_Strict):
     """How the mesh's Envoy is laid out over processes (docs/architecture.md, "Zones").
 
-    shared:   one Envoy holds the edge listener and every zone's mesh listener.
     per_zone: the edge is an Envoy of its own, and each zone has its own, holding that
               zone's mesh listener and clusters; one Envoy's crash, or a config it refuses,
-              takes out its own zone (or the edge), not every zone at once.
+              takes out its own zone (or the edge), not every zone at once. The default:
+              no process spans two zones.
+    shared:   one Envoy holds the edge listener and every zone's mesh listener: about
+              140 MiB less memory for a two-zone mesh, and one failure domain for all.
     """
 
-    layout: Literal["shared", "per_zone"] = "shared"
+    layout: Literal["shared", "per_zone"] = "per_zone"
 
 
 class TlsSpec(_Strict):
@@ -1116,7 +1118,8 @@ class ResolvedSpec(MeshSpec):
     # The Prometheus /metrics side port of every service instance, by instance name.
     metrics_ports: dict[str, Port]
     # Each zone Envoy's stats listener port, in the per-zone layout (the edge Envoy's is
-    # ports.envoy_stats); empty in the shared layout.
+    # ports.envoy_stats, zone i's envoy_stats + 1 + i unless it is free); empty in the shared
+    # layout.
     zone_stats_ports: dict[ZoneName, Port] = Field(default_factory=dict)
     # The port of the Redis the launcher runs itself; None when the spec names its own
     # (feature_store.redis_url is set either way).
@@ -1551,10 +1554,16 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
     for inst in by_kind:
         kept = known.metrics_ports.get(inst.name, 0) if known else 0
         metrics_ports[inst.name] = pick(kept, fresh=known is not None and not kept)
-    # The zone Envoys' stats listeners (per-zone layout): kept when resolved, else free.
+    # The zone Envoys' stats listeners (per-zone layout): kept when resolved, else the
+    # ports after the edge Envoy's (zone i: envoy_stats + 1 + i), free when that one is.
+    def zone_stats_port(index: int, zone: str) -> int:
+        if known is not None:
+            return known.zone_stats_ports.get(zone, 0)
+        return spec.ports.envoy_stats + 1 + index if spec.ports.envoy_stats else 0
+
     zone_stats_ports = {
-        zone: pick(known.zone_stats_ports.get(zone, 0) if known else 0)
-        for zone in (spec.zones if spec.proxy.layout == "per_zone" else [])
+        zone: pick(zone_stats_port(i, zone))
+        for i, zone in enumerate(spec.zones if spec.proxy.layout == "per_zone" else [])
     }
     # No Redis named: the launcher runs one, on a port chosen now with the others.
     embedded_redis_port = known.embedded_redis_port if known else None

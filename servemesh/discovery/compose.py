@@ -43,6 +43,7 @@ from servemesh.identity import issue_mesh_certificates, mesh_identity
 from servemesh.identity.enroll import edge_names
 from servemesh.procs.prometheus import SERVICES_TARGETS, render_config, service_targets
 from servemesh.procs.redis_server import DISABLED_COMMANDS
+from servemesh.proxy.admin import admin_socket_path
 from servemesh.proxy.apply import MeshPaths
 from servemesh.proxy.process import validate_config
 from servemesh.proxy.render import (
@@ -156,10 +157,15 @@ def _envoy(spec: ResolvedSpec, out: Path, state: Path) -> None:
         assignments = {**resources.load_assignments, **empty}
         with_empty = replace(resources, load_assignments=assignments)
         static = static_bootstrap(spec, with_empty, logs, proxy)
-        text = _dump(static).replace(str(CONTAINER_STATE), str(state))
         with tempfile.TemporaryDirectory() as scratch:
+            # The admin socket (the admin API, and the stats listener's cluster to it) where
+            # its path is short enough for a Unix socket (108 bytes): the rendered folder
+            # may lie deep. Every other path: the files rendered here.
+            text = _dump(static).replace(
+                str(admin_socket_path(CONTAINER_STATE, proxy)), str(Path(scratch) / "admin.sock")
+            )
             check = Path(scratch) / "envoy.static.yaml"
-            check.write_text(text)
+            check.write_text(text.replace(str(CONTAINER_STATE), str(state)))
             validate_config(check)
 
 

@@ -49,8 +49,10 @@ class ListedCatalog:
 
 
 def _spec(state: Path) -> ResolvedSpec:
+    """One Envoy for the whole mesh (the shared layout): every cluster's files in one folder."""
     declared = {"ports": {"edge": 0, "mesh": 0, "services_base": 0, "envoy_admin": 0},
-                "state_dir": str(state), "tracing": {"enabled": False}}  # fmt: skip
+                "state_dir": str(state), "tracing": {"enabled": False},
+                "proxy": {"layout": "shared"}}  # fmt: skip
     return resolve(MeshSpec.model_validate(declared))
 
 

@@ -19,7 +19,10 @@ LAYOUT = XdsLayout(Path("/state/xds"))
 
 
 def _spec(**overrides: object) -> ResolvedSpec:
-    return resolve(MeshSpec.model_validate({"ports": {"edge": 0, "mesh": 0}, **overrides}))
+    """The shared layout: one Envoy, every cluster's endpoint file under LAYOUT (the control
+    plane's per-Envoy folders: tests/discovery/test_control_plane.py)."""
+    declared = {"ports": {"edge": 0, "mesh": 0}, "proxy": {"layout": "shared"}, **overrides}
+    return resolve(MeshSpec.model_validate(declared))
 
 
 def _hosts(files: dict[Path, dict[str, Any]], cluster: str) -> list[tuple[str, int, str]]:

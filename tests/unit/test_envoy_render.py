@@ -75,8 +75,12 @@ _USER = "edge:{SHA}" + "A" * 27 + "="
 
 
 def _spec(**overrides: object) -> ResolvedSpec:
+    """A spec on free ports in the shared layout, whose one Envoy holds every listener and
+    cluster: what each part renders to (the per-zone layout splits the same parts over its
+    Envoys, tests/unit/test_zone_proxies_render.py)."""
     ports = {"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0}
-    return resolve(MeshSpec.model_validate({"ports": ports, **overrides}))
+    declared = {"ports": ports, "proxy": {"layout": "shared"}, **overrides}
+    return resolve(MeshSpec.model_validate(declared))
 
 
 def _routes(spec: ResolvedSpec, config: str) -> list[dict[str, Any]]:
@@ -439,17 +443,23 @@ def test_each_listener_caps_its_connections_streams_handshakes_and_headers() -> 
     }
 
 
-def test_the_committed_example_config_is_what_the_default_spec_renders() -> None:
+@pytest.mark.parametrize(
+    ("proxy", "example"), [("envoy", "mesh-default.yaml"), ("zone-a", "mesh-default-zone-a.yaml")]
+)
+def test_the_committed_example_config_is_what_the_default_spec_renders(
+    proxy: str, example: str
+) -> None:
     rendered = subprocess.run(
-        [sys.executable, "-m", "servemesh", "envoy-config", "--spec", "mesh.yaml"],
+        [sys.executable, "-m", "servemesh", "envoy-config", "--spec", "mesh.yaml",
+         "--proxy", proxy],
         cwd=REPO,
         capture_output=True,
         text=True,
         check=True,
         timeout=60,
-    ).stdout
-    assert rendered == (REPO / "envoy" / "mesh-default.yaml").read_text(), (
-        "refresh with: servemesh envoy-config --spec mesh.yaml > envoy/mesh-default.yaml"
+    ).stdout  # fmt: skip
+    assert rendered == (REPO / "envoy" / example).read_text(), (
+        f"refresh with: servemesh envoy-config --spec mesh.yaml --proxy {proxy} > envoy/{example}"
     )
 
 

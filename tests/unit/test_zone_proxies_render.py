@@ -12,8 +12,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from servemesh.proxy.admin import admin_socket_path
 from servemesh.proxy.offline import validate_offline
 from servemesh.proxy.render import render_proxies, render_resources, static_bootstrap
@@ -23,7 +21,6 @@ from servemesh.spec import (
     Ports,
     ProxySpec,
     ResolvedSpec,
-    SpecError,
     parse_spec,
     resolve,
 )
@@ -63,7 +60,8 @@ def test_each_envoy_holds_its_part_and_every_route_finds_its_cluster(tmp_path: P
         "envoy-stats",
     }
     # Together they hold what the shared layout's one Envoy does (a few held by each).
-    shared = render_resources(resolve(spec.model_copy(update={"proxy": ProxySpec()})), tmp_path)
+    one = spec.model_copy(update={"proxy": ProxySpec(layout="shared")})
+    shared = render_resources(resolve(one), tmp_path)
     union = {c["name"] for part in parts.values() for c in part.clusters}
     assert union == {c["name"] for c in shared.clusters}
 
@@ -105,11 +103,13 @@ def test_only_the_per_zone_edge_retries_a_call_a_gateway_says_never_left(tmp_pat
     assert "retriable-headers" in str(retry["retry_on"]).split(",")
     assert retry["retriable_headers"] == [{"name": RETRY_ELSEWHERE_HEADER, "present_match": True}]
     assert "retry_host_predicate" in retry  # on another gateway
-    shared = render_resources(resolve(MeshSpec(ports=FREE, state_dir=str(tmp_path))), tmp_path)
+    one = MeshSpec(ports=FREE, state_dir=str(tmp_path), proxy=ProxySpec(layout="shared"))
+    shared = render_resources(resolve(one), tmp_path)
     assert "retriable_headers" not in _edge_retry(shared.route_configs)
 
 
-def test_per_zone_is_refused_where_it_does_not_run_yet() -> None:
-    with pytest.raises(SpecError, match="netns"):
-        parse_spec("proxy: {layout: per_zone}\nnetwork: {mode: netns}\n")
-    assert parse_spec("proxy: {layout: per_zone}\n").proxies() == [EDGE_PROXY, "zone-a", "zone-b"]
+def test_an_envoy_per_zone_is_the_default_and_runs_with_namespaces_and_consul() -> None:
+    assert parse_spec("").proxies() == [EDGE_PROXY, "zone-a", "zone-b"]
+    assert parse_spec("network: {mode: netns}\n").proxy.layout == "per_zone"
+    assert parse_spec("discovery: {backend: consul}\n").proxy.layout == "per_zone"
+    assert parse_spec("proxy: {layout: shared}\n").proxies() == [EDGE_PROXY]
