@@ -1554,6 +1554,7 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
     for inst in by_kind:
         kept = known.metrics_ports.get(inst.name, 0) if known else 0
         metrics_ports[inst.name] = pick(kept, fresh=known is not None and not kept)
+
     # The zone Envoys' stats listeners (per-zone layout): kept when resolved, else the
     # ports after the edge Envoy's (zone i: envoy_stats + 1 + i), free when that one is.
     def zone_stats_port(index: int, zone: str) -> int:
