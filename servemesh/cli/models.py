@@ -348,7 +348,7 @@ async def _replica_index(
 def _live_weights(mesh: RunningMesh, holdings: Holdings) -> None:
     try:
         manager = RouteManager(MeshPaths(mesh.state_dir))
-        rows = live_view(manager.admin, mesh.spec, manager.admins(mesh.spec))
+        rows = live_view(manager.admins(mesh.spec), mesh.spec)
     except (ApplyError, AdminError, OSError, KeyError, ValueError) as exc:
         holdings.weights_note = _one_line(f"live weights unavailable: {exc}")
         return

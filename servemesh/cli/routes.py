@@ -38,7 +38,7 @@ def _report(result: ApplyResult) -> None:
 def cmd_show(args: argparse.Namespace) -> int:
     manager = _manager(args)
     spec = manager.live_spec()
-    rows = live_view(manager.admin, spec, manager.admins(spec))
+    rows = live_view(manager.admins(spec), spec)
     if args.json:
         print(json.dumps([vars(r) for r in rows]))
         return 0

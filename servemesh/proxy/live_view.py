@@ -93,20 +93,17 @@ def served_buckets(
     return found
 
 
-def live_view(
-    admin: AdminClient, spec: MeshSpec, admins: Mapping[str, AdminClient] | None = None
-) -> list[VersionView]:
+def live_view(admins: Mapping[str, AdminClient], spec: MeshSpec) -> list[VersionView]:
     """One row per model version: served weight, healthy hosts per zone, traffic counters.
 
-    Counters add up every zone's cluster of the version (each zone's callers have their own).
-    `admin` is the mesh's Envoy; with an Envoy per zone, `admins` names each (by
-    spec.proxies()): the split and health are the first zone's Envoy's, the counters every
-    zone's.
+    `admins` is every Envoy of the mesh by name (spec.proxies(): RouteManager.admins). The
+    split and health are the first zone's Envoy's; the counters add up every zone's cluster
+    of the version (each zone's callers have their own), from every Envoy.
     """
-    first = admin if admins is None else admins[spec.proxy_of_zone(spec.zones[0])]
+    first = admins[spec.proxy_of_zone(spec.zones[0])]
     clusters = first.clusters()
     counters: dict[str, int] = {}
-    for one in [admin] if admins is None else admins.values():
+    for one in admins.values():
         for name, value in one.counters("cluster.model-").items():
             counters[name] = counters.get(name, 0) + value
     split = served_split(first, spec, spec.zones[0])

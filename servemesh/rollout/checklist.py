@@ -274,7 +274,7 @@ def rollback_target_item(spec: ResolvedSpec, model: str, version: str) -> Checkl
     try:
         manager = RouteManager(MeshPaths(Path(spec.state_dir)))
         live = manager.live_spec()
-        rows = live_view(manager.admin, live, manager.admins(live))
+        rows = live_view(manager.admins(live), live)
     except (ApplyError, AdminError, OSError, KeyError, ValueError) as exc:
         return failed(ROLLBACK_TARGET, f"cannot read what Envoy serves: {_one_line(str(exc))}")
     return judge_rollback_target(rows, model, version)

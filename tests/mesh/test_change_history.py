@@ -15,10 +15,11 @@ import grpc
 import pytest
 
 from servemesh.identity import dial_edge
-from servemesh.launcher import Mesh
+from servemesh.launcher import Mesh, envoy_child
 from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.apply import APPLIED, FAILED, ApplyError, RouteManager
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.mesh.envoys import zone_admin
 from tests.waiting import wait_until
 
 START = {"v1": 100, "v2": 0, "v3": 0}
@@ -26,7 +27,8 @@ START = {"v1": 100, "v2": 0, "v3": 0}
 
 @pytest.fixture
 def admin(mesh: Mesh) -> AdminClient:
-    return AdminClient.of_mesh(mesh.state_dir)
+    """Zone-a's Envoy: it holds the model routes zone-a's callers use."""
+    return zone_admin(mesh, "zone-a")
 
 
 @pytest.fixture
@@ -39,7 +41,7 @@ def routes(mesh: Mesh) -> Iterator[RouteManager]:
 
 
 def _xds(mesh: Mesh) -> dict[Path, bytes]:
-    return {p: p.read_bytes() for p in (mesh.state_dir / "xds").rglob("*.yaml")}
+    return {p: p.read_bytes() for p in mesh.state_dir.glob("xds*/**/*.yaml")}
 
 
 def _predicts(mesh: Mesh) -> bool:
@@ -61,12 +63,14 @@ def test_a_change_envoy_never_confirms_is_undone_and_recorded_as_failed(
     spec_text = mesh.paths.resolved_spec.read_bytes()
     served = admin.served_versions().routes
     impatient = RouteManager(mesh.paths, confirm_timeout_s=0.5)
-    mesh.send_signal("envoy", signal.SIGSTOP)  # by PID: Envoy cannot confirm anything
+    # By PID: the Envoy holding zone-a's routes cannot confirm anything.
+    stalled = envoy_child(mesh.spec.proxy_of_zone("zone-a"))
+    mesh.send_signal(stalled, signal.SIGSTOP)
     try:
         with pytest.raises(ApplyError) as refused:
             impatient.set_weights("fraud", {"v1": 50, "v2": 50})
     finally:
-        mesh.send_signal("envoy", signal.SIGCONT)
+        mesh.send_signal(stalled, signal.SIGCONT)
     assert "previous xDS files were restored" in str(refused.value)
     assert "live spec is unchanged" in str(refused.value)
     assert _xds(mesh) == files

@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from servemesh.identity import dial_service
 from servemesh.launcher import Mesh
-from servemesh.proxy.admin import AdminClient
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.mesh.envoys import EveryEnvoy
 from tests.waiting import wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -46,7 +46,7 @@ def _all(mesh: Mesh, service: str, status: str) -> dict[str, str] | None:
     return seen if seen and set(seen.values()) == {status} else None
 
 
-def _hosts_healthy(admin: AdminClient, mesh: Mesh, service: str = "feature") -> set[bool]:
+def _hosts_healthy(admin: EveryEnvoy, mesh: Mesh, service: str = "feature") -> set[bool]:
     """Envoy's verdicts on the replicas of `service`, over every cluster that holds them."""
     addresses = {
         mesh.spec.address_of(i.name) for i in mesh.spec.instances() if i.service == service
@@ -87,7 +87,7 @@ def _predict(gateway: gateway_pb2_grpc.GatewayStub) -> tuple[str, float]:
 def test_without_redis_features_go_not_serving_and_predict_fails_fast_then_recovers(
     mesh: Mesh, gateway: gateway_pb2_grpc.GatewayStub, redis_down: None
 ) -> None:
-    admin = AdminClient.of_mesh(mesh.state_dir)
+    admin = EveryEnvoy(mesh)
     wait_until(lambda: _all(mesh, "feature", "NOT_SERVING"), "every feature replica NOT_SERVING")
     wait_until(
         lambda: _hosts_healthy(admin, mesh) == {False},

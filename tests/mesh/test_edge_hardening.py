@@ -40,7 +40,7 @@ from servemesh.identity import (
     mesh_identity,
     serving_credentials,
 )
-from servemesh.launcher import Mesh
+from servemesh.launcher import Mesh, envoy_child
 from servemesh.policy import (
     EdgeAuth,
     Overload,
@@ -51,10 +51,16 @@ from servemesh.policy import (
     TrafficSpec,
 )
 from servemesh.procs import All, Check, Supervisor, TcpPort
-from servemesh.proxy.admin import AdminClient, AdminError, admin_dir, prepare_admin_dir
+from servemesh.proxy.admin import (
+    AdminClient,
+    AdminError,
+    admin_dir,
+    admin_socket_path,
+    prepare_admin_dir,
+)
 from servemesh.proxy.process import envoy_command, validate_config
 from servemesh.proxy.render import render_resources, static_bootstrap
-from servemesh.spec import MeshSpec, Ports, ResolvedSpec, resolve
+from servemesh.spec import EDGE_PROXY, MeshSpec, Ports, ProxySpec, ResolvedSpec, resolve
 from servemesh.wire import (
     AUTHORIZATION_HEADER,
     BUCKET_HEADER,
@@ -163,7 +169,9 @@ FrontFactory = Callable[[TrafficSpec], Front]
 
 def _front_spec(state_dir: Path, traffic: TrafficSpec) -> ResolvedSpec:
     # The default model, with every call mirrored to v2: Envoy marks the primary call and
-    # the copy itself, whatever role a caller claims.
+    # the copy itself, whatever role a caller claims. One Envoy holds every listener (the
+    # shared layout): each listener is rendered the same when the per-zone layout splits
+    # them over the edge's Envoy and each zone's (tests/unit/test_zone_proxies_render.py).
     fraud = MeshSpec().models["fraud"].model_copy(update={"shadow": ShadowSpec(version="v2")})
     return resolve(
         MeshSpec(
@@ -171,6 +179,7 @@ def _front_spec(state_dir: Path, traffic: TrafficSpec) -> ResolvedSpec:
             state_dir=str(state_dir),
             traffic=traffic,
             models={"fraud": fraud},
+            proxy=ProxySpec(layout="shared"),
         )
     )
 
@@ -357,14 +366,20 @@ def _listening_ports(pid: int) -> set[int]:
 def test_admin_is_a_socket_in_a_private_directory_and_no_tcp_port(mesh: Mesh) -> None:
     folder = admin_dir(mesh.state_dir)
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
-    admin = AdminClient.of_mesh(mesh.state_dir)
-    assert stat.S_ISSOCK(admin.socket_path.stat().st_mode)
-    assert admin.is_ready()
-    listening = _listening_ports(mesh.pid("envoy"))
-    # The edge, the mesh listeners and the stats listener (GET /stats/prometheus only).
-    served = {mesh.spec.ports.edge, *mesh.spec.mesh_ports.values(), mesh.spec.ports.envoy_stats}
-    assert listening == served
-    assert mesh.spec.ports.envoy_admin not in listening
+    spec = mesh.spec
+    for proxy in spec.proxies():
+        admin = AdminClient(admin_socket_path(mesh.state_dir, proxy))
+        assert stat.S_ISSOCK(admin.socket_path.stat().st_mode)
+        assert admin.is_ready()
+        assert admin.socket_path.parent == folder
+        listening = _listening_ports(mesh.pid(envoy_child(proxy)))
+        # Its listeners (the edge's, or a zone's mesh listener) and its stats listener
+        # (GET /stats/prometheus only); never an admin port.
+        zones = [z for z in spec.zones if spec.proxy_of_zone(z) == proxy]
+        own = {spec.mesh_ports[z] for z in zones} | {spec.proxy_stats_port(proxy)}
+        served = own | ({spec.ports.edge} if proxy == EDGE_PROXY else set())
+        assert listening == served, proxy
+        assert spec.ports.envoy_admin not in listening
 
 
 def test_a_runtime_override_is_refused_without_the_drill_profile(mesh: Mesh) -> None:

@@ -14,11 +14,11 @@ import pytest
 from servemesh.control_credential import control_metadata_for
 from servemesh.identity import dial_edge, dial_service
 from servemesh.launcher import Mesh
-from servemesh.proxy.admin import AdminClient
 from servemesh.wire import model_cluster, model_servers_cluster
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
+from tests.mesh.envoys import EveryEnvoy
 from tests.waiting import wait_until
 
 VICTIM = "model-zone-a-0"
@@ -30,7 +30,7 @@ def _version() -> dict[str, oip.ModelRepositoryParameter]:
     return {"version": oip.ModelRepositoryParameter(string_param=ROUTED)}
 
 
-def _hosts_of(admin: AdminClient, address: str) -> dict[str, bool]:
+def _hosts_of(admin: EveryEnvoy, address: str) -> dict[str, bool]:
     """Whether each cluster holding `address` calls that host healthy."""
     return {
         name: host.healthy
@@ -41,7 +41,7 @@ def _hosts_of(admin: AdminClient, address: str) -> dict[str, bool]:
 
 
 def _every_cluster(
-    admin: AdminClient, address: str, *, healthy: bool, where: tuple[str, ...] = ("",)
+    admin: EveryEnvoy, address: str, *, healthy: bool, where: tuple[str, ...] = ("",)
 ) -> dict[str, bool] | None:
     """The host's health per cluster once every cluster holding it whose name starts with
     one of `where` agrees on `healthy`."""
@@ -75,7 +75,7 @@ def victim(mesh: Mesh) -> Iterator[grpc_service_pb2_grpc.GRPCInferenceServiceStu
 def test_replica_missing_its_routed_version_is_taken_out_by_envoy_health_checks(
     mesh: Mesh, victim: grpc_service_pb2_grpc.GRPCInferenceServiceStub
 ) -> None:
-    admin = AdminClient.of_mesh(mesh.state_dir)
+    admin = EveryEnvoy(mesh)
     address = f"{mesh.spec.host}:{mesh.spec.port_of(VICTIM)}"
     wait_until(
         lambda: _every_cluster(admin, address, healthy=True),

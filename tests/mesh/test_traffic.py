@@ -35,6 +35,7 @@ from servemesh.proxy.apply import ApplyError, RouteManager
 from servemesh.services.runtime.faults import FaultSettings, set_fault
 from servemesh.spec import CoalescingSpec, DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Ports
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.mesh.envoys import counters_everywhere, every_admin, zone_admin
 from tests.waiting import wait_until
 
 ENTITIES = 300
@@ -86,7 +87,8 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 @pytest.fixture
 def admin(mesh: Mesh) -> AdminClient:
-    return AdminClient.of_mesh(mesh.state_dir)
+    """Zone-a's Envoy: the one holding the clusters zone-a's callers reach."""
+    return zone_admin(mesh, "zone-a")
 
 
 @pytest.fixture
@@ -94,7 +96,7 @@ def routes(mesh: Mesh, admin: AdminClient) -> Iterator[RouteManager]:
     """Routing as the mesh started; whatever a test changes is put back afterwards."""
     manager = RouteManager(mesh.paths, admin)
     start = manager.live_spec()
-    _wait_all_healthy(admin)
+    _wait_all_healthy(mesh)
     yield manager
     live = manager.live_spec()
     if live.models != start.models or live.traffic != start.traffic:
@@ -106,11 +108,14 @@ def routes(mesh: Mesh, admin: AdminClient) -> Iterator[RouteManager]:
             set_fault(mesh.state_dir, inst.name, None)
 
 
-def _wait_all_healthy(admin: AdminClient, timeout_s: float = 30.0) -> None:
-    """Every host of every cluster healthy: earlier tests leave no ejection behind."""
+def _wait_all_healthy(mesh: Mesh, timeout_s: float = 30.0) -> None:
+    """Every host of every cluster of every Envoy healthy: earlier tests leave no ejection
+    behind."""
 
     def all_healthy() -> bool:
-        return all(h.healthy for c in admin.clusters().values() for h in c.hosts)
+        return all(
+            h.healthy for a in every_admin(mesh) for c in a.clusters().values() for h in c.hosts
+        )
 
     wait_until(all_healthy, "every host of every cluster healthy", timeout_s=timeout_s)
 
@@ -210,13 +215,13 @@ def test_invalid_changes_are_refused_and_the_live_config_is_untouched(
     mesh: Mesh, routes: RouteManager, admin: AdminClient, change, message: str
 ) -> None:
     before = admin.get("/config_dump?resource=dynamic_route_configs")
-    files_before = {p: p.read_bytes() for p in (mesh.state_dir / "xds").rglob("*.yaml")}
+    files_before = {p: p.read_bytes() for p in mesh.state_dir.glob("xds*/**/*.yaml")}
     history_before = routes.history()
     with pytest.raises(ApplyError) as err:
         change(routes)
     assert message in str(err.value)
     assert admin.get("/config_dump?resource=dynamic_route_configs") == before
-    assert {p: p.read_bytes() for p in (mesh.state_dir / "xds").rglob("*.yaml")} == files_before
+    assert {p: p.read_bytes() for p in mesh.state_dir.glob("xds*/**/*.yaml")} == files_before
     assert routes.history() == history_before
 
 
@@ -361,7 +366,7 @@ def test_an_overloaded_cluster_trips_the_breaker_and_callers_fail_fast(
     )
     overflow = sum(
         v
-        for k, v in admin.counters("cluster.model-slow-v1-via-").items()
+        for k, v in counters_everywhere(mesh, "cluster.model-slow-v1-via-").items()
         if k.endswith(("upstream_rq_pending_overflow", "upstream_rq_active_overflow"))
     )
     assert overflow >= len(shed) - 1
@@ -379,7 +384,7 @@ def test_retries_never_carry_a_call_past_the_callers_deadline(
             )
 
     def retries() -> int:
-        counters = admin.counters("cluster.model-stubborn-v1-via-")
+        counters = counters_everywhere(mesh, "cluster.model-stubborn-v1-via-")
         return sum(v for k, v in counters.items() if k.endswith(".upstream_rq_retry"))
 
     before = retries()

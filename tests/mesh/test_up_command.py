@@ -24,7 +24,7 @@ from servemesh.identity import dial_edge_at
 from servemesh.netns import available
 from servemesh.policy import EdgeAuth
 from servemesh.procs import Check, Supervisor
-from servemesh.spec import MeshSpec
+from servemesh.spec import MeshSpec, ProxySpec
 from servemesh.wire import zone_of_cluster
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.mesh.conftest import test_mesh_spec
@@ -170,7 +170,12 @@ def test_up_netns_keeps_each_zones_source_through_a_weight_change(
     tmp_path: Path, up: Callable[..., Up]
 ) -> None:
     state = tmp_path / "state"
-    mesh = up(test_mesh_spec(str(state), entities=100), "--netns")
+    # One Envoy for every zone (the shared layout), on the machine: each zone's clusters
+    # send from that zone's source (an Envoy per zone runs inside its zone instead:
+    # tests/netns/test_zone_envoys.py).
+    spec = test_mesh_spec(str(state), entities=100)
+    spec = spec.model_copy(update={"proxy": ProxySpec(layout="shared")})
+    mesh = up(spec, "--netns")
     endpoints = mesh.endpoints
     pids = endpoints["pids"]
     # Each zone's services run in that zone's namespace; Envoy stays on the machine.

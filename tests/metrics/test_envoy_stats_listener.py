@@ -20,9 +20,15 @@ def _get(url: str, method: str = "GET") -> tuple[int, str]:
 
 
 def test_the_stats_listener_serves_envoy_metrics(metrics_mesh: Mesh) -> None:
-    status, body = _get(f"http://{metrics_mesh.spec.envoy_stats_address}/stats/prometheus")
+    spec = metrics_mesh.spec
+    status, body = _get(f"http://{spec.envoy_stats_address}/stats/prometheus")
     assert status == 200
     assert "envoy_cluster_upstream_rq_total" in body
+    assert 'envoy_cluster_name="gateway"' in body
+    # Each zone's clusters are counted by the Envoy that holds them, on its own listener.
+    zone_a = spec.proxy_stats_address(spec.proxy_of_zone("zone-a"))
+    status, body = _get(f"http://{zone_a}/stats/prometheus")
+    assert status == 200
     assert 'envoy_cluster_name="model-fraud-v1-via-zone-a"' in body
 
 

@@ -14,6 +14,7 @@ import pytest
 from servemesh.launcher import Mesh
 from servemesh.observe.prom_query import PromClient
 from servemesh.observe.scrape import Sample, sample, scrape
+from servemesh.spec import proxy_part
 from servemesh.wire import GATEWAY_SERVICE, OIP_SERVICE, method_path
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.waiting import wait_until
@@ -142,7 +143,9 @@ def _prometheus(mesh: Mesh) -> PromClient:
 
 def test_prometheus_scrapes_every_service_and_envoy(metrics_mesh: Mesh) -> None:
     client = _prometheus(metrics_mesh)
-    expected = {i.name for i in metrics_mesh.spec.instances()} | {"envoy"}
+    spec = metrics_mesh.spec
+    # Every service, and every Envoy (the edge's, and each zone's: envoy-<zone>).
+    expected = {i.name for i in spec.instances()} | {proxy_part(p) for p in spec.proxies()}
 
     def all_up() -> set[str] | None:
         up = {t["labels"]["instance"] for t in client.targets() if t["health"] == "up"}

@@ -9,7 +9,7 @@ import pytest
 
 from servemesh.identity.enroll import mesh_identities
 from servemesh.proxy.apply import MeshPaths, RouteManager
-from servemesh.proxy.render import render_resources
+from servemesh.proxy.render import render_proxies
 from servemesh.rollout.fleet import StrategyContext, _rolled_before
 from servemesh.rollout_plan import RolloutPlan
 from servemesh.spec import (
@@ -56,8 +56,18 @@ def models(spec: ResolvedSpec) -> list[str]:
     return [i.name for i in spec.instances() if i.service == "model"]
 
 
+def every_cluster(spec: ResolvedSpec, tmp_path: Path) -> dict[str, dict[str, Any]]:
+    """Every cluster the mesh's Envoys hold (the edge's, and each zone's own), by name."""
+    return {c["name"]: c for part in render_proxies(spec, tmp_path).values() for c in part.clusters}
+
+
 def endpoints(spec: ResolvedSpec, cluster: str, tmp_path: Path) -> list[dict[str, Any]]:
-    assignment = render_resources(spec, tmp_path).load_assignments[cluster]
+    assignments = {
+        name: assignment
+        for part in render_proxies(spec, tmp_path).values()
+        for name, assignment in part.load_assignments.items()
+    }
+    assignment = assignments[cluster]
     return [e for locality in assignment["endpoints"] for e in locality["lb_endpoints"]]
 
 
@@ -156,7 +166,7 @@ def test_a_version_s_clusters_list_the_set_that_serves_it(tmp_path: Path) -> Non
             port_of(e) for e in endpoints(both, model_cluster("fraud", "v1", zone), tmp_path)
         } == blue
         assert {port_of(e) for e in endpoints(both, model_servers_cluster(zone), tmp_path)} == blue
-    clusters = {c["name"]: c for c in render_resources(both, tmp_path).clusters}
+    clusters = every_cluster(both, tmp_path)
     # A host the endpoints stop listing leaves at once (the scaler's drained gateways and
     # feature services too), but not on the registry's cluster.
     assert clusters[model_cluster("fraud", "v2", "zone-a")]["ignore_health_on_host_removal"]

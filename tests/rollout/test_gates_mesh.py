@@ -88,7 +88,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 def _routes(mesh: Mesh) -> tuple[int, list[tuple[str, int, bool]]]:
     """The route history's length and the weights Envoy serves."""
     manager = RouteManager(mesh.paths)
-    rows = live_view(manager.admin, mesh.spec)
+    rows = live_view(manager.admins(mesh.spec), mesh.spec)
     return len(manager.history()), [(r.version, r.weight, r.shadow) for r in rows]
 
 

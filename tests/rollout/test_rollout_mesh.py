@@ -269,7 +269,8 @@ def test_a_killed_controller_is_resumed_and_finishes_with_no_failed_call(
 def routes_now(mesh: DrillMesh) -> tuple[int, list[tuple[str, int, bool]]]:
     """The route history's length and what Envoy serves (weights, shadows)."""
     manager = RouteManager(mesh.paths)
-    rows = live_view(manager.admin, manager.live_spec())
+    live = manager.live_spec()
+    rows = live_view(manager.admins(live), live)
     return len(manager.history()), [(r.version, r.weight, r.shadow) for r in rows]
 
 

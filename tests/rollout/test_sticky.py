@@ -174,7 +174,7 @@ def test_every_entity_keeps_its_version_at_50_percent_and_the_split_is_even(
     assert all(first[i] == "v2" for i, e in enumerate(IDS) if at_25[e] == "v2")
 
     # `routes show` reads the ranges back from what Envoy serves.
-    rows = {r.version: r for r in live_view(routes.admin, routes.live_spec())}
+    rows = {r.version: r for r in live_view(routes.admins(), routes.live_spec())}
     assert rows["v1"].buckets == (0, 5000) and rows["v2"].buckets == (5000, 10000)
     assert rows["v1"].requests > 0 and rows["v2"].requests > 0
 
