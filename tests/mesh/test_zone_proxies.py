@@ -18,6 +18,7 @@ from servemesh.identity import dial_edge, mesh_identity
 from servemesh.launcher import Mesh, envoy_child
 from servemesh.load import BackgroundLoad, predict_target
 from servemesh.proxy.apply import ApplyError, RouteManager
+from servemesh.proxy.live_view import served_split
 from servemesh.spec import (
     EDGE_PROXY,
     DemoSpec,
@@ -159,6 +160,55 @@ def test_a_killed_zone_envoy_is_started_again_and_calls_keep_being_answered(
     answered = [o.sent_s for o in outcomes if o.ok and o.sent_s >= killed_at]
     gaps = [later - earlier for earlier, later in zip(answered, answered[1:], strict=False)]
     assert max(gaps, default=0.0) < 1.0, (killed_at, back_at, max(gaps))
+
+
+def _served_weights(routes: RouteManager, zone: str) -> dict[str, int]:
+    """The fraud split zone's Envoy serves, versions with weight only."""
+    split = served_split(routes.admin_of(zone), routes.live_spec(), zone).get("fraud")
+    return {v: w for v, w in (split[0] if split else {}).items() if w}
+
+
+def test_a_zone_envoy_killed_as_a_change_lands_leaves_every_envoy_on_one_split(
+    mesh: Mesh, routes: RouteManager
+) -> None:
+    # Zone-a's Envoy dies just as a weight change starts: the mesh starts it again (from
+    # whatever files are in place then), and the change is either confirmed by every Envoy
+    # or put back on all of them; never one zone on the new split and one on the old.
+    name = envoy_child("zone-a")
+    old = mesh.pid(name)
+    wanted = {"v1": 30, "v2": 70}
+    mesh.kill(name, signal.SIGKILL)
+    try:
+        routes.set_weights("fraud", wanted)
+        applied = True
+    except ApplyError:
+        applied = False
+    wait_until(lambda: mesh.is_running(name) and mesh.pid(name) != old, f"{name} again")
+    live = {v: w for v, w in routes.live_spec().models["fraud"].traffic.items() if w}
+    assert live == (wanted if applied else {v: w for v, w in START.items() if w})
+    for zone in ZONES:
+        wait_until(lambda zone=zone: _served_weights(routes, zone) == live, f"{zone} on {live}")
+
+
+def test_a_killed_edge_envoy_is_started_again_and_the_edge_answers_again(mesh: Mesh) -> None:
+    name = envoy_child(EDGE_PROXY)
+    target = predict_target(dial_edge(mesh.spec), entities=50, timeout_s=5.0)
+    load = BackgroundLoad(target, rate_per_s=40)
+    load.start()
+    try:
+        wait_until(lambda: any(o.ok for o in load.run.window(0.0)), "the edge answering")
+        old = mesh.pid(name)
+        mesh.kill(name, signal.SIGKILL)
+        wait_until(lambda: mesh.is_running(name) and mesh.pid(name) != old, f"{name} again")
+        back_at = load.now_s()
+        wait_until(lambda: len(load.run.window(back_at + 1.0)) >= 20, "20 calls after it")
+    finally:
+        load.stop()
+    assert not load.error
+    # The edge is one Envoy for every zone: while it is down, calls fail (the caller's
+    # retry); a second after the mesh started it again, every call is answered.
+    after = load.run.window(back_at + 1.0)
+    assert all(o.ok for o in after), [o for o in after if not o.ok][:3]
 
 
 def test_every_envoys_listener_refuses_strangers(mesh: Mesh, tmp_path: Path) -> None:
