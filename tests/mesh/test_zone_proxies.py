@@ -186,8 +186,10 @@ def test_a_zone_envoy_killed_as_a_change_lands_leaves_every_envoy_on_one_split(
     wait_until(lambda: mesh.is_running(name) and mesh.pid(name) != old, f"{name} again")
     live = {v: w for v, w in routes.live_spec().models["fraud"].traffic.items() if w}
     assert live == (wanted if applied else {v: w for v, w in START.items() if w})
-    for zone in ZONES:
-        wait_until(lambda zone=zone: _served_weights(routes, zone) == live, f"{zone} on {live}")
+    wait_until(
+        lambda: all(_served_weights(routes, zone) == live for zone in ZONES),
+        f"every zone's Envoy on {live}",
+    )
 
 
 def test_a_killed_edge_envoy_is_started_again_and_the_edge_answers_again(mesh: Mesh) -> None:
