@@ -32,7 +32,7 @@ from servemesh.launcher import Mesh
 from servemesh.load import predict_target
 from servemesh.load.stats import spread
 from servemesh.observe.cpu import proc_cpu_seconds, rss_bytes
-from servemesh.observe_bench import process_kind, wait_answering
+from servemesh.observe_bench import process_kind, sum_by_kind, wait_answering
 from servemesh.spec import EDGE_PROXY, MeshSpec, ResolvedSpec, load_spec
 
 Layout = Literal["shared", "per_zone"]
@@ -72,13 +72,7 @@ def _kind(spec: ResolvedSpec, name: str) -> str:
 
 
 def _by_kind(mesh: Mesh, read: Callable[[int], float | None]) -> dict[str, float]:
-    found: dict[str, float] = {}
-    for name, pid in mesh.pids().items():
-        value = read(pid)
-        if value is not None:
-            kind = _kind(mesh.spec, name)
-            found[kind] = found.get(kind, 0.0) + value
-    return found
+    return sum_by_kind(mesh, read, _kind)
 
 
 def _rss_mib(pid: int) -> float | None:

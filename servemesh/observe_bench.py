@@ -27,7 +27,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -98,15 +98,24 @@ def process_kind(spec: ResolvedSpec, name: str) -> str:
     return services.get(name, name)
 
 
-def cpu_by_kind(mesh: Mesh) -> dict[str, float]:
-    """CPU seconds (user + system) of every running process of `mesh`, summed by kind."""
+def sum_by_kind(
+    mesh: Mesh,
+    read: Callable[[int], float | None],
+    kind_of: Callable[[ResolvedSpec, str], str] = process_kind,
+) -> dict[str, float]:
+    """`read(pid)` of every running process of `mesh` (None: gone), summed by kind."""
     found: dict[str, float] = {}
     for name, pid in mesh.pids().items():
-        seconds = proc_cpu_seconds(pid)
-        if seconds is not None:
-            kind = process_kind(mesh.spec, name)
-            found[kind] = found.get(kind, 0.0) + seconds
+        value = read(pid)
+        if value is not None:
+            kind = kind_of(mesh.spec, name)
+            found[kind] = found.get(kind, 0.0) + value
     return found
+
+
+def cpu_by_kind(mesh: Mesh) -> dict[str, float]:
+    """CPU seconds (user + system) of every running process of `mesh`, summed by kind."""
+    return sum_by_kind(mesh, proc_cpu_seconds)
 
 
 # --- budget 1: throughput --------------------------------------------------------------------

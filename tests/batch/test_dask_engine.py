@@ -166,8 +166,10 @@ async def test_a_cluster_at_an_address_scores_the_same_rows_as_in_process(
 async def test_interrupted_on_a_local_cluster_resumes_once_and_leaves_no_worker(
     start_mesh: StartBatchMesh, tmp_path: Path
 ) -> None:
-    # 100 ms a batch: 40 chunks on 2 workers take ~2 s, interrupted well before the end.
-    mesh = await start_mesh(inject_latency_ms=100.0)
+    # 250 ms a batch: 40 chunks on 2 workers take ~5 s, interrupted well before the end
+    # however late this test reads the progress on a busy machine (at 100 ms, a starved
+    # reader once saw the run finish first).
+    mesh = await start_mesh(inject_latency_ms=250.0)
     loaded = await mesh.load_view(N)
     out = tmp_path / "scores.parquet"
     args = ("batch", "score", "--model", "fraud", "--out", str(out), "--engine", "dask")
