@@ -5,6 +5,7 @@ session's real Redis holding a loaded feature view; no Envoy, no model servers."
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import time
 import uuid
@@ -95,11 +96,21 @@ class BatchMesh:
         return proc.returncode, out.decode(), err.decode()
 
     async def start_cli(self, *args: str) -> asyncio.subprocess.Process:
-        """`python -m servemesh ARGS --state-dir <this mesh>`, its output piped."""
+        """`python -m servemesh ARGS --state-dir <this mesh>`, its output piped, with Ctrl-C
+        (SIGINT) as a terminal's foreground command has it (default_sigint)."""
         return await asyncio.create_subprocess_exec(
             sys.executable, "-m", "servemesh", *args, "--state-dir", str(self.state_dir),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            preexec_fn=default_sigint,
         )  # fmt: skip
+
+
+def default_sigint() -> None:
+    """In a command's child before it runs: SIGINT at its default disposition. A test run
+    started in the background of a shell without job control ignores SIGINT, and every
+    process it starts inherits that; the Ctrl-C tests would then see the command finish
+    untouched (exit 0, not 130), though the command handles Ctrl-C as it should."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 async def get(client: aioredis.Redis, key: str) -> bytes:

@@ -17,7 +17,7 @@ import pytest
 from servemesh.batch.checkpoint import RunDir
 from servemesh.batch.errors import BatchError
 from servemesh.batch.job import ScoreJob, run_score
-from tests.batch.conftest import BatchMesh, StartBatchMesh
+from tests.batch.conftest import BatchMesh, StartBatchMesh, default_sigint
 from tests.batch.test_resume import checkpoint_of
 from tests.batch.test_score import reference_scores
 
@@ -75,6 +75,7 @@ async def watch_run(
         sys.executable, "-m", "servemesh", *args, "--progress", "lines",
         "--chunk-rows", str(CHUNK), "--state-dir", str(mesh.state_dir),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+        preexec_fn=default_sigint,
     )  # fmt: skip
     assert proc.stderr is not None
     seen: set[int] = set()
@@ -166,10 +167,8 @@ async def test_a_cluster_at_an_address_scores_the_same_rows_as_in_process(
 async def test_interrupted_on_a_local_cluster_resumes_once_and_leaves_no_worker(
     start_mesh: StartBatchMesh, tmp_path: Path
 ) -> None:
-    # 250 ms a batch: 40 chunks on 2 workers take ~5 s, interrupted well before the end
-    # however late this test reads the progress on a busy machine (at 100 ms, a starved
-    # reader once saw the run finish first).
-    mesh = await start_mesh(inject_latency_ms=250.0)
+    # 100 ms a batch: 40 chunks on 2 workers take ~2 s, interrupted well before the end.
+    mesh = await start_mesh(inject_latency_ms=100.0)
     loaded = await mesh.load_view(N)
     out = tmp_path / "scores.parquet"
     args = ("batch", "score", "--model", "fraud", "--out", str(out), "--engine", "dask")

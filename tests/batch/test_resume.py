@@ -47,10 +47,8 @@ def checkpoint_of(run_dir: Path) -> dict[str, object]:
 async def test_ctrl_c_leaves_a_checkpoint_and_resume_scores_the_rest_once(
     start_mesh: StartBatchMesh, tmp_path: Path
 ) -> None:
-    # 100 ms a batch: after the third of 40 chunks, ~3.7 s of scoring are left for the
-    # signal to land in, however late this test reads the progress line on a busy machine
-    # (at 20 ms, a starved reader once saw the run finish first).
-    mesh = await start_mesh(inject_latency_ms=100.0)
+    # 20 ms a batch: 40 chunks take long enough to be interrupted in the middle.
+    mesh = await start_mesh(inject_latency_ms=20.0)
     loaded = await mesh.load_view(N)
     out = tmp_path / "scores.parquet"
     args = ("batch", "score", "--model", "fraud", "--out", str(out))
