@@ -273,6 +273,11 @@ def _chunks(ports: Iterable[int], size: int = 15) -> list[str]:
     return [",".join(str(p) for p in ordered[i : i + size]) for i in range(0, len(ordered), size)]
 
 
+def _tcp(ports: str) -> tuple[str, ...]:
+    """An iptables match for tcp to the given ports (a multiport list, `_chunks`)."""
+    return ("-p", "tcp", "-m", "multiport", "--dports", ports)
+
+
 def drop_privileges_argv(run_as: str | None = None) -> list[str]:
     """The setpriv prefix that runs a command without any capability, unable to gain one
     (no_new_privs, an empty bounding set), as `run_as` (a user name or uid) if given, else
@@ -480,9 +485,6 @@ class ZoneNetwork:
         def nat(chain: str, *spec: str) -> None:
             _iptables("-t", "nat", "-A", chain, *spec)
 
-        def tcp(ports: str) -> tuple[str, ...]:
-            return ("-p", "tcp", "-m", "multiport", "--dports", ports)
-
         loopback = "127.0.0.1/32"
         for zone in self.zones:
             addr = f"{self.address(zone)}/32"
@@ -490,21 +492,21 @@ class ZoneNetwork:
                 # A zone's call to one of its host ports arrives at the gateway address:
                 # on to the machine's loopback ...
                 nat(chains["PREROUTING"], "-i", host, "-s", addr, "-d", f"{self.gateway}/32",
-                    *tcp(ports), "-j", "DNAT", "--to-destination", "127.0.0.1")  # fmt: skip
+                    *_tcp(ports), "-j", "DNAT", "--to-destination", "127.0.0.1")  # fmt: skip
                 # ... from 127.0.0.1, as the machine's services expect of local callers
                 # (Redis refuses other sources in protected mode).
-                nat(chains["INPUT"], "-i", host, "-s", addr, "-d", loopback, *tcp(ports),
+                nat(chains["INPUT"], "-i", host, "-s", addr, "-d", loopback, *_tcp(ports),
                     "-j", "SNAT", "--to-source", "127.0.0.1")  # fmt: skip
                 _iptables("-t", "filter", "-A", self.filter_chain, "-i", host, "-s", addr,
-                          "-d", loopback, *tcp(ports), "-j", "ACCEPT")  # fmt: skip
+                          "-d", loopback, *_tcp(ports), "-j", "ACCEPT")  # fmt: skip
             for ports in _chunks(zone_ports.get(zone, ())):
-                nat(chains["OUTPUT"], "-d", loopback, *tcp(ports), "-j", "DNAT",
+                nat(chains["OUTPUT"], "-d", loopback, *_tcp(ports), "-j", "DNAT",
                     "--to-destination", self.address(zone))  # fmt: skip
                 for index, speaker in enumerate(self.zones):
                     nat(chains["POSTROUTING"], "-o", host, "-s",
-                        f"{zone_source_address(index)}/32", "-d", addr, *tcp(ports),
+                        f"{zone_source_address(index)}/32", "-d", addr, *_tcp(ports),
                         "-j", "SNAT", "--to-source", self.egress(speaker))  # fmt: skip
-                nat(chains["POSTROUTING"], "-o", host, "-s", loopback, "-d", addr, *tcp(ports),
+                nat(chains["POSTROUTING"], "-o", host, "-s", loopback, "-d", addr, *_tcp(ports),
                     "-j", "SNAT", "--to-source", self.gateway)  # fmt: skip
         # Replies to the machine's own calls into the zones; nothing else a zone sends.
         _iptables("-t", "filter", "-A", self.filter_chain, "-i", host, "-m", "conntrack",
@@ -520,13 +522,13 @@ class ZoneNetwork:
             for ports in _chunks(zone_ports.get(zone, ())):
                 for caller in callers:
                     _iptables("-t", "nat", "-A", "PREROUTING", "-i", link, "-s", caller,
-                              "-d", addr, *tcp(ports), "-j", "DNAT",
+                              "-d", addr, *_tcp(ports), "-j", "DNAT",
                               "--to-destination", "127.0.0.1", netns=ns)  # fmt: skip
             for ports in _chunks(host_ports.get(zone, ())):
-                _iptables("-t", "nat", "-A", "OUTPUT", "-d", loopback, *tcp(ports), "-j",
+                _iptables("-t", "nat", "-A", "OUTPUT", "-d", loopback, *_tcp(ports), "-j",
                           "DNAT", "--to-destination", self.gateway, netns=ns)  # fmt: skip
                 _iptables("-t", "nat", "-A", "POSTROUTING", "-o", link, "-s", loopback,
-                          "-d", f"{self.gateway}/32", *tcp(ports), "-j", "SNAT",
+                          "-d", f"{self.gateway}/32", *_tcp(ports), "-j", "SNAT",
                           "--to-source", self.address(zone), netns=ns)  # fmt: skip
 
     def join_zones(self, replica_ports: Mapping[str, Sequence[int]]) -> None:
@@ -541,10 +543,6 @@ class ZoneNetwork:
         unknown = sorted(set(replica_ports) - set(self.zones))
         if unknown:
             raise NetnsError(f"join_zones: no zone {unknown} in this network")
-
-        def tcp(ports: str) -> tuple[str, ...]:
-            return ("-p", "tcp", "-m", "multiport", "--dports", ports)
-
         for here in self.zones:
             ns, link, source = self.namespace(here), self.link(here), self.address(here)
             for there in self.zones:
@@ -552,13 +550,13 @@ class ZoneNetwork:
                     continue
                 target = self.address(there)
                 for ports in _chunks(replica_ports.get(there, ())):
-                    _iptables("-t", "nat", "-A", "OUTPUT", "-d", "127.0.0.1/32", *tcp(ports),
+                    _iptables("-t", "nat", "-A", "OUTPUT", "-d", "127.0.0.1/32", *_tcp(ports),
                               "-j", "DNAT", "--to-destination", target, netns=ns)  # fmt: skip
                     _iptables("-t", "nat", "-A", "POSTROUTING", "-o", link, "-s", "127.0.0.0/8",
-                              "-d", f"{target}/32", *tcp(ports), "-j", "SNAT",
+                              "-d", f"{target}/32", *_tcp(ports), "-j", "SNAT",
                               "--to-source", source, netns=ns)  # fmt: skip
                     _iptables("-t", "nat", "-A", "PREROUTING", "-i", self.link(there),
-                              "-s", f"{source}/32", "-d", f"{target}/32", *tcp(ports), "-j",
+                              "-s", f"{source}/32", "-d", f"{target}/32", *_tcp(ports), "-j",
                               "DNAT", "--to-destination", "127.0.0.1",
                               netns=self.namespace(there))  # fmt: skip
 
