@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from servemesh.identity import dial_edge, mesh_identity
+from servemesh.identity import mesh_identity
 from servemesh.launcher import Mesh, envoy_child
-from servemesh.load import BackgroundLoad, predict_target
 from servemesh.proxy.apply import ApplyError, RouteManager
 from servemesh.proxy.live_view import served_split
 from servemesh.spec import (
@@ -29,6 +28,7 @@ from servemesh.spec import (
     ProxySpec,
 )
 from servemesh.wire import GATEWAY_CLUSTER, feature_cluster, mesh_route_config
+from tests.mesh.edge_load import edge_load, zones_answering
 from tests.mesh.tls_probe import (
     assert_rotation_served,
     assert_strangers_refused,
@@ -129,8 +129,7 @@ def test_a_killed_zone_envoy_is_started_again_and_calls_keep_being_answered(
     mesh: Mesh, routes: RouteManager, zone: str
 ) -> None:
     name = envoy_child(zone)
-    target = predict_target(dial_edge(mesh.spec), entities=50, timeout_s=5.0)
-    load = BackgroundLoad(target, rate_per_s=40)
+    load = edge_load(mesh)
     load.start()
     try:
         wait_until(
@@ -194,8 +193,7 @@ def test_a_zone_envoy_killed_as_a_change_lands_leaves_every_envoy_on_one_split(
 
 def test_a_killed_edge_envoy_is_started_again_and_the_edge_answers_again(mesh: Mesh) -> None:
     name = envoy_child(EDGE_PROXY)
-    target = predict_target(dial_edge(mesh.spec), entities=50, timeout_s=5.0)
-    load = BackgroundLoad(target, rate_per_s=40)
+    load = edge_load(mesh)
     load.start()
     try:
         wait_until(lambda: any(o.ok for o in load.run.window(0.0)), "the edge answering")
@@ -227,12 +225,11 @@ def test_a_rotation_is_served_by_every_envoy(mesh: Mesh) -> None:
     # The edge's Envoy and each zone's re-read the same SDS files: each shows the new pair.
     assert_rotation_served(mesh, after)
     # And calls go on through every zone on the new certificates, none failing.
-    target = predict_target(dial_edge(mesh.spec), entities=50, timeout_s=5.0)
-    load = BackgroundLoad(target, rate_per_s=40)
+    load = edge_load(mesh)
     load.start()
     try:
         wait_until(
-            lambda: {o.zone for o in load.run.window(0.0) if o.ok} >= set(ZONES),
+            lambda: zones_answering(load) >= set(ZONES),
             "both zones answering on the new certificates",
         )
     finally:

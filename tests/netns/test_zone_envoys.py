@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh, envoy_child
-from servemesh.load import BackgroundLoad, predict_target
 from servemesh.netns import NETNS_DIR
 from servemesh.proxy.admin import AdminClient, admin_socket_path
 from servemesh.spec import EDGE_PROXY, DemoSpec, MeshSpec, NetworkSpec, Ports, ProxySpec
 from servemesh.wire import model_cluster
+from tests.mesh.edge_load import edge_load, zones_answering
 from tests.netns.helpers import needs_netns
 from tests.waiting import wait_until
 
@@ -71,12 +70,11 @@ def test_a_partition_cuts_a_zone_envoy_off_the_other_zone_and_the_heal_joins_the
     assert network is not None
     # Zone-a's Envoy, inside zone-a, health-checks zone-b's replicas across the bridge.
     wait_until(lambda: _zone_b_models_seen_from_zone_a(mesh) >= 1, "zone-b healthy from zone-a")
-    target = predict_target(dial_edge(mesh.spec), entities=50, timeout_s=5.0)
-    load = BackgroundLoad(target, rate_per_s=40)
+    load = edge_load(mesh)
     load.start()
     try:
         wait_until(
-            lambda: {o.zone for o in load.run.window(0.0) if o.ok} >= set(ZONES),
+            lambda: zones_answering(load) >= set(ZONES),
             "both zones answering",
         )
         network.partition("zone-a", "zone-b")
@@ -88,7 +86,7 @@ def test_a_partition_cuts_a_zone_envoy_off_the_other_zone_and_the_heal_joins_the
             )
             cut = load.now_s()
             wait_until(
-                lambda: {o.zone for o in load.run.window(cut) if o.ok} >= set(ZONES),
+                lambda: zones_answering(load, cut) >= set(ZONES),
                 "both zones answering from their own replicas while cut off",
             )
         finally:
