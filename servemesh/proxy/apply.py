@@ -57,6 +57,7 @@ from servemesh.spec import (
     load_spec,
     parse_resolved,
     parse_spec_or_resolved,
+    proxy_part,
 )
 
 # Fields a live apply may change. Everything else describes processes and needs a restart.
@@ -192,10 +193,9 @@ class MeshPaths:
         return self.state_dir / "envoy" / "envoy.yaml"
 
     def envoy_config_of(self, proxy: str) -> Path:
-        """One of the mesh's Envoys' bootstrap: a zone Envoy's is envoy/envoy-<zone>.yaml."""
-        if proxy == EDGE_PROXY:
-            return self.envoy_config
-        return self.envoy_config.with_name(f"envoy-{proxy}.yaml")
+        """One of the mesh's Envoys' bootstrap, named by its part: envoy/envoy.yaml (the
+        edge's), envoy/envoy-<zone>.yaml (a zone's)."""
+        return self.envoy_config.with_name(f"{proxy_part(proxy)}.yaml")
 
 
 @dataclass(frozen=True)
