@@ -83,6 +83,9 @@ class ScoreJob:
     workers: int | None = None
     # Scored by the running mesh's model servers at a low priority (through_mesh.py).
     through_mesh: bool = False
+    # --through-mesh without giving way to online traffic (through_mesh.py, yielding.py):
+    # every request the run may have in flight, however busy the mesh.
+    greedy: bool = False
 
     @property
     def kind(self) -> str:
@@ -155,6 +158,8 @@ def _check(job: ScoreJob) -> None:
         raise BatchError(f"--workers: {job.workers} is not 1..256")
     if job.through_mesh and job.engine != "process":
         raise BatchError("--through-mesh, --engine: the mesh's model servers score, or an engine")
+    if job.greedy and not job.through_mesh:
+        raise BatchError("--greedy: only with --through-mesh")
 
 
 async def run_score(
@@ -305,7 +310,9 @@ async def _engine(
 
         if mesh is None:
             raise BatchError("--through-mesh: no channel to the mesh")
-        served = mesh_model(spec, scorer, mesh, job.batch_size, f"batch-{run_dir.path.name}")
+        served = mesh_model(
+            spec, scorer, mesh, job.batch_size, f"batch-{run_dir.path.name}", greedy=job.greedy
+        )
 
         async def through(matrices: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             return await served.score_batches(matrices, job.batch_size)

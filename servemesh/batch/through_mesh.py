@@ -15,7 +15,10 @@ calls over its replicas in every zone (the local zone first), ejects a failing o
 follows replicas added or removed live; the run needs to know none of it, and it reaches
 the model servers the way the gateways do (mutual TLS, as the operator), so the mesh's
 routes, limits and metrics see batch traffic as what it is. At most IN_FLIGHT requests are
-out at once: a batch run takes a bounded share of the servers' queues, never all of them.
+out at once: a batch run takes a bounded share of the servers' queues, never all of them;
+and fewer as online traffic rises, down to one a tenth of the time (yielding.py: the run
+follows its own calls' latency, as a scavenger transport does, and gives way while the
+mesh is busy).
 
 A request refused for load (RESOURCE_EXHAUSTED: a full queue, UNAVAILABLE: no replica
 just now) is sent again after a backoff; scoring is a pure function of the rows, so an
@@ -33,6 +36,7 @@ import numpy as np
 
 from servemesh.batch.errors import BatchError
 from servemesh.batch.scorer import Scorer, wire_inputs
+from servemesh.batch.yielding import YieldingGate, YieldingWindow
 from servemesh.errors import ServemeshError
 from servemesh.services.model.tensors import Signature
 from servemesh.spec import MeshSpec
@@ -58,7 +62,7 @@ class MeshModel:
     priority: int  # the OIP priority level batch rows are queued at
     stub: grpc_service_pb2_grpc.GRPCInferenceServiceStub
     run_id: str
-    in_flight: asyncio.Semaphore
+    gate: YieldingGate
     sent: int = 0
 
     def request(self, matrices: Mapping[str, np.ndarray]) -> oip.ModelInferRequest:
@@ -87,12 +91,14 @@ class MeshModel:
         delay = RETRY_FIRST_S
         for attempt in range(RETRIES + 1):
             try:
-                async with self.in_flight:
+                async with self.gate.slot():
                     response = await self.stub.ModelInfer(
                         request, metadata=metadata, timeout=CALL_TIMEOUT_S
                     )
                 break
             except grpc.aio.AioRpcError as exc:
+                if exc.code() in _RETRIED:
+                    self.gate.window.refused()
                 if exc.code() not in _RETRIED or attempt == RETRIES:
                     raise BatchError(
                         f"--through-mesh: {self.model} {self.version}: {exc.code().name}: "
@@ -125,8 +131,8 @@ class MeshModel:
     async def score_batches(
         self, matrices: Mapping[str, np.ndarray], batch_size: int
     ) -> dict[str, np.ndarray]:
-        """The rows of `matrices` as requests of `batch_size` rows, in flight together (up
-        to IN_FLIGHT of the run's), the outputs joined in row order."""
+        """The rows of `matrices` as requests of `batch_size` rows, in flight together (as many
+        as the run's gate lets out), the outputs joined in row order."""
         n = len(next(iter(matrices.values())))
         parts = await asyncio.gather(
             *(
@@ -139,10 +145,17 @@ class MeshModel:
 
 
 def mesh_model(
-    spec: MeshSpec, scorer: Scorer, channel: grpc.aio.Channel, batch_size: int, run_id: str
+    spec: MeshSpec,
+    scorer: Scorer,
+    channel: grpc.aio.Channel,
+    batch_size: int,
+    run_id: str,
+    *,
+    greedy: bool = False,
 ) -> MeshModel:
     """The scorer's model version as the mesh serves it, over `channel` (a zone's mesh
-    listener); BatchError when a batch is more rows than a model server takes at once."""
+    listener); BatchError when a batch is more rows than a model server takes at once.
+    `greedy`: IN_FLIGHT requests out whatever their latency (no yielding to online calls)."""
     batching = spec.models[scorer.model].batching
     if batch_size > batching.max_rows_per_request:
         raise BatchError(
@@ -157,5 +170,5 @@ def mesh_model(
         priority=batching.priority_levels,
         stub=grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel),
         run_id=run_id,
-        in_flight=asyncio.Semaphore(IN_FLIGHT),
+        gate=YieldingGate(YieldingWindow(IN_FLIGHT, fixed=greedy)),
     )

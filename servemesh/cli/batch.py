@@ -171,6 +171,7 @@ def _job(args: argparse.Namespace) -> ScoreJob:
         scheduler=args.scheduler,
         workers=args.workers,
         through_mesh=args.through_mesh,
+        greedy=args.greedy,
     )
 
 
@@ -383,6 +384,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         action="store_true",
         help="score with the running mesh's model servers (OIP ModelInfer at the model's "
         "lowest batcher priority, so online calls go first) instead of in this process",
+    )
+    s.add_argument(
+        "--greedy",
+        action="store_true",
+        help="--through-mesh: keep every request the run may have in flight however busy "
+        "the mesh is (by default the run gives way while its calls slow down: online "
+        "traffic needs the model servers)",
     )
     s.add_argument("--where", help='score only rows that pass, e.g. "event_ts > 2024-05-01"')
     s.add_argument(

@@ -58,9 +58,8 @@ def test_through_the_mesh_scores_the_same_rows_as_in_process(mesh: Mesh, tmp_pat
 
 
 def test_a_batch_request_asks_the_lowest_priority(mesh: Mesh) -> None:
-    import asyncio
-
     from servemesh.batch.through_mesh import MeshModel
+    from servemesh.batch.yielding import YieldingGate, YieldingWindow
     from servemesh.services.model.tensors import Signature, TensorSig
 
     levels = mesh.spec.models["fraud"].batching.priority_levels
@@ -68,7 +67,7 @@ def test_a_batch_request_asks_the_lowest_priority(mesh: Mesh) -> None:
     model = MeshModel(
         model="fraud", version="v1", signature=signature, priority=levels,
         stub=None,  # type: ignore[arg-type]
-        run_id="t", in_flight=asyncio.Semaphore(1),
+        run_id="t", gate=YieldingGate(YieldingWindow(1)),
     )  # fmt: skip
     request = model.request({"x": np.zeros((5, 3), np.float32)})
     assert levels > mesh.spec.models["fraud"].batching.default_priority_level
