@@ -103,9 +103,10 @@ def chunk_table(
         else:
             columns.append(pa.array(values[:, 0], field.type))
     columns += [
-        pa.array([model] * n, pa.string()),
-        pa.array([version] * n, pa.string()),
-        pa.array([sha256] * n, pa.string()),
+        # One value a chunk: repeated by Arrow, not through a Python list of n strings.
+        pa.repeat(pa.scalar(model, pa.string()), n),
+        pa.repeat(pa.scalar(version, pa.string()), n),
+        pa.repeat(pa.scalar(sha256, pa.string()), n),
         pa.array(np.full(n, scored_at_ms, dtype="datetime64[ms]"), pa.timestamp("ms", tz="UTC")),
     ]
     return pa.Table.from_arrays(columns, schema=schema)
