@@ -38,7 +38,7 @@ from servemesh.bench import Round, bench_spec, measure, summarize_rows
 from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
 from servemesh.load.stats import spread
-from servemesh.observe.scrape import scrape, sum_by
+from servemesh.observe.scrape import Sample, scrape, sum_by
 from servemesh.observe_bench import wait_answering
 from servemesh.spec import MeshSpec
 from servemesh.tiers_bench import entity_target
@@ -62,26 +62,28 @@ class BatchWindow:
     overlapped: bool  # still scoring when the online load ended
 
 
+def over_model_servers(mesh: Mesh, read: Callable[[list[Sample]], float]) -> float:
+    """`read` of each model server's metrics, summed over every model server."""
+    return sum(
+        read(scrape(mesh.spec.metrics_address_of(instance.name)))
+        for instance in mesh.spec.instances()
+        if instance.service == "model"
+    )
+
+
 def model_infer_calls(mesh: Mesh) -> float:
     """ModelInfer calls answered so far, over every model server."""
-    total = 0.0
-    for instance in mesh.spec.instances():
-        if instance.service != "model":
-            continue
-        samples = scrape(mesh.spec.metrics_address_of(instance.name))
+
+    def ok_calls(samples: list[Sample]) -> float:
         calls = sum_by(samples, RPC, ("method",), lambda labels: labels.get("code") == "OK")
-        total += calls.get((INFER_METHOD,), 0.0)
-    return total
+        return calls.get((INFER_METHOD,), 0.0)
+
+    return over_model_servers(mesh, ok_calls)
 
 
 def model_rows(mesh: Mesh) -> float:
     """Rows the model servers answered so far (every model, every version)."""
-    total = 0.0
-    for instance in mesh.spec.instances():
-        if instance.service == "model":
-            samples = scrape(mesh.spec.metrics_address_of(instance.name))
-            total += sum(sum_by(samples, ROWS, ()).values())
-    return total
+    return over_model_servers(mesh, lambda samples: sum(sum_by(samples, ROWS, ()).values()))
 
 
 class BatchRun:

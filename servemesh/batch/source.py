@@ -59,6 +59,16 @@ async def pin_view(store: RedisFeatureStore, view: str, version: int | None = No
     return PinnedView(current, store.view_key(view, "current"))
 
 
+# Keys per MGET. Redis answers one command at a time: an MGET of a whole chunk (16,384 keys,
+# about 4 MB for the demo view) holds every other client of the store, the feature
+# services' online reads among them, for several milliseconds. Slices of this size keep
+# that wait under a millisecond for a few more round trips per chunk.
+READ_SLICE = 2048
+# Keys Redis looks at per SCAN page while listing a view's entities (a page holds its other
+# clients about as long as a READ_SLICE read).
+SCAN_COUNT = 4096
+
+
 async def view_entity_ids(store: RedisFeatureStore, pinned: PinnedView) -> list[str]:
     """Every entity of the pinned version, sorted (bytes order of their UTF-8 ids)."""
     base = pinned.version.key_base.encode()
@@ -93,24 +103,11 @@ def _replaced(pinned: PinnedView, raw: object) -> str:
     )
 
 
-# Keys per MGET. Redis answers one command at a time: an MGET of a whole chunk (16,384 keys,
-# about 4 MB for the demo view) holds every other client of the store, the feature
-# services' online reads among them, for several milliseconds. Slices of this size keep
-# that wait under a millisecond for a few more round trips per chunk.
-READ_SLICE = 2048
-# Keys Redis looks at per SCAN page while listing a view's entities (a page holds its other
-# clients about as long as a READ_SLICE read).
-SCAN_COUNT = 4096
-
-
 async def read_rows(client: aioredis.Redis, pinned: PinnedView, entity_ids: Sequence[str]) -> Rows:
     """The rows of `entity_ids` in the pinned version: an MGET per READ_SLICE ids, each with
     the pointer key last."""
-    parts = [
-        _decode(pinned, await _mget(client, _keys(pinned, entity_ids[start : start + READ_SLICE])))
-        for start in range(0, len(entity_ids), READ_SLICE)
-    ]
-    return _joined(parts, len(pinned.version.features))
+    slices = _sliced(pinned, entity_ids)
+    return _joined([_decode(pinned, await _mget(client, keys)) for keys in slices])
 
 
 async def _mget(client: aioredis.Redis, keys: Sequence[str]) -> list[Any]:
@@ -145,18 +142,22 @@ def packed_mget(keys: Sequence[str]) -> bytes:
 
 def read_rows_sync(client: Redis, pinned: PinnedView, entity_ids: Sequence[str]) -> Rows:
     """`read_rows` with a blocking client (a distributed run's workers)."""
-    parts = [
-        _decode(pinned, client.mget(_keys(pinned, entity_ids[start : start + READ_SLICE])))
-        for start in range(0, len(entity_ids), READ_SLICE)
+    return _joined([_decode(pinned, client.mget(keys)) for keys in _sliced(pinned, entity_ids)])
+
+
+def _sliced(pinned: PinnedView, entity_ids: Sequence[str]) -> list[list[str]]:
+    """The keys of one MGET per READ_SLICE ids, each with the pointer key last; one (with
+    the pointer alone) for no ids, so even an empty read checks the version."""
+    return [
+        _keys(pinned, entity_ids[start : start + READ_SLICE])
+        for start in range(0, max(len(entity_ids), 1), READ_SLICE)
     ]
-    return _joined(parts, len(pinned.version.features))
 
 
-def _joined(parts: Sequence[Rows], width: int) -> Rows:
+def _joined(parts: Sequence[Rows]) -> Rows:
+    """The rows of consecutive reads as one read's."""
     if len(parts) == 1:
         return parts[0]
-    if not parts:
-        return unpack_rows([], width)
     return Rows(
         present=np.concatenate([p.present for p in parts]),
         event_ms=np.concatenate([p.event_ms for p in parts]),

@@ -77,10 +77,6 @@ class YieldingWindow:
         """Requests allowed out at once (at least one)."""
         return max(1, math.floor(self.window))
 
-    def target_s(self) -> float:
-        base = self.base_s
-        return TARGET_MIN_S if base is None else max(TARGET_MIN_S, TARGET_SHARE * base)
-
     def gap_s(self, latency_s: float) -> float:
         """The pause after an answer: none at a window of one or more; below one, as long
         as makes the run's share of time `window`."""
@@ -97,18 +93,13 @@ class YieldingWindow:
                 self._minima[-1] = (bucket, latency_s)
         else:
             self._minima.append((bucket, latency_s))
-        base = self.base_s
-        assert base is not None
         if self.fixed:
             return
-        target = self.target_s()
+        base = min(low for _, low in self._minima)
+        target = max(TARGET_MIN_S, TARGET_SHARE * base)
         queueing = latency_s - base
         if queueing > 2 * target:
-            # Far over the target: halve, at most once per round trip (the answers of one
-            # round trip all carry the same news).
-            if now - self._last_halved_s >= latency_s:
-                self.window = max(MIN_WINDOW, self.window / 2)
-                self._last_halved_s = now
+            self._halve(now, round_trip_s=latency_s)
             return
         off_target = (target - queueing) / target  # 1 at no queueing, < 0 above the target
         step = off_target / max(self.window, 1.0)
@@ -117,11 +108,13 @@ class YieldingWindow:
     def refused(self) -> None:
         """A request refused for load (a full queue, no replica just now): halve, as for a
         delay far over the target."""
-        if self.fixed:
-            return
-        now = self.clock()
-        base = self.base_s or 0.0
-        if now - self._last_halved_s >= base:
+        if not self.fixed:
+            self._halve(self.clock(), round_trip_s=self.base_s or 0.0)
+
+    def _halve(self, now: float, round_trip_s: float) -> None:
+        """Halve the window, at most once per round trip: the answers (or refusals) of one
+        round trip all carry the same news."""
+        if now - self._last_halved_s >= round_trip_s:
             self.window = max(MIN_WINDOW, self.window / 2)
             self._last_halved_s = now
 
