@@ -306,11 +306,13 @@ def recovery(
     else:
         recover = max(0.0, bad[-1] + BUCKET_S - last_end)
     # Traffic back: every zone that carried at least 10% before the faults carries at least
-    # half its baseline share again, for good.
+    # half its baseline share again, for good. Shares are judged on whole windows only: with
+    # hedged calls the zone that answers first depends on the host's load, and a window cut
+    # short by the drill's end is too few calls to call that a relapse.
     zones = {z: share for z, share in baseline_zones.items() if share >= 10.0}
     zones_back: float | None = 0.0
     if zones:
-        after = [(t, s) for t, s in windows if t >= last_end]
+        after = [(t, s) for t, s in windows if t >= last_end and t + RECOVERY_WINDOW_S <= end_s]
         low = [
             t
             for t, s in after

@@ -77,6 +77,25 @@ def test_recovery_measures_the_breach_and_the_time_to_recover() -> None:
     assert recovery(outcomes[:1000], [(2.0, 4.0)], 10.0, 99.5, {}).time_to_recover_s == 0.0
 
 
+def test_traffic_back_is_judged_on_whole_windows() -> None:
+    healthy = {"code": "OK", "version": "v1"}
+    a, b = calls(0, 30, 50, zone="zone-a", **healthy), calls(0, 30, 50, zone="zone-b", **healthy)
+    both = sorted([*a, *b], key=lambda o: o.sent_s)
+    down = [o for o in both if not (10 <= o.sent_s < 15 and o.zone == "zone-a")]
+    baseline = {"zone-a": 50.0, "zone-b": 50.0}
+    assert recovery(down, [(10.0, 15.0)], 30.0, 99.5, baseline).zones_back_s == 0.0
+    # Zone-a away until 4 s after the restore: the first 3 s window holding half its share
+    # again starts 2 s after.
+    slow = [o for o in both if not (10 <= o.sent_s < 19 and o.zone == "zone-a")]
+    assert recovery(slow, [(10.0, 15.0)], 30.0, 99.5, baseline).zones_back_s == 2.0
+    # A relapse in the drill's last second alone is a window cut short: not judged.
+    tail = [o for o in down if not (29 <= o.sent_s and o.zone == "zone-a")]
+    assert recovery(tail, [(10.0, 15.0)], 30.0, 99.5, baseline).zones_back_s == 0.0
+    # A relapse a whole window long is: not back by the end.
+    relapse = [o for o in down if not (26 <= o.sent_s and o.zone == "zone-a")]
+    assert recovery(relapse, [(10.0, 15.0)], 30.0, 99.5, baseline).zones_back_s is None
+
+
 def test_envoy_deltas_sum_by_kind_of_cluster() -> None:
     start = {"cluster.model-fraud-v1-via-zone-a.upstream_rq_retry": 3}
     end = {
