@@ -109,6 +109,9 @@ FLEET_POLL_S = 0.2
 # at most once a second each, and given this long to be ready.
 ENVOY_REVIVE_MIN_S = 1.0
 ENVOY_REVIVE_TIMEOUT_S = 30.0
+# The Redis setting the feature services' change feed needs (K: keyspace events, $: writes
+# to strings).
+KEYSPACE_EVENTS = "notify-keyspace-events K$"
 
 
 def envoy_child(proxy: str) -> str:
@@ -570,6 +573,9 @@ class Mesh:
             host=self.spec.host,
             port=port,
             password_file=Path(password_file) if password_file else None,
+            # Writes to strings published as keyspace events: the feature services' change
+            # feed (services/feature/changes.py) for caches that answer without a read.
+            settings=(KEYSPACE_EVENTS,),
         )
         self.redis.start(timeout_s=max(0.0, deadline - time.monotonic()))
 

@@ -189,6 +189,13 @@ class CacheTierSpec(_Strict):
 
     ttl: Duration = "10m"
     max_entries: Annotated[int, Field(ge=1, le=10_000_000)] = 100_000
+    # How a cached answer is known to be fresh. `read`: each call reads the entity's row
+    # first, and a hit needs the row unchanged since the answer (strict; a hit saves the
+    # model call only). `feed`: the gateway follows the store's change feed and answers a
+    # hit with no call at all; a write reaches it within the feed's delay (about a
+    # millisecond), and while the feed is down every call goes the `read` way
+    # (docs/tiers.md, "Freshness").
+    freshness: Literal["read", "feed"] = "read"
 
     @property
     def ttl_s(self) -> float:

@@ -6,6 +6,7 @@ import redis.asyncio as aioredis
 
 from servemesh.control_credential import control_verifier
 from servemesh.identity import serving_credentials
+from servemesh.services.feature.changes import ChangeHub
 from servemesh.services.feature.health import watch_store
 from servemesh.services.feature.metrics import FeatureMetrics
 from servemesh.services.feature.service import FeatureServicer
@@ -43,6 +44,7 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         max_entities=spec.limits.max_rows_per_predict,
         limits=spec.limits,
         metrics=FeatureMetrics(server.metrics.registry),
+        changes=ChangeHub(client, spec.feature_store.key_prefix),
     )
     server.add_service(
         feature_pb2_grpc.add_FeatureServiceServicer_to_server,
@@ -55,6 +57,8 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         servicer.views = dict(new.feature_views)
 
     server.on_spec_change(follow)
+    if servicer.changes is not None:
+        server.on_stop(servicer.changes.close)
     server.on_stop(client.aclose)
     # SERVING only while Redis answers; a read that cannot reach it probes at once.
     servicer.store_unreachable = watch_store(server, spec.redis_url, password).poke

@@ -14,7 +14,15 @@ import functools
 import logging
 import re
 import time
-from collections.abc import AsyncIterable, Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -23,6 +31,7 @@ import numpy as np
 import redis.exceptions
 
 from servemesh.echo import brief_list, shown
+from servemesh.services.feature.changes import ChangeHub, FeedOverloaded, FeedUnavailable
 from servemesh.services.feature.metrics import FeatureMetrics
 from servemesh.services.feature.rows import (
     MAX_ID_LENGTH,
@@ -489,8 +498,11 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         clock: Callable[[], int] = now_ms,
         limits: Limits | None = None,
         metrics: FeatureMetrics | None = None,
+        changes: ChangeHub | None = None,
     ) -> None:
         self.store = store
+        # The store's change feed for gateways (WatchChanges); None: not offered.
+        self.changes = changes
         self.metrics = metrics or FeatureMetrics()
         # The per-call caps of GetFeatures (feature names, entities x features).
         self.limits = limits or Limits()
@@ -572,6 +584,25 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
             context, self.store.tier_answers(request.model, request.version, request.entity_ids)
         )
         return tier_message(found)
+
+    async def WatchChanges(
+        self, request: feature_pb2.WatchChangesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[feature_pb2.Changes]:
+        if self.changes is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this replica offers no feed")
+            return
+        try:
+            async for message in self.changes.watch():
+                yield message
+        except FeedUnavailable as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except FeedOverloaded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except (redis.exceptions.RedisError, OSError) as exc:
+            self.store_unreachable()
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"the feature store's feed broke: {type(exc).__name__}"
+            )
 
     def _max_age_ms(self, name: str, view: FeatureViewSpec) -> int | None:
         """The view's max_age in ms, parsed once per view spec (a spec change brings a new

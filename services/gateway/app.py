@@ -9,6 +9,7 @@ import grpc
 from servemesh.identity import dial_mesh, mesh_identity, serving_credentials
 from servemesh.identity.watch import follow_certificate
 from servemesh.predlog import gateway_prediction_log
+from servemesh.services.gateway.feed import follow_feed
 from servemesh.services.gateway.health import watch_dependencies
 from servemesh.services.gateway.metrics import PredictMetrics
 from servemesh.services.gateway.service import GatewayServicer
@@ -62,6 +63,27 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
     server.on_stop(predictions.close)
     # SERVING only while it can answer: the mesh listener and the replicas it needs.
     health = watch_dependencies(server, spec, instance)
+    # The store's change feed, followed while a model's cache answers on its word.
+    followed = [spec]
+
+    async def follow(new: ResolvedSpec) -> None:
+        followed[0] = new
+
+    server.on_spec_change(follow)
+    if servicer.wants_feed():
+        servicer.feed_wanted.set()
+    server.run_in_background(
+        follow_feed(
+            lambda: followed[0],
+            spec.instance(instance).zone,
+            instance,
+            servicer.feed,
+            servicer.wants_feed,
+            servicer.feed_changed,
+            servicer.feed_broke,
+            servicer.feed_wanted,
+        )
+    )
     channels = [mesh_channel]
 
     async def redial() -> None:

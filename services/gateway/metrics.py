@@ -51,7 +51,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from servemesh.services.runtime.errors import MeshError
 from servemesh.services.runtime.metrics import RPC_BUCKETS
@@ -111,6 +111,21 @@ class PredictMetrics:
             "servemesh_gateway_tier_lookups",
             "Lookups of a model's precomputed and cache tiers by result.",
             ["model", "tier", "result"],
+            registry=self.registry,
+        )
+        self.feed_changes = Counter(
+            "servemesh_gateway_feed_changes",
+            "Changes the feature store's feed told this gateway of (caches with freshness: feed).",
+            registry=self.registry,
+        )
+        self.feed_live = Gauge(
+            "servemesh_gateway_feed_live",
+            "1 while this gateway follows the feature store's change feed, else 0.",
+            registry=self.registry,
+        )
+        self.feed_breaks = Counter(
+            "servemesh_gateway_feed_breaks",
+            "Times the change feed was lost (each empties the caches that follow it).",
             registry=self.registry,
         )
         self._tier_children: dict[tuple[str, str, str], Any] = {}

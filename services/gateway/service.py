@@ -24,6 +24,7 @@ from servemesh.predlog.record import PredictWatch
 from servemesh.services.feature.wire import build_request, read_matrix
 from servemesh.services.gateway.callers import caller_of, check_pin
 from servemesh.services.gateway.coalesce import Coalescer, Member, fail, settle
+from servemesh.services.gateway.feed import ChangeKey, FeedMark, FeedState
 from servemesh.services.gateway.metrics import PredictMetrics, observed
 from servemesh.services.gateway.predict import (
     ModelSignature,
@@ -42,6 +43,8 @@ from servemesh.services.gateway.predict import (
     wire_inputs,
 )
 from servemesh.services.gateway.tiers import (
+    FEED_ONLINE,
+    FEED_PRECOMPUTED,
     HIT,
     MISS,
     SKIPPED,
@@ -49,6 +52,7 @@ from servemesh.services.gateway.tiers import (
     AnswerCache,
     TierState,
     cache_keys,
+    feed_keys,
     precomputed_rows,
     response_of,
     rows_of,
@@ -222,6 +226,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._ranges: dict[str, tuple[ModelSpec, dict[str, tuple[int, int]]]] = {}
         # The cache tier of each model whose spec has one (services/gateway/tiers.py).
         self.caches: dict[str, AnswerCache] = {}
+        # The store's change feed, for caches that answer without reading (services/gateway/
+        # feed.py); followed by a task of the server's (app.py) while a model wants it.
+        self.feed = FeedState()
+        self.feed_wanted = asyncio.Event()
         self.clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000
 
     def use_channel(self, mesh_channel: grpc.aio.Channel) -> None:
@@ -244,6 +252,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 cache.configure(bounds.max_entries, bounds.ttl_s)
         self.spec = spec
         self._spec_stamp = _file_stamp(self.spec_file())
+        if self.wants_feed():
+            self.feed_wanted.set()
 
     @observed
     async def Predict(
@@ -279,8 +289,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             tiers = tiers_for(plan)
             version = self._tier_version(plan) if tiers is not None else None
             tier: TierKey | None = None
+            mark: FeedMark | None = None
             if tiers is not None and version is not None:
                 tier = (plan.model_name, version, tiers.precomputed is not None)
+                if _follows_feed(tiers) and self.feed.fresh():
+                    # The cache answers on the feed's word, before any call; else the mark
+                    # says whether the answer made now may be kept.
+                    found = self._from_memory(plan, tiers, version)
+                    if found is not None:
+                        return self._tier_answered(watch, found, request_id, span)
+                    mark = self.feed.mark()
             try:
                 matrices, stale, fresh, state = await watch.features(
                     features(plan, deadline, metadata, tier)
@@ -290,12 +308,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     self._tiers_skipped(plan.model_name, tiers)
                 raise
             if tier is not None and tiers is not None and tiers.precomputed is not None:
-                found = self._precomputed(plan, signature, state)
+                found = self._precomputed(plan, signature, state, mark)
                 if found is not None:
                     return self._tier_answered(watch, found, request_id, span)
             cache: AnswerCache | None = None
             keys: list[tuple[str, str, str, int, int]] = []
-            if tier is not None and tiers is not None and tiers.cache is not None and version:
+            if mark is not None:
+                cache = self.caches.get(plan.model_name)
+                ids = plan.reads[0].entity_ids
+                keys = feed_keys(plan.model_name, version or "", ids, FEED_ONLINE)
+            elif tier is not None and tiers is not None and tiers.cache is not None and version:
                 cache, keys = self._cache_of(plan, tiers.cache, state, version, fresh, stale)
                 if cache is not None:
                     rows, expired = cache.get_all(keys)
@@ -317,7 +339,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if cache is not None and answer.model_version == version and not stale:
                 # Only the version the key names: Envoy may have routed elsewhere meanwhile.
                 online_rows = rows_of(answer, plan.n_rows)
-                if online_rows is not None:
+                if online_rows is not None and (mark is None or self._unchanged_since(mark, plan)):
                     cache.put_all(keys, online_rows)
         except DownstreamError as exc:
             if exc.path_lost and self.spec.proxy.layout == "per_zone":
@@ -372,6 +394,71 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return None
         return arm[0]
 
+    def wants_feed(self) -> bool:
+        """Whether a model's cache follows the store's change feed."""
+        models = self.spec.models.values()
+        return any(m.tiers is not None and _follows_feed(m.tiers) for m in models)
+
+    def feed_changed(self, changes: list[ChangeKey]) -> None:
+        """Drop what the feed's changes touch from the caches that follow it."""
+        self.metrics.feed_live.set(1)
+        if changes:
+            self.metrics.feed_changes.inc(len(changes))
+        for kind, name, entity in changes:
+            if kind == "model":
+                cache = self.caches.get(name)
+                if cache is not None:
+                    cache.clear()
+                continue
+            for model_name, model in self.spec.models.items():
+                cache = self.caches.get(model_name)
+                if cache is None or model.feature_view != name:
+                    continue
+                if model.tiers is None or not _follows_feed(model.tiers):
+                    continue
+                if kind == "view":
+                    cache.clear()
+                    continue
+                for version in model.versions:
+                    for held in (FEED_PRECOMPUTED, FEED_ONLINE):
+                        cache.drop([(model_name, version, entity, held, 0)])
+
+    def feed_broke(self) -> None:
+        """The feed is lost: what the caches that follow it hold is no longer trusted."""
+        self.metrics.feed_live.set(0)
+        self.metrics.feed_breaks.inc()
+        for model_name, model in self.spec.models.items():
+            cache = self.caches.get(model_name)
+            if cache is not None and model.tiers is not None and _follows_feed(model.tiers):
+                cache.clear()
+
+    def _from_memory(
+        self, plan: PredictPlan, tiers: TiersSpec, version: str
+    ) -> gateway_pb2.PredictResponse | None:
+        """A tiered call answered from what this gateway holds, on the feed's word: a
+        precomputed answer kept, else one made online; counted per tier."""
+        assert tiers.cache is not None
+        cache = self.caches.get(plan.model_name)
+        if cache is None:
+            bounds = tiers.cache
+            cache = self.caches[plan.model_name] = AnswerCache(bounds.max_entries, bounds.ttl_s)
+        ids = plan.reads[0].entity_ids
+        if tiers.precomputed is not None:
+            rows, _ = cache.get_all(feed_keys(plan.model_name, version, ids, FEED_PRECOMPUTED))
+            if rows is not None:
+                self.metrics.record_tier(plan.model_name, "precomputed", HIT)
+                return response_of(rows, version, gateway_pb2.TIER_PRECOMPUTED)
+        rows, expired = cache.get_all(feed_keys(plan.model_name, version, ids, FEED_ONLINE))
+        if rows is not None:
+            self.metrics.record_tier(plan.model_name, "cache", HIT)
+            return response_of(rows, version, gateway_pb2.TIER_CACHE)
+        self.metrics.record_tier(plan.model_name, "cache", STALE if expired else MISS)
+        return None
+
+    def _unchanged_since(self, mark: FeedMark, plan: PredictPlan) -> bool:
+        read = plan.reads[0]
+        return self.feed.unchanged_since(mark, plan.model_name, read.view, read.entity_ids)
+
     def _tiers_skipped(self, model: str, tiers: TiersSpec) -> None:
         """The feature read that carried the tier state failed: each tier is counted skipped
         (the call ends as the online path does, a fallback or the error)."""
@@ -385,6 +472,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         plan: PredictPlan,
         signature: ModelSignature,
         found: TierState | None,
+        mark: FeedMark | None = None,
     ) -> gateway_pb2.PredictResponse | None:
         tiers = plan.model.tiers
         assert tiers is not None and tiers.precomputed is not None
@@ -404,6 +492,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.metrics.record_tier(plan.model_name, "precomputed", HIT)
         version = self._tier_version(plan)  # the answers are this version's run
         assert version is not None
+        cache = self.caches.get(plan.model_name)
+        if mark is not None and cache is not None and tiers.cache is not None:
+            # Kept in memory only while its oldest row stays younger than max_age for as
+            # long as the cache may hold it.
+            held_ms = round(tiers.cache.ttl_s * 1000)
+            young = self.clock_ms() - rows.oldest_ms + held_ms <= tiers.precomputed.max_age_ms
+            if young and self._unchanged_since(mark, plan):
+                ids = plan.reads[0].entity_ids
+                keys = feed_keys(plan.model_name, version, ids, FEED_PRECOMPUTED)
+                cache.put_all(keys, rows.rows)
         return response_of(rows.rows, version, gateway_pb2.TIER_PRECOMPUTED)
 
     def _cache_of(
@@ -979,3 +1077,8 @@ def _shared_span(name: str, members: Sequence[Member[Any, Any]]) -> trace.Span |
 def _string_parameter(reply: oip.ModelInferResponse, name: str) -> str:
     param = reply.parameters.get(name)
     return param.string_param if param is not None else ""
+
+
+def _follows_feed(tiers: TiersSpec) -> bool:
+    """Whether the tiers' cache answers on the change feed's word (`freshness: feed`)."""
+    return tiers.cache is not None and tiers.cache.freshness == "feed"

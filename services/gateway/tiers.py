@@ -45,6 +45,9 @@ OutputRow = tuple[str, tuple[int, ...], tuple[float | int | bool, ...]]
 RowAnswer = Mapping[str, OutputRow]
 # model, version, entity id, the view's version, the row's event time (ms).
 CacheKey = tuple[str, str, str, int, int]
+# The view version of the keys a cache following the change feed keeps (no row was read, so
+# no version or event time): a precomputed answer held in memory, an answer made online.
+FEED_PRECOMPUTED, FEED_ONLINE = -2, -1
 
 
 def tiers_for(plan: PredictPlan) -> TiersSpec | None:
@@ -88,6 +91,12 @@ def cache_keys(
         (model, version, entity, view_version, int(at))
         for entity, at in zip(entity_ids, event_ms, strict=True)
     ]
+
+
+def feed_keys(model: str, version: str, entity_ids: Sequence[str], kind: int) -> list[CacheKey]:
+    """Each entity's key in a cache that follows the feed (`kind`: FEED_PRECOMPUTED or
+    FEED_ONLINE): only a change the feed tells of drops it."""
+    return [(model, version, entity, kind, 0) for entity in entity_ids]
 
 
 class AnswerCache:
@@ -139,6 +148,14 @@ class AnswerCache:
             rows.move_to_end(key)
         while len(rows) > self.max_entries:
             rows.popitem(last=False)
+
+    def drop(self, keys: Sequence[CacheKey]) -> None:
+        rows = self._rows
+        for key in keys:
+            rows.pop(key, None)
+
+    def clear(self) -> None:
+        self._rows.clear()
 
     def flushed(self, generation: int) -> bool:
         """Note the model's flush generation; on a new one (not the first seen) drop every
@@ -208,6 +225,7 @@ class Precomputed:
 
     rows: list[RowAnswer] | None
     stale: bool = False
+    oldest_ms: int = 0  # when the oldest of the rows was scored
 
 
 def precomputed_rows(
@@ -226,6 +244,7 @@ def precomputed_rows(
     if now_ms - run_scored_at_ms > max_age_ms:
         return Precomputed(None, stale=True)
     rows: list[RowAnswer] = []
+    oldest = run_scored_at_ms
     for raw in answers:
         try:
             stored = json.loads(raw)
@@ -235,11 +254,12 @@ def precomputed_rows(
             return Precomputed(None)
         if now_ms - scored_at > max_age_ms:
             return Precomputed(None, stale=True)
+        oldest = min(oldest, scored_at)
         row = _typed_row(outputs, signature)
         if row is None:
             return Precomputed(None)
         rows.append(row)
-    return Precomputed(rows)
+    return Precomputed(rows, oldest_ms=oldest)
 
 
 def _typed_row(outputs: object, signature: ModelSignature) -> RowAnswer | None:

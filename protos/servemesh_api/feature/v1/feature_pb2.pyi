@@ -14,6 +14,38 @@ class RowLabel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 ROW_LABEL_ROW: RowLabel
 ROW_LABEL_LINE: RowLabel
 
+class WatchChangesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Changes(_message.Message):
+    __slots__ = ("ready", "heartbeat_ms", "changes")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    heartbeat_ms: int
+    changes: _containers.RepeatedCompositeFieldContainer[Change]
+    def __init__(self, ready: _Optional[bool] = ..., heartbeat_ms: _Optional[int] = ..., changes: _Optional[_Iterable[_Union[Change, _Mapping]]] = ...) -> None: ...
+
+class Change(_message.Message):
+    __slots__ = ("row", "view", "model")
+    ROW_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    row: RowChange
+    view: str
+    model: str
+    def __init__(self, row: _Optional[_Union[RowChange, _Mapping]] = ..., view: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class RowChange(_message.Message):
+    __slots__ = ("view", "entity_id")
+    VIEW_FIELD_NUMBER: _ClassVar[int]
+    ENTITY_ID_FIELD_NUMBER: _ClassVar[int]
+    view: str
+    entity_id: str
+    def __init__(self, view: _Optional[str] = ..., entity_id: _Optional[str] = ...) -> None: ...
+
 class GetFeaturesRequest(_message.Message):
     __slots__ = ("view", "entity_ids", "feature_names", "packed", "tier")
     VIEW_FIELD_NUMBER: _ClassVar[int]

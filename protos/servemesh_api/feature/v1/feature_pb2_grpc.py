@@ -54,6 +54,11 @@ class FeatureServiceStub:
                 request_serializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.GetTierAnswersRequest.SerializeToString,
                 response_deserializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.GetTierAnswersResponse.FromString,
                 _registered_method=True)
+        self.WatchChanges = channel.unary_stream(
+                '/servemesh.feature.v1.FeatureService/WatchChanges',
+                request_serializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.WatchChangesRequest.SerializeToString,
+                response_deserializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.Changes.FromString,
+                _registered_method=True)
 
 
 class FeatureServiceServicer:
@@ -95,6 +100,19 @@ class FeatureServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchChanges(self, request, context):
+        """The store's changes as it makes them, for a gateway whose cache answers without reading
+        (a model's `cache: {freshness: feed}`): rows written into a view's current version, a
+        view's new version, a model's flush or new batch run. The first message has `ready`
+        set once the subscription holds; from then on a message comes at least every
+        `heartbeat_ms`, each one proof that every change made before it was sent is in it or
+        in an earlier one. A stream that ends, or falls silent, has lost changes.
+        FAILED_PRECONDITION: the store does not publish its changes (Redis keyspace events off).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FeatureServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -117,6 +135,11 @@ def add_FeatureServiceServicer_to_server(servicer, server):
                     servicer.GetTierAnswers,
                     request_deserializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.GetTierAnswersRequest.FromString,
                     response_serializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.GetTierAnswersResponse.SerializeToString,
+            ),
+            'WatchChanges': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchChanges,
+                    request_deserializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.WatchChangesRequest.FromString,
+                    response_serializer=servemesh__api_dot_feature_dot_v1_dot_feature__pb2.Changes.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -227,6 +250,33 @@ class FeatureService:
             '/servemesh.feature.v1.FeatureService/GetTierAnswers',
             servemesh__api_dot_feature_dot_v1_dot_feature__pb2.GetTierAnswersRequest.SerializeToString,
             servemesh__api_dot_feature_dot_v1_dot_feature__pb2.GetTierAnswersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchChanges(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/servemesh.feature.v1.FeatureService/WatchChanges',
+            servemesh__api_dot_feature_dot_v1_dot_feature__pb2.WatchChangesRequest.SerializeToString,
+            servemesh__api_dot_feature_dot_v1_dot_feature__pb2.Changes.FromString,
             options,
             channel_credentials,
             insecure,
