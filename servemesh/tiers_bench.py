@@ -6,9 +6,10 @@ a Zipf(`zipf_a`) mix are scored into Redis by a real `servemesh batch score --ou
 (the precomputed tier's answers); then, `repeats` times, the order turning each repeat:
 
 - tiers off (a live `servemesh apply` of the model without `tiers`): c=`concurrency`
-  Predicts of the Zipf mix, then c=1 Predicts of one entity outside the precomputed set
+  Predicts of the Zipf mix (run once unmeasured first, then measured), then c=1 Predicts of one entity outside the precomputed set
   (online every call);
-- tiers on (applied live: `precomputed: {from: redis}` and a cache): the same Zipf load,
+- tiers on (applied live: `precomputed: {from: redis}` and a cache, whose `freshness` is
+  the run's): the same Zipf load, unmeasured then measured,
   the hit ratio read from the gateways' tier counters; then c=1 of that entity (the cache
   answers after its first call) and of the hottest entity (precomputed).
 
@@ -27,6 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Literal
 
 import grpc
 import numpy as np
@@ -77,10 +79,10 @@ def entity_target(dial: Dial, model: str, ids: Sequence[str]) -> Target:
     return Target(dial.address, build, dial.options, dial.credentials)
 
 
-def tiers_of(cache_entries: int) -> TiersSpec:
+def tiers_of(cache_entries: int, freshness: Literal["read", "feed"] = "read") -> TiersSpec:
     return TiersSpec(
         precomputed=PrecomputedTierSpec.model_validate({"from": "redis", "max_age": "26h"}),
-        cache=CacheTierSpec(ttl="10m", max_entries=cache_entries),
+        cache=CacheTierSpec(ttl="10m", max_entries=cache_entries, freshness=freshness),
     )
 
 
@@ -180,6 +182,7 @@ def bench_tiers(
     concurrency: int = 64,
     seconds: float = 6.0,
     repeats: int = 3,
+    freshness: Literal["read", "feed"] = "read",
     progress: Callable[[Round], None] = lambda _: None,
 ) -> dict[str, object]:
     spec = bench_spec(spec)
@@ -208,7 +211,7 @@ def bench_tiers(
                 "hot": entity_target(edge, model, [hot[0]]),
             }
             switch = TierSwitch(mesh, model)
-            tiers = tiers_of(max(1, entities))
+            tiers = tiers_of(max(1, entities), freshness)
 
             def run(target: str, name: str, c: int, repeat: int) -> None:
                 found = measure(mesh, targets[target], name, c, seconds, repeat)
@@ -218,6 +221,10 @@ def bench_tiers(
             for repeat in range(repeats):
                 for phase in (OFF, ON) if repeat % 2 == 0 else (ON, OFF):
                     switch.set(tiers if phase == ON else None)
+                    # Unmeasured, as long as a measured round: a switch starts the gateways'
+                    # caches empty, and a tier is judged on what it holds in a steady state
+                    # (both phases get the same warm-up).
+                    measure(mesh, targets["mix"], phase, concurrency, seconds, repeat)
                     before = tier_counts(mesh, model)
                     run("mix", phase, concurrency, repeat)
                     if phase == ON:
@@ -245,6 +252,7 @@ def bench_tiers(
         "precompute_s": round(scored_s, 2),
         "startup_s": round(startup_s, 2),
         "concurrency": concurrency,
+        "freshness": freshness,
         "seconds": seconds,
         "repeats": repeats,
         "rows": [asdict(r) for r in rows],
@@ -338,6 +346,7 @@ def main(
     repeats: int,
     out: str | None,
     as_json: bool,
+    freshness: Literal["read", "feed"] = "read",
 ) -> int:
     def show(found: Round) -> None:
         if not as_json:
@@ -355,6 +364,7 @@ def main(
         concurrency=concurrency,
         seconds=seconds,
         repeats=repeats,
+        freshness=freshness,
         progress=show,
     )
     if out:

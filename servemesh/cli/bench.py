@@ -22,6 +22,7 @@ def cmd_bench_predict(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             out=args.json_out,
             as_json=args.json,
+            freshness=args.freshness,
         )
 
     return bench_main(
@@ -181,6 +182,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         type=int,
         default=1000,
         help="--tiers: the hottest entities scored into Redis first (default 1000)",
+    )
+    bench_predict.add_argument(
+        "--freshness",
+        choices=["read", "feed"],
+        default="read",
+        help="--tiers: how the cache knows an answer is fresh (default read: each call reads "
+        "the row; feed: hits answer on the store's change feed, with no call)",
     )
     bench_predict.add_argument("--json", action="store_true", help="print the report as JSON")
     bench_predict.add_argument("--json-out", help="also write the report here")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -124,7 +124,7 @@ class ChangeHub:
     def watchers(self) -> int:
         return len(self._watchers)
 
-    async def watch(self) -> AsyncIterator[feature_pb2.Changes]:
+    async def watch(self) -> AsyncGenerator[feature_pb2.Changes, None]:
         """Changes for one watcher until it hangs up; FeedUnavailable, FeedOverloaded, or a
         Redis error when the feed breaks."""
         if len(self._watchers) >= MAX_WATCHERS:

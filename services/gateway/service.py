@@ -450,8 +450,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 return response_of(rows, version, gateway_pb2.TIER_PRECOMPUTED)
         rows, expired = cache.get_all(feed_keys(plan.model_name, version, ids, FEED_ONLINE))
         if rows is not None:
+            if tiers.precomputed is not None:  # looked up first, as the read way does
+                self.metrics.record_tier(plan.model_name, "precomputed", MISS)
             self.metrics.record_tier(plan.model_name, "cache", HIT)
             return response_of(rows, version, gateway_pb2.TIER_CACHE)
+        # A miss: the read way follows, whose precomputed lookup is counted there.
         self.metrics.record_tier(plan.model_name, "cache", STALE if expired else MISS)
         return None
 
