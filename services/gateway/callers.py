@@ -22,7 +22,7 @@ set-weights` rewrite it; every gateway takes the change within its spec poll).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -108,15 +108,19 @@ def may_pin_any_version(spec: MeshSpec, caller: Caller) -> bool:
     return caller.peer == operator
 
 
-def check_pin(spec: MeshSpec, model: str, version: str, caller: Caller) -> None:
+def check_pin(
+    spec: MeshSpec, model: str, version: str, caller: Caller | Callable[[], Caller]
+) -> None:
     """PermissionDenied naming `version` when `caller` pins a version of `model` that the
-    traffic split gives 0% and may not."""
+    traffic split gives 0% and may not. `caller` may be a function giving it: the caller is
+    then worked out only for such a pin (reading the call's auth context and headers cost
+    a tenth of a cached answer's time in the gateway)."""
     if not version:
         return
     entry = spec.models.get(model)
     if entry is None or entry.traffic.get(version, 0) > 0:
         return
-    if may_pin_any_version(spec, caller):
+    if may_pin_any_version(spec, caller() if callable(caller) else caller):
         return
     roles = ", ".join(spec.traffic.edge_auth.pin_roles) or "none"
     raise PermissionDenied(

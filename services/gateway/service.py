@@ -272,7 +272,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             plan = plan_predict(request, self.spec)
             # A version the split gives 0% is pinned by operators only (callers.py).
-            check_pin(self.spec, plan.model_name, plan.version, caller_of(self.spec, context))
+            check_pin(
+                self.spec, plan.model_name, plan.version, lambda: caller_of(self.spec, context)
+            )
             # The request id follows the request to every hop, and so does the caller's
             # trace context: as it came, or (a recorded call) each downstream call's own
             # client span (traced_call).
