@@ -8,7 +8,16 @@ concurrency, in turn and `repeats` times:
 - "edge": Predict for one entity per call through the edge Envoy (edge Envoy, gateway, mesh
   Envoy, feature service and Redis, model server);
 - "model alone": ModelInfer for one row sent straight to one model replica, with the same
-  client: what the mesh's own model server does without the mesh around it.
+  client: what the mesh's own model server does without the mesh around it;
+- "echo": the same ModelInfer bodies to the echo server (`servemesh.model_bench.targets
+  echo`: the services' gRPC server stack answering with no work, plaintext), started by the
+  run beside the mesh: what one Python gRPC call costs at best.
+
+Before the load, the mesh sits idle for `idle_s`: its CPU over that time (ms/s) and its
+memory (RSS) by process kind are read from /proc. The ratios the second fast-path issue
+sets (TARGETS) are computed from this one run: mesh CPU per Predict over the echo's CPU per
+call at c=64, edge req/s over model-alone req/s at c=64, edge p50 over model-alone p50 at
+c=1, the idle CPU, the edge's p99 at c=64 and the memory.
 
 The two are measured back to back each repeat, so their ratio comes from one run on one
 machine. Every row is the median of its repeats with min-max; a row whose spread exceeds
@@ -36,7 +45,8 @@ from servemesh.launcher import Mesh
 from servemesh.load import ClosedLoop, Target, closed_loop, predict_target, summarize
 from servemesh.load.outcome import Reply, Request
 from servemesh.load.stats import SPREAD_LIMIT, spread
-from servemesh.observe_bench import cpu_by_kind, wait_answering
+from servemesh.observe.cpu import rss_bytes
+from servemesh.observe_bench import cpu_by_kind, sum_by_kind, wait_answering
 from servemesh.proxy.apply import RouteManager
 from servemesh.spec import MeshSpec, Ports, Replicas, load_spec
 from servemesh.wire import OIP_SERVICE
@@ -46,15 +56,20 @@ from servemesh_api.inference import grpc_service_pb2_grpc
 
 EDGE = "edge"
 MODEL_ALONE = "model alone"
+ECHO = "echo"
 GATEWAY_DIRECT = "gateway direct"
 WARMUP_S = 1.0
 CALL_TIMEOUT_S = 5.0
-# What issue "fast path" asks of the mesh on this 2-core machine (see docs/benchmarks.md).
-TARGET_EDGE_RPS_C64 = 1500.0
-TARGET_RATIO_C64 = 0.6
-TARGET_CPU_MS = 1.2
-TARGET_P50_MS_C1 = 3.0
+# The echo server's CPU, as a kind of its own (never summed into the mesh's).
+ECHO_KIND = "echo"
+# What the second fast-path issue asks, as ratios to what this design can reach measured in
+# the same run, and bounds (docs/benchmarks.md, "Fast path, second pass").
+TARGET_CPU_OVER_ECHO_C64 = 3.0
+TARGET_RPS_OVER_ALONE_C64 = 0.8
+TARGET_P50_OVER_ALONE_C1 = 2.5
+TARGET_IDLE_CPU_MS_PER_S = 60.0
 TARGET_P99_MS_C64 = 100.0
+TARGET_MEMORY_MIB = 1.1 * 1024
 
 
 # The numeric OIP datatypes a model-alone row can be made of, in their wire layout.
@@ -80,9 +95,10 @@ class Round:
     cpu_us: dict[str, float] = field(default_factory=dict)
 
 
-def model_alone_target(mesh: Mesh, model: str) -> tuple[Target, str]:
+def model_alone_target(mesh: Mesh, model: str) -> tuple[Target, str, list[bytes]]:
     """ModelInfer for one row, straight to the first replica serving `model` (through no
-    Envoy), with bodies built from the replica's own signature; (target, replica name)."""
+    Envoy), with bodies built from the replica's own signature; (target, replica name, the
+    bodies)."""
     # Every model server hosts every version of the spec's models.
     replica = next(i.name for i in mesh.spec.instances() if i.service == "model")
     dial = dial_service(mesh.spec, replica)
@@ -91,7 +107,7 @@ def model_alone_target(mesh: Mesh, model: str) -> tuple[Target, str]:
         metadata = stub.ModelMetadata(oip.ModelMetadataRequest(name=model), timeout=10)
     rng = np.random.default_rng(0)
     bodies = [_one_row(model, metadata, rng).SerializeToString() for _ in range(64)]
-    return _raw_target(dial, f"/{OIP_SERVICE}/ModelInfer", bodies), replica
+    return _raw_target(dial, f"/{OIP_SERVICE}/ModelInfer", bodies), replica, bodies
 
 
 def _one_row(
@@ -122,15 +138,23 @@ def _raw_target(dial: Dial, method: str, bodies: Sequence[bytes]) -> Target:
 
 
 def measure(
-    mesh: Mesh, target: Target, name: str, concurrency: int, seconds: float, repeat: int
+    mesh: Mesh,
+    target: Target,
+    name: str,
+    concurrency: int,
+    seconds: float,
+    repeat: int,
+    cpu_of: Callable[[], Mapping[str, float]] | None = None,
 ) -> Round:
     """`concurrency` callers back to back for WARMUP_S + `seconds`; the measured window's
-    answers, and the CPU of every mesh process (and the client) per answer."""
-    before, client_before, started = cpu_by_kind(mesh), time.process_time(), time.monotonic()
+    answers, and the CPU of every mesh process (or what `cpu_of` reads, by kind) and of the
+    client per answer."""
+    read = cpu_of or (lambda: cpu_by_kind(mesh))
+    before, client_before, started = read(), time.process_time(), time.monotonic()
     run = asyncio.run(
         closed_loop(target, ClosedLoop(workers=concurrency, duration_s=WARMUP_S + seconds))
     )
-    after, client_after = cpu_by_kind(mesh), time.process_time()
+    after, client_after = read(), time.process_time()
     elapsed = time.monotonic() - started
     summary = summarize(run.window(WARMUP_S, WARMUP_S + seconds), seconds)
     # The CPU covers the warm-up too: divide by the answers of the whole run's span.
@@ -224,10 +248,52 @@ def paired_ratios(rounds: Sequence[Round], concurrency: int) -> list[float]:
     ]
 
 
+def mesh_cpu(r: Round) -> float:
+    return sum(v for k, v in r.cpu_us.items() if k != "client")
+
+
+def per_repeat_ratios(
+    rounds: Sequence[Round],
+    concurrency: int,
+    value: Callable[[Round], float],
+    top: str,
+    bottom: str,
+) -> list[float]:
+    """`value` of `top` over `value` of `bottom`, repeat by repeat (measured back to back)."""
+    under = {
+        r.repeat: value(r) for r in rounds if r.target == bottom and r.concurrency == concurrency
+    }
+    return [
+        value(r) / under[r.repeat]
+        for r in rounds
+        if r.target == top and r.concurrency == concurrency and under.get(r.repeat)
+    ]
+
+
+def idle_reading(mesh: Mesh, idle_s: float) -> dict[str, object]:
+    """The mesh's CPU over `idle_s` with no traffic (ms/s) and its memory (RSS, MiB), by
+    process kind, with totals. The process running the mesh (here the benchmark itself,
+    `servemesh up` otherwise) is not counted."""
+    before, started = cpu_by_kind(mesh), time.monotonic()
+    time.sleep(idle_s)
+    after, elapsed = cpu_by_kind(mesh), time.monotonic() - started
+    cpu = {k: round((after[k] - before.get(k, after[k])) / elapsed * 1e3, 1) for k in sorted(after)}
+    rss = sum_by_kind(mesh, lambda pid: None if (b := rss_bytes(pid)) is None else b / 2**20)
+    memory = {k: round(v, 1) for k, v in sorted(rss.items())}
+    return {
+        "seconds": round(elapsed, 1),
+        "cpu_ms_per_s": cpu,
+        "cpu_ms_per_s_total": round(sum(cpu.values()), 1),
+        "rss_mib": memory,
+        "rss_mib_total": round(sum(memory.values()), 1),
+    }
+
+
 def target_checks(
-    rows: Sequence[Row], ratios: Mapping[int, list[float]]
+    rows: Sequence[Row], ratios: Mapping[str, list[float]], idle: Mapping[str, object]
 ) -> list[dict[str, object]]:
-    """The issue's targets, each with the figure measured and whether it is met."""
+    """The second fast-path issue's targets, each with the figure measured and whether it
+    is met (ratios: the median of the per-repeat ratios)."""
     by = {(r.target, r.concurrency): r for r in rows}
     checks: list[dict[str, object]] = []
 
@@ -235,17 +301,26 @@ def target_checks(
         met = value >= goal if at_least else value <= goal
         checks.append({"target": name, "measured": value, "goal": goal, "met": met})
 
-    edge64, edge1 = by.get((EDGE, 64)), by.get((EDGE, 1))
+    def median(name: str) -> float | None:
+        values = ratios.get(name)
+        return round(statistics.median(values), 3) if values else None
+
+    if (value := median("cpu_over_echo_c64")) is not None:
+        check("mesh CPU per Predict / echo CPU per call, c=64 <=", value,
+              TARGET_CPU_OVER_ECHO_C64, False)  # fmt: skip
+    if (value := median("rps_over_alone_c64")) is not None:
+        check("edge req/s / model alone req/s, c=64 >=", value, TARGET_RPS_OVER_ALONE_C64, True)
+    if (value := median("p50_over_alone_c1")) is not None:
+        check("edge p50 / model alone p50, c=1 <=", value, TARGET_P50_OVER_ALONE_C1, False)
+    idle_cpu = idle.get("cpu_ms_per_s_total")
+    if isinstance(idle_cpu, float):
+        check("idle mesh CPU ms/s <=", idle_cpu, TARGET_IDLE_CPU_MS_PER_S, False)
+    edge64 = by.get((EDGE, 64))
     if edge64:
-        check("edge c=64 req/s >=", edge64.rps_median, TARGET_EDGE_RPS_C64, True)
-        if ratios.get(64):
-            ratio = round(statistics.median(ratios[64]), 3)
-            check("edge / model alone at c=64 >=", ratio, TARGET_RATIO_C64, True)
-        cpu_ms = round(edge64.cpu_us_mesh_median / 1000, 3)
-        check("mesh CPU ms per Predict at c=64 <=", cpu_ms, TARGET_CPU_MS, False)
-        check("edge c=64 p99 ms <=", edge64.p99_ms_median, TARGET_P99_MS_C64, False)
-    if edge1:
-        check("edge c=1 p50 ms <=", edge1.p50_ms_median, TARGET_P50_MS_C1, False)
+        check("edge p99 ms, c=64 <=", edge64.p99_ms_median, TARGET_P99_MS_C64, False)
+    memory = idle.get("rss_mib_total")
+    if isinstance(memory, float):
+        check("mesh memory (RSS) MiB <=", memory, round(TARGET_MEMORY_MIB), False)
     return checks
 
 
@@ -307,21 +382,34 @@ def bench_predict(
     *,
     direct: bool = False,
     weight_changes: int = 10,
+    idle_s: float = 20.0,
     progress: Callable[[Round], None] = lambda _: None,
 ) -> dict[str, object]:
-    """Start a mesh, time its start, then measure every target at every concurrency
-    `repeats` times, interleaved; the report as a JSON-able dict."""
+    """Start a mesh and the echo server, time the mesh's start, read its idle CPU and
+    memory, then measure every target at every concurrency `repeats` times, interleaved;
+    the report as a JSON-able dict."""
+    from servemesh.model_bench.run import BenchConfig, ServerProcess
+    from servemesh.model_bench.run import Target as ServerTarget
+
     spec = bench_spec(spec)
     model_name = next(iter(sorted(spec.models)))
     with tempfile.TemporaryDirectory() as state:
-        mesh = Mesh.from_spec(spec, Path(state))
+        echo = ServerProcess(
+            ServerTarget(name="echo", kind=ECHO_KIND), BenchConfig(server_cpu=None), Path(state)
+        )
+        mesh = Mesh.from_spec(spec, Path(state) / "mesh")
         started = time.perf_counter()
-        mesh.start()
-        startup_s = time.perf_counter() - started
         try:
+            mesh.start()
+            startup_s = time.perf_counter() - started
+            echo.wait_ready()
             wait_answering(mesh)
+            idle = idle_reading(mesh, idle_s)
             entities = max(1, spec.demo.entities)
-            alone, replica = model_alone_target(mesh, model_name)
+            alone, replica, bodies = model_alone_target(mesh, model_name)
+            echo_target = _raw_target(
+                Dial(echo.address, None), f"/{OIP_SERVICE}/ModelInfer", bodies
+            )
             targets = {
                 EDGE: predict_target(
                     dial_edge(mesh.spec),
@@ -330,6 +418,7 @@ def bench_predict(
                     timeout_s=CALL_TIMEOUT_S,
                 ),
                 MODEL_ALONE: alone,
+                ECHO: echo_target,
             }
             if direct:
                 gateway = next(i.name for i in mesh.spec.instances() if i.service == "gateway")
@@ -341,8 +430,12 @@ def bench_predict(
                 )
             rounds: list[Round] = []
 
+            def echo_cpu() -> dict[str, float]:
+                return {ECHO_KIND: echo.cpu_seconds()}
+
             def run_round(name: str, c: int, repeat: int) -> Round:
-                found = measure(mesh, targets[name], name, c, seconds, repeat)
+                cpu_of = echo_cpu if name == ECHO else None
+                found = measure(mesh, targets[name], name, c, seconds, repeat, cpu_of)
                 progress(found)
                 rounds.append(found)
                 return found
@@ -365,8 +458,14 @@ def bench_predict(
             changes = weight_change_times(mesh, weight_changes) if weight_changes else []
         finally:
             mesh.stop()
+            echo.stop()
     rows = summarize_rows(rounds, wide)
     ratios = {c: paired_ratios(rounds, c) for c in concurrencies}
+    same_run = {
+        "cpu_over_echo_c64": per_repeat_ratios(rounds, 64, mesh_cpu, EDGE, ECHO),
+        "rps_over_alone_c64": per_repeat_ratios(rounds, 64, lambda r: r.rps, EDGE, MODEL_ALONE),
+        "p50_over_alone_c1": per_repeat_ratios(rounds, 1, lambda r: r.p50_ms, EDGE, MODEL_ALONE),
+    }
     report: dict[str, object] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "model": model_name,
@@ -376,7 +475,18 @@ def bench_predict(
         "sample_ratio": spec.tracing.sample_ratio if spec.tracing.enabled else 0.0,
         "prediction_log": spec.prediction_log.enabled,
         "startup_s": round(startup_s, 2),
+        "idle": idle,
         "rows": [asdict(r) for r in rows],
+        "ratios": {
+            name: {
+                "per_repeat": [round(v, 3) for v in values],
+                "median": round(statistics.median(values), 3),
+                "min": round(min(values), 3),
+                "max": round(max(values), 3),
+            }
+            for name, values in same_run.items()
+            if values
+        },
         "edge_over_model_alone": {
             str(c): {
                 "per_repeat": [round(v, 3) for v in r],
@@ -387,7 +497,7 @@ def bench_predict(
             for c, r in ratios.items()
             if r
         },
-        "targets": target_checks(rows, ratios),
+        "targets": target_checks(rows, same_run, idle),
         "rounds": [asdict(r) for r in rounds],
     }
     if changes:
@@ -450,6 +560,22 @@ def print_report(report: Mapping[str, object]) -> None:
             f"edge / model alone at c={c}: {r['median']:.2f}x "
             f"(per repeat {', '.join(f'{v:.2f}' for v in r['per_repeat'])})"
         )
+    idle = report.get("idle")
+    if isinstance(idle, dict):
+        by_kind = ", ".join(f"{k} {v:.1f}" for k, v in idle["cpu_ms_per_s"].items())
+        console.print(
+            f"idle mesh ({idle['seconds']} s, no traffic): {idle['cpu_ms_per_s_total']:.1f} "
+            f"ms/s of CPU ({by_kind}); memory {idle['rss_mib_total']:.0f} MiB RSS ("
+            + ", ".join(f"{k} {v:.0f}" for k, v in idle["rss_mib"].items())
+            + ")"
+        )
+    same_run = report.get("ratios")
+    if isinstance(same_run, dict):
+        for name, r in same_run.items():
+            console.print(
+                f"{name}: {r['median']:.2f}x (per repeat "
+                f"{', '.join(f'{v:.2f}' for v in r['per_repeat'])})"
+            )
     checks = report["targets"]
     assert isinstance(checks, list)
     for check in checks:
@@ -474,6 +600,7 @@ def main(
     repeats: int = 3,
     as_json: bool = False,
     direct: bool = False,
+    idle_s: float = 20.0,
 ) -> int:
     def show(found: Round) -> None:
         if not as_json:
@@ -485,7 +612,13 @@ def main(
             )
 
     report = bench_predict(
-        load_spec(spec_path), concurrencies, seconds, repeats, direct=direct, progress=show
+        load_spec(spec_path),
+        concurrencies,
+        seconds,
+        repeats,
+        direct=direct,
+        idle_s=idle_s,
+        progress=show,
     )
     if out:
         Path(out).write_text(json.dumps(report, indent=2))

@@ -6,8 +6,8 @@ a Zipf(`zipf_a`) mix are scored into Redis by a real `servemesh batch score --ou
 (the precomputed tier's answers); then, `repeats` times, the order turning each repeat:
 
 - tiers off (a live `servemesh apply` of the model without `tiers`): c=`concurrency`
-  Predicts of the Zipf mix (run once unmeasured first, then measured), then c=1 Predicts of one entity outside the precomputed set
-  (online every call);
+  Predicts of the Zipf mix (run once unmeasured first, then measured), then c=1 Predicts
+  of one entity outside the precomputed set (online every call);
 - tiers on (applied live: `precomputed: {from: redis}` and a cache, whose `freshness` is
   the run's): the same Zipf load, unmeasured then measured,
   the hit ratio read from the gateways' tier counters; then c=1 of that entity (the cache

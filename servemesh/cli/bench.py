@@ -33,6 +33,7 @@ def cmd_bench_predict(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         as_json=args.json,
         direct=args.direct,
+        idle_s=args.idle_seconds,
     )
 
 
@@ -189,6 +190,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default="read",
         help="--tiers: how the cache knows an answer is fresh (default read: each call reads "
         "the row; feed: hits answer on the store's change feed, with no call)",
+    )
+    bench_predict.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=20.0,
+        help="the mesh's idle CPU is read over this long, before the load (default 20)",
     )
     bench_predict.add_argument("--json", action="store_true", help="print the report as JSON")
     bench_predict.add_argument("--json-out", help="also write the report here")

@@ -6,10 +6,13 @@ from __future__ import annotations
 import math
 
 from servemesh.bench import (
+    ECHO,
     EDGE,
     MODEL_ALONE,
     Round,
+    mesh_cpu,
     paired_ratios,
+    per_repeat_ratios,
     summarize_rows,
     target_checks,
 )
@@ -52,12 +55,25 @@ def test_ratios_pair_rounds_of_the_same_repeat() -> None:
     assert paired_ratios(ROUNDS, 1) == []
 
 
-def test_targets_say_which_are_met() -> None:
-    rows = summarize_rows(ROUNDS, wide=set())
-    verdicts = {c["target"]: c["met"] for c in target_checks(rows, {64: paired_ratios(ROUNDS, 64)})}
+def test_targets_are_ratios_of_the_same_repeat_and_bounds() -> None:
+    echo = [_round(ECHO, 64, i, 3000.0, {"echo": 400.0, "client": 100.0}) for i in range(3)]
+    rounds = [*ROUNDS, *echo]
+    # Per repeat: 800, 800, 1010 µs of mesh CPU against 400 for the echo.
+    cpu = per_repeat_ratios(rounds, 64, mesh_cpu, EDGE, ECHO)
+    assert cpu == [2.0, 2.0, 2.525]
+    rps = per_repeat_ratios(rounds, 64, lambda r: r.rps, EDGE, MODEL_ALONE)
+    assert rps == paired_ratios(ROUNDS, 64)
+    rows = summarize_rows(rounds, wide=set())
+    assert {r.target: r.cpu_us_mesh_median for r in rows}[ECHO] == 400.0
+    idle = {"cpu_ms_per_s_total": 75.5, "rss_mib_total": 1000.0}
+    verdicts = {
+        c["target"]: (c["measured"], c["met"])
+        for c in target_checks(rows, {"cpu_over_echo_c64": cpu, "rps_over_alone_c64": rps}, idle)
+    }
     assert verdicts == {
-        "edge c=64 req/s >=": False,  # 1000 < 1500
-        "edge / model alone at c=64 >=": False,  # 0.55 < 0.6
-        "mesh CPU ms per Predict at c=64 <=": True,  # 0.8 ms
-        "edge c=64 p99 ms <=": True,  # 51 ms
+        "mesh CPU per Predict / echo CPU per call, c=64 <=": (2.0, True),
+        "edge req/s / model alone req/s, c=64 >=": (0.55, False),
+        "idle mesh CPU ms/s <=": (75.5, False),
+        "edge p99 ms, c=64 <=": (51.0, True),
+        "mesh memory (RSS) MiB <=": (1000.0, True),
     }
