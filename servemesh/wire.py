@@ -323,3 +323,24 @@ def reconnect_backoff_options(max_ms: int) -> list[tuple[str, int]]:
         ("grpc.min_reconnect_backoff_ms", min(100, max_ms)),
         ("grpc.max_reconnect_backoff_ms", max_ms),
     ]
+
+
+# A gateway's health watch of a replica (services/gateway/health.py) pings every second and
+# gives a stalled peer a second to answer; every service accepts pings that often
+# (services/runtime/server.py), so a quiet watch is never refused for pinging.
+HEALTH_WATCH_PING_MS: Final = 1000
+MIN_PING_INTERVAL_MS: Final = 500
+
+
+def health_watch_options() -> list[tuple[str, int]]:
+    """Channel options of a long-lived health watch: keepalive pings that notice a peer
+    that stalls without closing its connection."""
+    return [
+        ("grpc.keepalive_time_ms", HEALTH_WATCH_PING_MS),
+        ("grpc.keepalive_timeout_ms", HEALTH_WATCH_PING_MS),
+        # Without it a ping unanswered is never held against the connection (grpcio 1.7x
+        # times pings out by this argument, not by the keepalive timeout alone).
+        ("grpc.http2.ping_timeout_ms", HEALTH_WATCH_PING_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]

@@ -9,12 +9,19 @@ A model with a fallback is still answered (degraded) without its dependencies, s
 never takes the gateway down: the "feature store down" drill depends on those answers.
 
 How the gateway learns its dependencies' health:
-- **Replicas: their own gRPC health service, probed directly** at the addresses the spec
-  names, every `PROBE_INTERVAL_S`. That is the signal Envoy's active health checks act
-  on, so the gateway agrees with Envoy about who may serve. A health call through the
-  mesh listener would reach at most the one replica Envoy picks (and the listener has no
-  route for it), not say whether any is SERVING; asking Envoy's admin API instead would
-  tie the gateway to one Envoy's admin port and its cluster names, for the same answer.
+- **Replicas: their own gRPC health service, watched directly** at the addresses the spec
+  names: one `Health.Watch` stream per replica, which the replica answers at once and
+  again on every change of its status. That is the signal Envoy's active health checks
+  act on, so the gateway agrees with Envoy about who may serve. A replica that dies ends
+  its stream at once; one that stalls with its connection open stops answering the
+  stream's keepalive pings (every HEALTH_WATCH_PING_MS) and the connection is dropped.
+  Either way the replica counts as not SERVING from then until a new stream says it is,
+  and the watch probes at once. Polling Check every half second instead cost every
+  replica and every gateway calls all day long, idle or not: most of the mesh's idle CPU.
+  A health call through the mesh listener would reach at most the one replica Envoy
+  picks (and the listener has no route for it), not say whether any is SERVING; asking
+  Envoy's admin API instead would tie the gateway to one Envoy's admin port and its
+  cluster names, for the same answer.
 - **The mesh listener: a TCP connect**, not the mesh channel's state. The channel is
   lazy (IDLE says nothing about Envoy until a call is made) and, after a failure, waits
   out gRPC's reconnect backoff (up to two minutes) before it tries again; a connect
@@ -31,7 +38,7 @@ its own zone has none, though Envoy could still fail over to the others).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -42,7 +49,7 @@ from servemesh.services.runtime import ServiceServer
 from servemesh.services.runtime.dependencies import DependencyWatch, Verdict
 from servemesh.services.runtime.tracing import client_interceptors
 from servemesh.spec import ENVOY_PART, MeshSpec, ModelSpec, ResolvedSpec
-from servemesh.wire import reconnect_backoff_options
+from servemesh.wire import health_watch_options, reconnect_backoff_options
 
 PROBE_INTERVAL_S = 0.5
 # Each replica's Check and the listener's connect: far above a healthy local answer (a dead
@@ -125,7 +132,8 @@ async def accepts_connections(host: str, port: int, timeout_s: float) -> bool:
 
 
 class GatewayHealth:
-    """The gateway's probe: one round checks the listener and every replica it needs."""
+    """The gateway's probe: one round checks the listener and counts the replicas that the
+    replicas' health watches (one stream each) say are SERVING."""
 
     def __init__(
         self,
@@ -138,65 +146,104 @@ class GatewayHealth:
         self.spec = spec
         self.zone = zone
         self.timeout_s = timeout_s
-        # The identity the probes present (the gateway's own certificate).
+        # The identity the watches present (the gateway's own certificate).
         self.caller = caller
-        # One channel per replica, keyed by (instance, address): a moved replica gets a new one.
+        # Called when a replica's status changes (the dependency watch probes at once).
+        self.on_change: Callable[[], None] = lambda: None
+        # One channel and one watch per replica, keyed by (instance, address): a moved
+        # replica gets new ones.
         self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
+        self._watches: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._serving: dict[tuple[str, str], bool] = {}
 
     async def follow_spec(self, spec: ResolvedSpec) -> None:
         """Judge by `spec` from the next round on (models, fallbacks, replicas)."""
         self.spec = spec
-        wanted = {(i.name, spec.address_of(i.name)) for i in spec.instances()}
+        wanted = self._wanted(spec)
+        for key in set(self._watches) - wanted:
+            self._watches.pop(key).cancel()
+            self._serving.pop(key, None)
         for key in set(self._channels) - wanted:
             await self._channels.pop(key).close()
 
-    def _channel(self, instance: str) -> grpc.aio.Channel:
-        key = (instance, self.spec.address_of(instance))
+    @staticmethod
+    def _wanted(spec: ResolvedSpec) -> set[tuple[str, str]]:
+        return {
+            (i.name, spec.address_of(i.name))
+            for i in spec.instances()
+            if i.service in ("feature", "model")
+        }
+
+    def _channel(self, key: tuple[str, str]) -> grpc.aio.Channel:
         channel = self._channels.get(key)
         if channel is None:
             # Retry a lost replica often, or its return is noticed only after gRPC's backoff.
-            channel = dial_service(self.spec, instance, caller=self.caller).aio_channel(
-                options=reconnect_backoff_options(int(PROBE_INTERVAL_S * 1000)),
+            channel = dial_service(self.spec, key[0], caller=self.caller).aio_channel(
+                options=[
+                    *reconnect_backoff_options(int(PROBE_INTERVAL_S * 1000)),
+                    *health_watch_options(),
+                ],
                 interceptors=client_interceptors(),
             )
             self._channels[key] = channel
         return channel
 
-    async def _serving(self, instance: str) -> bool:
-        stub = health_pb2_grpc.HealthStub(self._channel(instance))
-        try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=self.timeout_s)
-        except grpc.aio.AioRpcError:
-            return False
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+    def _watching(self, spec: ResolvedSpec) -> None:
+        """A watch for every replica of the spec that has none yet."""
+        loop = asyncio.get_running_loop()
+        for key in self._wanted(spec):
+            if key not in self._watches:
+                self._watches[key] = loop.create_task(self._watch(key), name=f"health-{key[0]}")
 
-    async def _count(self, spec: ResolvedSpec, service: str, wanted: bool) -> tuple[int, int]:
-        """(SERVING, all) replicas of `service`; not probed when no model needs them."""
-        names = [i.name for i in spec.instances() if i.service == service]
-        if not wanted:
-            return 0, len(names)
-        answers = await asyncio.gather(*(self._serving(name) for name in names))
-        return sum(answers), len(names)
+    def _set(self, key: tuple[str, str], serving: bool) -> None:
+        if self._serving.get(key) != serving:
+            self._serving[key] = serving
+            self.on_change()
+
+    async def _watch(self, key: tuple[str, str]) -> None:
+        """Follow one replica's status until cancelled; not SERVING whenever its stream is
+        down, and a new stream a moment later."""
+        stub = health_pb2_grpc.HealthStub(self._channel(key))
+        while True:
+            call = stub.Watch(health_pb2.HealthCheckRequest())
+            try:
+                async for reply in call:
+                    self._set(key, reply.status == health_pb2.HealthCheckResponse.SERVING)
+            except grpc.aio.AioRpcError:
+                pass
+            finally:
+                call.cancel()
+            self._set(key, False)
+            await asyncio.sleep(PROBE_INTERVAL_S)
+
+    def _count(self, spec: ResolvedSpec, service: str) -> tuple[int, int]:
+        """(SERVING, all) replicas of `service`, as their watches say now."""
+        keys = [(i.name, spec.address_of(i.name)) for i in spec.instances() if i.service == service]
+        return sum(self._serving.get(key, False) for key in keys), len(keys)
 
     async def __call__(self) -> Verdict:
         spec = self.spec
+        self._watching(spec)
         needs = needs_of(spec)
         mesh = spec.mesh_address_for(self.zone)
-        listener, features, models = await asyncio.gather(
-            accepts_connections(
-                spec.host_of(ENVOY_PART), spec.mesh_ports[self.zone], self.timeout_s
-            ),
-            self._count(spec, "feature", bool(needs.features)),
-            self._count(spec, "model", bool(needs.models)),
+        listener = await accepts_connections(
+            spec.host_of(ENVOY_PART), spec.mesh_ports[self.zone], self.timeout_s
         )
+        features = self._count(spec, "feature")
+        models = self._count(spec, "model")
         seen = Seen(listener, features[0], features[1], models[0], models[1])
         return judge(needs, seen, mesh)
 
     async def redial(self) -> None:
-        """Drop every probe channel; the next round dials with the current certificate."""
+        """Drop every watch and its channel; the next round dials with the current
+        certificate."""
         await self.close()
 
     async def close(self) -> None:
+        for task in self._watches.values():
+            task.cancel()
+        self._watches.clear()
+        self._serving.clear()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
@@ -213,6 +260,7 @@ def watch_dependencies(server: ServiceServer, spec: ResolvedSpec, instance: str)
         interval_s=PROBE_INTERVAL_S,
         failures_to_fail=FAILURES_TO_FAIL,
     )
+    health.on_change = watch.poke
     server.on_spec_change(health.follow_spec)
     server.on_stop(health.close)
     watch.start()

@@ -19,7 +19,7 @@ from servemesh.services.runtime.control_auth import ControlAuth
 from servemesh.services.runtime.faults import FaultInjector
 from servemesh.services.runtime.live_spec import LiveSpec, SpecHook
 from servemesh.services.runtime.metrics import ServiceMetrics
-from servemesh.wire import message_size_options
+from servemesh.wire import MIN_PING_INTERVAL_MS, message_size_options
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,11 @@ class ServiceServer:
                     # grpc turns SO_REUSEPORT on by default, which lets a second process
                     # bind a port already in use and silently share its traffic.
                     ("grpc.so_reuseport", 0),
+                    # A gateway's health watch pings every second to notice a stalled
+                    # replica (services/gateway/health.py); gRPC's default refuses pings
+                    # closer than five minutes apart on a quiet connection.
+                    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+                    ("grpc.http2.max_ping_strikes", 0),
                 ],
             ),
             self.call_path.wrap,
