@@ -60,6 +60,8 @@ ECHO = "echo"
 GATEWAY_DIRECT = "gateway direct"
 WARMUP_S = 1.0
 CALL_TIMEOUT_S = 5.0
+# Idle CPU is read once the mesh sat this long after answering its first Predicts.
+IDLE_SETTLE_S = 5.0
 # The echo server's CPU, as a kind of its own (never summed into the mesh's).
 ECHO_KIND = "echo"
 # What the second fast-path issue asks, as ratios to what this design can reach measured in
@@ -270,10 +272,12 @@ def per_repeat_ratios(
     ]
 
 
-def idle_reading(mesh: Mesh, idle_s: float) -> dict[str, object]:
+def idle_reading(mesh: Mesh, idle_s: float, settle_s: float = IDLE_SETTLE_S) -> dict[str, object]:
     """The mesh's CPU over `idle_s` with no traffic (ms/s) and its memory (RSS, MiB), by
-    process kind, with totals. The process running the mesh (here the benchmark itself,
-    `servemesh up` otherwise) is not counted."""
+    process kind, with totals, read once the mesh sat idle `settle_s` (the first seconds
+    after start-up still hold start-up's work). The process running the mesh (here the
+    benchmark itself, `servemesh up` otherwise) is not counted."""
+    time.sleep(settle_s)
     before, started = cpu_by_kind(mesh), time.monotonic()
     time.sleep(idle_s)
     after, elapsed = cpu_by_kind(mesh), time.monotonic() - started
