@@ -72,3 +72,21 @@ def test_without_a_folder_to_watch_it_polls(tmp_path: Path) -> None:
             events.close()
 
     assert asyncio.run(run()) is False
+
+
+def test_the_watches_of_one_loop_share_one_inotify_instance(tmp_path: Path) -> None:
+    async def run() -> tuple[int, list[bool]]:
+        a, b = tmp_path / "a.json", tmp_path / "b.json"
+        first, second = FileEvents(a), FileEvents(b)
+        try:
+            instances = len({id(first._watches), id(second._watches)})
+            woken = [
+                await _woken(first, lambda: a.write_text("{}")),
+                await _woken(second, lambda: b.write_text("{}")),
+            ]
+            return instances, woken
+        finally:
+            first.close()
+            second.close()
+
+    assert asyncio.run(run()) == (1, [True, True])
