@@ -326,9 +326,12 @@ def reconnect_backoff_options(max_ms: int) -> list[tuple[str, int]]:
 
 
 # A gateway's health watch of a replica (services/gateway/health.py) pings every second and
-# gives a stalled peer a second to answer; every service accepts pings that often
-# (services/runtime/server.py), so a quiet watch is never refused for pinging.
+# gives a stalled peer two seconds to answer (as the Check it replaced needed two failed
+# rounds of a second: one slow answer on a busy machine does not drop a replica); every
+# service accepts pings that often (services/runtime/server.py), so a quiet watch is never
+# refused for pinging.
 HEALTH_WATCH_PING_MS: Final = 1000
+HEALTH_WATCH_PING_TIMEOUT_MS: Final = 2000
 MIN_PING_INTERVAL_MS: Final = 500
 
 
@@ -337,10 +340,10 @@ def health_watch_options() -> list[tuple[str, int]]:
     that stalls without closing its connection."""
     return [
         ("grpc.keepalive_time_ms", HEALTH_WATCH_PING_MS),
-        ("grpc.keepalive_timeout_ms", HEALTH_WATCH_PING_MS),
+        ("grpc.keepalive_timeout_ms", HEALTH_WATCH_PING_TIMEOUT_MS),
         # Without it a ping unanswered is never held against the connection (grpcio 1.7x
         # times pings out by this argument, not by the keepalive timeout alone).
-        ("grpc.http2.ping_timeout_ms", HEALTH_WATCH_PING_MS),
+        ("grpc.http2.ping_timeout_ms", HEALTH_WATCH_PING_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]

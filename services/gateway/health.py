@@ -14,7 +14,8 @@ How the gateway learns its dependencies' health:
   again on every change of its status. That is the signal Envoy's active health checks
   act on, so the gateway agrees with Envoy about who may serve. A replica that dies ends
   its stream at once; one that stalls with its connection open stops answering the
-  stream's keepalive pings (every HEALTH_WATCH_PING_MS) and the connection is dropped.
+  stream's keepalive pings (one a second, HEALTH_WATCH_PING_TIMEOUT_MS to answer) and the
+  connection is dropped.
   Either way the replica counts as not SERVING from then until a new stream says it is,
   and the watch probes at once. Polling Check every half second instead cost every
   replica and every gateway calls all day long, idle or not: most of the mesh's idle CPU.
