@@ -29,8 +29,9 @@ from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-# Heartbeats a feed may miss before it is no longer trusted.
-MISSED_HEARTBEATS = 4
+# Heartbeats a feed may miss before it is no longer trusted (2 s at the replicas' 250 ms):
+# on a busy host a heartbeat can come a second late, and each distrust empties the caches.
+MISSED_HEARTBEATS = 8
 # Changes remembered to judge answers under way; an answer begun before the oldest is not kept.
 RECENT_CHANGES = 50_000
 # Wait between tries to (re)connect.
