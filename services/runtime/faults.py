@@ -27,7 +27,6 @@ from typing import Any
 import grpc
 
 from servemesh.atomic import atomic_write_text
-from servemesh.services.runtime.file_watch import FileEvents
 from servemesh.wire import HEALTH_PREFIX, REFLECTION_PREFIX
 
 log = logging.getLogger(__name__)
@@ -70,10 +69,6 @@ def is_faultable(method: str) -> bool:
     return not method.startswith(EXEMPT_PREFIXES)
 
 
-# Between two looks at the control file when inotify told of nothing (its safety net).
-FALLBACK_POLL_S = 2.0
-
-
 class FaultInjector:
     """The current fault settings of this replica, applied to its unary calls (the serving
     path) by the server's call path: `if faults.settings.active: await faults.inject(...)`,
@@ -93,24 +88,17 @@ class FaultInjector:
             await context.abort(grpc.StatusCode[settings.error_code], "injected fault")
 
     async def watch(self, control: Path, interval_s: float = 0.1) -> None:
-        """Follow the control file until cancelled (woken by inotify, services/runtime/
-        file_watch.py; polled every `interval_s` where that cannot see it); a malformed
-        file is logged and ignored."""
-        seen: tuple[int, int] | None = None
-        events = FileEvents(control, poll_s=interval_s)
-        try:
-            while True:
-                try:
-                    info = control.stat()
-                    stamp: tuple[int, int] | None = (info.st_ino, info.st_mtime_ns)
-                except FileNotFoundError:
-                    stamp = None
-                if stamp != seen:
-                    seen = stamp
-                    self._load(control)
-                await events.wait(FALLBACK_POLL_S)
-        finally:
-            events.close()
+        """Follow the control file until cancelled; a malformed file is logged and ignored."""
+        seen: float | None = None
+        while True:
+            try:
+                mtime = control.stat().st_mtime
+            except FileNotFoundError:
+                mtime = None
+            if mtime != seen:
+                seen = mtime
+                self._load(control)
+            await asyncio.sleep(interval_s)
 
     def _load(self, control: Path) -> None:
         try:

@@ -16,7 +16,6 @@ import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from servemesh.services.runtime.file_watch import FileEvents
 from servemesh.spec import ResolvedSpec, SpecError, load_resolved
 
 log = logging.getLogger(__name__)
@@ -33,10 +32,6 @@ def _stamp(path: Path) -> _Stamp | None:
     except FileNotFoundError:
         return None
     return (info.st_ino, info.st_size, info.st_mtime_ns)
-
-
-# Between two looks at the file when inotify told of nothing (its safety net).
-FALLBACK_POLL_S = 2.0
 
 
 class LiveSpec:
@@ -87,12 +82,7 @@ class LiveSpec:
             return True
 
     async def watch(self) -> None:
-        """Follow the file until cancelled: woken by inotify when it changes (services/
-        runtime/file_watch.py), by a slow poll when that cannot see it."""
-        events = FileEvents(self.path, poll_s=self.interval_s)
-        try:
-            while True:
-                await events.wait(FALLBACK_POLL_S)
-                await self.refresh()
-        finally:
-            events.close()
+        """Poll until cancelled."""
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.refresh()
