@@ -213,7 +213,7 @@ def summarize_rows(rounds: Sequence[Round], wide: set[tuple[str, int]]) -> list[
         rps = [r.rps for r in mine]
         kinds = sorted({k for r in mine for k in r.cpu_us})
         cpu = {k: round(statistics.median(r.cpu_us.get(k, 0.0) for r in mine), 1) for k in kinds}
-        mesh_total = [sum(v for k, v in r.cpu_us.items() if k != "client") for r in mine]
+        mesh_total = [mesh_cpu(r) for r in mine]
         rows.append(
             Row(
                 target=target,
@@ -240,17 +240,11 @@ def summarize_rows(rounds: Sequence[Round], wide: set[tuple[str, int]]) -> list[
 
 def paired_ratios(rounds: Sequence[Round], concurrency: int) -> list[float]:
     """Edge req/s over model-alone req/s, repeat by repeat (measured back to back)."""
-    alone = {
-        r.repeat: r.rps for r in rounds if r.target == MODEL_ALONE and r.concurrency == concurrency
-    }
-    return [
-        r.rps / alone[r.repeat]
-        for r in rounds
-        if r.target == EDGE and r.concurrency == concurrency and alone.get(r.repeat)
-    ]
+    return per_repeat_ratios(rounds, concurrency, lambda r: r.rps, EDGE, MODEL_ALONE)
 
 
 def mesh_cpu(r: Round) -> float:
+    """CPU µs per answer summed over the mesh's processes (the client's own left out)."""
     return sum(v for k, v in r.cpu_us.items() if k != "client")
 
 
@@ -270,6 +264,16 @@ def per_repeat_ratios(
         for r in rounds
         if r.target == top and r.concurrency == concurrency and under.get(r.repeat)
     ]
+
+
+def _summary(values: Sequence[float]) -> dict[str, object]:
+    """Per-repeat ratios with their median and range, rounded for the report."""
+    return {
+        "per_repeat": [round(v, 3) for v in values],
+        "median": round(statistics.median(values), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+    }
 
 
 def idle_reading(mesh: Mesh, idle_s: float, settle_s: float = IDLE_SETTLE_S) -> dict[str, object]:
@@ -481,26 +485,8 @@ def bench_predict(
         "startup_s": round(startup_s, 2),
         "idle": idle,
         "rows": [asdict(r) for r in rows],
-        "ratios": {
-            name: {
-                "per_repeat": [round(v, 3) for v in values],
-                "median": round(statistics.median(values), 3),
-                "min": round(min(values), 3),
-                "max": round(max(values), 3),
-            }
-            for name, values in same_run.items()
-            if values
-        },
-        "edge_over_model_alone": {
-            str(c): {
-                "per_repeat": [round(v, 3) for v in r],
-                "median": round(statistics.median(r), 3),
-                "min": round(min(r), 3),
-                "max": round(max(r), 3),
-            }
-            for c, r in ratios.items()
-            if r
-        },
+        "ratios": {name: _summary(values) for name, values in same_run.items() if values},
+        "edge_over_model_alone": {str(c): _summary(r) for c, r in ratios.items() if r},
         "targets": target_checks(rows, same_run, idle),
         "rounds": [asdict(r) for r in rounds],
     }
@@ -611,7 +597,7 @@ def main(
             print(
                 f"  {found.target} c={found.concurrency} #{found.repeat}: {found.rps:.0f} req/s, "
                 f"p99 {found.p99_ms:.1f} ms, mesh CPU "
-                f"{sum(v for k, v in found.cpu_us.items() if k != 'client'):.0f} µs/answer",
+                f"{mesh_cpu(found):.0f} µs/answer",
                 flush=True,
             )
 

@@ -51,7 +51,7 @@ class FeedOverloaded(Exception):
     """Too many watchers, or one that fell too far behind."""
 
 
-# What one keyspace event means for cached answers.
+# The queue item that stands for a ping come back: every earlier change was forwarded.
 Heartbeat = object()
 
 
@@ -259,13 +259,16 @@ class ChangeHub:
 
     def _cut_off(self, watcher: _Watcher) -> None:
         """A watcher too far behind: it gets the error next, and nothing more."""
-        while not watcher.queue.empty():
-            watcher.queue.get_nowait()
-        watcher.queue.put_nowait(FeedOverloaded(f"more than {QUEUE_LIMIT} changes unsent"))
+        _end(watcher, FeedOverloaded(f"more than {QUEUE_LIMIT} changes unsent"))
         self._watchers.remove(watcher)
 
     def _end_all(self, exc: BaseException) -> None:
         for watcher in list(self._watchers):
-            while not watcher.queue.empty():
-                watcher.queue.get_nowait()
-            watcher.queue.put_nowait(exc)
+            _end(watcher, exc)
+
+
+def _end(watcher: _Watcher, exc: BaseException) -> None:
+    """Drop what the watcher has waiting: the error is the next and last thing it reads."""
+    while not watcher.queue.empty():
+        watcher.queue.get_nowait()
+    watcher.queue.put_nowait(exc)

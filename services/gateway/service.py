@@ -421,9 +421,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 if kind == "view":
                     cache.clear()
                     continue
-                for version in model.versions:
-                    for held in (FEED_PRECOMPUTED, FEED_ONLINE):
-                        cache.drop([(model_name, version, entity, held, 0)])
+                cache.drop(
+                    [
+                        (model_name, version, entity, held, 0)
+                        for version in model.versions
+                        for held in (FEED_PRECOMPUTED, FEED_ONLINE)
+                    ]
+                )
 
     def feed_broke(self) -> None:
         """The feed is lost: what the caches that follow it hold is no longer trusted."""
@@ -440,10 +444,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """A tiered call answered from what this gateway holds, on the feed's word: a
         precomputed answer kept, else one made online; counted per tier."""
         assert tiers.cache is not None
-        cache = self.caches.get(plan.model_name)
-        if cache is None:
-            bounds = tiers.cache
-            cache = self.caches[plan.model_name] = AnswerCache(bounds.max_entries, bounds.ttl_s)
+        cache = self._cache_for(plan.model_name, tiers.cache)
         ids = plan.reads[0].entity_ids
         if tiers.precomputed is not None:
             rows, _ = cache.get_all(feed_keys(plan.model_name, version, ids, FEED_PRECOMPUTED))
@@ -459,6 +460,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # A miss: the read way follows, whose precomputed lookup is counted there.
         self.metrics.record_tier(plan.model_name, "cache", STALE if expired else MISS)
         return None
+
+    def _cache_for(self, model: str, bounds: CacheTierSpec) -> AnswerCache:
+        """The model's cache, made on its first use."""
+        cache = self.caches.get(model)
+        if cache is None:
+            cache = self.caches[model] = AnswerCache(bounds.max_entries, bounds.ttl_s)
+        return cache
 
     def _unchanged_since(self, mark: FeedMark, plan: PredictPlan) -> bool:
         read = plan.reads[0]
@@ -525,9 +533,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return None, []
         if stale:
             return None, []
-        cache = self.caches.get(plan.model_name)
-        if cache is None:
-            cache = self.caches[plan.model_name] = AnswerCache(bounds.max_entries, bounds.ttl_s)
+        cache = self._cache_for(plan.model_name, bounds)
         cache.flushed(found.flush_generation)
         read = plan.reads[0]
         view_version, event_ms = fresh[read.view]
