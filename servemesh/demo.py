@@ -21,25 +21,53 @@ if TYPE_CHECKING:
 
 N_FEATURES = 64
 HIDDEN = 512
+# The compute-bound benchmark model: the same network four times as wide, so one forward
+# pass costs real compute (~1 ms per batch of 16 on one core) and batching, not the
+# protocol, decides throughput.
+HEAVY_HIDDEN = 2048
 DEMO_FEATURES = [f"f{i:02d}" for i in range(N_FEATURES)]
-# A model version whose `source` is "demo:<seed>" is built from the demo MLP with that seed.
+# A model version whose `source` is "demo:<seed>" is built from the demo MLP with that seed;
+# "demo-heavy:<seed>" from the heavy MLP, exported with torch.export.
 DEMO_SOURCE_PREFIX = "demo:"
+HEAVY_SOURCE_PREFIX = "demo-heavy:"
+
+
+def _seed_after(source: str, prefix: str) -> int | None:
+    if not source.startswith(prefix):
+        return None
+    seed = source.removeprefix(prefix)
+    if not seed.isdigit():
+        raise ValueError(f"source: {source!r} is not {prefix}<seed> with a decimal seed")
+    return int(seed)
 
 
 def demo_seed(source: str) -> int | None:
     """The seed a `demo:<seed>` source names; None for any other source."""
-    if not source.startswith(DEMO_SOURCE_PREFIX):
-        return None
-    seed = source.removeprefix(DEMO_SOURCE_PREFIX)
-    if not seed.isdigit():
-        raise ValueError(f"source: {source!r} is not demo:<seed> with a decimal seed")
-    return int(seed)
+    return _seed_after(source, DEMO_SOURCE_PREFIX)
+
+
+def heavy_seed(source: str) -> int | None:
+    """The seed a `demo-heavy:<seed>` source names; None for any other source."""
+    return _seed_after(source, HEAVY_SOURCE_PREFIX)
+
+
+def source_artifact(source: str) -> Artifact | None:
+    """The artifact a built-in source names (`demo:<seed>`, `demo-heavy:<seed>`); None
+    for a version that must already be in the registry."""
+    seed = demo_seed(source)
+    if seed is not None:
+        return demo_artifact(seed)
+    seed = heavy_seed(source)
+    if seed is not None:
+        return heavy_artifact(seed)
+    return None
 
 
 @dataclass(frozen=True)
 class Artifact:
     data: bytes
     sha256: str
+    format: str = "torchscript"  # or torch_export: what the registry records at push
 
     @property
     def size(self) -> int:
@@ -126,6 +154,36 @@ def _sort_final_attributes(code: str) -> str:
 
 def demo_artifact(seed: int) -> Artifact:
     return torchscript_artifact(build_fraud_model(seed))
+
+
+def build_heavy_model(seed: int) -> torch.nn.Module:
+    """MLP 64 -> 2048 -> 2048 -> 1 with a sigmoid (4.3 M multiply-adds a row)."""
+    from servemesh.demo_model import fraud_mlp
+
+    return fraud_mlp(seed, N_FEATURES, HEAVY_HIDDEN)
+
+
+def export_artifact(model: torch.nn.Module, n_features: int = N_FEATURES) -> Artifact:
+    """`model` through torch.export, its first dimension (rows) dynamic, as `.pt2` bytes.
+
+    torch.export.save writes the same bytes for the same weights (names, fixed zip times
+    and a content-derived id), which a re-run of `servemesh up` relies on; a unit test
+    checks it across processes.
+    """
+    import torch
+
+    rows = torch.export.Dim("rows", min=1, max=1 << 16)
+    program = torch.export.export(
+        model, (torch.zeros(2, n_features),), dynamic_shapes={"features": {0: rows}}
+    )
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    data = buffer.getvalue()
+    return Artifact(data=data, sha256=hashlib.sha256(data).hexdigest(), format="torch_export")
+
+
+def heavy_artifact(seed: int) -> Artifact:
+    return export_artifact(build_heavy_model(seed))
 
 
 def demo_signature(n_features: int = N_FEATURES) -> dict[str, list[dict[str, object]]]:

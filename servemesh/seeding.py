@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from servemesh.control_credential import control_metadata_for
-from servemesh.demo import DEMO_FEATURES, demo_features, demo_seed
+from servemesh.demo import DEMO_FEATURES, demo_features, source_artifact
 from servemesh.errors import ServemeshError
 from servemesh.spec import MeshSpec, ResolvedSpec
 
@@ -33,6 +33,7 @@ async def push_seed_version(
     data: bytes,
     signature: dict[str, list[dict[str, object]]],
     source: str,
+    format: str = "torchscript",
 ) -> None:
     """Push one seeded version. The same bytes already there are success (a re-run of
     `servemesh up` on the same state dir); other bytes are a one-line SeedConflict that
@@ -49,6 +50,7 @@ async def push_seed_version(
             outputs=signature["outputs"],
             credential=control_metadata_for(spec.state_dir),
             labels={"source": source},
+            format=format,
         )
     except grpc.aio.AioRpcError as exc:
         if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
@@ -61,19 +63,20 @@ async def push_seed_version(
 
 async def seed_demo(spec: ResolvedSpec, registry: grpc.aio.Channel) -> None:
     """Push the demo model versions to the registry and demo features to Redis."""
-    from servemesh.demo import demo_artifact, demo_signature
+    from servemesh.demo import demo_signature
 
     for model_name, model in spec.models.items():
         for version, version_spec in model.versions.items():
-            seed = demo_seed(version_spec.source)
-            if seed is None:
+            artifact = source_artifact(version_spec.source)
+            if artifact is None:
                 continue
             await push_seed_version(
                 spec,
                 registry,
                 model=model_name,
                 version=version,
-                data=demo_artifact(seed).data,
+                data=artifact.data,
+                format=artifact.format,
                 signature=demo_signature(len(model.features)),
                 source=version_spec.source,
             )

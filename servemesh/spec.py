@@ -117,7 +117,8 @@ class BatchingSpec(_Strict):
 
 class ModelVersionSpec(_Strict):
     # Where the artifact comes from when the mesh is seeded: "demo:<seed>" builds the demo
-    # MLP with that seed; otherwise the version must already be in the registry.
+    # MLP with that seed, "demo-heavy:<seed>" the compute-bound benchmark MLP (64 -> 2048 ->
+    # 2048 -> 1, torch.export); otherwise the version must already be in the registry.
     source: str = "registry"
     # Artificial extra latency per batch (ms): for drills and deadline tests, never in prod.
     inject_latency_ms: Annotated[float, Field(ge=0, le=60_000)] = 0.0

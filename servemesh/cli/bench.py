@@ -34,6 +34,7 @@ def cmd_bench_predict(args: argparse.Namespace) -> int:
         as_json=args.json,
         direct=args.direct,
         idle_s=args.idle_seconds,
+        model=args.model,
     )
 
 
@@ -79,6 +80,7 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         against=args.against,
         as_json=args.json,
+        model=args.model,
     )
 
 
@@ -197,6 +199,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=20.0,
         help="the mesh's idle CPU is read over this long, before the load (default 20)",
     )
+    bench_predict.add_argument(
+        "--model",
+        choices=["demo", "heavy"],
+        default="demo",
+        help="the spec's models (demo, default) or the compute-bound heavy MLP alone in their "
+        "place (target: edge >= 0.85x the model server alone at c=64)",
+    )
     bench_predict.add_argument("--json", action="store_true", help="print the report as JSON")
     bench_predict.add_argument("--json-out", help="also write the report here")
     bench_predict.set_defaults(func=cmd_bench_predict)
@@ -251,6 +260,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         choices=["triton"],
         default=[],
         help="peers measured in the same run (triton: pytriton from .venv-pytriton)",
+    )
+    bench_model.add_argument(
+        "--model",
+        choices=["demo", "heavy"],
+        default="demo",
+        help="demo: the demo MLP, protocol-bound (default); heavy: a 2048-wide MLP exported "
+        "with torch.export, compute-bound (closed loops, mean batch formed)",
     )
     bench_model.set_defaults(func=cmd_bench_model)
     bench_stream = bench_sub.add_parser(

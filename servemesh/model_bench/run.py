@@ -30,6 +30,11 @@ model computed. The mix runs twice: on the demo MLP, where the overload queues u
 gRPC before any request reaches the batcher (protocol-bound), and on the same MLP made
 model-bound (4 ms added to every batch of at most 8, as a slower or accelerator-hosted
 model would take), where the queue forms in the batcher.
+
+`--model heavy` measures the compute-bound model instead (`models.py`: the same network
+2048 wide, a torch.export program, served as such by the model server and by Triton):
+adaptive, fixed window, batching off, echo and Triton in closed loops, the mean batch each
+formed beside its req/s. There the batcher, not the protocol, decides.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from typing import Any
 from servemesh.errors import ServemeshError
 from servemesh.load.stats import SPREAD_LIMIT, spread
 from servemesh.model_bench.load import LoadResult, closed_loop, open_loop, request_bodies
+from servemesh.model_bench.models import BENCH_MODELS, BenchModel
 from servemesh.procs import Check, StartError, Supervisor
 
 REPO = Path(__file__).resolve().parents[2]
@@ -95,6 +101,11 @@ class BenchConfig:
     repeats: int = 3
     against: tuple[str, ...] = ()  # peers measured in the same run: "triton"
     pytriton_python: Path = PYTRITON_PYTHON
+    model: str = "demo"  # a key of BENCH_MODELS
+
+    @property
+    def bench_model(self) -> BenchModel:
+        return BENCH_MODELS[self.model]
 
     def targets(self) -> list[Target]:
         common = {
@@ -107,7 +118,19 @@ class BenchConfig:
         everything = ("closed", "open", "mix")
         peers = []
         if "triton" in self.against:
-            peers.append(Target(TRITON, "triton", dict(common)))
+            loads = ("closed", "open") if self.model == "demo" else ("closed",)
+            peers.append(Target(TRITON, "triton", dict(common), scenarios=loads))
+        if self.model != "demo":
+            # Compute-bound: closed loops only; the deadline mixes and the injected-latency
+            # targets are the demo's questions (a protocol-bound and a sleeping model).
+            closed = ("closed",)
+            return [
+                Target("servemesh adaptive", "model", dict(common), scenarios=closed),
+                Target("fixed window", "model", {**common, **fixed}, scenarios=closed),
+                Target("batching off", "model", {**common, "max_batch_size": 1}, scenarios=closed),
+                Target("echo (protocol ceiling)", "echo", scenarios=closed),
+                *peers,
+            ]
         return [
             Target("servemesh adaptive", "model", dict(common), scenarios=everything),
             Target("fixed window", "model", {**common, **fixed}, scenarios=everything),
@@ -147,12 +170,12 @@ def _target_argv(target: Target, config: BenchConfig, port_file: Path, workdir: 
             raise TargetUnavailable(
                 f"{python} is missing: `make pytriton-venv` installs nvidia-pytriton there"
             )
-        model_file = workdir / "fraud-v1.pt"
-        if not model_file.exists():
-            from servemesh.demo import demo_artifact
-
-            model_file.write_bytes(demo_artifact(1).data)
+        model = config.bench_model
+        artifact = model.artifact(1)
+        model_file = workdir / f"{model.name}-v1.{artifact.format}"
+        model_file.write_bytes(artifact.data)
         argv = [str(python), str(TRITON_SERVER), "--model-file", str(model_file)]
+        argv += ["--format", artifact.format, "--model-name", model.name]
         argv += ["--port-file", str(port_file), "--workspace", str(workdir / "pytriton")]
         argv += ["--max-batch", str(target.batching.get("max_batch_size", 64))]
         delay_ms = float(target.batching.get("max_queue_delay_ms", 2.0))
@@ -160,6 +183,7 @@ def _target_argv(target: Target, config: BenchConfig, port_file: Path, workdir: 
     else:
         argv = [sys.executable, "-m", "servemesh.model_bench.targets", target.kind]
         argv += ["--batching", json.dumps(target.batching), "--port-file", str(port_file)]
+        argv += ["--model", config.model]
         if target.inject_latency_ms:
             argv += ["--inject-latency-ms", str(target.inject_latency_ms)]
     if config.server_cpu is not None:
@@ -299,7 +323,7 @@ def _row(target: str, result: LoadResult, window: ServerWindow) -> dict[str, Any
 def ceiling(config: BenchConfig) -> dict[str, Any]:
     argv = [sys.executable, "-m", "servemesh.model_bench.targets", "ceiling"]
     argv += ["--seconds", str(max(1.5, config.seconds)), "--batching"]
-    argv += [json.dumps({"max_batch_size": config.max_batch_size})]
+    argv += [json.dumps({"max_batch_size": config.max_batch_size}), "--model", config.model]
     if config.server_cpu is not None:
         argv += ["--cpu", str(config.server_cpu)]
     done = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300)
@@ -403,7 +427,7 @@ def bench_model(config: BenchConfig, say: Any = print) -> dict[str, Any]:
     if config.repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {config.repeats}")
     _pin_client(config.client_cpu)
-    rounds = _Rounds(config, request_bodies("fraud"), say)
+    rounds = _Rounds(config, request_bodies(config.bench_model.name), say)
     skipped: dict[str, str] = {}
     say("in-process ceiling (model and batcher, no gRPC)...")
     ceilings = ceiling(config)
@@ -566,9 +590,38 @@ def _find(rows: list[dict[str, Any]], target: str, mode: str, concurrency: int =
     return None
 
 
+def _check_row(found: list[dict[str, Any]], name: str, value: Any, goal: str, met: Any) -> None:
+    shown = round(value, 2) if isinstance(value, (int, float)) else value
+    found.append({"target": name, "value": shown, "goal": goal, "met": met})
+
+
+def heavy_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue #26's compute-bound targets: at least Triton's req/s at c=16 and c=64, where
+    the batcher decides; and what batching buys over batching off."""
+    rows = report["rows"]
+    found: list[dict[str, Any]] = []
+    for c in (16, 64):
+        ours = _find(rows, "servemesh adaptive", "closed", c)
+        peer = _find(rows, TRITON, "closed", c)
+        name = f"heavy c={c} req/s vs Triton, same run (x)"
+        if ours and peer and peer["rps"]:
+            ratio = ours["rps"] / peer["rps"]
+            _check_row(found, name, ratio, ">= 1.0", ratio >= 1.0)
+        elif ours and TRITON in report.get("skipped", {}):
+            _check_row(found, name, "skipped", ">= 1.0", None)
+    ours = _find(rows, "servemesh adaptive", "closed", 64)
+    off = _find(rows, "batching off", "closed", 64)
+    if ours and off and off["rps"]:
+        ratio = ours["rps"] / off["rps"]
+        _check_row(found, "heavy c=64 req/s vs batching off (x)", ratio, ">= 2", ratio >= 2.0)
+    return found
+
+
 def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issues #3 and #13's targets, each with the value measured in this run and whether it
-    was met (None: its peer was skipped, the reason in `value`)."""
+    """Issues #3 and #13's targets (#26's for the heavy model), each with the value measured
+    in this run and whether it was met (None: its peer was skipped, the reason in `value`)."""
+    if report.get("config", {}).get("model", "demo") != "demo":
+        return heavy_checks(report)
     rows = report["rows"]
     adaptive64 = _find(rows, "servemesh adaptive", "closed", 64)
     adaptive16 = _find(rows, "servemesh adaptive", "closed", 16)
@@ -579,8 +632,7 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
 
     def check(name: str, value: float | str, goal: str, met: bool | None) -> None:
-        shown = round(value, 2) if isinstance(value, (int, float)) else value
-        found.append({"target": name, "value": shown, "goal": goal, "met": met})
+        _check_row(found, name, value, goal, met)
 
     if adaptive64:
         if triton64 and triton64["rps"]:
@@ -649,7 +701,8 @@ def print_report(report: dict[str, Any]) -> None:
 
     table = Table(
         title=(
-            f"ModelInfer, 1 row per request: medians of {report['config']['repeats']} repeats, "
+            f"ModelInfer ({report['config'].get('model', 'demo')} model), 1 row per request: "
+            f"medians of {report['config']['repeats']} repeats, "
             "req/s min-max (* re-run once for a spread over 25%; ! still wide)"
         ),
         title_justify="left",
@@ -715,7 +768,12 @@ def print_report(report: dict[str, Any]) -> None:
 
     for name, reason in report.get("skipped", {}).items():
         console.print(f"[yellow]{name}: skipped[/yellow]: {reason}")
-    table = Table(title="Targets (issues #3 and #13), from this run", title_justify="left")
+    title = (
+        "Targets (issues #3 and #13)"
+        if report["config"].get("model") == "demo"
+        else (f"Targets for the {report['config'].get('model')} model (issue #26)")
+    )
+    table = Table(title=f"{title}, from this run", title_justify="left")
     for column in ("target", "measured", "goal", "met"):
         table.add_column(column, justify="left" if column == "target" else "right")
     for check in report["checks"]:
@@ -744,8 +802,10 @@ def main(
     repeats: int = 3,
     against: list[str] | None = None,
     as_json: bool = False,
+    model: str = "demo",
 ) -> int:
     config = BenchConfig(server_cpu=server_cpu, client_cpu=client_cpu, repeats=repeats)
+    config.model = model
     config.against = tuple(against or ())
     if quick:
         config.seconds, config.warmup_s = 1.5, 0.5

@@ -1,11 +1,13 @@
 """The processes `servemesh bench model` measures, each pinned to the server core.
 
     python -m servemesh.model_bench.targets model --batching '{"dispatch": "fixed_window"}'
+    python -m servemesh.model_bench.targets model --model heavy
     python -m servemesh.model_bench.targets echo
     python -m servemesh.model_bench.targets ceiling --seconds 2
 
 `model` is the real model server (`services.model.service.build_server`, metrics endpoint
-included) hosting the demo fraud MLP, loaded from its artifact instead of a registry. `echo`
+included) hosting a bench model (`models.py`: the demo fraud MLP by default, `--model heavy`
+the compute-bound one), loaded from its artifact instead of a registry. `echo`
 is the same server stack (ServiceServer, OIP servicer, same request and answer sizes) with
 no validation, batching or model: the protocol ceiling. Both write their ports as JSON to
 --port-file once serving, and drain on SIGTERM. `ceiling` prints, as JSON, what the model
@@ -26,7 +28,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from servemesh.demo import N_FEATURES, demo_artifact
+from servemesh.demo import N_FEATURES
+from servemesh.model_bench.models import BENCH_MODELS, BenchModel
 from servemesh.services.model.loader import LoadedModel, ModelLoader, load_model
 from servemesh.services.model.service import SERVICE_NAME, build_server
 from servemesh.services.model.tensors import Signature, TensorSig
@@ -45,7 +48,6 @@ from servemesh.wire import REPLICA_PARAMETER, ZONE_PARAMETER
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 
-MODEL = "fraud"
 VERSION = "v1"
 INSTANCE = "model-zone-a-0"
 SIGNATURE = Signature(
@@ -59,8 +61,8 @@ def pin(cpu: int | None) -> None:
         os.sched_setaffinity(0, {cpu})
 
 
-def bench_spec(batching: BatchingSpec) -> ResolvedSpec:
-    """One model server in one zone, hosting fraud v1 with `batching`, on free ports."""
+def bench_spec(batching: BatchingSpec, model: BenchModel) -> ResolvedSpec:
+    """One model server in one zone, hosting `model` v1 with `batching`, on free ports."""
     return resolve(
         MeshSpec(
             zones=["zone-a"],
@@ -69,8 +71,8 @@ def bench_spec(batching: BatchingSpec) -> ResolvedSpec:
             gateway=Replicas(per_zone={"zone-a": 1}),
             feature=Replicas(per_zone={"zone-a": 1}),
             models={
-                MODEL: ModelSpec(
-                    versions={VERSION: ModelVersionSpec(source="demo:1")},
+                model.name: ModelSpec(
+                    versions={VERSION: ModelVersionSpec(source=model.source(1))},
                     traffic={VERSION: 100},
                     batching=batching,
                 )
@@ -79,21 +81,25 @@ def bench_spec(batching: BatchingSpec) -> ResolvedSpec:
     )
 
 
-def demo_loader(batching: BatchingSpec, inject_latency_ms: float = 0.0) -> ModelLoader:
-    """Loads the demo MLP (seed 1), verified and warmed up, as if the registry served it.
+def bench_loader(
+    batching: BatchingSpec, model: BenchModel, inject_latency_ms: float = 0.0
+) -> ModelLoader:
+    """Loads `model` (seed 1), verified and warmed up, as if the registry served it.
 
     `inject_latency_ms` adds a sleep to every batch (the spec's drill knob): a slower model,
     or one on an accelerator, that keeps the model busy without using the CPU.
     """
 
-    async def load(model: str, version: str) -> LoadedModel:
-        artifact = demo_artifact(1)
+    artifact = model.artifact(1)
+
+    async def load(name: str, version: str) -> LoadedModel:
         return await load_model(
             artifact.data,
-            model=model,
+            model=name,
             version=version,
             sha256=artifact.sha256,
             signature=SIGNATURE,
+            format="torch_export" if artifact.format == "torch_export" else "torchscript",
             batching=batching,
             inject_latency_ms=inject_latency_ms,
         )
@@ -123,11 +129,15 @@ class EchoServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
 
 async def serve(
-    kind: str, batching: BatchingSpec, port_file: Path, inject_latency_ms: float = 0.0
+    kind: str,
+    batching: BatchingSpec,
+    port_file: Path,
+    inject_latency_ms: float = 0.0,
+    model: BenchModel = BENCH_MODELS["demo"],
 ) -> None:
-    spec = bench_spec(batching)
+    spec = bench_spec(batching, model)
     if kind == "model":
-        loader = demo_loader(batching, inject_latency_ms)
+        loader = bench_loader(batching, model, inject_latency_ms)
         server = await build_server(spec, INSTANCE, loader=loader, tls=False)
         ports = {"port": 0, "metrics_port": spec.metrics_ports[INSTANCE]}
     else:
@@ -145,17 +155,20 @@ async def serve(
     await server.serve_until_signalled()
 
 
-def ceiling(seconds: float, max_batch: int) -> dict[str, Any]:
+def ceiling(
+    seconds: float, max_batch: int, model: BenchModel = BENCH_MODELS["demo"]
+) -> dict[str, Any]:
     """The model in-process: forward passes alone, then the batcher without gRPC."""
     from servemesh.services.model.batching import Batcher
     from servemesh.services.model.runner import ModelRunner
 
-    artifact = demo_artifact(1)
+    artifact = model.artifact(1)
     runner = ModelRunner.from_bytes(
         artifact.data,
         sha256=artifact.sha256,
-        model=MODEL,
+        model=model.name,
         version=VERSION,
+        format="torch_export" if artifact.format == "torch_export" else "torchscript",
         row_shape=(N_FEATURES,),
         output_row_shape=(1,),
         max_batch_size=max_batch,
@@ -214,15 +227,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port-file", type=Path)
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--inject-latency-ms", type=float, default=0.0)
+    parser.add_argument("--model", choices=sorted(BENCH_MODELS), default="demo")
     args = parser.parse_args(argv)
     pin(args.cpu)
     batching = BatchingSpec(**json.loads(args.batching))
+    model = BENCH_MODELS[args.model]
     if args.kind == "ceiling":
-        print(json.dumps(ceiling(args.seconds, batching.max_batch_size)))
+        print(json.dumps(ceiling(args.seconds, batching.max_batch_size, model)))
         return
     if args.port_file is None:
         parser.error("--port-file is required for a server")
-    asyncio.run(serve(args.kind, batching, args.port_file, args.inject_latency_ms))
+    asyncio.run(serve(args.kind, batching, args.port_file, args.inject_latency_ms, model))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
-"""Triton Inference Server (through nvidia-pytriton) serving the demo MLP: the bench's peer.
+"""Triton Inference Server (through nvidia-pytriton) serving a bench model: the bench's peer.
 
     .venv-pytriton/bin/python servemesh/model_bench/triton_server.py \\
         --model-file fraud.pt --port-file triton.json --cpu 0
 
 Run by path with the pytriton venv's interpreter (`make pytriton-venv`), never imported by
 servemesh: pytriton pins its own grpcio, protobuf and numpy, so this file imports nothing
-of the project. The model is the same TorchScript artifact the model server loads (the
-bench writes it to --model-file), run with torch on the CPU inside the pytriton callable,
+of the project. The model is the same artifact the model server loads (the bench writes it
+to --model-file: TorchScript, or a torch.export program with `--format torch_export`, which
+the bench built itself), run with torch on the CPU inside the pytriton callable,
 one intra-op thread like the model server's runner. Dynamic batching as configured
 (default: max batch 64, 2 ms queue delay). Every process (tritonserver, its Python backend
 stub, this proxy) inherits the --cpu pinning. Once the model is ready, the ports are
@@ -26,7 +27,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-MODEL = "fraud"
 N_FEATURES = 64
 
 
@@ -52,12 +52,15 @@ def _prefer_own_libpython() -> None:
         os.environ["LD_LIBRARY_PATH"] = ":".join(paths)
 
 
-def _infer_func(model_file: Path) -> Any:
+def _infer_func(model_file: Path, format: str) -> Any:
     import numpy as np
     import torch
     from pytriton.decorators import batch  # type: ignore[import-not-found]
 
-    module = torch.jit.load(str(model_file), map_location="cpu").eval()
+    if format == "torch_export":
+        module = torch.export.load(str(model_file)).module()
+    else:
+        module = torch.jit.load(str(model_file), map_location="cpu").eval()
     pinned: set[int] = set()
 
     @batch  # type: ignore[untyped-decorator]
@@ -98,8 +101,8 @@ def serve(args: argparse.Namespace) -> None:
     triton = Triton(config=config, workspace=args.workspace)
     try:
         triton.bind(
-            model_name=MODEL,
-            infer_func=_infer_func(args.model_file),
+            model_name=args.model_name,
+            infer_func=_infer_func(args.model_file, args.format),
             inputs=[Tensor(name="features", dtype=np.float32, shape=(N_FEATURES,))],
             outputs=[Tensor(name="score", dtype=np.float32, shape=(1,))],
             config=ModelConfig(
@@ -119,7 +122,9 @@ def serve(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="triton_server.py")
-    parser.add_argument("--model-file", type=Path, required=True, help="TorchScript artifact")
+    parser.add_argument("--model-file", type=Path, required=True, help="the model artifact")
+    parser.add_argument("--format", choices=["torchscript", "torch_export"], default="torchscript")
+    parser.add_argument("--model-name", default="fraud")
     parser.add_argument("--port-file", type=Path, required=True)
     parser.add_argument("--workspace", type=Path, help="pytriton's model store (default: temp)")
     parser.add_argument("--cpu", type=int, help="pin this process and its children to this CPU")

@@ -19,6 +19,7 @@ from servemesh.model_bench.run import (
     checks,
 )
 from servemesh.model_bench.targets import EchoServicer
+from servemesh.services.model.artifacts import open_artifact
 from servemesh.services.model.service import SERVICE_NAME
 from servemesh.services.runtime import ServiceServer
 from servemesh_api.inference import grpc_service_pb2 as oip
@@ -168,3 +169,66 @@ def test_bench_model_command_line() -> None:
     ]
     fixed = BenchConfig().targets()[1].batching
     assert fixed["dispatch"] == "fixed_window" and fixed["deadline_policy"] == "ignore"
+
+
+def test_the_heavy_model_is_a_checked_export_that_computes_what_its_network_does() -> None:
+    import torch
+
+    from servemesh.demo import build_heavy_model
+    from servemesh.model_bench.models import BENCH_MODELS
+
+    artifact = BENCH_MODELS["heavy"].artifact(1)
+    opened = open_artifact(artifact.data)  # the pt2 guard's allowlist first, as served
+    assert opened.format == "torch_export" == artifact.format
+    assert opened.signature is not None
+    [features] = opened.signature.inputs
+    [score] = opened.signature.outputs
+    assert (features.name, features.datatype, features.shape) == ("features", "FP32", (-1, 64))
+    assert (score.datatype, score.shape) == ("FP32", (-1, 1))
+    rows = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.allclose(opened.module(rows), build_heavy_model(1)(rows), atol=1e-6)
+
+
+def test_the_heavy_bench_measures_closed_loops_of_the_batching_targets() -> None:
+    config = BenchConfig(model="heavy", against=("triton",))
+    found = {t.name: t.scenarios for t in config.targets()}
+    assert found == {
+        "servemesh adaptive": ("closed",),
+        "fixed window": ("closed",),
+        "batching off": ("closed",),
+        "echo (protocol ceiling)": ("closed",),
+        "triton (pytriton)": ("closed",),
+    }
+
+
+def test_heavy_checks_compare_with_triton_at_16_and_64() -> None:
+    def row(target: str, concurrency: int, rps: float) -> dict[str, object]:
+        return {"target": target, "mode": "closed", "concurrency": concurrency, "rps": rps}
+
+    report = {
+        "config": {"model": "heavy"},
+        "rows": [
+            row("servemesh adaptive", 16, 1100),
+            row("servemesh adaptive", 64, 1500),
+            row("triton (pytriton)", 16, 1000),
+            row("triton (pytriton)", 64, 1600),
+            row("batching off", 64, 600),
+        ],
+    }
+    found = {c["target"]: (c["value"], c["met"]) for c in checks(report)}
+    assert found == {
+        "heavy c=16 req/s vs Triton, same run (x)": (1.1, True),
+        "heavy c=64 req/s vs Triton, same run (x)": (0.94, False),
+        "heavy c=64 req/s vs batching off (x)": (2.5, True),
+    }
+
+
+def test_bench_model_and_predict_take_the_heavy_model() -> None:
+    args = build_parser().parse_args(["bench", "model", "--model", "heavy"])
+    assert args.model == "heavy"
+    assert build_parser().parse_args(["bench", "model"]).model == "demo"
+    args = build_parser().parse_args(["bench", "predict", "--model", "heavy"])
+    assert args.model == "heavy"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "model", "--model", "huge"])

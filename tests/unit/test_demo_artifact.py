@@ -9,9 +9,17 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 import torch
 
-from servemesh.demo import build_fraud_model, demo_artifact, demo_seed
+from servemesh.demo import (
+    build_fraud_model,
+    demo_artifact,
+    demo_seed,
+    heavy_artifact,
+    heavy_seed,
+    source_artifact,
+)
 
 EXPORT = "from servemesh.demo import demo_artifact; print(demo_artifact({seed}).sha256)"
 # An unrelated model with nn.Linear layers, scripted before the demo in the same process.
@@ -72,3 +80,33 @@ def test_what_the_process_scripted_before_does_not_change_the_bytes(tmp_path: Pa
     # the demo network has no such class, so an unrelated model scripted first changes nothing.
     plain = exported_sha256("0", tmp_path, seed=4)
     assert exported_sha256("0", tmp_path, seed=4, prelude=SCRIPT_OTHER_FIRST) == plain
+
+
+HEAVY_EXPORT = "from servemesh.demo import heavy_artifact; print(heavy_artifact(5).sha256)"
+
+
+def test_the_heavy_artifact_is_the_same_bytes_in_another_process(tmp_path: Path) -> None:
+    # `servemesh up` re-seeds a state dir with the same bytes or refuses the conflict.
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", HEAVY_EXPORT],
+        env={**os.environ, "PYTHONHASHSEED": "3"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
+    )
+    assert done.stdout.strip() == heavy_artifact(5).sha256
+
+
+def test_built_in_sources_name_their_artifact_and_its_format() -> None:
+    assert heavy_seed("demo-heavy:3") == 3 and heavy_seed("demo:3") is None
+    assert demo_seed("demo-heavy:3") is None
+    demo = source_artifact("demo:1")
+    heavy = source_artifact("demo-heavy:1")
+    assert demo is not None and demo.format == "torchscript"
+    assert demo.sha256 == demo_artifact(1).sha256
+    assert heavy is not None and heavy.format == "torch_export"
+    assert source_artifact("registry") is None
+    with pytest.raises(ValueError, match="demo-heavy:<seed>"):
+        heavy_seed("demo-heavy:x")

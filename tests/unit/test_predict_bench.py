@@ -10,6 +10,8 @@ from servemesh.bench import (
     EDGE,
     MODEL_ALONE,
     Round,
+    heavy_spec,
+    heavy_target_checks,
     mesh_cpu,
     paired_ratios,
     per_repeat_ratios,
@@ -17,6 +19,7 @@ from servemesh.bench import (
     target_checks,
 )
 from servemesh.load.stats import spread
+from servemesh.spec import MeshSpec
 
 
 def _round(target: str, c: int, repeat: int, rps: float, cpu: dict[str, float]) -> Round:
@@ -77,3 +80,24 @@ def test_targets_are_ratios_of_the_same_repeat_and_bounds() -> None:
         "edge p99 ms, c=64 <=": (51.0, True),
         "mesh memory (RSS) MiB <=": (1000.0, True),
     }
+
+
+def test_the_heavy_spec_serves_the_heavy_model_alone_on_the_first_models_view() -> None:
+    spec = heavy_spec(MeshSpec())
+    assert list(spec.models) == ["heavy"]
+    heavy = spec.models["heavy"]
+    assert {v: s.source for v, s in heavy.versions.items()} == {
+        "v1": "demo-heavy:1",
+        "v2": "demo-heavy:2",
+    }
+    assert heavy.traffic == {"v1": 100, "v2": 0}
+    assert heavy.feature_view == MeshSpec().models["fraud"].feature_view
+    assert heavy.tiers is None and heavy.shadow is None
+
+
+def test_the_heavy_target_is_the_mesh_over_its_model_server_alone() -> None:
+    [check] = heavy_target_checks({"rps_over_alone_c64": [0.8, 0.9, 0.86]})
+    assert check["measured"] == 0.86 and check["goal"] == 0.85 and check["met"] is True
+    [check] = heavy_target_checks({"rps_over_alone_c64": [0.8, 0.84, 0.9]})
+    assert check["met"] is False
+    assert heavy_target_checks({}) == []

@@ -1,0 +1,42 @@
+"""The models `servemesh bench model` and `bench predict` can measure, by key.
+
+`demo` is the mesh's demo MLP (64 -> 512 -> 512 -> 1, TorchScript): so light that the
+protocol is the whole cost. `heavy` is the same network 2048 wide, exported with
+torch.export: a forward pass costs ~1 ms per batch of 16 on one core, so batching, not the
+protocol, decides what a server reaches. Both take `features` FP32 [n, 64] and answer
+`score` FP32 [n, 1]: the same requests measure either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servemesh.demo import DEMO_SOURCE_PREFIX, HEAVY_SOURCE_PREFIX, Artifact, source_artifact
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    key: str  # what --model names
+    name: str  # the model's name on the wire and in the spec
+    source_prefix: str  # the spec source that builds it: <prefix><seed>
+
+    def artifact(self, seed: int = 1) -> Artifact:
+        built = source_artifact(self.source(seed))
+        assert built is not None  # every prefix here is a built-in source
+        return built
+
+    def source(self, seed: int = 1) -> str:
+        return f"{self.source_prefix}{seed}"
+
+
+BENCH_MODELS = {
+    "demo": BenchModel("demo", "fraud", DEMO_SOURCE_PREFIX),
+    "heavy": BenchModel("heavy", "heavy", HEAVY_SOURCE_PREFIX),
+}
+
+
+def bench_model_named(key: str) -> BenchModel:
+    try:
+        return BENCH_MODELS[key]
+    except KeyError:
+        raise ValueError(f"model: {key!r} is not one of {sorted(BENCH_MODELS)}") from None
