@@ -109,6 +109,10 @@ def canonical_torchscript(data: bytes) -> bytes:
     of the installed torch sources; and every archive gets a random serialization id.
     Here the Final attributes are sorted, the optional debug tables dropped, the id
     derived from the content, and the zip rewritten with fixed timestamps.
+
+    A fourth depends on the process: a class scripted when one of its name was scripted
+    before in the same process is saved as `<module>.___torch_mangle_<n>.<class>`. Where
+    the plain name is free in the archive, the mangling is taken back out (`_unmangle`).
     """
     entries: list[tuple[str, bytes]] = []
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
@@ -124,6 +128,7 @@ def canonical_torchscript(data: bytes) -> bytes:
             (i.filename for i in archive.infolist() if i.filename.endswith(_SERIALIZATION_ID)),
             None,
         )
+    entries = _unmangle(entries)
     digest = hashlib.sha256()
     for name, content in entries:
         digest.update(name.encode() + b"\0" + content)
@@ -135,6 +140,45 @@ def canonical_torchscript(data: bytes) -> bytes:
         for name, content in entries:
             archive.writestr(zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0)), content)
     return out.getvalue()
+
+
+_MANGLED = re.compile(rb"(__torch__(?:\.\w+)*?)\.___torch_mangle_\d+")
+
+
+def _unmangle(entries: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    """The entries with `.___torch_mangle_<n>` taken out of module names, where that is
+    safe: each mangled module's plain name is not in the archive already (no two classes
+    would share a name), and in pickles the names occur only as class references (GLOBAL,
+    newline-terminated: no length field to fix up). Otherwise the entries come back as
+    they were."""
+    import pickletools
+
+    mangled = {m.group(0) for _, content in entries for m in _MANGLED.finditer(content)}
+    if not mangled:
+        return entries
+    plain = {name: _MANGLED.sub(rb"\1", name) for name in mangled}
+    if len(set(plain.values())) != len(plain):
+        return entries
+    paths = {path for path, _ in entries}
+    for target in plain.values():
+        module_path = target.decode().replace(".", "/")
+        if any(p.endswith(f"/code/{module_path}.py") for p in paths):
+            return entries
+    fixed: list[tuple[str, bytes]] = []
+    for path, content in entries:
+        if path.endswith(".pkl") and _MANGLED.search(content):
+            in_globals = sum(
+                len(_MANGLED.findall(str(arg).encode()))
+                for op, arg, _ in pickletools.genops(content)
+                if op.name == "GLOBAL"
+            )
+            if in_globals != len(_MANGLED.findall(content)):
+                return entries
+        path = _MANGLED.sub(rb"\1", path.encode()).decode()
+        # A mangled module's code file is `<module>/___torch_mangle_<n>.py`.
+        path = re.sub(r"/___torch_mangle_\d+\.py$", ".py", path)
+        fixed.append((path, _MANGLED.sub(rb"\1", content)))
+    return fixed
 
 
 def _sort_final_attributes(code: str) -> str:

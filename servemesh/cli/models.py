@@ -640,11 +640,114 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_reference(path: Path, signature: Signature) -> dict[str, Any]:
+    """Reference rows from a file: `.npz` (an array per input name) or `.npy` (the one
+    input's rows). Never unpickled: object arrays are refused."""
+    import numpy as np
+
+    try:
+        loaded = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ModelsError(_one_line(f"--reference {path}: cannot read: {exc}")) from None
+    if isinstance(loaded, np.ndarray):
+        if not signature.single:
+            names = [t.name for t in signature.inputs]
+            raise ModelsError(f"--reference {path}: the model takes {names}; give an .npz")
+        return {signature.input.name: loaded}
+    with loaded:
+        return {name: loaded[name] for name in loaded.files}
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """Pull the version (sha256-verified), derive it (`servemesh.quantize`), check it on
+    reference rows, then push it as a version of its own with lineage and metrics."""
+    from servemesh.edge.export import signature_of
+    from servemesh.quantize import QuantizeError, quantize_version
+    from servemesh.registry.client import fetch_verified
+
+    mesh = running_mesh(args)
+    name = args.as_version or f"{args.version}-{args.to}"
+    try:
+        check_name(name, "--as")
+    except InvalidArgumentError as exc:
+        raise ModelsError(exc.message) from None
+
+    async def pull() -> tuple[registry_pb2.ModelVersion, bytes]:
+        async with mesh.registry_channel() as channel:
+            try:
+                return await fetch_verified(
+                    channel,
+                    args.model,
+                    args.version,
+                    timeout=UPLOAD_TIMEOUT_S,
+                    max_bytes=mesh.spec.limits.max_artifact_bytes,
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise _rpc_error(f"the registry at {mesh.spec.registry_address}", exc) from None
+
+    record, data = asyncio.run(pull())
+    signature = signature_of(record)
+    rows = read_reference(Path(args.reference), signature) if args.reference else None
+    try:
+        derived = quantize_version(
+            data,
+            record,
+            args.to,
+            rows=rows,
+            max_abs_error=args.max_abs_error,
+            min_agreement=args.min_agreement,
+        )
+    except QuantizeError as exc:
+        raise ModelsError(_one_line(str(exc))) from None
+
+    async def upload() -> registry_pb2.ModelVersion:
+        async with mesh.registry_channel() as channel:
+            try:
+                return await push_version(
+                    channel,
+                    model=record.model,
+                    version=name,
+                    data=derived.data,
+                    inputs=[_spec(t) for t in signature.inputs],
+                    outputs=[_spec(t) for t in signature.outputs],
+                    credential=mesh.credential(),
+                    labels={"derived": derived.method},
+                    lineage=derived.lineage(),
+                    metrics=derived.accuracy.metrics(),
+                    format=derived.format,
+                    timeout=UPLOAD_TIMEOUT_S,
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise _rpc_error(
+                    f"the registry at {mesh.spec.registry_address} refused", exc
+                ) from None
+
+    pushed = asyncio.run(upload())
+    accuracy = derived.accuracy
+    out.print(
+        f"pushed {pushed.model} {pushed.version}: {derived.method} of {record.version} "
+        f"({derived.layers} layers), {pushed.format}, {_size(pushed.size_bytes)} (source "
+        f"{_size(record.size_bytes)}), sha256 {pushed.sha256}",
+        highlight=False,
+        markup=False,
+    )
+    out.print(
+        f"checked on {accuracy.rows} reference rows: max |error| {accuracy.max_abs_error:.4g} "
+        f"(limit {args.max_abs_error:g}), labels agree {accuracy.label_agreement:.1%} "
+        f"(limit {args.min_agreement:.1%})",
+        highlight=False,
+        markup=False,
+    )
+    return 0
+
+
 # --- the parser ----------------------------------------------------------------------------
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    models = sub.add_parser("models", help="push, list, show, alias and export model versions")
+    models = sub.add_parser(
+        "models", help="push, list, show, alias, export and quantize model versions"
+    )
     add_mesh_flags(models)
     verbs = models.add_subparsers(dest="verb", required=True)
 
@@ -705,3 +808,32 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--rtol", type=float, default=1e-3, help="allowed relative difference (default 1e-3)"
     )
     export.set_defaults(func=cmd_export, error_label="models export")
+
+    quantize = verbs.add_parser(
+        "quantize",
+        help="push a derived version: dynamic INT8 (CPU) or FP16/BF16 weights (GPU), checked "
+        "on reference rows; refused with the numbers when it answers too far off",
+    )
+    add_mesh_flags(quantize, inherited=True)
+    quantize.add_argument("model")
+    quantize.add_argument("version", help="the source: a version or an alias")
+    quantize.add_argument("--to", required=True, choices=("int8", "fp16", "bf16"))
+    quantize.add_argument("--as", dest="as_version", help="the new version (default VERSION-TO)")
+    quantize.add_argument(
+        "--reference",
+        help="reference rows: .npz (an array per input) or .npy (one input); default: drawn "
+        "from the signature (zeros, ones, 64 seeded normal rows)",
+    )
+    quantize.add_argument(
+        "--max-abs-error",
+        type=float,
+        default=0.05,
+        help="refuse beyond this absolute error on any output (default 0.05)",
+    )
+    quantize.add_argument(
+        "--min-agreement",
+        type=float,
+        default=0.99,
+        help="refuse when fewer rows agree on the label (argmax, or > 0.5; default 0.99)",
+    )
+    quantize.set_defaults(func=cmd_quantize, error_label="models quantize")

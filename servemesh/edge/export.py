@@ -51,10 +51,14 @@ __all__ = [
     "ExportRefused",
     "Exported",
     "OutputCheck",
+    "answers_of",
     "export_version",
+    "load_original",
     "manifest_path",
+    "program_of",
     "reference_rows",
     "run_onnx",
+    "signature_of",
     "write_export",
 ]
 
@@ -166,7 +170,7 @@ def reference_rows(
     return found
 
 
-def _signature_of(record: Any) -> Signature:
+def signature_of(record: Any) -> Signature:
     from servemesh.services.model.tensors import Signature
 
     try:
@@ -208,7 +212,7 @@ def _first_line(exc: BaseException) -> str:
     return (text[0] if text else type(exc).__name__)[:300]
 
 
-def _original(data: bytes, record: Any, signature: Signature, rows: int) -> Any:
+def load_original(data: bytes, record: Any, signature: Signature, rows: int) -> Any:
     """The model as a model server runs it: sha256 checked again, loaded through the
     operator allowlist, outputs checked against the signature."""
     from servemesh.services.model.artifacts import ArtifactError, Format
@@ -233,7 +237,7 @@ def _original(data: bytes, record: Any, signature: Signature, rows: int) -> Any:
         raise ExportError(f"{record.model} {record.version}: {exc}") from None
 
 
-def _answers(runner: Any, signature: Signature, rows: Mapping[str, np.ndarray]) -> list[Any]:
+def answers_of(runner: Any, signature: Signature, rows: Mapping[str, np.ndarray]) -> list[Any]:
     """The runner's answer to `rows`, one array per output in the signature's order."""
     from servemesh.services.model.batching.rows import NamedRows
 
@@ -243,7 +247,7 @@ def _answers(runner: Any, signature: Signature, rows: Mapping[str, np.ndarray]) 
     return [answer[tensor.name] for tensor in signature.outputs]
 
 
-def _program(data: bytes, record: Any, signature: Signature) -> tuple[Any, str]:
+def program_of(data: bytes, record: Any, signature: Signature) -> tuple[Any, str]:
     """The version as a torch.export program, and a note on where it came from."""
     import torch
 
@@ -390,7 +394,7 @@ def export_version(
     if not (atol >= 0 and rtol >= 0 and math.isfinite(atol) and math.isfinite(rtol)):
         raise ExportError("--atol and --rtol must be finite and not negative")
     where = f"{record.model} {record.version}"
-    signature = _signature_of(record)
+    signature = signature_of(record)
     reference = dict(rows) if rows is not None else reference_rows(signature)
     missing = [t.name for t in signature.inputs if t.name not in reference]
     if missing:
@@ -399,9 +403,9 @@ def export_version(
         t.name: np.ascontiguousarray(reference[t.name], dtype=t.dtype) for t in signature.inputs
     }
     count = int(next(iter(reference.values())).shape[0])
-    runner = _original(data, record, signature, count)
-    expected = _answers(runner, signature, reference)
-    program, note = _program(data, record, signature)
+    runner = load_original(data, record, signature, count)
+    expected = answers_of(runner, signature, reference)
+    program, note = program_of(data, record, signature)
     runtime: dict[str, str]
     if format == "onnx":
         exported, opset = _onnx_bytes(program, signature, where)
@@ -479,7 +483,7 @@ def _pt2_answers(
         max_batch_size=max(count, 1),
         num_threads=None,
     )
-    return _answers(runner, signature, reference)
+    return answers_of(runner, signature, reference)
 
 
 def default_out(model: str, version: str, format: ExportFormat) -> Path:

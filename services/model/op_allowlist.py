@@ -18,6 +18,10 @@ Policy:
   arithmetic, `if`/`for`/`while` blocks, `raise`, `with torch.no_grad()`, `warnings.warn`,
   calls to the archive's own functions and methods (`prim::CallFunction`/`CallMethod`,
   which the guard checks point to functions it also checks).
+- torch's own dynamic quantization of linear layers (`quantized::linear_dynamic` and the
+  packing and unpacking of its weights, INT8 and FP16): what `servemesh models quantize
+  --to int8` writes. They compute on tensors and on torch's packed-weights object
+  (`LinearPackedParamsBase`, the one custom C++ class `torchscript_guard` lets through).
 - Refused, by not being here: everything that reaches outside the tensors:
   files (`aten::from_file`, `aten::save`, `aten::load`), storages and raw memory
   (`aten::set_`, `aten::as_strided`, `aten::data_ptr`, `prim::id`, the `*storage*` entry
@@ -25,7 +29,8 @@ Policy:
   process freed, a request or a credential), printing (`prim::Print` writes to the
   server's stdout, where it could forge log lines), threads (`prim::fork`, `aten::wait`),
   RPC, profiler and RNG-state operators, Python callbacks (`prim::PythonOp`), every
-  namespace but `aten` and `prim` (custom operators from `torch.ops.*`), and ATen's
+  namespace but `aten`, `prim` and the `quantized` operators above (custom operators from
+  `torch.ops.*`), and ATen's
   private `aten::_*` entry points except the few pure kernels listed by name below.
 
 Operators are matched by name, without the overload (`aten::add` covers `add.Tensor`,
@@ -35,7 +40,7 @@ name says.
 
 from __future__ import annotations
 
-__all__ = ["ALLOWED_ATEN", "ALLOWED_PRIM", "allowed_operator"]
+__all__ = ["ALLOWED_ATEN", "ALLOWED_PRIM", "ALLOWED_QUANTIZED", "allowed_operator"]
 
 # prim:: nodes: TorchScript's own plumbing for Python constructs; none touches the world.
 ALLOWED_PRIM: frozenset[str] = frozenset(
@@ -193,6 +198,17 @@ ALLOWED_ATEN: frozenset[str] = frozenset(
 )
 
 
+# quantized:: operators of dynamically quantized linear layers (torch.ao.nn.quantized
+# .dynamic.Linear, as scripted): the forward pass, and the weight (un)packing its methods
+# compile.
+ALLOWED_QUANTIZED: frozenset[str] = frozenset(
+    """
+    linear_dynamic linear_dynamic_fp16 linear_prepack linear_prepack_fp16 linear_unpack
+    linear_unpack_fp16
+    """.split()
+)
+
+
 def allowed_operator(kind: str) -> bool:
     """Whether a graph node's kind (`aten::relu`, `prim::If`) is on the allowlist."""
     namespace, _, name = kind.partition("::")
@@ -200,4 +216,6 @@ def allowed_operator(kind: str) -> bool:
         return name in ALLOWED_ATEN
     if namespace == "prim":
         return name in ALLOWED_PRIM
+    if namespace == "quantized":
+        return name in ALLOWED_QUANTIZED
     return False

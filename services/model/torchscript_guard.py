@@ -14,7 +14,14 @@ loads a TorchScript archive in three steps (`load_checked`):
    to `MAX_CODE_BYTES` in all; not a flatbuffer (`PTMF` at byte 4, which torch would read
    as a mobile module whatever the zip says); its pickles may name only tensor-rebuilding
    helpers and the archive's own `__torch__` classes (no custom C++ classes,
-   `torch.classes.*`); and its code must not define `__setstate__`.
+   `torch.classes.*`, but one: torch's packed weights of a dynamically quantized linear
+   layer, `LinearPackedParamsBase`, with the quantized tensors it is rebuilt from); and
+   its code must not define `__setstate__`.
+
+   That one class's `__setstate__` is torch's own C++ (it packs a quantized weight
+   tensor and an optional bias for the CPU's kernel), not code the archive brings; its
+   state reaches it through TorchScript's typed unpickler, which refuses a state of
+   another type.
 
    What runs at load: `torch.jit.load` compiles the code (compiling runs nothing; constant
    folding at compile time folds only operators on immutable values such as ints and
@@ -94,8 +101,18 @@ _PICKLE_GLOBALS = {
         )
     ),
 }  # fmt: skip
+# A dynamically quantized linear layer's weights (`models quantize --to int8`): torch's
+# packed-params class and how its quantized tensors are pickled.
+_QUANTIZED_GLOBALS = {
+    "__torch__.torch.classes.quantized LinearPackedParamsBase",
+    "torch._utils _rebuild_qtensor",
+    "torch QInt8Storage",
+    "torch per_tensor_affine",
+    "torch per_channel_affine",
+}
 _OWN_CLASS = re.compile(r"__torch__(?:\.[A-Za-z0-9_]+)* [A-Za-z0-9_]+")
 _CUSTOM_CLASSES = "__torch__.torch.classes"
+_PACKED_LINEAR = "__torch__.torch.classes.quantized.LinearPackedParamsBase"
 _REFUSED_TYPES = {"StorageType", "CapsuleType", "PyObjectType"}
 _C: Any = torch._C
 _SOURCE_LINE = re.compile(r'Serialized\s+File "(code/[^"]{1,200})", line ([0-9]+)')
@@ -160,7 +177,7 @@ def _check_pickle(path: str, data: bytes) -> None:
         if opcode.name != "GLOBAL":
             continue
         name = str(arg)
-        if name in _PICKLE_GLOBALS:
+        if name in _PICKLE_GLOBALS or name in _QUANTIZED_GLOBALS:
             continue
         if _OWN_CLASS.fullmatch(name) and not name.startswith(_CUSTOM_CLASSES):
             continue
@@ -209,8 +226,11 @@ def _check_node(node: torch._C.Node, where: str, functions: set[str]) -> None:
             _refuse(node, f"prim::CallMethod of {method[:80]} (not this archive's code)", where)
     for value in (*node.inputs(), *node.outputs()):
         kind_of = value.type().kind()
-        if kind_of in _REFUSED_TYPES or str(value.type()).startswith(_CUSTOM_CLASSES):
-            _refuse(node, f"a value of type {str(value.type())[:80]} in {kind}", where)
+        type_name = str(value.type())
+        if kind_of in _REFUSED_TYPES or (
+            type_name.startswith(_CUSTOM_CLASSES) and type_name != _PACKED_LINEAR
+        ):
+            _refuse(node, f"a value of type {type_name[:80]} in {kind}", where)
 
 
 def _refuse(node: torch._C.Node, what: str, where: str) -> None:

@@ -70,6 +70,12 @@ class Copier(torch.nn.Module):
         return x
 
 
+def test_quantized_operators_other_than_dynamic_linear_are_not_allowed() -> None:
+    assert allowed_operator("quantized::linear_dynamic")
+    for kind in ("quantized::linear", "quantized::conv2d", "quantized::add", "quantized::cat"):
+        assert not allowed_operator(kind), kind
+
+
 def test_a_module_copying_the_control_token_is_refused_before_it_runs(
     secret: Path, tmp_path: Path
 ) -> None:
@@ -342,13 +348,36 @@ def test_code_torch_would_run_while_loading_is_refused_before_torch_sees_it(
 
 
 def test_a_pickled_custom_class_is_refused() -> None:
-    # Quantized linear layers keep their weights in a C++ class (torch.classes.quantized).
+    # Quantized layers keep their weights in C++ classes (torch.classes.quantized); only the
+    # dynamic linear layer's packed weights are let through. The same archive naming the
+    # convolution's class instead is refused at its pickle.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = torch.ao.nn.quantized.Linear(2, 2)
-        data = saved(model)
-    with pytest.raises(ArtifactError, match="references '__torch__.torch.classes.quantized"):
-        open_artifact(data)
+        data = saved(torch.ao.nn.quantized.dynamic.Linear(4, 2))
+    renamed = rewritten(
+        data,
+        lambda name, body: (
+            body.replace(b"LinearPackedParamsBase", b"Conv2dPackedParamsBase")
+            if name.endswith("/data.pkl")
+            else body
+        ),
+    )
+    with pytest.raises(
+        ArtifactError, match="references '__torch__.torch.classes.quantized Conv2dPackedParams"
+    ):
+        open_artifact(renamed)
+
+
+def test_a_dynamically_quantized_linear_layer_loads_and_a_static_one_is_refused() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dynamic = saved(torch.ao.nn.quantized.dynamic.Linear(4, 2))
+        static = saved(torch.ao.nn.quantized.Linear(4, 2))
+    opened = open_artifact(dynamic)
+    assert opened.module(torch.ones(3, 4)).shape == (3, 2)
+    # The same packed-weights class, but the static layer's operator is not allowed.
+    with pytest.raises(ArtifactError, match="quantized::linear"):
+        open_artifact(static)
 
 
 def rewritten(data: bytes, edit: Callable[[str, bytes], bytes]) -> bytes:

@@ -326,3 +326,124 @@ async def test_malformed_lineage_is_refused_naming_the_flag_and_key(
         "models push: --lineage[data]: 'md5:abc' is not sha256:<64 lowercase hex>"
     )
     assert mesh.registry.store.list_models() == []
+
+
+def served_rows(response: oip.ModelInferResponse, rows: int) -> np.ndarray:
+    return np.frombuffer(response.raw_output_contents[0], "<f4").reshape(rows, 1)
+
+
+def demo_request(rows: np.ndarray, version: str) -> oip.ModelInferRequest:
+    request = oip.ModelInferRequest(model_name="fraud", model_version=version)
+    request.inputs.add(name="features", datatype="FP32", shape=list(rows.shape))
+    request.raw_input_contents.append(rows.tobytes())
+    return request
+
+
+async def test_quantize_pushes_a_checked_int8_version_that_a_model_server_serves(
+    mesh: Mesh, tmp_path: Path
+) -> None:
+    from servemesh.demo import demo_artifact, demo_signature
+
+    artifact = tmp_path / "fraud.pt"
+    artifact.write_bytes(demo_artifact(1).data)
+    (tmp_path / "sig.yaml").write_text(yaml.safe_dump(demo_signature()))
+    pushed = await mesh.run(
+        "push", str(artifact), "--model", "fraud", "--version", "v1",
+        "--signature", str(tmp_path / "sig.yaml"),
+    )  # fmt: skip
+    assert pushed.returncode == 0, pushed.stderr
+
+    done = await mesh.run("quantize", "fraud", "v1", "--to", "int8")
+    assert done.returncode == 0, done.stderr
+    assert "pushed fraud v1-int8: dynamic-int8 of v1 (3 layers), torchscript" in done.stdout
+    store = mesh.registry.store
+    source, derived = store.get_version("fraud", "v1"), store.get_version("fraud", "v1-int8")
+    assert dict(derived.lineage) == {
+        "source_version": "v1",
+        "source_sha256": source.sha256,
+        "method": "dynamic-int8",
+    }
+    assert dict(derived.labels) == {"derived": "dynamic-int8"}
+    metrics = dict(derived.metrics)
+    assert metrics["quantize_reference_rows"] == 66
+    assert 0 < metrics["quantize_max_abs_error"] <= 0.05
+    assert metrics["quantize_label_agreement"] >= 0.99
+    assert derived.size_bytes < source.size_bytes / 3  # INT8 weights, a quarter of FP32's
+    assert [(t.name, t.datatype) for t in derived.inputs] == [("features", "FP32")]
+
+    # A model server loads it like any version and answers close to its source.
+    for version in ("v1", "v1-int8"):
+        load = oip.RepositoryModelLoadRequest(model_name="fraud")
+        load.parameters["version"].string_param = version
+        await mesh.stub.RepositoryModelLoad(load, timeout=60)
+    rows = np.random.default_rng(5).normal(size=(16, 64)).astype(np.float32)
+    fp32 = await mesh.stub.ModelInfer(demo_request(rows, "v1"), timeout=10)
+    int8 = await mesh.stub.ModelInfer(demo_request(rows, "v1-int8"), timeout=10)
+    assert int8.model_version == "v1-int8"
+    np.testing.assert_allclose(served_rows(int8, 16), served_rows(fp32, 16), atol=0.05)
+
+
+async def test_quantize_refuses_with_the_numbers_and_pushes_nothing(
+    mesh: Mesh, tmp_path: Path
+) -> None:
+    artifact = tmp_path / "churn.pt2"
+    artifact.write_bytes(exported(Churn(seed=4), churn_example()))
+    (tmp_path / "sig.yaml").write_text(yaml.safe_dump(CHURN_SIGNATURE_YAML))
+    pushed = await mesh.run(
+        "push", str(artifact), "--model", "churn", "--version", "v1",
+        "--signature", str(tmp_path / "sig.yaml"),
+    )  # fmt: skip
+    assert pushed.returncode == 0, pushed.stderr
+
+    # Churn multiplies by a weight matrix with no linear layer: nothing for INT8 to cover.
+    done = await mesh.run("quantize", "churn", "v1", "--to", "int8")
+    assert done.returncode == 1 and done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith("models quantize: ") and "no linear layer" in line, line
+
+    # Rows drawn from the signature put categories 5..7 past Churn's table of 5: the source
+    # itself fails on them, and the error says to give rows it takes.
+    done = await mesh.run("quantize", "churn", "v1", "--to", "fp16")
+    assert done.returncode == 1 and done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert "the source model fails on the reference rows" in done.stderr, done.stderr
+    assert "--reference" in done.stderr
+
+    rng = np.random.default_rng(2)
+    reference = tmp_path / "rows.npz"
+    np.savez(
+        reference,
+        features=rng.normal(size=(40, CHURN_FEATURES)).astype(np.float32),
+        category=rng.integers(0, 5, size=40),
+    )
+    # FP16 keeps the signature (FP32 probabilities, INT64 labels); a zero error limit refuses.
+    done = await mesh.run(
+        "quantize", "churn", "v1", "--to", "fp16", "--reference", str(reference),
+        "--max-abs-error", "0",
+    )  # fmt: skip
+    assert done.returncode == 1 and done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    [line] = done.stderr.splitlines()
+    assert "max |error|" in line and "(limit 0)" in line and "nothing was pushed" in line, line
+    assert "of 40 reference rows" in line, line
+    assert [v.version for v in mesh.registry.store.list_versions("churn")] == ["v1"]
+
+    # A reference file that does not fit the signature is refused naming the input.
+    np.savez(tmp_path / "short.npz", features=np.zeros((4, 3), np.float32), category=np.zeros(4))
+    done = await mesh.run(
+        "quantize", "churn", "v1", "--to", "fp16", "--reference", str(tmp_path / "short.npz")
+    )
+    assert done.returncode == 1 and "input 'features' has shape [4, 3]" in done.stderr, done.stderr
+
+    done = await mesh.run(
+        "quantize", "churn", "v1", "--to", "fp16", "--as", "half", "--reference", str(reference)
+    )
+    assert done.returncode == 0, done.stderr
+    assert "checked on 40 reference rows" in done.stdout, done.stdout
+    half = mesh.registry.store.get_version("churn", "half")
+    assert [(t.name, t.datatype) for t in half.outputs] == [
+        ("probabilities", "FP32"),
+        ("label", "INT64"),
+    ]
+    assert dict(half.metrics)["quantize_label_agreement"] >= 0.99

@@ -14,6 +14,7 @@ import torch
 
 from servemesh.demo import (
     build_fraud_model,
+    canonical_torchscript,
     demo_artifact,
     demo_seed,
     heavy_artifact,
@@ -110,3 +111,27 @@ def test_built_in_sources_name_their_artifact_and_its_format() -> None:
     assert source_artifact("registry") is None
     with pytest.raises(ValueError, match="demo-heavy:<seed>"):
         heavy_seed("demo-heavy:x")
+
+
+def _doubler() -> torch.nn.Module:
+    # A new class each call, all of one qualified name: TorchScript mangles the second.
+    class Doubler(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    return Doubler()
+
+
+def _saved(module: torch.nn.Module) -> bytes:
+    buffer = io.BytesIO()
+    torch.jit.save(torch.jit.script(module), buffer)
+    return buffer.getvalue()
+
+
+def test_a_class_scripted_twice_in_one_process_saves_to_the_same_bytes() -> None:
+    first, second = _saved(_doubler()), _saved(_doubler())
+    with zipfile.ZipFile(io.BytesIO(second)) as archive:
+        assert any("___torch_mangle_" in name for name in archive.namelist())
+    assert canonical_torchscript(first) == canonical_torchscript(second)
+    loaded = torch.jit.load(io.BytesIO(canonical_torchscript(second)))
+    assert torch.equal(loaded(torch.ones(2)), torch.full((2,), 2.0))
