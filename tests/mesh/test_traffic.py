@@ -358,12 +358,14 @@ def test_an_overloaded_cluster_trips_the_breaker_and_callers_fail_fast(
         with ThreadPoolExecutor(max_workers=12) as pool:
             results = list(pool.map(call, range(12)))
     shed = [elapsed for code, elapsed in results if code == "UNAVAILABLE"]
-    assert shed, results
-    assert any(code == "OK" for code, _ in results)
-    # A shed caller is answered without waiting for the model: well under its latency.
-    assert max(shed) < SLOW_MODEL_MS / 1000 / 2, (
-        f"overflowed callers waited {max(shed) * 1000:.0f} ms: {results}"
-    )
+    answered = [elapsed for code, elapsed in results if code == "OK"]
+    assert shed and answered, results
+    # A shed caller is answered without waiting for the model: before the model answered
+    # anyone (each answer takes SLOW_MODEL_MS). Compared with the answered callers of the
+    # same burst, not with a fraction of SLOW_MODEL_MS: a shed call can be tried again by
+    # the edge on the other zone's gateway and meet that zone's breaker too, which on a
+    # busy box took ~580 ms once (of 1 s), while the answered ones took 1.01 s.
+    assert max(shed) < min(answered), f"overflowed callers waited for the model: {results}"
     overflow = sum(
         v
         for k, v in counters_everywhere(mesh, "cluster.model-slow-v1-via-").items()
