@@ -34,7 +34,9 @@ model would take), where the queue forms in the batcher.
 `--model heavy` measures the compute-bound model instead (`models.py`: the same network
 2048 wide, a torch.export program, served as such by the model server and by Triton):
 adaptive, fixed window, batching off, echo and Triton in closed loops, the mean batch each
-formed beside its req/s. There the batcher, not the protocol, decides.
+formed beside its req/s. There the batcher, not the protocol, decides. The adaptive server
+also runs the model's dynamic INT8 form (`servemesh models quantize --to int8`), and the
+report sets FP32 beside INT8: req/s, p99, artifact size and the server's RSS.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ REPO = Path(__file__).resolve().parents[2]
 PYTRITON_PYTHON = REPO / ".venv-pytriton" / "bin" / "python"
 TRITON_SERVER = Path(__file__).with_name("triton_server.py")
 TRITON = "triton (pytriton)"
+INT8 = "servemesh adaptive, INT8"
 
 
 SLOW_MODEL_MS = 4.0  # added to every batch of the model-bound targets
@@ -82,6 +85,8 @@ class Target:
     # Deadline mixes of one group share their offered rate: 1.3x the capacity measured on
     # the group's first target.
     group: str = "protocol-bound"
+    # A derived form of the bench model (models.py VARIANTS: "int8"); "" for the model.
+    variant: str = ""
 
 
 @dataclass
@@ -129,6 +134,8 @@ class BenchConfig:
                 Target("fixed window", "model", {**common, **fixed}, scenarios=closed),
                 Target("batching off", "model", {**common, "max_batch_size": 1}, scenarios=closed),
                 Target("echo (protocol ceiling)", "echo", scenarios=closed),
+                # The same adaptive server on the model's dynamic INT8 form.
+                Target(INT8, "model", dict(common), scenarios=closed, variant="int8"),
                 *peers,
             ]
         return [
@@ -184,6 +191,8 @@ def _target_argv(target: Target, config: BenchConfig, port_file: Path, workdir: 
         argv = [sys.executable, "-m", "servemesh.model_bench.targets", target.kind]
         argv += ["--batching", json.dumps(target.batching), "--port-file", str(port_file)]
         argv += ["--model", config.model]
+        if target.variant:
+            argv += ["--variant", target.variant]
         if target.inject_latency_ms:
             argv += ["--inject-latency-ms", str(target.inject_latency_ms)]
     if config.server_cpu is not None:
@@ -218,6 +227,7 @@ class ServerProcess:
         self.pid = self.supervisor.start(self.name, argv, ready=ready, timeout_s=None).pid
         self.address = ""
         self.metrics_port = 0
+        self.artifact_bytes: int | None = None
 
     def wait_ready(self, timeout_s: float = 240.0) -> None:
         """Wait until the server wrote its ports; TargetUnavailable (stopped) if it does not."""
@@ -229,6 +239,7 @@ class ServerProcess:
         ports = json.loads(self.port_file.read_text())
         self.address = f"127.0.0.1:{ports['port']}"
         self.metrics_port = int(ports["metrics_port"])
+        self.artifact_bytes = ports.get("artifact_bytes")
 
     def cpu_seconds(self) -> float:
         """User + system CPU time of the server's processes so far."""
@@ -241,6 +252,19 @@ class ServerProcess:
             fields = stat[stat.rindex(")") + 2 :].split()
             total += int(fields[11]) + int(fields[12])
         return total / os.sysconf("SC_CLK_TCK")
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server's processes now (VmRSS, summed)."""
+        total = 0
+        for pid in _tree(self.pid):
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            for line in status.splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        return total
 
     def metrics(self) -> dict[str, float]:
         """The server's Prometheus samples, by name and labels (empty for the echo server)."""
@@ -468,7 +492,12 @@ def bench_model(config: BenchConfig, say: Any = print) -> dict[str, Any]:
                 row["rerun"] = True
             row["wide"] = row["spread"] > SPREAD_LIMIT
             rows.append(row)
-    report = {
+        # After every round: each server has loaded, warmed up and served every batch size.
+        servers = {
+            name: {"artifact_bytes": server.artifact_bytes, "rss_bytes": server.rss_bytes()}
+            for name, server in rounds.servers.items()
+        }
+    report: dict[str, Any] = {
         "date": date.today().isoformat(),
         "config": {k: _plain(v) for k, v in vars(config).items() if not k.startswith("_")},
         "versions": _versions(),
@@ -477,8 +506,10 @@ def bench_model(config: BenchConfig, say: Any = print) -> dict[str, Any]:
         "mix_rates": rounds.mix_rates,
         "skipped": skipped,
         "rows": rows,
+        "servers": servers,
     }
     report["checks"] = checks(report)
+    report["variants"] = variant_rows(report)
     return report
 
 
@@ -766,6 +797,40 @@ def print_report(report: dict[str, Any]) -> None:
             )
         console.print(table)
 
+    variants = variant_rows(report)
+    if variants:
+        table = Table(
+            title="FP32 vs dynamic INT8 (models quantize --to int8), the same adaptive server",
+            title_justify="left",
+        )
+        columns = ["load", "FP32 req/s", "INT8 req/s", "INT8/FP32", "FP32 p99 ms"]
+        columns += ["INT8 p99 ms", "FP32 batch", "INT8 batch"]
+        for column in columns:
+            table.add_column(column, justify="left" if column == "load" else "right")
+        for row in variants["loads"]:
+            table.add_row(
+                f"closed c={row['concurrency']}",
+                f"{row['fp32_rps']:.0f}",
+                f"{row['int8_rps']:.0f}",
+                f"{row['ratio']:.2f}",
+                _ms(row["fp32_p99_ms"]),
+                _ms(row["int8_p99_ms"]),
+                _ms(row["fp32_mean_batch"]),
+                _ms(row["int8_mean_batch"]),
+            )
+        console.print(table)
+        sizes = variants["sizes"]
+        console.print(
+            "artifact: FP32 "
+            + _mib(sizes["fp32_artifact_bytes"])
+            + ", INT8 "
+            + _mib(sizes["int8_artifact_bytes"])
+            + "; server RSS after the run: FP32 "
+            + _mib(sizes["fp32_rss_bytes"])
+            + ", INT8 "
+            + _mib(sizes["int8_rss_bytes"])
+        )
+
     for name, reason in report.get("skipped", {}).items():
         console.print(f"[yellow]{name}: skipped[/yellow]: {reason}")
     title = (
@@ -783,6 +848,49 @@ def print_report(report: dict[str, Any]) -> None:
     averages = report.get("load_average")
     if averages:
         console.print("load average at the end: " + " ".join(f"{a:.2f}" for a in averages))
+
+
+def _mib(value: Any) -> str:
+    return "-" if value is None else f"{value / 2**20:.1f} MiB"
+
+
+def variant_rows(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The adaptive server on FP32 beside the same on INT8, per concurrency, from this run;
+    None when the run had no INT8 target."""
+    rows = report["rows"]
+    loads = []
+    for row in rows:
+        if row["target"] != INT8 or row["mode"] != "closed":
+            continue
+        fp32 = _find(rows, "servemesh adaptive", "closed", row["concurrency"])
+        if not fp32 or not fp32["rps"]:
+            continue
+        loads.append(
+            {
+                "concurrency": row["concurrency"],
+                "fp32_rps": fp32["rps"],
+                "int8_rps": row["rps"],
+                "ratio": round(row["rps"] / fp32["rps"], 3),
+                "fp32_p99_ms": fp32["p99_ms"],
+                "int8_p99_ms": row["p99_ms"],
+                "fp32_mean_batch": fp32["mean_batch"],
+                "int8_mean_batch": row["mean_batch"],
+            }
+        )
+    if not loads:
+        return None
+    servers = report.get("servers", {})
+    fp32_server = servers.get("servemesh adaptive", {})
+    int8_server = servers.get(INT8, {})
+    return {
+        "loads": loads,
+        "sizes": {
+            "fp32_artifact_bytes": fp32_server.get("artifact_bytes"),
+            "int8_artifact_bytes": int8_server.get("artifact_bytes"),
+            "fp32_rss_bytes": fp32_server.get("rss_bytes"),
+            "int8_rss_bytes": int8_server.get("rss_bytes"),
+        },
+    }
 
 
 def _min_max(row: dict[str, Any]) -> str:

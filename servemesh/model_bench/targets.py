@@ -2,6 +2,7 @@
 
     python -m servemesh.model_bench.targets model --batching '{"dispatch": "fixed_window"}'
     python -m servemesh.model_bench.targets model --model heavy
+    python -m servemesh.model_bench.targets model --model heavy --variant int8
     python -m servemesh.model_bench.targets echo
     python -m servemesh.model_bench.targets ceiling --seconds 2
 
@@ -28,8 +29,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from servemesh.demo import N_FEATURES
-from servemesh.model_bench.models import BENCH_MODELS, BenchModel
+from servemesh.demo import N_FEATURES, Artifact
+from servemesh.model_bench.models import BENCH_MODELS, VARIANTS, BenchModel
 from servemesh.services.model.loader import LoadedModel, ModelLoader, load_model
 from servemesh.services.model.service import SERVICE_NAME, build_server
 from servemesh.services.model.tensors import Signature, TensorSig
@@ -82,15 +83,19 @@ def bench_spec(batching: BatchingSpec, model: BenchModel) -> ResolvedSpec:
 
 
 def bench_loader(
-    batching: BatchingSpec, model: BenchModel, inject_latency_ms: float = 0.0
+    batching: BatchingSpec,
+    model: BenchModel,
+    inject_latency_ms: float = 0.0,
+    artifact: Artifact | None = None,
 ) -> ModelLoader:
-    """Loads `model` (seed 1), verified and warmed up, as if the registry served it.
+    """Loads `model` (seed 1, or `artifact`: a variant of it), verified and warmed up, as if
+    the registry served it.
 
     `inject_latency_ms` adds a sleep to every batch (the spec's drill knob): a slower model,
     or one on an accelerator, that keeps the model busy without using the CPU.
     """
 
-    artifact = model.artifact(1)
+    artifact = artifact or model.artifact(1)
 
     async def load(name: str, version: str) -> LoadedModel:
         return await load_model(
@@ -134,12 +139,18 @@ async def serve(
     port_file: Path,
     inject_latency_ms: float = 0.0,
     model: BenchModel = BENCH_MODELS["demo"],
+    variant: str = "",
 ) -> None:
     spec = bench_spec(batching, model)
     if kind == "model":
-        loader = bench_loader(batching, model, inject_latency_ms)
+        artifact = model.artifact(1, variant)
+        loader = bench_loader(batching, model, inject_latency_ms, artifact)
         server = await build_server(spec, INSTANCE, loader=loader, tls=False)
-        ports = {"port": 0, "metrics_port": spec.metrics_ports[INSTANCE]}
+        ports = {
+            "port": 0,
+            "metrics_port": spec.metrics_ports[INSTANCE],
+            "artifact_bytes": artifact.size,
+        }
     else:
         server = ServiceServer(INSTANCE, host=spec.host, port=spec.port_of(INSTANCE))
         server.add_service(
@@ -228,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--inject-latency-ms", type=float, default=0.0)
     parser.add_argument("--model", choices=sorted(BENCH_MODELS), default="demo")
+    parser.add_argument(
+        "--variant", choices=VARIANTS, help="serve the model's derived form (int8: quantized)"
+    )
     args = parser.parse_args(argv)
     pin(args.cpu)
     batching = BatchingSpec(**json.loads(args.batching))
@@ -237,7 +251,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.port_file is None:
         parser.error("--port-file is required for a server")
-    asyncio.run(serve(args.kind, batching, args.port_file, args.inject_latency_ms, model))
+    asyncio.run(
+        serve(
+            args.kind, batching, args.port_file, args.inject_latency_ms, model, args.variant or ""
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,10 @@ Items (their names are what `--override ITEM` takes), judged before the rollout:
 
 - artifact_integrity: the version's artifact, downloaded from the registry, against the
   record's size and sha256;
-- offline_metrics: the record's metrics against `plan.checklist.offline_metrics`;
+- offline_metrics: the record's metrics against `plan.checklist.offline_metrics`; a
+  version derived by `models quantize` (its lineage names a source version and a method)
+  is also held to the limits it was derived under (`derived_thresholds`) unless the plan
+  sets its own for those metrics;
 - rollback_target: the model's baseline (weight > 0) healthy on replicas (Envoy's checks);
 - freeze: the spec's freeze windows (`freeze.py`);
 - error_budget: the model's SLO budget and burn rate (`budget.py`);
@@ -138,15 +141,39 @@ def parse_threshold(text: str) -> tuple[str, float]:
     raise ValueError(f"threshold {text!r}: expected >=, <=, > or < and a number")
 
 
+def derived_thresholds(lineage: Mapping[str, str]) -> dict[str, str]:
+    """What a derived version's accuracy must meet: the defaults `models quantize` refuses
+    beyond, so a version pushed past them by hand (or with looser flags) is stopped here
+    too. Empty for a version that is not derived."""
+    from servemesh.quantize import DEFAULT_MAX_ABS_ERROR, DEFAULT_MIN_AGREEMENT
+
+    if not ("source_version" in lineage and "method" in lineage):
+        return {}
+    return {
+        "quantize_max_abs_error": f"<={DEFAULT_MAX_ABS_ERROR}",
+        "quantize_label_agreement": f">={DEFAULT_MIN_AGREEMENT}",
+    }
+
+
 def judge_offline_metrics(
-    metrics: Mapping[str, float], thresholds: Mapping[str, str], *, record: str
+    metrics: Mapping[str, float],
+    thresholds: Mapping[str, str],
+    *,
+    record: str,
+    lineage: Mapping[str, str] | None = None,
 ) -> ChecklistItem:
-    """The record's metrics against every threshold of the plan; a metric the plan names
-    but the record lacks fails, named."""
+    """The record's metrics against every threshold of the plan (and, for a derived
+    version, `derived_thresholds` the plan does not set); a metric named but missing from
+    the record fails, named."""
+    derived = derived_thresholds(lineage or {})
+    thresholds = {**derived, **thresholds}
     if not thresholds:
         return passed(OFFLINE_METRICS, "no thresholds in the plan")
     good: list[str] = []
     bad: list[str] = []
+    if derived:
+        assert lineage is not None
+        good.append(f"{lineage['method']} of {lineage['source_version']}")
     for name, text in sorted(thresholds.items()):
         symbol, limit = parse_threshold(text)
         if name not in metrics:
@@ -191,7 +218,10 @@ async def _registry_items(
             why = f"no record of {model}/{version} from {where} ({_status_text(exc)})"
             return failed(ARTIFACT_INTEGRITY, why), failed(OFFLINE_METRICS, why)
         metrics = judge_offline_metrics(
-            dict(record.metrics), thresholds, record=f"{model}/{record.version}"
+            dict(record.metrics),
+            thresholds,
+            record=f"{model}/{record.version}",
+            lineage=dict(record.lineage),
         )
         try:
             verified, data = await fetch_verified(

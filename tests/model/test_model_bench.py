@@ -4,6 +4,7 @@ server, the target checks, the command line. (The benchmark itself is not a time
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -11,12 +12,14 @@ import pytest
 from servemesh.cli import build_parser
 from servemesh.load import percentile
 from servemesh.model_bench.load import closed_loop, open_loop, request_bodies
+from servemesh.model_bench.models import BENCH_MODELS
 from servemesh.model_bench.run import (
     BenchConfig,
     ServerProcess,
     TargetUnavailable,
     aggregate,
     checks,
+    variant_rows,
 )
 from servemesh.model_bench.targets import EchoServicer
 from servemesh.services.model.artifacts import open_artifact
@@ -175,7 +178,6 @@ def test_the_heavy_model_is_a_checked_export_that_computes_what_its_network_does
     import torch
 
     from servemesh.demo import build_heavy_model
-    from servemesh.model_bench.models import BENCH_MODELS
 
     artifact = BENCH_MODELS["heavy"].artifact(1)
     opened = open_artifact(artifact.data)  # the pt2 guard's allowlist first, as served
@@ -198,8 +200,11 @@ def test_the_heavy_bench_measures_closed_loops_of_the_batching_targets() -> None
         "fixed window": ("closed",),
         "batching off": ("closed",),
         "echo (protocol ceiling)": ("closed",),
+        "servemesh adaptive, INT8": ("closed",),
         "triton (pytriton)": ("closed",),
     }
+    assert {t.name: t.variant for t in config.targets()}["servemesh adaptive, INT8"] == "int8"
+    assert not [t for t in BenchConfig().targets() if t.variant], "the demo run has no INT8"
 
 
 def test_heavy_checks_compare_with_triton_at_16_and_64() -> None:
@@ -222,6 +227,55 @@ def test_heavy_checks_compare_with_triton_at_16_and_64() -> None:
         "heavy c=64 req/s vs Triton, same run (x)": (0.94, False),
         "heavy c=64 req/s vs batching off (x)": (2.5, True),
     }
+
+
+def test_fp32_and_int8_rows_are_set_side_by_side_from_one_run() -> None:
+    def row(target: str, concurrency: int, rps: float, p99: float) -> dict[str, object]:
+        return {
+            "target": target,
+            "mode": "closed",
+            "concurrency": concurrency,
+            "rps": rps,
+            "p99_ms": p99,
+            "mean_batch": 8.0,
+        }
+
+    report: dict[str, Any] = {
+        "rows": [
+            row("servemesh adaptive", 1, 500, 3.0),
+            row("servemesh adaptive", 64, 1000, 90.0),
+            row("servemesh adaptive, INT8", 1, 600, 2.5),
+            row("servemesh adaptive, INT8", 64, 2500, 40.0),
+        ],
+        "servers": {
+            "servemesh adaptive": {"artifact_bytes": 17 << 20, "rss_bytes": 400 << 20},
+            "servemesh adaptive, INT8": {"artifact_bytes": 4 << 20, "rss_bytes": 350 << 20},
+        },
+    }
+    found = variant_rows(report)
+    assert found is not None
+    assert [(r["concurrency"], r["ratio"], r["int8_p99_ms"]) for r in found["loads"]] == [
+        (1, 1.2, 2.5),
+        (64, 2.5, 40.0),
+    ]
+    assert found["sizes"]["int8_artifact_bytes"] == 4 << 20
+    assert variant_rows({"rows": report["rows"][:2]}) is None
+
+
+def test_the_int8_variant_of_the_heavy_model_is_quantized_and_close() -> None:
+    import numpy as np
+    import torch
+
+    heavy = BENCH_MODELS["heavy"]
+    fp32, int8 = heavy.artifact(1), heavy.artifact(1, "int8")
+    assert int8.format == "torchscript" and int8.size < fp32.size / 3
+    rows = torch.from_numpy(np.random.default_rng(3).normal(size=(4, 64)).astype(np.float32))
+    with torch.inference_mode():
+        want = open_artifact(fp32.data).module(rows)
+        got = open_artifact(int8.data).module(rows)
+    assert torch.allclose(got, want, atol=0.05)
+    with pytest.raises(ValueError, match="variant"):
+        heavy.artifact(1, "int4")
 
 
 def test_bench_model_and_predict_take_the_heavy_model() -> None:

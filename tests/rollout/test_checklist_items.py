@@ -72,6 +72,39 @@ def test_no_thresholds_pass_saying_so_and_a_nan_metric_fails() -> None:
     assert not judge_offline_metrics({"auc": math.nan}, {"auc": ">=0.8"}, record="r").ok
 
 
+DERIVED = {"source_version": "v1", "source_sha256": "ab" * 32, "method": "dynamic-int8"}
+
+
+def test_a_derived_version_is_held_to_the_limits_it_was_quantized_under() -> None:
+    metrics = {"quantize_max_abs_error": 0.004, "quantize_label_agreement": 1.0}
+    item = judge_offline_metrics(metrics, {}, record="fraud/v1-int8", lineage=DERIVED)
+    assert item.ok
+    assert item.detail == (
+        "dynamic-int8 of v1; quantize_label_agreement 1 >= 0.99; "
+        "quantize_max_abs_error 0.004 <= 0.05"
+    )
+    # Pushed by hand past the defaults: stopped here even with no thresholds in the plan.
+    loose = {"quantize_max_abs_error": 0.2, "quantize_label_agreement": 0.9}
+    item = judge_offline_metrics(loose, {}, record="fraud/v1-int8", lineage=DERIVED)
+    assert not item.ok
+    assert "quantize_max_abs_error 0.2 > 0.05 (needs <=0.05)" in item.detail
+    assert "quantize_label_agreement 0.9 < 0.99 (needs >=0.99)" in item.detail
+    # The plan's own limit for a metric wins over the default.
+    item = judge_offline_metrics(
+        loose,
+        {"quantize_max_abs_error": "<=0.25", "quantize_label_agreement": ">=0.8"},
+        record="fraud/v1-int8",
+        lineage=DERIVED,
+    )
+    assert item.ok, item.detail
+    # A derived version without its accuracy metrics fails, naming them.
+    item = judge_offline_metrics({}, {}, record="fraud/v1-int8", lineage=DERIVED)
+    assert not item.ok and "quantize_max_abs_error missing" in item.detail
+    # A version that is not derived (a data lineage only) is not.
+    plain = judge_offline_metrics({}, {}, record="fraud/v2", lineage={"data": "sha256:x"})
+    assert plain.ok and plain.detail == "no thresholds in the plan"
+
+
 def test_a_bad_threshold_in_a_plan_is_refused_naming_the_field() -> None:
     with pytest.raises(ValueError, match="offline_metrics.auc"):
         ChecklistSpec.model_validate({"offline_metrics": {"auc": "about 0.8"}})
