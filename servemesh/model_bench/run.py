@@ -191,13 +191,22 @@ def _target_argv(target: Target, config: BenchConfig, port_file: Path, workdir: 
         argv = [sys.executable, "-m", "servemesh.model_bench.targets", target.kind]
         argv += ["--batching", json.dumps(target.batching), "--port-file", str(port_file)]
         argv += ["--model", config.model]
-        if target.variant:
-            argv += ["--variant", target.variant]
+        if target.kind == "model":
+            argv += ["--artifact-file", str(_artifact_file(config, target.variant, workdir))]
         if target.inject_latency_ms:
             argv += ["--inject-latency-ms", str(target.inject_latency_ms)]
     if config.server_cpu is not None:
         argv += ["--cpu", str(config.server_cpu)]
     return argv
+
+
+def _artifact_file(config: BenchConfig, variant: str, workdir: Path) -> Path:
+    """The bench model's artifact (or its variant), built once for every server of the run:
+    a server that built or derived it itself would keep what that took in its memory."""
+    path = workdir / f"{config.model}-v1-{variant or 'model'}.bin"
+    if not path.exists():
+        path.write_bytes(config.bench_model.artifact(1, variant).data)
+    return path
 
 
 def _tree(pid: int) -> list[int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import time
@@ -140,10 +141,11 @@ async def serve(
     inject_latency_ms: float = 0.0,
     model: BenchModel = BENCH_MODELS["demo"],
     variant: str = "",
+    artifact_file: Path | None = None,
 ) -> None:
     spec = bench_spec(batching, model)
     if kind == "model":
-        artifact = model.artifact(1, variant)
+        artifact = read_artifact(artifact_file) if artifact_file else model.artifact(1, variant)
         loader = bench_loader(batching, model, inject_latency_ms, artifact)
         server = await build_server(spec, INSTANCE, loader=loader, tls=False)
         ports = {
@@ -164,6 +166,15 @@ async def serve(
     tmp.write_text(json.dumps(ports))
     tmp.replace(port_file)
     await server.serve_until_signalled()
+
+
+def read_artifact(path: Path) -> Artifact:
+    """An artifact another process built (a variant derived once by the bench, so this
+    server's memory holds only what serving it takes)."""
+    from servemesh.services.model.artifacts import detect_format
+
+    data = path.read_bytes()
+    return Artifact(data, hashlib.sha256(data).hexdigest(), detect_format(data))
 
 
 def ceiling(
@@ -242,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--variant", choices=VARIANTS, help="serve the model's derived form (int8: quantized)"
     )
+    parser.add_argument(
+        "--artifact-file", type=Path, help="serve this artifact of the model (e.g. a variant)"
+    )
     args = parser.parse_args(argv)
     pin(args.cpu)
     batching = BatchingSpec(**json.loads(args.batching))
@@ -253,7 +267,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--port-file is required for a server")
     asyncio.run(
         serve(
-            args.kind, batching, args.port_file, args.inject_latency_ms, model, args.variant or ""
+            args.kind,
+            batching,
+            args.port_file,
+            args.inject_latency_ms,
+            model,
+            args.variant or "",
+            args.artifact_file,
         )
     )
 

@@ -286,3 +286,16 @@ def test_bench_model_and_predict_take_the_heavy_model() -> None:
     assert args.model == "heavy"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "model", "--model", "huge"])
+
+
+def test_every_model_server_of_a_run_loads_one_artifact_built_by_the_run(tmp_path: Path) -> None:
+    from servemesh.model_bench.run import _artifact_file
+    from servemesh.model_bench.targets import read_artifact
+
+    config = BenchConfig(model="demo")
+    path = _artifact_file(config, "", tmp_path)
+    assert read_artifact(path) == BENCH_MODELS["demo"].artifact(1)
+    path.write_bytes(b"kept")  # built once: a second server of the run reads the same file
+    assert _artifact_file(config, "", tmp_path).read_bytes() == b"kept"
+    int8 = read_artifact(_artifact_file(config, "int8", tmp_path))
+    assert int8.format == "torchscript" and int8 == BENCH_MODELS["demo"].artifact(1, "int8")
