@@ -150,17 +150,22 @@ ALLOWED: dict[str, set[str]] = {
     "stream_bench": CONTRACT | TOOLING | {"launcher", "bench", "streams"},
     # fuzzes a mesh of its own (launcher) through Envoy and straight to its replicas
     "fuzz": CONTRACT | TOOLING | {"launcher"},
-    "model_bench": CONTRACT | TOOLING | SERVICES,
+    # (and a bench model's INT8 form, derived as `models quantize` derives it)
+    "model_bench": CONTRACT | TOOLING | SERVICES | {"quantize", "registry"},
     # `servemesh rollout`: the controller, its analysis, checklist and gates
     # (the registry's artifact client: the checklist verifies a version's sha256 with it;
-    # the error-budget gate reads the budgets slo_rules defines)
-    "rollout": CONTRACT | TOOLING | {"registry", "slo_rules"},
+    # the error-budget gate reads the budgets slo_rules defines; a derived version is held to
+    # the accuracy limits quantize derives under)
+    "rollout": CONTRACT | TOOLING | {"registry", "slo_rules", "quantize"},
     # streaming predictions: a Redis stream consumer scoring through the edge, or in process
     # with the model server's loader and the feature store's reads and writes
     "streams": CONTRACT | {"credentials", "services.feature", "services.model"},
     # models on devices: a version exported (ONNX, checked in onnxruntime, or .pt2) with the
     # model server's runner as the original, and an alias's artifact synced to a folder
     "edge": CONTRACT | {"registry", "services.model"},
+    # derived versions (dynamic INT8, FP16/BF16): the version's program as edge export reads
+    # it, checked through the model server's loader against its source
+    "quantize": CONTRACT | {"edge", "registry", "services.model"},
     # loads a user's feature file through a running mesh's feature service (its row checks)
     "features": CONTRACT | {"proxy", "services.feature"},
     # the command line (servemesh/cli/, one module per command group): `compose` and
@@ -189,6 +194,7 @@ ALLOWED: dict[str, set[str]] = {
         "model_bench",
         "features",
         "edge",
+        "quantize",
         "streams",
         "tracestore",
         "rollout",
