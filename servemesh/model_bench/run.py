@@ -734,8 +734,11 @@ def print_report(report: dict[str, Any]) -> None:
             table.add_row(f"model forward, batch {key[9:]}", f"{value['rows_per_s']:.0f}", note)
         else:
             note = f"mean batch {value['mean_batch']}"
+            blind = ", deadlines ignored" if value.get("deadline_policy") == "ignore" else ""
             table.add_row(
-                f"batcher, {value['concurrency']} coroutines", f"{value['req_per_s']:.0f}", note
+                f"batcher, {value['concurrency']} coroutines{blind}",
+                f"{value['req_per_s']:.0f}",
+                note,
             )
     console.print(table)
 

@@ -25,7 +25,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import numpy as np
@@ -180,7 +180,8 @@ def read_artifact(path: Path) -> Artifact:
 def ceiling(
     seconds: float, max_batch: int, model: BenchModel = BENCH_MODELS["demo"]
 ) -> dict[str, Any]:
-    """The model in-process: forward passes alone, then the batcher without gRPC."""
+    """The model in-process: forward passes alone, then the batcher without gRPC (enforcing
+    deadlines, as served, and deadline-blind)."""
     from servemesh.services.model.batching import Batcher
     from servemesh.services.model.runner import ModelRunner
 
@@ -211,8 +212,11 @@ def ceiling(
             "ms_per_call": round(elapsed / calls * 1000, 4),
         }
 
-    async def through_batcher(concurrency: int) -> dict[str, Any]:
-        batcher = Batcher(runner, BatchingSpec(max_batch_size=max_batch), name="ceiling")
+    async def through_batcher(
+        concurrency: int, deadline_policy: Literal["enforce", "ignore"]
+    ) -> dict[str, Any]:
+        spec = BatchingSpec(max_batch_size=max_batch, deadline_policy=deadline_policy)
+        batcher = Batcher(runner, spec, name="ceiling")
         await batcher.warm_up([1, max_batch])
         rows = [rng.normal(size=(1, N_FEATURES)).astype(np.float32) for _ in range(256)]
         done = 0
@@ -233,11 +237,15 @@ def ceiling(
         stats = batcher.stats
         return {
             "concurrency": concurrency,
+            "deadline_policy": deadline_policy,
             "req_per_s": round(done / elapsed, 1),
             "mean_batch": round(stats.inference_count / max(stats.executions, 1), 2),
         }
 
-    results["batcher_c64"] = asyncio.run(through_batcher(64))
+    # The same batcher deadline-blind: what enforcing deadlines (a timer per request, earliest
+    # deadline first, the door check) costs per request, with no gRPC around it.
+    results["batcher_c64"] = asyncio.run(through_batcher(64, "enforce"))
+    results["batcher_c64_ignore"] = asyncio.run(through_batcher(64, "ignore"))
     return results
 
 

@@ -299,3 +299,15 @@ def test_every_model_server_of_a_run_loads_one_artifact_built_by_the_run(tmp_pat
     assert _artifact_file(config, "", tmp_path).read_bytes() == b"kept"
     int8 = read_artifact(_artifact_file(config, "int8", tmp_path))
     assert int8.format == "torchscript" and int8 == BENCH_MODELS["demo"].artifact(1, "int8")
+
+
+def test_the_in_process_ceiling_runs_the_batcher_enforcing_deadlines_and_blind() -> None:
+    from servemesh.model_bench.targets import ceiling
+
+    found = ceiling(0.3, 8, BENCH_MODELS["demo"])
+    assert set(found) == {"forward_b1", "forward_b8", "batcher_c64", "batcher_c64_ignore"}
+    assert found["batcher_c64"]["deadline_policy"] == "enforce"
+    assert found["batcher_c64_ignore"]["deadline_policy"] == "ignore"
+    for key in ("batcher_c64", "batcher_c64_ignore"):
+        # 64 callers and batches of at most 8: every batch the batcher formed was full.
+        assert found[key]["req_per_s"] > 0 and found[key]["mean_batch"] == 8.0
