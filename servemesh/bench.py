@@ -50,7 +50,7 @@ from servemesh.identity import Dial, dial_edge, dial_service
 from servemesh.launcher import Mesh
 from servemesh.load import ClosedLoop, Target, closed_loop, predict_target, summarize
 from servemesh.load.outcome import Reply, Request
-from servemesh.load.stats import SPREAD_LIMIT, spread
+from servemesh.load.stats import SPREAD_LIMIT, error_counts, spread
 from servemesh.observe.cpu import rss_bytes
 from servemesh.observe_bench import cpu_by_kind, sum_by_kind, wait_answering
 from servemesh.proxy.apply import RouteManager
@@ -102,6 +102,8 @@ class Round:
     errors: int
     # CPU µs per successful answer, by process kind; "client" is the load generator's own.
     cpu_us: dict[str, float] = field(default_factory=dict)
+    # failed calls by gRPC status
+    error_codes: dict[str, int] = field(default_factory=dict)
 
 
 def model_alone_target(mesh: Mesh, model: str) -> tuple[Target, str, list[bytes]]:
@@ -165,7 +167,8 @@ def measure(
     )
     after, client_after = read(), time.process_time()
     elapsed = time.monotonic() - started
-    summary = summarize(run.window(WARMUP_S, WARMUP_S + seconds), seconds)
+    measured = run.window(WARMUP_S, WARMUP_S + seconds)
+    summary = summarize(measured, seconds)
     # The CPU covers the warm-up too: divide by the answers of the whole run's span.
     answered = summary.ok * elapsed / seconds
     cpu_us: dict[str, float] = {}
@@ -183,6 +186,7 @@ def measure(
         p99_ms=round(summary.p99_ms, 2),
         errors=summary.count - summary.ok,
         cpu_us=cpu_us,
+        error_codes=error_counts(measured),
     )
 
 
@@ -403,11 +407,22 @@ def heavy_spec(spec: MeshSpec) -> MeshSpec:
 
 def bench_spec(spec: MeshSpec) -> MeshSpec:
     """`spec` on free ports without Prometheus, whose scrapes would take CPU from the mesh
-    being measured."""
+    being measured, and with one caller allowed the edge's whole rate: the load generator
+    is one caller, and its own bucket (1,000/s by default) would shed what the mesh could
+    answer (RESOURCE_EXHAUSTED at 1,300/s and more, once its burst was spent). The buckets
+    stay in place, so their cost per call is still measured."""
+    limit = spec.traffic.rate_limit
+    one_caller_all = limit.model_copy(
+        update={
+            "per_caller_requests_per_second": limit.requests_per_second,
+            "per_caller_burst": limit.burst,
+        }
+    )
     return spec.model_copy(
         update={
             "ports": Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
             "metrics": spec.metrics.model_copy(update={"prometheus": "off"}),
+            "traffic": spec.traffic.model_copy(update={"rate_limit": one_caller_all}),
         }
     )
 
@@ -649,7 +664,8 @@ def main(
             print(
                 f"  {found.target} c={found.concurrency} #{found.repeat}: {found.rps:.0f} req/s, "
                 f"p99 {found.p99_ms:.1f} ms, mesh CPU "
-                f"{mesh_cpu(found):.0f} µs/answer",
+                f"{mesh_cpu(found):.0f} µs/answer"
+                + "".join(f", {code} {n}" for code, n in sorted(found.error_codes.items())),
                 flush=True,
             )
 

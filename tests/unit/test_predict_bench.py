@@ -10,6 +10,7 @@ from servemesh.bench import (
     EDGE,
     MODEL_ALONE,
     Round,
+    bench_spec,
     heavy_spec,
     heavy_target_checks,
     mesh_cpu,
@@ -101,3 +102,15 @@ def test_the_heavy_target_is_the_mesh_over_its_model_server_alone() -> None:
     [check] = heavy_target_checks({"rps_over_alone_c64": [0.8, 0.84, 0.9]})
     assert check["met"] is False
     assert heavy_target_checks({}) == []
+
+
+def test_the_bench_mesh_lets_its_one_caller_use_the_edge_s_whole_rate() -> None:
+    spec = MeshSpec()
+    limit = bench_spec(spec).traffic.rate_limit
+    # The buckets stay (their cost is measured); the one load generator is not shed by its
+    # own bucket before the mesh is full.
+    assert limit.enabled
+    assert limit.per_caller_requests_per_second == limit.requests_per_second
+    assert limit.per_caller_burst == limit.burst
+    assert spec.traffic.rate_limit.per_caller_requests_per_second < limit.requests_per_second
+    assert bench_spec(spec).metrics.prometheus == "off"
