@@ -5,7 +5,6 @@ session's real Redis holding a loaded feature view; no Envoy, no model servers."
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 import time
 import uuid
@@ -97,20 +96,29 @@ class BatchMesh:
 
     async def start_cli(self, *args: str) -> asyncio.subprocess.Process:
         """`python -m servemesh ARGS --state-dir <this mesh>`, its output piped, with Ctrl-C
-        (SIGINT) as a terminal's foreground command has it (default_sigint)."""
+        (SIGINT) as a terminal's foreground command has it (DEFAULT_SIGINT)."""
         return await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "servemesh", *args, "--state-dir", str(self.state_dir),
+            *DEFAULT_SIGINT, sys.executable, "-m", "servemesh", *args,
+            "--state-dir", str(self.state_dir),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            preexec_fn=default_sigint,
         )  # fmt: skip
 
 
-def default_sigint() -> None:
-    """In a command's child before it runs: SIGINT at its default disposition. A test run
-    started in the background of a shell without job control ignores SIGINT, and every
-    process it starts inherits that; the Ctrl-C tests would then see the command finish
-    untouched (exit 0, not 130), though the command handles Ctrl-C as it should."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# Put before a command: a Python that sets SIGINT to its default disposition and execs the
+# command in its place (the same PID). A test run started in the background of a shell
+# without job control ignores SIGINT, and every process it starts inherits that; the Ctrl-C
+# tests would then see the command finish untouched (exit 0, not 130), though the command
+# handles Ctrl-C as it should. Not a preexec_fn: Python code between fork and exec, in this
+# process full of gRPC threads, let gRPC's fork handlers restart a poller in the child that
+# the exec's closing of descriptors then broke ("epoll_wait error: Bad file descriptor",
+# the child aborted before exec; seen in the batch CLI tests). servemesh/procs/spawn.py
+# avoids preexec_fn for the same reason.
+DEFAULT_SIGINT = (
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.argv[1], sys.argv[1:])",
+)
 
 
 async def get(client: aioredis.Redis, key: str) -> bytes:

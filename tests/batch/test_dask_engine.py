@@ -17,7 +17,7 @@ import pytest
 from servemesh.batch.checkpoint import RunDir
 from servemesh.batch.errors import BatchError
 from servemesh.batch.job import ScoreJob, run_score
-from tests.batch.conftest import BatchMesh, StartBatchMesh, default_sigint
+from tests.batch.conftest import DEFAULT_SIGINT, BatchMesh, StartBatchMesh
 from tests.batch.test_resume import checkpoint_of
 from tests.batch.test_score import reference_scores
 
@@ -72,10 +72,9 @@ async def watch_run(
     written. Its exit status, the processes below it seen while it ran (looked at with each
     progress line) and which of them were Dask workers."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "servemesh", *args, "--progress", "lines",
+        *DEFAULT_SIGINT, sys.executable, "-m", "servemesh", *args, "--progress", "lines",
         "--chunk-rows", str(CHUNK), "--state-dir", str(mesh.state_dir),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-        preexec_fn=default_sigint,
     )  # fmt: skip
     assert proc.stderr is not None
     seen: set[int] = set()
