@@ -136,7 +136,9 @@ def profiled_instances(mesh: Mesh) -> dict[str, tuple[str, int]]:
     chosen: dict[str, tuple[str, int]] = {}
     for name, pid in sorted(mesh.pids().items()):
         kind = process_kind(mesh.spec, name)
-        if kind in NOT_PYTHON or kind == "registry" or kind in chosen:
+        # An Envoy per zone is named after its zone: envoy-zone-a.
+        not_python = kind.split("-")[0] in NOT_PYTHON
+        if not_python or kind == "registry" or kind in chosen:
             continue
         chosen[kind] = (name, pid)
     return chosen

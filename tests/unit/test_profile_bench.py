@@ -12,10 +12,31 @@ from servemesh.profile_bench import (
     find_py_spy,
     merge_line,
     parse_collapsed,
+    profiled_instances,
     record,
     top_inclusive,
     top_own_time,
 )
+from servemesh.spec import MeshSpec, Ports, resolve
+
+
+class PerZoneMesh:
+    """What profiled_instances reads of a running mesh: its spec and its processes."""
+
+    def __init__(self) -> None:
+        self.spec = resolve(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
+
+    def pids(self) -> dict[str, int]:
+        names = [i.name for i in self.spec.instances()]
+        names += ["envoy", "envoy-zone-a", "envoy-zone-b", "redis", "tracestore"]
+        return {name: 1000 + n for n, name in enumerate(names)}
+
+
+def test_one_python_process_of_each_kind_is_profiled_and_no_envoy() -> None:
+    chosen = profiled_instances(PerZoneMesh())  # type: ignore[arg-type]
+    assert sorted(chosen) == ["feature", "gateway", "model", "tracestore"]
+    assert chosen["gateway"][0].startswith("gateway-")
+
 
 ENTRY = "<module> (services/gateway/__main__.py:9);run (asyncio/runners.py:190)"
 PREDICT = "Predict (services/gateway/service.py"
