@@ -18,8 +18,10 @@ def test_a_killed_zone_envoy_costs_its_zone_seconds_and_the_mesh_starts_it_again
 ) -> None:
     # An Envoy per zone: zone-a's is SIGKILLed under load; the mesh starts it by itself.
     result = drill("zone-proxy-crash", tmp_path, baseline_s=4)
-    assert result.verdict == "held", result.text
     (crash,) = result.summary["windows"]
+    # On a deviation, the fault window's failures by status and its phases say which hop
+    # failed (one fresh-clone run under the whole suite answered 96.8%, and said no more).
+    assert result.verdict == "held", (result.text, crash, result.summary["phases"])
     assert crash["label"] == "kill zone-a's Envoy"
     assert crash["success_pct"] >= 99.5, crash["codes"]
     assert crash["degraded"] == 0, crash
