@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import duckdb
 
@@ -213,6 +213,28 @@ def _answer(
     return QueryResult(rows, matched, selected)
 
 
+# Every gateway's files as one table (a file list is bound as the first parameter).
+PARQUET_SOURCE = "read_parquet(?, union_by_name = true)"
+# Listings a read may take when compaction removes files under it.
+READ_ATTEMPTS = 5
+_T = TypeVar("_T")
+
+
+def _over_files(
+    files: list[str],
+    answer: Callable[[Callable[[str, list[Any]], list[tuple[Any, ...]]]], _T],
+    utc: bool,
+) -> _T:
+    with duckdb.connect() as con:
+        if utc:
+            con.execute("SET TimeZone = 'UTC'")
+
+        def execute(text: str, args: list[Any]) -> list[tuple[Any, ...]]:
+            return con.execute(text, [files, *args]).fetchall()
+
+        return answer(execute)
+
+
 class ParquetReader:
     """DuckDB over every gateway's files (in memory: it holds no database file)."""
 
@@ -223,48 +245,58 @@ class ParquetReader:
     def expire(self, retention_s: float) -> int:
         return expire_files(self.root, int((self.clock() - retention_s) * 1000))
 
+    def _read(
+        self,
+        since_ms: int,
+        answer: Callable[[Callable[[str, list[Any]], list[tuple[Any, ...]]]], _T],
+        empty: _T,
+        *,
+        utc: bool = False,
+    ) -> _T:
+        """`answer(execute)` over the files live since `since_ms` (`empty` when there are
+        none). A writer's compaction may remove files between the listing and the read (it
+        renames their merged file in first): the read is then made again on a new listing."""
+        for attempt in range(READ_ATTEMPTS):
+            files = [str(f.path) for f in live_files(self.root, since_ms)]
+            if not files:
+                return empty
+            try:
+                return _over_files(files, answer, utc)
+            except duckdb.IOException:
+                gone = [f for f in files if not Path(f).exists()]
+                if not gone or attempt == READ_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
     def query(self, q: LogQuery) -> QueryResult:
         now = self.clock()
-        files = [str(f.path) for f in live_files(self.root, int((now - q.since_s) * 1000))]
-        if not files:
-            return QueryResult([], 0, 0)
         where, params = _filters(q, now, "?", "list_contains(entity_keys, ?)")
-        with duckdb.connect() as con:
-
-            def execute(text: str, args: list[Any]) -> list[tuple[Any, ...]]:
-                return con.execute(text, [files, *args]).fetchall()
-
-            return _answer(q, execute, "read_parquet(?, union_by_name = true)", where, params, "?")
+        return self._read(
+            int((now - q.since_s) * 1000),
+            lambda execute: _answer(q, execute, PARQUET_SOURCE, where, params, "?"),
+            QueryResult([], 0, 0),
+        )
 
     def top_entities(self, model: str, entity: str, since_s: float, limit: int) -> TopEntities:
         """The `limit` ids of `entity` that `model`'s calls of the last `since_s` named most."""
         now = self.clock()
-        files = [str(f.path) for f in live_files(self.root, int((now - since_s) * 1000))]
-        if not files:
-            return TopEntities([], 0, 0)
         since = datetime.fromtimestamp(now - since_s, UTC)
-        with duckdb.connect() as con:
-
-            def execute(text: str, args: list[Any]) -> list[tuple[Any, ...]]:
-                return con.execute(text, [files, *args]).fetchall()
-
-            source = "read_parquet(?, union_by_name = true)"
-            return _top(execute, source, "?", model, entity, since, limit)
+        return self._read(
+            int((now - since_s) * 1000),
+            lambda execute: _top(execute, PARQUET_SOURCE, "?", model, entity, since, limit),
+            TopEntities([], 0, 0),
+        )
 
     def hourly_calls(self, since_s: float) -> list[tuple[datetime, int]]:
         """Every gateway's calls per UTC hour over the last `since_s`, oldest first."""
         now = self.clock()
-        files = [str(f.path) for f in live_files(self.root, int((now - since_s) * 1000))]
-        if not files:
-            return []
         since = datetime.fromtimestamp(now - since_s, UTC)
-        with duckdb.connect() as con:
-            con.execute("SET TimeZone = 'UTC'")
-
-            def execute(text: str, args: list[Any]) -> list[tuple[Any, ...]]:
-                return con.execute(text, [files, *args]).fetchall()
-
-            return _hourly(execute, "read_parquet(?, union_by_name = true)", "?", since)
+        return self._read(
+            int((now - since_s) * 1000),
+            lambda execute: _hourly(execute, PARQUET_SOURCE, "?", since),
+            [],
+            utc=True,
+        )
 
     def summary(self) -> LogSummary:
         files = live_files(self.root)

@@ -201,6 +201,29 @@ def test_flush_files_merge_into_one_and_readers_never_count_twice(tmp_path: Path
     assert reader.query(LogQuery(since_s=7200)).matched == MERGE_RUN + 1
 
 
+def test_a_read_whose_files_a_merge_removed_is_made_again_on_a_new_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "predictions"
+    store = ParquetStore(root, "g", lambda: NOW)
+    for i in range(MERGE_RUN + 1):
+        store.write([row(NOW - 10 + i * 0.01, request_id=f"r{i}")])
+    listings: list[int] = []
+
+    def listed_then_merged(folder: Path, since_ms: int = 0) -> list[object]:
+        found = live_files(folder, since_ms)
+        if not listings:
+            store.compact()  # between the reader's listing and its read, as a gateway may
+            assert not all(f.path.exists() for f in found)
+        listings.append(len(found))
+        return found  # type: ignore[return-value]
+
+    monkeypatch.setattr("servemesh.predlog.query.live_files", listed_then_merged)
+    reader = ParquetReader(root, lambda: NOW)
+    assert reader.query(LogQuery()).matched == MERGE_RUN + 1  # every call once
+    assert listings == [MERGE_RUN + 1, 2]
+
+
 def test_a_merge_cut_short_leaves_no_duplicates(tmp_path: Path) -> None:
     root = tmp_path / "predictions"
     store = ParquetStore(root, "g", lambda: NOW)
