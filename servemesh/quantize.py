@@ -103,6 +103,20 @@ class Derived:
         }
 
 
+@dataclass(frozen=True)
+class VersionRecord:
+    """The fields of a registry version that quantize reads (a registry ModelVersion has
+    them too), for an artifact that is not in a registry: a derived one being checked, a
+    bench model."""
+
+    model: str
+    version: str
+    sha256: str
+    format: str
+    inputs: Sequence[Any]
+    outputs: Sequence[Any]
+
+
 def quantize_version(
     data: bytes,
     record: Any,
@@ -406,7 +420,7 @@ def _answers_of_derived(
     from servemesh.edge.export import ExportError, answers_of, load_original
     from servemesh.registry.records import TensorSpec
 
-    derived_record = _Record(
+    derived_record = VersionRecord(
         model=record.model,
         version=f"{record.version}-{to}",
         sha256=hashlib.sha256(data).hexdigest(),
@@ -429,16 +443,6 @@ def _answers_of_derived(
 def _first_line(exc: BaseException) -> str:
     first = (str(exc).strip().splitlines() or [""])[0][:200]
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-
-
-@dataclass(frozen=True)
-class _Record:
-    model: str
-    version: str
-    sha256: str
-    format: str
-    inputs: Sequence[Any]
-    outputs: Sequence[Any]
 
 
 # --- accuracy --------------------------------------------------------------------------------

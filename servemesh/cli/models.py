@@ -592,30 +592,39 @@ def cmd_alias(args: argparse.Namespace) -> int:
 # --- export for devices ---------------------------------------------------------------------
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    """Pull the version (sha256-verified, as a model server does), export it for a device
-    runtime, check it answers as the original, then write it and its manifest."""
-    # torch (and onnx) load here, for an export only (servemesh/edge/export.py).
-    from servemesh.edge.export import default_out, export_version, write_export
+def pull_verified(
+    mesh: RunningMesh, model: str, version: str
+) -> tuple[registry_pb2.ModelVersion, bytes]:
+    """A version's record and its artifact, downloaded by the sha256-checked client the model
+    servers use (within the spec's artifact size limit)."""
     from servemesh.registry.client import fetch_verified
-
-    mesh = running_mesh(args)
-    target = Path(args.out) if args.out else default_out(args.model, args.version, args.format)
 
     async def pull() -> tuple[registry_pb2.ModelVersion, bytes]:
         async with mesh.registry_channel() as channel:
             try:
                 return await fetch_verified(
                     channel,
-                    args.model,
-                    args.version,
+                    model,
+                    version,
                     timeout=UPLOAD_TIMEOUT_S,
                     max_bytes=mesh.spec.limits.max_artifact_bytes,
                 )
             except grpc.aio.AioRpcError as exc:
                 raise _rpc_error(f"the registry at {mesh.spec.registry_address}", exc) from None
 
-    record, data = asyncio.run(pull())
+    return asyncio.run(pull())
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Pull the version (sha256-verified, as a model server does), export it for a device
+    runtime, check it answers as the original, then write it and its manifest."""
+    # torch (and onnx) load here, for an export only (servemesh/edge/export.py).
+    from servemesh.edge.export import default_out, export_version, write_export
+
+    mesh = running_mesh(args)
+    target = Path(args.out) if args.out else default_out(args.model, args.version, args.format)
+
+    record, data = pull_verified(mesh, args.model, args.version)
     exported = export_version(
         data, record, args.format, atol=args.atol, rtol=args.rtol, target=str(target)
     )
@@ -663,7 +672,6 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     reference rows, then push it as a version of its own with lineage and metrics."""
     from servemesh.edge.export import signature_of
     from servemesh.quantize import QuantizeError, quantize_version
-    from servemesh.registry.client import fetch_verified
 
     mesh = running_mesh(args)
     name = args.as_version or f"{args.version}-{args.to}"
@@ -672,20 +680,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     except InvalidArgumentError as exc:
         raise ModelsError(exc.message) from None
 
-    async def pull() -> tuple[registry_pb2.ModelVersion, bytes]:
-        async with mesh.registry_channel() as channel:
-            try:
-                return await fetch_verified(
-                    channel,
-                    args.model,
-                    args.version,
-                    timeout=UPLOAD_TIMEOUT_S,
-                    max_bytes=mesh.spec.limits.max_artifact_bytes,
-                )
-            except grpc.aio.AioRpcError as exc:
-                raise _rpc_error(f"the registry at {mesh.spec.registry_address}", exc) from None
-
-    record, data = asyncio.run(pull())
+    record, data = pull_verified(mesh, args.model, args.version)
     signature = signature_of(record)
     rows = read_reference(Path(args.reference), signature) if args.reference else None
     try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 from servemesh.demo import (
     DEMO_SOURCE_PREFIX,
@@ -57,12 +57,12 @@ def bench_model_named(key: str) -> BenchModel:
 
 def derived_artifact(name: str, source: Artifact, variant: str) -> Artifact:
     """`source` quantized as `models quantize --to <variant>` would push it."""
-    from servemesh.quantize import quantize_version
+    from servemesh.quantize import Method, VersionRecord, quantize_version
     from servemesh.registry.records import TensorSpec
 
     if variant not in VARIANTS:
         raise ValueError(f"variant: {variant!r} is not one of {list(VARIANTS)}")
-    record = _SourceRecord(
+    record = VersionRecord(
         model=name,
         version="v1",
         sha256=source.sha256,
@@ -70,17 +70,5 @@ def derived_artifact(name: str, source: Artifact, variant: str) -> Artifact:
         inputs=[TensorSpec("features", "FP32", (-1, N_FEATURES))],
         outputs=[TensorSpec("score", "FP32", (-1, 1))],
     )
-    derived = quantize_version(source.data, record, "int8")
+    derived = quantize_version(source.data, record, cast(Method, variant))
     return Artifact(data=derived.data, sha256=hashlib.sha256(derived.data).hexdigest())
-
-
-@dataclass(frozen=True)
-class _SourceRecord:
-    """The fields of a registry version that quantize reads."""
-
-    model: str
-    version: str
-    sha256: str
-    format: str
-    inputs: list[Any]
-    outputs: list[Any]

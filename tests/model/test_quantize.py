@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ from servemesh.demo import N_FEATURES, demo_artifact, heavy_artifact
 from servemesh.quantize import (
     QuantizeError,
     QuantizeRefused,
+    VersionRecord,
     measure_accuracy,
     quantize_version,
 )
@@ -22,20 +22,8 @@ from servemesh.services.model.tensors import Signature
 from tests.model.torch_models import CHURN_FEATURES, Churn, churn_example, exported
 
 
-@dataclass(frozen=True)
-class Record:
-    """What quantize reads of a registry version."""
-
-    model: str
-    version: str
-    sha256: str
-    format: str
-    inputs: list[TensorSpec] = field(default_factory=list)
-    outputs: list[TensorSpec] = field(default_factory=list)
-
-
-def demo_record(data: bytes, format: str = "torchscript", model: str = "fraud") -> Record:
-    return Record(
+def demo_record(data: bytes, format: str = "torchscript", model: str = "fraud") -> VersionRecord:
+    return VersionRecord(
         model=model,
         version="v1",
         sha256=hashlib.sha256(data).hexdigest(),
@@ -45,8 +33,8 @@ def demo_record(data: bytes, format: str = "torchscript", model: str = "fraud") 
     )
 
 
-def churn_record(data: bytes) -> Record:
-    return Record(
+def churn_record(data: bytes) -> VersionRecord:
+    return VersionRecord(
         model="churn",
         version="v1",
         sha256=hashlib.sha256(data).hexdigest(),

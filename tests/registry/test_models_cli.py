@@ -11,9 +11,10 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -339,19 +340,24 @@ def demo_request(rows: np.ndarray, version: str) -> oip.ModelInferRequest:
     return request
 
 
+async def push_v1(mesh: Mesh, artifact: Path, data: bytes, signature: Mapping[str, Any]) -> None:
+    """`models push` of `data` (saved as `artifact`) as v1 of the model named by its stem."""
+    artifact.write_bytes(data)
+    signature_file = artifact.with_suffix(".sig.yaml")
+    signature_file.write_text(yaml.safe_dump(dict(signature)))
+    pushed = await mesh.run(
+        "push", str(artifact), "--model", artifact.stem, "--version", "v1",
+        "--signature", str(signature_file),
+    )  # fmt: skip
+    assert pushed.returncode == 0, pushed.stderr
+
+
 async def test_quantize_pushes_a_checked_int8_version_that_a_model_server_serves(
     mesh: Mesh, tmp_path: Path
 ) -> None:
     from servemesh.demo import demo_artifact, demo_signature
 
-    artifact = tmp_path / "fraud.pt"
-    artifact.write_bytes(demo_artifact(1).data)
-    (tmp_path / "sig.yaml").write_text(yaml.safe_dump(demo_signature()))
-    pushed = await mesh.run(
-        "push", str(artifact), "--model", "fraud", "--version", "v1",
-        "--signature", str(tmp_path / "sig.yaml"),
-    )  # fmt: skip
-    assert pushed.returncode == 0, pushed.stderr
+    await push_v1(mesh, tmp_path / "fraud.pt", demo_artifact(1).data, demo_signature())
 
     done = await mesh.run("quantize", "fraud", "v1", "--to", "int8")
     assert done.returncode == 0, done.stderr
@@ -386,14 +392,8 @@ async def test_quantize_pushes_a_checked_int8_version_that_a_model_server_serves
 async def test_quantize_refuses_with_the_numbers_and_pushes_nothing(
     mesh: Mesh, tmp_path: Path
 ) -> None:
-    artifact = tmp_path / "churn.pt2"
-    artifact.write_bytes(exported(Churn(seed=4), churn_example()))
-    (tmp_path / "sig.yaml").write_text(yaml.safe_dump(CHURN_SIGNATURE_YAML))
-    pushed = await mesh.run(
-        "push", str(artifact), "--model", "churn", "--version", "v1",
-        "--signature", str(tmp_path / "sig.yaml"),
-    )  # fmt: skip
-    assert pushed.returncode == 0, pushed.stderr
+    churn = exported(Churn(seed=4), churn_example())
+    await push_v1(mesh, tmp_path / "churn.pt2", churn, CHURN_SIGNATURE_YAML)
 
     # Churn multiplies by a weight matrix with no linear layer: nothing for INT8 to cover.
     done = await mesh.run("quantize", "churn", "v1", "--to", "int8")
