@@ -165,6 +165,8 @@ async def test_an_injected_error_answers_every_call_but_health_checks(
     assert caught.value.details() == "injected fault"
     assert recorder.seen == []  # the fault comes before the handler and what wraps it
     assert server.faults.faulted == 1
+    # Counted as the handler ends, which may come just after the caller has the status.
+    await wait_until_async(lambda: _calls(server, "UNAVAILABLE") == 1, "the faulted call counted")
     assert _calls(server, "UNAVAILABLE") == 1
     # Health checks are never faulted: only outlier detection can catch a faulty replica.
     health = health_pb2_grpc.HealthStub(channel)
