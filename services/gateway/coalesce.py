@@ -111,6 +111,12 @@ class Coalescer(Generic[K, T, R]):
         queue = self._queues.get(key)
         return len(queue.members) if queue is not None else 0
 
+    def waiting(self) -> int:
+        """Members waiting under any key, for a call in flight or the loop's next turn. Read
+        by the metrics endpoint's thread: the values are copied in one step (atomic under
+        the GIL) rather than iterated while the event loop may change the dict."""
+        return sum(len(queue.members) for queue in list(self._queues.values()))
+
     def _loop_time(self, loop: asyncio.AbstractEventLoop, deadline: float) -> float:
         return loop.time() + max(0.0, deadline - self._clock())
 

@@ -8,6 +8,7 @@ by status, and their latency, beside the RPC metrics every service has.
 | servemesh_gateway_prediction_score | histogram | model, version, route |
 | servemesh_gateway_model_calls_total | counter | model, version, code, route |
 | servemesh_gateway_coalesced_members | histogram | call |
+| servemesh_gateway_coalesce_waiting | gauge | call |
 | servemesh_gateway_tier_lookups_total | counter | model, tier, result |
 
 `version` is the version that answered (the replica says which); a call whose model call
@@ -34,7 +35,9 @@ The last two are what a rollout's analysis compares between a canary and its bas
 
 `coalesced_members`: the Predicts that shared each downstream call the gateway made while
 coalescing (services/gateway/coalesce.py), by call ("features": a GetFeatures, "model": a
-ModelInfer); a call made for one Predict alone counts 1.
+ModelInfer); a call made for one Predict alone counts 1. `coalesce_waiting`: the Predicts
+queued at this moment to join the next such call (read at each scrape): a queue that stays
+long says the calls in flight are slower than the Predicts arriving.
 
 `tier_lookups_total`: each lookup of a model's precomputed and cache tiers
 (services/gateway/tiers.py) by result: "hit" (it answered), "miss", "stale" (an answer
@@ -105,6 +108,12 @@ class PredictMetrics:
             "Predicts that shared one downstream call, by call (features, model).",
             ["call"],
             buckets=COALESCED_BUCKETS,
+            registry=self.registry,
+        )
+        self._waiting = Gauge(
+            "servemesh_gateway_coalesce_waiting",
+            "Predicts queued to share the next downstream call, by call (features, model).",
+            ["call"],
             registry=self.registry,
         )
         self._tiers = Counter(
@@ -188,6 +197,11 @@ class PredictMetrics:
         if counter is None:
             counter = self._calls[key] = self._model_calls.labels(*key)
         counter.inc()
+
+    def watch_waiting(self, call: str, waiting: Callable[[], int]) -> None:
+        """Report `waiting()` as the Predicts queued for `call`, read at each scrape (so the
+        hot path pays nothing for it)."""
+        self._waiting.labels(call).set_function(waiting)
 
     def record_coalesced(self, call: str, members: int) -> None:
         """One downstream call made for `members` Predicts."""

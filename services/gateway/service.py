@@ -215,6 +215,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.model_calls: Coalescer[ModelKey, ModelAsk, gateway_pb2.PredictResponse] = Coalescer(
             self._send_infer, on_call=self._counted("model")
         )
+        self.metrics.watch_waiting("features", self.feature_calls.waiting)
+        self.metrics.watch_waiting("model", self.model_calls.waiting)
         # The spec file this gateway follows (set once it follows one) and its stamp when
         # last taken: a file changed since is a change Envoy serves already (it is written
         # once Envoy confirmed) and this gateway not yet, so calls go alone meanwhile.

@@ -107,6 +107,26 @@ async def test_requests_behind_a_call_in_flight_wait_for_it_then_leave_together(
     assert await settled(*behind) == ["b@2", "c@2", "d@2"]
 
 
+async def test_waiting_counts_the_members_queued_under_every_key() -> None:
+    down = Downstream()
+    coalescer: Coalescer[str, str, str] = Coalescer(down.send, clock=Clock())
+    firsts = [_start(coalescer, "m", "a"), _start(coalescer, "n", "b")]
+    await down.wait_calls(2)
+    assert coalescer.waiting() == 0, "both left alone: nothing queued"
+    behind = [_start(coalescer, key, item) for key, item in [("m", "c"), ("m", "d"), ("n", "e")]]
+    await asyncio.sleep(0)  # let them queue (a loop turn, not a wait for time)
+    assert coalescer.waiting() == 3
+    down.answer(0)
+    await down.wait_calls(3)
+    assert coalescer.waiting() == 1, "m's two left; n's one waits for n's call"
+    down.answer(1)
+    await down.wait_calls(4)
+    assert coalescer.waiting() == 0
+    down.answer(2)
+    down.answer(3)
+    await settled(*firsts, *behind)
+
+
 async def test_other_keys_never_share_and_never_wait() -> None:
     down = Downstream()
     coalescer: Coalescer[str, str, str] = Coalescer(down.send, clock=Clock())
