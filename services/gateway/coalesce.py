@@ -106,6 +106,18 @@ class Coalescer(Generic[K, T, R]):
             loop.call_soon(self._leave_scheduled, key, max_rows)
         return await member.future
 
+    async def alone(self, key: K, item: T, rows: int, deadline: float) -> R:
+        """Make `key`'s call for this one member now, past the queue and uncounted by
+        `on_call`: a call that may not be shared is made by the same `send` as one that is,
+        so the two never drift apart. It runs in the caller's task (a cancelled caller
+        cancels it)."""
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        member = Member(item, rows, deadline, future, contextvars.copy_context())
+        await self._send(key, [member])
+        if member.waiting:
+            raise Internal("the call left its member unanswered")
+        return member.future.result()
+
     def pending(self, key: K) -> int:
         """Members waiting under `key` (tests, debugging)."""
         queue = self._queues.get(key)

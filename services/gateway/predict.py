@@ -408,12 +408,6 @@ def shared_infer_request(
     return request
 
 
-def read_outputs(response: oip.ModelInferResponse, n_rows: int) -> dict[str, gateway_pb2.Tensor]:
-    """Every output of the model's answer as a public Tensor; Internal when one does not
-    have one row per request row."""
-    return split_outputs(response, [n_rows])[0]
-
-
 def split_outputs(
     response: oip.ModelInferResponse, counts: Sequence[int]
 ) -> list[dict[str, gateway_pb2.Tensor]]:

@@ -33,7 +33,6 @@ from servemesh.services.gateway.predict import (
     conform_inputs,
     fallback_response,
     plan_predict,
-    read_outputs,
     scores_of,
     shared_infer_request,
     signature_from_metadata,
@@ -143,9 +142,10 @@ Fresh = tuple[int, list[int]]
 ViewAnswer = tuple[np.ndarray, str, Fresh, TierState | None]
 Features = tuple[dict[str, np.ndarray], str, dict[str, Fresh], TierState | None]
 # A shared ModelInfer: the model, its spec entry (by identity: a spec change starts new
-# calls), where Envoy sends it (a pinned version, or a version's bucket range), and the
-# per-row shape of every input (rows of one shape concatenate).
-ModelKey = tuple[str, int, tuple[str, int, int], tuple[tuple[int, ...], ...]]
+# calls), where Envoy sends it (a pinned version, or a version's bucket range; None when
+# the weighted split picks per call, which is never shared), and the per-row shape of
+# every input (rows of one shape concatenate).
+ModelKey = tuple[str, int, tuple[str, int, int] | None, tuple[tuple[int, ...], ...]]
 PINNED = -1  # the range of a pinned call's key: Envoy routes it by version alone
 
 
@@ -158,7 +158,6 @@ class ModelAsk:
     inputs: Mapping[str, np.ndarray]  # every model input in wire layout
     metadata: list[tuple[str, str]]  # its own request id and trace headers
     span: trace.SpanContext  # its server span's
-    bucket: int | None  # the sticky bucket (None: pinned)
 
 
 class DownstreamError(MeshError):
@@ -286,8 +285,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             signature = await self._signature(plan, deadline, metadata)
             raw = conform_inputs(plan, signature)
             shared = self.spec.coalescing.enabled
-            features = self._features_shared if shared else self._features
-            infer = self._infer_shared if shared else self._infer
             # A tiered call reads its version's tier state with its features: one call to
             # the feature service whichever tier answers (services/gateway/tiers.py).
             tiers = tiers_for(plan)
@@ -305,7 +302,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     mark = self.feed.mark()
             try:
                 matrices, stale, fresh, state = await watch.features(
-                    features(plan, deadline, metadata, tier)
+                    self._features(plan, deadline, metadata, tier, shared=shared)
                 )
             except DownstreamError:
                 if tier is not None and tiers is not None:
@@ -330,16 +327,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         found = response_of(rows, version, gateway_pb2.TIER_CACHE)
                         return self._tier_answered(watch, found, request_id, span)
                     self.metrics.record_tier(plan.model_name, "cache", STALE if expired else MISS)
-            answer = await watch.inference(
-                infer(
-                    plan,
-                    signature,
-                    wire_inputs(signature, view_inputs(plan, matrices), raw),
-                    deadline,
-                    metadata,
-                    request_id,
-                )
+            ask = ModelAsk(
+                plan,
+                signature,
+                wire_inputs(signature, view_inputs(plan, matrices), raw),
+                metadata,
+                span.get_span_context(),
             )
+            answer = await watch.inference(self._infer(ask, deadline, shared=shared))
             if cache is not None and answer.model_version == version and not stale:
                 # Only the version the key names: Envoy may have routed elsewhere meanwhile.
                 online_rows = rows_of(answer, plan.n_rows)
@@ -592,82 +587,35 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         plan: PredictPlan,
         deadline: float,
         metadata: list[tuple[str, str]],
-        tier: TierKey | None = None,
+        tier: TierKey | None,
+        *,
+        shared: bool,
     ) -> Features:
         """Each view's feature matrix (one GetFeatures per view, all at once), why the
         answer is degraded by stale features ("" when it is not), each view's freshness,
-        and the `tier` state asked for with the first view's read (a tiered call has one)."""
+        and the `tier` state asked for with the first view's read (a tiered call has one).
+        `shared`: each view's read joins those of the concurrent Predicts that read it (and
+        ask for the same tier state); else it is made alone, by the same code."""
         if not plan.reads:
             return {}, "", {}, None
-        read = await asyncio.gather(
-            *(
-                self._read_view(r, deadline, metadata, tier if i == 0 else None)
-                for i, r in enumerate(plan.reads)
-            )
-        )
-        return _features_of(plan, read)
-
-    async def _read_view(
-        self,
-        read: ViewRead,
-        deadline: float,
-        metadata: list[tuple[str, str]],
-        tier: TierKey | None,
-    ) -> ViewAnswer:
-        lookup = build_request(read.view, read.entity_ids, read.features, tier)
-        try:
-            reply = await traced_call(
-                GET_FEATURES_METHOD,
-                lambda sent: self.features.GetFeatures(
-                    lookup, timeout=self.budget.remaining(deadline), metadata=sent
-                ),
-                metadata,
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise DownstreamError("feature service", exc) from None
-        matrix = _matrix_of(reply, read.view, len(read.entity_ids), len(read.features))
-        return (
-            matrix,
-            stale_reason(read.entity_ids, reply.vectors),
-            _fresh(reply, reply.vectors),
-            _tier_state(reply, tier, None),
-        )
-
-    async def _infer(
-        self,
-        plan: PredictPlan,
-        signature: ModelSignature,
-        inputs: Mapping[str, np.ndarray],
-        deadline: float,
-        metadata: list[tuple[str, str]],
-        request_id: str,
-    ) -> gateway_pb2.PredictResponse:
-        route = ROUTE_PINNED if plan.version else ROUTE_ROUTED
-        try:
-            infer = shared_infer_request(
-                plan.model_name, plan.version, signature, [inputs], request_id
-            )
-            reply = await traced_call(
-                MODEL_INFER_METHOD,
-                lambda sent: self.models.ModelInfer(
-                    infer, timeout=self.budget.remaining(deadline), metadata=sent
-                ),
-                metadata + self._routing(plan),
-            )
-        except grpc.aio.AioRpcError as exc:
-            # Counted against the version that failed, even when a fallback answers.
-            version = routed_version(exc) or plan.version
-            self.metrics.record_model_call(plan.model_name, version, exc.code().name, route)
-            raise DownstreamError("model service", exc, version) from None
-        try:
-            outputs = read_outputs(reply, plan.n_rows)
-        except MeshError as exc:  # an answer of the wrong shape is the version's fault
-            self.metrics.record_model_call(
-                plan.model_name, reply.model_version, exc.code.name, route
-            )
-            raise
-        self.metrics.record_model_call(plan.model_name, reply.model_version, "OK", route)
-        return _answer(reply, outputs, plan.n_rows)
+        breakers = self.spec.traffic.feature.circuit_breakers
+        shared = shared and not _breaker_counts_calls(breakers, self.spec.coalescing.max_rows)
+        span = trace.get_current_span().get_span_context()
+        limits = self.spec.limits
+        max_rows = min(self.spec.coalescing.max_rows, limits.max_rows_per_predict)
+        leave_by = deadline - self.budget.hop_budget_s
+        asks: list[Awaitable[ViewAnswer]] = []
+        for i, read in enumerate(plan.reads):
+            key = (read.view, tuple(read.features), tier if i == 0 else None)
+            ask = FeatureAsk(read, metadata, span)
+            rows = len(read.entity_ids)
+            if shared:
+                cap = min(max_rows, limits.max_feature_cells // max(1, len(read.features)))
+                asks.append(self.feature_calls.submit(key, ask, rows, leave_by, cap))
+            else:
+                asks.append(self.feature_calls.alone(key, ask, rows, leave_by))
+        answers = [await asks[0]] if len(asks) == 1 else await asyncio.gather(*asks)
+        return _features_of(plan, answers)
 
     # --- shared calls (coalescing) -----------------------------------------------------
 
@@ -676,37 +624,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self.metrics.record_coalesced(call, members)
 
         return count
-
-    async def _features_shared(
-        self,
-        plan: PredictPlan,
-        deadline: float,
-        metadata: list[tuple[str, str]],
-        tier: TierKey | None = None,
-    ) -> Features:
-        """As `_features`, each view's read shared with the concurrent Predicts that read it
-        (and ask for the same tier state)."""
-        if not plan.reads:
-            return {}, "", {}, None
-        breakers = self.spec.traffic.feature.circuit_breakers
-        if _breaker_counts_calls(breakers, self.spec.coalescing.max_rows):
-            return await self._features(plan, deadline, metadata, tier)
-        span = trace.get_current_span().get_span_context()
-        limits = self.spec.limits
-        max_rows = min(self.spec.coalescing.max_rows, limits.max_rows_per_predict)
-        leave_by = deadline - self.budget.hop_budget_s
-        asks = [
-            self.feature_calls.submit(
-                (read.view, tuple(read.features), tier if i == 0 else None),
-                FeatureAsk(read, metadata, span),
-                len(read.entity_ids),
-                leave_by,
-                min(max_rows, limits.max_feature_cells // max(1, len(read.features))),
-            )
-            for i, read in enumerate(plan.reads)
-        ]
-        read = [await asks[0]] if len(asks) == 1 else await asyncio.gather(*asks)
-        return _features_of(plan, read)
 
     async def _send_features(
         self, key: FeatureKey, members: list[Member[FeatureAsk, ViewAnswer]]
@@ -800,21 +717,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 return (version, start, end)
         return None
 
-    async def _infer_shared(
-        self,
-        plan: PredictPlan,
-        signature: ModelSignature,
-        inputs: Mapping[str, np.ndarray],
-        deadline: float,
-        metadata: list[tuple[str, str]],
-        request_id: str,
+    async def _infer(
+        self, ask: ModelAsk, deadline: float, *, shared: bool
     ) -> gateway_pb2.PredictResponse:
-        """As `_infer`, the rows shared with the concurrent Predicts Envoy would send to the
-        same version."""
+        """The model's answer to one Predict's rows. `shared`: the rows join those of the
+        concurrent Predicts Envoy would send to the same version, where that is safe; else
+        the call is made alone, by the same code."""
+        plan = ask.plan
         arm = self._arm(plan)
+        key: ModelKey = (
+            plan.model_name,
+            id(plan.model),
+            arm,
+            tuple(array.shape[1:] for array in ask.inputs.values()),
+        )
+        leave_by = deadline - self.budget.hop_budget_s
         policy = plan.model.policy or self.spec.traffic.model
         if (
-            arm is None
+            not shared
+            or arm is None
             or self._spec_in_flux()
             or plan.model.shadow is not None
             or self._shadowed.get(plan.model_name) is plan.model
@@ -823,25 +744,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # Alone: the weighted split picks a version per call; a shadowed model's replicas
             # record each call under its request id, which the shadow report pairs; and a
             # breaker sized below a shared call's rows was sized in Predicts.
-            return await self._infer(plan, signature, inputs, deadline, metadata, request_id)
-        key: ModelKey = (
-            plan.model_name,
-            id(plan.model),
-            arm,
-            tuple(array.shape[1:] for array in inputs.values()),
-        )
-        ask = ModelAsk(
-            plan,
-            signature,
-            inputs,
-            metadata,
-            trace.get_current_span().get_span_context(),
-            plan.bucket,
-        )
+            return await self.model_calls.alone(key, ask, plan.n_rows, leave_by)
         max_rows = min(self.spec.coalescing.max_rows, plan.model.batching.max_rows_per_request)
-        return await self.model_calls.submit(
-            key, ask, plan.n_rows, deadline - self.budget.hop_budget_s, max_rows
-        )
+        return await self.model_calls.submit(key, ask, plan.n_rows, leave_by, max_rows)
 
     def _spec_in_flux(self) -> bool:
         """Whether the spec file changed since this gateway last took it."""
@@ -853,10 +758,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _send_infer(
         self, key: ModelKey, members: list[Member[ModelAsk, gateway_pb2.PredictResponse]]
     ) -> None:
-        """One ModelInfer carrying every member's rows, each member answered its own."""
-        model_name, _, (version, start, _end), _ = key
+        """One ModelInfer carrying every member's rows, each member answered its own. The
+        members share the key's route (a pinned version or one version's bucket range), so
+        the first member's routing headers route them all."""
         first = members[0].item
-        pinned = start == PINNED
+        model_name = first.plan.model_name
+        pinned = bool(first.plan.version)
         route = ROUTE_PINNED if pinned else ROUTE_ROUTED
         metadata = _shared_metadata(members)
         infer = shared_infer_request(
@@ -866,11 +773,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             [m.item.inputs for m in members],
             dict(metadata)[REQUEST_ID_HEADER],
         )
-        routing = [(MODEL_HEADER, model_name)]
-        if pinned:
-            routing.append((VERSION_HEADER, version))
-        else:
-            routing.append((BUCKET_HEADER, str(first.bucket)))
+        routing = self._routing(first.plan)
         deadline = min(m.deadline for m in members) + self.budget.hop_budget_s
         calls: list[grpc.aio.UnaryUnaryCall] = []
 
@@ -1000,7 +903,8 @@ def _outside(
     if served is None:
         return members[1:]
     start, end = served
-    return [m for m in members if m.item.bucket is None or not start <= m.item.bucket < end]
+    buckets = [m.item.plan.bucket for m in members]
+    return [m for m, b in zip(members, buckets, strict=True) if b is None or not start <= b < end]
 
 
 @contextlib.contextmanager

@@ -127,6 +127,34 @@ async def test_waiting_counts_the_members_queued_under_every_key() -> None:
     await settled(*firsts, *behind)
 
 
+async def test_alone_makes_the_call_at_once_past_the_queue_and_uncounted() -> None:
+    down = Downstream()
+    sizes: list[int] = []
+    coalescer: Coalescer[str, str, str] = Coalescer(
+        down.send, clock=Clock(), on_call=lambda _key, n: sizes.append(n)
+    )
+    first = _start(coalescer, "m", "a")
+    await down.wait_calls(1)
+    # A call of m is in flight: a shared member would wait for it; a lone one does not.
+    lone = asyncio.get_running_loop().create_task(coalescer.alone("m", "b", 1, 200.0))
+    await down.wait_calls(2)
+    assert [m.item for m in down.calls[1][1]] == ["b"] and coalescer.waiting() == 0
+    down.answer(1)
+    assert await lone == "b@2"
+    down.answer(0)
+    assert await first == "a@2"
+    assert sizes == [1], "only the shared call was counted"
+
+
+async def test_alone_fails_as_internal_when_send_leaves_its_member_unanswered() -> None:
+    async def forgetful(_key: str, _members: list[Member[str, str]]) -> None:
+        return None
+
+    coalescer: Coalescer[str, str, str] = Coalescer(forgetful, clock=Clock())
+    with pytest.raises(Internal, match="unanswered"):
+        await coalescer.alone("m", "a", 1, 200.0)
+
+
 async def test_other_keys_never_share_and_never_wait() -> None:
     down = Downstream()
     coalescer: Coalescer[str, str, str] = Coalescer(down.send, clock=Clock())

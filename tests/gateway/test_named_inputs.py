@@ -13,9 +13,9 @@ from servemesh.services.gateway.predict import (
     conform_inputs,
     fallback_response,
     plan_predict,
-    read_outputs,
     scores_of,
     signature_from_metadata,
+    split_outputs,
     view_inputs,
 )
 from servemesh.services.runtime.errors import MeshError
@@ -246,7 +246,7 @@ def test_every_output_comes_back_named_and_scores_only_for_one_number_per_row() 
     )
     reply.outputs.add(name="probabilities", datatype="FP32", shape=[2, 3])
     reply.outputs.add(name="label", datatype="INT64", shape=[2])
-    outputs = read_outputs(reply, 2)
+    outputs = split_outputs(reply, [2])[0]
     assert list(outputs["label"].int64_values) == [2, 0]
     assert list(outputs["probabilities"].shape) == [2, 3]
     assert outputs["probabilities"].float_values[2] == pytest.approx(0.5)

@@ -12,8 +12,8 @@ from servemesh.services.gateway.predict import (
     build_infer_request,
     fallback_response,
     plan_predict,
-    read_outputs,
     scores_of,
+    split_outputs,
     stale_reason,
     view_inputs,
 )
@@ -109,16 +109,16 @@ def test_entity_rows_come_before_the_callers_rows() -> None:
 def test_scores_are_read_from_raw_or_typed_outputs_and_checked_for_count() -> None:
     raw = oip.ModelInferResponse(raw_output_contents=[np.array([0.1, 0.9], dtype="<f4").tobytes()])
     raw.outputs.add(name="score", datatype="FP32", shape=[2, 1])
-    outputs = read_outputs(raw, 2)
+    outputs = split_outputs(raw, [2])[0]
     assert scores_of(outputs, 2) == pytest.approx([0.1, 0.9])
     assert list(outputs["score"].shape) == [2, 1]
     typed = oip.ModelInferResponse()
     typed.outputs.add(name="score", datatype="FP32", shape=[2, 1]).contents.fp32_contents.extend(
         [0.3, 0.4]
     )
-    assert scores_of(read_outputs(typed, 2), 2) == pytest.approx([0.3, 0.4])
+    assert scores_of(split_outputs(typed, [2])[0], 2) == pytest.approx([0.3, 0.4])
     with pytest.raises(MeshError) as err:
-        read_outputs(typed, 3)
+        split_outputs(typed, [3])
     assert err.value.code == grpc.StatusCode.INTERNAL
 
 
