@@ -42,11 +42,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 
-from servemesh.identity import Dial, dial_edge, dial_service
+from servemesh.identity import Dial, dial_address, dial_edge, dial_service
+from servemesh.identity.enroll import BENCH_ECHO_IDENTITY, enrolled
 from servemesh.launcher import Mesh
 from servemesh.load import ClosedLoop, Target, closed_loop, predict_target, summarize
 from servemesh.load.outcome import Reply, Request
@@ -60,6 +62,9 @@ from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 
+if TYPE_CHECKING:
+    from servemesh.model_bench.run import ServerProcess
+
 EDGE = "edge"
 MODEL_ALONE = "model alone"
 ECHO = "echo"
@@ -70,6 +75,13 @@ CALL_TIMEOUT_S = 5.0
 IDLE_SETTLE_S = 5.0
 # The echo server's CPU, as a kind of its own (never summed into the mesh's).
 ECHO_KIND = "echo"
+# `--tls-cost`: the echo server again, serving mutual TLS with a certificate of the mesh's CA.
+ECHO_TLS = "echo mTLS"
+# The TLS sides of a Predict in Python processes: the gateway serves the edge's call and
+# makes two (features, model), the feature and model servers serve one each. Envoy's sides
+# (the edge listener, its call to the gateway, the zone Envoy's both ends) are BoringSSL in
+# C++ and not counted here.
+PYTHON_TLS_SIDES_PER_PREDICT = 5
 # What the second fast-path issue asks, as ratios to what this design can reach measured in
 # the same run, and bounds (docs/benchmarks.md, "Fast path, second pass").
 TARGET_CPU_OVER_ECHO_C64 = 3.0
@@ -453,11 +465,13 @@ def bench_predict(
     weight_changes: int = 10,
     idle_s: float = 20.0,
     model: str = "demo",
+    tls_cost: bool = False,
     progress: Callable[[Round], None] = lambda _: None,
 ) -> dict[str, object]:
     """Start a mesh and the echo server, time the mesh's start, read its idle CPU and
     memory, then measure every target at every concurrency `repeats` times, interleaved;
-    the report as a JSON-able dict."""
+    the report as a JSON-able dict. `tls_cost`: also the echo server serving mutual TLS, and
+    what TLS adds to one call (client and server) beside the plaintext echo."""
     from servemesh.model_bench.run import BenchConfig, ServerProcess
     from servemesh.model_bench.run import Target as ServerTarget
 
@@ -468,6 +482,7 @@ def bench_predict(
             ServerTarget(name="echo", kind=ECHO_KIND), BenchConfig(server_cpu=None), Path(state)
         )
         mesh = Mesh.from_spec(spec, Path(state) / "mesh")
+        started_servers: list[ServerProcess] = []
         started = time.perf_counter()
         try:
             mesh.start()
@@ -480,6 +495,10 @@ def bench_predict(
             echo_target = _raw_target(
                 Dial(echo.address, None), f"/{OIP_SERVICE}/ModelInfer", bodies
             )
+            echo_tls: ServerProcess | None = None
+            if tls_cost:
+                echo_tls = _tls_echo(mesh, Path(state))
+                started_servers.append(echo_tls)
             targets = {
                 EDGE: predict_target(
                     dial_edge(mesh.spec),
@@ -490,6 +509,12 @@ def bench_predict(
                 MODEL_ALONE: alone,
                 ECHO: echo_target,
             }
+            if echo_tls is not None:
+                targets[ECHO_TLS] = _raw_target(
+                    dial_address(mesh.spec, echo_tls.address, BENCH_ECHO_IDENTITY),
+                    f"/{OIP_SERVICE}/ModelInfer",
+                    bodies,
+                )
             if direct:
                 gateway = next(i.name for i in mesh.spec.instances() if i.service == "gateway")
                 targets[GATEWAY_DIRECT] = predict_target(
@@ -500,11 +525,11 @@ def bench_predict(
                 )
             rounds: list[Round] = []
 
-            def echo_cpu() -> dict[str, float]:
-                return {ECHO_KIND: echo.cpu_seconds()}
+            servers = {ECHO: echo, ECHO_TLS: echo_tls}
 
             def run_round(name: str, c: int, repeat: int) -> Round:
-                cpu_of = echo_cpu if name == ECHO else None
+                server = servers.get(name)
+                cpu_of = (lambda: {ECHO_KIND: server.cpu_seconds()}) if server else None
                 found = measure(mesh, targets[name], name, c, seconds, repeat, cpu_of)
                 progress(found)
                 rounds.append(found)
@@ -529,6 +554,8 @@ def bench_predict(
         finally:
             mesh.stop()
             echo.stop()
+            for server in started_servers:
+                server.stop()
     rows = summarize_rows(rounds, wide)
     ratios = {c: paired_ratios(rounds, c) for c in concurrencies}
     same_run = {
@@ -556,6 +583,8 @@ def bench_predict(
         ),
         "rounds": [asdict(r) for r in rounds],
     }
+    if tls_cost:
+        report["tls_cost"] = tls_cost_report(rounds, concurrencies)
     if changes:
         report["weight_changes"] = {
             "count": len(changes),
@@ -565,6 +594,54 @@ def bench_predict(
             "effective_ms_max": round(max(c[1] for c in changes), 1),
         }
     return report
+
+
+def _tls_echo(mesh: Mesh, workdir: Path) -> ServerProcess:
+    """The echo server serving mutual TLS with a certificate of `mesh`'s CA, ready."""
+    from servemesh.model_bench.run import BenchConfig, ServerProcess
+    from servemesh.model_bench.run import Target as ServerTarget
+
+    enrolled(mesh.spec, BENCH_ECHO_IDENTITY)  # issued here, before the server reads it
+    server = ServerProcess(
+        ServerTarget(
+            name="echo-tls", kind=ECHO_KIND, tls=(str(mesh.spec.state_dir), mesh.spec.name)
+        ),
+        BenchConfig(server_cpu=None),
+        workdir,
+    )
+    server.wait_ready()
+    return server
+
+
+def call_cpu(r: Round) -> float:
+    """CPU µs per answer of the server and the client together."""
+    return sum(r.cpu_us.values())
+
+
+def tls_cost_report(rounds: Sequence[Round], concurrencies: Sequence[int]) -> dict[str, object]:
+    """What mutual TLS adds to one call, by concurrency, repeat by repeat (the TLS echo and
+    the plaintext echo measured back to back): CPU µs per call (client and server), that
+    over the plaintext call's, and the Python sides of a Predict priced at half of it."""
+    found: dict[str, object] = {}
+    for c in concurrencies:
+        plain = {r.repeat: r for r in rounds if r.target == ECHO and r.concurrency == c}
+        pairs = [
+            (r, plain[r.repeat])
+            for r in rounds
+            if r.target == ECHO_TLS and r.concurrency == c and r.repeat in plain
+        ]
+        if not pairs:
+            continue
+        added = [call_cpu(t) - call_cpu(p) for t, p in pairs]
+        found[str(c)] = {
+            "us_per_call_added": _summary(added),
+            "cpu_ratio": _summary([call_cpu(t) / call_cpu(p) for t, p in pairs]),
+            "rps_ratio": _summary([t.rps / p.rps for t, p in pairs]),
+            "us_per_predict_python_sides": round(
+                statistics.median(added) / 2 * PYTHON_TLS_SIDES_PER_PREDICT, 1
+            ),
+        }
+    return found
 
 
 def print_report(report: Mapping[str, object]) -> None:
@@ -632,6 +709,17 @@ def print_report(report: Mapping[str, object]) -> None:
                 f"{name}: {r['median']:.2f}x (per repeat "
                 f"{', '.join(f'{v:.2f}' for v in r['per_repeat'])})"
             )
+    tls = report.get("tls_cost")
+    if isinstance(tls, dict):
+        for c, t in tls.items():
+            added = t["us_per_call_added"]
+            console.print(
+                f"mutual TLS at c={c}: +{added['median']:.0f} µs CPU per call, client and "
+                f"server ({added['min']:.0f}-{added['max']:.0f}), {t['cpu_ratio']['median']:.2f}x "
+                f"the plaintext call's; req/s {t['rps_ratio']['median']:.2f}x; a Predict's "
+                f"{PYTHON_TLS_SIDES_PER_PREDICT} Python TLS sides about "
+                f"{t['us_per_predict_python_sides']:.0f} µs"
+            )
     checks = report["targets"]
     assert isinstance(checks, list)
     for check in checks:
@@ -658,6 +746,7 @@ def main(
     direct: bool = False,
     idle_s: float = 20.0,
     model: str = "demo",
+    tls_cost: bool = False,
 ) -> int:
     def show(found: Round) -> None:
         if not as_json:
@@ -677,6 +766,7 @@ def main(
         direct=direct,
         idle_s=idle_s,
         model=model,
+        tls_cost=tls_cost,
         progress=show,
     )
     if out:

@@ -35,6 +35,7 @@ def cmd_bench_predict(args: argparse.Namespace) -> int:
         direct=args.direct,
         idle_s=args.idle_seconds,
         model=args.model,
+        tls_cost=args.tls_cost,
     )
 
 
@@ -169,6 +170,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench_predict.add_argument("--repeats", type=int, default=3, help="rounds per row (>= 3)")
     bench_predict.add_argument(
         "--direct", action="store_true", help="also load one gateway straight (no Envoy)"
+    )
+    bench_predict.add_argument(
+        "--tls-cost",
+        action="store_true",
+        help="also the echo server over mutual TLS: what TLS adds to one call's CPU, and to "
+        "a Predict's Python sides",
     )
     bench_predict.add_argument(
         "--tiers",

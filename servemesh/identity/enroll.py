@@ -20,6 +20,8 @@ ENVOY_IDENTITY = "envoy"
 EDGE_IDENTITY = "edge"
 # Tools run by the mesh's operator (the CLI, drills, benches, tests) present this identity.
 OPERATOR_IDENTITY = "operator"
+# The echo server a benchmark runs over mutual TLS beside a mesh (bench predict --tls-cost).
+BENCH_ECHO_IDENTITY = "bench-echo"
 # The embedded trace store (an OTLP receiver every service and Envoy export spans to).
 TRACE_STORE_IDENTITY = "tracestore-0"
 

@@ -87,6 +87,8 @@ class Target:
     group: str = "protocol-bound"
     # A derived form of the bench model (models.py VARIANTS: "int8"); "" for the model.
     variant: str = ""
+    # echo: serve mutual TLS with a certificate of this (state dir, mesh name)'s CA.
+    tls: tuple[str, str] | None = None
 
 
 @dataclass
@@ -195,6 +197,8 @@ def _target_argv(target: Target, config: BenchConfig, port_file: Path, workdir: 
             argv += ["--artifact-file", str(_artifact_file(config, target.variant, workdir))]
         if target.inject_latency_ms:
             argv += ["--inject-latency-ms", str(target.inject_latency_ms)]
+        if target.tls is not None:
+            argv += ["--tls-state-dir", target.tls[0], "--tls-mesh", target.tls[1]]
     if config.server_cpu is not None:
         argv += ["--cpu", str(config.server_cpu)]
     return argv

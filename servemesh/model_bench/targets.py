@@ -4,13 +4,16 @@
     python -m servemesh.model_bench.targets model --model heavy
     python -m servemesh.model_bench.targets model --model heavy --variant int8
     python -m servemesh.model_bench.targets echo
+    python -m servemesh.model_bench.targets echo --tls-state-dir STATE --tls-mesh NAME
     python -m servemesh.model_bench.targets ceiling --seconds 2
 
 `model` is the real model server (`services.model.service.build_server`, metrics endpoint
 included) hosting a bench model (`models.py`: the demo fraud MLP by default, `--model heavy`
 the compute-bound one), loaded from its artifact instead of a registry. `echo`
 is the same server stack (ServiceServer, OIP servicer, same request and answer sizes) with
-no validation, batching or model: the protocol ceiling. Both write their ports as JSON to
+no validation, batching or model: the protocol ceiling; plaintext, or mutual TLS with a
+certificate of a mesh's CA (`--tls-state-dir`, issued beforehand), to read what TLS costs
+one call. Both write their ports as JSON to
 --port-file once serving, and drain on SIGTERM. `ceiling` prints, as JSON, what the model
 does in-process with no gRPC: forward passes at batch 1 and at the maximum batch size, and
 the batcher driven by coroutines.
@@ -31,6 +34,9 @@ import grpc
 import numpy as np
 
 from servemesh.demo import N_FEATURES, Artifact
+from servemesh.identity.credentials import server_credentials
+from servemesh.identity.enroll import BENCH_ECHO_IDENTITY
+from servemesh.identity.store import MeshIdentity
 from servemesh.model_bench.models import BENCH_MODELS, VARIANTS, BenchModel
 from servemesh.services.model.loader import LoadedModel, ModelLoader, load_model
 from servemesh.services.model.service import SERVICE_NAME, build_server
@@ -142,6 +148,7 @@ async def serve(
     model: BenchModel = BENCH_MODELS["demo"],
     variant: str = "",
     artifact_file: Path | None = None,
+    tls: tuple[Path, str] | None = None,
 ) -> None:
     spec = bench_spec(batching, model)
     if kind == "model":
@@ -154,7 +161,13 @@ async def serve(
             "artifact_bytes": artifact.size,
         }
     else:
-        server = ServiceServer(INSTANCE, host=spec.host, port=spec.port_of(INSTANCE))
+        credentials = None
+        if tls is not None:
+            # Mutual TLS with a certificate of a running mesh's CA: what TLS costs a call.
+            credentials = server_credentials(MeshIdentity(tls[0], tls[1]), BENCH_ECHO_IDENTITY)
+        server = ServiceServer(
+            INSTANCE, host=spec.host, port=spec.port_of(INSTANCE), credentials=credentials
+        )
         server.add_service(
             grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
             EchoServicer(INSTANCE, "zone-a"),
@@ -264,6 +277,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--artifact-file", type=Path, help="serve this artifact of the model (e.g. a variant)"
     )
+    parser.add_argument(
+        "--tls-state-dir",
+        type=Path,
+        help=f"echo: serve mutual TLS as {BENCH_ECHO_IDENTITY!r}, of this mesh state dir's CA",
+    )
+    parser.add_argument("--tls-mesh", default="", help="the mesh name its certificates carry")
     args = parser.parse_args(argv)
     pin(args.cpu)
     batching = BatchingSpec(**json.loads(args.batching))
@@ -282,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
             model,
             args.variant or "",
             args.artifact_file,
+            (args.tls_state_dir, args.tls_mesh) if args.tls_state_dir else None,
         )
     )
 

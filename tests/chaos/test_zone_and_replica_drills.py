@@ -29,14 +29,17 @@ def test_a_zone_brownout_is_hedged_to_the_other_zone(tmp_path: Path) -> None:
     assert ratio["baseline_p99_ms"] > 0 and ratio["fault_p99_ms"] > 0, ratio
     before = method_output(result, "envoy-before-brownout")
     during = method_output(result, "envoy-during-brownout")
-    # Hedges go where the brownout is: the share of ModelInfer calls hedged during it is
-    # above the share before it. (The goal, at most 10% more calls outside the fault, is the
-    # full-length drill's number in docs/benchmarks.md: in a shortened drill on a busy
-    # machine, how many calls pass the 20 ms per-try timeout is the machine's load.)
+    # Envoy steers around the brownout: the share of ModelInfer calls hedged during it is
+    # above the share before it, or outlier detection ejected zone-a's slow replicas (hedged
+    # tries count toward it; once they are out, calls go to zone-b unhedged). (The goal, at
+    # most 10% more calls outside the fault, is the full-length drill's number in
+    # docs/benchmarks.md: in a shortened drill on a busy machine, how many calls pass the
+    # 20 ms per-try timeout is the machine's load.)
     before_share = before["retries"]["model"] / max(1, before["requests"]["model"])
     hedged = during["retries"]["model"] - before["retries"]["model"]
     calls = during["requests"]["model"] - before["requests"]["model"]
-    assert hedged / max(1, calls) > before_share, (before, during)
+    ejected = during["ejections"]["model"] - before["ejections"]["model"]
+    assert hedged / max(1, calls) > before_share or ejected > 0, (before, during)
 
 
 def test_a_replica_in_a_crash_loop_never_reaches_callers(tmp_path: Path) -> None:

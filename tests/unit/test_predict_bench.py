@@ -7,6 +7,8 @@ import math
 
 from servemesh.bench import (
     ECHO,
+    ECHO_TLS,
+    PYTHON_TLS_SIDES_PER_PREDICT,
     EDGE,
     MODEL_ALONE,
     Round,
@@ -18,6 +20,7 @@ from servemesh.bench import (
     per_repeat_ratios,
     summarize_rows,
     target_checks,
+    tls_cost_report,
 )
 from servemesh.load.stats import spread
 from servemesh.spec import MeshSpec
@@ -114,3 +117,23 @@ def test_the_bench_mesh_lets_its_one_caller_use_the_edge_s_whole_rate() -> None:
     assert limit.per_caller_burst == limit.burst
     assert spec.traffic.rate_limit.per_caller_requests_per_second < limit.requests_per_second
     assert bench_spec(spec).metrics.prometheus == "off"
+
+
+def test_tls_cost_pairs_each_tls_echo_round_with_the_plain_echo_round_of_its_repeat() -> None:
+    rounds = [
+        _round(ECHO, 64, 0, 4000.0, {"echo": 200.0, "client": 150.0}),
+        _round(ECHO_TLS, 64, 0, 3500.0, {"echo": 230.0, "client": 170.0}),  # +50 µs
+        _round(ECHO, 64, 1, 3000.0, {"echo": 260.0, "client": 190.0}),  # a slower repeat
+        _round(ECHO_TLS, 64, 1, 2700.0, {"echo": 300.0, "client": 210.0}),  # +60 µs
+        _round(ECHO_TLS, 64, 2, 2600.0, {"echo": 900.0, "client": 900.0}),  # no pair: left out
+        _round(ECHO, 1, 0, 1000.0, {"echo": 300.0, "client": 200.0}),  # no TLS round at c=1
+    ]
+    found = tls_cost_report(rounds, [1, 64])
+    assert list(found) == ["64"]
+    c64 = found["64"]
+    assert isinstance(c64, dict)
+    assert c64["us_per_call_added"]["per_repeat"] == [50.0, 60.0]
+    assert c64["cpu_ratio"]["per_repeat"] == [round(400 / 350, 3), round(510 / 450, 3)]
+    assert c64["rps_ratio"]["per_repeat"] == [0.875, 0.9]
+    # Half the pair's cost for each of a Predict's Python TLS sides.
+    assert c64["us_per_predict_python_sides"] == 55.0 / 2 * PYTHON_TLS_SIDES_PER_PREDICT
