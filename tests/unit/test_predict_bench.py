@@ -8,9 +8,9 @@ import math
 from servemesh.bench import (
     ECHO,
     ECHO_TLS,
-    PYTHON_TLS_SIDES_PER_PREDICT,
     EDGE,
     MODEL_ALONE,
+    PYTHON_TLS_SIDES_PER_PREDICT,
     Round,
     bench_spec,
     heavy_spec,
