@@ -102,6 +102,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.xdist_group(worker_group(item, on_mesh_package)))
 
 
+# Each Envoy holds an inotify instance per watched xDS or SDS file (a mesh's three about 45),
+# and the kernel counts them per user: at its common default of 128, three workers' meshes
+# abort the next Envoy at start (`assert failure: inotify_fd_ >= 0`). `.ci/run` raises it.
+INOTIFY_INSTANCES_WANTED = 1024
+INOTIFY_LIMIT_FILE = Path("/proc/sys/fs/inotify/max_user_instances")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """A warning before the mesh tests start Envoys, where the inotify limit is too low."""
+    try:
+        limit = int(INOTIFY_LIMIT_FILE.read_text())
+    except (OSError, ValueError):
+        return []
+    if limit >= INOTIFY_INSTANCES_WANTED:
+        return []
+    return [
+        f"WARNING: fs.inotify.max_user_instances is {limit}: mesh tests side by side may see "
+        "Envoy abort at start (inotify_fd_ >= 0). Raise it first: "
+        f"sudo sysctl -w fs.inotify.max_user_instances={INOTIFY_INSTANCES_WANTED}"
+    ]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(GroupOrder(), "servemesh-group-order")
     if config.option.markexpr.replace(" ", "").startswith("notmesh"):
