@@ -482,7 +482,7 @@ def bench_predict(
             ServerTarget(name="echo", kind=ECHO_KIND), BenchConfig(server_cpu=None), Path(state)
         )
         mesh = Mesh.from_spec(spec, Path(state) / "mesh")
-        started_servers: list[ServerProcess] = []
+        echo_tls: ServerProcess | None = None
         started = time.perf_counter()
         try:
             mesh.start()
@@ -495,10 +495,8 @@ def bench_predict(
             echo_target = _raw_target(
                 Dial(echo.address, None), f"/{OIP_SERVICE}/ModelInfer", bodies
             )
-            echo_tls: ServerProcess | None = None
             if tls_cost:
                 echo_tls = _tls_echo(mesh, Path(state))
-                started_servers.append(echo_tls)
             targets = {
                 EDGE: predict_target(
                     dial_edge(mesh.spec),
@@ -554,8 +552,8 @@ def bench_predict(
         finally:
             mesh.stop()
             echo.stop()
-            for server in started_servers:
-                server.stop()
+            if echo_tls is not None:
+                echo_tls.stop()
     rows = summarize_rows(rounds, wide)
     ratios = {c: paired_ratios(rounds, c) for c in concurrencies}
     same_run = {
