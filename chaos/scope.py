@@ -26,7 +26,13 @@ def select(
         raise DrillError(f"no zone {zone!r}; zones: {spec.zones}")
     chosen = [i for i in instances if i.service == service and (zone is None or i.zone == zone)]
     if not chosen:
-        raise DrillError(f"no {service} replicas in {zone or 'any zone'}")
+        why = ""
+        if spec.profile == "small-host" and zone is not None:
+            why = (
+                f" (profile small-host: the {service} processes in {spec.zones[0]} serve every "
+                "zone; a drill on one zone's own needs the default profile)"
+            )
+        raise DrillError(f"no {service} replicas in {zone or 'any zone'}{why}")
     return chosen
 
 

@@ -1,7 +1,14 @@
-"""`servemesh bench layout`: what an Envoy per zone costs against one shared Envoy, in one run.
+"""`servemesh bench layout`: what the mesh's shape costs, two or more shapes in one run.
 
-For each repeat, the order turning, one mesh of the spec per layout (`proxy.layout` shared,
-then per_zone, or the other way round), on free ports, Prometheus off (both sides alike):
+The shapes ("arms") are the spec itself with one change each:
+
+- `shared`: `proxy.layout: shared`, one Envoy for the edge and every zone;
+- `per_zone`: `proxy.layout: per_zone`, the edge's Envoy and one per zone;
+- `small-host`: `profile: small-host` (servemesh.spec.small_host_preset): one feature and
+  one model process serve every zone, one Envoy.
+
+For each repeat, the order turning, one mesh per arm, on free ports, Prometheus off (every
+arm alike):
 
 - start-up: `Mesh.start()` until every service is SERVING and the edge answers;
 - memory: the resident set (VmRSS) of every process the mesh started, summed by kind
@@ -10,9 +17,9 @@ then per_zone, or the other way round), on free ports, Prometheus off (both side
 - idle CPU: user + system CPU of those processes over `idle_s` with no traffic, in ms/s;
 - Predict through the edge at c=1 (p50) and at c=`concurrency` (req/s), `seconds` each.
 
-The launcher runs inside this process in both arms, so its own memory is left out of both.
-Each figure is the median of its repeats with min-max; the ratios per_zone / shared are
-taken per repeat, from the two meshes measured back to back.
+The launcher runs inside this process in every arm, so its own memory is left out of all.
+Each figure is the median of its repeats with min-max; the ratios of each arm to the first
+are taken per repeat, from meshes measured back to back.
 """
 
 from __future__ import annotations
@@ -33,22 +40,24 @@ from servemesh.load import predict_target
 from servemesh.load.stats import spread
 from servemesh.observe.cpu import proc_cpu_seconds, rss_bytes
 from servemesh.observe_bench import process_kind, sum_by_kind, wait_answering
-from servemesh.spec import EDGE_PROXY, MeshSpec, ResolvedSpec, load_spec
+from servemesh.spec import EDGE_PROXY, MeshSpec, ResolvedSpec, load_spec, with_profile
 
-Layout = Literal["shared", "per_zone"]
-LAYOUTS: tuple[Layout, Layout] = ("shared", "per_zone")
+Arm = Literal["shared", "per_zone", "small-host"]
+ARMS: tuple[Arm, ...] = ("shared", "per_zone", "small-host")
+DEFAULT_ARMS: tuple[Arm, ...] = ("shared", "per_zone")
 # Idle before memory is read: the first health-check rounds and lazy imports are done.
 SETTLE_S = 2.0
 
 
 @dataclass(frozen=True)
 class LayoutRound:
-    """One mesh of one layout, measured once."""
+    """One mesh of one arm, measured once."""
 
-    layout: Layout
+    arm: Arm
     repeat: int
     startup_s: float
     envoys: int
+    processes: int  # the mesh's own, Envoys and Redis included
     rss_mib: dict[str, float]  # by kind
     idle_cpu_ms_per_s: dict[str, float]  # by kind
     p50_ms_c1: float
@@ -80,10 +89,18 @@ def _rss_mib(pid: int) -> float | None:
     return None if found is None else found / 2**20
 
 
-def measure_layout(
-    spec: MeshSpec, layout: Layout, repeat: int, *, idle_s: float, seconds: float, concurrency: int
+def arm_spec(spec: MeshSpec, arm: Arm) -> MeshSpec:
+    """`spec` shaped as `arm`: the layout arms on the default profile, small-host on its own."""
+    if arm == "small-host":
+        return with_profile(spec, "small-host")
+    spec = with_profile(spec, "default")
+    return spec.model_copy(update={"proxy": spec.proxy.model_copy(update={"layout": arm})})
+
+
+def measure_arm(
+    spec: MeshSpec, arm: Arm, repeat: int, *, idle_s: float, seconds: float, concurrency: int
 ) -> LayoutRound:
-    spec = spec.model_copy(update={"proxy": spec.proxy.model_copy(update={"layout": layout})})
+    spec = arm_spec(spec, arm)
     with tempfile.TemporaryDirectory() as state:
         mesh = Mesh.from_spec(spec, Path(state))
         started = time.perf_counter()
@@ -93,6 +110,7 @@ def measure_layout(
             wait_answering(mesh)
             time.sleep(SETTLE_S)
             rss = _by_kind(mesh, _rss_mib)
+            processes = len(mesh.pids())
             before = _by_kind(mesh, proc_cpu_seconds)
             time.sleep(idle_s)
             after = _by_kind(mesh, proc_cpu_seconds)
@@ -108,10 +126,11 @@ def measure_layout(
         finally:
             mesh.stop()
     return LayoutRound(
-        layout=layout,
+        arm=arm,
         repeat=repeat,
         startup_s=round(startup_s, 2),
         envoys=len(spec.proxies()),
+        processes=processes,
         rss_mib={k: round(v, 1) for k, v in sorted(rss.items())},
         idle_cpu_ms_per_s={k: round(v, 1) for k, v in sorted(idle.items())},
         p50_ms_c1=alone.p50_ms,
@@ -134,29 +153,33 @@ FIGURES: tuple[tuple[str, Callable[[LayoutRound], float], str], ...] = (
 )
 
 
-def summarize(rounds: Sequence[LayoutRound]) -> dict[str, object]:
-    """Per figure: each layout's median, min and max over its repeats, and the per-repeat
-    ratios per_zone / shared with their median."""
+def summarize(rounds: Sequence[LayoutRound], arms: Sequence[Arm]) -> dict[str, object]:
+    """Per figure: each arm's median, min and max over its repeats, and per later arm the
+    per-repeat ratios to the first arm, with their median."""
     by_repeat: dict[int, dict[str, LayoutRound]] = {}
     for found in rounds:
-        by_repeat.setdefault(found.repeat, {})[found.layout] = found
-    pairs = [pair for _, pair in sorted(by_repeat.items()) if len(pair) == len(LAYOUTS)]
+        by_repeat.setdefault(found.repeat, {})[found.arm] = found
+    complete = [r for _, r in sorted(by_repeat.items()) if all(arm in r for arm in arms)]
+    base = arms[0]
     figures: dict[str, object] = {}
     for name, read, unit in FIGURES:
         entry: dict[str, object] = {"unit": unit}
-        for layout in LAYOUTS:
-            values = [read(r) for r in rounds if r.layout == layout]
-            entry[layout] = {
+        for arm in arms:
+            values = [read(r) for r in rounds if r.arm == arm]
+            entry[arm] = {
                 "median": round(statistics.median(values), 2),
                 "min": round(min(values), 2),
                 "max": round(max(values), 2),
                 "spread": round(spread(values), 3),
             }
-        ratios = [
-            round(read(p["per_zone"]) / read(p["shared"]), 3) for p in pairs if read(p["shared"])
-        ]
-        entry["ratios"] = ratios
-        entry["ratio_median"] = round(statistics.median(ratios), 3) if ratios else None
+        ratios: dict[str, object] = {}
+        for arm in arms[1:]:
+            per_repeat = [round(read(r[arm]) / read(r[base]), 3) for r in complete if read(r[base])]
+            ratios[arm] = {
+                "per_repeat": per_repeat,
+                "median": round(statistics.median(per_repeat), 3) if per_repeat else None,
+            }
+        entry["ratios_to_first"] = ratios
         figures[name] = entry
     return figures
 
@@ -164,56 +187,76 @@ def summarize(rounds: Sequence[LayoutRound]) -> dict[str, object]:
 def bench_layout(
     spec: MeshSpec,
     *,
+    arms: Sequence[Arm] = DEFAULT_ARMS,
     repeats: int = 3,
     idle_s: float = 10.0,
     seconds: float = 4.0,
     concurrency: int = 16,
     progress: Callable[[LayoutRound], None] = lambda _: None,
 ) -> dict[str, object]:
+    if len(arms) < 2 or len(set(arms)) != len(arms):
+        raise ValueError(f"arms: two or more different ones are compared, not {list(arms)}")
     spec = bench_spec(spec)
     rounds: list[LayoutRound] = []
     for repeat in range(repeats):
-        order = LAYOUTS if repeat % 2 == 0 else LAYOUTS[::-1]
-        for layout in order:
-            found = measure_layout(
-                spec, layout, repeat, idle_s=idle_s, seconds=seconds, concurrency=concurrency
+        # The order turns each repeat: a drift in the machine's speed favours no arm.
+        shift = repeat % len(arms)
+        for arm in list(arms[shift:]) + list(arms[:shift]):
+            found = measure_arm(
+                spec, arm, repeat, idle_s=idle_s, seconds=seconds, concurrency=concurrency
             )
             progress(found)
             rounds.append(found)
     return {
+        "arms": list(arms),
         "repeats": repeats,
         "idle_s": idle_s,
         "seconds": seconds,
         "concurrency": concurrency,
         "rounds": [asdict(r) for r in rounds],
-        "figures": summarize(rounds),
+        "figures": summarize(rounds, arms),
     }
+
+
+ARM_LABELS: dict[str, str] = {
+    "shared": "one Envoy",
+    "per_zone": "the edge's Envoy and one per zone",
+    "small-host": "one feature and one model process for every zone, one Envoy",
+}
 
 
 def print_report(report: Mapping[str, object]) -> None:
     figures = report["figures"]
-    assert isinstance(figures, dict)
+    arms = report["arms"]
+    assert isinstance(figures, dict) and isinstance(arms, list)
+    base = arms[0]
+    described = "; ".join(f"{arm}: {ARM_LABELS[arm]}" for arm in arms)
     print(
-        f"shared (one Envoy) vs per_zone (the edge's and one per zone), {report['repeats']} "
-        f"repeats, order turning; idle {report['idle_s']} s, Predict c=1 and "
-        f"c={report['concurrency']} for {report['seconds']} s each"
+        f"{described}. {report['repeats']} repeats, order turning; idle {report['idle_s']} s, "
+        f"Predict c=1 and c={report['concurrency']} for {report['seconds']} s each"
     )
-    print(f" {'figure':<20} {'shared':>24} {'per_zone':>24}  per_zone/shared (per repeat)")
+    header = f" {'figure':<21}" + "".join(f" {arm:>24}" for arm in arms)
+    header += "".join(f"  {arm}/{base} (per repeat)" for arm in arms[1:])
+    print(header)
     for name, entry in figures.items():
-        cells = []
-        for layout in LAYOUTS:
-            part = entry[layout]
-            cells.append(f"{part['median']:.1f} ({part['min']:.1f}-{part['max']:.1f})")
-        ratios = ", ".join(f"{r:.2f}" for r in entry["ratios"])
         label = f"{name} ({entry['unit']})" if entry["unit"] else name
-        print(
-            f" {label:<20} {cells[0]:>24} {cells[1]:>24}  {entry['ratio_median']:.2f}x ({ratios})"
-        )
+        line = f" {label:<21}"
+        for arm in arms:
+            part = entry[arm]
+            cell = f"{part['median']:.1f} ({part['min']:.1f}-{part['max']:.1f})"
+            line += f" {cell:>24}"
+        for arm in arms[1:]:
+            ratio = entry["ratios_to_first"][arm]
+            listed = ", ".join(f"{r:.2f}" for r in ratio["per_repeat"])
+            median = "-" if ratio["median"] is None else f"{ratio['median']:.2f}x"
+            line += f"  {median} ({listed})"
+        print(line)
 
 
 def main(
     spec_path: str | None,
     *,
+    arms: Sequence[Arm] = DEFAULT_ARMS,
     repeats: int,
     idle_s: float,
     seconds: float,
@@ -224,15 +267,16 @@ def main(
     def show(found: LayoutRound) -> None:
         if not as_json:
             print(
-                f"  {found.layout:<8} #{found.repeat + 1}: start-up {found.startup_s:.2f} s, "
-                f"{found.envoys} Envoy(s), RSS {found.rss_total_mib:.0f} MiB, idle "
-                f"{found.idle_cpu_total:.0f} ms/s, p50 c=1 {found.p50_ms_c1:.2f} ms, "
-                f"{found.rps:.0f} req/s",
+                f"  {found.arm:<10} #{found.repeat + 1}: start-up {found.startup_s:.2f} s, "
+                f"{found.processes} processes ({found.envoys} Envoy), RSS "
+                f"{found.rss_total_mib:.0f} MiB, idle {found.idle_cpu_total:.0f} ms/s, "
+                f"p50 c=1 {found.p50_ms_c1:.2f} ms, {found.rps:.0f} req/s",
                 flush=True,
             )
 
     report = bench_layout(
         load_spec(spec_path),
+        arms=arms,
         repeats=repeats,
         idle_s=idle_s,
         seconds=seconds,

@@ -13,8 +13,9 @@ import socket
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import yaml
 from pydantic import (
@@ -45,6 +46,7 @@ SCALED_KINDS: tuple[ScaledKind, ...] = ("model", "gateway", "feature")
 # The kinds besides the model servers, whose live counts are FleetState.pools.
 FrontKind = Literal["feature", "gateway"]
 Spec = TypeVar("Spec", bound="MeshSpec")
+Profile = Literal["default", "small-host"]
 
 
 # The mesh's one registry process.
@@ -824,10 +826,56 @@ class BatchJobSpec(_Strict):
         return self
 
 
+DEFAULT_ZONES = ("zone-a", "zone-b")
+
+
+def profile_preset(profile: Profile, zones: Sequence[str]) -> dict[str, dict[str, object]]:
+    """What a profile sets for each section the spec leaves out (a section the spec gives
+    keeps the fields it names).
+
+    default:    one gateway, one feature and one model process in every zone, and an Envoy
+                per zone besides the edge's: no process spans two zones.
+    small-host: a gateway in every zone, but one feature and one model process, in the
+                first zone, serving every zone, and one Envoy holding the edge and every
+                zone's listener and clusters. The zones stay in Envoy's config (each
+                zone's gateway, mesh listener, localities and failover), so routes, weights
+                and tools read the same in both."""
+    every_zone = {zone: 1 for zone in zones}
+    if profile == "default":
+        return {
+            "gateway": {"per_zone": every_zone},
+            "feature": {"per_zone": every_zone},
+            "model_servers": {"per_zone": every_zone},
+            "proxy": {"layout": "per_zone"},
+        }
+    first_zone = {zones[0]: 1}
+    return {
+        "gateway": {"per_zone": every_zone},
+        "feature": {"per_zone": first_zone},
+        "model_servers": {"per_zone": first_zone},
+        "proxy": {"layout": "shared"},
+    }
+
+
+def with_profile(spec: Spec, profile: Profile) -> Spec:
+    """`spec` moved to `profile`: its feature and model processes and its Envoy layout as the
+    profile presets them (what `servemesh bench layout` compares); the rest as it was."""
+    data = spec.model_dump(mode="json")
+    for section in ("feature", "model_servers", "proxy"):
+        data.pop(section)
+    return type(spec).model_validate({**data, "profile": profile})
+
+
 class MeshSpec(_Strict):
     name: Name = "servemesh"
     host: str = "127.0.0.1"
-    zones: list[ZoneName] = Field(default_factory=lambda: ["zone-a", "zone-b"], min_length=1)
+    # default:    every zone runs its own gateway, feature and model processes and its own
+    #             Envoy: no process spans two zones, so a zone's failure stays its own.
+    # small-host: one machine of a few cores serving every zone (profile_preset): less
+    #             memory and idle CPU (docs/benchmarks.md); a drill that takes one zone's
+    #             own feature or model processes away needs the default profile.
+    profile: Profile = "default"
+    zones: list[ZoneName] = Field(default_factory=lambda: list(DEFAULT_ZONES), min_length=1)
     ports: Ports = Field(default_factory=Ports)
     state_dir: str = ".servemesh"
     gateway: Replicas = Field(default_factory=Replicas)
@@ -866,6 +914,25 @@ class MeshSpec(_Strict):
 
     @model_validator(mode="before")
     @classmethod
+    def _profile_fills_what_the_spec_leaves_out(cls, data: object) -> object:
+        if not isinstance(data, dict):
+            return data
+        profile = data.get("profile", "default")
+        zones = data.get("zones", DEFAULT_ZONES)
+        if profile not in get_args(Profile) or not isinstance(zones, list | tuple) or not zones:
+            return data  # the fields' own checks say what is wrong
+        filled = dict(data)
+        for section, preset in profile_preset(profile, [str(z) for z in zones]).items():
+            given = filled.get(section)
+            if given is None:
+                filled[section] = preset
+            elif isinstance(given, dict):
+                filled[section] = {**preset, **given}
+            # A section given as a model object is the spec's own, whole.
+        return filled
+
+    @model_validator(mode="before")
+    @classmethod
     def _prices_moved_to_cost(cls, data: object) -> object:
         metrics = data.get("metrics") if isinstance(data, dict) else None
         if not isinstance(metrics, dict) or not set(metrics) & set(_OLD_PRICE_KEYS):
@@ -886,6 +953,22 @@ class MeshSpec(_Strict):
         if host not in {"127.0.0.1", "localhost", "::1"} and not host.startswith("127."):
             raise ValueError("host must be a loopback address (the local mesh binds nothing else)")
         return host
+
+    @model_validator(mode="after")
+    def _small_host_serves_every_zone_from_the_first(self) -> MeshSpec:
+        if self.profile != "small-host":
+            return self
+        first = self.zones[0]
+        for service in ("feature", "model_servers"):
+            replicas: Replicas = getattr(self, service)
+            elsewhere = sorted(z for z, n in replicas.per_zone.items() if n and z != first)
+            if elsewhere:
+                raise ValueError(
+                    f"{service}.per_zone: profile small-host runs the {service} processes in "
+                    f"the first zone ({first}) for every zone, not in {elsewhere}; leave "
+                    f"{service} out of the spec, or use profile: default"
+                )
+        return self
 
     @model_validator(mode="after")
     def _replicas_in_known_zones(self) -> MeshSpec:

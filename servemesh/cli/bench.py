@@ -148,6 +148,7 @@ def cmd_bench_layout(args: argparse.Namespace) -> int:
 
     return bench_layout_main(
         args.spec,
+        arms=args.arms,
         repeats=args.repeats,
         idle_s=args.idle_seconds,
         seconds=args.seconds,
@@ -346,10 +347,20 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench_scale.set_defaults(func=cmd_bench_scale)
     bench_layout = bench_sub.add_parser(
         "layout",
-        help="one shared Envoy against an Envoy per zone plus the edge's, in one run: "
-        "start-up, memory and idle CPU of every process, Predict p50 and req/s",
+        help="the mesh's shapes against each other in one run (one shared Envoy, an Envoy "
+        "per zone, the small-host profile): start-up, memory and idle CPU of every process, "
+        "Predict p50 and req/s",
     )
     bench_layout.add_argument("--spec")
+    bench_layout.add_argument(
+        "--arms",
+        nargs="+",
+        # servemesh.layout_bench.ARMS and DEFAULT_ARMS (not imported here: it loads the
+        # launcher, which every other command would then pay for at start).
+        choices=("shared", "per_zone", "small-host"),
+        default=["shared", "per_zone"],
+        help="the shapes compared, each against the first (default: shared per_zone)",
+    )
     bench_layout.add_argument("--repeats", type=int, default=3, help="meshes per layout")
     bench_layout.add_argument(
         "--idle-seconds", type=float, default=10.0, help="idle CPU read over this long"

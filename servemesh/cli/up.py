@@ -38,7 +38,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             console.print(f"[red]the mesh did not start:[/red] {exc}")
             return 1
     elapsed = time.perf_counter() - started
-    table = Table(title=f"servemesh is up ({elapsed:.1f} s)", title_justify="left")
+    title = f"servemesh is up ({elapsed:.1f} s, profile {mesh.spec.profile})"
+    table = Table(title=title, title_justify="left")
     table.add_column("endpoint")
     table.add_column("address")
     table.add_column("pid", justify="right")

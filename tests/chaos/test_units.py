@@ -208,6 +208,14 @@ def test_a_fault_scope_is_a_service_in_a_zone_or_named_replicas() -> None:
     )
 
 
+def test_a_drill_on_a_zones_own_model_servers_names_the_small_host_profile_when_none() -> None:
+    spec = MeshSpec(profile="small-host")
+    assert [i.name for i in select(spec, "model")] == ["model-zone-a-0"]
+    with pytest.raises(DrillError, match="no model replicas in zone-b") as err:
+        select(spec, "model", "zone-b")
+    assert "profile small-host" in str(err.value) and "default profile" in str(err.value)
+
+
 def test_the_shifted_canary_moves_every_score_and_keeps_them_within_0_and_1() -> None:
     import numpy as np
 

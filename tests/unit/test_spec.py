@@ -19,6 +19,7 @@ from servemesh.spec import (
     parse_resolved,
     parse_spec,
     resolve,
+    with_profile,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -135,3 +136,49 @@ def test_each_envoy_of_the_per_zone_layout_is_a_part_discovery_hosts_can_place()
         MeshSpec.model_validate(
             {"proxy": {"layout": "shared"}, "discovery": {"hosts": {"envoy-zone-a": "a-host"}}}
         )
+
+
+def test_the_small_host_profile_runs_one_feature_and_one_model_process_for_every_zone() -> None:
+    spec = parse_spec("profile: small-host\n")
+    assert spec.proxy.layout == "shared"
+    assert [(i.name, i.zone) for i in spec.instances()] == [
+        ("registry-0", "zone-a"),
+        ("model-zone-a-0", "zone-a"),
+        ("feature-zone-a-0", "zone-a"),
+        ("gateway-zone-a-0", "zone-a"),
+        ("gateway-zone-b-0", "zone-b"),
+    ]
+    # The zones stay: each keeps its gateway and its mesh listener.
+    assert spec.zones == ["zone-a", "zone-b"]
+    assert set(resolve(spec).mesh_ports) == {"zone-a", "zone-b"}
+    # Written out and read back, it is the same spec.
+    assert parse_spec(dump_spec(spec)) == spec
+
+
+def test_a_profile_fills_only_what_the_spec_leaves_out() -> None:
+    text = (
+        "profile: small-host\nzones: [east, west]\nproxy: {layout: per_zone}\n"
+        "model_servers: {per_zone: {east: 2}}\n"
+    )
+    spec = parse_spec(text)
+    assert spec.proxy.layout == "per_zone"  # the spec's own
+    assert spec.model_servers.per_zone == {"east": 2}  # the spec's own
+    assert spec.feature.per_zone == {"east": 1}  # the profile's, in the first zone
+    assert spec.gateway.per_zone == {"east": 1, "west": 1}  # a gateway in every zone
+    # The default profile follows the spec's zones too.
+    assert parse_spec("zones: [east, west]\n").model_servers.per_zone == {"east": 1, "west": 1}
+
+
+def test_a_small_host_spec_that_puts_a_model_server_in_another_zone_is_refused() -> None:
+    text = "profile: small-host\nmodel_servers: {per_zone: {zone-a: 1, zone-b: 1}}\n"
+    with pytest.raises(SpecError) as err:
+        parse_spec(text, "<small>")
+    message = str(err.value)
+    assert "model_servers.per_zone" in message and "['zone-b']" in message
+    assert "profile: default" in message
+
+
+def test_with_profile_moves_a_spec_between_profiles_and_back() -> None:
+    small = with_profile(MeshSpec(), "small-host")
+    assert small.profile == "small-host" and small.feature.per_zone == {"zone-a": 1}
+    assert with_profile(small, "default") == MeshSpec()
