@@ -361,7 +361,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default=["shared", "per_zone"],
         help="the shapes compared, each against the first (default: shared per_zone)",
     )
-    bench_layout.add_argument("--repeats", type=int, default=3, help="meshes per layout")
+    bench_layout.add_argument("--repeats", type=int, default=3, help="meshes per arm")
     bench_layout.add_argument(
         "--idle-seconds", type=float, default=10.0, help="idle CPU read over this long"
     )
