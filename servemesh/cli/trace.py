@@ -12,6 +12,7 @@ from servemesh.cli.mesh import add_mesh_flags, recorded_state_dir
 from servemesh.cli.output import sized
 from servemesh.durations import duration_seconds
 from servemesh.errors import ServemeshError, UsageError
+from servemesh.tracestore.hops import hops_tables
 from servemesh.tracestore.receiver import store_path
 from servemesh.tracestore.store import TraceStore
 from servemesh.tracestore.waterfall import slowest_table, waterfall
@@ -21,8 +22,12 @@ _DURATION = re.compile(r"^(\d+(ms|s|m|h|d))+$")
 
 def cmd_trace(args: argparse.Namespace) -> int:
     console = sized(args.width)
-    if (args.ref is None) == (args.slowest is None):
-        raise UsageError("give a request id or trace id, or --slowest N")
+    asked = [args.ref is not None, args.slowest is not None, args.hops is not None]
+    if sum(asked) != 1:
+        raise UsageError("give a request id or trace id, or --slowest N, or --hops N")
+    for flag, count in (("--slowest", args.slowest), ("--hops", args.hops)):
+        if count is not None and count < 1:
+            raise UsageError(f"{flag}: at least 1 trace, not {count}")
     if not _DURATION.match(args.since):
         raise UsageError(f"--since {args.since[:20]!r}: a duration such as 90s, 5m, 1h")
     # A stopped mesh's traces stay readable; with neither a mesh nor its traces, no mesh.
@@ -38,6 +43,16 @@ def cmd_trace(args: argparse.Namespace) -> int:
             title = f"slowest {args.slowest} traces of the last {args.since}"
             console.print(slowest_table(found, title))
             return 0
+        if args.hops is not None:
+            since_ns = time.time_ns() - int(duration_seconds(args.since) * 1e9)
+            latest = store.latest(args.hops, since_ns)
+            if not latest:
+                raise ServemeshError(f"no traces started in the last {args.since}")
+            traces = [store.trace(summary.trace_id) for summary in latest]
+            title = f"the last {len(traces)} traces of the last {args.since}"
+            for table in hops_tables(traces, title):
+                console.print(table)
+            return 0
         trace_id = store.find(args.ref)
         if trace_id is None:
             raise ServemeshError(
@@ -51,12 +66,23 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 def register(sub: Any) -> None:
     trace = sub.add_parser(
-        "trace", help="draw a request's trace as a waterfall, or list the slowest traces"
+        "trace",
+        help="draw a request's trace as a waterfall, list the slowest traces, or sum where "
+        "the last traces spent their time between spans",
     )
     trace.add_argument("ref", nargs="?", help="a request id (as Predict answers) or a trace id")
     trace.add_argument("--slowest", type=int, metavar="N", help="list the N slowest traces")
     trace.add_argument(
-        "--since", default="15m", help="with --slowest: traces started this long ago (15m)"
+        "--hops",
+        type=int,
+        metavar="N",
+        help="the last N traces cut into hops between span boundaries (a proxy forwarding, "
+        "a server taking a call off the wire), each hop's median, p90 and share",
+    )
+    trace.add_argument(
+        "--since",
+        default="15m",
+        help="with --slowest or --hops: traces started this long ago (15m)",
     )
     add_mesh_flags(trace)
     trace.add_argument("--width", type=int, help="output width in columns")

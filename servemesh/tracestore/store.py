@@ -270,6 +270,14 @@ class TraceStore:
         """The `limit` traces with the longest root span among those started since
         `since_ns`. A root is a span whose parent is not stored (the caller's own span is
         not); a batch's trace, which only serves others (it has links), is not listed."""
+        return self._roots(limit, since_ns, "r.duration_ns DESC")
+
+    def latest(self, limit: int, since_ns: int = 0) -> list[TraceSummary]:
+        """The `limit` traces started last among those started since `since_ns`, newest
+        first (roots as `slowest` reads them)."""
+        return self._roots(limit, since_ns, "r.start_ns DESC")
+
+    def _roots(self, limit: int, since_ns: int, order: str) -> list[TraceSummary]:
         with self._lock:
             rows = self._db.execute(
                 """
@@ -291,7 +299,9 @@ class TraceStore:
                        (SELECT COUNT(*) FROM spans x
                         WHERE x.trace_id = r.trace_id AND x.status = 'error')
                 FROM roots r WHERE r.nth = 1
-                ORDER BY r.duration_ns DESC LIMIT :limit
+                ORDER BY """
+                + order
+                + """ LIMIT :limit
                 """,
                 {"since": since_ns, "limit": limit},
             ).fetchall()

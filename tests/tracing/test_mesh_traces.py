@@ -159,6 +159,31 @@ def test_slowest_lists_the_slow_version_first(
     assert len(listed) == 3 and slow[0] in listed[0]
 
 
+def test_hops_sum_where_the_last_traces_spent_their_time(
+    traced_mesh: Mesh, store: TraceStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    traced = [predict(traced_mesh, traced=True) for _ in range(3)]
+    for _, trace_id in traced:
+        assert trace_id is not None
+        complete_trace(store, trace_id)
+    capsys.readouterr()
+    state = str(traced_mesh.state_dir)
+    argv = ["trace", "--hops", "3", "--since", "5m", "--state-dir", state, "--width", "250"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "3 rooted at envoy-edge ingress" in printed
+    rows = {
+        cells[1].strip(): cells[2:]
+        for line in printed.splitlines()
+        if line.startswith("│") and len(cells := line.split("│")) > 6
+    }
+    # Every Predict went edge -> gateway -> a zone's Envoy -> the feature and model servers.
+    first = rows["envoy-edge ingress → gateway Gateway/Predict starts"]
+    assert int(first[0]) == 3 and float(first[1]) > 0
+    assert any(label.startswith("envoy-mesh-zone-") and "→ model" in label for label in rows)
+    assert "inside feature redis MGET" in rows
+
+
 def test_an_unsampled_request_records_nothing(traced_mesh: Mesh, store: TraceStore) -> None:
     quiet = [predict(traced_mesh, traced=False)[0] for _ in range(5)]
     # Spans leave each process in order: once a later forced trace is whole, anything the

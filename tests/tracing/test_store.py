@@ -168,3 +168,12 @@ def test_retention_by_size_drops_the_oldest_traces_first(store: TraceStore, cloc
     assert store.find("req-59") is not None  # the newest stayed
     kept = [i for i in range(60) if store.find(f"req-{i}") is not None]
     assert kept == list(range(kept[0], 60))  # what went is a prefix in arrival order
+
+
+def test_latest_lists_the_traces_started_last_newest_first(store: TraceStore) -> None:
+    store.add(request_trace("a", 10, "req-a"))
+    store.add([span("c", "1", "f", "ingress", 5, 3, service="envoy-edge", request_id="req-c")])
+    store.add([span("e", "1", "f", "ingress", 2, 40, service="envoy-edge", request_id="req-e")])
+    assert [s.request_id for s in store.latest(10)] == ["req-c", "req-e", "req-a"]
+    assert [s.request_id for s in store.latest(2)] == ["req-c", "req-e"]
+    assert [s.request_id for s in store.latest(10, since_ns=T0 + 3 * MS)] == ["req-c"]

@@ -39,6 +39,7 @@ COMMANDS = [
     ["rollout", "abort", "fraud", "--reason", "test"],
     ["rollout", "promote", "fraud"],
     ["trace", "--slowest", "1"],
+    ["trace", "--hops", "10"],
     ["trace", "0123456789abcdef"],
     ["log", "query"],
     ["log", "status"],

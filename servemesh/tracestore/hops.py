@@ -1,0 +1,160 @@
+"""Where a trace's time goes between its spans, summed over many traces (`servemesh trace
+--hops N`).
+
+A waterfall shows one call; the time between spans (a proxy forwarding, a server taking
+a request off the wire, a client getting its answer) is what it leaves to the eye. Here
+each trace is cut into hops, each named by the spans around it:
+
+- `A → B starts`: from a span's start to its first child's (B);
+- `between B and C`: from one child's end to the next child's start;
+- `B ends → A ends`: from its last child's end to its own end;
+- `inside A`: the whole of a span with no child spans (its own work).
+
+The hops of one trace add up to its root span (children that overlap, as a hedged call
+does, count once). Spans of other traces linked into it (a batch) are left out: they
+serve several traces at once. Hops are named by service, not instance, so that the
+replicas of a service add up to one row.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rich.table import Table
+
+from servemesh.tracestore.store import SpanRecord
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One stretch of one trace between two span boundaries."""
+
+    label: str
+    ms: float
+
+
+def _who(span: SpanRecord) -> str:
+    """The span's service and its short name: the method without its package."""
+    service, slash, method = span.name.partition("/")
+    short = f"{service.rsplit('.', 1)[-1]}/{method}" if slash else span.name
+    return f"{span.service} {short}"
+
+
+def root_of(spans: Sequence[SpanRecord]) -> SpanRecord | None:
+    """The trace's first span whose parent is not stored (a linked batch is no root)."""
+    by_id = {s.span_id: s for s in spans}
+    roots = [s for s in spans if s.parent_id not in by_id and not s.links]
+    return min(roots, key=lambda s: s.start_ns) if roots else None
+
+
+def trace_hops(spans: Sequence[SpanRecord]) -> list[Hop]:
+    """The hops of one trace, in the order a walk of its tree meets them."""
+    root = root_of(spans)
+    if root is None:
+        return []
+    by_id = {s.span_id: s for s in spans}
+    children: dict[str, list[SpanRecord]] = {}
+    for span in spans:
+        if span.trace_id == root.trace_id and span.parent_id in by_id:
+            children.setdefault(span.parent_id, []).append(span)
+    hops: list[Hop] = []
+
+    def add(label: str, ns: int) -> None:
+        hops.append(Hop(label, max(ns, 0) / 1e6))
+
+    def walk(span: SpanRecord) -> None:
+        kids = sorted(children.get(span.span_id, []), key=lambda s: s.start_ns)
+        if not kids:
+            add(f"inside {_who(span)}", span.end_ns - span.start_ns)
+            return
+        add(f"{_who(span)} → {_who(kids[0])} starts", kids[0].start_ns - span.start_ns)
+        reached = kids[0].start_ns
+        for before, kid in zip([None, *kids], kids, strict=False):
+            if before is not None:
+                add(f"between {_who(before)} and {_who(kid)}", kid.start_ns - reached)
+            walk(kid)
+            reached = max(reached, kid.end_ns)
+        add(f"{_who(kids[-1])} ends → {_who(span)} ends", span.end_ns - reached)
+
+    walk(root)
+    return hops
+
+
+@dataclass(frozen=True)
+class HopSummary:
+    """One hop over many traces."""
+
+    label: str
+    traces: int
+    median_ms: float
+    p90_ms: float
+    max_ms: float
+    share: float  # median_ms / the median root span
+
+
+def summarize_hops(traces: Sequence[Sequence[SpanRecord]]) -> tuple[list[HopSummary], float]:
+    """Each hop's median, p90 and max over the traces that have it, in the order first
+    met; and the median root span (ms) they are shares of."""
+    found: dict[str, list[float]] = {}
+    totals: list[float] = []
+    for spans in traces:
+        hops = trace_hops(spans)
+        if not hops:
+            continue
+        totals.append(sum(h.ms for h in hops))
+        for hop in hops:
+            found.setdefault(hop.label, []).append(hop.ms)
+    if not totals:
+        return [], 0.0
+    total = statistics.median(totals)
+    rows = []
+    for label, values in found.items():
+        ranked = sorted(values)
+        median = statistics.median(ranked)
+        rows.append(
+            HopSummary(
+                label=label,
+                traces=len(ranked),
+                median_ms=round(median, 3),
+                p90_ms=round(ranked[min(len(ranked) - 1, int(0.9 * len(ranked)))], 3),
+                max_ms=round(ranked[-1], 3),
+                share=round(median / total, 3) if total else 0.0,
+            )
+        )
+    return rows, round(total, 3)
+
+
+def hops_tables(traces: Sequence[Sequence[SpanRecord]], title: str) -> list[Table]:
+    """One table per kind of trace (its root span: an edge Predict, a health check), the
+    kind with the most traces first."""
+    kinds: dict[str, list[Sequence[SpanRecord]]] = {}
+    for spans in traces:
+        root = root_of(spans)
+        if root is not None:
+            kinds.setdefault(_who(root), []).append(spans)
+    tables = []
+    for kind, group in sorted(kinds.items(), key=lambda item: -len(item[1])):
+        rows, total = summarize_hops(group)
+        table = Table(
+            title=f"{title}: {len(group)} rooted at {kind}, the median {total:.2f} ms",
+            title_justify="left",
+        )
+        table.add_column("hop")
+        table.add_column("traces", justify="right")
+        table.add_column("median ms", justify="right")
+        table.add_column("p90 ms", justify="right")
+        table.add_column("max ms", justify="right")
+        table.add_column("of the trace", justify="right")
+        for row in rows:
+            table.add_row(
+                row.label,
+                str(row.traces),
+                f"{row.median_ms:.2f}",
+                f"{row.p90_ms:.2f}",
+                f"{row.max_ms:.2f}",
+                f"{row.share:.0%}",
+            )
+        tables.append(table)
+    return tables
