@@ -142,6 +142,12 @@ _ACCESS_LOG_FORMAT = {
     "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
     "request_id": "%REQ(X-REQUEST-ID)%",
     "version": "%REQ(X-SERVEMESH-MODEL-VERSION)%",
+    # Where a call's time went, µs: Envoy's own before the first byte went upstream, the
+    # upstream's (last request byte sent to first answer byte), and Envoy's own after the
+    # answer's last byte came back. "-" when the call never went upstream.
+    "envoy_in_us": "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%",
+    "upstream_us": "%COMMON_DURATION(US_TX_END:US_RX_BEG:us)%",
+    "envoy_out_us": "%COMMON_DURATION(US_RX_END:DS_TX_END:us)%",
 }
 
 

@@ -79,6 +79,28 @@ def test_the_edge_s_request_id_follows_the_request_to_the_gateway(
     )
     assert record[0]["request_id"] == reply.request_id
 
+    # Each Envoy on the way logs the call under that id, with where its time went.
+    def logged() -> list[dict[str, object]] | None:
+        found = [
+            entry
+            for path in mesh.logs_dir.glob("envoy-*-access.log")
+            for line in path.read_text().splitlines()
+            if (entry := _json_line(line)).get("request_id") == reply.request_id
+        ]
+        return found if len(found) >= 3 else None  # the edge, the feature and model hops
+
+    for entry in wait_until(logged, f"the access log lines of {reply.request_id}"):
+        envoy_in, upstream, envoy_out, whole_ms = (
+            entry["envoy_in_us"],
+            entry["upstream_us"],
+            entry["envoy_out_us"],
+            entry["ms"],
+        )
+        assert isinstance(envoy_in, int) and isinstance(envoy_out, int), entry
+        assert isinstance(upstream, int) and isinstance(whole_ms, int), entry
+        # The parts fit in the whole (`ms` is whole milliseconds, rounded down).
+        assert 0 <= envoy_in + upstream + envoy_out < (whole_ms + 1) * 1000, entry
+
 
 def _rows_computed(mesh: Mesh, version: str) -> int:
     """Rows every model replica has run through `version` (OIP statistics, inference_count)."""
