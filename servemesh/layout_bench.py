@@ -4,7 +4,7 @@ The shapes ("arms") are the spec itself with one change each:
 
 - `shared`: `proxy.layout: shared`, one Envoy for the edge and every zone;
 - `per_zone`: `proxy.layout: per_zone`, the edge's Envoy and one per zone;
-- `small-host`: `profile: small-host` (servemesh.spec.small_host_preset): one feature and
+- `small-host`: `profile: small-host` (servemesh.spec.profile_preset): one feature and
   one model process serve every zone, one Envoy.
 
 For each repeat, the order turning, one mesh per arm, on free ports, Prometheus off (every
@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Literal
 
 from servemesh.bench import CALL_TIMEOUT_S, bench_spec, measure
+from servemesh.errors import UsageError
 from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
 from servemesh.load import predict_target
@@ -90,10 +91,12 @@ def _rss_mib(pid: int) -> float | None:
 
 
 def arm_spec(spec: MeshSpec, arm: Arm) -> MeshSpec:
-    """`spec` shaped as `arm`: the layout arms on the default profile, small-host on its own."""
+    """`spec` shaped as `arm`: a layout arm changes only `proxy.layout` (a small-host spec
+    moves to the default profile first); small-host takes that profile's processes."""
     if arm == "small-host":
-        return with_profile(spec, "small-host")
-    spec = with_profile(spec, "default")
+        return spec if spec.profile == "small-host" else with_profile(spec, "small-host")
+    if spec.profile != "default":
+        spec = with_profile(spec, "default")
     return spec.model_copy(update={"proxy": spec.proxy.model_copy(update={"layout": arm})})
 
 
@@ -195,7 +198,7 @@ def bench_layout(
     progress: Callable[[LayoutRound], None] = lambda _: None,
 ) -> dict[str, object]:
     if len(arms) < 2 or len(set(arms)) != len(arms):
-        raise ValueError(f"arms: two or more different ones are compared, not {list(arms)}")
+        raise UsageError(f"--arms: two or more different ones are compared, not {list(arms)}")
     spec = bench_spec(spec)
     rounds: list[LayoutRound] = []
     for repeat in range(repeats):

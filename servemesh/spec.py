@@ -840,6 +840,8 @@ def profile_preset(profile: Profile, zones: Sequence[str]) -> dict[str, dict[str
                 zone's listener and clusters. The zones stay in Envoy's config (each
                 zone's gateway, mesh listener, localities and failover), so routes, weights
                 and tools read the same in both."""
+    if profile not in get_args(Profile):
+        raise ValueError(f"profile: {profile!r} is not one of {list(get_args(Profile))}")
     every_zone = {zone: 1 for zone in zones}
     if profile == "default":
         return {
@@ -859,7 +861,10 @@ def profile_preset(profile: Profile, zones: Sequence[str]) -> dict[str, dict[str
 
 def with_profile(spec: Spec, profile: Profile) -> Spec:
     """`spec` moved to `profile`: its feature and model processes and its Envoy layout as the
-    profile presets them (what `servemesh bench layout` compares); the rest as it was."""
+    profile presets them (what `servemesh bench layout` compares); the rest as it was. A
+    declared spec only: a running mesh's (ResolvedSpec) has ports for the processes it runs."""
+    if isinstance(spec, ResolvedSpec):
+        raise TypeError("with_profile takes a declared spec, not a running mesh's")
     data = spec.model_dump(mode="json")
     for section in ("feature", "model_servers", "proxy"):
         data.pop(section)

@@ -8,16 +8,19 @@ each trace is cut into hops, each named by the spans around it:
 - `A → B starts`: from a span's start to its first child's (B);
 - `between B and C`: from one child's end to the next child's start;
 - `B ends → A ends`: from its last child's end to its own end;
-- `inside A`: the whole of a span with no child spans (its own work).
+- `inside A`: the whole of a span with no child spans (its own work);
+- `inside B (overlapping)`: a child that starts before an earlier one ended (a hedge,
+  calls made side by side) or ends after its parent (a copy sent on), for the part of it
+  no earlier hop holds; it is not cut further.
 
-The hops of one trace add up to its root span (children that overlap, as a hedged call
-does, count once). Spans of other traces linked into it (a batch) are left out: they
-serve several traces at once. Hops are named by service, not instance, so that the
-replicas of a service add up to one row.
+The hops of one trace add up to its root span. Spans of other traces linked into it (a
+batch) are left out: they serve several traces at once. Hops are named by service, not
+instance, so that the replicas of a service add up to one row.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -69,13 +72,23 @@ def trace_hops(spans: Sequence[SpanRecord]) -> list[Hop]:
         if not kids:
             add(f"inside {_who(span)}", span.end_ns - span.start_ns)
             return
-        add(f"{_who(span)} → {_who(kids[0])} starts", kids[0].start_ns - span.start_ns)
-        reached = kids[0].start_ns
-        for before, kid in zip([None, *kids], kids, strict=False):
-            if before is not None:
-                add(f"between {_who(before)} and {_who(kid)}", kid.start_ns - reached)
-            walk(kid)
-            reached = max(reached, kid.end_ns)
+        # `reached`: how far into `span` the hops so far account for. A child that starts
+        # before it (a hedge, calls made side by side) or ends after its parent (a copy
+        # sent on) counts only for the time no earlier hop holds, and is not cut further.
+        reached = span.start_ns
+        for index, kid in enumerate(kids):
+            if kid.start_ns >= reached:
+                gap = kid.start_ns - reached
+                if index == 0:
+                    add(f"{_who(span)} → {_who(kid)} starts", gap)
+                else:
+                    add(f"between {_who(kids[index - 1])} and {_who(kid)}", gap)
+            if kid.start_ns >= reached and kid.end_ns <= span.end_ns:
+                walk(kid)
+            else:
+                until = min(kid.end_ns, span.end_ns)
+                add(f"inside {_who(kid)} (overlapping)", until - max(reached, kid.start_ns))
+            reached = max(reached, min(kid.end_ns, span.end_ns))
         add(f"{_who(kids[-1])} ends → {_who(span)} ends", span.end_ns - reached)
 
     walk(root)
@@ -100,12 +113,17 @@ def summarize_hops(traces: Sequence[Sequence[SpanRecord]]) -> tuple[list[HopSumm
     found: dict[str, list[float]] = {}
     totals: list[float] = []
     for spans in traces:
+        root = root_of(spans)
         hops = trace_hops(spans)
-        if not hops:
+        if root is None or not hops:
             continue
-        totals.append(sum(h.ms for h in hops))
+        totals.append((root.end_ns - root.start_ns) / 1e6)
+        # A hop met twice in one trace (a retry, two calls alike) counts once, summed.
+        mine: dict[str, float] = {}
         for hop in hops:
-            found.setdefault(hop.label, []).append(hop.ms)
+            mine[hop.label] = mine.get(hop.label, 0.0) + hop.ms
+        for label, ms in mine.items():
+            found.setdefault(label, []).append(ms)
     if not totals:
         return [], 0.0
     total = statistics.median(totals)
@@ -118,7 +136,7 @@ def summarize_hops(traces: Sequence[Sequence[SpanRecord]]) -> tuple[list[HopSumm
                 label=label,
                 traces=len(ranked),
                 median_ms=round(median, 3),
-                p90_ms=round(ranked[min(len(ranked) - 1, int(0.9 * len(ranked)))], 3),
+                p90_ms=round(ranked[math.ceil(0.9 * len(ranked)) - 1], 3),
                 max_ms=round(ranked[-1], 3),
                 share=round(median / total, 3) if total else 0.0,
             )

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from servemesh.private import private_file
 
@@ -270,14 +270,17 @@ class TraceStore:
         """The `limit` traces with the longest root span among those started since
         `since_ns`. A root is a span whose parent is not stored (the caller's own span is
         not); a batch's trace, which only serves others (it has links), is not listed."""
-        return self._roots(limit, since_ns, "r.duration_ns DESC")
+        return self._roots(limit, since_ns, "slowest")
 
     def latest(self, limit: int, since_ns: int = 0) -> list[TraceSummary]:
         """The `limit` traces started last among those started since `since_ns`, newest
         first (roots as `slowest` reads them)."""
-        return self._roots(limit, since_ns, "r.start_ns DESC")
+        return self._roots(limit, since_ns, "latest")
 
-    def _roots(self, limit: int, since_ns: int, order: str) -> list[TraceSummary]:
+    def _roots(
+        self, limit: int, since_ns: int, order: Literal["slowest", "latest"]
+    ) -> list[TraceSummary]:
+        by = _ROOT_ORDER[order]
         with self._lock:
             rows = self._db.execute(
                 """
@@ -300,12 +303,20 @@ class TraceStore:
                         WHERE x.trace_id = r.trace_id AND x.status = 'error')
                 FROM roots r WHERE r.nth = 1
                 ORDER BY """
-                + order
+                + by
                 + """ LIMIT :limit
                 """,
                 {"since": since_ns, "limit": limit},
             ).fetchall()
         return [TraceSummary(*row) for row in rows]
+
+
+# The orders `_roots` lists by (fixed clauses; never a caller's text), trace id last so
+# that equal times list the same way every time.
+_ROOT_ORDER: dict[str, str] = {
+    "slowest": "r.duration_ns DESC, r.trace_id",
+    "latest": "r.start_ns DESC, r.trace_id",
+}
 
 
 def _chunks(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:

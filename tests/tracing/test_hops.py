@@ -51,20 +51,44 @@ def test_a_trace_is_cut_into_hops_that_add_up_to_its_root() -> None:
     assert sum(h.ms for h in hops) == pytest.approx(10.0)
 
 
-def test_overlapping_children_count_once() -> None:
+def test_overlapping_children_count_once_and_the_hops_still_add_up_to_the_root() -> None:
     spans = [
         span("a", "1", "f", "ingress", 0, 10, service="envoy-edge"),
         span("a", "2", "1", "try", 1, 6),
         span("a", "3", "1", "hedge", 3, 6),  # starts before the first try ends
+        span("a", "4", "3", "inner", 4, 1),  # not cut further: its parent overlaps
     ]
     hops = trace_hops(spans)
     assert [(h.label, round(h.ms, 3)) for h in hops] == [
         ("envoy-edge ingress → gateway try starts", 1.0),
         ("inside gateway try", 6.0),
-        ("between gateway try and gateway hedge", 0.0),
-        ("inside gateway hedge", 6.0),
+        ("inside gateway hedge (overlapping)", 2.0),
         ("gateway hedge ends → envoy-edge ingress ends", 1.0),
     ]
+    assert sum(h.ms for h in hops) == pytest.approx(10.0)
+    # A child that outlives its parent (a copy sent on) counts up to the parent's end.
+    outliving = [
+        span("c", "1", "f", "ingress", 0, 10, service="envoy-edge"),
+        span("c", "2", "1", "copy", 5, 20),
+    ]
+    hops = trace_hops(outliving)
+    assert [(h.label, round(h.ms, 3)) for h in hops] == [
+        ("envoy-edge ingress → gateway copy starts", 5.0),
+        ("inside gateway copy (overlapping)", 5.0),
+        ("gateway copy ends → envoy-edge ingress ends", 0.0),
+    ]
+
+
+def test_a_hop_met_twice_in_one_trace_counts_once_per_trace() -> None:
+    spans = [
+        span("a", "1", "f", "ingress", 0, 10, service="envoy-edge"),
+        span("a", "2", "1", "try", 1, 2),
+        span("a", "3", "1", "try", 4, 2),  # the retry: the same labels again
+    ]
+    rows, total = summarize_hops([spans])
+    assert total == 10.0
+    inside = next(r for r in rows if r.label == "inside gateway try")
+    assert (inside.traces, inside.median_ms) == (1, 4.0)
 
 
 def test_hops_over_many_traces_give_each_its_median_p90_and_share() -> None:
@@ -74,6 +98,8 @@ def test_hops_over_many_traces_give_each_its_median_p90_and_share() -> None:
     first = rows[0]
     assert first.label == "envoy-edge ingress → gateway Gateway/Predict starts"
     assert (first.traces, first.median_ms, first.p90_ms, first.max_ms) == (3, 2.0, 3.0, 3.0)
+    ten = summarize_hops([predict_trace("a", float(i) / 10) for i in range(1, 11)])[0][0]
+    assert ten.p90_ms == 0.9  # the 9th of 10, not the largest
     assert first.share == 0.2
     # Health checks and Predicts are told apart: one table per kind of root.
     health = [span("g", "1", None, "grpc.health.v1.Health/Check", 0, 0.1, service="model")]

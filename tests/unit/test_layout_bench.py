@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from servemesh.errors import UsageError
 from servemesh.layout_bench import LayoutRound, arm_spec, bench_layout, print_report, summarize
-from servemesh.spec import MeshSpec
+from servemesh.spec import MeshSpec, Replicas
 
 
 def _round(arm: str, repeat: int, rss: float, idle: float, rps: float) -> LayoutRound:
@@ -76,7 +77,10 @@ def test_the_arms_shape_the_spec_and_two_different_ones_are_needed() -> None:
     assert arm_spec(small, "shared").proxy.layout == "shared"
     assert arm_spec(small, "shared").feature.per_zone == {"zone-a": 1, "zone-b": 1}
     assert arm_spec(MeshSpec(), "small-host") == small
-    with pytest.raises(ValueError, match="two or more different"):
+    # A layout arm keeps the spec's own processes per zone.
+    two = MeshSpec(model_servers=Replicas(per_zone={"zone-a": 2, "zone-b": 2}))
+    assert arm_spec(two, "shared").model_servers.per_zone == {"zone-a": 2, "zone-b": 2}
+    with pytest.raises(UsageError, match="two or more different"):
         bench_layout(MeshSpec(), arms=("shared", "shared"))
 
 
