@@ -207,7 +207,7 @@ def test_weight_changes_under_load_lose_nothing_and_take_effect_within_a_second(
         (lambda r: r.set_weights("fraud", {"v1": 110, "v2": -10}), "negative"),
         (lambda r: r.set_weights("ghost", {"v1": 100}), "not served"),
         (lambda r: r.apply_spec_text("models: [\n", "broken.yaml"), "malformed YAML"),
-        (lambda r: r.apply_spec_text("zones: [zone-a]\n", "shrink.yaml"), "gateway.per_zone"),
+        (lambda r: r.apply_spec_text("zones: [zone-a]\n", "shrink.yaml"), "restart the mesh"),
         (lambda r: r.set_shadow("fraud", "v7"), "shadow.version"),
     ],
 )
