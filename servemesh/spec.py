@@ -971,7 +971,8 @@ class MeshSpec(_Strict):
                 raise ValueError(
                     f"{service}.per_zone: profile small-host runs the {service} processes in "
                     f"the first zone ({first}) for every zone, not in {elsewhere}; leave "
-                    f"{service} out of the spec, or use profile: default"
+                    f"{service} out of the spec, or use profile: default (a running mesh "
+                    "changes its profile only when it starts again)"
                 )
         return self
 

@@ -96,6 +96,22 @@ def test_default_spec_renders_a_config_envoy_accepts(tmp_path: Path) -> None:
     _validate(_spec(), tmp_path)
 
 
+def test_servemesh_check_takes_a_small_host_spec_by_name_or_flag_and_names_its_profile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from servemesh.cli import main
+
+    spec = tmp_path / "small.yaml"
+    spec.write_text("profile: small-host\n")
+    for argv in (["check", str(spec)], ["check", "--spec", str(spec)]):
+        assert main(argv) == 0
+        assert f"ok: {spec} (profile small-host) is valid" in capsys.readouterr().out
+    other = tmp_path / "other.yaml"
+    other.write_text("")
+    assert main(["check", str(spec), "--spec", str(other)]) == 2
+    assert "two specs given" in capsys.readouterr().err
+
+
 def test_dynamic_bootstrap_and_watched_files_are_accepted_too(tmp_path: Path) -> None:
     spec = _spec(state_dir=str(tmp_path / "state"))
     issue_mesh_certificates(spec)  # Envoy refuses SDS files that are not there
