@@ -843,19 +843,13 @@ def profile_preset(profile: Profile, zones: Sequence[str]) -> dict[str, dict[str
     if profile not in get_args(Profile):
         raise ValueError(f"profile: {profile!r} is not one of {list(get_args(Profile))}")
     every_zone = {zone: 1 for zone in zones}
-    if profile == "default":
-        return {
-            "gateway": {"per_zone": every_zone},
-            "feature": {"per_zone": every_zone},
-            "model_servers": {"per_zone": every_zone},
-            "proxy": {"layout": "per_zone"},
-        }
-    first_zone = {zones[0]: 1}
+    small_host = profile == "small-host"
+    shared_processes = {zones[0]: 1} if small_host else every_zone
     return {
         "gateway": {"per_zone": every_zone},
-        "feature": {"per_zone": first_zone},
-        "model_servers": {"per_zone": first_zone},
-        "proxy": {"layout": "shared"},
+        "feature": {"per_zone": shared_processes},
+        "model_servers": {"per_zone": shared_processes},
+        "proxy": {"layout": "shared" if small_host else "per_zone"},
     }
 
 

@@ -37,14 +37,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise ServemeshError(f"no trace store at {path}: is the mesh's tracing on?")
     store = TraceStore(Path(path))
     try:
+        since_ns = time.time_ns() - int(duration_seconds(args.since) * 1e9)
         if args.slowest is not None:
-            since_ns = time.time_ns() - int(duration_seconds(args.since) * 1e9)
             found = store.slowest(args.slowest, since_ns)
             title = f"slowest {args.slowest} traces of the last {args.since}"
             console.print(slowest_table(found, title))
             return 0
         if args.hops is not None:
-            since_ns = time.time_ns() - int(duration_seconds(args.since) * 1e9)
             latest = store.latest(args.hops, since_ns)
             if not latest:
                 raise ServemeshError(f"no traces started in the last {args.since}")

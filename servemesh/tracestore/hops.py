@@ -55,8 +55,11 @@ def root_of(spans: Sequence[SpanRecord]) -> SpanRecord | None:
 def trace_hops(spans: Sequence[SpanRecord]) -> list[Hop]:
     """The hops of one trace, in the order a walk of its tree meets them."""
     root = root_of(spans)
-    if root is None:
-        return []
+    return [] if root is None else _cut(root, spans)
+
+
+def _cut(root: SpanRecord, spans: Sequence[SpanRecord]) -> list[Hop]:
+    """The hops of the trace `root` roots (`trace_hops`, its root already found)."""
     by_id = {s.span_id: s for s in spans}
     children: dict[str, list[SpanRecord]] = {}
     for span in spans:
@@ -70,7 +73,7 @@ def trace_hops(spans: Sequence[SpanRecord]) -> list[Hop]:
     def walk(span: SpanRecord) -> None:
         kids = sorted(children.get(span.span_id, []), key=lambda s: s.start_ns)
         if not kids:
-            add(f"inside {_who(span)}", span.end_ns - span.start_ns)
+            add(f"inside {_who(span)}", span.duration_ns)
             return
         # `reached`: how far into `span` the hops so far account for. A child that starts
         # before it (a hedge, calls made side by side) or ends after its parent (a copy
@@ -110,14 +113,24 @@ class HopSummary:
 def summarize_hops(traces: Sequence[Sequence[SpanRecord]]) -> tuple[list[HopSummary], float]:
     """Each hop's median, p90 and max over the traces that have it, in the order first
     met; and the median root span (ms) they are shares of."""
+    return _summarize(_rooted(traces))
+
+
+# A trace's spans with its root span.
+Rooted = tuple[SpanRecord, Sequence[SpanRecord]]
+
+
+def _rooted(traces: Sequence[Sequence[SpanRecord]]) -> list[Rooted]:
+    """Each trace with its root, those without one left out."""
+    return [(root, spans) for spans in traces if (root := root_of(spans)) is not None]
+
+
+def _summarize(rooted: Sequence[Rooted]) -> tuple[list[HopSummary], float]:
     found: dict[str, list[float]] = {}
     totals: list[float] = []
-    for spans in traces:
-        root = root_of(spans)
-        hops = trace_hops(spans)
-        if root is None or not hops:
-            continue
-        totals.append((root.end_ns - root.start_ns) / 1e6)
+    for root, spans in rooted:
+        hops = _cut(root, spans)
+        totals.append(root.duration_ns / 1e6)
         # A hop met twice in one trace (a retry, two calls alike) counts once, summed.
         mine: dict[str, float] = {}
         for hop in hops:
@@ -147,14 +160,12 @@ def summarize_hops(traces: Sequence[Sequence[SpanRecord]]) -> tuple[list[HopSumm
 def hops_tables(traces: Sequence[Sequence[SpanRecord]], title: str) -> list[Table]:
     """One table per kind of trace (its root span: an edge Predict, a health check), the
     kind with the most traces first."""
-    kinds: dict[str, list[Sequence[SpanRecord]]] = {}
-    for spans in traces:
-        root = root_of(spans)
-        if root is not None:
-            kinds.setdefault(_who(root), []).append(spans)
+    kinds: dict[str, list[Rooted]] = {}
+    for root, spans in _rooted(traces):
+        kinds.setdefault(_who(root), []).append((root, spans))
     tables = []
     for kind, group in sorted(kinds.items(), key=lambda item: -len(item[1])):
-        rows, total = summarize_hops(group)
+        rows, total = _summarize(group)
         table = Table(
             title=f"{title}: {len(group)} rooted at {kind}, the median {total:.2f} ms",
             title_justify="left",
