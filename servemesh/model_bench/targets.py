@@ -233,12 +233,16 @@ def ceiling(
         await batcher.warm_up([1, max_batch])
         rows = [rng.normal(size=(1, N_FEATURES)).astype(np.float32) for _ in range(256)]
         done = 0
-        until = time.perf_counter() + seconds / 3
+        # One stop for every caller, flipped by the loop between callbacks: the callers one
+        # batch answered all resume on the same side of it, so the run's end leaves no
+        # batch part-filled by some of them stopping and others going on.
+        stopping = asyncio.Event()
+        asyncio.get_running_loop().call_later(seconds / 3, stopping.set)
 
         async def caller(offset: int) -> None:
             nonlocal done
             i = offset
-            while time.perf_counter() < until:
+            while not stopping.is_set():
                 await batcher.submit(rows[i % 256], time.monotonic() + 5, "bench")
                 done += 1
                 i += concurrency
