@@ -56,7 +56,6 @@ from servemesh.procs import (
 )
 from servemesh.procs.prometheus import PrometheusServer, prometheus_binary
 from servemesh.procs.sandbox import RunAs, model_user
-from servemesh.procs.spawn import with_death_signal
 from servemesh.proxy.admin import admin_socket_path, prepare_admin_dir
 from servemesh.proxy.apply import MeshPaths, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
@@ -518,9 +517,13 @@ class Mesh:
             # Its own pair readable by its user (a replica the fleet added included).
             share_identity(mesh_identity(self.spec), [name], run_as)
         if self.network is not None and instance.service != "registry":
-            if run_as is not None:  # `ip netns exec` needs root: change user inside it
-                argv, run_as = with_death_signal(argv, self.supervisor.death_signal, run_as), None
-            argv = self.network.exec_argv(instance.zone, argv)
+            # `ip netns exec` needs root: the user changes inside the namespace, in the
+            # setpriv that drops the capabilities (servemesh.netns.drop_privileges_argv).
+            death_signal = self.supervisor.death_signal if run_as is not None else None
+            argv = self.network.exec_argv(
+                instance.zone, argv, run_as=run_as, death_signal=death_signal
+            )
+            run_as = None
         ready = GrpcHealth(dial_service(self.spec, name))
         self.supervisor.start(
             name,

@@ -35,6 +35,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import string
 import subprocess
 import uuid
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from servemesh.errors import ServemeshError
+from servemesh.procs.sandbox import RunAs
 
 
 class NetnsError(ServemeshError, RuntimeError):
@@ -278,17 +280,27 @@ def _tcp(ports: str) -> tuple[str, ...]:
     return ("-p", "tcp", "-m", "multiport", "--dports", ports)
 
 
-def drop_privileges_argv(run_as: str | None = None) -> list[str]:
+def drop_privileges_argv(
+    run_as: str | RunAs | None = None, death_signal: signal.Signals | None = None
+) -> list[str]:
     """The setpriv prefix that runs a command without any capability, unable to gain one
-    (no_new_privs, an empty bounding set), as `run_as` (a user name or uid) if given, else
-    as the current user. Uid 0 without capabilities still reads the state dir's root-owned
-    0600 files (the control token, Redis's password), but cannot change links, routes or
-    iptables rules, enter other namespaces, or trace other processes."""
+    (no_new_privs, an empty bounding set), as `run_as` (a user name or uid, or a RunAs) if
+    given, else as the current user. Uid 0 without capabilities still reads the state dir's
+    root-owned 0600 files (the control token, Redis's password), but cannot change links,
+    routes or iptables rules, enter other namespaces, or trace other processes.
+
+    The change of user happens here, in the setpriv that drops the capabilities: a later
+    one would have no CAP_SETUID left to change it with. A change of user clears the
+    parent-death signal, so `death_signal` (when given) is set again after it."""
     if not shutil.which("setpriv"):
         raise NetnsError("setpriv (util-linux) is not installed: cannot drop capabilities")
     argv = ["setpriv"]
-    if run_as is not None:
+    if isinstance(run_as, RunAs):
+        argv += [f"--reuid={run_as.uid}", f"--regid={run_as.gid}", "--clear-groups"]
+    elif run_as is not None:
         argv += [f"--reuid={run_as}", f"--regid={_group_of(run_as)}", "--clear-groups"]
+    if death_signal is not None:
+        argv += ["--pdeathsig", death_signal.name.removeprefix("SIG")]
     return [*argv, "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all",
             "--no-new-privs", "--"]  # fmt: skip
 
@@ -376,10 +388,19 @@ class ZoneNetwork:
         """The filter chain attach_host creates (what a zone may send the machine)."""
         return f"SM{self.pid}-{self.tag}-{FILTER_CHAIN}"
 
-    def exec_argv(self, zone: str, argv: list[str]) -> list[str]:
-        """argv run inside the zone's namespace, without capabilities (as run_as if set)."""
-        return ["ip", "netns", "exec", self.namespace(zone), *drop_privileges_argv(self.run_as),
-                *argv]  # fmt: skip
+    def exec_argv(
+        self,
+        zone: str,
+        argv: list[str],
+        *,
+        run_as: RunAs | None = None,
+        death_signal: signal.Signals | None = None,
+    ) -> list[str]:
+        """argv run inside the zone's namespace, without capabilities, as `run_as` when
+        given (a model server's own user), else as the network's run_as if set
+        (`drop_privileges_argv`, which also says why `death_signal` is set there)."""
+        drop = drop_privileges_argv(run_as if run_as is not None else self.run_as, death_signal)
+        return ["ip", "netns", "exec", self.namespace(zone), *drop, *argv]
 
     # --- lifecycle -------------------------------------------------------------------------
 

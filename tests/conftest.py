@@ -32,6 +32,7 @@ MESH_PATHS = (
     "fuzz/test_campaign.py",
     "fuzz/test_command.py",
     "metrics/",
+    "netns/test_sandboxed_models.py",
     "netns/test_sigterm.py",
     "netns/test_zone_envoys.py",
     "registry/test_models_cli.py",

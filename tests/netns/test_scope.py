@@ -10,6 +10,9 @@ processes run without any capability.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from servemesh.netns import ZoneNetwork, zone_source_address
+from servemesh.netns import NETNS_DIR, ZoneNetwork, zone_source_address
 from servemesh.procs import Supervisor
+from servemesh.procs.sandbox import AUTO_GID, AUTO_UID, RunAs
 from tests.netns.helpers import (
     CONNECT,
     SERVE,
@@ -29,6 +33,7 @@ from tests.netns.helpers import (
     needs_netns,
     said_ready,
 )
+from tests.waiting import wait_until
 
 ZONES = ["zone-a", "zone-b"]
 
@@ -223,4 +228,59 @@ def test_zone_processes_can_run_as_an_unprivileged_user(tmp_path: Path) -> None:
                                              net.address("zone-a"), str(port)])  # fmt: skip
             assert answer(probe) == "zone-a"
     finally:
+        net.close()
+
+
+# Starts argv (JSON), waits for it to say ready, prints its pid, then waits for it.
+_PARENT = (
+    "import json, subprocess, sys\n"
+    "child = subprocess.Popen(json.loads(sys.argv[1]), stdout=subprocess.PIPE, text=True)\n"
+    "assert child.stdout is not None and child.stdout.readline().strip() == 'ready'\n"
+    "print(child.pid, flush=True)\n"
+    "child.wait()\n"
+)
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a live process (a zombie waiting for init's reaping is not)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+@needs_netns
+def test_a_zone_process_run_as_a_sandbox_user_changes_user_without_caps_and_dies_with_its_parent(
+    tmp_path: Path,
+) -> None:
+    # A model server in a zone namespace: `ip netns exec` needs root, so the change of user
+    # happens inside the namespace, and the parent-death signal is set after it.
+    net = ZoneNetwork(["zone-a"]).create()
+    child = 0
+    try:
+        argv = net.exec_argv(
+            "zone-a",
+            [sys.executable, "-c", SERVE, net.address("zone-a"), str(free_port()), "zone-a"],
+            run_as=RunAs(AUTO_UID, AUTO_GID),
+            death_signal=signal.SIGTERM,
+        )
+        with subprocess.Popen(
+            [sys.executable, "-c", _PARENT, json.dumps(argv)], stdout=subprocess.PIPE, text=True
+        ) as parent:
+            try:
+                assert parent.stdout is not None
+                child = int(parent.stdout.readline())
+                caps = capabilities(child)
+                assert caps["Uid"] == str(AUTO_UID)
+                assert caps["CapEff"] == caps["CapBnd"] == "0000000000000000"
+                assert caps["NoNewPrivs"] == "1"
+                inside = os.stat(NETNS_DIR / net.namespace("zone-a")).st_ino
+                assert os.stat(f"/proc/{child}/ns/net").st_ino == inside
+            finally:
+                parent.kill()
+        wait_until(lambda: not _running(child), "the child stopped with its parent")
+    finally:
+        if child and _running(child):
+            os.kill(child, signal.SIGKILL)
         net.close()

@@ -96,7 +96,8 @@ ALLOWED: dict[str, set[str]] = {
     "procs": CONTRACT | {"slo_rules"},
     # what `up` keeps private in its state dir, and shares with sandboxed model servers
     "state_dir": CONTRACT | {"credentials", "procs"},
-    "netns": CONTRACT,
+    # zone namespaces; a zone's process may run as the sandbox's user (procs.sandbox)
+    "netns": CONTRACT | {"procs"},
     "load": CONTRACT,
     "proxy": CONTRACT | {"load", "netns"},
     # reads a running mesh's metrics, its Prometheus and /proc (`servemesh top`, cost)
