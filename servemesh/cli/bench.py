@@ -82,6 +82,7 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
         against=args.against,
         as_json=args.json,
         model=args.model,
+        client=args.client,
     )
 
 
@@ -275,6 +276,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default="demo",
         help="demo: the demo MLP, protocol-bound (default); heavy: a 2048-wide MLP exported "
         "with torch.export, compute-bound (closed loops, mean batch formed)",
+    )
+    bench_model.add_argument(
+        "--client",
+        choices=["python", "h2load"],
+        default="python",
+        help="python: the asyncio gRPC client (default); h2load: nghttp2's C client sending "
+        "one pre-built request, closed loops only (apt-get install nghttp2-client)",
     )
     bench_model.set_defaults(func=cmd_bench_model)
     bench_stream = bench_sub.add_parser(
