@@ -103,6 +103,14 @@ class BatchingSpec(_Strict):
     # level (1 is served first); 0 or none means default_priority_level.
     priority_levels: Annotated[int, Field(ge=1, le=16)] = 2
     default_priority_level: Annotated[int, Field(ge=1, le=16)] = 1
+    # How much lower than the server's the CPU priority of the thread that runs the model is
+    # (a nice value added to the server's; 0: the same). Where the model and the server's
+    # event loop share a core, 10 lets the loop read requests off the network first, so a
+    # compute-bound model's batches fill (2.5x larger, +24% req/s at 64 callers) instead of
+    # leaving while requests wait unread; but a starved forward pass then shows in the tail
+    # (a protocol-bound model's p99 went from 32 to 124 ms). Off by default; docs/benchmarks.md,
+    # "The model's thread at a lower priority".
+    inference_nice: Annotated[int, Field(ge=0, le=19)] = 0
 
     @model_validator(mode="after")
     def _preferred_fit(self) -> BatchingSpec:

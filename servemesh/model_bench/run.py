@@ -11,6 +11,7 @@ when the new repeats spread as far. Ratios (the checks) are between rows of this
 | target | what it is |
 | --- | --- |
 | servemesh adaptive | the model server as shipped: adaptive dispatch, deadlines enforced |
+| adaptive, inference niced | the same, its model thread at nice 10 (`inference_nice`) |
 | fixed window | Triton's policy: the same max delay, always waited out, deadline-blind FIFO |
 | batching off | the model server with max_batch_size 1 |
 | echo | the same gRPC stack answering without a model: the protocol ceiling |
@@ -37,6 +38,11 @@ adaptive, fixed window, batching off, echo and Triton in closed loops, the mean 
 formed beside its req/s. There the batcher, not the protocol, decides. The adaptive server
 also runs the model's dynamic INT8 form (`servemesh models quantize --to int8`), and the
 report sets FP32 beside INT8: req/s, p99, artifact size and the server's RSS.
+
+`--client h2load` drives the closed loops with nghttp2's C client instead (`h2load.py`):
+one pre-built request, `c` connections, a client that takes a tenth of the CPU per call
+the Python client does, so that at c=64 the server alone is the limit. Open loops and
+deadline mixes need the Python client's scheduling and statuses, and are left out.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ PYTRITON_PYTHON = REPO / ".venv-pytriton" / "bin" / "python"
 TRITON_SERVER = Path(__file__).with_name("triton_server.py")
 TRITON = "triton (pytriton)"
 INT8 = "servemesh adaptive, INT8"
+NICED = "adaptive, inference niced"
 
 
 SLOW_MODEL_MS = 4.0  # added to every batch of the model-bound targets
@@ -125,6 +132,8 @@ class BenchConfig:
         }
         # Triton's policy: the window always waited out, FIFO, deadline-blind.
         fixed = {"dispatch": "fixed_window", "deadline_policy": "ignore"}
+        # The model's thread below the event loop's priority (BatchingSpec.inference_nice).
+        niced = {"inference_nice": 10}
         slow = {**common, "max_batch_size": SLOW_MAX_BATCH}
         everything = ("closed", "open", "mix")
         peers = []
@@ -140,6 +149,7 @@ class BenchConfig:
                 Target("fixed window", "model", {**common, **fixed}, scenarios=closed),
                 Target("batching off", "model", {**common, "max_batch_size": 1}, scenarios=closed),
                 Target("echo (protocol ceiling)", "echo", scenarios=closed),
+                Target(NICED, "model", {**common, **niced}, scenarios=closed),
                 # The same adaptive server on the model's dynamic INT8 form.
                 Target(INT8, "model", dict(common), scenarios=closed, variant="int8"),
                 *peers,
@@ -149,6 +159,7 @@ class BenchConfig:
             Target("fixed window", "model", {**common, **fixed}, scenarios=everything),
             Target("batching off", "model", {**common, "max_batch_size": 1}),
             Target("echo (protocol ceiling)", "echo"),
+            Target(NICED, "model", {**common, **niced}, scenarios=("closed", "mix")),
             Target(
                 "adaptive, slow model",
                 "model",
@@ -728,6 +739,26 @@ def heavy_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
     if ours and off and off["rps"]:
         ratio = ours["rps"] / off["rps"]
         _check_row(found, "heavy c=64 req/s vs batching off (x)", ratio, ">= 2", ratio >= 2.0)
+    found += nice_checks(rows)
+    return found
+
+
+def nice_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What lowering the model thread's priority (inference_nice 10) buys at c=64, and what
+    it costs in the tail there and at c=1: ratios to the shipped default (nice 0)."""
+    found: list[dict[str, Any]] = []
+    for c in (64, 1):
+        niced = _find(rows, NICED, "closed", c)
+        base = _find(rows, "servemesh adaptive", "closed", c)
+        if niced and base and base["rps"]:
+            ratio = niced["rps"] / base["rps"]
+            goal = 1.0 if c == 64 else 0.9
+            name = f"c={c} req/s, inference niced vs default (x)"
+            _check_row(found, name, ratio, f">= {goal}", ratio >= goal)
+        if c == 64 and niced and base and base["p99_ms"]:
+            ratio = niced["p99_ms"] / base["p99_ms"]
+            name = "c=64 p99, inference niced vs default (x)"
+            _check_row(found, name, ratio, "<= 1.2", ratio <= 1.2)
     return found
 
 
@@ -787,7 +818,13 @@ def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
         if mix and fixed_mix and fixed_mix["rps"]:
             ratio = mix["rps"] / fixed_mix["rps"]
             check(f"{group} mix: goodput vs fixed window (x)", ratio, f">= {goal}", ratio >= goal)
-    return found
+    niced_mix = _find(rows, NICED, "deadline-mix")
+    base_mix = _find(rows, "servemesh adaptive", "deadline-mix")
+    if niced_mix and base_mix and base_mix["rps"]:
+        ratio = niced_mix["rps"] / base_mix["rps"]
+        name = "protocol-bound mix: goodput, inference niced vs default (x)"
+        check(name, ratio, ">= 0.9", ratio >= 0.9)
+    return found + nice_checks(rows)
 
 
 # --- output ----------------------------------------------------------------------------

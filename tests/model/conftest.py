@@ -1,13 +1,19 @@
-"""Fixtures for the model server tests: the demo model's artifacts, built once."""
+"""Fixtures for the model server tests: the demo model's artifacts, built once, and the
+bench's echo server."""
 
 from __future__ import annotations
 
 import io
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
 
 from servemesh.demo import Artifact, demo_artifact
+from servemesh.model_bench.targets import EchoServicer
+from servemesh.services.model.service import SERVICE_NAME
+from servemesh.services.runtime import ServiceServer
+from servemesh_api.inference import grpc_service_pb2_grpc
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +26,17 @@ def artifacts() -> dict[int, Artifact]:
 def reference(artifacts: dict[int, Artifact]) -> dict[int, torch.jit.ScriptModule]:
     """The same artifacts loaded straight into TorchScript, to compare scores against."""
     return {seed: torch.jit.load(io.BytesIO(a.data)).eval() for seed, a in artifacts.items()}
+
+
+@pytest.fixture
+async def echo_address() -> AsyncIterator[str]:
+    """The bench's echo target (ModelInfer answered without a model), on this test's loop."""
+    server = ServiceServer("echo", port=0, drain_grace_s=0.5)
+    server.add_service(
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+        EchoServicer("echo", "zone-a"),
+        SERVICE_NAME,
+    )
+    port = await server.start()
+    yield f"127.0.0.1:{port}"
+    await server.drain()

@@ -14,32 +14,17 @@ from servemesh.load import percentile
 from servemesh.model_bench.load import closed_loop, open_loop, request_bodies
 from servemesh.model_bench.models import BENCH_MODELS
 from servemesh.model_bench.run import (
+    NICED,
     BenchConfig,
     ServerProcess,
     TargetUnavailable,
     aggregate,
     checks,
+    nice_checks,
     variant_rows,
 )
-from servemesh.model_bench.targets import EchoServicer
 from servemesh.services.model.artifacts import open_artifact
-from servemesh.services.model.service import SERVICE_NAME
-from servemesh.services.runtime import ServiceServer
 from servemesh_api.inference import grpc_service_pb2 as oip
-from servemesh_api.inference import grpc_service_pb2_grpc
-
-
-@pytest.fixture
-async def echo_address() -> object:
-    server = ServiceServer("echo", port=0, drain_grace_s=0.5)
-    server.add_service(
-        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
-        EchoServicer("echo", "zone-a"),
-        SERVICE_NAME,
-    )
-    port = await server.start()
-    yield f"127.0.0.1:{port}"
-    await server.drain()
 
 
 def test_request_bodies_are_valid_serialised_infer_requests() -> None:
@@ -200,6 +185,7 @@ def test_the_heavy_bench_measures_closed_loops_of_the_batching_targets() -> None
         "fixed window": ("closed",),
         "batching off": ("closed",),
         "echo (protocol ceiling)": ("closed",),
+        "adaptive, inference niced": ("closed",),
         "servemesh adaptive, INT8": ("closed",),
         "triton (pytriton)": ("closed",),
     }
@@ -311,3 +297,29 @@ def test_the_in_process_ceiling_runs_the_batcher_enforcing_deadlines_and_blind()
     for key in ("batcher_c64", "batcher_c64_ignore"):
         # 64 callers and batches of at most 8: every batch the batcher formed was full.
         assert found[key]["req_per_s"] > 0 and found[key]["mean_batch"] == 8.0
+
+
+def test_the_niced_model_thread_is_compared_with_the_default_in_the_same_run() -> None:
+    niced = [t for t in BenchConfig().targets() if t.name == NICED]
+    assert [t.batching["inference_nice"] for t in niced] == [10]
+    assert niced[0].scenarios == ("closed", "mix")
+
+    def row(target: str, c: int, rps: float, p99: float) -> dict[str, object]:
+        return {"target": target, "mode": "closed", "concurrency": c, "rps": rps, "p99_ms": p99}
+
+    found = {
+        c["target"]: (c["value"], c["met"])
+        for c in nice_checks(
+            [
+                row("servemesh adaptive", 64, 1500.0, 80.0),
+                row(NICED, 64, 1860.0, 120.0),
+                row("servemesh adaptive", 1, 540.0, 2.7),
+                row(NICED, 1, 580.0, 2.5),
+            ]
+        )
+    }
+    assert found == {
+        "c=64 req/s, inference niced vs default (x)": (1.24, True),
+        "c=64 p99, inference niced vs default (x)": (1.5, False),
+        "c=1 req/s, inference niced vs default (x)": (1.07, True),
+    }

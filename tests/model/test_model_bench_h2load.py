@@ -25,28 +25,11 @@ from servemesh.model_bench.run import (
     measurements,
     probe,
 )
-from servemesh.model_bench.targets import EchoServicer
-from servemesh.services.model.service import SERVICE_NAME
-from servemesh.services.runtime import ServiceServer
-from servemesh_api.inference import grpc_service_pb2_grpc
 
 needs_h2load = pytest.mark.skipif(
     shutil.which("h2load") is None,
     reason="h2load is not installed (apt-get install nghttp2-client; .ci/run installs it)",
 )
-
-
-@pytest.fixture
-async def echo_address() -> Any:
-    server = ServiceServer("echo", port=0, drain_grace_s=0.5)
-    server.add_service(
-        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
-        EchoServicer("echo", "zone-a"),
-        SERVICE_NAME,
-    )
-    port = await server.start()
-    yield f"127.0.0.1:{port}"
-    await server.drain()
 
 
 @needs_h2load

@@ -119,7 +119,7 @@ class Batcher:
         if expected_s and 1 in expected_s:
             self.overlap.solo(expected_s[1])
         self._wakeup = asyncio.Event()
-        self._worker = Worker(f"infer-{name}")
+        self._worker = Worker(f"infer-{name}", nice=batching.inference_nice)
         self._task: asyncio.Task[None] | None = None
         self._closing = False
 

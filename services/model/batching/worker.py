@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 class Worker:
@@ -17,12 +21,19 @@ class Worker:
     Leaner than loop.run_in_executor (no concurrent.futures.Future, no chained callbacks):
     one queue put, one call_soon_threadsafe back. The hand-off is paid per batch, and on a
     small model it costs as much as the forward pass itself.
+
+    `nice` lowers the thread's CPU priority by that much (BatchingSpec.inference_nice).
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, nice: int = 0) -> None:
         self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._nice = nice
+        # The thread's nice value once it runs (None until then, or where it could not be set).
+        self.niceness: int | None = None
+        self._started = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
+        self._started.wait()
 
     def call(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """`fn(*args)` in the worker thread; the future holds its result or exception."""
@@ -35,7 +46,21 @@ class Worker:
         """Let the thread end once the calls already handed to it are done."""
         self._jobs.put(None)
 
+    def _lower_priority(self) -> None:
+        """Raise this thread's nice value by `nice` (Linux: a thread is a schedulable task of
+        its own; raising it needs no privilege)."""
+        tid = threading.get_native_id()
+        try:
+            if self._nice:
+                current = os.getpriority(os.PRIO_PROCESS, tid)
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, current + self._nice))
+            self.niceness = os.getpriority(os.PRIO_PROCESS, tid)
+        except OSError as exc:
+            log.warning("inference thread keeps the server's priority: %s", exc)
+
     def _serve(self) -> None:
+        self._lower_priority()
+        self._started.set()
         while True:
             job = self._jobs.get()
             if job is None:
