@@ -106,10 +106,11 @@ class BatchingSpec(_Strict):
     # How much lower than the server's the CPU priority of the thread that runs the model is
     # (a nice value added to the server's; 0: the same). Where the model and the server's
     # event loop share a core, 10 lets the loop read requests off the network first, so a
-    # compute-bound model's batches fill (2.5x larger, +24% req/s at 64 callers) instead of
-    # leaving while requests wait unread; but a starved forward pass then shows in the tail
-    # (a protocol-bound model's p99 went from 32 to 124 ms). Off by default; docs/benchmarks.md,
-    # "The model's thread at a lower priority".
+    # compute-bound model's batches fill (11 -> 31 rows, +16-24% req/s at 64 callers)
+    # instead of leaving while requests wait unread; but a forward pass that gets a tenth of
+    # a saturated core shows in the tail (a protocol-bound model's p99: 32 -> 124 ms). Off
+    # by default; docs/benchmarks.md, "With a C client: the model server against Triton,
+    # and the model's thread at a lower priority".
     inference_nice: Annotated[int, Field(ge=0, le=19)] = 0
 
     @model_validator(mode="after")
