@@ -537,6 +537,8 @@ def bench_model(config: BenchConfig, say: Any = print) -> dict[str, Any]:
     _pin_client(config.client_cpu)  # h2load, a child, runs where this process runs
     if config.client not in ("python", "h2load"):
         raise ValueError(f"client must be python or h2load, got {config.client!r}")
+    if config.client == "h2load":
+        h2load.h2load_path()  # before anything starts: the install line when it is missing
     bodies = request_bodies(config.bench_model.name)
     skipped: dict[str, str] = {}
     say("in-process ceiling (model and batcher, no gRPC)...")
@@ -545,7 +547,6 @@ def bench_model(config: BenchConfig, say: Any = print) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="servemesh-bench-") as tmp, ExitStack() as stack:
         frame_file = None
         if config.client == "h2load":
-            h2load.h2load_path()
             frame_file = Path(tmp) / "model-infer.frame"
             frame_file.write_bytes(h2load.grpc_frame(bodies[0]))
         rounds = _Rounds(config, bodies, say, frame_file)

@@ -21,6 +21,7 @@ from servemesh.model_bench.run import (
     ServerWindow,
     TargetUnavailable,
     _count_server_errors,
+    bench_model,
     checks,
     measurements,
     probe,
@@ -157,3 +158,13 @@ def test_bench_model_takes_the_client() -> None:
     assert build_parser().parse_args(["bench", "model"]).client == "python"
     args = build_parser().parse_args(["bench", "model", "--client", "h2load"])
     assert args.client == "h2load"
+
+
+def test_without_h2load_the_run_stops_at_once_with_the_install_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PATH", "")
+    said: list[str] = []
+    with pytest.raises(h2load.H2loadUnavailable, match="apt-get install nghttp2-client"):
+        bench_model(BenchConfig(client="h2load", client_cpu=None), say=said.append)
+    assert said == []  # nothing started, not even the in-process ceiling
