@@ -28,7 +28,7 @@ class Worker:
     def __init__(self, name: str, nice: int = 0) -> None:
         self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._nice = nice
-        # The thread's nice value once it runs (None until then, or where it could not be set).
+        # The thread's nice value (set before __init__ returns; None where it could not be read).
         self.niceness: int | None = None
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
