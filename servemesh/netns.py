@@ -295,10 +295,12 @@ def drop_privileges_argv(
     if not shutil.which("setpriv"):
         raise NetnsError("setpriv (util-linux) is not installed: cannot drop capabilities")
     argv = ["setpriv"]
-    if isinstance(run_as, RunAs):
-        argv += [f"--reuid={run_as.uid}", f"--regid={run_as.gid}", "--clear-groups"]
-    elif run_as is not None:
-        argv += [f"--reuid={run_as}", f"--regid={_group_of(run_as)}", "--clear-groups"]
+    if run_as is not None:
+        if isinstance(run_as, RunAs):
+            uid, gid = str(run_as.uid), run_as.gid
+        else:
+            uid, gid = run_as, _group_of(run_as)
+        argv += [f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
     if death_signal is not None:
         argv += ["--pdeathsig", death_signal.name.removeprefix("SIG")]
     return [*argv, "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all",

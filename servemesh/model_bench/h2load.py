@@ -28,6 +28,7 @@ from pathlib import Path
 
 from servemesh.errors import ServemeshError
 from servemesh.model_bench.load import LoadResult, WindowHook
+from servemesh.observe.cpu import proc_cpu_seconds
 from servemesh.wire import MODEL_INFER_METHOD
 
 H2LOAD = "h2load"
@@ -53,17 +54,6 @@ def h2load_path() -> str:
 def grpc_frame(body: bytes) -> bytes:
     """One gRPC message as it goes on the wire: uncompressed flag, length, bytes."""
     return b"\x00" + struct.pack(">I", len(body)) + body
-
-
-def _cpu_seconds(pid: int) -> float:
-    import os
-
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def parse_requests(text: str) -> dict[str, int]:
@@ -129,9 +119,9 @@ def closed_loop(
                     if hook:
                         hook(True)
                     since_us = time.time_ns() // 1000
-                    opened_at, cpu_open = time.perf_counter(), _cpu_seconds(process.pid)
+                    opened_at, cpu_open = time.perf_counter(), proc_cpu_seconds(process.pid) or 0.0
                 elif line.startswith(MAIN_OVER) and opened_at and not closed_at:
-                    closed_at, cpu_close = time.perf_counter(), _cpu_seconds(process.pid)
+                    closed_at, cpu_close = time.perf_counter(), proc_cpu_seconds(process.pid) or 0.0
                     if hook:
                         hook(False)
         text = "".join(output)
