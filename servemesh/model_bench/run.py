@@ -67,6 +67,8 @@ from servemesh.load.stats import SPREAD_LIMIT, spread
 from servemesh.model_bench import h2load
 from servemesh.model_bench.load import LoadResult, closed_loop, open_loop, request_bodies
 from servemesh.model_bench.models import BENCH_MODELS, BenchModel
+from servemesh.observe.cpu import proc_cpu_seconds
+from servemesh.observe.cpu import rss_bytes as proc_rss_bytes
 from servemesh.procs import Check, StartError, Supervisor
 from servemesh.wire import MODEL_INFER_METHOD
 
@@ -271,28 +273,11 @@ class ServerProcess:
 
     def cpu_seconds(self) -> float:
         """User + system CPU time of the server's processes so far."""
-        total = 0.0
-        for pid in _tree(self.pid):
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:  # exited meanwhile
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            total += int(fields[11]) + int(fields[12])
-        return total / os.sysconf("SC_CLK_TCK")
+        return sum(proc_cpu_seconds(pid) or 0.0 for pid in _tree(self.pid))
 
     def rss_bytes(self) -> int:
         """Resident memory of the server's processes now (VmRSS, summed)."""
-        total = 0
-        for pid in _tree(self.pid):
-            try:
-                status = Path(f"/proc/{pid}/status").read_text()
-            except OSError:
-                continue
-            for line in status.splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-        return total
+        return sum(proc_rss_bytes(pid) or 0 for pid in _tree(self.pid))
 
     def metrics(self) -> dict[str, float]:
         """The server's Prometheus samples, by name and labels (empty for the echo server)."""
