@@ -47,14 +47,17 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
+from servemesh import bench_h2load
+from servemesh.errors import UsageError
 from servemesh.identity import Dial, dial_address, dial_edge, dial_service
 from servemesh.identity.enroll import BENCH_ECHO_IDENTITY, enrolled
 from servemesh.launcher import Mesh
 from servemesh.load import ClosedLoop, Target, closed_loop, predict_target, summarize
 from servemesh.load.outcome import Reply, Request
-from servemesh.load.stats import SPREAD_LIMIT, error_counts, spread
+from servemesh.load.stats import SPREAD_LIMIT, error_counts, percentile, spread
 from servemesh.observe.cpu import rss_bytes
 from servemesh.observe_bench import cpu_by_kind, sum_by_kind, wait_answering
+from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.apply import RouteManager
 from servemesh.spec import MeshSpec, Ports, Replicas, load_spec
 from servemesh.wire import OIP_SERVICE
@@ -116,6 +119,8 @@ class Round:
     cpu_us: dict[str, float] = field(default_factory=dict)
     # failed calls by gRPC status
     error_codes: dict[str, int] = field(default_factory=dict)
+    # h2load: streams it reset when its duration ended (not errors; at most one a connection)
+    cancelled_at_stop: int = 0
 
 
 def model_alone_target(mesh: Mesh, model: str) -> tuple[Target, str, list[bytes]]:
@@ -225,6 +230,29 @@ class Row:
     cpu_us_mesh_median: float
     cpu_us_mesh_min: float
     cpu_us_mesh_max: float
+
+
+def h2load_round(
+    name: str, concurrency: int, repeat: int, measured: bench_h2load.Measured
+) -> Round:
+    """An h2load window as a round: CPU µs per OK answer by kind, the client's as "client"."""
+    cpu_us: dict[str, float] = {}
+    if measured.ok:
+        for kind, spent in measured.cpu_seconds.items():
+            cpu_us[kind] = round(spent / measured.ok * 1e6, 1)
+        cpu_us["client"] = round(measured.client_cpu_seconds / measured.ok * 1e6, 1)
+    return Round(
+        target=name,
+        concurrency=concurrency,
+        repeat=repeat,
+        rps=round(measured.ok / measured.seconds, 1) if measured.seconds else 0.0,
+        p50_ms=round(percentile(measured.latencies_ms, 50), 2),
+        p99_ms=round(percentile(measured.latencies_ms, 99), 2),
+        errors=sum(measured.errors.values()),
+        cpu_us=cpu_us,
+        error_codes=dict(measured.errors),
+        cancelled_at_stop=measured.cancelled_at_stop,
+    )
 
 
 def summarize_rows(rounds: Sequence[Round], wide: set[tuple[str, int]]) -> list[Row]:
@@ -466,37 +494,65 @@ def bench_predict(
     idle_s: float = 20.0,
     model: str = "demo",
     tls_cost: bool = False,
+    client: str = "python",
     progress: Callable[[Round], None] = lambda _: None,
 ) -> dict[str, object]:
     """Start a mesh and the echo server, time the mesh's start, read its idle CPU and
     memory, then measure every target at every concurrency `repeats` times, interleaved;
     the report as a JSON-able dict. `tls_cost`: also the echo server serving mutual TLS, and
-    what TLS adds to one call (client and server) beside the plaintext echo."""
+    what TLS adds to one call (client and server) beside the plaintext echo. `client`:
+    python (servemesh.load's asyncio client) or h2load (`bench_h2load`: the model-alone row
+    is then the standalone model server, plaintext)."""
     from servemesh.model_bench.run import BenchConfig, ServerProcess
     from servemesh.model_bench.run import Target as ServerTarget
 
     spec = bench_spec(heavy_spec(spec) if model == "heavy" else spec)
+    if client == "h2load":
+        check_h2load_fits(spec, model, direct=direct, tls_cost=tls_cost)
+        spec = without_tiers(spec)
+    elif client != "python":
+        raise UsageError(f"--client: {client!r} is not one of python, h2load")
     model_name = next(iter(sorted(spec.models)))
     with tempfile.TemporaryDirectory() as state:
+        workdir = Path(state)
         echo = ServerProcess(
-            ServerTarget(name="echo", kind=ECHO_KIND), BenchConfig(server_cpu=None), Path(state)
+            ServerTarget(name="echo", kind=ECHO_KIND), BenchConfig(server_cpu=None), workdir
         )
-        mesh = Mesh.from_spec(spec, Path(state) / "mesh")
+        # h2load cannot present the replicas' client certificate: the model alone is the
+        # standalone model server, started beside the mesh (loading torch takes seconds).
+        standalone = (
+            ServerProcess(
+                ServerTarget(
+                    name="model-alone",
+                    kind="model",
+                    batching=spec.models[model_name].batching.model_dump(mode="json"),
+                ),
+                BenchConfig(server_cpu=None, model=model),
+                workdir,
+            )
+            if client == "h2load"
+            else None
+        )
+        mesh = Mesh.from_spec(spec, workdir / "mesh")
         echo_tls: ServerProcess | None = None
         started = time.perf_counter()
         try:
             mesh.start()
             startup_s = time.perf_counter() - started
             echo.wait_ready()
+            if standalone is not None:
+                standalone.wait_ready()
             wait_answering(mesh)
             idle = idle_reading(mesh, idle_s)
             entities = max(1, spec.demo.entities)
             alone, replica, bodies = model_alone_target(mesh, model_name)
+            if standalone is not None:
+                replica = f"standalone model server ({standalone.address}, plaintext)"
             echo_target = _raw_target(
                 Dial(echo.address, None), f"/{OIP_SERVICE}/ModelInfer", bodies
             )
             if tls_cost:
-                echo_tls = _tls_echo(mesh, Path(state))
+                echo_tls = _tls_echo(mesh, workdir)
             targets = {
                 EDGE: predict_target(
                     dial_edge(mesh.spec),
@@ -524,11 +580,19 @@ def bench_predict(
             rounds: list[Round] = []
 
             servers = {ECHO: echo, ECHO_TLS: echo_tls}
+            measure_with_h2load = (
+                h2load_rounds(mesh, model_name, bodies[0], seconds, workdir, echo, standalone)
+                if standalone is not None
+                else None
+            )
 
             def run_round(name: str, c: int, repeat: int) -> Round:
-                server = servers.get(name)
-                cpu_of = (lambda: {ECHO_KIND: server.cpu_seconds()}) if server else None
-                found = measure(mesh, targets[name], name, c, seconds, repeat, cpu_of)
+                if measure_with_h2load is not None:
+                    found = measure_with_h2load(name, c, repeat)
+                else:
+                    server = servers.get(name)
+                    cpu_of = (lambda: {ECHO_KIND: server.cpu_seconds()}) if server else None
+                    found = measure(mesh, targets[name], name, c, seconds, repeat, cpu_of)
                 progress(found)
                 rounds.append(found)
                 return found
@@ -552,6 +616,8 @@ def bench_predict(
         finally:
             mesh.stop()
             echo.stop()
+            if standalone is not None:
+                standalone.stop()
             if echo_tls is not None:
                 echo_tls.stop()
     rows = summarize_rows(rounds, wide)
@@ -563,6 +629,7 @@ def bench_predict(
     }
     report: dict[str, object] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
+        "client": client,
         "model": model_name,
         "model_alone_replica": replica,
         "seconds": seconds,
@@ -592,6 +659,85 @@ def bench_predict(
             "effective_ms_max": round(max(c[1] for c in changes), 1),
         }
     return report
+
+
+def check_h2load_fits(spec: MeshSpec, model: str, *, direct: bool, tls_cost: bool) -> None:
+    """Refuse (UsageError) what h2load cannot measure: rows that need a client certificate,
+    and a model the standalone server cannot host (it serves the bench's own models)."""
+    from servemesh.model_bench.h2load import h2load_path
+    from servemesh.model_bench.models import BENCH_MODELS
+
+    h2load_path()  # the install line, before anything starts
+    if direct or tls_cost:
+        raise UsageError(
+            "--client h2load: --direct and --tls-cost need a client certificate, which "
+            "h2load cannot present; run them with --client python"
+        )
+    name, first = next(iter(sorted(spec.models.items())))
+    bench_model = BENCH_MODELS[model]
+    served = max(first.traffic, key=lambda v: first.traffic[v])
+    source = first.versions[served].source
+    if name != bench_model.name or source != bench_model.source(1):
+        raise UsageError(
+            f"--client h2load: the model alone is the standalone server of {bench_model.name!r} "
+            f"({bench_model.source(1)}), and the spec's first model is {name!r} "
+            f"({served}: {source}); measure that spec with --client python"
+        )
+
+
+def without_tiers(spec: MeshSpec) -> MeshSpec:
+    """`spec` with every model's tiers off: h2load asks for one entity every call, which a
+    cache tier would answer from memory."""
+    models = {n: m.model_copy(update={"tiers": None}) for n, m in spec.models.items()}
+    return spec.model_copy(update={"models": models})
+
+
+def h2load_rounds(
+    mesh: Mesh,
+    model_name: str,
+    model_body: bytes,
+    seconds: float,
+    workdir: Path,
+    echo: ServerProcess,
+    standalone: ServerProcess,
+) -> Callable[[str, int, int], Round]:
+    """A round maker for h2load: the edge (TLS unless the spec turns it off; one entity),
+    the standalone model server and the echo server (ModelInfer for one row)."""
+    from servemesh.model_bench.run import probe
+
+    entity = "user-0"
+    edge_file = bench_h2load.frame_file(
+        workdir, "predict", bench_h2load.predict_body(model_name, entity)
+    )
+    model_file = bench_h2load.frame_file(workdir, "model-infer", model_body)
+    for server in (standalone, echo):
+        probe(server.address, model_body)
+    edge_dial = dial_edge(mesh.spec)
+    admin = AdminClient.of_mesh(mesh.state_dir)
+
+    def make(name: str, c: int, repeat: int) -> Round:
+        if name == EDGE:
+            measured = bench_h2load.measure_edge(
+                mesh.spec.edge_address,
+                edge_file,
+                c,
+                seconds,
+                WARMUP_S,
+                CALL_TIMEOUT_S,
+                tls=mesh.spec.tls.edge,
+                access_log=mesh.logs_dir / "envoy-edge-access.log",
+                read_cpu=lambda: cpu_by_kind(mesh),
+                marker=lambda: bench_h2load.send_marker(edge_dial, model_name, entity),
+                flush=lambda: admin.post("/reopen_logs"),
+            )
+        else:
+            server, kind = (standalone, "model") if name == MODEL_ALONE else (echo, ECHO_KIND)
+            measured = bench_h2load.measure_server(
+                server, kind, model_file, c, seconds, WARMUP_S, CALL_TIMEOUT_S
+            )
+        return h2load_round(name, c, repeat, measured)
+
+    return make
 
 
 def _tls_echo(mesh: Mesh, workdir: Path) -> ServerProcess:
@@ -647,6 +793,11 @@ def print_report(report: Mapping[str, object]) -> None:
     from rich.table import Table
 
     console = Console(width=max(Console().width, 120))
+    if report.get("client") == "h2load":
+        console.print(
+            "client: h2load (one pre-built request; the edge's outcomes from its access log); "
+            f"model alone: {report['model_alone_replica']}"
+        )
     console.print(
         f"mesh start-up: {report['startup_s']} s; tracing ratio {report['sample_ratio']}, "
         f"prediction log {'on' if report['prediction_log'] else 'off'}; "
@@ -745,6 +896,7 @@ def main(
     idle_s: float = 20.0,
     model: str = "demo",
     tls_cost: bool = False,
+    client: str = "python",
 ) -> int:
     def show(found: Round) -> None:
         if not as_json:
@@ -752,7 +904,8 @@ def main(
                 f"  {found.target} c={found.concurrency} #{found.repeat}: {found.rps:.0f} req/s, "
                 f"p99 {found.p99_ms:.1f} ms, mesh CPU "
                 f"{mesh_cpu(found):.0f} µs/answer"
-                + "".join(f", {code} {n}" for code, n in sorted(found.error_codes.items())),
+                + "".join(f", {code} {n}" for code, n in sorted(found.error_codes.items()))
+                + (f", {found.cancelled_at_stop} reset at stop" if found.cancelled_at_stop else ""),
                 flush=True,
             )
 
@@ -765,6 +918,7 @@ def main(
         idle_s=idle_s,
         model=model,
         tls_cost=tls_cost,
+        client=client,
         progress=show,
     )
     if out:

@@ -36,6 +36,7 @@ def cmd_bench_predict(args: argparse.Namespace) -> int:
         idle_s=args.idle_seconds,
         model=args.model,
         tls_cost=args.tls_cost,
+        client=args.client,
     )
 
 
@@ -214,6 +215,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         default="demo",
         help="the spec's models (demo, default) or the compute-bound heavy MLP alone in their "
         "place (target: edge >= 0.85x the model server alone at c=64)",
+    )
+    bench_predict.add_argument(
+        "--client",
+        choices=["python", "h2load"],
+        default="python",
+        help="python: the asyncio gRPC client (default); h2load: nghttp2's C client, one "
+        "pre-built request (one entity), outcomes from the edge's access log; the model "
+        "alone is then the standalone model server, plaintext (no --direct, --tls-cost)",
     )
     bench_predict.add_argument("--json", action="store_true", help="print the report as JSON")
     bench_predict.add_argument("--json-out", help="also write the report here")

@@ -48,7 +48,11 @@ async def test_an_h2load_closed_loop_answers_in_its_window_with_latencies(
     assert result.ok > 10 and result.sent == result.ok and not result.errors
     summary = result.summary()
     assert 0 < summary["p50_ms"] <= summary["p99_ms"]  # type: ignore[operator]
-    assert result.concurrency == 4 and result.rps == pytest.approx(result.ok / 0.4)
+    assert result.concurrency == 4
+    # Rates are over the window as h2load ran it (its two lines), never longer than asked
+    # by more than the time to read a line.
+    assert 0 < result.seconds < 0.4 + 0.25
+    assert result.rps == pytest.approx(result.ok / result.seconds)
 
 
 @needs_h2load

@@ -133,7 +133,10 @@ ALLOWED: dict[str, set[str]] = {
     "observe_bench": CONTRACT | TOOLING | {"launcher", "tracestore"},
     # the mesh against its own model server (it reads CPU and settles a mesh as observe_bench)
     # and against the echo server, which it starts as bench model does (model_bench)
-    "bench": CONTRACT | TOOLING | {"launcher", "observe_bench", "model_bench"},
+    "bench": CONTRACT | TOOLING | {"launcher", "observe_bench", "model_bench", "bench_h2load"},
+    # bench predict's rows driven by h2load: the edge's outcomes read from its access log,
+    # the bench servers' from their counters (model_bench)
+    "bench_h2load": CONTRACT | TOOLING | {"model_bench"},
     # py-spy on a mesh of its own under load (set up and settled as bench predict's)
     "profile_bench": CONTRACT | TOOLING | {"launcher", "observe_bench", "bench"},
     # batch scoring against the model in a tight loop, on a registry and Redis of its own
