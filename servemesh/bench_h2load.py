@@ -43,10 +43,10 @@ from servemesh.identity import Dial
 from servemesh.model_bench import h2load
 from servemesh.model_bench.load import WindowHook
 from servemesh.model_bench.run import ServerProcess, ServerWindow
-from servemesh.wire import MODEL_INFER_METHOD
+from servemesh.wire import GATEWAY_SERVICE, MODEL_INFER_METHOD
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
-PREDICT_METHOD = "/servemesh.gateway.v1.Gateway/Predict"
+PREDICT_METHOD = f"/{GATEWAY_SERVICE}/Predict"
 # gRPC status numbers by name, for the access log's grpc_status.
 STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 # How long the edge's access log may take to show the marker's line.
