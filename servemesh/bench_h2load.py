@@ -41,7 +41,7 @@ import grpc
 
 from servemesh.identity import Dial
 from servemesh.model_bench import h2load
-from servemesh.model_bench.load import WindowHook
+from servemesh.model_bench.load import LoadResult, WindowHook
 from servemesh.model_bench.run import ServerProcess, ServerWindow
 from servemesh.wire import GATEWAY_SERVICE, MODEL_INFER_METHOD
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -230,16 +230,7 @@ def measure_edge(
     )
     lines = wait_logged(access_log, offset, marker(), flush)
     outcomes = window_outcomes(lines, PREDICT_METHOD, window.opened_us, window.closed_us)
-    ok, errors, cancelled = split_cancelled(outcomes, concurrency, "OK")
-    return Measured(
-        ok=ok,
-        seconds=window.seconds,
-        latencies_ms=result.latencies_ms,
-        errors={**_client_errors(result.errors), **errors},
-        cancelled_at_stop=cancelled,
-        cpu_seconds=window.spent,
-        client_cpu_seconds=result.client_cpu * window.seconds,
-    )
+    return _measured(result, window, *split_cancelled(outcomes, concurrency, "OK"))
 
 
 def measure_server(
@@ -266,10 +257,16 @@ def measure_server(
         method=MODEL_INFER_METHOD,
     )
     outcomes = counters.row()["outcomes"]
-    if outcomes:
-        ok, errors, cancelled = split_cancelled(outcomes, concurrency, "ok")
-    else:
-        ok, errors, cancelled = result.ok, {}, 0
+    if not outcomes:
+        return _measured(result, window, result.ok, {}, 0)
+    return _measured(result, window, *split_cancelled(outcomes, concurrency, "ok"))
+
+
+def _measured(
+    result: LoadResult, window: CpuWindow, ok: int, errors: dict[str, int], cancelled: int
+) -> Measured:
+    """The window's figures: OK answers and failures as the server side counted them, what
+    h2load itself saw fail, its latencies, and the CPU spent in the window."""
     return Measured(
         ok=ok,
         seconds=window.seconds,
