@@ -55,7 +55,7 @@ from servemesh.launcher import Mesh
 from servemesh.load import ClosedLoop, Target, closed_loop, predict_target, summarize
 from servemesh.load.outcome import Reply, Request
 from servemesh.load.stats import SPREAD_LIMIT, error_counts, percentile, spread
-from servemesh.observe.cpu import rss_bytes
+from servemesh.observe.cpu import pss_bytes, rss_bytes
 from servemesh.observe_bench import cpu_by_kind, sum_by_kind, wait_answering
 from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.apply import RouteManager
@@ -328,10 +328,11 @@ def _summary(values: Sequence[float]) -> dict[str, object]:
 
 
 def idle_reading(mesh: Mesh, idle_s: float, settle_s: float = IDLE_SETTLE_S) -> dict[str, object]:
-    """The mesh's CPU over `idle_s` with no traffic (ms/s) and its memory (RSS, MiB), by
-    process kind, with totals, read once the mesh sat idle `settle_s` (the first seconds
-    after start-up still hold start-up's work). The process running the mesh (here the
-    benchmark itself, `servemesh up` otherwise) is not counted."""
+    """The mesh's CPU over `idle_s` with no traffic (ms/s) and its memory (RSS, and PSS:
+    shared pages counted once; MiB), by process kind, with totals, read once the mesh sat
+    idle `settle_s` (the first seconds after start-up still hold start-up's work). The
+    process running the mesh (here the benchmark itself, `servemesh up` otherwise) is not
+    counted."""
     time.sleep(settle_s)
     before, started = cpu_by_kind(mesh), time.monotonic()
     time.sleep(idle_s)
@@ -339,12 +340,17 @@ def idle_reading(mesh: Mesh, idle_s: float, settle_s: float = IDLE_SETTLE_S) -> 
     cpu = {k: round((after[k] - before.get(k, after[k])) / elapsed * 1e3, 1) for k in sorted(after)}
     rss = sum_by_kind(mesh, lambda pid: None if (b := rss_bytes(pid)) is None else b / 2**20)
     memory = {k: round(v, 1) for k, v in sorted(rss.items())}
+    pss = sum_by_kind(mesh, lambda pid: None if (b := pss_bytes(pid)) is None else b / 2**20)
+    shared_out = {k: round(v, 1) for k, v in sorted(pss.items())}
     return {
         "seconds": round(elapsed, 1),
         "cpu_ms_per_s": cpu,
         "cpu_ms_per_s_total": round(sum(cpu.values()), 1),
         "rss_mib": memory,
         "rss_mib_total": round(sum(memory.values()), 1),
+        # What the processes use together: a page they share is counted once (Pss).
+        "pss_mib": shared_out,
+        "pss_mib_total": round(sum(shared_out.values()), 1),
     }
 
 
@@ -851,6 +857,13 @@ def print_report(report: Mapping[str, object]) -> None:
             + ", ".join(f"{k} {v:.0f}" for k, v in idle["rss_mib"].items())
             + ")"
         )
+        if idle.get("pss_mib"):
+            console.print(
+                f"  the same memory with shared pages counted once (PSS): "
+                f"{idle['pss_mib_total']:.0f} MiB ("
+                + ", ".join(f"{k} {v:.0f}" for k, v in idle["pss_mib"].items())
+                + ")"
+            )
     same_run = report.get("ratios")
     if isinstance(same_run, dict):
         for name, r in same_run.items():

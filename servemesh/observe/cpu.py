@@ -1,5 +1,6 @@
-"""CPU seconds and resident memory of a process from /proc (Envoy and Redis, whose own
-metrics do not carry them), and the cost arithmetic of a million predictions."""
+"""CPU seconds and resident (and proportional) memory of a process from /proc (Envoy and
+Redis, whose own metrics do not carry them), and the cost arithmetic of a million
+predictions."""
 
 from __future__ import annotations
 
@@ -30,6 +31,21 @@ def rss_bytes(pid: int) -> int | None:
         return None
     for line in text.splitlines():
         if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def pss_bytes(pid: int) -> int | None:
+    """A process's proportional set (Pss in /proc/PID/smaps_rollup): its private pages, and
+    each page it shares counted as its share of it. Summed over processes it is the memory
+    they use together, where VmRSS counts a library two processes map twice (torch in every
+    model server). None once it is gone, or where the kernel has no smaps_rollup."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("Pss:"):
             return int(line.split()[1]) * 1024
     return None
 
