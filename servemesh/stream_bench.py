@@ -22,10 +22,11 @@ import redis
 
 from servemesh.bench import one_zone_spec
 from servemesh.launcher import Mesh
+from servemesh.percentiles import percentile
 from servemesh.spec import MeshSpec, StreamSpec, load_spec
 from servemesh.streams.keys import StreamKeys
 from servemesh.streams.metrics import read_lag_now
-from servemesh.streams.produce import delivery, percentile, produce
+from servemesh.streams.produce import delivery, produce
 
 MODES: tuple[Literal["mesh", "in_process"], ...] = ("mesh", "in_process")
 SETTLE_TIMEOUT_S = 120.0

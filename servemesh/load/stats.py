@@ -1,8 +1,5 @@
-"""The numbers read from outcomes: one percentile, windows, success and shares, summaries.
-
-There is one percentile definition in servemesh, `percentile` (nearest rank): a drill's
-p99, a probe's p99 and a benchmark's p99 are the same statistic. Nearest rank returns a
-latency some request really had, never an interpolation between two.
+"""The numbers read from outcomes: windows, success and shares, summaries, and the one
+percentile of servemesh (`servemesh.percentiles`, nearest rank), kept importable here.
 """
 
 from __future__ import annotations
@@ -15,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from servemesh.load.outcome import Outcome
+from servemesh.percentiles import percentile as percentile  # kept importable from here
 
 # A benchmark row whose req/s spreads over this share of its median is measured once more,
 # and flagged if it stays as wide (`servemesh bench predict`, `servemesh bench model`).
@@ -28,18 +26,6 @@ def spread(values: Sequence[float]) -> float:
     if len(values) < 2:
         return 0.0
     return (max(values) - min(values)) / middle if middle else math.inf
-
-
-def percentile(values: Iterable[float], pct: float) -> float:
-    """Nearest-rank percentile, `pct` from 0 to 100: the smallest value with at least
-    pct% of the values at or below it (p0 is the minimum, p100 the maximum). NaN for none."""
-    if not 0 <= pct <= 100:
-        raise ValueError(f"percentile: pct must be within [0, 100], got {pct}")
-    ordered = sorted(values)
-    if not ordered:
-        return math.nan
-    rank = max(1, math.ceil(pct / 100 * len(ordered)))
-    return ordered[rank - 1]
 
 
 def window(outcomes: Iterable[Outcome], start_s: float, end_s: float = math.inf) -> list[Outcome]:

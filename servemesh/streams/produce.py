@@ -83,10 +83,3 @@ def delivery(client: Any, keys: StreamKeys, ids: list[str], page: int = 10_000) 
             break
         start = "(" + text(entries[-1][0])
     return found
-
-
-def percentile(values: list[int] | list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return float(ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))])

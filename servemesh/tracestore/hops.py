@@ -20,13 +20,13 @@ instance, so that the replicas of a service add up to one row.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rich.table import Table
 
+from servemesh.percentiles import percentile
 from servemesh.tracestore.store import SpanRecord
 
 
@@ -149,7 +149,7 @@ def _summarize(rooted: Sequence[Rooted]) -> tuple[list[HopSummary], float]:
                 label=label,
                 traces=len(ranked),
                 median_ms=round(median, 3),
-                p90_ms=round(ranked[math.ceil(0.9 * len(ranked)) - 1], 3),
+                p90_ms=round(percentile(ranked, 90), 3),
                 max_ms=round(ranked[-1], 3),
                 share=round(median / total, 3) if total else 0.0,
             )

@@ -34,6 +34,7 @@ CONTRACT = {
     "identity",
     "errors",
     "tier_keys",
+    "percentiles",
 }
 SERVICES = {"services.runtime", "services.gateway", "services.feature", "services.model"}
 TOOLING = {"procs", "netns", "load", "proxy", "credentials", "observe", "state_dir"}
@@ -44,6 +45,8 @@ ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "wire": set(),
     "atomic": set(),
+    # the one percentile (nearest rank): benchmarks, drills, probes, trace hops
+    "percentiles": set(),
     # the state dir's privacy: umask, modes, secrets checked, lock files
     "private": {"errors"},
     "echo": set(),  # caller strings quoted and bounded in error messages
