@@ -466,7 +466,7 @@ def bench_spec(spec: MeshSpec) -> MeshSpec:
     )
     return spec.model_copy(
         update={
-            "ports": Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            "ports": Ports.free(),
             "metrics": spec.metrics.model_copy(update={"prometheus": "off"}),
             "traffic": spec.traffic.model_copy(update={"rate_limit": one_caller_all}),
         }

@@ -73,7 +73,7 @@ def arm_specs(spec: MeshSpec, split: bool = False) -> dict[str, MeshSpec]:
     mesh measured), tracing at the spec's sampling ratio."""
     base = spec.model_copy(
         update={
-            "ports": Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            "ports": Ports.free(),
             "metrics": spec.metrics.model_copy(update={"prometheus": "off"}),
         }
     )

@@ -634,6 +634,12 @@ class Ports(_Strict):
     # to a Prometheus of the machine's.
     prometheus: Port = 9190
 
+    @classmethod
+    def free(cls) -> Ports:
+        """Every port picked free at start: a mesh that runs beside others (tests, drills,
+        benchmarks)."""
+        return cls(edge=0, mesh=0, envoy_admin=0, services_base=0)
+
     @model_validator(mode="before")
     @classmethod
     def _free_with_the_edge(cls, data: object) -> object:

@@ -34,7 +34,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     from servemesh.launcher import Mesh
 
     spec = load_spec(args.spec)
-    spec = spec.model_copy(update={"ports": Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)})
+    spec = spec.model_copy(update={"ports": Ports.free()})
     with tempfile.TemporaryDirectory(prefix="servemesh-fuzz-") as state:
         with Mesh.from_spec(spec, Path(state)) as mesh:
             console.print(f"mesh up; fuzzing with {args.requests} requests, seed {args.seed}")

@@ -74,7 +74,7 @@ def bench_spec(batching: BatchingSpec, model: BenchModel) -> ResolvedSpec:
     return resolve(
         MeshSpec(
             zones=["zone-a"],
-            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            ports=Ports.free(),
             model_servers=Replicas(per_zone={"zone-a": 1}),
             gateway=Replicas(per_zone={"zone-a": 1}),
             feature=Replicas(per_zone={"zone-a": 1}),

@@ -138,7 +138,7 @@ def batch_spec(
     return resolve(
         MeshSpec(
             zones=["zone-a"],
-            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            ports=Ports.free(),
             state_dir=str(state_dir),
             gateway=Replicas(per_zone={"zone-a": 1}),
             feature=Replicas(per_zone={"zone-a": 1}),

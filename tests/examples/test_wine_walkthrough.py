@@ -170,7 +170,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory, trained: Trained) -> Iterator
     root = tmp_path_factory.mktemp("mesh")
     one = Replicas(per_zone={"zone-a": 1})
     spec = MeshSpec(
-        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        ports=Ports.free(),
         state_dir=str(root / "state"),
         zones=["zone-a"],
         gateway=one,

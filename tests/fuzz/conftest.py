@@ -14,7 +14,7 @@ from servemesh.spec import DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Port
 @pytest.fixture(scope="package")
 def fuzz_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     spec = MeshSpec(
-        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        ports=Ports.free(),
         state_dir=str(tmp_path_factory.mktemp("fuzz-mesh")),
         models={
             "fraud": ModelSpec(

@@ -49,7 +49,7 @@ def one_zone(
     one = Replicas(per_zone={"zone-a": 1})
     return MeshSpec(
         zones=["zone-a"],
-        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        ports=Ports.free(),
         state_dir=str(state_dir),
         gateway=one,
         feature=one,

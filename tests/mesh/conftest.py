@@ -44,7 +44,7 @@ def on_package_mesh(item: pytest.Item) -> bool:
 
 def test_mesh_spec(state_dir: str, entities: int = 500) -> MeshSpec:
     return MeshSpec(
-        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        ports=Ports.free(),
         state_dir=state_dir,
         models={
             "fraud": ModelSpec(

@@ -175,7 +175,7 @@ def _front_spec(state_dir: Path, traffic: TrafficSpec) -> ResolvedSpec:
     fraud = MeshSpec().models["fraud"].model_copy(update={"shadow": ShadowSpec(version="v2")})
     return resolve(
         MeshSpec(
-            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            ports=Ports.free(),
             state_dir=str(state_dir),
             traffic=traffic,
             models={"fraud": fraud},

@@ -57,7 +57,7 @@ models:
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     spec = MeshSpec(
-        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        ports=Ports.free(),
         state_dir=str(tmp_path_factory.mktemp("live-apply")),
         demo=DemoSpec(enabled=True, entities=ENTITIES),
     )

@@ -107,7 +107,7 @@ def wine_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     spec = MeshSpec.model_validate(
         {
             **declared.model_dump(),
-            "ports": Ports(edge=0, mesh=0, envoy_admin=0, services_base=0).model_dump(),
+            "ports": Ports.free().model_dump(),
             "state_dir": str(state_dir),
         }
     )

@@ -47,7 +47,7 @@ def small_mesh_spec(state_dir: Path, **updates: Any) -> MeshSpec:
     leaving every 100 ms (so a dead part is hit within a fraction of a second)."""
     one = Replicas(per_zone={"zone-a": 1})
     spec = MeshSpec(
-        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        ports=Ports.free(),
         state_dir=str(state_dir),
         zones=["zone-a"],
         gateway=one,

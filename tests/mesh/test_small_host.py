@@ -26,7 +26,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     state = tmp_path_factory.mktemp("small-host")
     spec = MeshSpec(
         profile="small-host",
-        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        ports=Ports.free(),
         state_dir=str(state),
         demo=DemoSpec(enabled=True, entities=50),
     )

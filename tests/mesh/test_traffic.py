@@ -48,7 +48,7 @@ SLOW_MODEL_MS = 1000
 def traffic_spec(state_dir: str) -> MeshSpec:
     one_version = {"v1": ModelVersionSpec(source="demo:1")}
     return MeshSpec(
-        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        ports=Ports.free(),
         state_dir=state_dir,
         models={
             "fraud": ModelSpec(),

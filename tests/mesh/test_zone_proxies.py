@@ -46,7 +46,7 @@ START = {"v1": 100, "v2": 0}
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     state = tmp_path_factory.mktemp("zone-proxies")
     spec = MeshSpec(
-        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        ports=Ports.free(),
         state_dir=str(state),
         proxy=ProxySpec(layout="per_zone"),
         models={

@@ -36,11 +36,7 @@ PROMETHEUS = prometheus_binary()
 
 
 def _spec(tmp_path: Path) -> MeshSpec:
-    return resolve(
-        MeshSpec(
-            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0), state_dir=str(tmp_path)
-        )
-    )
+    return resolve(MeshSpec(ports=Ports.free(), state_dir=str(tmp_path)))
 
 
 @needs_promtool

@@ -51,7 +51,7 @@ def _spec(
         versions={v: ModelVersionSpec(source=f"demo:{v[1:]}") for v in versions},
         traffic=traffic or {versions[0]: 100},
     )
-    ports = Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)
+    ports = Ports.free()
     return resolve(MeshSpec(ports=ports, models={"fraud": model}))
 
 

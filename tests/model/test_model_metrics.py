@@ -36,7 +36,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 def mesh_spec(tmp_path: Path, batching: BatchingSpec) -> ResolvedSpec:
     return resolve(
         MeshSpec(
-            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            ports=Ports.free(),
             state_dir=str(tmp_path),
             models={
                 "fraud": ModelSpec(
@@ -79,7 +79,7 @@ async def model_server(
 
 
 def test_every_instance_gets_its_own_metrics_port() -> None:
-    spec = resolve(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
+    spec = resolve(MeshSpec(ports=Ports.free()))
     models = [i.name for i in spec.instances() if i.service == "model"]
     assert sorted(spec.metrics_ports) == sorted(i.name for i in spec.instances())
     ports = [*spec.instance_ports.values(), *spec.metrics_ports.values()]

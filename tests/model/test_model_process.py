@@ -65,7 +65,7 @@ async def test_model_server_process_drains_in_flight_batches_on_sigterm(tmp_path
     spec = resolve(
         MeshSpec(
             zones=["zone-a"],
-            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            ports=Ports.free(),
             state_dir=str(tmp_path / "state"),
             model_servers=Replicas(per_zone={"zone-a": 1}),
             gateway=Replicas(per_zone={"zone-a": 1}),

@@ -30,7 +30,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def _spec() -> ResolvedSpec:
-    return resolve(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
+    return resolve(MeshSpec(ports=Ports.free()))
 
 
 class HeldLoader:

@@ -279,7 +279,7 @@ async def test_slow_model_refuses_a_request_whose_deadline_it_cannot_meet(
 async def test_built_server_loads_every_spec_version_before_it_reports_serving(
     artifacts: dict[int, Artifact],
 ) -> None:
-    spec = resolve(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
+    spec = resolve(MeshSpec(ports=Ports.free()))
     server = await build_server(spec, "model-zone-b-0", loader=demo_loader(artifacts), tls=False)
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")

@@ -30,7 +30,7 @@ ZONES = ("zone-a", "zone-b")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     state = tmp_path_factory.mktemp("zone-envoys-netns")
     spec = MeshSpec(
-        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        ports=Ports.free(),
         state_dir=str(state),
         network=NetworkSpec(mode="netns"),
         proxy=ProxySpec(layout="per_zone"),

@@ -16,7 +16,7 @@ from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
 def test_the_registry_process_serves_then_exits_cleanly_on_sigterm(tmp_path: Path) -> None:
     spec = resolve(
         MeshSpec(
-            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            ports=Ports.free(),
             state_dir=str(tmp_path / "state"),
         )
     )

@@ -72,7 +72,7 @@ def scraped(tmp_path: Path) -> Iterator[Scraped]:
     assert PROMETHEUS is not None
     spec = resolve(
         MeshSpec(
-            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            ports=Ports.free(),
             state_dir=str(tmp_path),
             metrics=MetricsSpec(scrape_interval_s=1.0),
             rollout=RolloutSpec(slos={"fraud": SLO}),

@@ -59,7 +59,7 @@ def fleet_mesh_spec(state_dir: Path) -> MeshSpec:
     other service; fraud v1 takes all traffic, v2 none."""
     one = Replicas(per_zone={ZONE: 1})
     spec = MeshSpec(
-        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        ports=Ports.free(),
         state_dir=str(state_dir),
         zones=[ZONE],
         gateway=one,

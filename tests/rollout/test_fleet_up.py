@@ -41,7 +41,7 @@ def test_the_mesh_owns_the_green_set_and_stops_it(tmp_path: Path) -> None:
     one = Replicas(per_zone={"zone-a": 1})
     state = tmp_path / "state"
     spec = MeshSpec(
-        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        ports=Ports.free(),
         state_dir=str(state),
         zones=["zone-a"],
         gateway=one,

@@ -53,7 +53,7 @@ def test_the_slow_bound_rounds_the_p99_objective_up_to_a_bucket() -> None:
 def _spec(tmp_path: Path, slos: dict[str, SloSpec]) -> ResolvedSpec:
     return resolve(
         MeshSpec(
-            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            ports=Ports.free(),
             state_dir=str(tmp_path),
             rollout=RolloutSpec(slos=slos),
         )

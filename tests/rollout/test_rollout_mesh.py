@@ -83,7 +83,7 @@ SLO = SloSpec(availability=0.99, p99_ms=5000, window="1h")
 
 def rollout_spec(state_dir: Path) -> MeshSpec:
     return MeshSpec(
-        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        ports=Ports.free(),
         state_dir=str(state_dir),
         models={
             "fraud": ModelSpec(

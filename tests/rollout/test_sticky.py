@@ -47,7 +47,7 @@ IDS = [f"user-{i}" for i in range(ENTITIES)]
 
 def sticky_spec(state_dir: str) -> MeshSpec:
     return MeshSpec(
-        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        ports=Ports.free(),
         state_dir=state_dir,
         models={
             "fraud": ModelSpec(

@@ -64,7 +64,7 @@ def scaled_mesh(tmp_path: Path, policy: ScalingSpec) -> Iterator[Mesh]:
     scaler runs beside it as `servemesh up` runs it, with `policy`."""
     one = Replicas(per_zone={ZONE: 1})
     spec = MeshSpec(
-        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        ports=Ports.free(),
         state_dir=str(tmp_path / "state"),
         zones=[ZONE],
         gateway=one,

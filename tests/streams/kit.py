@@ -40,7 +40,7 @@ def stream_spec(redis_url: str, state_dir: Path, **stream: Any) -> ResolvedSpec:
     return resolve(
         MeshSpec(
             zones=["zone-a"],
-            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            ports=Ports.free(),
             state_dir=str(state_dir),
             gateway=Replicas(per_zone={"zone-a": 1}),
             feature=Replicas(per_zone={"zone-a": 1}),

@@ -30,7 +30,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     one = Replicas(per_zone={"zone-a": 1})
     spec = MeshSpec(
         zones=["zone-a"],
-        ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+        ports=Ports.free(),
         state_dir=str(state_dir),
         gateway=one,
         feature=one,

@@ -31,11 +31,7 @@ from servemesh.wire import Span as SpanAttr
 
 @pytest.fixture
 async def receiver(tmp_path: Path) -> AsyncIterator[tuple[ResolvedSpec, Path]]:
-    spec = resolve(
-        MeshSpec(
-            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0), state_dir=str(tmp_path)
-        )
-    )
+    spec = resolve(MeshSpec(ports=Ports.free(), state_dir=str(tmp_path)))
     server: ServiceServer = await build_server(spec)
     await server.start()
     try:

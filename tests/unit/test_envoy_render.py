@@ -514,7 +514,7 @@ def test_every_listener_denies_exactly_the_control_methods() -> None:
 def test_admin_is_a_unix_socket_in_the_state_dir_never_a_port(tmp_path: Path) -> None:
     spec = resolve(
         MeshSpec(
-            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            ports=Ports.free(),
             state_dir=str(tmp_path),
         )
     )

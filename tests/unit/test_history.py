@@ -28,7 +28,7 @@ def two_models() -> ResolvedSpec:
     versions = {"v1": ModelVersionSpec(source="demo:1"), "v2": ModelVersionSpec(source="demo:2")}
     return resolve(
         MeshSpec(
-            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            ports=Ports.free(),
             models={
                 "fraud": ModelSpec(versions=versions, traffic={"v1": 100, "v2": 0}),
                 "churn": ModelSpec(versions=versions, traffic={"v1": 100, "v2": 0}),

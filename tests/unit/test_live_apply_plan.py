@@ -18,7 +18,7 @@ from servemesh.spec import (
 )
 
 # The demo mesh: fraud v1 (100) and v2 (0), reading the `user` view.
-RUNNING = resolve(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
+RUNNING = resolve(MeshSpec(ports=Ports.free()))
 
 FRAUD = """
 models:
@@ -248,7 +248,7 @@ def _one_zone() -> MeshSpec:
     one = {"zone-a": 1}
     return resolve(
         MeshSpec(
-            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            ports=Ports.free(),
             zones=["zone-a"],
             gateway=Replicas(per_zone=one),
             feature=Replicas(per_zone=one),

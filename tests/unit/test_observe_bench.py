@@ -105,7 +105,7 @@ def test_only_a_well_formed_unsampled_traceparent_skips_the_spans() -> None:
 
 
 def test_envoy_flushes_its_spans_as_often_as_the_services() -> None:
-    ports = Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)
+    ports = Ports.free()
     spec = MeshSpec(ports=ports)
     spec = spec.model_copy(
         update={"tracing": spec.tracing.model_copy(update={"export_interval_ms": 250})}

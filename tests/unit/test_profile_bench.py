@@ -24,7 +24,7 @@ class PerZoneMesh:
     """What profiled_instances reads of a running mesh: its spec and its processes."""
 
     def __init__(self) -> None:
-        self.spec = resolve(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
+        self.spec = resolve(MeshSpec(ports=Ports.free()))
 
     def pids(self) -> dict[str, int]:
         names = [i.name for i in self.spec.instances()]

@@ -47,7 +47,7 @@ def test_each_pool_decides_on_its_own_signals_in_each_zone(tmp_path: Path) -> No
     quick = PoolPolicy(up_window="0s", cooldown="0s", target=front_targets())
     spec = resolve(
         MeshSpec(
-            ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0),
+            ports=Ports.free(),
             state_dir=str(tmp_path),
             scaling=ScalingSpec(gateway=quick, feature=quick),
         )

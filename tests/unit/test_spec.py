@@ -62,7 +62,7 @@ def test_invalid_specs_name_field_and_line(text: str, expected: str) -> None:
 
 
 def test_resolve_gives_every_instance_a_distinct_concrete_port() -> None:
-    spec = resolve(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
+    spec = resolve(MeshSpec(ports=Ports.free()))
     ports = [
         spec.ports.edge,
         spec.ports.mesh,
@@ -89,13 +89,13 @@ def test_a_declared_spec_has_no_addresses_and_its_file_may_not_name_resolved_por
 
 
 def test_resolving_a_resolved_spec_keeps_its_ports() -> None:
-    first = resolve(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
+    first = resolve(MeshSpec(ports=Ports.free()))
     again = resolve(first)
     assert again == first
 
 
 def test_a_resolved_spec_round_trips_through_its_file(tmp_path: Path) -> None:
-    spec = resolve(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
+    spec = resolve(MeshSpec(ports=Ports.free()))
     path = tmp_path / "resolved.yaml"
     path.write_text(dump_spec(spec))
     assert load_resolved(path) == spec
@@ -113,7 +113,7 @@ def test_a_resolved_file_without_a_port_for_every_listener_is_refused() -> None:
 
 
 def test_a_spec_without_redis_gets_the_launchers_own_on_a_port_chosen_with_the_others() -> None:
-    spec = resolve(MeshSpec(ports=Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)))
+    spec = resolve(MeshSpec(ports=Ports.free()))
     assert spec.embedded_redis_port
     assert spec.redis_url == f"redis://127.0.0.1:{spec.embedded_redis_port}/0"
     assert spec.embedded_redis_port not in spec.instance_ports.values()

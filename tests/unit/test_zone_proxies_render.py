@@ -26,7 +26,7 @@ from servemesh.spec import (
 )
 from servemesh.wire import GATEWAY_CLUSTER, RETRY_ELSEWHERE_HEADER, zone_of_cluster
 
-FREE = Ports(edge=0, mesh=0, envoy_admin=0, services_base=0)
+FREE = Ports.free()
 
 
 def per_zone(tmp_path: Path) -> ResolvedSpec:
