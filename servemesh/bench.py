@@ -501,23 +501,28 @@ def bench_predict(
     model: str = "demo",
     tls_cost: bool = False,
     client: str = "python",
+    connections: int = 1,
     progress: Callable[[Round], None] = lambda _: None,
 ) -> dict[str, object]:
     """Start a mesh and the echo server, time the mesh's start, read its idle CPU and
     memory, then measure every target at every concurrency `repeats` times, interleaved;
     the report as a JSON-able dict. `tls_cost`: also the echo server serving mutual TLS, and
     what TLS adds to one call (client and server) beside the plaintext echo. `client`:
-    python (servemesh.load's asyncio client) or h2load (`bench_h2load`: the model-alone row
-    is then the standalone model server, plaintext)."""
+    python (servemesh.load's asyncio client, one channel) or h2load (`bench_h2load`: the
+    model-alone row is then the standalone model server, plaintext), whose streams share
+    `connections` connections in every row."""
     from servemesh.model_bench.run import BenchConfig, ServerProcess
     from servemesh.model_bench.run import Target as ServerTarget
 
     spec = bench_spec(heavy_spec(spec) if model == "heavy" else spec)
     if client == "h2load":
         check_h2load_fits(spec, model, direct=direct, tls_cost=tls_cost)
+        check_connections(concurrencies, connections)
         spec = without_tiers(spec)
     elif client != "python":
         raise UsageError(f"--client: {client!r} is not one of python, h2load")
+    elif connections != 1:
+        raise UsageError("--connections: the Python client sends over one channel; use h2load")
     model_name = next(iter(sorted(spec.models)))
     with tempfile.TemporaryDirectory() as state:
         workdir = Path(state)
@@ -587,7 +592,9 @@ def bench_predict(
 
             servers = {ECHO: echo, ECHO_TLS: echo_tls}
             measure_with_h2load = (
-                h2load_rounds(mesh, model_name, bodies[0], seconds, workdir, echo, standalone)
+                h2load_rounds(
+                    mesh, model_name, bodies[0], seconds, workdir, echo, standalone, connections
+                )
                 if standalone is not None
                 else None
             )
@@ -636,6 +643,7 @@ def bench_predict(
     report: dict[str, object] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "client": client,
+        "connections": connections,
         "model": model_name,
         "model_alone_replica": replica,
         "seconds": seconds,
@@ -691,6 +699,18 @@ def check_h2load_fits(spec: MeshSpec, model: str, *, direct: bool, tls_cost: boo
         )
 
 
+def check_connections(concurrencies: Sequence[int], connections: int) -> None:
+    """Every concurrency must share evenly over the connections (h2load's -c and -m)."""
+    if connections < 1:
+        raise UsageError(f"--connections {connections}: at least one")
+    uneven = [c for c in concurrencies if c < connections or c % connections]
+    if uneven:
+        raise UsageError(
+            f"--connections {connections}: each --concurrency must be a multiple of it "
+            f"(not {', '.join(map(str, uneven))})"
+        )
+
+
 def without_tiers(spec: MeshSpec) -> MeshSpec:
     """`spec` with every model's tiers off: h2load asks for one entity every call, which a
     cache tier would answer from memory."""
@@ -706,6 +726,7 @@ def h2load_rounds(
     workdir: Path,
     echo: ServerProcess,
     standalone: ServerProcess,
+    connections: int = 1,
 ) -> Callable[[str, int, int], Round]:
     """A round maker for h2load: the edge (TLS unless the spec turns it off; one entity),
     the standalone model server and the echo server (ModelInfer for one row)."""
@@ -735,11 +756,12 @@ def h2load_rounds(
                 read_cpu=lambda: cpu_by_kind(mesh),
                 marker=lambda: bench_h2load.send_marker(edge_dial, model_name, entity),
                 flush=lambda: admin.post("/reopen_logs"),
+                connections=connections,
             )
         else:
             server, kind = (standalone, "model") if name == MODEL_ALONE else (echo, ECHO_KIND)
             measured = bench_h2load.measure_server(
-                server, kind, model_file, c, seconds, WARMUP_S, CALL_TIMEOUT_S
+                server, kind, model_file, c, seconds, WARMUP_S, CALL_TIMEOUT_S, connections
             )
         return h2load_round(name, c, repeat, measured)
 
@@ -801,7 +823,8 @@ def print_report(report: Mapping[str, object]) -> None:
     console = Console(width=max(Console().width, 120))
     if report.get("client") == "h2load":
         console.print(
-            "client: h2load (one pre-built request; the edge's outcomes from its access log); "
+            f"client: h2load (one pre-built request, the streams over {report['connections']} "
+            "connection(s); the edge's outcomes from its access log); "
             f"model alone: {report['model_alone_replica']}"
         )
     console.print(
@@ -910,6 +933,7 @@ def main(
     model: str = "demo",
     tls_cost: bool = False,
     client: str = "python",
+    connections: int = 1,
 ) -> int:
     def show(found: Round) -> None:
         if not as_json:
@@ -932,6 +956,7 @@ def main(
         model=model,
         tls_cost=tls_cost,
         client=client,
+        connections=connections,
         progress=show,
     )
     if out:

@@ -23,8 +23,12 @@ What h2load cannot do, and what stands in for it:
 - It sends one pre-built request: every edge call asks for the same entity. The bench's
   spec turns a model's tiers off, so no call is answered from a cache.
 
-Streams still open when h2load's duration ends are reset by it (at most one per
-connection); they are counted apart (`cancelled_at_stop`), not as errors.
+The `c` streams of a row share `connections` connections (bench predict's default: one,
+the shape of one gRPC channel, which the Python client uses too). Over 64 connections of
+one stream each the mesh spent about a quarter more CPU per Predict (docs/benchmarks.md).
+
+Streams still open when h2load's duration ends are reset by it (at most one per stream
+in flight); they are counted apart (`cancelled_at_stop`), not as errors.
 """
 
 from __future__ import annotations
@@ -185,12 +189,12 @@ def split_cancelled(
     outcomes: Mapping[str, int], concurrency: int, ok_name: str
 ) -> tuple[int, dict[str, int], int]:
     """(ok, errors by name, cancelled at stop): resets and CANCELLED count as h2load's stop,
-    up to one per connection; any beyond that are errors."""
+    up to one per stream in flight (`concurrency`); any beyond that are errors."""
     stopped = ("reset", "CANCELLED", "cancelled")
     errors = {k: v for k, v in outcomes.items() if k != ok_name and k not in stopped}
     cancelled = sum(outcomes.get(k, 0) for k in stopped)
     if cancelled > concurrency:
-        errors["cancelled beyond one per connection"] = cancelled - concurrency
+        errors["cancelled beyond one per stream"] = cancelled - concurrency
         cancelled = concurrency
     return outcomes.get(ok_name, 0), {k: v for k, v in errors.items() if v}, cancelled
 
@@ -213,6 +217,7 @@ def measure_edge(
     read_cpu: Callable[[], Mapping[str, float]],
     marker: Callable[[], str],
     flush: Callable[[], object] = lambda: None,
+    connections: int | None = None,
 ) -> Measured:
     """h2load against the edge; outcomes from the edge's access log (see the module)."""
     offset = access_log.stat().st_size if access_log.exists() else 0
@@ -227,6 +232,7 @@ def measure_edge(
         hook=window,
         method=PREDICT_METHOD,
         tls=tls,
+        connections=connections,
     )
     lines = wait_logged(access_log, offset, marker(), flush)
     outcomes = window_outcomes(lines, PREDICT_METHOD, window.opened_us, window.closed_us)
@@ -241,6 +247,7 @@ def measure_server(
     seconds: float,
     warmup_s: float,
     timeout_s: float,
+    connections: int | None = None,
 ) -> Measured:
     """h2load against a plaintext bench server (the model server alone, or echo): ModelInfer;
     outcomes from the server's own counters (echo keeps none: every answer counts)."""
@@ -255,6 +262,7 @@ def measure_server(
         timeout_s,
         hook=window,
         method=MODEL_INFER_METHOD,
+        connections=connections,
     )
     outcomes = counters.row()["outcomes"]
     if not outcomes:

@@ -37,6 +37,7 @@ def cmd_bench_predict(args: argparse.Namespace) -> int:
         model=args.model,
         tls_cost=args.tls_cost,
         client=args.client,
+        connections=args.connections,
     )
 
 
@@ -223,6 +224,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="python: the asyncio gRPC client (default); h2load: nghttp2's C client, one "
         "pre-built request (one entity), outcomes from the edge's access log; the model "
         "alone is then the standalone model server, plaintext (no --direct, --tls-cost)",
+    )
+    bench_predict.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="h2load: the connections each row's streams share (default 1, one channel's "
+        "shape, as the Python client; each --concurrency a multiple of it)",
     )
     bench_predict.add_argument("--json", action="store_true", help="print the report as JSON")
     bench_predict.add_argument("--json-out", help="also write the report here")

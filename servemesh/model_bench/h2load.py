@@ -97,15 +97,21 @@ def closed_loop(
     *,
     method: str = MODEL_INFER_METHOD,
     tls: bool = False,
+    connections: int | None = None,
 ) -> LoadResult:
     """`concurrency` connections, each sending the frame to `method` again as soon as its
     answer came; the result holds the window's requests (not yet checked against the
-    server's counters: the caller does that), over the window's measured length. `tls`:
+    server's counters: the caller does that), over the window's measured length.
+    `connections`: the streams shared over that many connections (default: one stream on
+    each of `concurrency` connections). `tls`:
     over TLS (h2 by ALPN); h2load checks no certificate and can present none, so only a
     listener that asks for no client certificate can be driven this way."""
     with tempfile.TemporaryDirectory(prefix="servemesh-h2load-") as tmp:
         log = Path(tmp) / "requests.tsv"
-        argv = [h2load_path(), "-t", "1", "-c", str(concurrency), "-m", "1"]
+        conns = connections or concurrency
+        if concurrency % conns:
+            raise ValueError(f"{concurrency} streams do not share evenly over {conns} connections")
+        argv = [h2load_path(), "-t", "1", "-c", str(conns), "-m", str(concurrency // conns)]
         argv += ["-D", f"{round(seconds * 1000)}ms", f"--warm-up-time={round(warmup_s * 1000)}ms"]
         argv += ["-H", "content-type: application/grpc", "-H", "te: trailers"]
         argv += ["-H", f"grpc-timeout: {round(timeout_s * 1000)}m"]

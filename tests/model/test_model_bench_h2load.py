@@ -56,6 +56,18 @@ async def test_an_h2load_closed_loop_answers_in_its_window_with_latencies(
 
 
 @needs_h2load
+async def test_streams_can_share_fewer_connections(echo_address: str, tmp_path: Path) -> None:
+    frame = tmp_path / "request.frame"
+    frame.write_bytes(h2load.grpc_frame(request_bodies("fraud", count=1)[0]))
+    result = await asyncio.to_thread(
+        h2load.closed_loop, echo_address, frame, 8, 0.4, 0.2, connections=2
+    )
+    assert result.ok > 10 and not result.errors and result.concurrency == 8
+    with pytest.raises(ValueError, match="8 streams do not share evenly over 3"):
+        h2load.closed_loop(echo_address, frame, 8, 0.4, 0.2, connections=3)
+
+
+@needs_h2load
 async def test_h2load_that_cannot_connect_is_an_error_not_a_zero_row(tmp_path: Path) -> None:
     frame = tmp_path / "request.frame"
     frame.write_bytes(h2load.grpc_frame(b""))

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from servemesh.bench import EDGE, check_h2load_fits, h2load_round, without_tiers
+from servemesh.bench import (
+    EDGE,
+    bench_predict,
+    check_connections,
+    check_h2load_fits,
+    h2load_round,
+    without_tiers,
+)
 from servemesh.bench_h2load import (
     PREDICT_METHOD,
     CpuWindow,
@@ -70,13 +77,13 @@ def test_the_window_keeps_predicts_that_started_in_it(tmp_path: Path) -> None:
     assert read_lines(tmp_path / "none.log", 0) == []
 
 
-def test_resets_at_the_stop_are_apart_up_to_one_a_connection() -> None:
+def test_resets_at_the_stop_are_apart_up_to_one_a_stream() -> None:
     ok, errors, cancelled = split_cancelled({"OK": 900, "reset": 3, "UNAVAILABLE": 2}, 4, "OK")
     assert (ok, errors, cancelled) == (900, {"UNAVAILABLE": 2}, 3)
-    # More resets than connections: h2load's stop explains at most one per connection.
+    # More resets than streams in flight: h2load's stop explains at most one per stream.
     ok, errors, cancelled = split_cancelled({"OK": 10, "reset": 5, "CANCELLED": 2}, 4, "OK")
     assert (ok, cancelled) == (10, 4)
-    assert errors == {"cancelled beyond one per connection": 3}
+    assert errors == {"cancelled beyond one per stream": 3}
     # The model server's counters name the outcomes in lower case.
     assert split_cancelled({"ok": 7, "cancelled": 1, "invalid": 0}, 2, "ok") == (7, {}, 1)
 
@@ -165,7 +172,24 @@ def test_h2load_s_one_entity_is_never_answered_from_a_tier() -> None:
     assert without_tiers(tiered).models["fraud"].tiers is None
 
 
-def test_bench_predict_takes_the_client() -> None:
+def test_bench_predict_takes_the_client_and_its_connections() -> None:
     args = build_parser().parse_args(["bench", "predict", "--client", "h2load"])
-    assert args.client == "h2load"
-    assert build_parser().parse_args(["bench", "predict"]).client == "python"
+    assert args.client == "h2load" and args.connections == 1
+    args = build_parser().parse_args(["bench", "predict", "--connections", "8"])
+    assert args.client == "python" and args.connections == 8
+
+
+def test_every_concurrency_shares_evenly_over_the_connections() -> None:
+    check_connections([1, 64], 1)
+    check_connections([8, 64], 8)
+    with pytest.raises(UsageError, match="--connections 8: .*not 1"):
+        check_connections([1, 64], 8)
+    with pytest.raises(UsageError, match="not 12"):
+        check_connections([12, 64], 8)
+    with pytest.raises(UsageError, match="--connections 0"):
+        check_connections([64], 0)
+
+
+def test_the_python_client_has_one_channel_and_no_connections_to_set() -> None:
+    with pytest.raises(UsageError, match="one channel"):
+        bench_predict(MeshSpec(), client="python", connections=8)
