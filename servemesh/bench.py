@@ -35,6 +35,7 @@ feature, model, redis, registry, tracestore), plus the client's own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import statistics
 import tempfile
@@ -119,8 +120,11 @@ class Round:
     cpu_us: dict[str, float] = field(default_factory=dict)
     # failed calls by gRPC status
     error_codes: dict[str, int] = field(default_factory=dict)
-    # h2load: streams it reset when its duration ended (not errors; at most one a connection)
+    # h2load: streams it reset when its duration ended (not errors; at most one a stream)
     cancelled_at_stop: int = 0
+    # h2load: what it saw fail itself (connections, HTTP statuses); the server side's count
+    # (`errors`, `error_codes`) already holds every call that reached the server
+    client_errors: dict[str, int] = field(default_factory=dict)
 
 
 def model_alone_target(mesh: Mesh, model: str) -> tuple[Target, str, list[bytes]]:
@@ -252,6 +256,7 @@ def h2load_round(
         cpu_us=cpu_us,
         error_codes=dict(measured.errors),
         cancelled_at_stop=measured.cancelled_at_stop,
+        client_errors=dict(measured.client_errors),
     )
 
 
@@ -517,22 +522,36 @@ def bench_predict(
     spec = bench_spec(heavy_spec(spec) if model == "heavy" else spec)
     if client == "h2load":
         check_h2load_fits(spec, model, direct=direct, tls_cost=tls_cost)
-        check_connections(concurrencies, connections)
+        check_connections(
+            concurrencies, connections, spec.traffic.connections.edge_max_concurrent_streams
+        )
         spec = without_tiers(spec)
     elif client != "python":
         raise UsageError(f"--client: {client!r} is not one of python, h2load")
     elif connections != 1:
         raise UsageError("--connections: the Python client sends over one channel; use h2load")
     model_name = next(iter(sorted(spec.models)))
-    with tempfile.TemporaryDirectory() as state:
+    # Every process is stopped on the way out, whatever fails (the last started, first).
+    with tempfile.TemporaryDirectory() as state, contextlib.ExitStack() as running:
         workdir = Path(state)
         echo = ServerProcess(
             ServerTarget(name="echo", kind=ECHO_KIND), BenchConfig(server_cpu=None), workdir
         )
-        # h2load cannot present the replicas' client certificate: the model alone is the
-        # standalone model server, started beside the mesh (loading torch takes seconds).
-        standalone = (
-            ServerProcess(
+        running.callback(echo.stop)
+        mesh = Mesh.from_spec(spec, workdir / "mesh")
+        running.callback(mesh.stop)
+        started = time.perf_counter()
+        mesh.start()
+        startup_s = time.perf_counter() - started
+        echo.wait_ready()
+        wait_answering(mesh)
+        idle = idle_reading(mesh, idle_s)
+        standalone: ServerProcess | None = None
+        if client == "h2load":
+            # h2load cannot present the replicas' client certificate: the model alone is
+            # the standalone model server, started once the mesh's start-up time and
+            # idle figures are read (its torch would share pages with the mesh's).
+            standalone = ServerProcess(
                 ServerTarget(
                     name="model-alone",
                     kind="model",
@@ -541,98 +560,79 @@ def bench_predict(
                 BenchConfig(server_cpu=None, model=model),
                 workdir,
             )
-            if client == "h2load"
+            running.callback(standalone.stop)
+            standalone.wait_ready()
+        entities = max(1, spec.demo.entities)
+        alone, replica, bodies = model_alone_target(mesh, model_name)
+        if standalone is not None:
+            replica = f"standalone model server ({standalone.address}, plaintext)"
+        echo_target = _raw_target(Dial(echo.address, None), f"/{OIP_SERVICE}/ModelInfer", bodies)
+        echo_tls: ServerProcess | None = None
+        if tls_cost:
+            echo_tls = _tls_echo(mesh, workdir)
+            running.callback(echo_tls.stop)
+        targets = {
+            EDGE: predict_target(
+                dial_edge(mesh.spec),
+                model=model_name,
+                entities=entities,
+                timeout_s=CALL_TIMEOUT_S,
+            ),
+            MODEL_ALONE: alone,
+            ECHO: echo_target,
+        }
+        if echo_tls is not None:
+            targets[ECHO_TLS] = _raw_target(
+                dial_address(mesh.spec, echo_tls.address, BENCH_ECHO_IDENTITY),
+                f"/{OIP_SERVICE}/ModelInfer",
+                bodies,
+            )
+        if direct:
+            gateway = next(i.name for i in mesh.spec.instances() if i.service == "gateway")
+            targets[GATEWAY_DIRECT] = predict_target(
+                dial_service(mesh.spec, gateway),
+                model=model_name,
+                entities=entities,
+                timeout_s=CALL_TIMEOUT_S,
+            )
+        rounds: list[Round] = []
+
+        servers = {ECHO: echo, ECHO_TLS: echo_tls}
+        measure_with_h2load = (
+            h2load_rounds(
+                mesh, model_name, bodies[0], seconds, workdir, echo, standalone, connections
+            )
+            if standalone is not None
             else None
         )
-        mesh = Mesh.from_spec(spec, workdir / "mesh")
-        echo_tls: ServerProcess | None = None
-        started = time.perf_counter()
-        try:
-            mesh.start()
-            startup_s = time.perf_counter() - started
-            echo.wait_ready()
-            if standalone is not None:
-                standalone.wait_ready()
-            wait_answering(mesh)
-            idle = idle_reading(mesh, idle_s)
-            entities = max(1, spec.demo.entities)
-            alone, replica, bodies = model_alone_target(mesh, model_name)
-            if standalone is not None:
-                replica = f"standalone model server ({standalone.address}, plaintext)"
-            echo_target = _raw_target(
-                Dial(echo.address, None), f"/{OIP_SERVICE}/ModelInfer", bodies
-            )
-            if tls_cost:
-                echo_tls = _tls_echo(mesh, workdir)
-            targets = {
-                EDGE: predict_target(
-                    dial_edge(mesh.spec),
-                    model=model_name,
-                    entities=entities,
-                    timeout_s=CALL_TIMEOUT_S,
-                ),
-                MODEL_ALONE: alone,
-                ECHO: echo_target,
-            }
-            if echo_tls is not None:
-                targets[ECHO_TLS] = _raw_target(
-                    dial_address(mesh.spec, echo_tls.address, BENCH_ECHO_IDENTITY),
-                    f"/{OIP_SERVICE}/ModelInfer",
-                    bodies,
-                )
-            if direct:
-                gateway = next(i.name for i in mesh.spec.instances() if i.service == "gateway")
-                targets[GATEWAY_DIRECT] = predict_target(
-                    dial_service(mesh.spec, gateway),
-                    model=model_name,
-                    entities=entities,
-                    timeout_s=CALL_TIMEOUT_S,
-                )
-            rounds: list[Round] = []
 
-            servers = {ECHO: echo, ECHO_TLS: echo_tls}
-            measure_with_h2load = (
-                h2load_rounds(
-                    mesh, model_name, bodies[0], seconds, workdir, echo, standalone, connections
-                )
-                if standalone is not None
-                else None
-            )
+        def run_round(name: str, c: int, repeat: int) -> Round:
+            if measure_with_h2load is not None:
+                found = measure_with_h2load(name, c, repeat)
+            else:
+                server = servers.get(name)
+                cpu_of = (lambda: {ECHO_KIND: server.cpu_seconds()}) if server else None
+                found = measure(mesh, targets[name], name, c, seconds, repeat, cpu_of)
+            progress(found)
+            rounds.append(found)
+            return found
 
-            def run_round(name: str, c: int, repeat: int) -> Round:
-                if measure_with_h2load is not None:
-                    found = measure_with_h2load(name, c, repeat)
-                else:
-                    server = servers.get(name)
-                    cpu_of = (lambda: {ECHO_KIND: server.cpu_seconds()}) if server else None
-                    found = measure(mesh, targets[name], name, c, seconds, repeat, cpu_of)
-                progress(found)
-                rounds.append(found)
-                return found
-
-            wide: set[tuple[str, int]] = set()
-            for c in concurrencies:
-                for repeat in range(repeats):
-                    # The order turns each repeat: a drift in the machine's speed favours none.
-                    names = list(targets)
-                    shift = repeat % len(names)
-                    for name in names[shift:] + names[:shift]:
-                        run_round(name, c, repeat)
-                for name in targets:
+        wide: set[tuple[str, int]] = set()
+        for c in concurrencies:
+            for repeat in range(repeats):
+                # The order turns each repeat: a drift in the machine's speed favours none.
+                names = list(targets)
+                shift = repeat % len(names)
+                for name in names[shift:] + names[:shift]:
+                    run_round(name, c, repeat)
+            for name in targets:
+                rps = [r.rps for r in rounds if r.target == name and r.concurrency == c]
+                if spread(rps) > SPREAD_LIMIT:
+                    run_round(name, c, repeats)
                     rps = [r.rps for r in rounds if r.target == name and r.concurrency == c]
                     if spread(rps) > SPREAD_LIMIT:
-                        run_round(name, c, repeats)
-                        rps = [r.rps for r in rounds if r.target == name and r.concurrency == c]
-                        if spread(rps) > SPREAD_LIMIT:
-                            wide.add((name, c))
-            changes = weight_change_times(mesh, weight_changes) if weight_changes else []
-        finally:
-            mesh.stop()
-            echo.stop()
-            if standalone is not None:
-                standalone.stop()
-            if echo_tls is not None:
-                echo_tls.stop()
+                        wide.add((name, c))
+        changes = weight_change_times(mesh, weight_changes) if weight_changes else []
     rows = summarize_rows(rounds, wide)
     ratios = {c: paired_ratios(rounds, c) for c in concurrencies}
     same_run = {
@@ -699,8 +699,12 @@ def check_h2load_fits(spec: MeshSpec, model: str, *, direct: bool, tls_cost: boo
         )
 
 
-def check_connections(concurrencies: Sequence[int], connections: int) -> None:
-    """Every concurrency must share evenly over the connections (h2load's -c and -m)."""
+def check_connections(
+    concurrencies: Sequence[int], connections: int, max_streams: int | None = None
+) -> None:
+    """Every concurrency must share evenly over the connections (h2load's -c and -m), and
+    no connection may carry more streams than the edge lets one connection hold
+    (`max_streams`): h2load would send fewer than the round says."""
     if connections < 1:
         raise UsageError(f"--connections {connections}: at least one")
     uneven = [c for c in concurrencies if c < connections or c % connections]
@@ -708,6 +712,14 @@ def check_connections(concurrencies: Sequence[int], connections: int) -> None:
         raise UsageError(
             f"--connections {connections}: each --concurrency must be a multiple of it "
             f"(not {', '.join(map(str, uneven))})"
+        )
+    crowded = [c for c in concurrencies if max_streams and c // connections > max_streams]
+    if crowded:
+        raise UsageError(
+            f"--connections {connections}: --concurrency {max(crowded)} would put "
+            f"{max(crowded) // connections} streams on one connection, and the edge holds "
+            f"{max_streams} (traffic.connections.edge_max_concurrent_streams); use more "
+            "connections"
         )
 
 

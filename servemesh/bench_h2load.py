@@ -70,6 +70,9 @@ class Measured:
     cancelled_at_stop: int
     cpu_seconds: dict[str, float]
     client_cpu_seconds: float
+    # What h2load itself saw fail (connections, timeouts, HTTP statuses): kept apart, as
+    # the server side's count already holds any call that reached it.
+    client_errors: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -120,11 +123,14 @@ def _epoch_us(start: str) -> int:
 
 
 def outcome(entry: Mapping[str, object]) -> str:
-    """An access log line's outcome: its gRPC status by name, or `reset` for a call the
-    client reset before any status (response flag DC)."""
+    """An access log line's outcome: `reset` for a call the client reset (response flag DC),
+    else its gRPC status by name."""
+    if "DC" in str(entry.get("flags", "")):
+        # Reset by the client, whatever status Envoy inferred for the half-sent answer.
+        return "reset"
     status = entry.get("grpc_status")
     if status in (None, "", "-"):
-        return "reset" if "DC" in str(entry.get("flags", "")) else "no grpc-status"
+        return "no grpc-status"
     number = int(str(status))
     return STATUS_NAMES.get(number, str(number))
 
@@ -250,7 +256,8 @@ def measure_server(
     connections: int | None = None,
 ) -> Measured:
     """h2load against a plaintext bench server (the model server alone, or echo): ModelInfer;
-    outcomes from the server's own counters (echo keeps none: every answer counts)."""
+    outcomes from the server's own call counter by status (echo keeps none: every answer
+    counts)."""
     counters = ServerWindow(server)
     window = CpuWindow(lambda: {kind: server.cpu_seconds()}, also=counters)
     result = h2load.closed_loop(
@@ -264,23 +271,38 @@ def measure_server(
         method=MODEL_INFER_METHOD,
         connections=connections,
     )
-    outcomes = counters.row()["outcomes"]
-    if not outcomes:
+    outcomes = rpc_outcomes(counters.delta, "ModelInfer")
+    if not outcomes:  # the echo server keeps no counters, and cannot fail
         return _measured(result, window, result.ok, {}, 0)
-    return _measured(result, window, *split_cancelled(outcomes, concurrency, "ok"))
+    return _measured(result, window, *split_cancelled(outcomes, concurrency, "OK"))
+
+
+def rpc_outcomes(delta: Mapping[str, float], method: str) -> dict[str, int]:
+    """A server's calls of `method` in the window by gRPC status, from its
+    servemesh_rpc_requests_total counter (every call the server answered, refused at the
+    door or not): the samples as `ServerWindow` keys them, `name|code=...|method=...`."""
+    found: dict[str, int] = {}
+    for key, value in delta.items():
+        name, *labels = key.split("|")
+        fields = dict(label.partition("=")[::2] for label in labels)
+        if name == "servemesh_rpc_requests_total" and fields.get("method", "").endswith(method):
+            code = fields.get("code", "?")
+            found[code] = found.get(code, 0) + int(value)
+    return {code: count for code, count in found.items() if count}
 
 
 def _measured(
     result: LoadResult, window: CpuWindow, ok: int, errors: dict[str, int], cancelled: int
 ) -> Measured:
-    """The window's figures: OK answers and failures as the server side counted them, what
-    h2load itself saw fail, its latencies, and the CPU spent in the window."""
+    """The window's figures: OK answers and failures as the server side counted them, its
+    latencies, the CPU spent in the window, and apart what h2load itself saw fail."""
     return Measured(
         ok=ok,
         seconds=window.seconds,
         latencies_ms=result.latencies_ms,
-        errors={**_client_errors(result.errors), **errors},
+        errors=errors,
         cancelled_at_stop=cancelled,
         cpu_seconds=window.spent,
         client_cpu_seconds=result.client_cpu * window.seconds,
+        client_errors=_client_errors(result.errors),
     )

@@ -3,9 +3,9 @@
 
 The Python client costs about as much CPU per call as the server it drives, so at c=64 it
 can be what limits a fast server. h2load sends one pre-built gRPC frame (the 5-byte prefix
-and a serialised ModelInferRequest) over and over, one stream per connection, `c`
-connections, with the same 5 s deadline (`grpc-timeout`) the Python client sets. It cannot
-read gRPC's status (a trailer), so a run's answers are checked on the server's side: the
+and a serialised ModelInferRequest) over and over on `c` streams (for `bench model`, one
+per connection), with the same 5 s deadline (`grpc-timeout`) the Python client sets. It
+cannot read gRPC's status (a trailer), so a run's answers are checked on the server's side: the
 servers' own counters (`ServerWindow`) give the outcomes of exactly the requests of the
 measured window, and a target with none (echo) is probed once with the Python client before
 the first run.
@@ -99,13 +99,13 @@ def closed_loop(
     tls: bool = False,
     connections: int | None = None,
 ) -> LoadResult:
-    """`concurrency` connections, each sending the frame to `method` again as soon as its
+    """`concurrency` streams, each sending the frame to `method` again as soon as its
     answer came; the result holds the window's requests (not yet checked against the
     server's counters: the caller does that), over the window's measured length.
     `connections`: the streams shared over that many connections (default: one stream on
-    each of `concurrency` connections). `tls`:
-    over TLS (h2 by ALPN); h2load checks no certificate and can present none, so only a
-    listener that asks for no client certificate can be driven this way."""
+    each of `concurrency` connections). `tls`: over TLS (h2 by ALPN); h2load checks no
+    certificate and can present none, so only a listener that asks for no client
+    certificate can be driven this way."""
     with tempfile.TemporaryDirectory(prefix="servemesh-h2load-") as tmp:
         log = Path(tmp) / "requests.tsv"
         conns = connections or concurrency

@@ -24,6 +24,7 @@ from servemesh.bench_h2load import (
     outcome,
     predict_body,
     read_lines,
+    rpc_outcomes,
     split_cancelled,
     window_outcomes,
 )
@@ -45,8 +46,9 @@ def test_an_access_log_line_s_outcome_is_its_grpc_status_by_name() -> None:
     assert outcome({"grpc_status": 0}) == "OK"
     assert outcome({"grpc_status": "8"}) == "RESOURCE_EXHAUSTED"
     assert outcome({"grpc_status": 4}) == "DEADLINE_EXCEEDED"
-    # A stream the client reset before any status: Envoy logs no status and flag DC.
+    # A stream the client reset: flag DC, with no status or one Envoy inferred.
     assert outcome({"grpc_status": None, "flags": "DC"}) == "reset"
+    assert outcome({"grpc_status": 2, "flags": "DC"}) == "reset"
     assert outcome({"grpc_status": "-", "flags": "UF"}) == "no grpc-status"
     assert outcome({"grpc_status": 99}) == "99"
 
@@ -86,6 +88,24 @@ def test_resets_at_the_stop_are_apart_up_to_one_a_stream() -> None:
     assert errors == {"cancelled beyond one per stream": 3}
     # The model server's counters name the outcomes in lower case.
     assert split_cancelled({"ok": 7, "cancelled": 1, "invalid": 0}, 2, "ok") == (7, {}, 1)
+
+
+def test_a_bench_server_s_outcomes_are_its_calls_by_status() -> None:
+    # ServerWindow's keys: the sample's name, then its labels but model and version.
+    delta = {
+        "servemesh_rpc_requests_total|code=OK|method=/inference.GRPCInferenceService/ModelInfer"
+        "|service=model": 900.0,
+        # Refused at the door, before any batch: counted here and nowhere in the batcher.
+        "servemesh_rpc_requests_total|code=RESOURCE_EXHAUSTED"
+        "|method=/inference.GRPCInferenceService/ModelInfer|service=model": 3.0,
+        "servemesh_rpc_requests_total|code=OK|method=/grpc.health.v1.Health/Check"
+        "|service=model": 5.0,
+        "servemesh_rpc_requests_total|code=CANCELLED"
+        "|method=/inference.GRPCInferenceService/ModelInfer|service=model": 0.0,
+        "servemesh_model_requests_total|outcome=ok": 900.0,
+    }
+    assert rpc_outcomes(delta, "ModelInfer") == {"OK": 900, "RESOURCE_EXHAUSTED": 3}
+    assert rpc_outcomes({}, "ModelInfer") == {}
 
 
 def test_the_cpu_window_reads_cpu_by_kind_and_the_clock_at_its_edges() -> None:
@@ -188,6 +208,11 @@ def test_every_concurrency_shares_evenly_over_the_connections() -> None:
         check_connections([12, 64], 8)
     with pytest.raises(UsageError, match="--connections 0"):
         check_connections([64], 0)
+    # The edge holds so many streams on one connection; h2load would send fewer.
+    check_connections([64], 1, max_streams=100)
+    with pytest.raises(UsageError, match="128 streams on one connection.*holds 100"):
+        check_connections([1, 128], 1, max_streams=100)
+    check_connections([128], 2, max_streams=100)
 
 
 def test_the_python_client_has_one_channel_and_no_connections_to_set() -> None:
