@@ -169,6 +169,18 @@ def _raw_target(dial: Dial, method: str, bodies: Sequence[bytes]) -> Target:
     return Target(dial.address, build, dial.options, dial.credentials)
 
 
+def cpu_per_answer(
+    spent: Mapping[str, float], client_s: float, answered: float
+) -> dict[str, float]:
+    """CPU µs per answer by process kind from the seconds each spent, the load generator's
+    own as "client"; empty when nothing was answered."""
+    if not answered:
+        return {}
+    found = {kind: round(seconds / answered * 1e6, 1) for kind, seconds in sorted(spent.items())}
+    found["client"] = round(client_s / answered * 1e6, 1)
+    return found
+
+
 def measure(
     mesh: Mesh,
     target: Target,
@@ -192,12 +204,8 @@ def measure(
     summary = summarize(measured, seconds)
     # The CPU covers the warm-up too: divide by the answers of the whole run's span.
     answered = summary.ok * elapsed / seconds
-    cpu_us: dict[str, float] = {}
-    if answered:
-        for kind in sorted(after):
-            spent = after[kind] - before.get(kind, after[kind])
-            cpu_us[kind] = round(spent / answered * 1e6, 1)
-        cpu_us["client"] = round((client_after - client_before) / answered * 1e6, 1)
+    spent = {kind: after[kind] - before.get(kind, after[kind]) for kind in after}
+    cpu_us = cpu_per_answer(spent, client_after - client_before, answered)
     return Round(
         target=name,
         concurrency=concurrency,
@@ -240,11 +248,7 @@ def h2load_round(
     name: str, concurrency: int, repeat: int, measured: bench_h2load.Measured
 ) -> Round:
     """An h2load window as a round: CPU µs per OK answer by kind, the client's as "client"."""
-    cpu_us: dict[str, float] = {}
-    if measured.ok:
-        for kind, spent in measured.cpu_seconds.items():
-            cpu_us[kind] = round(spent / measured.ok * 1e6, 1)
-        cpu_us["client"] = round(measured.client_cpu_seconds / measured.ok * 1e6, 1)
+    cpu_us = cpu_per_answer(measured.cpu_seconds, measured.client_cpu_seconds, measured.ok)
     return Round(
         target=name,
         concurrency=concurrency,
@@ -343,10 +347,8 @@ def idle_reading(mesh: Mesh, idle_s: float, settle_s: float = IDLE_SETTLE_S) -> 
     time.sleep(idle_s)
     after, elapsed = cpu_by_kind(mesh), time.monotonic() - started
     cpu = {k: round((after[k] - before.get(k, after[k])) / elapsed * 1e3, 1) for k in sorted(after)}
-    rss = sum_by_kind(mesh, lambda pid: None if (b := rss_bytes(pid)) is None else b / 2**20)
-    memory = {k: round(v, 1) for k, v in sorted(rss.items())}
-    pss = sum_by_kind(mesh, lambda pid: None if (b := pss_bytes(pid)) is None else b / 2**20)
-    shared_out = {k: round(v, 1) for k, v in sorted(pss.items())}
+    memory = _mib_by_kind(mesh, rss_bytes)
+    shared_out = _mib_by_kind(mesh, pss_bytes)
     return {
         "seconds": round(elapsed, 1),
         "cpu_ms_per_s": cpu,
@@ -357,6 +359,12 @@ def idle_reading(mesh: Mesh, idle_s: float, settle_s: float = IDLE_SETTLE_S) -> 
         "pss_mib": shared_out,
         "pss_mib_total": round(sum(shared_out.values()), 1),
     }
+
+
+def _mib_by_kind(mesh: Mesh, read: Callable[[int], int | None]) -> dict[str, float]:
+    """`read(pid)` bytes of every running process of `mesh`, summed by kind, in MiB."""
+    found = sum_by_kind(mesh, lambda pid: None if (b := read(pid)) is None else b / 2**20)
+    return {kind: round(mib, 1) for kind, mib in sorted(found.items())}
 
 
 def target_checks(

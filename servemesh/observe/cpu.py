@@ -25,14 +25,7 @@ def proc_cpu_seconds(pid: int) -> float | None:
 
 def rss_bytes(pid: int) -> int | None:
     """A process's resident set (VmRSS in /proc/PID/status); None once it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return None
+    return _kib_field(Path(f"/proc/{pid}/status"), "VmRSS:")
 
 
 def pss_bytes(pid: int) -> int | None:
@@ -40,12 +33,18 @@ def pss_bytes(pid: int) -> int | None:
     each page it shares counted as its share of it. Summed over processes it is the memory
     they use together, where VmRSS counts a library two processes map twice (torch in every
     model server). None once it is gone, or where the kernel has no smaps_rollup."""
+    return _kib_field(Path(f"/proc/{pid}/smaps_rollup"), "Pss:")
+
+
+def _kib_field(path: Path, name: str) -> int | None:
+    """The `name` line of a /proc file that counts in kB (`VmRSS:   1234 kB`), in bytes;
+    None when the file cannot be read (the process is gone) or has no such line."""
     try:
-        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        text = path.read_text()
     except OSError:
         return None
     for line in text.splitlines():
-        if line.startswith("Pss:"):
+        if line.startswith(name):
             return int(line.split()[1]) * 1024
     return None
 
