@@ -39,7 +39,7 @@ from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
 from servemesh.load.stats import spread
 from servemesh.observe.scrape import Sample, scrape, sum_by
-from servemesh.observe_bench import wait_answering
+from servemesh.observe_bench import bench_credentials, wait_answering
 from servemesh.spec import MeshSpec
 from servemesh.tiers_bench import entity_target
 from servemesh.wire import OIP_SERVICE
@@ -163,7 +163,7 @@ def bench_during_batch(
         mesh.start()
         try:
             wait_answering(mesh)
-            target = entity_target(dial_edge(mesh.spec), model, ids)
+            target = entity_target(dial_edge(mesh.spec), model, ids, bench_credentials(mesh.spec))
             for repeat in range(repeats):
                 turn = repeat % len(PHASES)
                 for phase in PHASES[turn:] + PHASES[:turn]:

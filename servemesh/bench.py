@@ -49,6 +49,7 @@ import grpc
 import numpy as np
 
 from servemesh import bench_h2load
+from servemesh.credentials import EdgeAuthMetadata
 from servemesh.errors import UsageError
 from servemesh.identity import Dial, dial_address, dial_edge, dial_service
 from servemesh.identity.enroll import BENCH_ECHO_IDENTITY, enrolled
@@ -57,11 +58,11 @@ from servemesh.load import ClosedLoop, Target, closed_loop, predict_target, summ
 from servemesh.load.outcome import Reply, Request
 from servemesh.load.stats import SPREAD_LIMIT, error_counts, percentile, spread
 from servemesh.observe.cpu import pss_bytes, rss_bytes
-from servemesh.observe_bench import cpu_by_kind, sum_by_kind, wait_answering
+from servemesh.observe_bench import BENCH_CALLER, cpu_by_kind, sum_by_kind, wait_answering
 from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.apply import RouteManager
 from servemesh.spec import MeshSpec, Ports, Replicas, load_spec
-from servemesh.wire import OIP_SERVICE
+from servemesh.wire import AUTHORIZATION_HEADER, OIP_SERVICE
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
@@ -419,7 +420,9 @@ def heavy_target_checks(ratios: Mapping[str, list[float]]) -> list[dict[str, obj
     ]
 
 
-def weight_change_times(mesh: Mesh, count: int) -> list[tuple[float, float]]:
+def weight_change_times(
+    mesh: Mesh, count: int, auth: EdgeAuthMetadata | None = None
+) -> list[tuple[float, float]]:
     """Flip the first model's split between two versions `count` times.
 
     Per flip: (ms from the file swap to Envoy's admin API confirming the new config,
@@ -428,6 +431,7 @@ def weight_change_times(mesh: Mesh, count: int) -> list[tuple[float, float]]:
     model_name, model = next(iter(sorted(mesh.spec.models.items())))
     first, second = sorted(model.versions)[:2]
     manager = RouteManager(mesh.paths)
+    auth = auth or EdgeAuthMetadata(mesh.spec, BENCH_CALLER)
     times = []
     with dial_edge(mesh.spec).channel() as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -436,8 +440,10 @@ def weight_change_times(mesh: Mesh, count: int) -> list[tuple[float, float]]:
             target = second if flip % 2 == 0 else first
             started = time.perf_counter()
             result = manager.set_weights(model_name, {target: 100})
-            while stub.Predict(request, timeout=5).model_version != target:
-                pass
+            while True:
+                reply = stub.Predict(request, timeout=5, metadata=auth.metadata())
+                if reply.model_version == target:
+                    break
             times.append((result.confirm_ms, (time.perf_counter() - started) * 1000))
     return times
 
@@ -579,12 +585,14 @@ def bench_predict(
         if tls_cost:
             echo_tls = _tls_echo(mesh, workdir)
             running.callback(echo_tls.stop)
+        auth = EdgeAuthMetadata(mesh.spec, BENCH_CALLER)
         targets = {
             EDGE: predict_target(
                 dial_edge(mesh.spec),
                 model=model_name,
                 entities=entities,
                 timeout_s=CALL_TIMEOUT_S,
+                metadata=auth.metadata,
             ),
             MODEL_ALONE: alone,
             ECHO: echo_target,
@@ -608,7 +616,7 @@ def bench_predict(
         servers = {ECHO: echo, ECHO_TLS: echo_tls}
         measure_with_h2load = (
             h2load_rounds(
-                mesh, model_name, bodies[0], seconds, workdir, echo, standalone, connections
+                mesh, model_name, bodies[0], seconds, workdir, echo, standalone, connections, auth
             )
             if standalone is not None
             else None
@@ -640,7 +648,7 @@ def bench_predict(
                     rps = [r.rps for r in rounds if r.target == name and r.concurrency == c]
                     if spread(rps) > SPREAD_LIMIT:
                         wide.add((name, c))
-        changes = weight_change_times(mesh, weight_changes) if weight_changes else []
+        changes = weight_change_times(mesh, weight_changes, auth) if weight_changes else []
     rows = summarize_rows(rounds, wide)
     ratios = {c: paired_ratios(rounds, c) for c in concurrencies}
     same_run = {
@@ -695,6 +703,13 @@ def check_h2load_fits(spec: MeshSpec, model: str, *, direct: bool, tls_cost: boo
             "--client h2load: --direct and --tls-cost need a client certificate, which "
             "h2load cannot present; run them with --client python"
         )
+    if spec.traffic.edge_auth.active_mode == "basic":
+        raise UsageError(
+            "--client h2load: traffic.edge_auth is basic, and h2load takes its headers on "
+            "its command line, where other users of this host can read them; the mesh's "
+            "basic key would be one of them. Run with --client python, or jwt edge auth "
+            "(each round then sends a token signed for that round alone)"
+        )
     name, first = next(iter(sorted(spec.models.items())))
     bench_model = BENCH_MODELS[model]
     served = max(first.traffic, key=lambda v: first.traffic[v])
@@ -731,6 +746,22 @@ def check_connections(
         )
 
 
+# What a round's token outlives the round by (h2load's start and the marker call after).
+ROUND_TOKEN_MARGIN_S = 30.0
+
+
+def round_credentials(auth: EdgeAuthMetadata, round_s: float) -> list[tuple[str, str]]:
+    """The headers h2load sends at the edge for one round of `round_s` seconds: a token
+    signed for this round alone (jwt), nothing (off). Basic credentials never go on a
+    command line (check_h2load_fits refuses that mode)."""
+    if auth.mode == "jwt":
+        token = auth.sign(min(auth.token_ttl_s(), round_s + ROUND_TOKEN_MARGIN_S))
+        return [(AUTHORIZATION_HEADER, f"Bearer {token}")]
+    if auth.mode == "basic":
+        raise UsageError("--client h2load: basic edge credentials never go on a command line")
+    return []
+
+
 def without_tiers(spec: MeshSpec) -> MeshSpec:
     """`spec` with every model's tiers off: h2load asks for one entity every call, which a
     cache tier would answer from memory."""
@@ -747,9 +778,12 @@ def h2load_rounds(
     echo: ServerProcess,
     standalone: ServerProcess,
     connections: int = 1,
+    auth: EdgeAuthMetadata | None = None,
 ) -> Callable[[str, int, int], Round]:
     """A round maker for h2load: the edge (TLS unless the spec turns it off; one entity),
-    the standalone model server and the echo server (ModelInfer for one row)."""
+    the standalone model server and the echo server (ModelInfer for one row). With jwt
+    edge auth each edge round sends a token signed for that round alone (h2load takes
+    headers on its command line, where other users of the host can read them)."""
     from servemesh.model_bench.run import probe
 
     entity = "user-0"
@@ -761,6 +795,7 @@ def h2load_rounds(
         probe(server.address, model_body)
     edge_dial = dial_edge(mesh.spec)
     admin = AdminClient.of_mesh(mesh.state_dir)
+    auth = auth or EdgeAuthMetadata(mesh.spec, BENCH_CALLER)
 
     def make(name: str, c: int, repeat: int) -> Round:
         if name == EDGE:
@@ -774,9 +809,12 @@ def h2load_rounds(
                 tls=mesh.spec.tls.edge,
                 access_log=mesh.logs_dir / "envoy-edge-access.log",
                 read_cpu=lambda: cpu_by_kind(mesh),
-                marker=lambda: bench_h2load.send_marker(edge_dial, model_name, entity),
+                marker=lambda: bench_h2load.send_marker(
+                    edge_dial, model_name, entity, auth.metadata()
+                ),
                 flush=lambda: admin.post("/reopen_logs"),
                 connections=connections,
+                headers=round_credentials(auth, WARMUP_S + seconds + CALL_TIMEOUT_S),
             )
         else:
             server, kind = (standalone, "model") if name == MODEL_ALONE else (echo, ECHO_KIND)

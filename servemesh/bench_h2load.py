@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -159,12 +159,16 @@ def window_outcomes(
     return found
 
 
-def send_marker(dial: Dial, model: str, entity: str) -> str:
+def send_marker(
+    dial: Dial, model: str, entity: str, metadata: Sequence[tuple[str, str]] = ()
+) -> str:
     """One Predict through the edge with the Python client; its request id (the edge's)."""
     with dial.channel() as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         reply = stub.Predict(
-            gateway_pb2.PredictRequest(model=model, entity_ids=[entity]), timeout=10
+            gateway_pb2.PredictRequest(model=model, entity_ids=[entity]),
+            timeout=10,
+            metadata=tuple(metadata) or None,
         )
     return str(reply.request_id)
 
@@ -224,8 +228,10 @@ def measure_edge(
     marker: Callable[[], str],
     flush: Callable[[], object] = lambda: None,
     connections: int | None = None,
+    headers: Sequence[tuple[str, str]] = (),
 ) -> Measured:
-    """h2load against the edge; outcomes from the edge's access log (see the module)."""
+    """h2load against the edge, sending `headers` too (the edge's credentials); outcomes
+    from the edge's access log (see the module)."""
     offset = access_log.stat().st_size if access_log.exists() else 0
     window = CpuWindow(read_cpu)
     result = h2load.closed_loop(
@@ -239,6 +245,7 @@ def measure_edge(
         method=PREDICT_METHOD,
         tls=tls,
         connections=connections,
+        headers=headers,
     )
     lines = wait_logged(access_log, offset, marker(), flush)
     outcomes = window_outcomes(lines, PREDICT_METHOD, window.opened_us, window.closed_us)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from servemesh.bench import one_zone_spec
 from servemesh.capacity.plan import KINDS, Step
+from servemesh.credentials import EdgeAuthMetadata
 from servemesh.errors import ServemeshError
 from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
@@ -25,7 +26,6 @@ from servemesh.load import FixedRate, Target, open_loop, percentile, predict_tar
 from servemesh.observe.cpu import rss_bytes
 from servemesh.observe.top import MeshSnapshot, cost_between
 from servemesh.spec import MeshSpec
-from servemesh.streams.predict import EdgeAuthMetadata
 
 # Answers still out when a step's schedule ends are waited for this long at most.
 DRAIN_S = 5.0
@@ -94,7 +94,7 @@ def probe(
                     entities=max(1, live.demo.entities),
                     entity_ids=entity_ids,
                     timeout_s=timeout_s,
-                    metadata=auth.metadata(),
+                    metadata=auth.metadata,
                 )
 
             _warm(target(5.0))

@@ -40,7 +40,12 @@ from servemesh.launcher import Mesh
 from servemesh.load import predict_target
 from servemesh.load.stats import spread
 from servemesh.observe.cpu import proc_cpu_seconds, rss_bytes
-from servemesh.observe_bench import process_kind, sum_by_kind, wait_answering
+from servemesh.observe_bench import (
+    bench_credentials,
+    process_kind,
+    sum_by_kind,
+    wait_answering,
+)
 from servemesh.spec import EDGE_PROXY, MeshSpec, ResolvedSpec, load_spec, with_profile
 
 Arm = Literal["shared", "per_zone", "small-host"]
@@ -123,6 +128,7 @@ def measure_arm(
                 model=sorted(mesh.spec.models)[0],
                 entities=max(1, spec.demo.entities),
                 timeout_s=CALL_TIMEOUT_S,
+                metadata=bench_credentials(mesh.spec),
             )
             alone = measure(mesh, target, "edge", 1, seconds, repeat)
             loaded = measure(mesh, target, "edge", concurrency, seconds, repeat)

@@ -27,7 +27,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +35,7 @@ from typing import Any
 
 import grpc
 
+from servemesh.credentials import EdgeAuthMetadata
 from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
 from servemesh.load import BackgroundLoad, ClosedLoop, closed_loop, predict_target, summarize
@@ -158,6 +159,14 @@ def paused(meshes: list[Mesh]) -> Iterator[None]:
 # on its timers first (Envoy's health checks, keepalives), and a lone success was seen
 # followed by a burst of failures.
 SETTLED_CALLS = 50
+# The subject of the token a benchmark signs for its calls at the edge (jwt edge auth).
+BENCH_CALLER = "servemesh-bench"
+
+
+def bench_credentials(spec: ResolvedSpec) -> Callable[[], list[tuple[str, str]]]:
+    """What a benchmark's calls send at the edge: the credentials its auth mode asks for
+    (a token the bench signs for itself, renewed before it expires; the basic key)."""
+    return EdgeAuthMetadata(spec, BENCH_CALLER).metadata
 
 
 def wait_answering(mesh: Mesh, timeout_s: float = 60.0) -> None:
@@ -166,12 +175,13 @@ def wait_answering(mesh: Mesh, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     in_a_row = 0
     model = next(iter(sorted(mesh.spec.models)))
+    credentials = bench_credentials(mesh.spec)
     with dial_edge(mesh.spec).channel() as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         request = gateway_pb2.PredictRequest(model=model, entity_ids=["user-0"])
         while in_a_row < SETTLED_CALLS:
             try:
-                stub.Predict(request, timeout=2)
+                stub.Predict(request, timeout=2, metadata=credentials())
                 in_a_row += 1
             except grpc.RpcError:
                 if time.monotonic() > deadline:
@@ -189,7 +199,12 @@ def measure_round(
     before, started = cpu_by_kind(mesh), time.monotonic()
     run = asyncio.run(
         closed_loop(
-            predict_target(dial_edge(mesh.spec), entities=entities, timeout_s=5.0),
+            predict_target(
+                dial_edge(mesh.spec),
+                entities=entities,
+                timeout_s=5.0,
+                metadata=bench_credentials(mesh.spec),
+            ),
             ClosedLoop(workers=concurrency, duration_s=warmup_s + seconds),
         )
     )
@@ -247,12 +262,17 @@ class Probe:
     whole_s: float  # ... and it holds every hop (NaN: never within PROBE_TIMEOUT_S)
 
 
-def probe(stub: gateway_pb2_grpc.GatewayStub, store: TraceStore, entity: str) -> Probe:
+def probe(
+    stub: gateway_pb2_grpc.GatewayStub,
+    store: TraceStore,
+    entity: str,
+    credentials: Sequence[tuple[str, str]] = (),
+) -> Probe:
     traceparent, trace_id = new_traceparent()
     reply = stub.Predict(
         gateway_pb2.PredictRequest(model="fraud", entity_ids=[entity]),
         timeout=5,
-        metadata=[(TRACE_HEADERS[0], traceparent)],
+        metadata=[*credentials, (TRACE_HEADERS[0], traceparent)],
     )
     answered = time.perf_counter()
     findable = whole = math.nan
@@ -272,11 +292,11 @@ def freshness(mesh: Mesh, probes: int, load_rps: float) -> list[Probe]:
     load beside them (0: an idle mesh)."""
     entities = max(1, mesh.spec.demo.entities)
     dial = dial_edge(mesh.spec)
+    credentials = bench_credentials(mesh.spec)
     with ExitStack() as stack:
         if load_rps > 0:
-            load = BackgroundLoad(
-                predict_target(dial, entities=entities, timeout_s=5.0), rate_per_s=load_rps
-            )
+            target = predict_target(dial, entities=entities, timeout_s=5.0, metadata=credentials)
+            load = BackgroundLoad(target, rate_per_s=load_rps)
             load.start()
             stack.callback(load.stop)
         store = TraceStore(store_path(mesh.state_dir))
@@ -284,7 +304,7 @@ def freshness(mesh: Mesh, probes: int, load_rps: float) -> list[Probe]:
         channel = stack.enter_context(dial.channel())
         stub = gateway_pb2_grpc.GatewayStub(channel)
         grpc.channel_ready_future(channel).result(timeout=10)
-        return [probe(stub, store, f"user-{i % entities}") for i in range(probes)]
+        return [probe(stub, store, f"user-{i % entities}", credentials()) for i in range(probes)]
 
 
 # --- the run ---------------------------------------------------------------------------------

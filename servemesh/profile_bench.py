@@ -35,7 +35,7 @@ from servemesh.bench import bench_spec
 from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
 from servemesh.load import ClosedLoop, LoadRun, closed_loop, predict_target, summarize
-from servemesh.observe_bench import process_kind, wait_answering
+from servemesh.observe_bench import bench_credentials, process_kind, wait_answering
 from servemesh.spec import MeshSpec, load_spec
 
 # Kinds that are not Python processes: py-spy cannot read them.
@@ -228,6 +228,7 @@ def bench_profile(
                 model=model,
                 entities=max(1, spec.demo.entities),
                 timeout_s=CALL_TIMEOUT_S,
+                metadata=bench_credentials(mesh.spec),
             )
             instances = profiled_instances(mesh)
             # The load runs from before the samples start until after they end.

@@ -31,7 +31,7 @@ from servemesh.load import BackgroundLoad, percentile, predict_target
 from servemesh.load.drive import open_loop
 from servemesh.load.run import LoadRun
 from servemesh.load.schedule import SendTimes
-from servemesh.observe_bench import wait_answering
+from servemesh.observe_bench import bench_credentials, wait_answering
 from servemesh.rollout.fleet import fleet_status
 from servemesh.scaling.history import read_history
 from servemesh.scaling_policy import PoolPolicy, ScalingSpec, ScalingTargets
@@ -114,7 +114,12 @@ def run_mode(
         mesh.scaler = scaler
         with mesh:
             wait_answering(mesh)
-            target = predict_target(dial_edge(mesh.spec), entities=500, timeout_s=5.0)
+            target = predict_target(
+                dial_edge(mesh.spec),
+                entities=500,
+                timeout_s=5.0,
+                metadata=bench_credentials(mesh.spec),
+            )
             run = LoadRun()
             with ReplicaMeter(mesh.state_dir) as meter:
                 asyncio.run(open_loop(target, SendTimes(times), run=run, drain_s=10.0))
@@ -163,7 +168,12 @@ def cold_starts(spec: MeshSpec, repeats: int) -> dict[str, list[float]]:
                     wait_answering(mesh)
                     if standby:
                         _wait(partial(_standby_warm, mesh), 180)
-                    target = predict_target(dial_edge(mesh.spec), entities=500, timeout_s=5.0)
+                    target = predict_target(
+                        dial_edge(mesh.spec),
+                        entities=500,
+                        timeout_s=5.0,
+                        metadata=bench_credentials(mesh.spec),
+                    )
                     load = BackgroundLoad(target, rate_per_s=50)
                     load.start()
                     try:

@@ -41,7 +41,7 @@ from servemesh.load import Target
 from servemesh.load.outcome import Reply, Request
 from servemesh.load.stats import spread
 from servemesh.observe.scrape import scrape, sum_by
-from servemesh.observe_bench import wait_answering
+from servemesh.observe_bench import bench_credentials, wait_answering
 from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_apply import LiveApply
@@ -63,15 +63,25 @@ def zipf_ranks(n: int, a: float, count: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).choice(n, size=count, p=weights / weights.sum())
 
 
-def entity_target(dial: Dial, model: str, ids: Sequence[str]) -> Target:
-    """Predict for one entity per call, call i naming ids[i % len(ids)]."""
+def entity_target(
+    dial: Dial,
+    model: str,
+    ids: Sequence[str],
+    credentials: Callable[[], Sequence[tuple[str, str]]] = tuple,
+) -> Target:
+    """Predict for one entity per call, call i naming ids[i % len(ids)] (requests built
+    once: the cache tiers answer in well under a millisecond), with `credentials()`."""
 
     def build(channel: grpc.aio.Channel) -> Request:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         requests = [gateway_pb2.PredictRequest(model=model, entity_ids=[i]) for i in ids]
 
         async def predict(index: int) -> Reply:
-            reply = await stub.Predict(requests[index % len(requests)], timeout=CALL_TIMEOUT_S)
+            reply = await stub.Predict(
+                requests[index % len(requests)],
+                timeout=CALL_TIMEOUT_S,
+                metadata=tuple(credentials()) or None,
+            )
             return Reply(reply.model_version, reply.model_replica, reply.model_zone, reply.degraded)
 
         return predict
@@ -205,10 +215,11 @@ def bench_tiers(
             wait_answering(mesh)
             scored_s = precompute(mesh, model, live_versions, hot)
             edge = dial_edge(mesh.spec)
+            credentials = bench_credentials(mesh.spec)
             targets = {
-                "mix": entity_target(edge, model, mix),
-                "warm": entity_target(edge, model, [warm]),
-                "hot": entity_target(edge, model, [hot[0]]),
+                "mix": entity_target(edge, model, mix, credentials),
+                "warm": entity_target(edge, model, [warm], credentials),
+                "hot": entity_target(edge, model, [hot[0]], credentials),
             }
             switch = TierSwitch(mesh, model)
             tiers = tiers_of(max(1, entities), freshness)

@@ -1,6 +1,7 @@
 """`servemesh load`: steady Predict traffic through a running mesh's edge, for trying a
 rollout, a route change or a drill by hand, and a summary of what it met: calls sent and
-failed (by status), latency, and which versions answered."""
+failed (by status), latency, and which versions answered. It sends the credentials the
+edge's auth mode asks for, as `servemesh predict` does (a token it signs, or the basic key)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ from rich.table import Table
 
 from servemesh.cli.mesh import add_mesh_flags, running_mesh
 from servemesh.cli.output import console, out
+from servemesh.credentials import EdgeAuthMetadata
 from servemesh.errors import ServemeshError
 from servemesh.identity.channels import dial_edge
 from servemesh.load import FixedRate, LoadRun, open_loop, predict_target, summarize
+
+# The subject of the tokens `load` signs for its calls (jwt edge auth).
+LOAD_CALLER = "servemesh-load"
 
 
 def report(run: LoadRun, seconds: float) -> Table:
@@ -55,6 +60,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         model=args.model,
         entities=args.entities or spec.demo.entities,
         timeout_s=args.timeout,
+        metadata=EdgeAuthMetadata(spec, LOAD_CALLER).metadata,
     )
     stop = threading.Event()
     console.print(

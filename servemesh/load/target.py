@@ -37,22 +37,28 @@ def predict_target(
     model: str = "fraud",
     entities: int = 100,
     timeout_s: float = 2.0,
-    metadata: Sequence[tuple[str, str]] = (),
+    metadata: Sequence[tuple[str, str]] | Callable[[], Sequence[tuple[str, str]]] = (),
     entity_ids: Sequence[str] = (),
 ) -> Target:
     """Gateway Predict for one entity per call, cycling through `entity_ids`, else
     `user-0`..`user-<entities-1>` (the demo's seeded entities), to the edge `edge` leads to
-    (an address: plaintext)."""
+    (an address: plaintext). `metadata`: sent with every call, or a function asked for it
+    at every call (credentials that are renewed while a load runs)."""
     dial = Dial(edge, None) if isinstance(edge, str) else edge
     ids = list(entity_ids) or [f"user-{i}" for i in range(max(1, entities))]
-    sent_metadata = tuple(metadata) or None
+    fixed = None if callable(metadata) else (tuple(metadata) or None)
+
+    def metadata_now() -> tuple[tuple[str, str], ...] | None:
+        if callable(metadata):
+            return tuple(metadata()) or None
+        return fixed
 
     def build(channel: grpc.aio.Channel) -> Request:
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         async def predict(index: int) -> Reply:
             request = gateway_pb2.PredictRequest(model=model, entity_ids=[ids[index % len(ids)]])
-            reply = await stub.Predict(request, timeout=timeout_s, metadata=sent_metadata)
+            reply = await stub.Predict(request, timeout=timeout_s, metadata=metadata_now())
             return Reply(
                 reply.model_version,
                 reply.model_replica,

@@ -25,6 +25,7 @@ import struct
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from servemesh.errors import ServemeshError
@@ -98,6 +99,7 @@ def closed_loop(
     method: str = MODEL_INFER_METHOD,
     tls: bool = False,
     connections: int | None = None,
+    headers: Sequence[tuple[str, str]] = (),
 ) -> LoadResult:
     """`concurrency` streams, each sending the frame to `method` again as soon as its
     answer came; the result holds the window's requests (not yet checked against the
@@ -105,7 +107,8 @@ def closed_loop(
     `connections`: the streams shared over that many connections (default: one stream on
     each of `concurrency` connections). `tls`: over TLS (h2 by ALPN); h2load checks no
     certificate and can present none, so only a listener that asks for no client
-    certificate can be driven this way."""
+    certificate can be driven this way. `headers`: sent with every request; they go on
+    h2load's command line, which other users of the host can read, so nothing long-lived."""
     with tempfile.TemporaryDirectory(prefix="servemesh-h2load-") as tmp:
         log = Path(tmp) / "requests.tsv"
         conns = connections or concurrency
@@ -115,6 +118,8 @@ def closed_loop(
         argv += ["-D", f"{round(seconds * 1000)}ms", f"--warm-up-time={round(warmup_s * 1000)}ms"]
         argv += ["-H", "content-type: application/grpc", "-H", "te: trailers"]
         argv += ["-H", f"grpc-timeout: {round(timeout_s * 1000)}m"]
+        for name, value in headers:
+            argv += ["-H", f"{name}: {value}"]
         argv += ["-d", str(frame_file), f"--log-file={log}"]
         argv += [f"{'https' if tls else 'http'}://{address}/{method.lstrip('/')}"]
         output: list[str] = []

@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
 import numpy as np
 import redis.asyncio as aioredis
 
+from servemesh.credentials import EdgeAuthMetadata
 from servemesh.services.feature.store import (
     LoadInProgress,
     RedisFeatureStore,
@@ -46,10 +45,6 @@ POISON_CODES = frozenset(
         grpc.StatusCode.OUT_OF_RANGE,
     }
 )
-# An edge token the consumer signs for itself (jwt edge auth) is renewed this long before
-# it expires.
-TOKEN_TTL_S = 300.0
-TOKEN_RENEW_S = 60.0
 
 
 class Transient(Exception):
@@ -172,42 +167,6 @@ def feature_store_client(spec: ResolvedSpec) -> aioredis.Redis:
     return aioredis.Redis.from_url(
         spec.redis_url, password=spec.redis_password(), socket_connect_timeout=2.0
     )
-
-
-class EdgeAuthMetadata:
-    """The credentials the consumer sends at the edge, as `servemesh predict` does: a token
-    it signs for itself (jwt), or the mesh's basic credentials."""
-
-    def __init__(self, spec: ResolvedSpec, subject: str) -> None:
-        self.spec = spec
-        self.subject = subject
-        self._token: tuple[float, list[tuple[str, str]]] | None = None
-
-    def metadata(self) -> list[tuple[str, str]]:
-        from servemesh.wire import AUTHORIZATION_HEADER
-
-        auth = self.spec.traffic.edge_auth
-        mode = auth.active_mode
-        if mode == "jwt":
-            now = time.monotonic()
-            if self._token is None or self._token[0] < now:
-                from servemesh.identity.tokens import issue_token, load_signing_key
-
-                key = load_signing_key(self.spec.state_dir)
-                token = issue_token(
-                    auth, self.spec.name, key, role=auth.roles[0], subject=self.subject,
-                    ttl_s=TOKEN_TTL_S,
-                )  # fmt: skip
-                header = [(AUTHORIZATION_HEADER, f"Bearer {token}")]
-                self._token = (now + TOKEN_TTL_S - TOKEN_RENEW_S, header)
-            return list(self._token[1])
-        if mode == "basic":
-            from servemesh.credentials import authorization_value, read_edge_credentials
-
-            credentials = read_edge_credentials(Path(self.spec.state_dir))
-            if credentials is not None:
-                return [(AUTHORIZATION_HEADER, authorization_value(*credentials))]
-        return []
 
 
 class MeshPredictor:

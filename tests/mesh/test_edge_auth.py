@@ -8,6 +8,7 @@ the one credential. In both, fraud v2 has 0% of the traffic split.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,10 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servemesh.bench import round_credentials
+from servemesh.bench_h2load import Measured, frame_file, measure_edge, predict_body, send_marker
+from servemesh.cli import main
+from servemesh.credentials import EdgeAuthMetadata
 from servemesh.identity import dial_edge
 from servemesh.identity.edge_client import dial_edge_as
 from servemesh.identity.tokens import (
@@ -26,7 +31,9 @@ from servemesh.identity.tokens import (
     load_signing_key,
 )
 from servemesh.launcher import Mesh
+from servemesh.observe_bench import BENCH_CALLER, cpu_by_kind
 from servemesh.policy import EdgeAuth, TrafficSpec
+from servemesh.proxy.admin import AdminClient
 from servemesh.rollout.analysis import EndpointsSource, pinned_between, window
 from servemesh.spec import ResolvedSpec
 from servemesh.wire import AUTHORIZATION_HEADER, CALLER_ROLE_HEADER
@@ -167,6 +174,52 @@ def test_refusals_name_what_was_sent_and_never_the_catalogue(jwt_mesh: Mesh) -> 
     version = _predict(spec, caller, version="v9")
     assert isinstance(version, grpc.RpcError)
     assert version.details() == "version: model 'fraud' has no version 'v9'"
+
+
+# --- the mesh's own callers: load, the benchmarks ------------------------------------------
+
+
+def test_servemesh_load_signs_its_own_token_at_a_jwt_edge(
+    jwt_mesh: Mesh, capsys: pytest.CaptureFixture[str]
+) -> None:
+    state_dir = str(jwt_mesh.state_dir)
+    code = main(["load", "--rate", "20", "--seconds", "1", "--state-dir", state_dir])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    cells = [[c.strip() for c in line.split("│") if c.strip()] for line in printed.splitlines()]
+    rows = {row[0]: row[1] for row in cells if len(row) == 2}
+    assert rows["answered"] == "20" and rows["failed"] == "0", printed
+
+
+@pytest.mark.skipif(shutil.which("h2load") is None, reason="h2load is not installed")
+def test_h2load_rounds_send_a_token_signed_for_the_round(jwt_mesh: Mesh, tmp_path: Path) -> None:
+    spec = jwt_mesh.spec
+    auth = EdgeAuthMetadata(spec, BENCH_CALLER)
+    body = frame_file(tmp_path, "predict", predict_body("fraud", "user-1"))
+
+    def measure(headers: list[tuple[str, str]]) -> Measured:
+        return measure_edge(
+            spec.edge_address,
+            body,
+            4,
+            0.6,
+            0.2,
+            5.0,
+            tls=spec.tls.edge,
+            access_log=jwt_mesh.logs_dir / "envoy-edge-access.log",
+            read_cpu=lambda: cpu_by_kind(jwt_mesh),
+            marker=lambda: send_marker(dial_edge(spec), "fraud", "user-1", auth.metadata()),
+            flush=lambda: AdminClient.of_mesh(jwt_mesh.state_dir).post("/reopen_logs"),
+            connections=1,
+            headers=headers,
+        )
+
+    signed = measure(round_credentials(auth, 0.8))
+    assert signed.ok > 10 and signed.errors == {}
+    unsigned = measure([])
+    # Refused, and past the edge's bucket for callers it cannot name, shed as well.
+    assert unsigned.ok == 0 and "UNAUTHENTICATED" in unsigned.errors
+    assert set(unsigned.errors) <= {"UNAUTHENTICATED", "RESOURCE_EXHAUSTED"}
 
 
 # --- edge auth off: the client certificate alone ------------------------------------------

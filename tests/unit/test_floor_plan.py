@@ -92,7 +92,8 @@ ALLOWED: dict[str, set[str]] = {
     # the embedded trace store: an OTLP receiver on the service runtime, and its reader
     "tracestore": CONTRACT | {"services.runtime"},
     # libraries for running and driving a mesh, usable without one
-    "credentials": {"private"},
+    # what a caller presents at the edge: the basic key, or a token signed with the mesh key
+    "credentials": {"private", "durations", "wire", "identity", "spec"},
     # the recording rules, as PromQL: the SLIs, and the error budgets of the spec's SLOs
     "slo_rules": CONTRACT,
     # processes, and the mesh's Prometheus (which evaluates slo_rules)
@@ -123,9 +124,8 @@ ALLOWED: dict[str, set[str]] = {
     # the capacity plan's arithmetic and the measurement it keeps (the scaler's forecast
     # reads it)
     "capacity": CONTRACT,
-    # the capacity plan's step load, on a mesh of its own (the stream consumer's edge
-    # credentials for its calls)
-    "capacity_probe": CONTRACT | TOOLING | {"launcher", "bench", "capacity", "streams"},
+    # the capacity plan's step load, on a mesh of its own
+    "capacity_probe": CONTRACT | TOOLING | {"launcher", "bench", "capacity"},
     # what runs meshes and measures them; the chaos suite is imported by the CLI alone
     # (its drills drive `servemesh rollout` as a command, and read the state it records;
     # the registry-restore drill backs the registry up and restores it with its own module)
