@@ -26,6 +26,7 @@ from servemesh.proxy.admin import admin_socket_path
 from servemesh.proxy.offline import validate_offline
 from servemesh.proxy.process import EnvoyConfigError, validate_config
 from servemesh.proxy.render import (
+    JWT_CACHE_SIZE,
     XdsLayout,
     dynamic_bootstrap,
     render_resources,
@@ -598,6 +599,16 @@ def test_edge_rate_limit_comes_before_auth_and_health_check_alone_is_open() -> N
     )
     [health] = [r for r in _routes(spec, "edge") if r["name"] == "health"]
     assert health["match"] == {"path": method_path(HEALTH_SERVICE, "Check")}
+
+
+def test_the_edge_keeps_verified_tokens_and_checks_each_against_the_mesh_s_keys() -> None:
+    spec = _spec(traffic=TrafficSpec(edge_auth=EdgeAuth(mode="jwt")))
+    [jwt] = [f for f in _hcms(spec)["edge"]["http_filters"] if f["name"].endswith("jwt_authn")]
+    [provider] = jwt["typed_config"]["providers"].values()
+    # A verified token's signature is not checked again while it lives (bounded cache).
+    assert provider["jwt_cache_config"] == {"jwt_cache_size": JWT_CACHE_SIZE}
+    assert provider["require_expiration"] and not provider["forward"]
+    assert provider["local_jwks"]["filename"].endswith("jwks.json")
 
 
 def test_the_edge_caps_a_caller_s_deadline() -> None:
