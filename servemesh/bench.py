@@ -421,7 +421,7 @@ def heavy_target_checks(ratios: Mapping[str, list[float]]) -> list[dict[str, obj
 
 
 def weight_change_times(
-    mesh: Mesh, count: int, auth: EdgeAuthMetadata | None = None
+    mesh: Mesh, count: int, auth: EdgeAuthMetadata
 ) -> list[tuple[float, float]]:
     """Flip the first model's split between two versions `count` times.
 
@@ -431,7 +431,6 @@ def weight_change_times(
     model_name, model = next(iter(sorted(mesh.spec.models.items())))
     first, second = sorted(model.versions)[:2]
     manager = RouteManager(mesh.paths)
-    auth = auth or EdgeAuthMetadata(mesh.spec, BENCH_CALLER)
     times = []
     with dial_edge(mesh.spec).channel() as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -777,8 +776,8 @@ def h2load_rounds(
     workdir: Path,
     echo: ServerProcess,
     standalone: ServerProcess,
-    connections: int = 1,
-    auth: EdgeAuthMetadata | None = None,
+    connections: int,
+    auth: EdgeAuthMetadata,
 ) -> Callable[[str, int, int], Round]:
     """A round maker for h2load: the edge (TLS unless the spec turns it off; one entity),
     the standalone model server and the echo server (ModelInfer for one row). With jwt
@@ -795,7 +794,6 @@ def h2load_rounds(
         probe(server.address, model_body)
     edge_dial = dial_edge(mesh.spec)
     admin = AdminClient.of_mesh(mesh.state_dir)
-    auth = auth or EdgeAuthMetadata(mesh.spec, BENCH_CALLER)
 
     def make(name: str, c: int, repeat: int) -> Round:
         if name == EDGE:

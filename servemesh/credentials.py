@@ -108,10 +108,7 @@ class EdgeAuthMetadata:
 
     def sign(self, ttl_s: float) -> str:
         """A token of this caller's, valid `ttl_s` seconds (jwt mode)."""
-        from servemesh.identity.tokens import issue_token, load_signing_key
+        from servemesh.identity.tokens import mint_token
 
-        auth = self.spec.traffic.edge_auth
-        key = load_signing_key(self.spec.state_dir)
-        return issue_token(
-            auth, self.spec.name, key, role=auth.roles[0], subject=self.subject, ttl_s=ttl_s
-        )
+        role = self.spec.traffic.edge_auth.roles[0]
+        return mint_token(self.spec, role, self.subject, ttl_s)

@@ -16,7 +16,7 @@ import sys
 
 from servemesh.cli.mesh import add_mesh_flags, state_dir_of
 from servemesh.durations import duration_seconds
-from servemesh.identity.tokens import TokenError, issue_token, load_signing_key
+from servemesh.identity.tokens import TokenError, mint_token
 from servemesh.proxy.apply import MeshPaths, NoRunningMesh
 from servemesh.spec import MeshSpec, load_spec
 
@@ -40,13 +40,6 @@ def ttl_seconds(text: str) -> float:
     return duration_seconds(text)
 
 
-def mint(spec: MeshSpec, role: str, subject: str, ttl_s: float) -> str:
-    """A token of this mesh for `role` (TokenError naming the field when refused)."""
-    auth = spec.traffic.edge_auth
-    key = load_signing_key(spec.state_dir)
-    return issue_token(auth, spec.name, key, role=role, subject=subject, ttl_s=ttl_s)
-
-
 def cmd_token(args: argparse.Namespace) -> int:
     spec = spec_for(args)
     mode = spec.traffic.edge_auth.active_mode
@@ -54,7 +47,7 @@ def cmd_token(args: argparse.Namespace) -> int:
         raise TokenError(
             f"traffic.edge_auth.mode: {mode}; the edge checks tokens only with mode jwt"
         )
-    token = mint(spec, args.role, args.subject or getpass.getuser(), ttl_seconds(args.ttl))
+    token = mint_token(spec, args.role, args.subject or getpass.getuser(), ttl_seconds(args.ttl))
     sys.stdout.write(token + "\n")
     return 0
 

@@ -10,13 +10,13 @@ from typing import Any
 
 import grpc
 
-from servemesh.cli.auth import mint as mint_token
 from servemesh.cli.mesh import add_mesh_flags, running_mesh
 from servemesh.cli.output import out
 from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.errors import ServemeshError, UsageError
 from servemesh.identity import OPERATOR_IDENTITY, Dial, dial_edge_at
 from servemesh.identity.edge_client import dial_edge_as
+from servemesh.identity.tokens import mint_token
 from servemesh.proxy.apply import MeshPaths, NoRunningMesh
 from servemesh.spec import MeshSpec, load_spec
 from servemesh.tracestore.traceparent import new_traceparent

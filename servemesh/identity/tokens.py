@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jwt
 from cryptography.hazmat.primitives import hashes, serialization
@@ -31,6 +31,9 @@ from jwt.algorithms import ECAlgorithm
 from servemesh.durations import duration_seconds
 from servemesh.errors import ServemeshError
 from servemesh.policy import EdgeAuth
+
+if TYPE_CHECKING:
+    from servemesh.spec import MeshSpec
 
 AUTH_DIR = "auth"
 SIGNING_KEY_FILE = "signing-key.pem"
@@ -177,6 +180,15 @@ def issue_token(
     }
     kid = _public_jwk(key.public_key())["kid"]
     return jwt.encode(claims, key, algorithm=ALGORITHM, headers={"kid": kid})
+
+
+def mint_token(spec: MeshSpec, role: str, subject: str, ttl_s: float) -> str:
+    """A token of `spec`'s mesh for `role`, signed with the key in its state dir
+    (TokenError naming the field when refused)."""
+    key = load_signing_key(spec.state_dir)
+    return issue_token(
+        spec.traffic.edge_auth, spec.name, key, role=role, subject=subject, ttl_s=ttl_s
+    )
 
 
 @dataclass(frozen=True)
