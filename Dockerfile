@@ -8,6 +8,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /src
+# Model servers and the sandboxed model child load libseccomp for their syscall filter
+# (services/runtime/confine.py): present in Debian's base, named here so it stays.
+RUN apt-get update && apt-get install -y --no-install-recommends libseccomp2 \
+    && rm -rf /var/lib/apt/lists/*
 # torch first, from PyTorch's CPU index (PyPI's default wheel pulls CUDA, gigabytes), in a
 # layer of its own that changes only with the pin.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0

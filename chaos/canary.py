@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from servemesh.demo import Artifact, build_fraud_model, demo_features, torchscript_artifact
+from servemesh.contract.demo import Artifact, build_fraud_model, demo_features, torchscript_artifact
 
 FLAKY_PREFIX = "flaky:"
 

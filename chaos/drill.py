@@ -28,13 +28,13 @@ from servemesh.chaos.load import drill_load
 from servemesh.chaos.mesh import DrillMesh
 from servemesh.chaos.scope import select
 from servemesh.chaos.timeline import FaultWindow, Mark, Timeline
-from servemesh.credentials import authorization_value, read_edge_credentials
 from servemesh.identity import dial_edge
 from servemesh.load import BackgroundLoad, WindowStats, window_stats
-from servemesh.netns import ZoneNetwork
+from servemesh.procs.netns import ZoneNetwork
 from servemesh.proxy.admin import AdminClient, AdminError
 from servemesh.proxy.apply import RouteManager
 from servemesh.spec import EDGE_PROXY, Instance, MeshSpec, ResolvedSpec, load_spec
+from servemesh.state.credentials import authorization_value, read_edge_credentials
 
 __all__ = [
     "DEFAULTS",
@@ -375,13 +375,17 @@ class Drill:
         """Instances of `service` in `zone` (all zones when None), or the named replicas."""
         return select(self.spec, service, zone, replicas)
 
-    def kill(self, name: str) -> int | None:
-        """SIGKILL a running instance (paused or not); its PID, None when it was down."""
+    def kill(self, name: str, *, revive: bool = False) -> int | None:
+        """SIGKILL a running instance (paused or not); its PID, None when it was down.
+
+        The outage is the drill's: the instance stays down until the drill restarts it
+        (Mesh.kill), though the mesh starts crashed processes again by itself. `revive`:
+        the drill tests that recovery instead, and the mesh starts it again (a crash)."""
         mesh = self.running_mesh
         if not mesh.is_running(name):
             return None
         self.leftovers.forget_pause(name)
-        return mesh.kill(name, signal.SIGKILL)
+        return mesh.kill(name, signal.SIGKILL, revive=revive)
 
     def pause(self, name: str) -> int | None:
         """SIGSTOP a running instance until resume() or the end of the drill; its PID,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
 
 
 class DrillError(ServemeshError, RuntimeError):

@@ -40,7 +40,7 @@ from servemesh.spec import MeshSpec
 
 async def seed_flaky_versions(spec: MeshSpec, registry: grpc.aio.Channel) -> None:
     """Push every `flaky:` and `shifted:` version as the defective canary build it names."""
-    from servemesh.demo import demo_signature
+    from servemesh.contract.demo import demo_signature
 
     for name, model in spec.models.items():
         for version, version_spec in model.versions.items():

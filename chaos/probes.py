@@ -26,17 +26,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from servemesh.chaos.drill import current
 from servemesh.chaos.errors import DrillError
 from servemesh.chaos.report import drill_recovery, envoy_deltas
-from servemesh.control_credential import control_metadata_for
-from servemesh.identity import Dial, dial_service
-from servemesh.load import WindowStats, window_stats
-from servemesh.proxy.admin import AdminError
-from servemesh.wire import (
+from servemesh.contract.control_credential import control_metadata_for
+from servemesh.contract.wire import (
     GATEWAY_CLUSTER,
     feature_cluster,
     is_shadow_cluster,
     model_cluster,
     zone_of_cluster,
 )
+from servemesh.identity import Dial, dial_service
+from servemesh.load import WindowStats, window_stats
+from servemesh.proxy.admin import AdminError
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 

@@ -55,8 +55,8 @@ def _state() -> _State:
 
 
 def _channel() -> Any:
+    from servemesh.contract.wire import message_size_options
     from servemesh.identity import dial_registry
-    from servemesh.wire import message_size_options
 
     spec = current().spec
     return dial_registry(spec).aio_channel(
@@ -65,7 +65,7 @@ def _channel() -> Any:
 
 
 def _credential() -> Any:
-    from servemesh.control_credential import control_metadata_for
+    from servemesh.contract.control_credential import control_metadata_for
 
     return control_metadata_for(current().spec.state_dir)
 
@@ -87,7 +87,7 @@ async def _listing() -> dict[str, Any]:
 
 def push_registry_versions(count: int = 3, prefix: str = "dr", model: str = "fraud") -> list[str]:
     """Push `count` new versions of `model` (demo builds, never routed) while the load runs."""
-    from servemesh.demo import demo_artifact, demo_signature
+    from servemesh.contract.demo import demo_artifact, demo_signature
     from servemesh.registry.client import push_version
 
     drill = current()

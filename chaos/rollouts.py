@@ -18,7 +18,7 @@ import yaml
 from servemesh.chaos.drill import Drill
 from servemesh.chaos.errors import DrillError
 from servemesh.procs.supervisor import Child
-from servemesh.rollout_state import RolloutState, StateStore
+from servemesh.state.rollouts import RolloutState, StateStore
 
 _WORDS = {0: "promoted", 3: "rolled back", 4: "refused", 1: "failed"}
 

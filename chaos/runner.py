@@ -21,12 +21,13 @@ from chaoslib.run import RunEventHandler
 from chaoslib.types import Strategy
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from servemesh.chaos import control
 from servemesh.chaos.drill import DEFAULTS, EXPERIMENTS_DIR, slug
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
 
 
 class DrillFileError(ServemeshError, ValueError):
@@ -112,7 +113,14 @@ class _Progress(RunEventHandler):
             detail = f" -> {output}"
         if status != "succeeded" and run.get("exception"):
             detail = f" -> {run['exception'][-1].strip()[:160]}"
-        self.console.print(f"{self._t()}   {mark} {activity.get('name')}{detail}")
+        self.console.print(
+            f"{self._t()}   {mark} {escape(str(activity.get('name')))}{escape(detail)}"
+        )
+        reason = outcome_reason(output)
+        if reason:
+            # What the runbooks tell an operator to look for: a rollout's last line names
+            # each failed check (`rolled back: step 10%: error_ratio fail: ...`).
+            self.console.print(f"{self._t()}     {escape(reason)}")
 
     def hypothesis_before_completed(self, experiment: Any, state: Any, journal: Any) -> None:
         self._steady("before", state)
@@ -128,6 +136,8 @@ class _Progress(RunEventHandler):
         self.console.print(
             f"{self._t()} steady state {when}: [{colour}]{'met' if met else 'NOT met'}[/{colour}]"
         )
+        for line in missed_probes(state):
+            self.console.print(f"{self._t()}   [red]{escape(line)}[/red]")
 
     def start_rollbacks(self, experiment: Any) -> None:
         self.console.print(f"{self._t()} [yellow]rollbacks[/yellow]")
@@ -136,6 +146,30 @@ class _Progress(RunEventHandler):
         drill = control.active()
         reason = drill.guard.reason if drill is not None and drill.guard.tripped else "interrupted"
         self.console.print(f"{self._t()} [red]method interrupted: {reason}[/red]")
+
+
+def outcome_reason(output: object) -> str:
+    """The reason an activity's outcome carries (a rollout's: `run_rollout`'s last line of
+    `servemesh rollout start`), "" for any other output."""
+    if isinstance(output, dict) and output.get("outcome") and output.get("reason"):
+        return str(output["reason"])
+    return ""
+
+
+def missed_probes(state: dict[str, Any]) -> list[str]:
+    """Each steady-state probe that did not hold, with what it read and what it allows."""
+    lines = []
+    for run in state.get("probes") or []:
+        if run.get("tolerance_met", True):
+            continue
+        activity = run.get("activity") or {}
+        name = activity.get("name", "probe")
+        if run.get("status") == "failed":
+            error = (run.get("exception") or ["no answer"])[-1].strip()[:160]
+            lines.append(f"{name}: failed: {error}")
+        else:
+            lines.append(f"{name}: {run.get('output')}, allowed {activity.get('tolerance')}")
+    return lines
 
 
 def _live_view() -> Any:

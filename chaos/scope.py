@@ -37,7 +37,8 @@ def select(
 
 
 def describe(service: str, zone: str | None, replicas: list[str] | str | None) -> str:
-    """The scope as a fault window's label and key read it: `model zone-a`, `model-zone-a-0`."""
+    """The scope as a fault window's label and key read it: `model zone-a`,
+    `model-fraud-zone-a-0`."""
     if replicas:
         return ", ".join([replicas] if isinstance(replicas, str) else replicas)
     return f"{service} {zone or 'all zones'}"

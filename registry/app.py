@@ -6,10 +6,11 @@ import asyncio
 
 import grpc
 
-from servemesh.control_credential import control_verifier
+from servemesh.contract.control_credential import control_verifier
 from servemesh.identity import serving_credentials
 from servemesh.registry.backup import BackupMetrics, backup_every
 from servemesh.registry.metrics import RegistryMetrics
+from servemesh.registry.scope import ModelServerScope
 from servemesh.registry.service import SERVICE_NAME, UPLOAD_IDLE_TIMEOUT_S, RegistryServicer
 from servemesh.registry.store import RegistryStore
 from servemesh.services.runtime import ServiceServer
@@ -27,6 +28,7 @@ def registry_server(
     control_token: str | None = None,
     upload_idle_timeout_s: float = UPLOAD_IDLE_TIMEOUT_S,
     credentials: grpc.ServerCredentials | None = None,
+    scope: ModelServerScope | None = None,
 ) -> ServiceServer:
     """A not yet started server for `store`; it closes the store when it stops. Its control
     calls (CreateModel, UploadVersion, SetAlias) answer only to `control_token`."""
@@ -43,6 +45,7 @@ def registry_server(
         store,
         upload_idle_timeout_s=upload_idle_timeout_s,
         metrics=RegistryMetrics(server.metrics.registry),
+        scope=scope,
     )
     server.add_service(registry_pb2_grpc.add_RegistryServicer_to_server, servicer, SERVICE_NAME)
 
@@ -63,6 +66,16 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         spec.limits.max_artifact_bytes,
         spec.limits.registry_quota_bytes,
     )
+    server: ServiceServer | None = None
+
+    def current() -> ResolvedSpec:
+        live = server.live_spec if server is not None else None
+        return live.current if live is not None else spec
+
+    async def refresh() -> bool:
+        live = server.live_spec if server is not None else None
+        return await live.refresh() if live is not None else False
+
     server = registry_server(
         store,
         instance,
@@ -72,6 +85,8 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
         control_token=control_verifier(spec.state_dir),
         upload_idle_timeout_s=spec.limits.upload_idle_timeout_s,
         credentials=serving_credentials(spec, instance),
+        # A model server downloads its own pool's models only (registry/scope.py).
+        scope=ModelServerScope(current, refresh),
     )
     server.serve_metrics(spec.metrics_ports.get(instance, 0))
     backups = spec.registry.backup

@@ -34,9 +34,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from servemesh.atomic import atomic_write_text
-from servemesh.errors import ServemeshError
-from servemesh.private import private_dir
+from servemesh.contract.atomic import atomic_write_text
+from servemesh.contract.errors import ServemeshError
+from servemesh.contract.private import private_dir
 
 SNAPSHOTS = "snapshots"
 BLOBS = "blobs"

@@ -13,8 +13,8 @@ from typing import Any, Union
 
 import grpc
 
-from servemesh.control_credential import Metadata
-from servemesh.errors import ServemeshError
+from servemesh.contract.control_credential import Metadata
+from servemesh.contract.errors import ServemeshError
 from servemesh.registry.convert import tensor_spec_to_proto
 from servemesh.registry.errors import ArtifactTooLargeError, version_taken
 from servemesh.registry.records import TensorSpec

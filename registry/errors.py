@@ -14,6 +14,7 @@ from servemesh.services.runtime.errors import (
     InvalidArgument,
     MeshError,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
 )
 
@@ -31,6 +32,10 @@ class DigestMismatchError(InvalidArgumentError):
 
 class NotFoundError(NotFound):
     """A model, version or alias does not exist."""
+
+
+class PermissionDeniedError(PermissionDenied):
+    """The caller may not have what it asked for (a model server, another pool's model)."""
 
 
 class AlreadyExistsError(AlreadyExists):

@@ -31,6 +31,7 @@ from typing import TypeVar
 
 import grpc
 
+from servemesh.contract.wire import REGISTRY_SERVICE
 from servemesh.registry.convert import header_from_proto, model_to_proto, version_to_proto
 from servemesh.registry.errors import (
     RegistryError,
@@ -39,8 +40,8 @@ from servemesh.registry.errors import (
 )
 from servemesh.registry.metrics import RegistryMetrics
 from servemesh.registry.records import UploadHeader
+from servemesh.registry.scope import ModelServerScope
 from servemesh.registry.store import RegistryStore, Upload
-from servemesh.wire import REGISTRY_SERVICE
 from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         download_chunk_bytes: int = DOWNLOAD_CHUNK_BYTES,
         upload_idle_timeout_s: float = UPLOAD_IDLE_TIMEOUT_S,
         metrics: RegistryMetrics | None = None,
+        scope: ModelServerScope | None = None,
     ) -> None:
         self.store = store
+        # Which artifacts a model server may download (None: every caller, every model).
+        self.scope = scope
         self.metrics = metrics or RegistryMetrics()
         self.download_chunk_bytes = download_chunk_bytes
         self.upload_idle_timeout_s = upload_idle_timeout_s
@@ -234,6 +238,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
 
         Read a chunk at a time in a thread: a large artifact never sits in memory whole.
         """
+        if self.scope is not None:
+            await self.scope.check_download(context, request.model)
         record = await self._call(context, self.store.get_version, request.model, request.version)
         if request.if_none_match and request.if_none_match == record.sha256:
             self.metrics.not_modified.inc()

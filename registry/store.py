@@ -22,7 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO, Literal
 
-from servemesh.private import private_dir, private_file
+from servemesh.contract.private import private_dir, private_file
 from servemesh.registry.blobs import BlobStore, StagedBlob
 from servemesh.registry.errors import (
     AlreadyExistsError,

@@ -6,10 +6,10 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 
-from servemesh.echo import shown
+from servemesh.contract.echo import shown
+from servemesh.contract.wire import OIP_DATATYPES
 from servemesh.registry.errors import InvalidArgumentError
 from servemesh.registry.records import TensorSpec, UploadHeader
-from servemesh.wire import OIP_DATATYPES
 
 # Model, version and alias names double as path-safe identifiers in logs and URLs.
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")

@@ -3,16 +3,16 @@
 Every process is a child of the mesh's supervisor (`servemesh.procs`), stopped by PID in
 reverse start order: SIGTERM first (services drain), SIGKILL only after the grace period.
 With `network: {mode: netns}` in the spec, each zone's gateway, feature and model
-processes run in a network namespace of the zone's own (`servemesh.netns`); Envoy, the
+processes run in a network namespace of the zone's own (`servemesh.procs.netns`); Envoy, the
 registry and Redis stay on the machine, and every address stays on loopback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
-import math
 import signal
 import sys
 import threading
@@ -27,9 +27,14 @@ from typing import Self
 import grpc
 import yaml
 
-from servemesh.atomic import atomic_write_text
-from servemesh.control_credential import CONTROL_VERIFIER_ENV, ensure_control_token, token_digest
-from servemesh.credentials import ensure_edge_credentials, htpasswd_line
+from servemesh.contract.atomic import atomic_write_text
+from servemesh.contract.control_credential import (
+    CONTROL_VERIFIER_ENV,
+    ensure_control_token,
+    token_digest,
+)
+from servemesh.contract.inflight import discard, journal_path, read_inflight
+from servemesh.contract.wire import ENVOY_STATS_PATH, message_size_options
 from servemesh.identity import (
     OPERATOR_IDENTITY,
     TRACE_STORE_IDENTITY,
@@ -41,8 +46,6 @@ from servemesh.identity import (
     mesh_identity,
 )
 from servemesh.identity.tokens import ensure_signing_key
-from servemesh.netns import ZoneNetwork
-from servemesh.netns import available as netns_available
 from servemesh.procs import (
     All,
     Check,
@@ -54,12 +57,23 @@ from servemesh.procs import (
     StartError,
     Supervisor,
 )
+from servemesh.procs.netns import ZoneNetwork
+from servemesh.procs.netns import available as netns_available
 from servemesh.procs.prometheus import PrometheusServer, prometheus_binary
-from servemesh.procs.sandbox import RunAs, model_user
+from servemesh.procs.restarts import (
+    ENVOY_RESTARTS,
+    SERVICE_RESTARTS,
+    RestartPolicy,
+    RestartRecord,
+    Restarts,
+)
+from servemesh.procs.sandbox import RunAs, model_user, pool_users
+from servemesh.procs.sentinel import SentinelServer, quorum_of
 from servemesh.proxy.admin import admin_socket_path, prepare_admin_dir
-from servemesh.proxy.apply import MeshPaths, write_initial
+from servemesh.proxy.apply import RouteManager, write_initial
 from servemesh.proxy.process import envoy_command, is_ready, validate_config
 from servemesh.proxy.render import dynamic_bootstrap, render_proxies, static_bootstrap
+from servemesh.quarantine import Quarantine, move_traffic_away
 from servemesh.seeding import SeedConflict, SeedStep, seed_demo
 from servemesh.spec import (
     EDGE_PROXY,
@@ -72,8 +86,16 @@ from servemesh.spec import (
     proxy_part,
     resolve,
 )
-from servemesh.state_dir import secure_state_dir, share_identity, share_with_models, tighten
-from servemesh.wire import ENVOY_STATS_PATH, message_size_options
+from servemesh.state.credentials import ensure_edge_credentials, htpasswd_line
+from servemesh.state.lock import Holder, MeshLock, refuse_if_held
+from servemesh.state.paths import MeshPaths
+from servemesh.state.sharing import (
+    own_written,
+    secure_state_dir,
+    share_identity,
+    share_with_models,
+    tighten,
+)
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +126,14 @@ TRACE_STORE = "tracestore"
 # How often the mesh looks at its resolved spec for a change of its fleet of replicas
 # (a blue-green set to start or retire, a replica a rolling update replaces).
 FLEET_POLL_S = 0.2
-# An Envoy of the per-zone layout that exits is started again (servemesh up's own watch):
-# at most once a second each, and given this long to be ready.
-ENVOY_REVIVE_MIN_S = 1.0
-ENVOY_REVIVE_TIMEOUT_S = 30.0
+# The kinds of process the mesh starts again when one exits unexpectedly (a crash, an OOM
+# kill), after crash-loop backoff (servemesh.procs.restarts); with them the Envoys of the
+# per-zone layout. Redis, Prometheus, stream consumers, the batch scheduler and the scaler
+# are not: their exits are reported (`servemesh up`), the operator decides.
+REVIVED_KINDS = frozenset({"model", "gateway", "feature", "registry", TRACE_STORE})
+# How long a process started again may take to report ready before the mesh says so in its
+# log (it is left running: a slow start is not a crash).
+REVIVE_READY_TIMEOUT_S = 60.0
 # The Redis setting the feature services' change feed needs (K: keyspace events, $: writes
 # to strings).
 KEYSPACE_EVENTS = "notify-keyspace-events K$"
@@ -139,6 +165,9 @@ class Mesh:
     supervisor: Supervisor = field(init=False, repr=False)
     # The Redis this mesh started (None when the spec names one of its own).
     redis: RedisServer | None = field(default=None, init=False)
+    # A replicated store's (feature_store.topology): each zone's replica and Sentinel.
+    store_replicas: dict[str, RedisServer] = field(default_factory=dict, init=False)
+    sentinels: dict[str, SentinelServer] = field(default_factory=dict, init=False)
     # The zones' namespaces, with `network: {mode: netns}` (None on one loopback).
     network: ZoneNetwork | None = field(default=None, init=False)
     # The mesh's Prometheus (None: metrics.prometheus is off, or no binary is installed).
@@ -147,24 +176,43 @@ class Mesh:
     _fleet: dict[str, int] = field(default_factory=dict, init=False, repr=False)
     _fleet_stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
     _fleet_thread: threading.Thread | None = field(default=None, init=False, repr=False)
-    # When each Envoy the mesh starts again itself was last started again (monotonic).
-    _revived_at: dict[str, float] = field(default_factory=dict, init=False, repr=False)
+    # Crash-loop backoff and restart counts of every process the mesh starts again itself.
+    _restarts: Restarts = field(init=False, repr=False)
+    # The exited process each scheduled restart replaces (its exit is counted once), and
+    # the processes started again that have not reported ready yet (with a deadline).
+    _crashed: dict[str, Child] = field(default_factory=dict, init=False, repr=False)
+    _reviving: dict[str, tuple[Child, float]] = field(default_factory=dict, init=False, repr=False)
+    # The fleet thread's revivals and a drill's restart() never start one name twice.
+    _restart_lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
     # The user model servers run as (servemesh.procs.sandbox); None: the launcher's own.
     model_user: RunAs | None = field(default=None, init=False)
     # Run the scaler (servemesh.scaling) beside the mesh when the spec's scaling is on:
     # `servemesh up` does; a test's mesh keeps its size unless it asks for one.
     scaler: bool = False
+    # Quarantines run here, one at a time, off the fleet's thread: a route change waits
+    # for every Envoy to confirm it, and no restart of another process should wait on it.
+    _quarantines: concurrent.futures.ThreadPoolExecutor | None = field(
+        default=None, init=False, repr=False
+    )
+    # The state dir's lock, held from start() to stop() (servemesh/state/lock.py), and the
+    # killed mesh whose lock this one took over, if any.
+    _lock: MeshLock | None = field(default=None, init=False, repr=False)
+    took_over: Holder | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(
             self.logs_dir, cwd=self.state_dir, grace_s=self.grace_s, thread_name="mesh-spawner"
         )
+        self._restarts = Restarts(self._restart_policy)
 
     @classmethod
     def from_spec(
         cls, spec: MeshSpec, state_dir: Path | None = None, *, seed_steps: Sequence[SeedStep] = ()
     ) -> Self:
         root = Path(state_dir or spec.state_dir).resolve()
+        # Before anything below touches the state dir: one a live mesh holds is its own (a
+        # chmod or a rewritten credential here would break it).
+        refuse_if_held(root)
         # Umask 077 from here on; the state dir 0700 and its secrets private, or no start.
         secure_state_dir(root)
         spec = with_edge_credentials(spec.model_copy(update={"state_dir": str(root)}), root)
@@ -199,12 +247,26 @@ class Mesh:
 
     # --- lifecycle ---------------------------------------------------------------
 
+    def hold_state_dir(self) -> Holder | None:
+        """Take the state dir's lock for this mesh's life (StateDirHeld when a live mesh
+        holds it); the killed mesh it took the lock over from, if any. start() takes it."""
+        if self._lock is None:
+            self._lock, self.took_over = MeshLock.take(self.state_dir, self.spec.edge_address)
+            # What a killed mesh left describes processes that are gone: `status` must not
+            # read it as this mesh's while this one starts (both are written again).
+            self.endpoints_path.unlink(missing_ok=True)
+            self.fleet_status_path.unlink(missing_ok=True)
+        return self.took_over
+
     def start(self, timeout_s: float = 180.0) -> None:
         """Bring every part up and return once all report SERVING and Envoy is ready."""
         deadline = time.monotonic() + timeout_s
-        secure_state_dir(self.state_dir)
-        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        # Outside the try below: a start refused here must not stop (or clean up after)
+        # the mesh that holds the state dir.
+        self.hold_state_dir()
         try:
+            secure_state_dir(self.state_dir)
+            self.logs_dir.mkdir(parents=True, exist_ok=True)
             if self.spec.network.mode == "netns":
                 # Before anything starts: a machine that cannot says why at once.
                 can, why = netns_available()
@@ -256,13 +318,22 @@ class Mesh:
             # First: nothing may start a replica while the mesh stops. Every replica the
             # follower started is a child of the supervisor, so stop_all stops it by PID.
             self._stop_fleet_follower()
+            if self._quarantines is not None:
+                # A quarantine under way finishes while Envoy still runs to confirm it.
+                self._quarantines.shutdown(wait=True, cancel_futures=True)
+                self._quarantines = None
             self.supervisor.stop_all(STOP_ORDER)
             self.supervisor.close()
         finally:
             if self.network is not None:
                 self.network.close()
-            self.endpoints_path.unlink(missing_ok=True)
-            self.fleet_status_path.unlink(missing_ok=True)
+            # Only the mesh that holds the state dir cleans it (a refused start must leave
+            # the running mesh's files alone); the lock goes last, once all is stopped.
+            if self._lock is not None:
+                self.endpoints_path.unlink(missing_ok=True)
+                self.fleet_status_path.unlink(missing_ok=True)
+                self._lock.release()
+                self._lock = None
 
     def __enter__(self) -> Self:
         self.start()
@@ -275,7 +346,7 @@ class Mesh:
 
     @property
     def children(self) -> Mapping[str, Child]:
-        """Every process of the mesh by name (redis, envoy, registry-0, model-zone-a-0...)."""
+        """Every process of the mesh by name (redis, envoy, registry-0, model-fraud-zone-a-0...)."""
         return self.supervisor.children
 
     def is_running(self, name: str) -> bool:
@@ -301,22 +372,42 @@ class Mesh:
         """Send `sig` to a running process of the mesh (SIGSTOP, SIGCONT...); its PID."""
         return self.supervisor.send_signal(name, sig)
 
-    def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> int:
+    def kill(self, name: str, sig: signal.Signals = signal.SIGKILL, *, revive: bool = False) -> int:
         """Signal a process (SIGKILL by default) and wait until a SIGKILL or SIGTERM took
-        effect; returns its PID. restart() starts it again."""
-        return self.supervisor.kill(name, sig)
+        effect; returns its PID.
+
+        A deliberate outage (a drill's, a test's): the process stays down until restart(),
+        though the mesh starts crashed processes again by itself. `revive=True` asks for
+        the crash path instead: the mesh starts it again after its backoff and counts the
+        restart (a drill of the mesh's own recovery, e.g. a zone's Envoy killed)."""
+        pid = self.supervisor.kill(name, sig, hold=not revive)
+        self._status_changed()
+        return pid
 
     def restart(self, name: str, timeout_s: float = 60.0) -> int:
-        """Start a stopped service instance again, wait until it is SERVING; its new PID."""
-        if name in self.supervisor.children:
-            return self.supervisor.restart(name, timeout_s).pid
-        self._start_service(name)
+        """Start a stopped service instance again, wait until it is SERVING; its new PID.
+        Deliberate: not counted as a restart, and it ends any hold or pending backoff."""
+        with self._restart_lock:
+            self._crashed.pop(name, None)
+            self._reviving.pop(name, None)
+            if name in self.supervisor.children:
+                self.supervisor.restart(name, wait=False)
+            else:
+                self._start_service(name)
+            self._restarts.started(name)
+        self._status_changed()
         self.supervisor.wait_ready([name], time.monotonic() + timeout_s)
         return self.pid(name)
 
+    def restart_counts(self) -> dict[str, int]:
+        """How often the mesh started each process again after it exited unexpectedly."""
+        with self._restart_lock:
+            return {name: r.restarts for name, r in self._restarts.snapshot().items()}
+
     def reap_exited(self) -> list[Child]:
         """Processes that exited on their own since the last call (now forgotten), but for
-        the Envoys the mesh starts again itself (the per-zone layout's)."""
+        those the mesh starts again itself (REVIVED_KINDS, the per-zone layout's Envoys),
+        held down by kill() or not: restart() needs them known."""
         return self.supervisor.reap(keep=self._revives)
 
     def endpoints(self) -> dict[str, object]:
@@ -375,8 +466,8 @@ class Mesh:
         A blue-green or rolling update (servemesh.rollout.fleet, in another process) writes
         the fleet it wants into the resolved spec; this process, which owns every child,
         starts the replicas it adds, restarts those whose generation went up and stops those
-        it drops, by PID. A replica that crashed is not restarted here: that stays the
-        operator's (or a drill's) call."""
+        it drops, by PID. On the same thread, every process that exits unexpectedly is
+        started again after its crash-loop backoff (`_revive_crashed`)."""
         self._fleet = self._fleet_generations(self.spec)
         self._write_fleet_status()
         self._fleet_stop.clear()
@@ -404,7 +495,10 @@ class Mesh:
     def _follow_fleet(self) -> None:
         seen: tuple[int, int] | None = None
         while not self._fleet_stop.wait(FLEET_POLL_S):
-            self._revive_proxies()
+            try:
+                self._revive_crashed()
+            except Exception:  # never let one bad revival end the fleet's follower
+                log.exception("could not start a crashed process again")
             try:
                 stat = self.resolved_spec_path.stat()
             except OSError:
@@ -441,6 +535,7 @@ class Mesh:
             if name in self.supervisor.children:
                 log.info("fleet: replacing %s (pid %d)", name, self.pid(name))
                 self.supervisor.stop(name)
+            self._forget_restarts(name)  # a new generation: a history of its own
             self._start_service(name)
             self._fleet[name] = wanted[name]
             self._write_fleet_status()
@@ -452,6 +547,7 @@ class Mesh:
             if name in self.supervisor.children:
                 log.info("fleet: stopping %s (pid %d)", name, self.pid(name))
                 self.supervisor.stop(name)
+            self._forget_restarts(name)
             del self._fleet[name]
         self._write_fleet_status()
         self._write_endpoints()
@@ -459,44 +555,209 @@ class Mesh:
             self.prometheus.write_targets(spec)
 
     def _revives(self, child: Child) -> bool:
-        """Whether the mesh starts `child` again when it exits: an Envoy of the per-zone
-        layout (one zone's, or the edge's), so a crash costs its zone seconds."""
-        if self.spec.proxy.layout != "per_zone":
-            return False
-        return child.name in {envoy_child(p) for p in self.spec.proxies()}
+        """Whether the mesh starts `child` again when it exits unexpectedly: a service
+        (REVIVED_KINDS), or an Envoy of the per-zone layout (one zone's, or the edge's), so
+        a crash costs its replica or zone seconds."""
+        if child.launch.group in REVIVED_KINDS:
+            return True
+        return self.spec.proxy.layout == "per_zone" and child.name in self._envoy_names()
 
-    def _revive_proxies(self) -> None:
-        """Start again every Envoy of the per-zone layout that exited (crashed, or killed
-        by a drill), as it was started, at most once every ENVOY_REVIVE_MIN_S each."""
+    def _envoy_names(self) -> set[str]:
+        return {envoy_child(p) for p in self.spec.proxies()}
+
+    def _restart_policy(self, name: str) -> RestartPolicy:
+        return ENVOY_RESTARTS if name in self._envoy_names() else SERVICE_RESTARTS
+
+    def _revive_crashed(self) -> None:
+        """One round of the mesh's watch: every process that exited unexpectedly gets its
+        restart scheduled (backoff), and is started once that is due, without waiting for
+        it to be ready (the next rounds check that), so one slow start delays no other.
+
+        Never started again: what the supervisor stopped (`stopped`: the mesh stopping,
+        the fleet replacing or dropping a replica), and what kill() holds down (a drill's
+        outage) until restart(). A paused process (SIGSTOP) has not exited."""
+        changed = False
         for name, child in list(self.supervisor.children.items()):
-            if child.alive() or child.stopped or not self._revives(child):
+            if child.alive() or child.stopped or child.held or not self._revives(child):
                 continue
-            now = time.monotonic()
-            if now - self._revived_at.get(name, -math.inf) < ENVOY_REVIVE_MIN_S:
-                continue
-            self._revived_at[name] = now
-            log.warning("%s exited with %s; starting it again", name, child.returncode)
+            changed |= self._revive(name, child)
+        changed |= self._check_revived()
+        if changed:
+            self._write_fleet_status()
+
+    def _revive(self, name: str, child: Child) -> bool:
+        """Schedule or perform the restart of one exited process; whether anything changed."""
+        with self._restart_lock:
+            # Again under the lock: a drill's kill() or restart() may have come between.
+            if self.supervisor.children.get(name) is not child or child.held or child.stopped:
+                return False
+            changed = False
+            if self._crashed.get(name) is not child:
+                self._crashed[name] = child
+                self._reviving.pop(name, None)
+                delay = self._restarts.exited(name, child.returncode)
+                if child.launch.group == "model" and child.returncode:
+                    self._attribute_crash(name, child.returncode)
+                log.warning(
+                    "%s (pid %d) exited unexpectedly with %s; starting it again in %.0f s",
+                    name,
+                    child.pid,
+                    child.returncode,
+                    delay,
+                )
+                changed = True
+            if not self._restarts.due(name):
+                return changed
             try:
-                pid = self.supervisor.restart(name, ENVOY_REVIVE_TIMEOUT_S).pid
-            except (StartError, ProcessError) as exc:
+                new = self.supervisor.restart(name, wait=False)
+            except ProcessError as exc:  # could not even fork: back off as for a crash
                 log.error("%s did not start again: %s", name, exc)
-                continue
-            log.warning("%s is running again (pid %d)", name, pid)
+                self._restarts.exited(name, child.returncode)
+                return changed
+            del self._crashed[name]
+            self._restarts.restarted(name)
+            self._reviving[name] = (new, time.monotonic() + REVIVE_READY_TIMEOUT_S)
+            log.warning("%s started again (pid %d)", name, new.pid)
+            return True
+
+    def _attribute_crash(self, name: str, status: int) -> None:
+        """A model server crashed (a signal, or a non-zero exit; a deliberate stop or
+        kill() never comes here): record what its in-flight journal says it was computing
+        (<state_dir>/crashes.jsonl), and quarantine the versions its crashes keep naming
+        (servemesh.quarantine), before its next process starts a journal of its own."""
+        path = journal_path(self.state_dir, name)
+        try:
+            inflight = read_inflight(path)
+            discard(path)
+        except OSError as exc:
+            log.error("%s: its in-flight journal could not be read: %s", name, exc)
+            inflight = []
+        try:
+            pool = self.spec.instance(name).pool
+        except SpecError:
+            pool = ""
+        quarantine = self._quarantine()
+        try:
+            due = quarantine.record_crash(name, pool, status, inflight)
+        except OSError as exc:
+            log.error("%s: the crash could not be recorded: %s", name, exc)
+            return
+        calls = [(b.get("model"), b.get("version"), len(b.get("calls", ()))) for b in inflight]
+        log.warning("%s crashed with %s; in flight: %s", name, status, calls or "nothing")
+        if due:
+            if self._quarantines is None:
+                self._quarantines = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="mesh-quarantine"
+                )
+            for model, version in due:
+                self._quarantines.submit(self._run_quarantine, quarantine, model, version)
+
+    def _quarantine(self) -> Quarantine:
+        manager = RouteManager(self.paths)
+        return Quarantine(
+            self.state_dir,
+            self.spec.sandbox.quarantine,
+            lambda model, version, reason: move_traffic_away(
+                manager, model, version, reason, self.state_dir
+            ),
+        )
+
+    @staticmethod
+    def _run_quarantine(quarantine: Quarantine, model: str, version: str) -> None:
+        try:
+            if quarantine.quarantine(model, version):
+                log.warning("quarantined %s %s: %s", model, version, "its traffic moved")
+        except Exception:  # never let a quarantine end the mesh's own threads
+            log.exception("quarantine of %s %s failed", model, version)
+
+    def _check_revived(self) -> bool:
+        """One readiness check of each process started again and not yet ready (a check
+        answers within its own short timeout); whether any finished waiting."""
+        done = False
+        for name, (child, deadline) in list(self._reviving.items()):
+            if self.supervisor.children.get(name) is not child or not child.alive():
+                ready, late = False, False  # replaced, or exited again: the next round sees it
+            else:
+                ready = child.ready is None or child.ready.check()
+                late = not ready and time.monotonic() > deadline
+                if late:
+                    description = child.ready.description if child.ready else "ready"
+                    log.error("%s started again but is not %s yet", name, description)
+                elif ready:
+                    log.warning("%s is ready again (pid %d)", name, child.pid)
+            if ready or late or self.supervisor.children.get(name) is not child:
+                if child.ready is not None:
+                    child.ready.close()
+                with self._restart_lock:
+                    if self._reviving.get(name, (None,))[0] is child:
+                        del self._reviving[name]
+                done = True
+        return done
+
+    def _forget_restarts(self, name: str) -> None:
+        with self._restart_lock:
+            self._restarts.forget(name)
+            self._crashed.pop(name, None)
+            self._reviving.pop(name, None)
+
+    def _status_changed(self) -> None:
+        """Rewrite the fleet status after a change made outside the fleet's thread (a
+        drill's kill or restart), while the mesh runs."""
+        if self._fleet_thread is not None:
+            self._write_fleet_status()
+
+    def _state_of(self, name: str) -> str:
+        """What the fleet status says a process is doing: running, restarting (exited,
+        the mesh starts it again), held (killed on purpose, until restart()), exited."""
+        child = self.supervisor.children.get(name)
+        if child is None:
+            return "stopped"
+        if child.alive():
+            return "running"
+        if child.held:
+            return "held"
+        if not child.stopped and self._revives(child):
+            return "restarting"
+        return "exited"
+
+    def _restart_fields(self, name: str, records: Mapping[str, RestartRecord]) -> dict[str, object]:
+        record = records.get(name, RestartRecord())
+        return {
+            "state": self._state_of(name),
+            "restarts": record.restarts,
+            "last_exit": record.last_exit,
+        }
 
     def _write_fleet_status(self) -> None:
-        pids = self.pids()
-        status = {
-            "instances": {
-                name: {
-                    # Every replica's name starts with its kind (spec.instance_name).
-                    "service": name.split("-", 1)[0],
-                    "generation": generation,
-                    "pid": pids.get(name),
-                }
-                for name, generation in sorted(self._fleet.items())
+        """The fleet status file (servemesh.rollout.fleet.fleet_status, `servemesh fleet
+        show`): every replica of the fleet by instance, and the mesh's other processes it
+        starts again (registry, trace store, per-zone Envoys) under `processes`, each with
+        its state, its restarts after unexpected exits and the last such exit's status."""
+        with self._restart_lock:
+            pids = self.pids()
+            records = self._restarts.snapshot()
+            status = {
+                "instances": {
+                    name: {
+                        # Every replica's name starts with its kind (spec.instance_name).
+                        "service": name.split("-", 1)[0],
+                        "generation": generation,
+                        "pid": pids.get(name),
+                        **self._restart_fields(name, records),
+                    }
+                    for name, generation in sorted(self._fleet.items())
+                },
+                "processes": {
+                    name: {
+                        "service": child.launch.group,
+                        "pid": child.pid,
+                        **self._restart_fields(name, records),
+                    }
+                    for name, child in sorted(self.supervisor.children.items())
+                    if name not in self._fleet and self._revives(child)
+                },
             }
-        }
-        atomic_write_text(self.fleet_status_path, json.dumps(status, indent=2))
+            atomic_write_text(self.fleet_status_path, json.dumps(status, indent=2))
 
     # --- internals -----------------------------------------------------------------
 
@@ -512,13 +773,15 @@ class Mesh:
             "--instance",
             name,
         ]
-        run_as = self.model_user if instance.service == "model" else None
+        run_as = self.pool_user(instance.pool) if instance.service == "model" else None
         if run_as is not None:
-            # Its own pair readable by its user (a replica the fleet added included).
+            # Its own pair readable by its user (a replica the fleet added included), and
+            # the files it writes its own.
             share_identity(mesh_identity(self.spec), [name], run_as)
+            own_written(self.state_dir, name, run_as)
         if self.network is not None and instance.service != "registry":
             # `ip netns exec` needs root: the user changes inside the namespace, in the
-            # setpriv that drops the capabilities (servemesh.netns.drop_privileges_argv).
+            # setpriv that drops the capabilities (servemesh.procs.netns.drop_privileges_argv).
             death_signal = self.supervisor.death_signal if run_as is not None else None
             argv = self.network.exec_argv(
                 instance.zone, argv, run_as=run_as, death_signal=death_signal
@@ -542,10 +805,20 @@ class Mesh:
             return {}
         return {CONTROL_VERIFIER_ENV: token_digest(ensure_control_token(self.state_dir))}
 
+    def pool_user(self, pool: str) -> RunAs | None:
+        """The user a pool's model servers run as: a user of its own for each pool when the
+        mesh picks the users itself (`sandbox.model_user: auto`), else the one user named
+        (None: the mesh's own user)."""
+        if self.model_user is None:
+            return None
+        if self.spec.sandbox.model_user != "auto":
+            return self.model_user
+        return pool_users(self.model_user, self.spec.pool_names()).get(pool, self.model_user)
+
     def _isolate_model_servers(self) -> None:
         """Private again whatever an earlier run left open; then, when model servers run as
         a user of their own (root only: servemesh.procs.sandbox), share with that user's
-        group exactly what they read (servemesh.state_dir)."""
+        group exactly what they read (servemesh.state.sharing)."""
         tighten(self.state_dir)
         self.model_user, why = model_user(self.spec.sandbox.model_user, self.state_dir)
         (log.warning if "not isolated" in why else log.info)(why)
@@ -579,8 +852,49 @@ class Mesh:
             # Writes to strings published as keyspace events: the feature services' change
             # feed (services/feature/changes.py) for caches that answer without a read.
             settings=(KEYSPACE_EVENTS,),
+            replicated=self.spec.feature_store.topology == "replicated",
         )
         self.redis.start(timeout_s=max(0.0, deadline - time.monotonic()))
+        if self.spec.feature_store.topology == "replicated":
+            self._start_store_replicas(deadline)
+
+    def _start_store_replicas(self, deadline: float) -> None:
+        """A replicated store: the primary (started) persists, a replica per zone follows
+        it, and a Sentinel per zone watches it. Every server gets the primary's settings:
+        Sentinel may promote any of them."""
+        spec, primary = self.spec, self.redis
+        assert primary is not None
+        store = spec.feature_store
+        primary_at = f"{primary.host} {primary.port}"
+        for zone in spec.zones:
+            replica = RedisServer(
+                self.supervisor,
+                self.state_dir / f"redis-replica-{zone}",
+                host=spec.host,
+                port=spec.store_ports[f"replica-{zone}"],
+                name=f"redis-replica-{zone}",
+                password_file=primary.password_path,
+                settings=primary.settings,
+                replicated=True,
+                replica_of=primary_at,
+            )
+            replica.start(timeout_s=max(0.0, deadline - time.monotonic()))
+            self.store_replicas[zone] = replica
+        for zone in spec.zones:
+            sentinel = SentinelServer(
+                self.supervisor,
+                self.state_dir / f"redis-sentinel-{zone}",
+                primary=primary_at,
+                password_file=primary.password_path,
+                quorum=quorum_of(len(spec.zones)),
+                down_after_ms=store.sentinel_down_after_ms,
+                failover_timeout_ms=store.sentinel_failover_timeout_ms,
+                host=spec.host,
+                port=spec.store_ports[f"sentinel-{zone}"],
+                name=f"redis-sentinel-{zone}",
+            )
+            sentinel.start(timeout_s=max(0.0, deadline - time.monotonic()))
+            self.sentinels[zone] = sentinel
 
     def _join_zone_network(self) -> None:
         """Create the zones' namespaces and join them to the machine's loopback: each
@@ -611,6 +925,9 @@ class Mesh:
         redis_port = urllib.parse.urlparse(spec.redis_url).port
         if redis_port:
             shared.append(redis_port)
+        # A replicated store's replicas and Sentinels (the zones reach every one: a zone's
+        # services ask any Sentinel, and write to whichever server is the primary).
+        shared += spec.store_ports.values()
         if own_envoy:
             for zone in spec.zones:
                 zone_ports[zone] += [spec.mesh_ports[zone], spec.proxy_stats_port(zone)]
@@ -682,7 +999,7 @@ class Mesh:
             )
 
     def _start_batch_scheduler(self, deadline: float) -> None:
-        """The spec's `batch:` jobs, run when due (servemesh.cli.batch_scheduler), when it has
+        """The spec's `batch:` jobs, run when due (servemesh.batch.scheduler), when it has
         any; ready once it wrote its ready file (before its first round)."""
         if not self.spec.batch:
             return
@@ -690,7 +1007,7 @@ class Mesh:
 
         ready = ready_path(self.state_dir)
         ready.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "servemesh.cli.batch_scheduler"]
+        argv = [sys.executable, "-m", "servemesh.batch.scheduler"]
         argv += ["--state-dir", str(self.state_dir)]
         self.supervisor.start(
             "batch-scheduler",
@@ -704,6 +1021,10 @@ class Mesh:
         """The scaler (python -m servemesh.scaling), when asked for and the spec's scaling is
         on; ready once it wrote its ready file (before its first round)."""
         if not self.scaler or not self.spec.scaling.enabled:
+            return
+        if self.spec.discovery.backend == "dns":
+            # Replicas are whoever the names resolve to; the scaler would only hold.
+            log.info("scaler not started: discovery.backend dns (the names' owner scales)")
             return
         from servemesh.scaling.__main__ import ready_path
 

@@ -25,6 +25,11 @@ normal rows) beside the source. What is measured becomes the version's metrics:
 
 A derivation beyond the limits (`max_abs_error`, `min_agreement`) is refused
 (`QuantizeRefused`) with the numbers, and nothing is pushed.
+
+None of it runs in the caller's process: the source is loaded, rewritten, scripted and run
+in a sandboxed child (`python -m servemesh.quantize`: `servemesh.sandbox.child` with a
+`derive` op), the derived bytes come back as bytes, and the derived model is run in a
+sandboxed child of its own (docs/security.md, "Offline runs"). This process compares arrays.
 """  # noqa: E501
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,11 +45,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
 
 if TYPE_CHECKING:
     import torch
 
+    from servemesh.sandbox.child import Loaded
+    from servemesh.sandbox.frames import Frame
+    from servemesh.sandbox.model import SandboxedModel
     from servemesh.services.model.tensors import Signature
 
 Method = Literal["int8", "fp16", "bf16"]
@@ -52,7 +61,12 @@ DEFAULT_MAX_ABS_ERROR = 0.05
 DEFAULT_MIN_AGREEMENT = 0.99
 # How a label is read from an output with one column.
 LABEL_THRESHOLD = 0.5
+# Loading, converting and scripting a big model in its sandbox: seconds, sometimes minutes.
+SANDBOX_TIMEOUT_S = 600.0
 _FLOAT_DATATYPES = frozenset({"FP16", "BF16", "FP32", "FP64"})
+# The sandboxed child that derives: this module's `main`.
+ENTRY: tuple[str, ...] = ("-m", "servemesh.quantize")
+DERIVE_OP = "derive"
 
 
 class QuantizeError(ServemeshError):
@@ -132,14 +146,7 @@ def quantize_version(
     Raises QuantizeError when the version cannot be derived, QuantizeRefused when the
     derived model answers beyond `max_abs_error` or below `min_agreement`.
     """
-    from servemesh.edge.export import (
-        ExportError,
-        answers_of,
-        load_original,
-        program_of,
-        reference_rows,
-        signature_of,
-    )
+    from servemesh.edge.export import ExportError, reference_rows, signature_of
 
     if to not in METHODS:
         raise QuantizeError(f"--to {to!r} is not one of {sorted(METHODS)}")
@@ -147,31 +154,36 @@ def quantize_version(
         raise QuantizeError("--max-abs-error must be finite and not negative")
     if not 0 <= min_agreement <= 1:
         raise QuantizeError("--min-agreement must be between 0 and 1")
+    from servemesh.sandbox.model import ModelCrashed, ModelFailed
+
     where = f"{record.model} {record.version}"
-    # The rewrite first: a model it cannot cover is refused before any rows are run.
     try:
         signature = signature_of(record)
-        program, _ = program_of(data, record, signature)
     except ExportError as exc:
         raise QuantizeError(str(exc)) from None
-    if program.call_spec.out_spec is not None and program.call_spec.out_spec.type is dict:
-        raise QuantizeError(f"{where}: the model returns a dict; quantize serves tensor outputs")
-    module, layers = _derive(program, signature, to, where)
-    derived = _script(module, where)
-
     reference = _reference(signature, rows if rows is not None else reference_rows(signature))
     count = int(next(iter(reference.values())).shape[0])
-    try:
-        source = load_original(data, record, signature, count)
-        expected = answers_of(source, signature, reference)
-    except ExportError as exc:
-        raise QuantizeError(str(exc)) from None
-    except Exception as exc:
-        # Drawn rows can be outside what the model takes (an index past its table).
-        raise QuantizeError(
-            f"{where}: the source model fails on the reference rows ({_first_line(exc)}); "
-            "give rows it takes with --reference"
-        ) from None
+    with _open(data, record, signature, count, ENTRY, "") as source:
+        # The rewrite first: a model it cannot cover is refused before any rows are run.
+        try:
+            answer = source.ask(DERIVE_OP, {"to": to})
+        except ModelFailed as exc:
+            if exc.kind == "refused":
+                raise QuantizeError(str(exc)) from None
+            raise QuantizeError(f"{where}: the derivation failed ({exc.error}: {exc})") from None
+        except ModelCrashed as exc:
+            raise QuantizeError(f"{where}: the derivation: {exc}") from None
+        derived, layers = answer.blob, answer.header.get("layers")
+        if not isinstance(layers, int) or isinstance(layers, bool) or not derived:
+            raise QuantizeError(f"{where}: the sandboxed derivation answered a malformed frame")
+        try:
+            expected = _answers(source, signature, reference)
+        except (ModelFailed, ModelCrashed) as exc:
+            # Drawn rows can be outside what the model takes (an index past its table).
+            raise QuantizeError(
+                f"{where}: the source model fails on the reference rows ({_why(exc)}); "
+                "give rows it takes with --reference"
+            ) from None
     got = _answers_of_derived(derived, record, signature, reference, count, to)
     accuracy = measure_accuracy(signature, expected, got)
     if accuracy.max_abs_error > max_abs_error or accuracy.label_agreement < min_agreement:
@@ -393,7 +405,7 @@ def _script(module: Any, where: str) -> bytes:
     """TorchScript bytes of the rewritten module, the same bytes for the same weights."""
     import torch
 
-    from servemesh.demo import canonical_torchscript
+    from servemesh.contract.demo import canonical_torchscript
 
     try:
         with warnings.catch_warnings():
@@ -416,9 +428,10 @@ def _answers_of_derived(
     count: int,
     to: str,
 ) -> list[Any]:
-    """The derived model's answers, loaded as a model server loads it (guard and runner)."""
-    from servemesh.edge.export import ExportError, answers_of, load_original
+    """The derived model's answers, loaded as a model server loads it (guard and runner), in
+    a sandboxed child of its own."""
     from servemesh.registry.records import TensorSpec
+    from servemesh.sandbox.model import ModelCrashed, ModelFailed, SandboxedModelError
 
     derived_record = VersionRecord(
         model=record.model,
@@ -429,15 +442,99 @@ def _answers_of_derived(
         outputs=[TensorSpec(t.name, t.datatype, t.shape) for t in signature.outputs],
     )
     try:
-        runner = load_original(data, derived_record, signature, count)
-        return answers_of(runner, signature, rows)
-    except ExportError as exc:
-        raise QuantizeError(f"the derived model does not load: {exc}") from None
-    except Exception as exc:
+        with _open(data, derived_record, signature, count, None, "the derived model does not "
+                   "load: ") as derived:  # fmt: skip
+            return _answers(derived, signature, rows)
+    except (ModelFailed, ModelCrashed) as exc:
         raise QuantizeError(
             f"{record.model} {record.version} as {to}: the derived model fails on the "
-            f"reference rows: {_first_line(exc)}"
+            f"reference rows: {_why(exc)}"
         ) from None
+    except SandboxedModelError as exc:  # pragma: no cover - every kind is named above
+        raise QuantizeError(f"the derived model: {exc}") from None
+
+
+def _open(
+    data: bytes,
+    record: Any,
+    signature: Signature,
+    rows: int,
+    entry: Sequence[str] | None,
+    refused: str,
+) -> SandboxedModel:
+    """`data` in a sandboxed child (its sha256 checked here first); `entry`: this module's
+    child (None: the plain one). QuantizeError, prefixed with `refused`, when it does not
+    load."""
+    from servemesh.sandbox.model import CHILD_ENTRY, SandboxedModel, SandboxedModelError
+    from servemesh.services.model.runner import ArtifactMismatch, verify_artifact
+
+    where = f"{record.model} {record.version}"
+    try:
+        verify_artifact(data, record.sha256)
+        return SandboxedModel.open(
+            data,
+            declared=signature,
+            model=record.model,
+            version=record.version,
+            max_batch_size=max(rows, 1),
+            num_threads=None,
+            timeout_s=SANDBOX_TIMEOUT_S,
+            entry=CHILD_ENTRY if entry is None else entry,
+        )
+    except (ArtifactMismatch, SandboxedModelError) as exc:
+        raise QuantizeError(f"{refused}{where}: {exc}") from None
+
+
+def _answers(
+    model: SandboxedModel, signature: Signature, rows: Mapping[str, np.ndarray]
+) -> list[np.ndarray]:
+    answer = model.run({t.name: rows[t.name] for t in signature.inputs})
+    return [answer[t.name] for t in signature.outputs]
+
+
+def _why(exc: BaseException) -> str:
+    error = getattr(exc, "error", "")
+    return f"{error}: {exc}" if error else str(exc)
+
+
+# --- the sandboxed child -------------------------------------------------------------------
+
+
+def _derive_op(loaded: Loaded, frame: Frame) -> Frame:
+    """The `derive` op, in the child: the program (stored or converted), rewritten and
+    scripted; the derived TorchScript bytes, and how many layers changed."""
+    from servemesh.edge.export import ExportError, program_of
+    from servemesh.sandbox.frames import Frame
+
+    to = frame.header.get("to")
+    if to not in METHODS:
+        raise QuantizeError(f"--to {to!r} is not one of {sorted(METHODS)}")
+    where = f"{loaded.model} {loaded.version}"
+    try:
+        program, _ = program_of(loaded.data, loaded, loaded.signature)
+    except ExportError as exc:
+        raise QuantizeError(str(exc)) from None
+    if program.call_spec.out_spec is not None and program.call_spec.out_spec.type is dict:
+        raise QuantizeError(f"{where}: the model returns a dict; quantize serves tensor outputs")
+    module, layers = _derive(program, loaded.signature, to, where)
+    return Frame({"layers": layers}, blob=_script(module, where))
+
+
+def _prepare() -> None:
+    """What the derivation imports, loaded before the child's walls go up."""
+    import torch._export.converter  # noqa: F401
+    import torch.ao.nn.quantized.dynamic  # noqa: F401
+    import torch.ao.quantization  # noqa: F401
+
+    import servemesh.contract.demo  # noqa: F401
+    import servemesh.edge.export  # noqa: F401
+
+
+def main() -> int:
+    """`python -I -B -m servemesh.quantize`: the sandboxed child that derives."""
+    from servemesh.sandbox.child import serve
+
+    return serve({DERIVE_OP: _derive_op}, _prepare)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -479,3 +576,7 @@ def measure_accuracy(signature: Signature, expected: Sequence[Any], got: Sequenc
         agree = same if agree is None else agree & same
     share = float(agree.mean()) if agree is not None and agree.size else 1.0
     return Accuracy(rows=rows, max_abs_error=round(largest, 6), label_agreement=round(share, 4))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,9 +12,9 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from servemesh.control_credential import control_metadata_for
-from servemesh.demo import DEMO_FEATURES, demo_features, source_artifact
-from servemesh.errors import ServemeshError
+from servemesh.contract.control_credential import control_metadata_for
+from servemesh.contract.demo import DEMO_FEATURES, demo_features, source_artifact
+from servemesh.contract.errors import ServemeshError
 from servemesh.spec import MeshSpec, ResolvedSpec
 
 SeedStep = Callable[[ResolvedSpec, grpc.aio.Channel], Awaitable[None]]
@@ -63,7 +63,7 @@ async def push_seed_version(
 
 async def seed_demo(spec: ResolvedSpec, registry: grpc.aio.Channel) -> None:
     """Push the demo model versions to the registry and demo features to Redis."""
-    from servemesh.demo import demo_signature
+    from servemesh.contract.demo import demo_signature
 
     for model_name, model in spec.models.items():
         for version, version_spec in model.versions.items():

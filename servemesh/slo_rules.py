@@ -19,10 +19,10 @@ from typing import Any, Literal
 
 from prometheus_client.utils import floatToGoString
 
-from servemesh.durations import duration_seconds
-from servemesh.rollout_plan import SloSpec
+from servemesh.contract.wire import LATENCY_BUCKETS_S, SLI_FAILURE_CODES
 from servemesh.spec import MeshSpec
-from servemesh.wire import LATENCY_BUCKETS_S, SLI_FAILURE_CODES
+from servemesh.spec.durations import duration_seconds
+from servemesh.spec.rollout_plan import SloSpec
 
 # The scrape job of every service instance (servemesh.procs.prometheus's config): the
 # rules that read process metrics select it.

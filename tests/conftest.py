@@ -48,13 +48,19 @@ MESH_PATHS = (
     "tracing/test_mesh_traces.py",
 )
 # Tests that start no Envoy but run whole commands or clusters for seconds each (the batch
-# command in child processes, a Dask cluster): marked `slow`, left out of the fast lane
-# (`make test-fast` runs `-m "not mesh and not slow"`), run by `make test`.
+# command in child processes, a Dask cluster), or a sandboxed child that imports
+# torch.export (and, to export, the ONNX stack) for each test: 5 to 19 s a test, half the
+# no-mesh lane's time between them. Marked `slow`, left out of the fast lane (`make
+# test-fast` runs `-m "not mesh and not slow"`), run by `make test`.
 SLOW_PATHS = (
     "batch/test_dask_engine.py",
     "batch/test_outputs.py",
     "batch/test_resume.py",
     "batch/test_schedule.py",
+    "model/test_quantize.py",
+    "model/test_model_bench.py",
+    "edge/test_export.py",
+    "edge/test_sync.py",
 )
 # `make test` runs the suite on three workers (pytest-xdist, `--dist loadgroup`): each test is
 # in a group that runs whole on one worker, in collection order. A module is its own group,
@@ -62,6 +68,10 @@ SLOW_PATHS = (
 # are one group; and tests that make network namespaces are one group, so they never run side
 # by side (each picks its subnet at random from one range, and cleans up what it made).
 PACKAGE_MESHES = ("metrics/", "fuzz/", "tracing/")
+# Tests that build and start the images (`make images`): marked `containers`, run by `make
+# test` after the others (on their own) and by `make test-containers`, and skipped where no
+# Docker engine answers.
+CONTAINER_PATHS = ("containers/",)
 NETNS_PATHS = ("netns/", "chaos/test_partition.py", "mesh/test_up_command.py")
 _TESTS = Path(__file__).parent
 
@@ -100,6 +110,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.mesh)
         if _under(item.path, SLOW_PATHS):
             item.add_marker(pytest.mark.slow)
+        if _under(item.path, CONTAINER_PATHS):
+            item.add_marker(pytest.mark.containers)
         item.add_marker(pytest.mark.xdist_group(worker_group(item, on_mesh_package)))
 
 
@@ -127,12 +139,36 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(GroupOrder(), "servemesh-group-order")
+    # pytest-xdist's `--dist loadgroup` hands out groups sorted by their number of tests
+    # unless told not to (`--loadscope-reorder`, its default): the one-test drill modules
+    # then ran last, each alone for a minute beside idle workers. The groups go in
+    # GroupOrder's order instead (the costliest first).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     if config.option.markexpr.replace(" ", "").startswith("notmesh"):
         # The fast lane: nothing may start Envoy, session fixtures included. Test modules
         # are imported after this, so their own `from ... import envoy_command` gets it too.
         process.envoy_command = _envoy_refused
         # launcher imports the name without re-exporting it; its copy is replaced as well.
         launcher.envoy_command = _envoy_refused  # type: ignore[attr-defined]
+
+
+# Tests without Envoy that still take seconds each: each runs model code in sandboxed
+# children (an interpreter importing torch, 2-5 s apiece) or a command in a child
+# interpreter. Seconds per test, about what `--durations=0` shows on a quiet machine
+# (docs/testing.md, 2026-12-05 evening); without them these modules sorted among the
+# quick ones and started last.
+HEAVY_PATHS = {
+    "model/test_quantize.py": 15.0,
+    "edge/test_export.py": 15.0,
+    "edge/test_sync.py": 7.0,
+    "batch/test_score.py": 5.0,
+    "model/test_model_bench.py": 4.0,
+    "unit/test_demo_artifact.py": 4.0,
+    "sandbox/": 3.0,
+    "feature/test_load_cli.py": 3.0,
+    "unit/test_floor_plan.py": 1.0,
+}
 
 
 def _cost(item: pytest.Item) -> float:
@@ -143,7 +179,10 @@ def _cost(item: pytest.Item) -> float:
     if item.get_closest_marker("mesh") is not None:
         return 4.0
     if item.get_closest_marker("slow") is not None:
-        return 3.0
+        return 10.0
+    for prefix, seconds in HEAVY_PATHS.items():
+        if relative.startswith(prefix):
+            return seconds
     return 0.1
 
 

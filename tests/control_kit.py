@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from servemesh.control_credential import Metadata, control_metadata, control_token_path
+from servemesh.contract.control_credential import Metadata, control_metadata, control_token_path
 from servemesh.identity import Dial
 from servemesh.services.runtime import ServiceServer
 

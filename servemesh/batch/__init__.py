@@ -10,7 +10,8 @@ registry artifact, in full batches, into Parquet, PostgreSQL or Redis (docs/batc
 | `writers` | Parquet, PostgreSQL and Redis outputs, each complete or not there |
 | `checkpoint` | what an interrupted run leaves, and what `--resume` continues from |
 | `job` | one run: read, score, write, checkpoint, chunk by chunk |
+| `runs` | a run against a running mesh (its registry and Redis), recorded in the history |
 | `schedule` | the spec's `batch:` jobs and when each is due |
-| `scheduler` | the process `servemesh up` starts to run them when due |
+| `scheduler` | a round of the due jobs, and the process `servemesh up` starts to run them |
 | `history` | one record per run, under the state dir |
 """

@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from servemesh.atomic import atomic_write_bytes
 from servemesh.batch.errors import BatchError
-from servemesh.private import private_dir
+from servemesh.contract.atomic import atomic_write_bytes
+from servemesh.contract.private import private_dir
 
 CHECKPOINT = "checkpoint.json"
 IDS = "ids.txt"

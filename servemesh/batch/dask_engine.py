@@ -6,12 +6,14 @@ output and the checkpoint, chunk by chunk in order, so `--resume` and the output
 complete or not there work as they do in-process. Each chunk is one Dask task:
 
 - the worker loads the model once (cached in the worker process by sha256) from the
-  artifact bytes the driver verified and scattered to the workers, with the model servers'
-  loader (`ModelRunner.from_bytes`: the sha256 checked again, the operator allowlist applied
-  before torch parses a byte); nothing is unpickled from the artifact;
+  artifact bytes the driver verified and scattered to the workers: the sha256 checked
+  again, then loaded in a sandboxed child of the worker (`servemesh.sandbox`: its own
+  process and user, a syscall filter) through the model servers' guard, where it runs; the
+  worker sends rows and gets arrays back, and nothing is unpickled from the artifact;
 - it reads its chunk's rows from the online store with the same MGET (pointer key last)
   and selects them with the same code (`chunk.select_chunk`);
-- it scores them and returns the ids and outputs to the driver.
+- it scores them in batches of `--batch-size` rows and returns the ids and outputs to the
+  driver. The driver runs no model code at all.
 
 At most a few chunks per worker thread are in flight; the driver takes their answers in
 chunk order. The Redis password never enters a task: a task names a file holding it
@@ -43,7 +45,8 @@ from servemesh.batch.errors import BatchError
 from servemesh.batch.scorer import Scorer, ViewInput
 from servemesh.batch.source import read_rows_sync
 from servemesh.services.model.tensors import Signature
-from servemesh.spec import MeshSpec
+from servemesh.spec import MeshSpec, ResolvedSpec
+from servemesh.spec.store_clients import store_sentinels, writer_at_sync
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -64,6 +67,9 @@ class RedisAccess:
 
     url: str
     password_file: str | None
+    # A replicated store's Sentinels: a worker writes to the primary they name (empty: the
+    # single store at `url`).
+    sentinels: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -78,11 +84,12 @@ class WorkerModel:
     inputs: tuple[ViewInput, ...]
     inject_latency_ms: float
     num_threads: int | None
+    batch_size: int  # rows per call of the sandboxed model
 
 
-def worker_model(scorer: Scorer) -> WorkerModel:
+def worker_model(scorer: Scorer, batch_size: int) -> WorkerModel:
     assert scorer.artifact is not None, "load_scorer(keep_artifact=True) for a dask run"
-    threads = scorer.runner.num_threads
+    threads = scorer.num_threads
     return WorkerModel(
         model=scorer.model,
         version=scorer.version,
@@ -90,10 +97,11 @@ def worker_model(scorer: Scorer) -> WorkerModel:
         format=scorer.artifact.format,
         signature=scorer.signature,
         inputs=tuple(scorer.inputs),
-        inject_latency_ms=scorer.runner.inject_latency_s * 1000.0,
+        inject_latency_ms=scorer.inject_latency_ms,
         # One intra-op thread per Dask thread unless --threads says otherwise: the cluster's
         # parallelism is its worker threads.
         num_threads=threads if threads is not None else 1,
+        batch_size=batch_size,
     )
 
 
@@ -115,12 +123,13 @@ def redis_access(spec: MeshSpec, run_dir: RunDir) -> RedisAccess:
         url = urlunsplit(parts._replace(netloc=netloc))
         if password_file is None:
             # Written once, 0600 in the run's 0700 folder, removed with it.
-            from servemesh.atomic import atomic_write_bytes
+            from servemesh.contract.atomic import atomic_write_bytes
 
             path = run_dir.path / PASSWORD_FILE
             atomic_write_bytes(path, parts.password.encode(), mode=0o600)
             password_file = str(path.resolve())
-    return RedisAccess(url, password_file)
+    sentinels = tuple(store_sentinels(spec)) if isinstance(spec, ResolvedSpec) else ()
+    return RedisAccess(url, password_file, sentinels)
 
 
 # --- the driver --------------------------------------------------------------------------
@@ -222,7 +231,8 @@ def dask_setup(worker: object) -> None:
 
 
 _lock = threading.Lock()
-_models: dict[tuple[str, str, int | None], Scorer] = {}
+# One sandboxed child per model a worker keeps; tasks of a worker share it (its lock).
+_models: dict[tuple[str, str, int | None, int], Scorer] = {}
 _clients: dict[RedisAccess, Redis] = {}
 
 
@@ -239,49 +249,45 @@ def score_chunk(
     except redis_py.RedisError as exc:
         raise BatchError(f"--engine dask: a worker cannot read the online store: {exc}") from None
     selected = select_chunk(plan, ids, rows)
-    outputs = scorer.score(selected.matrices) if selected.kept else {}
+    outputs = scorer.score_batches(selected.matrices, model.batch_size) if selected.kept else {}
     return ScoredChunk(selected.kept, outputs, selected.missing, selected.filtered)
 
 
 def _scorer(model: WorkerModel, artifact: bytes) -> Scorer:
-    key = (model.sha256, model.version, model.num_threads)
+    key = (model.sha256, model.version, model.num_threads, model.batch_size)
     with _lock:
         found = _models.get(key)
         if found is not None:
             return found
-        from servemesh.services.model.artifacts import ArtifactError
-        from servemesh.services.model.runner import ArtifactMismatch, ModelRunner
+        from servemesh.batch.scorer import open_sandboxed
 
-        fmt: Any = model.format
-        try:
-            runner = ModelRunner.from_bytes(
-                artifact,
-                sha256=model.sha256,
-                model=model.model,
-                version=model.version,
-                format=fmt,
-                signature=model.signature,
-                inject_latency_ms=model.inject_latency_ms,
-                num_threads=model.num_threads,
-            )
-        except (ArtifactMismatch, ArtifactError) as exc:
-            raise BatchError(f"model {model.model!r} version {model.version!r}: {exc}") from None
+        sandboxed = open_sandboxed(
+            artifact,
+            model=model.model,
+            version=model.version,
+            sha256=model.sha256,
+            signature=model.signature,
+            batch_size=model.batch_size,
+            num_threads=model.num_threads,
+            inject_latency_ms=model.inject_latency_ms,
+        )
         scorer = Scorer(
             model=model.model,
             version=model.version,
             sha256=model.sha256,
             signature=model.signature,
-            runner=runner,
             inputs=list(model.inputs),
+            sandboxed=sandboxed,
+            num_threads=model.num_threads,
+            inject_latency_ms=model.inject_latency_ms,
         )
         while len(_models) >= _MODELS_KEPT:
-            _models.pop(next(iter(_models)))
+            _models.pop(next(iter(_models))).close()
         _models[key] = scorer
         return scorer
 
 
 def _client(access: RedisAccess) -> Redis:
-    from redis import Redis
 
     with _lock:
         found = _clients.get(access)
@@ -295,6 +301,8 @@ def _client(access: RedisAccess) -> Redis:
                         f"--engine dask: a worker cannot read the Redis password file "
                         f"{access.password_file} (remote workers need it at the same path)"
                     ) from None
-            found = Redis.from_url(access.url, password=password, socket_connect_timeout=5.0)
+            found = writer_at_sync(
+                access.url, password, access.sentinels, socket_connect_timeout=5.0
+            )
             _clients[access] = found
         return found

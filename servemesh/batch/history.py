@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from servemesh.private import private_dir
+from servemesh.contract.private import private_dir
 
 HISTORY = Path("batch") / "history.jsonl"
 

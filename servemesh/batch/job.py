@@ -199,6 +199,9 @@ async def run_score(
         )
     resuming = job.resume and saved is not None
     version = saved.job["version"] if resuming and saved else (job.version or job.alias)
+    # In process, the model runs in a sandboxed child of this run (one, loaded once, sent
+    # each chunk's batches); a Dask run's workers open their own, the mesh's servers serve.
+    in_process = job.engine == "process" and not job.through_mesh
     scorer = await load_scorer(
         registry,
         spec,
@@ -207,7 +210,31 @@ async def run_score(
         num_threads=num_threads,
         device=device,
         keep_artifact=job.engine == "dask",
+        batch_size=job.batch_size if in_process else None,
     )
+    try:
+        return await _run_loaded(job, spec, redis, run_dir, scorer, saved, resuming, progress,
+                                 after_chunk, mesh)  # fmt: skip
+    finally:
+        await asyncio.to_thread(scorer.close)
+
+
+async def _run_loaded(
+    job: ScoreJob,
+    spec: MeshSpec,
+    redis: aioredis.Redis,
+    run_dir: RunDir,
+    scorer: Scorer,
+    saved: Checkpoint | None,
+    resuming: bool,
+    progress: Progress | None,
+    after_chunk: Callable[[int], None] | None,
+    mesh: grpc.aio.Channel | None,
+) -> ScoreResult:
+    inputs = scorer.inputs
+    views = list(dict.fromkeys(i.view for i in inputs))
+    source_view = job.view or views[0]
+    entity = spec.entity_of(source_view)
     store = RedisFeatureStore(redis, spec.feature_store.key_prefix)
     pinned_at = saved.job.get("views", {}) if resuming and saved else {}
     pinned = {v: await pin_view(store, v, pinned_at.get(v)) for v in views}
@@ -331,7 +358,7 @@ async def _engine(
             ids,
             job.chunk_rows,
             plan,
-            dask_engine.worker_model(scorer),
+            dask_engine.worker_model(scorer, job.batch_size),
             scorer.artifact.data,
             dask_engine.redis_access(spec, run_dir),
         )

@@ -25,7 +25,7 @@ from croniter import croniter
 
 from servemesh.batch.history import RunRecord
 from servemesh.batch.job import ScoreJob
-from servemesh.private import private_dir
+from servemesh.contract.private import private_dir
 from servemesh.spec import BatchJobSpec
 
 LOCKS = Path("batch") / "jobs"
@@ -124,7 +124,7 @@ def job_lock(state_dir: Path, name: str) -> Iterator[bool]:
         os.close(fd)
 
 
-# The batch scheduler process (`python -m servemesh.cli.batch_scheduler`, started by `up`
+# The batch scheduler process (`python -m servemesh.batch.scheduler`, started by `up`
 # when the spec has jobs) writes this file once it runs: the launcher's readiness check.
 READY = Path("batch") / "scheduler.ready"
 

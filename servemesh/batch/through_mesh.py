@@ -37,10 +37,10 @@ import numpy as np
 from servemesh.batch.errors import BatchError
 from servemesh.batch.scorer import Scorer, wire_inputs
 from servemesh.batch.yielding import YieldingGate, YieldingWindow
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
+from servemesh.contract.wire import MODEL_HEADER, REQUEST_ID_HEADER, VERSION_HEADER
 from servemesh.services.model.tensors import Signature
 from servemesh.spec import MeshSpec
-from servemesh.wire import MODEL_HEADER, REQUEST_ID_HEADER, VERSION_HEADER
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 

@@ -17,18 +17,9 @@ Rows: the entity's id (a column named after the entity), every output of the mod
 number, or a list of numbers for an output wider than one value per row), then `model`,
 `version`, `sha256` (the artifact's) and `scored_at` (UTC, milliseconds).
 
-Redis layout (the precomputed tier reads it), `<p>` being the feature store's key prefix
-followed by `.scores` (`fs.scores`: never a view's key, whose names have no dot):
-
-| key | type | what |
-| --- | --- | --- |
-| `<p>:<model>:<version>:current` | string | the run number readers read |
-| `<p>:<model>:<version>:seq` | string | the last run number handed out (INCR) |
-| `<p>:<model>:<version>:runs` | set | run numbers whose keys may exist |
-| `<p>:<model>:<version>@<run>` | hash | model, version, sha256, rows, outputs (JSON list), source, started_at_ms, scored_at_ms (set when in place) |
-| `<p>:<model>:<version>@<run>:<entity>` | string | JSON: `{"outputs": {"score": [0.73]}, "scored_at_ms": 1714564800000}` |
-
-A reader MGETs the entities' keys with the pointer key last and uses the values when the
+Redis layout (the precomputed tier reads it): servemesh/contract/tier_keys.py, the one module that
+spells it. A run's keys are written under a new run number and the run pointer is set last;
+a reader MGETs the entities' keys with the pointer key last and uses the values when the
 pointer still names the run it read (runs are deleted only after they stopped being current).
 """  # noqa: E501
 
@@ -50,10 +41,10 @@ import redis.asyncio as aioredis
 
 from servemesh.batch.checkpoint import Checkpoint, RunDir
 from servemesh.batch.errors import BatchError
+from servemesh.contract.tier_keys import score_keys
 from servemesh.services.feature.store import DELETE_BATCH
 
 RESERVED = ("model", "version", "sha256", "scored_at")
-_GLOB_SPECIALS = str.maketrans({c: f"\\{c}" for c in "*?[]\\"})
 _TABLE = re.compile(r"^[a-z_][a-z0-9_]{0,45}$")
 
 
@@ -228,10 +219,6 @@ class ParquetOutput:
 # --- Redis -------------------------------------------------------------------------------
 
 
-def scores_prefix(key_prefix: str) -> str:
-    return f"{key_prefix}.scores"
-
-
 class RedisOutput:
     """The mesh's Redis: one new run number per run, flipped current at the end."""
 
@@ -248,7 +235,7 @@ class RedisOutput:
         entity: str,
     ) -> None:
         self.client = client
-        self.base = f"{scores_prefix(key_prefix)}:{model}:{version}"
+        self.keys = score_keys(key_prefix, model, version)
         self.model = model
         self.version = version
         self.sha256 = sha256
@@ -258,26 +245,23 @@ class RedisOutput:
         self.run = 0
 
     def describe(self) -> str:
-        return f"redis {self.base}"
-
-    def run_key(self, run: int) -> str:
-        return f"{self.base}@{run}"
+        return f"redis {self.keys.base}"
 
     async def open(self, checkpoint: Checkpoint, resuming: bool) -> None:
         if resuming:
             self.run = int(checkpoint.stage)
-            if not await self.client.exists(self.run_key(self.run)):
+            if not await self.client.exists(self.keys.run(self.run)):
                 raise BatchError(
-                    f"--out redis: run {self.run} of {self.base} is gone (a later run put its "
+                    f"--out redis: run {self.run} of {self.keys.base} is gone (a later run put its "
                     "output in place); start again without --resume"
                 )
             return  # rescored chunks overwrite the same keys: each entity once
-        self.run = int(await self.client.incr(f"{self.base}:seq"))
+        self.run = int(await self.client.incr(self.keys.seq))
         checkpoint.stage = str(self.run)
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.sadd(f"{self.base}:runs", self.run)
+            pipe.sadd(self.keys.runs, self.run)
             pipe.hset(
-                self.run_key(self.run),
+                self.keys.run(self.run),
                 mapping={
                     "model": self.model,
                     "version": self.version,
@@ -294,32 +278,33 @@ class RedisOutput:
         ids = table.column(0).to_pylist()
         scored = table.column("scored_at").cast(pa.int64()).to_pylist()
         outputs = {name: table.column(name).to_pylist() for name in self.output_names}
-        base = f"{self.run_key(self.run)}:"
         async with self.client.pipeline(transaction=False) as pipe:
             for row, entity in enumerate(ids):
                 value = {
                     "outputs": {name: _as_list(values[row]) for name, values in outputs.items()},
                     "scored_at_ms": scored[row],
                 }
-                pipe.set(base + entity, json.dumps(value, separators=(",", ":")))
+                pipe.set(
+                    self.keys.answer(self.run, entity), json.dumps(value, separators=(",", ":"))
+                )
             await pipe.execute()
 
     async def commit(self, checkpoint: Checkpoint) -> str:
         now = time.time_ns() // 1_000_000
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.hset(
-                self.run_key(self.run),
+                self.keys.run(self.run),
                 mapping={"rows": checkpoint.rows_written, "scored_at_ms": now},
             )
-            pipe.set(f"{self.base}:current", self.run)
+            pipe.set(self.keys.current, self.run)
             await pipe.execute()
-        for old in await self.client.smembers(f"{self.base}:runs"):
+        for old in await self.client.smembers(self.keys.runs):
             if int(old) != self.run:
                 await self._drop(int(old))
         return f"{self.describe()} run {self.run}"
 
     async def _drop(self, run: int) -> None:
-        pattern = f"{self.run_key(run).translate(_GLOB_SPECIALS)}:*"
+        pattern = self.keys.answers_pattern(run)
         batch: list[bytes] = []
         async for key in self.client.scan_iter(match=pattern, count=DELETE_BATCH):
             batch.append(key)
@@ -328,12 +313,12 @@ class RedisOutput:
                 batch = []
         if batch:
             await self.client.unlink(*batch)
-        await self.client.unlink(self.run_key(run))
-        await self.client.srem(f"{self.base}:runs", run)
+        await self.client.unlink(self.keys.run(run))
+        await self.client.srem(self.keys.runs, run)
 
     async def discard(self, checkpoint: Checkpoint) -> None:
         if checkpoint.stage:
-            current = await self.client.get(f"{self.base}:current")
+            current = await self.client.get(self.keys.current)
             if current is None or int(current) != int(checkpoint.stage):
                 await self._drop(int(checkpoint.stage))
 

@@ -1,6 +1,6 @@
 """From a step load's measurements to a capacity plan: replicas per kind, headroom, cost.
 
-The probe (servemesh/capacity_probe.py) drives one replica of each kind at rising rates
+The probe (servemesh/bench/capacity_probe.py) drives one replica of each kind at rising rates
 until the SLO breaks. The last step within the SLO (the knee) says what a call costs each
 kind in CPU;
 a replica given `cost.cores_per_replica` cores then carries that many cores' worth of
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from servemesh.atomic import atomic_write_text
+from servemesh.contract.atomic import atomic_write_text
 from servemesh.spec import CostSpec
 
 # The kinds a plan counts, in the order it prints them. Envoy and Redis are counted as

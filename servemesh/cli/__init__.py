@@ -1,7 +1,7 @@
 """The servemesh command line: one module per command group, registered from COMMANDS.
 
 Every command ends through `command` (servemesh/cli/command.py: a ServemeshError as one
-line and its exit status, servemesh/errors.py), prints through servemesh/cli/output.py,
+line and its exit status, servemesh/contract/errors.py), prints through servemesh/cli/output.py,
 and finds the mesh it talks to with `running_mesh` (servemesh/cli/mesh.py). docs/cli.md is
 generated from `build_parser` (python -m servemesh.cli.reference).
 """
@@ -24,6 +24,7 @@ from servemesh.cli import (
     chaos,
     check,
     compose,
+    down,
     edge,
     envoy_config,
     features,
@@ -37,6 +38,7 @@ from servemesh.cli import (
     rollout,
     routes,
     scale,
+    status,
     stream,
     top,
     trace,
@@ -47,6 +49,8 @@ from servemesh.cli.command import command
 # Each module's `register(sub)` adds its command (or commands) to the parser, in this order.
 COMMANDS: list[ModuleType] = [
     up,
+    status,
+    down,
     predict,
     check,
     routes,
@@ -80,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="servemesh",
         description="A gRPC serving mesh for PyTorch models",
-        epilog="exit statuses: 0 ok, 1 refused or bad input, 2 usage or no running mesh, "
-        "3 rolled back, 4 refused by a gate, 130 interrupted (docs/cli.md)",
+        epilog="exit statuses: 0 ok, 1 refused or bad input, 2 usage, 3 rolled back, "
+        "4 refused by a gate, 5 no running mesh, 130 interrupted (docs/cli.md)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for module in COMMANDS:

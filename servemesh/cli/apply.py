@@ -9,44 +9,25 @@ from rich.table import Table
 
 from servemesh.cli.mesh import add_mesh_flags, running_mesh
 from servemesh.cli.output import out
-from servemesh.proxy.apply import ApplyError
+from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_apply import LiveApply, LiveApplyResult
-from servemesh.proxy.live_plan import ApplyPlan, coalescing_text, logs_text
+from servemesh.proxy.live_plan import ApplyPlan
+from servemesh.state.paths import ApplyError
+
+# The change column's colour by sign: added, removed, changed.
+_STYLE = {"+": "green", "-": "red", "~": "yellow"}
 
 
 def plan_table(plan: ApplyPlan, title: str) -> Table:
-    """What changes: added and removed models, versions, views; weights; fallbacks;
-    routing, coalescing and logs."""
+    """Every change of the plan, one row each: the same changes, in the same order, as the
+    lines `routes history` records for it."""
     table = Table(title=title, title_justify="left")
     table.add_column("change")
     table.add_column("what")
     table.add_column("detail")
-    for model in plan.added_models:
-        table.add_row("[green]+ model[/green]", model, "")
-    for model in plan.removed_models:
-        table.add_row("[red]- model[/red]", model, "--prune")
-    for model, version in plan.added_versions:
-        table.add_row("[green]+ version[/green]", f"{model} {version}", "")
-    for model, version in plan.removed_versions:
-        table.add_row("[red]- version[/red]", f"{model} {version}", "")
-    for view in plan.added_views:
-        table.add_row("[green]+ feature view[/green]", view, "")
-    for view in plan.removed_views:
-        table.add_row("[red]- feature view[/red]", view, "--prune")
-    for model, (before, after) in sorted(plan.weights.items()):
-        old = " ".join(f"{v}={w}" for v, w in sorted(before.items())) or "-"
-        new = " ".join(f"{v}={w}" for v, w in sorted(after.items()))
-        table.add_row("[yellow]~ weights[/yellow]", model, f"{old} -> {new}")
-    for model, (old_score, new_score) in sorted(plan.fallback.items()):
-        table.add_row("[yellow]~ fallback_score[/yellow]", model, f"{old_score} -> {new_score}")
-    if plan.routing_changed:
-        table.add_row("[yellow]~ routing[/yellow]", "policy or shadow", "")
-    if plan.coalescing is not None:
-        old, new = (coalescing_text(c) for c in plan.coalescing)
-        table.add_row("[yellow]~ coalescing[/yellow]", "gateways", f"{old} -> {new}")
-    if plan.logs is not None:
-        old, new = (logs_text(c) for c in plan.logs)
-        table.add_row("[yellow]~ logs[/yellow]", "every service", f"{old} -> {new}")
+    for change in plan.changes():
+        style = _STYLE[change.sign]
+        table.add_row(f"[{style}]{change.sign} {change.kind}[/{style}]", change.what, change.detail)
     return table
 
 
@@ -70,6 +51,8 @@ def report(result: LiveApplyResult) -> None:
             versions = ", ".join(f"{m} {v}" for m, v in load.loaded)
             loads.add_row(load.replica, versions, f"{load.load_ms:.0f}")
         out.print(loads)
+    if result.started:
+        out.print(f"new pool started, serving and healthy in Envoy: {', '.join(result.started)}")
     if result.envoy is not None:
         out.print(
             f"applied as change #{result.envoy.entry_id}: Envoy serves config version "
@@ -84,7 +67,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         text = path.read_text()
     except OSError as exc:
         raise ApplyError(f"{path}: cannot read: {exc.strerror}") from None
-    applier = LiveApply(mesh.routes())
+    applier = LiveApply(RouteManager(mesh.paths))
     report(applier.apply(text, str(path), prune=args.prune, dry_run=args.dry_run))
     return 0
 
@@ -100,7 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     apply.add_argument(
         "--prune",
         action="store_true",
-        help="remove models and feature views the file leaves out (kept otherwise)",
+        help="remove models, feature views and versions the file leaves out (kept otherwise)",
     )
     apply.add_argument(
         "--dry-run", action="store_true", help="print the plan (registry checked), change nothing"

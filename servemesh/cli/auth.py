@@ -12,13 +12,13 @@ from __future__ import annotations
 import argparse
 import getpass
 import re
-import sys
 
 from servemesh.cli.mesh import add_mesh_flags, state_dir_of
-from servemesh.durations import duration_seconds
+from servemesh.cli.output import write
 from servemesh.identity.tokens import TokenError, mint_token
-from servemesh.proxy.apply import MeshPaths, NoRunningMesh
 from servemesh.spec import MeshSpec, load_spec
+from servemesh.spec.durations import duration_seconds
+from servemesh.state.paths import MeshPaths, NoRunningMesh
 
 _DURATION = re.compile(r"^(\d+(ms|s|m|h|d))+$")
 
@@ -48,7 +48,7 @@ def cmd_token(args: argparse.Namespace) -> int:
             f"traffic.edge_auth.mode: {mode}; the edge checks tokens only with mode jwt"
         )
     token = mint_token(spec, args.role, args.subject or getpass.getuser(), ttl_seconds(args.ttl))
-    sys.stdout.write(token + "\n")
+    write(token)
     return 0
 
 

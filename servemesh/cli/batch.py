@@ -4,12 +4,11 @@ registry's verified artifact over a feature view (docs/batch.md)."""
 from __future__ import annotations
 
 import argparse
-import asyncio
-import hashlib
+import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,88 +23,15 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from servemesh.batch.scheduler import Report, run_due
 from servemesh.cli import plan_tiers
-from servemesh.cli.mesh import RunningMesh, add_mesh_flags, recorded_state_dir, running_mesh
-from servemesh.cli.output import console, out
+from servemesh.cli.flags import add_output, deprecated
+from servemesh.cli.mesh import add_mesh_flags, recorded_state_dir, running_mesh
+from servemesh.cli.output import console, out, write
 
 if TYPE_CHECKING:
+    from servemesh.batch.history import RunRecord
     from servemesh.batch.job import ScoreJob, ScoreResult
-    from servemesh.spec import BatchJobSpec
-
-
-def run_dir_for(mesh_state: Path, job: ScoreJob) -> Path:
-    """A job's run folder: beside a Parquet output (same filesystem as its rename), under
-    the state dir for the other outputs."""
-    if job.kind == "parquet":
-        out_path = Path(job.out)
-        return out_path.parent / f".{out_path.name}.batch"
-    digest = hashlib.sha256(job.output_key().encode()).hexdigest()[:16]
-    return mesh_state / "batch" / "runs" / digest
-
-
-async def score(
-    mesh: RunningMesh,
-    job: ScoreJob,
-    progress: Callable[[int, int], None] | None,
-    threads: int | None,
-) -> ScoreResult:
-    """Run `job` against the mesh's registry and online store, in this process."""
-    import redis.asyncio as aioredis
-
-    from servemesh.batch.checkpoint import RunDir
-    from servemesh.batch.job import run_score
-    from servemesh.identity import dial_mesh, dial_registry
-    from servemesh.wire import message_size_options
-
-    spec = mesh.spec
-    client = aioredis.Redis.from_url(
-        spec.redis_url, password=spec.redis_password(), socket_connect_timeout=2.0
-    )
-    sizes = message_size_options(spec.limits.max_message_bytes)
-    channel = dial_registry(spec).aio_channel(options=sizes)
-    # --through-mesh: the first zone's mesh listener (Envoy balances over every zone's
-    # replicas of the version, the local zone's first).
-    served = dial_mesh(spec, spec.zones[0]).aio_channel(options=sizes) if job.through_mesh else None
-    try:
-        return await run_score(
-            job,
-            spec=spec,
-            registry=channel,
-            redis=client,
-            run_dir=RunDir(run_dir_for(mesh.state_dir, job)),
-            progress=progress,
-            num_threads=threads,
-            mesh=served,
-        )
-    finally:
-        if served is not None:
-            await served.close()
-        await channel.close()
-        await client.aclose()
-
-
-def record(mesh: RunningMesh, name: str, job: ScoreJob, result: ScoreResult | None, error: str,
-           started_ms: int, finished_ms: int | None = None) -> None:  # fmt: skip
-    from servemesh.batch.history import RunRecord, record_run
-
-    now = time.time_ns() // 1_000_000 if finished_ms is None else finished_ms
-    record_run(
-        mesh.state_dir,
-        RunRecord(
-            job=name,
-            model=job.model,
-            version=result.version if result else (job.version or job.alias or ""),
-            sha256=result.sha256 if result else "",
-            rows=result.rows if result else 0,
-            seconds=round(result.seconds, 3) if result else round((now - started_ms) / 1000, 3),
-            output=result.output if result else job.out,
-            source=result.source if result else "",
-            started_at_ms=started_ms,
-            finished_at_ms=now,
-            status="ok" if result else "failed",
-            error=error,
-        ),
-    )
 
 
 @contextmanager
@@ -160,7 +86,7 @@ def _job(args: argparse.Namespace) -> ScoreJob:
         version=args.version,
         alias=args.alias,
         view=args.view,
-        entities=Path(args.entities) if args.entities else None,
+        entities=Path(args.entity_ids) if args.entity_ids else None,
         entity_column=args.entity_column,
         table=args.table,
         chunk_rows=args.chunk_rows,
@@ -176,6 +102,8 @@ def _job(args: argparse.Namespace) -> ScoreJob:
 
 
 def cmd_score(args: argparse.Namespace) -> int:
+    from servemesh.batch.runs import run_recorded
+
     mesh = running_mesh(args)
     job = _job(args)
     args.interrupted = "the checkpoint is kept; the same command with --resume continues it"
@@ -184,76 +112,38 @@ def cmd_score(args: argparse.Namespace) -> int:
         # the mesh's cores with online serving: it yields them, as the batch scheduler
         # does, on top of the lowest batcher priority its calls carry.
         os.nice(10)
-    started_ms = time.time_ns() // 1_000_000
-    try:
-        with _progress(args.progress) as progress:
-            result = asyncio.run(score(mesh, job, progress, args.threads))
-    except Exception as exc:
-        record(mesh, "", job, None, " ".join(str(exc).split()), started_ms)
-        raise
-    record(mesh, "", job, result, "", started_ms)
+    with _progress(args.progress) as progress:
+        result = run_recorded(mesh, "", job, threads=args.threads, progress=progress)
     summary(result)
     return 0
 
 
-def run_job(
-    mesh: RunningMesh, job_spec: BatchJobSpec, progress_mode: str, now: datetime | None = None
-) -> ScoreResult:
-    """Run the spec's job `job_spec` now and record it under its name (a failed run too,
-    then re-raised). `now`: the clock the run is recorded at (the real one when None)."""
-    from servemesh.batch.schedule import score_job, to_ms
+def summary(result: ScoreResult) -> None:
+    """What a finished run says: a note on stderr when it discarded an interrupted run,
+    then its line on stdout."""
+    from servemesh.batch.runs import DISCARDED
+    from servemesh.batch.runs import summary as summary_line
 
-    job = score_job(job_spec)
-    started = time.perf_counter()
-    started_ms = to_ms(now) if now is not None else time.time_ns() // 1_000_000
-
-    def finished() -> int | None:
-        return None if now is None else started_ms + round((time.perf_counter() - started) * 1000)
-
-    try:
-        with _progress(progress_mode) as progress:
-            result = asyncio.run(score(mesh, job, progress, job_spec.threads))
-    except Exception as exc:
-        error = " ".join(str(exc).split())
-        record(mesh, job_spec.name, job, None, error, started_ms, finished())
-        raise
-    record(mesh, job_spec.name, job, result, "", started_ms, finished())
-    return result
+    if result.discarded_leftover:
+        console.print(DISCARDED, markup=False)
+    out.print(summary_line(result), markup=False)
 
 
-def run_due(mesh: RunningMesh, now: datetime | None, progress_mode: str = "off") -> int:
-    """Run every spec job due at `now` (the real time when None), one after another; the
-    number that failed. A job whose lock another process holds is left to it."""
-    from servemesh.batch.history import read_history
-    from servemesh.batch.schedule import decide, job_lock
+class _Report(Report):
+    """A round of due jobs as the command prints it: through the command's consoles, with
+    the progress `--progress` asks for."""
 
-    failed = 0
-    for job_spec in mesh.spec.batch:
-        when = now or datetime.now(UTC)
-        decision = decide(job_spec, read_history(mesh.state_dir, job_spec.name), when)
-        if not decision.due:
-            out.print(f"{job_spec.name}: not due ({decision.reason()})", markup=False)
-            continue
-        with job_lock(mesh.state_dir, job_spec.name) as held:
-            if not held:
-                out.print(f"{job_spec.name}: running in another process", markup=False)
-                continue
-            # Another process may have run it between the first look and the lock.
-            when = now or datetime.now(UTC)
-            decision = decide(job_spec, read_history(mesh.state_dir, job_spec.name), when)
-            if not decision.due:
-                out.print(f"{job_spec.name}: not due ({decision.reason()})", markup=False)
-                continue
-            out.print(f"{job_spec.name}: due ({decision.reason()})", markup=False)
-            try:
-                result = run_job(mesh, job_spec, progress_mode, now)
-            except Exception as exc:
-                failed += 1
-                console.print(f"{job_spec.name}: failed: {exc}", markup=False)
-                continue
-            out.print(f"{job_spec.name}: ", end="", markup=False)
-            summary(result)
-    return failed
+    def __init__(self, progress_mode: str) -> None:
+        self.progress_mode = progress_mode
+
+    def say(self, line: str) -> None:
+        out.print(line, markup=False)
+
+    def warn(self, line: str) -> None:
+        console.print(line, markup=False)
+
+    def progress(self) -> AbstractContextManager[Callable[[int, int], None] | None]:
+        return _progress(self.progress_mode)
 
 
 def _parse_now(text: str | None) -> datetime | None:
@@ -276,12 +166,13 @@ def cmd_run_due(args: argparse.Namespace) -> int:
     if not mesh.spec.batch:
         out.print("no batch jobs in the spec", markup=False)
         return 0
-    return 1 if run_due(mesh, now, args.progress) else 0
+    return 1 if run_due(mesh, now, _Report(args.progress)) else 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from servemesh.batch.errors import BatchError
-    from servemesh.errors import ServemeshError
+    from servemesh.batch.runs import run_job
+    from servemesh.contract.errors import ServemeshError
 
     mesh = running_mesh(args)
     try:
@@ -289,30 +180,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ServemeshError as exc:
         raise BatchError(str(exc)) from None
     args.interrupted = "the next run of the job starts afresh"
-    summary(run_job(mesh, job_spec, args.progress, _parse_now(args.now)))
+    now = _parse_now(args.now)
+    with _progress(args.progress) as progress:
+        result = run_job(mesh, job_spec, now, progress)
+    summary(result)
     return 0
 
 
-def summary(result: ScoreResult) -> None:
-    if result.discarded_leftover:
-        console.print("an interrupted run of this job was discarded (no --resume)")
-    resumed = (
-        f" (resumed at chunk {result.resumed_at_chunk + 1}/{result.chunks})"
-        if result.resumed_at_chunk is not None
-        else ""
-    )
-    left = []
-    if result.missing:
-        left.append(f"{result.missing:,} not in the view")
-    if result.filtered:
-        left.append(f"{result.filtered:,} filtered by --where")
-    left_out = f"; left out: {', '.join(left)}" if left else ""
-    out.print(
-        f"scored {result.rows:,} rows with {result.model} {result.version} "
-        f"(sha256 {result.sha256[:12]}) from {result.source} into {result.output} "
-        f"in {result.seconds:.2f} s ({result.rows_per_second:,.0f} rows/s){resumed}{left_out}",
-        markup=False,
-    )
+def _finished(r: RunRecord) -> datetime:
+    return datetime.fromtimestamp(r.finished_at_ms / 1000, UTC)
+
+
+def _history_row(r: RunRecord) -> dict[str, object]:
+    """A run as the history table shows it: its sha256 whole and its error apart."""
+    return {
+        "finished": _finished(r).isoformat().replace("+00:00", "Z"),
+        "job": r.job or None,
+        "model": r.model,
+        "version": r.version,
+        "sha256": r.sha256,
+        "rows": r.rows,
+        "seconds": r.seconds,
+        "status": r.status,
+        "error": r.error,
+        "output": r.output,
+    }
 
 
 def cmd_history(args: argparse.Namespace) -> int:
@@ -320,6 +212,9 @@ def cmd_history(args: argparse.Namespace) -> int:
 
     state_dir = recorded_state_dir(args, "batch")
     records = read_history(state_dir, args.job)[-args.limit :]
+    if args.json:
+        write(json.dumps([_history_row(r) for r in records]))
+        return 0
     if not records:
         out.print("no batch runs recorded", markup=False)
         return 0
@@ -328,7 +223,7 @@ def cmd_history(args: argparse.Namespace) -> int:
                    "status", "output"):  # fmt: skip
         table.add_column(column, justify="right" if column in ("rows", "seconds") else "left")
     for r in records:
-        when = datetime.fromtimestamp(r.finished_at_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
+        when = _finished(r).strftime("%Y-%m-%d %H:%M:%S")
         table.add_row(
             when, r.job or "-", r.model, r.version, r.sha256[:12], f"{r.rows:,}",
             f"{r.seconds:.2f}", r.status if not r.error else f"{r.status}: {r.error[:80]}",
@@ -358,8 +253,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     which.add_argument("--alias", help="a registry alias naming the version")
     source = s.add_mutually_exclusive_group()
     source.add_argument("--view", help="score every entity of this view (default: the model's)")
-    source.add_argument("--entities", help="score the ids in this CSV or Parquet file")
-    s.add_argument("--entity-column", help="the --entities column (default: the entity's name)")
+    source.add_argument("--entity-ids", help="score the ids in this CSV or Parquet file")
+    deprecated(source, "--entities", "--entity-ids", dest="entity_ids")
+    s.add_argument("--entity-column", help="the --entity-ids column (default: the entity's name)")
     s.add_argument(
         "--out",
         required=True,
@@ -443,6 +339,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     h = verbs.add_parser("history", help="the batch runs recorded under the state dir")
     h.add_argument("--job", help="only the runs of this spec job")
     h.add_argument("--limit", type=int, default=20, help="the last N runs (default 20)")
+    add_output(h, "print the runs as JSON")
     add_mesh_flags(h, inherited=True)
     h.set_defaults(func=cmd_history)
 

@@ -1,164 +1,72 @@
-"""`servemesh bench predict|observe|profile|model|stream|batch|scale|layout`: benchmarks,
-each on a mesh of its own (batch: a registry and a Redis of its own)."""
+"""`servemesh bench predict|observe|profile|model|pool|stream|batch|scale|layout`:
+benchmarks, each on a mesh of its own (batch: a registry and a Redis of its own; pool: a
+registry and one on-demand pool's model server).
+
+Every subcommand runs the same way (`cmd_bench`): its benchmark's `main` is called with each
+of its parameters from the flag of the same name, and the report it returns is printed, as
+JSON with --json, and written to --json-out (servemesh.bench.report.emit)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from servemesh.cli.flags import add_duration, add_output, add_rate, add_slo, deprecated
+
+if TYPE_CHECKING:
+    from servemesh.bench.report import BenchReport
+
+# Each subcommand's benchmark: a module of servemesh.bench whose `main` returns a BenchReport.
+BENCHES = {
+    "predict": "predict",
+    "observe": "observe",
+    "profile": "profile",
+    "model": "model",
+    "pool": "model.pool",
+    "stream": "stream",
+    "batch": "batch",
+    "scale": "scale",
+    "layout": "layout",
+}
 
 
-def cmd_bench_predict(args: argparse.Namespace) -> int:
-    from servemesh.bench import main as bench_main
-
-    if args.tiers:
-        from servemesh.spec import load_spec
-        from servemesh.tiers_bench import main as bench_tiers_main
-
-        return bench_tiers_main(
-            load_spec(args.spec),
-            entities=args.entities,
-            precomputed=args.precompute,
-            concurrency=max(args.concurrency),
-            seconds=args.seconds,
-            repeats=args.repeats,
-            out=args.json_out,
-            as_json=args.json,
-            freshness=args.freshness,
-        )
-
-    return bench_main(
-        args.spec,
-        args.concurrency,
-        args.seconds,
-        args.json_out,
-        repeats=args.repeats,
-        as_json=args.json,
-        direct=args.direct,
-        idle_s=args.idle_seconds,
-        model=args.model,
-        tls_cost=args.tls_cost,
-        client=args.client,
-        connections=args.connections,
-    )
+def bench_main(args: argparse.Namespace) -> Callable[..., BenchReport]:
+    """The benchmark a subcommand runs (`predict --tiers` and `batch --through-mesh` run
+    another in its place)."""
+    module = BENCHES[args.bench]
+    if args.bench == "predict" and args.tiers:
+        module = "tiers"
+    elif args.bench == "batch" and args.through_mesh:
+        module = "batch_mesh"
+    return importlib.import_module(f"servemesh.bench.{module}").main
 
 
-def cmd_bench_observe(args: argparse.Namespace) -> int:
-    from servemesh.observe_bench import main as bench_observe_main
-
-    return bench_observe_main(
-        args.spec,
-        concurrency=args.concurrency,
-        seconds=args.seconds,
-        repeats=args.repeats,
-        probes=args.probes,
-        split=args.split,
-        out=args.json_out,
-    )
+def bench_arguments(args: argparse.Namespace, main: Callable[..., BenchReport]) -> dict[str, Any]:
+    """`main`'s arguments: each parameter from the flag of its name, `quiet` from --json (a
+    report printed as JSON has no progress lines before it). A parameter no flag names is a
+    KeyError: a flag renamed on one side only never falls back to a default unnoticed."""
+    flags = vars(args) | {"quiet": args.json}
+    return {name: flags[name] for name in inspect.signature(main).parameters}
 
 
-def cmd_bench_profile(args: argparse.Namespace) -> int:
-    from servemesh.profile_bench import main as bench_profile_main
+def cmd_bench(args: argparse.Namespace) -> int:
+    from servemesh.bench.report import emit
 
-    return bench_profile_main(
-        args.spec,
-        args.out,
-        concurrency=args.concurrency,
-        seconds=args.seconds,
-        rate_hz=args.rate,
-        top=args.top,
-        json_out=args.json_out,
-    )
+    main = bench_main(args)
+    report = main(**bench_arguments(args, main))
+    emit(report, json_stdout=args.json, json_out=args.json_out)
+    return report.status
 
 
-def cmd_bench_model(args: argparse.Namespace) -> int:
-    from servemesh.model_bench import main as bench_model_main
-
-    return bench_model_main(
-        quick=args.quick,
-        seconds=args.seconds,
-        rate=args.rate,
-        concurrencies=args.concurrency,
-        json_out=args.json_out,
-        server_cpu=None if args.no_pin else args.server_cpu,
-        client_cpu=None if args.no_pin else args.client_cpu,
-        repeats=args.repeats,
-        against=args.against,
-        as_json=args.json,
-        model=args.model,
-        client=args.client,
-    )
-
-
-def cmd_bench_stream(args: argparse.Namespace) -> int:
-    from servemesh.stream_bench import main as bench_stream_main
-
-    return bench_stream_main(
-        args.spec,
-        rate=args.rate,
-        seconds=args.seconds,
-        repeats=args.repeats,
-        batch_size=args.batch_size,
-        out=args.json_out,
-        as_json=args.json,
-    )
-
-
-def cmd_bench_batch(args: argparse.Namespace) -> int:
-    if args.through_mesh:
-        from servemesh.batch_mesh_bench import main as bench_during_batch_main
-
-        return bench_during_batch_main(
-            args.spec,
-            entities=args.rows or 400_000,
-            concurrency=args.concurrency,
-            seconds=args.seconds,
-            repeats=args.repeats,
-            batch_size=(args.batch_size or [256])[0],
-            json_out=args.json_out,
-            as_json=args.json,
-        )
-    from servemesh.batch_bench import main as bench_batch_main
-
-    return bench_batch_main(
-        rows=args.rows or 20_000,
-        batch_sizes=args.batch_size or [64, 1024],
-        repeats=args.repeats,
-        threads=args.threads,
-        json_out=args.json_out,
-        as_json=args.json,
-        chunk_rows=args.chunk_rows,
-    )
-
-
-def cmd_bench_scale(args: argparse.Namespace) -> int:
-    from servemesh.scale_bench import main as bench_scale_main
-
-    return bench_scale_main(
-        args.spec,
-        low=args.low,
-        high=args.high,
-        seconds=args.seconds,
-        slo_ms=args.slo_ms,
-        min_replicas=args.min,
-        max_replicas=args.max,
-        cold_repeats=args.cold_repeats,
-        json_out=args.json_out,
-        as_json=args.json,
-    )
-
-
-def cmd_bench_layout(args: argparse.Namespace) -> int:
-    from servemesh.layout_bench import main as bench_layout_main
-
-    return bench_layout_main(
-        args.spec,
-        arms=args.arms,
-        repeats=args.repeats,
-        idle_s=args.idle_seconds,
-        seconds=args.seconds,
-        concurrency=args.concurrency,
-        json_out=args.json_out,
-        as_json=args.json,
-    )
+def reported(parser: argparse.ArgumentParser) -> None:
+    """What every benchmark's command takes for its report (-o/--json, --json-out), and
+    the one runner."""
+    add_output(parser, "print the report as JSON")
+    parser.add_argument("--json-out", help="also write the report here")
+    parser.set_defaults(func=cmd_bench)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -170,7 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     bench_predict.add_argument("--spec")
     bench_predict.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
-    bench_predict.add_argument("--seconds", type=float, default=6.0, help="per measurement")
+    add_duration(bench_predict, "--duration", "per measurement", dest="seconds", default=6.0)
+    deprecated(bench_predict, "--seconds", "--duration", dest="seconds", convert=float)
     bench_predict.add_argument("--repeats", type=int, default=3, help="rounds per row (>= 3)")
     bench_predict.add_argument(
         "--direct", action="store_true", help="also load one gateway straight (no Envoy)"
@@ -204,12 +113,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="--tiers: how the cache knows an answer is fresh (default read: each call reads "
         "the row; feed: hits answer on the store's change feed, with no call)",
     )
-    bench_predict.add_argument(
-        "--idle-seconds",
-        type=float,
+    add_duration(
+        bench_predict,
+        "--idle",
+        "the mesh's idle CPU is read over this long, before the load (default 20)",
+        dest="idle_seconds",
         default=20.0,
-        help="the mesh's idle CPU is read over this long, before the load (default 20)",
     )
+    deprecated(bench_predict, "--idle-seconds", "--idle", dest="idle_seconds", convert=float)
     bench_predict.add_argument(
         "--model",
         choices=["demo", "heavy"],
@@ -232,9 +143,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="h2load: the connections each row's streams share (default 1, one channel's "
         "shape, as the Python client; each --concurrency a multiple of it)",
     )
-    bench_predict.add_argument("--json", action="store_true", help="print the report as JSON")
-    bench_predict.add_argument("--json-out", help="also write the report here")
-    bench_predict.set_defaults(func=cmd_bench_predict)
+    reported(bench_predict)
     bench_observe = bench_sub.add_parser(
         "observe",
         help="what tracing and the prediction log cost (a mesh with them against one "
@@ -242,7 +151,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     bench_observe.add_argument("--spec")
     bench_observe.add_argument("--concurrency", type=int, default=64)
-    bench_observe.add_argument("--seconds", type=float, default=10.0, help="per measurement")
+    add_duration(bench_observe, "--duration", "per measurement", dest="seconds", default=10.0)
+    deprecated(bench_observe, "--seconds", "--duration", dest="seconds", convert=float)
     bench_observe.add_argument("--repeats", type=int, default=3, help="measurements per mesh")
     bench_observe.add_argument(
         "--probes", type=int, default=10, help="sampled Predicts timed to their trace, per phase"
@@ -250,33 +160,37 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench_observe.add_argument(
         "--split", action="store_true", help="also a mesh with tracing only, one with the log only"
     )
-    bench_observe.add_argument("--json-out", help="also write the report here")
-    bench_observe.set_defaults(func=cmd_bench_observe)
+    reported(bench_observe)
     bench_profile = bench_sub.add_parser(
         "profile",
         help="sample every Python service with py-spy under Predict load: top frames per kind",
     )
     bench_profile.add_argument("--spec")
     bench_profile.add_argument("--concurrency", type=int, default=64)
-    bench_profile.add_argument("--seconds", type=float, default=8.0, help="sampled, under load")
-    bench_profile.add_argument("--rate", type=int, default=100, help="samples a second")
+    add_duration(bench_profile, "--duration", "sampled, under load", dest="seconds", default=8.0)
+    deprecated(bench_profile, "--seconds", "--duration", dest="seconds", convert=float)
+    bench_profile.add_argument(
+        "--sample-rate", dest="rate", type=int, default=100, help="py-spy's samples/s"
+    )
+    deprecated(bench_profile, "--rate", "--sample-rate", dest="rate", convert=int)
     bench_profile.add_argument("--top", type=int, default=10, help="frames shown per kind")
     bench_profile.add_argument("--out", help="where the raw stacks go (default: a temp dir)")
-    bench_profile.add_argument("--json-out", help="also write the report here")
-    bench_profile.set_defaults(func=cmd_bench_profile)
+    reported(bench_profile)
     bench_model = bench_sub.add_parser(
         "model",
         help="the model server (adaptive, fixed window, batching off) vs echo and in-process",
     )
     bench_model.add_argument("--quick", action="store_true", help="1.5 s per measurement")
-    bench_model.add_argument("--seconds", type=float, help="per measurement (default 4)")
-    bench_model.add_argument("--rate", type=float, help="open-loop req/s (default 1600)")
+    add_duration(bench_model, "--duration", "per measurement (default 4)", dest="seconds")
+    deprecated(bench_model, "--seconds", "--duration", dest="seconds", convert=float)
+    add_rate(bench_model, "requests/s", "open loop (default 1600)")
     bench_model.add_argument("--concurrency", type=int, nargs="+", help="default: 1 16 64")
     bench_model.add_argument("--server-cpu", type=int, default=0)
     bench_model.add_argument("--client-cpu", type=int, default=1)
     bench_model.add_argument("--no-pin", action="store_true", help="do not pin to CPUs")
+    # The report's flags here come before the rest (`reported` adds them last elsewhere).
     bench_model.add_argument("--json-out", help="also write the report here")
-    bench_model.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_output(bench_model, "print the report as JSON")
     bench_model.add_argument(
         "--repeats", type=int, default=3, help="measurements per row (median, min-max)"
     )
@@ -301,20 +215,33 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="python: the asyncio gRPC client (default); h2load: nghttp2's C client sending "
         "one pre-built request, closed loops only (apt-get install nghttp2-client)",
     )
-    bench_model.set_defaults(func=cmd_bench_model)
+    bench_model.set_defaults(func=cmd_bench)
+    bench_pool = bench_sub.add_parser(
+        "pool",
+        help="many models in one on-demand pool under a memory budget: calls spread over "
+        "every model (uniform, Zipf), errors, hit ratio, cold-call p50/p99, req/s",
+    )
+    bench_pool.add_argument("--models", type=int, default=20, help="demo models (default 20)")
+    bench_pool.add_argument(
+        "--fit", type=int, default=5, help="models the budget holds at once (default 5)"
+    )
+    bench_pool.add_argument("--concurrency", type=int, default=8, help="callers (default 8)")
+    add_duration(bench_pool, "--duration", "per round (default 8)", dest="seconds", default=8.0)
+    deprecated(bench_pool, "--seconds", "--duration", dest="seconds", convert=float)
+    bench_pool.add_argument("--repeats", type=int, default=3, help="rounds per mix (default 3)")
+    reported(bench_pool)
     bench_stream = bench_sub.add_parser(
         "stream",
         help="streaming predictions: events/s end to end and p99 event-to-prediction latency "
         "at a fixed input rate, through the mesh and in process",
     )
     bench_stream.add_argument("--spec")
-    bench_stream.add_argument("--rate", type=float, default=500.0, help="input events/s")
-    bench_stream.add_argument("--seconds", type=float, default=10.0, help="per round")
+    add_rate(bench_stream, "events/s", "the input's", default=500.0)
+    add_duration(bench_stream, "--duration", "per round", dest="seconds", default=10.0)
+    deprecated(bench_stream, "--seconds", "--duration", dest="seconds", convert=float)
     bench_stream.add_argument("--repeats", type=int, default=3, help="rounds per mode")
     bench_stream.add_argument("--batch-size", type=int, default=64, help="events per read")
-    bench_stream.add_argument("--json", action="store_true", help="print the report as JSON")
-    bench_stream.add_argument("--json-out", help="also write the report here")
-    bench_stream.set_defaults(func=cmd_bench_stream)
+    reported(bench_stream)
     bench_batch = bench_sub.add_parser(
         "batch",
         help="batch scoring in process: rows/s of the whole run against the model alone in a "
@@ -331,9 +258,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench_batch.add_argument(
         "--concurrency", type=int, default=8, help="--through-mesh: online callers (default 8)"
     )
-    bench_batch.add_argument(
-        "--seconds", type=float, default=6.0, help="--through-mesh: per measurement"
+    add_duration(
+        bench_batch, "--duration", "--through-mesh: per measurement", dest="seconds", default=6.0
     )
+    deprecated(bench_batch, "--seconds", "--duration", dest="seconds", convert=float)
     bench_batch.add_argument(
         "--rows", type=int, help="entities per view (default 20000; --through-mesh 400000)"
     )
@@ -348,9 +276,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     bench_batch.add_argument("--repeats", type=int, default=3, help="rounds per row")
     bench_batch.add_argument("--threads", type=int, help="torch intra-op threads")
-    bench_batch.add_argument("--json", action="store_true", help="print the report as JSON")
-    bench_batch.add_argument("--json-out", help="also write the report here")
-    bench_batch.set_defaults(func=cmd_bench_batch)
+    reported(bench_batch)
     bench_scale = bench_sub.add_parser(
         "scale",
         help="an open-loop ramp against fixed min, fixed max and autoscaled model servers in "
@@ -360,16 +286,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench_scale.add_argument("--spec")
     bench_scale.add_argument("--low", type=float, default=20.0, help="req/s at both ends")
     bench_scale.add_argument("--high", type=float, default=300.0, help="req/s at the top")
-    bench_scale.add_argument("--seconds", type=float, default=90.0, help="the whole ramp")
-    bench_scale.add_argument("--slo-ms", type=float, default=100.0, help="the p99 SLO")
-    bench_scale.add_argument("--min", type=int, default=1, help="replicas (fixed min, start)")
-    bench_scale.add_argument("--max", type=int, default=3, help="replicas (fixed max, ceiling)")
+    add_duration(bench_scale, "--duration", "the whole ramp", dest="seconds", default=90.0)
+    deprecated(bench_scale, "--seconds", "--duration", dest="seconds", convert=float)
+    add_slo(bench_scale, default=100.0)
+    deprecated(bench_scale, "--slo-ms", "--slo", dest="slo_ms", convert=float)
+    for end, default, role in (("min", 1, "fixed min, start"), ("max", 3, "fixed max, ceiling")):
+        bench_scale.add_argument(
+            f"--{end}", dest=f"{end}_replicas", metavar=end.upper(), type=int, default=default,
+            help=f"replicas ({role})",
+        )  # fmt: skip
     bench_scale.add_argument(
         "--cold-repeats", type=int, default=2, help="scale-ups timed per kind (standby, cold)"
     )
-    bench_scale.add_argument("--json", action="store_true", help="print the report as JSON")
-    bench_scale.add_argument("--json-out", help="also write the report here")
-    bench_scale.set_defaults(func=cmd_bench_scale)
+    reported(bench_scale)
     bench_layout = bench_sub.add_parser(
         "layout",
         help="the mesh's shapes against each other in one run (one shared Envoy, an Envoy "
@@ -380,20 +309,20 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench_layout.add_argument(
         "--arms",
         nargs="+",
-        # servemesh.layout_bench.ARMS and DEFAULT_ARMS (not imported here: it loads the
+        # servemesh.bench.layout.ARMS and DEFAULT_ARMS (not imported here: it loads the
         # launcher, which every other command would then pay for at start).
         choices=("shared", "per_zone", "small-host"),
         default=["shared", "per_zone"],
         help="the shapes compared, each against the first (default: shared per_zone)",
     )
     bench_layout.add_argument("--repeats", type=int, default=3, help="meshes per arm")
-    bench_layout.add_argument(
-        "--idle-seconds", type=float, default=10.0, help="idle CPU read over this long"
+    add_duration(
+        bench_layout, "--idle", "idle CPU read over this long", dest="idle_seconds", default=10.0
     )
-    bench_layout.add_argument("--seconds", type=float, default=4.0, help="per Predict round")
+    deprecated(bench_layout, "--idle-seconds", "--idle", dest="idle_seconds", convert=float)
+    add_duration(bench_layout, "--duration", "per Predict round", dest="seconds", default=4.0)
+    deprecated(bench_layout, "--seconds", "--duration", dest="seconds", convert=float)
     bench_layout.add_argument(
         "--concurrency", type=int, default=16, help="callers of the req/s round (default 16)"
     )
-    bench_layout.add_argument("--json", action="store_true", help="print the report as JSON")
-    bench_layout.add_argument("--json-out", help="also write the report here")
-    bench_layout.set_defaults(func=cmd_bench_layout)
+    reported(bench_layout)

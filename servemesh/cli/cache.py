@@ -1,7 +1,7 @@
 """`servemesh cache flush MODEL`: drop every gateway's cached answers of a model.
 
 The flush raises the model's flush generation in the mesh's Redis
-(servemesh/tier_keys.py); every gateway reads it with each tier lookup of the model and
+(servemesh/contract/tier_keys.py); every gateway reads it with each tier lookup of the model and
 drops its cached answers of the model when it changed, so the first call after the command
 returned is answered by the model (or its precomputed tier) again. Precomputed answers are
 a batch run's output: a new run replaces them.
@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from servemesh.cli.mesh import RunningMesh, add_mesh_flags, running_mesh
+from servemesh.cli.mesh import add_mesh_flags, running_mesh
 from servemesh.cli.output import out
-from servemesh.errors import ServemeshError
-from servemesh.tier_keys import flush_key
+from servemesh.contract.errors import ServemeshError
+from servemesh.contract.tier_keys import flush_key
+from servemesh.state.running import RunningMesh
 
 
 class NotCached(ServemeshError):
@@ -24,12 +25,10 @@ class NotCached(ServemeshError):
 
 async def flush(mesh: RunningMesh, model: str) -> int:
     """Raise `model`'s flush generation; the new generation."""
-    import redis.asyncio as aioredis
+    from servemesh.spec.store_clients import store_writer
 
     spec = mesh.spec
-    client = aioredis.Redis.from_url(
-        spec.redis_url, password=spec.redis_password(), socket_connect_timeout=2.0
-    )
+    client = store_writer(spec, socket_connect_timeout=2.0)
     try:
         return int(await client.incr(flush_key(spec.feature_store.key_prefix, model)))
     finally:

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
+from servemesh.cli.flags import add_duration, add_output, add_rate, add_slo, deprecated
 from servemesh.cli.mesh import add_mesh_flags, state_dir_of
-from servemesh.cli.output import out
-from servemesh.errors import ServemeshError, UsageError
+from servemesh.cli.output import out, write
+from servemesh.contract.errors import ServemeshError, UsageError
 
 if TYPE_CHECKING:
     from servemesh.capacity.plan import Plan, Step
@@ -35,6 +36,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     from servemesh.spec import load_spec
 
+    for flag, value in (("--rate", args.rate), ("--slo", args.slo_ms)):
+        if value is None:
+            raise UsageError(f"{flag} is required")
     spec = load_spec(args.spec)
     if args.model not in spec.models:
         raise UsageError(f"--model: {args.model!r} is not one of the spec's {sorted(spec.models)}")
@@ -49,29 +53,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
         steps = [Step(**s) for s in record["steps"]]
     else:
         steps = _probe(args, spec)
-    found = knee(steps, args.p99_ms)
+    found = knee(steps, args.slo_ms)
     if found is None:
         first = steps[0]
         raise NoKnee(
-            f"no step within p99 {args.p99_ms:g} ms: at {first.rate_rps:g} req/s p99 was "
-            f"{first.p99_ms:g} ms with {first.failed_share:.1%} failed; lower --start-rps or "
-            "raise --p99-ms"
+            f"no step within p99 {args.slo_ms:g} ms: at {first.rate_rps:g} req/s p99 was "
+            f"{first.p99_ms:g} ms with {first.failed_share:.1%} failed; lower --start-rate or "
+            "raise --slo"
         )
     caps = capacities(found, spec.cost.cores_per_replica)
     if not args.measured:
-        save_measurement(state_dir, args.model, steps, caps, args.p99_ms)
+        save_measurement(state_dir, args.model, steps, caps, args.slo_ms)
     plan = plan_for(
         args.model,
         caps,
-        target_rps=args.rps,
-        p99_ms=args.p99_ms,
+        target_rps=args.rate,
+        p99_ms=args.slo_ms,
         headroom=args.headroom,
         cost=spec.cost,
         gpus_per_model_replica=found.gpus,
         at=found,
     )
     if args.json:
-        print(
+        write(
             json.dumps(
                 {
                     "plan": asdict(plan),
@@ -81,13 +85,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    _print_steps(steps, args.p99_ms)
+    _print_steps(steps, args.slo_ms)
     _print_plan(plan)
     return 0
 
 
 def _probe(args: argparse.Namespace, spec: MeshSpec) -> list[Step]:
-    from servemesh.capacity_probe import probe
+    from servemesh.bench.capacity_probe import probe
 
     ids: list[str] = []
     if args.entity_ids:
@@ -106,16 +110,16 @@ def _probe(args: argparse.Namespace, spec: MeshSpec) -> list[Step]:
 
     if not args.json:
         out.print(
-            f"step load on one replica of each kind: from {args.start_rps:g} req/s, "
-            f"x{args.factor:g} each {args.step_s:g} s, until p99 > {args.p99_ms:g} ms",
+            f"step load on one replica of each kind: from {args.start_rate:g} req/s, "
+            f"x{args.factor:g} each {args.step_s:g} s, until p99 > {args.slo_ms:g} ms",
             markup=False,
         )
     args.interrupted = "the capacity plan stopped; its mesh is stopped with it"
     return probe(
         spec,
         args.model,
-        p99_ms=args.p99_ms,
-        start_rps=args.start_rps,
+        p99_ms=args.slo_ms,
+        start_rps=args.start_rate,
         factor=args.factor,
         step_s=args.step_s,
         max_steps=args.max_steps,
@@ -185,22 +189,30 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     plan = verbs.add_parser(
         "plan",
         help="step-load one replica of each kind (a mesh of its own from the spec) until "
-        "the SLO breaks; print the replicas per kind for --rps, the headroom and the cost. "
+        "the SLO breaks; print the replicas per kind for --rate, the headroom and the cost. "
         "The measured capacity is kept in the state dir: the scaler's forecast uses it",
     )
     add_mesh_flags(plan, inherited=True)
     plan.add_argument("--model", default="fraud", help="the model called (default fraud)")
-    plan.add_argument("--rps", type=float, required=True, help="the target rate, calls/s")
-    plan.add_argument("--p99-ms", type=float, required=True, help="the SLO: p99 at most")
+    add_rate(plan, "Predicts/s", "the target rate", default=None)
+    deprecated(plan, "--rps", "--rate", dest="rate", convert=float)
+    add_slo(plan, default=None)
+    deprecated(plan, "--p99-ms", "--slo", dest="slo_ms", convert=float)
     plan.add_argument(
         "--headroom",
         type=float,
         default=0.3,
         help="share of each replica's capacity left free at the target rate (default 0.3)",
     )
-    plan.add_argument("--start-rps", type=float, default=25.0, help="the first step's rate")
+    plan.add_argument(
+        "--start-rate", type=float, default=25.0, help="the first step's rate (Predicts/s)"
+    )
+    deprecated(plan, "--start-rps", "--start-rate", dest="start_rate", convert=float)
     plan.add_argument("--factor", type=float, default=1.6, help="each step's rate over the last")
-    plan.add_argument("--step-s", type=float, default=5.0, help="seconds per step")
+    add_duration(
+        plan, "--step", "how long each step lasts (default 5s)", dest="step_s", default=5.0
+    )
+    deprecated(plan, "--step-s", "--step", dest="step_s", convert=float)
     plan.add_argument("--max-steps", type=int, default=12)
     plan.add_argument(
         "--entity-ids",
@@ -211,5 +223,5 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         action="store_true",
         help="plan from the last measurement kept in the state dir (no step load)",
     )
-    plan.add_argument("--json", action="store_true")
+    add_output(plan)
     plan.set_defaults(func=cmd_plan)

@@ -13,9 +13,10 @@ import json
 
 from rich.table import Table
 
+from servemesh.cli.flags import add_output
 from servemesh.cli.mesh import add_mesh_flags, running_mesh
 from servemesh.cli.output import out
-from servemesh.errors import UsageError
+from servemesh.contract.errors import UsageError
 from servemesh.identity.enroll import edge_names, issuing, mesh_identity
 from servemesh.spec import ResolvedSpec
 
@@ -79,7 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     verbs = certs.add_subparsers(dest="verb", required=True)
     show = verbs.add_parser("show", help="every identity's certificate: serial and expiry")
     add_mesh_flags(show, inherited=True)
-    show.add_argument("--json", action="store_true")
+    add_output(show)
     show.set_defaults(func=cmd_show)
     rotate = verbs.add_parser(
         "rotate", help="issue new certificates and swap them in live (default: every identity)"

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 import yaml
 from rich.table import Table
 
-from servemesh.cli.output import console, out
-from servemesh.errors import UsageError
+from servemesh.cli.flags import add_output
+from servemesh.cli.output import console, out, write
+from servemesh.contract.errors import UsageError
 
 
 def _parse_vars(items: list[str]) -> dict[str, Any]:
@@ -53,6 +55,10 @@ def cmd_chaos_list(args: argparse.Namespace) -> int:
     from servemesh.chaos.runner import list_drills
 
     drills = list_drills()
+    if args.json:
+        shown = [{"drill": d["name"], "proves": d["proves"], "slo": d["slo"]} for d in drills]
+        write(json.dumps(shown))
+        return 0
     table = Table(title="drills (servemesh chaos run NAME)", title_justify="left", show_lines=True)
     table.add_column("drill")
     table.add_column("what it proves")
@@ -81,4 +87,5 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     run.add_argument("--quiet", action="store_true", help="no live progress")
     run.set_defaults(func=cmd_chaos_run)
     listing = chaos_sub.add_parser("list", help="the drills and what each proves")
+    add_output(listing, "print the drills as JSON")
     listing.set_defaults(func=cmd_chaos_list)

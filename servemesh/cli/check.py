@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 from servemesh.cli.output import console, out
-from servemesh.errors import UsageError
+from servemesh.contract.errors import UsageError
 from servemesh.spec import load_spec
 
 

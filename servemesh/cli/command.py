@@ -1,6 +1,6 @@
 """How every command ends: its return value, or one line for a `ServemeshError` and the
 error's exit status, or 130 for Ctrl-C. The one place an exception becomes an exit status
-(servemesh/errors.py documents the statuses)."""
+(servemesh/contract/errors.py documents the statuses)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import functools
 from collections.abc import Callable
 
 from servemesh.cli.output import console, error
-from servemesh.errors import INTERRUPTED, NoMesh, ServemeshError
+from servemesh.contract.errors import INTERRUPTED, NoMesh, ServemeshError
 
 Command = Callable[[argparse.Namespace], int]
 

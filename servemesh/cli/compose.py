@@ -6,21 +6,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servemesh.catalog.consul_acl import apply_plan
+from servemesh.catalog.consul_catalog import consul_client
+from servemesh.cli.output import write
+from servemesh.contract.errors import ServemeshError, UsageError
+from servemesh.contract.wire import message_size_options
 from servemesh.discovery.compose import render_compose
-from servemesh.discovery.consul_acl import apply_plan
-from servemesh.discovery.consul_catalog import consul_client
 from servemesh.discovery.control_plane import add_arguments, run_from_args
-from servemesh.errors import ServemeshError, UsageError
 from servemesh.identity import OPERATOR_IDENTITY, dial_registry, dial_service
 from servemesh.seeding import seed_demo
 from servemesh.spec import load_resolved
-from servemesh.wire import message_size_options
 
 DEFAULT_COMPOSE_SPEC = Path("deploy/compose/mesh.yaml")
 DEFAULT_COMPOSE_OUT = Path("deploy/compose/rendered")
@@ -30,8 +30,8 @@ PROBE_TIMEOUT_S = 3.0
 def cmd_compose_init(args: argparse.Namespace) -> int:
     rendered = render_compose(Path(args.spec), Path(args.out))
     instances = len(rendered.spec.instances())
-    print(f"rendered {instances} instances' configs, certificates and secrets into {args.out}")
-    print(f"next: docker compose --env-file {args.out}/compose.env up --build")
+    write(f"rendered {instances} instances' configs, certificates and secrets into {args.out}")
+    write(f"next: docker compose --env-file {args.out}/compose.env up --build")
     return 0
 
 
@@ -43,10 +43,10 @@ async def _probe(spec_path: str, instance: str) -> bool:
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            print(f"{instance}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            write(f"{instance}: {exc.code().name}: {exc.details()}", err=True)
             return False
     serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-    print(f"{instance}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+    write(f"{instance}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
     return bool(serving)
 
 
@@ -80,7 +80,7 @@ async def _seed(spec_path: str) -> None:
 
 def cmd_compose_seed(args: argparse.Namespace) -> int:
     asyncio.run(_seed(args.spec))
-    print("seeded the demo models and features")
+    write("seeded the demo models and features")
     return 0
 
 
@@ -93,7 +93,7 @@ def cmd_compose_consul_acl(args: argparse.Namespace) -> int:
         apply_plan(consul_client(spec), plan)
     except (OSError, ValueError) as exc:  # the plan file (a SpecError is a ValueError)
         raise ServemeshError(str(exc)) from None
-    print(f"consul ACLs: {len(plan['policies'])} policies and {len(plan['tokens'])} tokens")
+    write(f"consul ACLs: {len(plan['policies'])} policies and {len(plan['tokens'])} tokens")
     return 0
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from servemesh.cli.mesh import add_mesh_flags, running_mesh
 from servemesh.cli.output import out
+from servemesh.contract.wire import message_size_options
 from servemesh.identity import dial_registry
-from servemesh.wire import message_size_options
 
 
 def _size(n: int) -> str:

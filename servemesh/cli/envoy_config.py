@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from servemesh.cli.output import write
 from servemesh.spec import EDGE_PROXY, SpecError, load_spec
 
 
@@ -24,7 +24,7 @@ def cmd_envoy_config(args: argparse.Namespace) -> int:
     resources = render_resources(spec, logs, args.proxy)
     config = static_bootstrap(spec, resources, logs, args.proxy)
     # Plain stdout: rich would wrap long lines and read [brackets] as markup.
-    sys.stdout.write(yaml.safe_dump(config, sort_keys=False))
+    write(yaml.safe_dump(config, sort_keys=False).rstrip("\n"))
     return 0
 
 

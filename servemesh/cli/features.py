@@ -16,9 +16,10 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from servemesh.cli.flags import add_duration
 from servemesh.cli.mesh import add_mesh_flags, running_mesh
 from servemesh.cli.output import console, out
-from servemesh.control_credential import ControlCredentialMissing, control_metadata_for
+from servemesh.contract.control_credential import ControlCredentialMissing, control_metadata_for
 
 if TYPE_CHECKING:
     from servemesh.features._send import LoadSummary
@@ -139,5 +140,5 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     load.add_argument(
         "--batch-rows", type=int, help="rows read from the file at a time (default 65536)"
     )
-    load.add_argument("--timeout", type=float, help="give up after this many seconds")
+    add_duration(load, "--timeout", "give up after this long", dest="timeout")
     load.set_defaults(func=cmd_load, error_label="not loaded")

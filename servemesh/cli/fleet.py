@@ -5,29 +5,33 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+from typing import Any
 
 from rich.table import Table
 
+from servemesh.cli.flags import add_output
 from servemesh.cli.mesh import add_mesh_flags, running_mesh
-from servemesh.cli.output import out
+from servemesh.cli.output import out, write
 from servemesh.proxy.admin import AdminError
 from servemesh.proxy.apply import RouteManager
+from servemesh.proxy.replicas import envoy_hosts
 from servemesh.rollout.fleet import (
     discard_new_set,
-    envoy_hosts,
     fleet_status,
+    mesh_processes_status,
     retire_old_set,
 )
 
 
 def _manager(args: argparse.Namespace) -> RouteManager:
-    return running_mesh(args).routes()
+    return RouteManager(running_mesh(args).paths)
 
 
 def fleet_rows(manager: RouteManager) -> list[dict[str, object]]:
     """One row per model server: its set, zone, PID and generation (as the mesh started
-    it), whether it drains, what it serves, and in how many clusters Envoy counts it
-    healthy."""
+    it), whether it drains, what it serves, in how many clusters Envoy counts it healthy,
+    its state and how often the mesh started it again after a crash (its last exit)."""
     spec = manager.live_spec()
     status = fleet_status(manager.paths.state_dir)
     try:
@@ -42,7 +46,7 @@ def fleet_rows(manager: RouteManager) -> list[dict[str, object]]:
         else:
             serves = ", ".join(f"{m} {' '.join(v)}" for m, v in sorted(replica_set.serves.items()))
         for inst in spec.set_replicas(replica_set.name):
-            address = f"{spec.host_of(inst.name)}:{spec.port_of(inst.name)}"
+            address = "{}:{}".format(*spec.endpoint_of(inst.name))
             listed = [h[address] for h in hosts.values() if address in h]
             rows.append(
                 {
@@ -54,19 +58,45 @@ def fleet_rows(manager: RouteManager) -> list[dict[str, object]]:
                     "draining": inst.name in spec.fleet.draining,
                     "serves": serves or "-",
                     "healthy_in_clusters": f"{sum(h.healthy for h in listed)}/{len(listed)}",
+                    **restart_fields(status.get(inst.name, {})),
                 }
             )
     return rows
 
 
+def restart_fields(entry: dict[str, Any]) -> dict[str, object]:
+    """A process's state, restarts after unexpected exits and last such exit, from its
+    fleet status entry (a mesh from before restarts were counted: running, 0, None)."""
+    return {
+        "state": entry.get("state", "running"),
+        "restarts": entry.get("restarts", 0),
+        "last_exit": entry.get("last_exit"),
+    }
+
+
+def exit_text(status: object) -> str:
+    """An exit status as an operator reads it: the signal's name, or `exit N`."""
+    if not isinstance(status, int):
+        return "-"
+    if status < 0:
+        try:
+            return signal.Signals(-status).name
+        except ValueError:
+            return f"signal {-status}"
+    return f"exit {status}"
+
+
 def cmd_show(args: argparse.Namespace) -> int:
-    rows = fleet_rows(_manager(args))
+    manager = _manager(args)
+    rows = fleet_rows(manager)
     if args.json:
-        print(json.dumps(rows))
+        write(json.dumps(rows))
         return 0
     table = Table(title="model servers", title_justify="left")
-    for column in ("set", "replica", "zone", "pid", "gen", "draining", "serves", "healthy"):
-        table.add_column(column, justify="right" if column in ("pid", "gen") else "left")
+    columns = ("set", "replica", "zone", "pid", "gen", "draining", "serves", "healthy")
+    for column in (*columns, "state", "restarts", "last exit"):
+        numeric = column in ("pid", "gen", "restarts")
+        table.add_column(column, justify="right" if numeric else "left")
     for row in rows:
         table.add_row(
             str(row["set"]),
@@ -77,9 +107,31 @@ def cmd_show(args: argparse.Namespace) -> int:
             "yes" if row["draining"] else "",
             str(row["serves"]),
             str(row["healthy_in_clusters"]),
+            str(row["state"]),
+            str(row["restarts"]),
+            exit_text(row["last_exit"]),
         )
     out.print(table)
+    _print_other_restarts(manager)
     return 0
+
+
+def _print_other_restarts(manager: RouteManager) -> None:
+    """The mesh's other processes it starts again (gateways, feature services, registry,
+    trace store, per-zone Envoys) that crashed or are not running, one line each."""
+    others = dict(fleet_status(manager.paths.state_dir))
+    others.update(mesh_processes_status(manager.paths.state_dir))
+    for name, entry in sorted(others.items()):
+        fields = restart_fields(entry)
+        if entry.get("service") == "model" or (
+            fields["restarts"] == 0 and fields["state"] == "running"
+        ):
+            continue
+        out.print(
+            f"{name}: {fields['state']}, started again {fields['restarts']} time(s), "
+            f"last exit {exit_text(fields['last_exit'])}",
+            highlight=False,
+        )
 
 
 def cmd_retire(args: argparse.Namespace) -> int:
@@ -98,9 +150,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     add_mesh_flags(fleet)
     verbs = fleet.add_subparsers(dest="verb", required=True)
-    show = verbs.add_parser("show", help="every model server: set, PID, draining, health")
+    show = verbs.add_parser(
+        "show", help="every model server: set, PID, draining, health, restarts after crashes"
+    )
     add_mesh_flags(show, inherited=True)
-    show.add_argument("--json", action="store_true")
+    add_output(show)
     show.set_defaults(func=cmd_show)
     retire = verbs.add_parser(
         "retire", help="after a promoted blue-green update: stop the old set (no switch back)"

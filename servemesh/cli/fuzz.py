@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from servemesh.cli.flags import add_duration, add_output
 from servemesh.cli.output import out as console
-from servemesh.errors import ServemeshError
+from servemesh.cli.output import write
+from servemesh.contract.errors import ServemeshError
 from servemesh.spec import Ports, load_spec
 
 
@@ -20,7 +23,10 @@ def register(sub: Any) -> None:
     fuzz.add_argument("--requests", type=int, default=10_000, help="generated requests in all")
     fuzz.add_argument("--seed", type=int, default=0, help="hypothesis seed (reproducible runs)")
     fuzz.add_argument("--spec", help="mesh spec (default: ./mesh.yaml, else built-in defaults)")
-    fuzz.add_argument("--timeout", type=float, default=5.0, help="deadline per request, s")
+    add_duration(
+        fuzz, "--timeout", "each request's deadline (default 5s)", dest="timeout", default=5.0
+    )
+    add_output(fuzz, "print the report as JSON")
     fuzz.add_argument("--json-out", help="also write the report here")
     fuzz.set_defaults(func=cmd_fuzz)
 
@@ -46,7 +52,10 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             report = run_campaign(
                 mesh, args.requests, args.seed, timeout_s=args.timeout, on_progress=progress
             )
-    print_report(report, console)
+    if args.json:
+        write(json.dumps(report.to_json(), indent=2))
+    else:
+        print_report(report, console)
     if args.json_out:
         write_json(report, Path(args.json_out))
     return 0 if report.ok else 1

@@ -11,11 +11,12 @@ from typing import Any
 
 from rich.table import Table
 
+from servemesh.cli.flags import add_output
 from servemesh.cli.mesh import add_mesh_flags, recorded_state_dir
 from servemesh.cli.output import out
-from servemesh.errors import ServemeshError, UsageError
-from servemesh.proxy.apply import MeshPaths
+from servemesh.contract.errors import ServemeshError, UsageError
 from servemesh.spec import MeshSpec, load_resolved, load_spec
+from servemesh.state.paths import MeshPaths
 
 
 def _spec_and_state(args: argparse.Namespace) -> tuple[MeshSpec, Path]:
@@ -195,7 +196,7 @@ def register(sub: Any) -> None:
 
     def common(parser: argparse.ArgumentParser) -> None:
         add_mesh_flags(parser)
-        parser.add_argument("--json", action="store_true", help="JSON (query: one call a line)")
+        add_output(parser, "JSON (query: one call a line)")
 
     query = log_sub.add_parser("query", help="calls of the last hour (or --since), newest first")
     query.add_argument("--since", default="1h", help="how far back: 5m, 1h, 1d (default 1h)")

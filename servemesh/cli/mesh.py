@@ -3,21 +3,20 @@
 The state dir is `--state-dir`, else `SERVEMESH_STATE_DIR`, else the spec's (`--spec`, else
 ./mesh.yaml, else the built-in `.servemesh`). A mesh runs there when `servemesh up` has
 written its resolved spec; when none does, every command answers with the same line and
-exit status 2 (servemesh/errors.py).
+exit status 5 (servemesh/contract/errors.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from servemesh.errors import NoMesh
-from servemesh.proxy.apply import MeshPaths, NoRunningMesh, RouteManager
-from servemesh.spec import ResolvedSpec, load_spec
+from servemesh.contract.errors import NoMesh
+from servemesh.spec import load_spec
+from servemesh.state.paths import MeshPaths, NoRunningMesh
+from servemesh.state.running import RunningMesh
 
 STATE_DIR_ENV = "SERVEMESH_STATE_DIR"
 STATE_DIR_HELP = f"the running mesh's state dir (default: ${STATE_DIR_ENV}, else the spec's)"
@@ -41,32 +40,11 @@ def state_dir_of(args: argparse.Namespace) -> Path:
     return Path(load_spec(getattr(args, "spec", None)).state_dir)
 
 
-@dataclass(frozen=True)
-class RunningMesh:
-    """The mesh running from a state dir: its resolved spec and where it keeps state."""
-
-    state_dir: Path
-    spec: ResolvedSpec
-
-    @property
-    def paths(self) -> MeshPaths:
-        return MeshPaths(self.state_dir)
-
-    def routes(self) -> RouteManager:
-        """What changes its routes, live (one change at a time)."""
-        return RouteManager(self.paths)
-
-    def endpoints(self) -> dict[str, Any]:
-        """What `up` wrote of its addresses and PIDs (empty before it wrote them)."""
-        path = self.paths.endpoints
-        return dict(json.loads(path.read_text())) if path.is_file() else {}
-
-
 def running_mesh(args: argparse.Namespace) -> RunningMesh:
-    """The mesh the command's flags point at; NoMesh (exit 2) when none runs there."""
+    """The mesh the command's flags point at; NoMesh (exit 5) when none runs there."""
     state_dir = state_dir_of(args)
     try:
-        return RunningMesh(state_dir, MeshPaths(state_dir).running_spec())
+        return RunningMesh.at(state_dir)
     except NoRunningMesh:
         raise NoMesh(state_dir) from None
 

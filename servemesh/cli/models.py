@@ -16,7 +16,6 @@ import asyncio
 import datetime
 import json
 import math
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,13 +27,20 @@ from rich.table import Table
 from rich.text import Text
 
 from servemesh.cli import mesh as found_mesh
+from servemesh.cli import quarantine
+from servemesh.cli.flags import add_output
 from servemesh.cli.mesh import add_mesh_flags
-from servemesh.cli.output import out
-from servemesh.control_credential import ControlCredentialMissing, Metadata, control_metadata_for
-from servemesh.errors import ServemeshError
+from servemesh.cli.output import out, write
+from servemesh.contract.control_credential import (
+    ControlCredentialMissing,
+    Metadata,
+    control_metadata_for,
+)
+from servemesh.contract.errors import ServemeshError
+from servemesh.contract.wire import message_size_options
 from servemesh.identity import dial_registry, dial_service
 from servemesh.proxy.admin import AdminError
-from servemesh.proxy.apply import ApplyError, MeshPaths, RouteManager
+from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_view import live_view
 from servemesh.registry.client import push_version, set_alias
 from servemesh.registry.errors import InvalidArgumentError
@@ -48,7 +54,8 @@ from servemesh.registry.validation import (
 )
 from servemesh.services.model.tensors import Signature, TensorSig
 from servemesh.spec import ResolvedSpec
-from servemesh.wire import message_size_options
+from servemesh.state.paths import ApplyError, MeshPaths
+from servemesh.state.running import RunningMesh
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
@@ -65,30 +72,23 @@ class ModelsError(ServemeshError):
 # --- the running mesh --------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RunningMesh:
-    """What the commands need of the running mesh: its resolved spec and state dir."""
+def registry_channel(mesh: RunningMesh) -> grpc.aio.Channel:
+    return dial_registry(mesh.spec).aio_channel(
+        options=message_size_options(mesh.spec.limits.max_message_bytes)
+    )
 
-    spec: ResolvedSpec
-    state_dir: Path
 
-    def registry_channel(self) -> grpc.aio.Channel:
-        return dial_registry(self.spec).aio_channel(
-            options=message_size_options(self.spec.limits.max_message_bytes)
-        )
-
-    def credential(self) -> Metadata:
-        """The control call metadata of this mesh (pushes and aliases are control calls)."""
-        try:
-            return control_metadata_for(self.state_dir)
-        except ControlCredentialMissing as exc:
-            raise ModelsError(_one_line(str(exc))) from None
+def credential(mesh: RunningMesh) -> Metadata:
+    """The control call metadata of this mesh (pushes and aliases are control calls)."""
+    try:
+        return control_metadata_for(mesh.state_dir)
+    except ControlCredentialMissing as exc:
+        raise ModelsError(_one_line(str(exc))) from None
 
 
 def running_mesh(args: argparse.Namespace) -> RunningMesh:
     """The mesh the command's flags point at (servemesh/cli/mesh.py)."""
-    mesh = found_mesh.running_mesh(args)
-    return RunningMesh(mesh.spec, mesh.state_dir)
+    return found_mesh.running_mesh(args)
 
 
 def _one_line(text: str) -> str:
@@ -193,13 +193,15 @@ def check_push(
 
     Raises ModelsError naming the first problem.
     """
-    # torch loads here, for a push, not for every `servemesh` command (list, alias, ...).
-    from servemesh.services.model.artifacts import (
-        ArtifactError,
-        open_artifact,
-        reconcile_signature,
+    # The model runs in a sandboxed child (servemesh.sandbox): a model file is code, and
+    # this process may hold the operator's credentials.
+    from servemesh.sandbox.model import (
+        ModelCrashed,
+        ModelFailed,
+        ModelRefused,
+        SandboxedModel,
+        SandboxedModelError,
     )
-    from servemesh.services.model.runner import ModelRunner, SignatureViolation
 
     try:
         check_name(request.model, "--model")
@@ -222,35 +224,30 @@ def check_push(
     declared = read_signature(request.signature) if request.signature else None
     data = request.file.read_bytes()
     try:
-        opened = open_artifact(data, "cpu")
-        signature = reconcile_signature(opened.signature, declared)
-    except ArtifactError as exc:
+        with SandboxedModel.open(
+            data, declared=declared, model=request.model, version=request.version,
+            max_batch_size=2,
+        ) as sandboxed:  # fmt: skip
+            answer = sandboxed.probe()
+            opened_format, signature = sandboxed.format, sandboxed.signature
+    except ModelRefused as exc:
         raise ModelsError(_one_line(f"{name}: {exc}")) from None
-    runner = ModelRunner(
-        opened.module,
-        model=request.model,
-        version=request.version,
-        signature=signature,
-        device="cpu",
-        max_batch_size=2,
-    )
-    try:
-        answer = runner.probe()
-    except SignatureViolation as exc:
+    except ModelFailed as exc:
+        if exc.kind == "model":
+            raise ModelsError(
+                _one_line(
+                    f"{name}: the model failed on the probe batch (2 rows: zeros, ones): "
+                    f"{exc.error}: {exc}"
+                )
+            ) from None
         raise ModelsError(_one_line(f"{name}: the probe batch: {exc}")) from None
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        raise ModelsError(
-            _one_line(
-                f"{name}: the model failed on the probe batch (2 rows: zeros, ones): "
-                f"{type(exc).__name__}: {first}"
-            )
-        ) from None
-    if isinstance(answer, Mapping):
-        shapes = {key: list(value.shape) for key, value in answer.items()}
-    else:
-        shapes = {signature.output.name: list(answer.shape)}
-    return data, opened.format, signature, shapes
+    except ModelCrashed as exc:
+        raise ModelsError(_one_line(f"{name}: the probe batch: {exc}")) from None
+    except SandboxedModelError as exc:  # pragma: no cover - every kind is named above
+        raise ModelsError(_one_line(f"{name}: {exc}")) from None
+    assert signature is not None
+    shapes = {key: list(value.shape) for key, value in answer.items()}
+    return data, opened_format, signature, shapes
 
 
 async def push(mesh: RunningMesh, request: PushRequest) -> Pushed:
@@ -258,7 +255,7 @@ async def push(mesh: RunningMesh, request: PushRequest) -> Pushed:
     data, format, signature, shapes = await asyncio.to_thread(
         check_push, request, mesh.spec.limits.max_artifact_bytes
     )
-    async with mesh.registry_channel() as channel:
+    async with registry_channel(mesh) as channel:
         try:
             record = await push_version(
                 channel,
@@ -267,7 +264,7 @@ async def push(mesh: RunningMesh, request: PushRequest) -> Pushed:
                 data=data,
                 inputs=[_spec(t) for t in signature.inputs],
                 outputs=[_spec(t) for t in signature.outputs],
-                credential=mesh.credential(),
+                credential=credential(mesh),
                 labels=request.labels,
                 lineage=request.lineage,
                 metrics=request.metrics,
@@ -378,7 +375,7 @@ class Catalogue:
 
 async def catalogue(mesh: RunningMesh) -> Catalogue:
     """Every model and its versions, from the registry."""
-    async with mesh.registry_channel() as channel:
+    async with registry_channel(mesh) as channel:
         stub = registry_pb2_grpc.RegistryStub(channel)
         try:
             listed = await stub.ListModels(registry_pb2.ListModelsRequest(), timeout=RPC_TIMEOUT_S)
@@ -457,7 +454,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             for model in listed.models
             for record in listed.versions[model.name]
         ]
-        sys.stdout.write(json.dumps(rows) + "\n")
+        write(json.dumps(rows))
         return 0
     table = Table(
         title=f"models in the registry ({mesh.spec.registry_address})", title_justify="left"
@@ -513,10 +510,12 @@ def _pairs_text(pairs: Mapping[str, Any]) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    if args.version is None:  # the model's versions: quarantine and crashes (no registry)
+        return quarantine.cmd_show_model(args)
     mesh = running_mesh(args)
 
     async def gather() -> tuple[Catalogue, registry_pb2.ModelVersion, Holdings]:
-        async with mesh.registry_channel() as channel:
+        async with registry_channel(mesh) as channel:
             stub = registry_pb2_grpc.RegistryStub(channel)
             try:
                 record = await stub.GetVersion(
@@ -531,7 +530,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     listed, record, found = asyncio.run(gather())
     model = next(m for m in listed.models if m.name == record.model)
     if args.json:
-        sys.stdout.write(json.dumps(_version_json(model, record, found)) + "\n")
+        shown = _version_json(model, record, found)
+        shown |= quarantine.version_facts(mesh.state_dir, record.model, record.version)
+        write(json.dumps(shown))
         return 0
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="bold")
@@ -552,6 +553,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     out.print(f"{record.model} {record.version}", highlight=False, markup=False)
     out.print(facts, highlight=False)
     out.print(_signature_table(record))
+    quarantine.version_section(mesh.state_dir, record.model, record.version)
     _notes(found)
     return 0
 
@@ -560,7 +562,7 @@ def cmd_alias(args: argparse.Namespace) -> int:
     mesh = running_mesh(args)
 
     async def apply() -> tuple[str | None, registry_pb2.Model]:
-        async with mesh.registry_channel() as channel:
+        async with registry_channel(mesh) as channel:
             stub = registry_pb2_grpc.RegistryStub(channel)
             try:
                 listed = await stub.ListModels(
@@ -573,7 +575,7 @@ def cmd_alias(args: argparse.Namespace) -> int:
                     args.model,
                     args.alias,
                     args.version,
-                    credential=mesh.credential(),
+                    credential=credential(mesh),
                     timeout=RPC_TIMEOUT_S,
                 )
             except grpc.aio.AioRpcError as exc:
@@ -600,7 +602,7 @@ def pull_verified(
     from servemesh.registry.client import fetch_verified
 
     async def pull() -> tuple[registry_pb2.ModelVersion, bytes]:
-        async with mesh.registry_channel() as channel:
+        async with registry_channel(mesh) as channel:
             try:
                 return await fetch_verified(
                     channel,
@@ -696,7 +698,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise ModelsError(_one_line(str(exc))) from None
 
     async def upload() -> registry_pb2.ModelVersion:
-        async with mesh.registry_channel() as channel:
+        async with registry_channel(mesh) as channel:
             try:
                 return await push_version(
                     channel,
@@ -705,7 +707,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                     data=derived.data,
                     inputs=[_spec(t) for t in signature.inputs],
                     outputs=[_spec(t) for t in signature.outputs],
-                    credential=mesh.credential(),
+                    credential=credential(mesh),
                     labels={"derived": derived.method},
                     lineage=derived.lineage(),
                     metrics=derived.accuracy.metrics(),
@@ -769,14 +771,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "list", help="models, versions, aliases, sizes, replicas holding each, live weight"
     )
     add_mesh_flags(list_, inherited=True)
-    list_.add_argument("--json", action="store_true")
+    add_output(list_)
     list_.set_defaults(func=cmd_list, error_label="models list")
 
-    show = verbs.add_parser("show", help="one version: signature, sha256, lineage, metrics, ...")
+    show = verbs.add_parser(
+        "show",
+        help="one version: signature, sha256, lineage, metrics, quarantine, crashes...; "
+        "without a version, each version's weight, quarantine and crashes",
+    )
     add_mesh_flags(show, inherited=True)
     show.add_argument("model")
-    show.add_argument("version", help="a version or an alias")
-    show.add_argument("--json", action="store_true")
+    show.add_argument("version", nargs="?", help="a version or an alias")
+    add_output(show)
     show.set_defaults(func=cmd_show, error_label="models show")
 
     alias = verbs.add_parser("alias", help="point an alias at a version, e.g. production v2")
@@ -832,3 +838,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="refuse when fewer rows agree on the label (argmax, or > 0.5; default 0.99)",
     )
     quantize.set_defaults(func=cmd_quantize, error_label="models quantize")
+    quarantine.register(verbs)
+
+    from servemesh.cli import model_control  # imports this module: registered last
+
+    model_control.register(verbs)

@@ -37,9 +37,17 @@ def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
+def write(text: str, *, err: bool = False) -> None:
+    """Text as it is (JSON, a record a line): no markup, no wrapping, no highlighting;
+    on stdout, or on stderr with `err`."""
+    stream = (console if err else out).file
+    stream.write(f"{text}\n")
+    stream.flush()
+
+
 def error(label: str, message: str) -> None:
     """`label: message` on stderr, as one line, the message never read as markup."""
     console.print(f"[red]{escape(label)}:[/red] {escape(one_line(message))}")
 
 
-__all__ = ["PIPE_WIDTH", "console", "error", "escape", "one_line", "out", "sized"]
+__all__ = ["PIPE_WIDTH", "console", "error", "escape", "one_line", "out", "sized", "write"]

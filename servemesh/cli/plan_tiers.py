@@ -13,16 +13,22 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from servemesh.atomic import atomic_write_text
+from servemesh.cli.flags import add_output
 from servemesh.cli.mesh import add_mesh_flags
-from servemesh.cli.output import out
-from servemesh.errors import ServemeshError, UsageError
+from servemesh.cli.output import out, write
+from servemesh.contract.atomic import atomic_write_text
+from servemesh.contract.errors import ServemeshError, UsageError
 from servemesh.spec import MeshSpec, SpecError
+
+if TYPE_CHECKING:
+    from servemesh.predlog.query import TopEntities
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,28 @@ def entities_csv(column: str, ids: list[str]) -> str:
     return buffer.getvalue()
 
 
+def _plan_data(model: str, since: str, plan: TierPlan, top: TopEntities) -> dict[str, object]:
+    """What the table and its last line show: every id written (rank, calls, the share of
+    lookups covered so far), where they went, and what they cover."""
+    ranked = []
+    covered = 0
+    for rank, (entity, calls) in enumerate(top.rows, 1):
+        covered += calls
+        ranked.append({"rank": rank, "id": entity, "calls": calls, "covered": covered / top.calls})
+    return {
+        "model": model,
+        "entity": plan.entity,
+        "since": since,
+        "file": str(plan.path),
+        "written": len(top.rows),
+        "distinct": top.distinct,
+        "lookups": top.calls,
+        "covered_lookups": covered,
+        "covered": covered / top.calls,
+        "top": ranked,
+    }
+
+
 def cmd_plan_tiers(args: argparse.Namespace) -> int:
     from servemesh.cli.log import _spec_and_state
     from servemesh.predlog.query import parse_since, reader_for
@@ -95,6 +123,9 @@ def cmd_plan_tiers(args: argparse.Namespace) -> int:
     ids = [entity for entity, _ in top.rows]
     plan.path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(plan.path, entities_csv(plan.column, ids))
+    if args.json:
+        write(json.dumps(_plan_data(args.model, args.since, plan, top)))
+        return 0
 
     table = Table(box=None, pad_edge=False)
     for column in ("rank", plan.entity, "calls", "covered"):
@@ -132,5 +163,6 @@ def register(verbs: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--job", help="write the entities file this spec batch job names")
     p.add_argument("--out", help="write this CSV file instead")
     p.add_argument("--show", type=int, default=20, help="rows of the table printed (default 20)")
+    add_output(p, "the ids written, their calls and what they cover, as JSON")
     add_mesh_flags(p, inherited=True)
     p.set_defaults(func=cmd_plan_tiers, error_label="not planned")

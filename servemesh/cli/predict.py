@@ -4,23 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from servemesh.cli.flags import add_duration, add_output
 from servemesh.cli.mesh import add_mesh_flags, running_mesh
-from servemesh.cli.output import out
-from servemesh.credentials import authorization_value, read_edge_credentials
-from servemesh.errors import ServemeshError, UsageError
+from servemesh.cli.output import out, write
+from servemesh.contract.errors import ServemeshError, UsageError
+from servemesh.contract.wire import AUTHORIZATION_HEADER, TENSOR_VALUE_FIELDS, TRACE_HEADERS
 from servemesh.identity import OPERATOR_IDENTITY, Dial, dial_edge_at
 from servemesh.identity.edge_client import dial_edge_as
 from servemesh.identity.tokens import mint_token
-from servemesh.proxy.apply import MeshPaths, NoRunningMesh
 from servemesh.spec import MeshSpec, load_spec
+from servemesh.state.credentials import authorization_value, read_edge_credentials
+from servemesh.state.paths import MeshPaths, NoRunningMesh
 from servemesh.tracestore.traceparent import new_traceparent
-from servemesh.wire import AUTHORIZATION_HEADER, TENSOR_VALUE_FIELDS, TRACE_HEADERS
 
 
 def _edge_dial(spec: MeshSpec, address: str, as_operator: bool = False) -> Dial:
@@ -153,6 +153,7 @@ def _shown(value: Any) -> str:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
+    from servemesh.predlog.record import tier_name
     from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
     rows = []
@@ -208,9 +209,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
             "degraded": reply.degraded,
             "degraded_reason": reply.degraded_reason,
             "request_id": reply.request_id,
+            # Which tier answered: "online" (the model), "cache" or "precomputed" (docs/tiers.md).
+            "tier": tier_name(reply.tier),
             **({"trace_id": trace_id} if trace_id else {}),
         }
-        sys.stdout.write(json.dumps(answer) + "\n")
+        write(json.dumps(answer))
         return 0
     labels = [
         e if isinstance(e, str) else ",".join(f"{k}={v}" for k, v in e.items()) for e in entities
@@ -237,6 +240,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
     )
     if reply.degraded_reason:
         out.print(f"degraded: {reply.degraded_reason}", markup=False)
+    if reply.tier != gateway_pb2.TIER_ONLINE:
+        # The model did not run for this call: a tier answered (docs/tiers.md).
+        out.print(f"answered by: the {tier_name(reply.tier)} tier", markup=False)
     out.print(f"request id: {reply.request_id}")
     if trace_id:
         out.print(f"trace id: {trace_id}  (servemesh trace {reply.request_id})")
@@ -280,8 +286,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--address", help="edge address (default: the running mesh's; then no mesh is needed)"
     )
     add_mesh_flags(predict)
-    predict.add_argument("--timeout", type=float, default=5.0, help="deadline in seconds")
-    predict.add_argument("--json", action="store_true", help="print the answer as JSON")
+    add_duration(
+        predict, "--timeout", "the call's deadline (default 5s)", dest="timeout", default=5.0
+    )
+    add_output(predict, "print the answer as JSON")
     predict.add_argument(
         "--trace", action="store_true", help="force a trace of this call (prints its trace id)"
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from servemesh.cli import build_parser
 from servemesh.cli.mesh import STATE_DIR_ENV
-from servemesh.errors import EXIT_CODES
+from servemesh.contract.errors import EXIT_CODES, NoMesh
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 WIDTH = 100
@@ -28,16 +28,22 @@ name (a command group takes them before its subcommand too: `servemesh models --
 list` and `servemesh models list --state-dir D` are the same). The state dir is
 `--state-dir`, else `${STATE_DIR_ENV}`, else the spec's (`--spec`, else `./mesh.yaml`, else
 the built-in `.servemesh`). With no mesh there, every such command prints one line and
-exits 2:
+exits 5 (2 before this release):
 
-    error: no running mesh at DIR: start one with `servemesh up`
+    error: {NoMesh("DIR")}
+
+One mesh runs from a state dir at a time: `servemesh up` holds it (`mesh.lock` there) until
+the mesh stops, and a second `up` on it is refused with exit 4, naming the running mesh's
+PID and edge; a lock left by a mesh that was killed is taken over, saying so.
+`servemesh status` shows the mesh a state dir names (its endpoints, PIDs and health) and
+`servemesh down` stops it, from any shell.
 
 `servemesh log`, `servemesh trace` and `servemesh rollout status|history|pause` still read
 what a stopped mesh recorded in its state dir (prediction log, traces, rollouts).
 
 ## Exit statuses
 
-Kept by every command (servemesh/errors.py); an error is one line on stderr,
+Kept by every command (servemesh/contract/errors.py); an error is one line on stderr,
 `error: ...` (or `refused: ...` for a refused change, `models push: ...` and the like
 where the command names itself).
 
@@ -48,6 +54,19 @@ where the command names itself).
 CHANGES = """
 ## Changes
 
+- One vocabulary (servemesh/cli/flags.py): `--rate` is a target rate with its unit in the
+  help (`capacity plan --rps` is `--rate`, `--start-rps` is `--start-rate`; `bench profile
+  --rate` is `--sample-rate`); `--slo` is the one SLO flag, a duration (`--slo 250ms`; was
+  `--slo-ms`, `--p99-ms`); durations read `30s`, `5m`, `1h30m`, `250ms` (a bare number is
+  seconds): `--seconds` is `--duration`, `--idle-seconds` is `--idle`, `--step-s` is
+  `--step`, `scale forecast --hours N` is `--span Nh`, and `--timeout`, `--interval`,
+  `--window` take the same syntax; `--out` names only what a command writes (`batch score
+  --entities FILE` is `--entity-ids FILE`, `registry snapshots --out DIR` is
+  `--backup-dir DIR`); every command that prints data takes `-o json|table` (`--json` is
+  `-o json`). An old spelling works for one more release and says, in one line on stderr,
+  which flag replaces it.
+- No running mesh exits 5 (it was 2, which stays for usage errors alone).
+
 - `servemesh routes apply FILE` is `servemesh apply FILE` now: one code path for applying a
   file (a routing-only change is a mesh file whose models and views are the running ones).
   `routes apply` stays as an alias that says where it went.
@@ -57,6 +76,9 @@ CHANGES = """
   `auth token`, `compose init`, `chaos run` and `predict --token-file` refuse bad input
   with 1 (was 2); `log query` and `trace` with no mesh and nothing recorded exit 2 (an
   empty table or 1 before); `top --once` with no mesh exits 2 (a traceback before).
+- `servemesh up` refuses a state dir a running mesh holds (exit 4; it used to start a
+  second mesh there, which broke the first); `servemesh status` and `servemesh down` are
+  new; `predict --json` names the tier that answered (`"tier"`).
 """
 
 

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING
 import grpc
 from rich.table import Table
 
+from servemesh.cli.flags import add_output, deprecated
 from servemesh.cli.mesh import add_mesh_flags, running_mesh, state_dir_of
-from servemesh.cli.output import out
-from servemesh.errors import ServemeshError, UsageError
+from servemesh.cli.output import out, write
+from servemesh.contract.errors import ServemeshError, UsageError
 
 if TYPE_CHECKING:
     from servemesh.registry.backup import Restored
@@ -31,7 +32,8 @@ def _local_spec(args: argparse.Namespace) -> MeshSpec:
 
 
 def _backup_dir(args: argparse.Namespace) -> Path:
-    return Path(args.out) if args.out else _local_spec(args).registry_backup_dir
+    given = getattr(args, "out", None) or getattr(args, "backup_dir", None)
+    return Path(given) if given else _local_spec(args).registry_backup_dir
 
 
 def cmd_backup(args: argparse.Namespace) -> int:
@@ -41,7 +43,7 @@ def cmd_backup(args: argparse.Namespace) -> int:
     target = _backup_dir(args)
     manifest = take_backup(store, target, keep=args.keep)
     if args.json:
-        print(json.dumps(asdict(manifest)))
+        write(json.dumps(asdict(manifest)))
         return 0
     out.print(
         f"snapshot {manifest.snapshot} in {target}: {len(manifest.versions)} versions of "
@@ -61,7 +63,7 @@ def cmd_snapshots(args: argparse.Namespace) -> int:
     names = snapshots(target)
     rows = [read_manifest(target, name) for name in names]
     if args.json:
-        print(json.dumps([{**asdict(m), "versions": m.names()} for m in rows]))
+        write(json.dumps([{**asdict(m), "versions": m.names()} for m in rows]))
         return 0
     if not rows:
         out.print(f"no snapshot in {target}", markup=False)
@@ -82,10 +84,10 @@ def cmd_snapshots(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    from servemesh.control_credential import ControlCredentialMissing, control_metadata_for
+    from servemesh.contract.control_credential import ControlCredentialMissing, control_metadata_for
+    from servemesh.contract.wire import message_size_options
     from servemesh.identity import dial_registry
     from servemesh.registry.backup import restore
-    from servemesh.wire import message_size_options
 
     mesh = running_mesh(args)
     source = Path(args.backup)
@@ -119,7 +121,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
             f"the registry at {mesh.spec.registry_address}: {exc.code().name}: {exc.details()}"
         ) from None
     if args.json:
-        print(json.dumps(asdict(done)))
+        write(json.dumps(asdict(done)))
         return 0
     out.print(
         f"restored snapshot {done.snapshot}: {done.models} models, {done.versions} versions, "
@@ -144,12 +146,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "<state_dir>/registry-backups)",
     )  # fmt: skip
     backup.add_argument("--keep", type=int, help="then keep only the newest N snapshots")
-    backup.add_argument("--json", action="store_true")
+    add_output(backup)
     backup.set_defaults(func=cmd_backup)
     listed = verbs.add_parser("snapshots", help="the snapshots of a backup folder")
     add_mesh_flags(listed, inherited=True)
-    listed.add_argument("--out", help="the backup folder (default as for backup)")
-    listed.add_argument("--json", action="store_true")
+    listed.add_argument("--backup-dir", help="the backup folder read (default as for backup)")
+    deprecated(listed, "--out", "--backup-dir", dest="backup_dir")
+    add_output(listed)
     listed.set_defaults(func=cmd_snapshots)
     rest = verbs.add_parser(
         "restore",
@@ -159,5 +162,5 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_mesh_flags(rest, inherited=True)
     rest.add_argument("backup", help="the backup folder")
     rest.add_argument("--snapshot", help="which snapshot (default: the newest)")
-    rest.add_argument("--json", action="store_true")
+    add_output(rest)
     rest.set_defaults(func=cmd_restore)

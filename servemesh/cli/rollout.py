@@ -1,6 +1,6 @@
 """`servemesh rollout ...`: start, watch and steer progressive rollouts.
 
-Exit statuses of `start` and `resume` (servemesh/errors.py): 0 promoted, 3 rolled back (the
+Exit statuses of `start` and `resume` (servemesh/contract/errors.py): 0 promoted, 3 rolled back (the
 reason printed last), 4 refused (a gate, the checklist, or a rollout already under way), 1
 an error of the command itself (unknown model or version, bad plan file), 2 no running mesh.
 """
@@ -22,15 +22,17 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from servemesh.cli.flags import add_output
 from servemesh.cli.mesh import add_mesh_flags, recorded_state_dir, running_mesh
-from servemesh.cli.output import console, out
+from servemesh.cli.output import console, out, write
 from servemesh.proxy.admin import AdminError
-from servemesh.proxy.apply import ApplyError, MeshPaths, RouteManager
+from servemesh.proxy.apply import RouteManager
 from servemesh.rollout.controller import Controller, ControllerError, Parts, StartRequest
 from servemesh.rollout.types import Ending, Outcome
-from servemesh.rollout_plan import RolloutPlan
-from servemesh.rollout_state import RolloutState, StateStore
 from servemesh.spec import SpecError
+from servemesh.spec.rollout_plan import RolloutPlan
+from servemesh.state.paths import ApplyError, MeshPaths
+from servemesh.state.rollouts import RolloutState, StateStore
 
 _VERDICT_STYLE = {" pass:": "green", " fail:": "bold red", " wait:": "yellow"}
 # How long `abort` and `promote` wait for a live controller to act (it reads its flags
@@ -104,7 +106,7 @@ def _controller(
     args: argparse.Namespace, *, analysis: bool = False, aside: bool = False
 ) -> Controller:
     if analysis:  # start and resume drive the routes of a running mesh
-        manager = running_mesh(args).routes()
+        manager = RouteManager(running_mesh(args).paths)
     else:
         manager = RouteManager(MeshPaths(_state_dir(args)))
     return Controller(
@@ -277,7 +279,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 )
         rows.append(status_row(state, store.alive(model), time.time()))
     if args.json:
-        print(json.dumps(rows if not args.model else rows[0]))
+        write(json.dumps(rows if not args.model else rows[0]))
         return 0
     if not rows:
         out.print(f"no rollouts recorded under {state_dir}")
@@ -333,7 +335,7 @@ def _print_status(row: dict[str, Any]) -> None:
 def cmd_history(args: argparse.Namespace) -> int:
     events = StateStore(_state_dir(args)).history(args.model)
     if args.json:
-        print(json.dumps(events))
+        write(json.dumps(events))
         return 0
     table = Table(title="rollout history", title_justify="left")
     for column in ("when", "model", "version", "event", "step", "detail"):
@@ -388,7 +390,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     status = verbs.add_parser("status", help="where each rollout stands")
     add_mesh_flags(status, inherited=True)
     status.add_argument("model", nargs="?")
-    status.add_argument("--json", action="store_true")
+    add_output(status)
     status.set_defaults(func=cmd_status)
 
     pause = verbs.add_parser("pause", help="hold the rollout at its current step")
@@ -419,5 +421,5 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     history = verbs.add_parser("history", help="every rollout event, overrides and reasons")
     add_mesh_flags(history, inherited=True)
     history.add_argument("model", nargs="?")
-    history.add_argument("--json", action="store_true")
+    add_output(history)
     history.set_defaults(func=cmd_history)

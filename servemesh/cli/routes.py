@@ -5,34 +5,51 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from pathlib import Path
 
+from rich.markup import escape
 from rich.table import Table
 
 from servemesh.cli import apply as apply_command
+from servemesh.cli.flags import add_output
 from servemesh.cli.mesh import add_mesh_flags, running_mesh
-from servemesh.cli.output import console, out
-from servemesh.proxy.apply import ApplyError, ApplyResult, RouteManager
+from servemesh.cli.output import console, out, write
+from servemesh.proxy.apply import ApplyResult, RouteManager
 from servemesh.proxy.live_view import live_view
 from servemesh.proxy.shadow_report import shadow_report
+from servemesh.state.paths import ApplyError
 
 _WEIGHT = re.compile(r"^([a-z0-9][a-z0-9_-]{0,62})=(-?\d+)$")
 
 
 def _manager(args: argparse.Namespace) -> RouteManager:
-    return running_mesh(args).routes()
+    return RouteManager(running_mesh(args).paths)
 
 
 def _report(result: ApplyResult) -> None:
     if not result.diff:
         out.print("no change: Envoy already serves this")
         return
+    styles = {"+": "green", "-": "red", "~": "yellow"}
     for line in result.diff:
-        style = "green" if line.startswith("+") else "red"
-        out.print(f"[{style}]{line}[/{style}]", highlight=False)
+        style = styles.get(line[:1], "default")
+        out.print(f"[{style}]{escape(line)}[/{style}]", highlight=False)
     out.print(
         f"applied as change #{result.entry_id}: Envoy serves config version {result.version} "
         f"({result.confirm_ms:.0f} ms from swap to confirmed)"
     )
+
+
+def _shown(address: str) -> str:
+    """An admin address as the operator's shell would name it: a socket under the current
+    folder by its relative path (`unix:.servemesh/admin/envoy.sock`), others as they are."""
+    scheme, sep, path = address.partition(":")
+    if scheme != "unix" or not sep:
+        return address
+    try:
+        return f"unix:{Path(path).relative_to(Path.cwd())}"
+    except ValueError:
+        return address
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -40,9 +57,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     spec = manager.live_spec()
     rows = live_view(manager.admins(spec), spec)
     if args.json:
-        print(json.dumps([vars(r) for r in rows]))
+        write(json.dumps([vars(r) for r in rows]))
         return 0
-    where = ", ".join(a.address for a in manager.admins(spec).values())
+    where = ", ".join(_shown(a.address) for a in manager.admins(spec).values())
     table = Table(title=f"what Envoy serves ({where})", title_justify="left")
     for column in (
         "model",
@@ -105,7 +122,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
 def cmd_history(args: argparse.Namespace) -> int:
     history = _manager(args).history()
     if args.json:
-        print(json.dumps(history))
+        write(json.dumps(history))
         return 0
     table = Table(title="applied route changes", title_justify="left")
     for column in ("#", "when", "who", "action", "status", "ms", "change"):
@@ -147,7 +164,7 @@ def cmd_shadow_report(args: argparse.Namespace) -> int:
     manager = _manager(args)
     report = shadow_report(manager.paths.state_dir / "shadow", args.model, args.tolerance)
     if args.json:
-        print(json.dumps({**vars(report), "agreement": report.agreement}))
+        write(json.dumps({**vars(report), "agreement": report.agreement}))
         return 0
     out.print(f"shadow comparison for {report.model} (tolerance {report.tolerance:g})")
     out.print(
@@ -175,7 +192,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     show = verbs.add_parser("show", help="per model version: weight, healthy hosts, counters")
     add_mesh_flags(show, inherited=True)
-    show.add_argument("--json", action="store_true")
+    add_output(show)
     show.set_defaults(func=cmd_show)
 
     set_ = verbs.add_parser(
@@ -194,7 +211,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
     history = verbs.add_parser("history", help="every applied change: who, when, what")
     add_mesh_flags(history, inherited=True)
-    history.add_argument("--json", action="store_true")
+    add_output(history)
     history.set_defaults(func=cmd_history)
 
     rollback = verbs.add_parser("rollback", help="undo the last change, or return to change N")
@@ -216,5 +233,5 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     report.add_argument(
         "--tolerance", type=float, default=1e-3, help="max score difference to agree"
     )
-    report.add_argument("--json", action="store_true")
+    add_output(report)
     report.set_defaults(func=cmd_shadow_report)

@@ -1,5 +1,5 @@
-"""`servemesh scale status|history|forecast|run`: the scaler's view of each pool (model
-servers, gateways, feature services) in each zone, what it decided and why, the model
+"""`servemesh scale status|history|forecast|run`: the scaler's view of each pool (each model
+pool's servers, gateways, feature services) in each zone, what it decided and why, the model
 servers' forecast, and the scaler itself in the foreground (docs/capacity.md)."""
 
 from __future__ import annotations
@@ -10,28 +10,30 @@ from typing import Any
 
 from rich.table import Table
 
+from servemesh.cli.flags import add_duration, add_output, deprecated
 from servemesh.cli.mesh import add_mesh_flags, recorded_state_dir, running_mesh
-from servemesh.cli.output import out
+from servemesh.cli.output import out, write
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from servemesh.scaling.actuator import busy_with_an_update, zone_replicas
     from servemesh.scaling.history import pool_status, read_status
-    from servemesh.spec import SCALED_KINDS
+    from servemesh.spec import scaled_pool_label
 
     mesh = running_mesh(args)
     spec = mesh.spec
     found = read_status(mesh.state_dir)
     rows = []
-    for kind in SCALED_KINDS:
+    for kind, pool_name in spec.scaled_pools():
         pool = spec.scaling.pool(kind)
-        zones = pool_status(found, kind)
-        for zone in spec.scaled_zones(kind):
-            rotation, standby = zone_replicas(spec, zone, kind)
+        label = scaled_pool_label(kind, pool_name)
+        zones = pool_status(found, label)
+        for zone in spec.scaled_zones(kind, pool_name):
+            rotation, standby = zone_replicas(spec, zone, kind, pool_name)
             last = zones.get(zone, {})
             rows.append(
                 {
-                    "pool": kind,
+                    "pool": label,
                     "zone": zone,
                     "in_rotation": len(rotation),
                     "standby": len(standby),
@@ -47,7 +49,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         held = "scaling.enabled is false"
     at = (found or {}).get("at")
     if args.json:
-        print(json.dumps({"at": at, "held": held, "pools": rows}))
+        write(json.dumps({"at": at, "held": held, "pools": rows}))
         return 0
     table = Table(title=f"replicas per pool and zone (last round {at or '-'})")
     for column in ("pool", "zone", "in rotation", "standby", "min..max", "floor"):
@@ -85,7 +87,7 @@ def cmd_history(args: argparse.Namespace) -> int:
     entries = read_history(state_dir, args.limit)
     if args.json:
         for entry in entries:
-            print(json.dumps(entry))
+            write(json.dumps(entry))
         return 0
     if not entries:
         out.print("no scaling decision recorded yet")
@@ -120,12 +122,13 @@ def cmd_forecast(args: argparse.Namespace) -> int:
     zone = ZoneInfo(pool.schedule.timezone)
     zones = len(spec.scaled_zones())
     capacity, source = replica_capacity(spec, mesh.state_dir)
-    history = logged_hours(spec, pool.forecast.weeks * 7 * 86400.0 + args.hours * 3600.0)
+    hours = max(0, round(args.span / 3600.0))
+    history = logged_hours(spec, pool.forecast.weeks * 7 * 86400.0 + hours * 3600.0)
     actual = {at: calls / 3600.0 for at, calls in history}
     now = datetime.now(UTC)
     this_hour = now.replace(minute=0, second=0, microsecond=0)
     rows: list[dict[str, Any]] = []
-    for offset in range(-args.hours, args.hours + 1):
+    for offset in range(-hours, hours + 1):
         at = this_hour + timedelta(hours=offset)
         # A past hour is forecast as it would have been an hour before it began.
         seen_from = min(now, at) if offset > 0 else at - timedelta(hours=1)
@@ -142,7 +145,7 @@ def cmd_forecast(args: argparse.Namespace) -> int:
             }
         )
     if args.json:
-        print(json.dumps(rows))
+        write(json.dumps(rows))
         return 0
     table = Table(
         title=f"calls per second by hour ({pool.schedule.timezone}), "
@@ -169,9 +172,13 @@ def cmd_forecast(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from servemesh.contract.errors import ServemeshError
     from servemesh.scaling.__main__ import run
+    from servemesh.scaling.actuator import busy_with_an_update
 
     mesh = running_mesh(args)
+    if mesh.spec.discovery.backend == "dns":
+        raise ServemeshError(busy_with_an_update(mesh.spec))
     args.interrupted = "the scaler stopped; the mesh keeps the sizes it confirmed"
     return run(mesh.state_dir)
 
@@ -188,14 +195,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "the last signals and decision",
     )
     add_mesh_flags(status, inherited=True)
-    status.add_argument("--json", action="store_true")
+    add_output(status)
     status.set_defaults(func=cmd_status)
     history = verbs.add_parser(
         "history", help="every scaling decision with its inputs, oldest first"
     )
     add_mesh_flags(history, inherited=True)
     history.add_argument("--limit", type=int, default=50, help="the last N (default 50)")
-    history.add_argument("--json", action="store_true", help="one JSON record a line")
+    add_output(history, "one JSON record a line")
     history.set_defaults(func=cmd_history)
     fc = verbs.add_parser(
         "forecast",
@@ -203,8 +210,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "replicas per zone it asks for",
     )
     add_mesh_flags(fc, inherited=True)
-    fc.add_argument("--hours", type=int, default=12, help="hours before and after now")
-    fc.add_argument("--json", action="store_true")
+    add_duration(
+        fc,
+        "--span",
+        "how far before and after now, in whole hours (default 12h)",
+        dest="span",
+        default=12 * 3600.0,
+    )
+    deprecated(fc, "--hours", "--span", dest="span", convert=lambda text: int(text) * 3600.0)
+    add_output(fc)
     fc.set_defaults(func=cmd_forecast)
     run = verbs.add_parser(
         "run",

@@ -16,9 +16,10 @@ import asyncio
 import json
 from typing import Any
 
+from servemesh.cli.flags import add_output
 from servemesh.cli.mesh import add_mesh_flags, running_mesh
-from servemesh.cli.output import console, out
-from servemesh.errors import ServemeshError, UsageError
+from servemesh.cli.output import console, out, write
+from servemesh.contract.errors import ServemeshError, UsageError
 
 
 class StreamError(ServemeshError):
@@ -59,7 +60,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise StreamError(f"the streams' Redis does not answer: {exc}") from None
     if args.json:
-        print(json.dumps([s.as_dict() for s in found], indent=2))
+        write(json.dumps([s.as_dict() for s in found], indent=2))
         return 0
     table = Table(title="streams", title_justify="left")
     for column in (
@@ -143,7 +144,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "status", help="lag (pending, oldest pending, undelivered) and throughput per stream"
     )
     status.add_argument("--name", help="one stream (default: every one)")
-    status.add_argument("--json", action="store_true", help="print as JSON")
+    add_output(status, "print as JSON")
     add_mesh_flags(status, inherited=True)
     status.set_defaults(func=cmd_status, error_label="stream status")
     send = stream_sub.add_parser("send", help="add events to a stream's input (to try it)")

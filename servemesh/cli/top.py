@@ -6,19 +6,20 @@ import argparse
 import json
 from typing import Any
 
+from servemesh.cli.flags import add_duration, add_output
 from servemesh.cli.mesh import add_mesh_flags, running_mesh
-from servemesh.cli.output import out
-from servemesh.observe.top import find_mesh, measure, render
+from servemesh.cli.output import out, write
+from servemesh.observe.top import measure, render
 
 
 def cmd_top(args: argparse.Namespace) -> int:
     from rich.live import Live
 
-    mesh = find_mesh(running_mesh(args).state_dir)
+    mesh = running_mesh(args)
     if args.json or args.once:
         report = measure(mesh, args.source, args.window, args.interval)
         if args.json:
-            print(json.dumps(report.as_dict(), indent=2))
+            write(json.dumps(report.as_dict(), indent=2))
         else:
             out.print(render(report))
         return 0
@@ -36,10 +37,16 @@ def register(sub: Any) -> None:
         "top", help="the live mesh: req/s, errors, p50/p99 per service, version and zone, cost"
     )
     add_mesh_flags(top)
-    top.add_argument(
-        "--interval", type=float, default=2.0, help="seconds between refreshes (and scrapes)"
+    add_duration(
+        top,
+        "--interval",
+        "between refreshes and scrapes (default 2s)",
+        dest="interval",
+        default=2.0,
     )
-    top.add_argument("--window", type=float, default=30.0, help="seconds Prometheus's rates cover")
+    add_duration(
+        top, "--window", "what Prometheus's rates cover (default 30s)", dest="window", default=30.0
+    )
     top.add_argument(
         "--source",
         choices=["auto", "prometheus", "direct"],
@@ -47,5 +54,5 @@ def register(sub: Any) -> None:
         help="auto: Prometheus when the mesh runs one, else every service's /metrics",
     )
     top.add_argument("--once", action="store_true", help="print one report and exit")
-    top.add_argument("--json", action="store_true", help="one report as JSON (implies --once)")
+    add_output(top, "one report as JSON (implies --once)")
     top.set_defaults(func=cmd_top)

@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from servemesh.cli.flags import add_output
 from servemesh.cli.mesh import add_mesh_flags, recorded_state_dir
-from servemesh.cli.output import sized
-from servemesh.durations import duration_seconds
-from servemesh.errors import ServemeshError, UsageError
-from servemesh.tracestore.hops import hops_tables
+from servemesh.cli.output import sized, write
+from servemesh.contract.errors import ServemeshError, UsageError
+from servemesh.spec.durations import duration_seconds
+from servemesh.tracestore.hops import hop_groups, hops_tables
 from servemesh.tracestore.receiver import store_path
 from servemesh.tracestore.store import TraceStore
-from servemesh.tracestore.waterfall import slowest_table, waterfall
+from servemesh.tracestore.waterfall import (
+    slowest_data,
+    slowest_table,
+    waterfall,
+    waterfall_data,
+)
 
 _DURATION = re.compile(r"^(\d+(ms|s|m|h|d))+$")
 
@@ -40,6 +48,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
         since_ns = time.time_ns() - int(duration_seconds(args.since) * 1e9)
         if args.slowest is not None:
             found = store.slowest(args.slowest, since_ns)
+            if args.json:
+                write(json.dumps(slowest_data(found)))
+                return 0
             title = f"slowest {args.slowest} traces of the last {args.since}"
             console.print(slowest_table(found, title))
             return 0
@@ -48,6 +59,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
             if not latest:
                 raise ServemeshError(f"no traces started in the last {args.since}")
             traces = [store.trace(summary.trace_id) for summary in latest]
+            if args.json:
+                write(json.dumps([asdict(group) for group in hop_groups(traces)]))
+                return 0
             title = f"the last {len(traces)} traces of the last {args.since}"
             for table in hops_tables(traces, title):
                 console.print(table)
@@ -57,7 +71,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
             raise ServemeshError(
                 f"no trace for {args.ref[:64]!r} (not sampled, not exported yet, or past retention)"
             )
-        console.print(waterfall(store.trace(trace_id)))
+        if args.json:
+            write(json.dumps(waterfall_data(store.trace(trace_id))))
+        else:
+            console.print(waterfall(store.trace(trace_id)))
         return 0
     finally:
         store.close()
@@ -83,6 +100,7 @@ def register(sub: Any) -> None:
         default="15m",
         help="with --slowest or --hops: traces started this long ago (15m)",
     )
+    add_output(trace, "the spans, the slowest traces or the hops as JSON")
     add_mesh_flags(trace)
     trace.add_argument("--width", type=int, help="output width in columns")
     trace.set_defaults(func=cmd_trace)

@@ -9,14 +9,13 @@ import threading
 import time
 from pathlib import Path
 
-from rich.table import Table
-
+from servemesh.cli.endpoint_table import endpoint_rows, endpoint_table
 from servemesh.cli.output import console, out
-from servemesh.spec import EDGE_PROXY, load_spec
+from servemesh.spec import load_spec
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from servemesh.launcher import Mesh, envoy_child
+    from servemesh.launcher import Mesh
     from servemesh.procs import StartError
 
     spec = load_spec(args.spec)
@@ -25,6 +24,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         spec = spec.model_copy(update={"network": network})
     mesh = Mesh.from_spec(spec, Path(args.state_dir) if args.state_dir else None)
     mesh.scaler = not args.no_scaler  # the scaler follows the traffic (docs/capacity.md)
+    # Held until the mesh stops: a second `up` here is refused (StateDirHeld, exit 4).
+    gone = mesh.hold_state_dir()
+    if gone is not None:
+        console.print(
+            f"note: taking over {mesh.state_dir} from a mesh that was not stopped "
+            f"(pid {gone.pid}, edge {gone.edge}, no longer running)",
+            markup=False,
+        )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -39,30 +46,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             return 1
     elapsed = time.perf_counter() - started
     title = f"servemesh is up ({elapsed:.1f} s, profile {mesh.spec.profile})"
-    table = Table(title=title, title_justify="left")
-    table.add_column("endpoint")
-    table.add_column("address")
-    table.add_column("pid", justify="right")
     endpoints = mesh.endpoints()
-    pids = mesh.pids()
-    table.add_row("edge (clients, grpcurl)", str(endpoints["edge"]), str(pids.get("envoy", "")))
-    for zone in mesh.spec.zones:
-        # Its own Envoy's PID in the per-zone layout; the edge's holds it in the shared one.
-        own = pids.get(envoy_child(zone), "") if mesh.spec.proxy.layout == "per_zone" else ""
-        table.add_row(f"mesh listener of {zone}", mesh.spec.mesh_address_for(zone), str(own))
-    # A Unix socket (curl --unix-socket PATH http://localhost/...), not a TCP port.
-    for proxy, socket in dict(endpoints["envoy_admins"]).items():  # type: ignore[call-overload]
-        what = "envoy admin" if proxy == EDGE_PROXY else f"envoy admin of {proxy}"
-        table.add_row(what, f"unix:{socket}", "")
-    table.add_row("redis", str(endpoints["redis"]), str(pids.get("redis", "")))
-    if endpoints.get("trace_store"):
-        # `servemesh trace` reads what it stores; a collector of the spec's when no pid.
-        table.add_row(
-            "trace store (OTLP)", str(endpoints["trace_store"]), str(pids.get("tracestore", ""))
-        )
-    for inst in mesh.spec.instances():
-        table.add_row(inst.name, mesh.spec.address_of(inst.name), str(pids.get(inst.name, "")))
-    out.print(table)
+    out.print(endpoint_table(title, endpoint_rows(mesh.spec, endpoints), mesh.pids()))
     out.print(f"logs: {endpoints['logs']}")
     out.print(f"try:  {sys.argv[0]} predict --model fraud --entity user-42")
     out.print("Ctrl-C stops the mesh")
@@ -81,7 +66,11 @@ def cmd_up(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     up = sub.add_parser("up", help="start the whole mesh and keep it running until Ctrl-C")
     up.add_argument("--spec", help="mesh spec (default: ./mesh.yaml, else built-in defaults)")
-    up.add_argument("--state-dir", help="where logs, the registry and rendered config go")
+    up.add_argument(
+        "--state-dir",
+        help="where logs, the registry and rendered config go; one mesh per state dir: "
+        "refused (exit 4) while a running mesh holds it",
+    )
     up.add_argument(
         "--no-scaler",
         action="store_true",

@@ -9,8 +9,8 @@ parts it needs (its own certificate, the CA, the control token). Here:
     envoy/envoy.yaml            the edge Envoy's bootstrap (the shared layout's only one);
     envoy/envoy-<zone>.yaml     in the per-zone layout, each zone's Envoy's
     prometheus/                 prometheus.yml (compose host names) and the SLI rules
-    consul/consul.json          the agent: one server, ACLs on (default deny), mesh TLS
-                                for its health checks
+    consul/consul.json          the agent (discovery.backend consul only): one server, ACLs
+                                on (default deny), mesh TLS for its health checks
     secrets/                    the Redis password and redis.conf (the same hardening as
                                 the embedded Redis); Consul's management token, the
                                 agent's tokens, one token per client (consul-token-*) and
@@ -35,16 +35,15 @@ from pathlib import Path
 
 import yaml
 
-from servemesh.atomic import atomic_write_text
-from servemesh.control_credential import ensure_control_token
-from servemesh.discovery.consul_acl import AGENT, CLIENTS, CONSUL_NODE, render_plan
-from servemesh.errors import ServemeshError
+from servemesh.catalog.consul_acl import AGENT, CLIENTS, CONSUL_NODE, render_plan
+from servemesh.contract.atomic import atomic_write_text
+from servemesh.contract.control_credential import ensure_control_token
+from servemesh.contract.errors import ServemeshError
 from servemesh.identity import issue_mesh_certificates, mesh_identity
 from servemesh.identity.enroll import edge_names
 from servemesh.procs.prometheus import SERVICES_TARGETS, render_config, service_targets
 from servemesh.procs.redis_server import DISABLED_COMMANDS
 from servemesh.proxy.admin import admin_socket_path
-from servemesh.proxy.apply import MeshPaths
 from servemesh.proxy.process import validate_config
 from servemesh.proxy.render import (
     dynamic_bootstrap,
@@ -54,6 +53,7 @@ from servemesh.proxy.render import (
 )
 from servemesh.slo_rules import render_rules
 from servemesh.spec import ResolvedSpec, dump_spec, load_spec, proxy_part, resolve
+from servemesh.state.paths import MeshPaths
 
 # The state dir inside every container (the compose spec's `state_dir`).
 CONTAINER_STATE = Path("/var/lib/servemesh")
@@ -100,8 +100,11 @@ def check_compose_spec(spec: ResolvedSpec) -> None:
     problems = []
     if Path(spec.state_dir) != CONTAINER_STATE:
         problems.append(f"state_dir: must be {CONTAINER_STATE} (the containers' state dir)")
-    if spec.discovery.backend != "consul":
-        problems.append("discovery.backend: must be consul (the control plane feeds Envoy)")
+    if spec.discovery.backend not in ("consul", "dns"):
+        problems.append(
+            "discovery.backend: must be consul (the control plane feeds Envoy) or dns (Envoy"
+            " resolves the compose service names itself)"
+        )
     if spec.discovery.listen_host != "0.0.0.0":
         problems.append("discovery.listen_host: must be 0.0.0.0 (peers are other containers)")
     parts = [i.name for i in spec.instances()] + [proxy_part(p) for p in spec.proxies()]
@@ -110,7 +113,9 @@ def check_compose_spec(spec: ResolvedSpec) -> None:
         problems.append(f"discovery.hosts: name every instance and Envoy; missing {unplaced}")
     if spec.embedded_redis_port is not None or spec.embedded_trace_store_port is not None:
         problems.append("feature_store.redis_url and tracing.otlp_endpoint: name the containers")
-    if spec.discovery.consul_token_file != CONTAINER_CONSUL_TOKEN:
+    if spec.discovery.backend == "consul" and spec.discovery.consul_token_file != (
+        CONTAINER_CONSUL_TOKEN
+    ):
         problems.append(
             f"discovery.consul_token_file: must be {CONTAINER_CONSUL_TOKEN} (each container's"
             " own Consul token, a compose secret)"
@@ -279,6 +284,7 @@ def render_compose(spec_path: Path, out: Path) -> Rendered:
     _envoy(spec, out, state)
     _prometheus(spec, out)
     _redis(out)
-    _consul(spec, out)
+    if spec.discovery.backend == "consul":
+        _consul(spec, out)
     _write(out / "compose.env", f"SERVEMESH_UID={os.getuid()}\nSERVEMESH_GID={os.getgid()}\n")
     return Rendered(spec, out)

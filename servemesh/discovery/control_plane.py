@@ -18,13 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from servemesh.atomic import atomic_write_text
-from servemesh.discovery.catalog import Catalog, CatalogEntry, FileCatalog
-from servemesh.discovery.consul_catalog import ConsulCatalog
+from servemesh.catalog.consul_catalog import ConsulCatalog
+from servemesh.catalog.file import Catalog, CatalogEntry, FileCatalog
+from servemesh.contract.atomic import atomic_write_text
+from servemesh.contract.errors import ServemeshError
 from servemesh.discovery.endpoints import endpoint_files, write_endpoint_files
-from servemesh.proxy.apply import MeshPaths
-from servemesh.proxy.render import EnvoyResources, XdsLayout, render_proxies
+from servemesh.proxy.render import EnvoyResources, render_proxies
 from servemesh.spec import ResolvedSpec, ServiceKind, load_resolved
+from servemesh.state.paths import MeshPaths, XdsLayout
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,18 @@ WAIT_S = 30.0
 RETRY_S = 1.0
 
 
+class NoCatalog(ServemeshError, ValueError):
+    """The spec's discovery has no catalog to follow (`discovery.backend: dns`)."""
+
+
 def catalog_for(spec: ResolvedSpec) -> Catalog:
-    """The catalog the spec names: Consul, or the spec's own instances."""
+    """The catalog the spec names: Consul, or the spec's own instances. With
+    `discovery.backend: dns` there is none: Envoy resolves the names itself."""
+    if spec.discovery.backend == "dns":
+        raise NoCatalog(
+            "discovery.backend: dns has no catalog and no endpoint files: Envoy resolves "
+            "discovery.dns_names itself (STRICT_DNS clusters), so no control plane runs"
+        )
     if spec.discovery.backend == "consul":
         return ConsulCatalog(spec)
     return FileCatalog(spec)
@@ -163,7 +174,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     spec = load_resolved(args.spec)
     paths = MeshPaths(Path(spec.state_dir))
-    plane = ControlPlane(spec, catalog_for(spec), paths)
+    plane = ControlPlane(spec, catalog_for(spec), paths)  # NoCatalog: one line, exit REFUSED
 
     def stop(signum: int, frame: FrameType | None) -> None:
         plane.stop()

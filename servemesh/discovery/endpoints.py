@@ -17,15 +17,10 @@ from typing import Any
 
 import yaml
 
-from servemesh.atomic import atomic_write_text
-from servemesh.discovery.catalog import CatalogEntry
-from servemesh.proxy.render import (
-    EnvoyResources,
-    XdsLayout,
-    ZoneEndpoint,
-    load_assignment,
-    xds_files,
-)
+from servemesh.catalog.file import CatalogEntry
+from servemesh.contract.atomic import atomic_write_text
+from servemesh.proxy.render import EnvoyResources, ZoneEndpoint, load_assignment, xds_files
+from servemesh.state.paths import XdsLayout
 
 
 def load_assignments(

@@ -10,7 +10,10 @@ answers the bytes of one of:
 | `pt2` | a torch.export program (`torch.export.load`, ExecuTorch's input) | the program passes the model server's operator allowlist and answers as the original; a `torch_export` version is written as stored (the same bytes); a TorchScript version is converted (torch's TorchScript converter), or refused, saying so |
 
 The original is the artifact as a model server runs it: loaded through the allowlist
-(`services/model/artifacts.py`) by `ModelRunner`. The reference rows are deterministic from
+(`services/model/artifacts.py`) by `ModelRunner`. Every step that runs the model's code
+(its answer, torch's tracing and export, the export's own answer) runs in a sandboxed child
+(`servemesh.edge.child`, docs/security.md "Offline runs"); this process sends rows and
+gets arrays and the exported bytes back, and compares them. The reference rows are deterministic from
 the signature (`reference_rows`: zeros, ones, then seeded normal values) or given (e.g. a
 data set's held-out rows). An export that does not answer within the tolerance is refused:
 `ExportRefused` names the output and its largest difference, and nothing is written.
@@ -37,10 +40,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from servemesh.atomic import atomic_write_bytes
-from servemesh.errors import ServemeshError
+from servemesh.contract.atomic import atomic_write_bytes
+from servemesh.contract.errors import ServemeshError
 
 if TYPE_CHECKING:
+    from servemesh.sandbox.model import SandboxedModel
     from servemesh.services.model.tensors import Signature
 
 __all__ = [
@@ -53,11 +57,12 @@ __all__ = [
     "OutputCheck",
     "answers_of",
     "export_version",
-    "load_original",
     "manifest_path",
+    "open_sandboxed",
     "program_of",
     "reference_rows",
     "run_onnx",
+    "sandboxed_answers",
     "signature_of",
     "write_export",
 ]
@@ -71,6 +76,8 @@ DEFAULT_RTOL = 1e-3
 REFERENCE_ROWS = 64
 REFERENCE_SEED = 0
 MANIFEST_SUFFIX = ".manifest.json"
+# Loading, tracing and exporting a big model in its sandbox: seconds, sometimes minutes.
+SANDBOX_TIMEOUT_S = 600.0
 # A file the device reads: readable by the device runtime's user as well as its owner's.
 EXPORT_MODE = 0o644
 _FLOAT_DATATYPES = frozenset({"FP16", "BF16", "FP32", "FP64"})
@@ -212,38 +219,58 @@ def _first_line(exc: BaseException) -> str:
     return (text[0] if text else type(exc).__name__)[:300]
 
 
-def load_original(data: bytes, record: Any, signature: Signature, rows: int) -> Any:
-    """The model as a model server runs it: sha256 checked again, loaded through the
-    operator allowlist, outputs checked against the signature."""
-    from servemesh.services.model.artifacts import ArtifactError, Format
-    from servemesh.services.model.runner import ArtifactMismatch, ModelRunner
+def open_sandboxed(
+    data: bytes,
+    record: Any,
+    signature: Signature,
+    rows: int,
+    entry: Sequence[str] | None = None,
+) -> SandboxedModel:
+    """The model as a model server runs it, in a sandboxed child: sha256 checked again here,
+    loaded through the operator allowlist there, outputs checked against the signature.
+    `entry`: the child's module (default: this package's, which can also export)."""
+    from servemesh.edge.child import ENTRY
+    from servemesh.sandbox.model import ModelRefused, SandboxedModel, SandboxedModelError
+    from servemesh.services.model.runner import ArtifactMismatch, verify_artifact
 
-    format: Format = "torch_export" if record.format == "torch_export" else "torchscript"
+    where = f"{record.model} {record.version}"
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", r"`torch\.jit\.\w+` is deprecated")
-            return ModelRunner.from_bytes(
-                data,
-                sha256=record.sha256,
-                model=record.model,
-                version=record.version,
-                format=format,
-                signature=signature,
-                device="cpu",
-                max_batch_size=max(rows, 1),
-                num_threads=None,
-            )
-    except (ArtifactError, ArtifactMismatch) as exc:
-        raise ExportError(f"{record.model} {record.version}: {exc}") from None
+        verify_artifact(data, record.sha256)
+    except ArtifactMismatch as exc:
+        raise ExportError(f"{where}: {exc}") from None
+    try:
+        return SandboxedModel.open(
+            data,
+            declared=signature,
+            model=record.model,
+            version=record.version,
+            max_batch_size=max(rows, 1),
+            num_threads=None,
+            timeout_s=SANDBOX_TIMEOUT_S,
+            entry=ENTRY if entry is None else entry,
+        )
+    except ModelRefused as exc:
+        raise ExportError(f"{where}: {exc}") from None
+    except SandboxedModelError as exc:
+        raise ExportError(f"{where}: the model did not load in its sandbox: {exc}") from None
 
 
 def answers_of(runner: Any, signature: Signature, rows: Mapping[str, np.ndarray]) -> list[Any]:
-    """The runner's answer to `rows`, one array per output in the signature's order."""
+    """The runner's answer to `rows`, one array per output in the signature's order (in the
+    sandboxed child: `sandboxed_answers` is the caller's side)."""
     from servemesh.services.model.batching.rows import NamedRows
 
     if signature.single:
         return [runner.run(rows[signature.input.name])]
     answer = runner.run(NamedRows(dict(rows)))
+    return [answer[tensor.name] for tensor in signature.outputs]
+
+
+def sandboxed_answers(
+    model: SandboxedModel, signature: Signature, rows: Mapping[str, np.ndarray]
+) -> list[np.ndarray]:
+    """A sandboxed model's answer to `rows`, one array per output in the signature's order."""
+    answer = model.run({t.name: rows[t.name] for t in signature.inputs})
     return [answer[tensor.name] for tensor in signature.outputs]
 
 
@@ -385,10 +412,9 @@ def export_version(
 
     `rows`: the reference rows by input name (default `reference_rows`). `target` names
     the file to be in a refusal. Raises ExportError when the version cannot be exported,
-    ExportRefused when the export does not answer within the tolerance.
+    ExportRefused when the export does not answer within the tolerance. The model, torch's
+    export of it and the export's check run in a sandboxed child (`servemesh.edge.child`).
     """
-    import torch
-
     if format not in EXPORT_FORMATS:
         raise ExportError(f"format {format!r} is not one of {list(EXPORT_FORMATS)}")
     if not (atol >= 0 and rtol >= 0 and math.isfinite(atol) and math.isfinite(rtol)):
@@ -403,30 +429,9 @@ def export_version(
         t.name: np.ascontiguousarray(reference[t.name], dtype=t.dtype) for t in signature.inputs
     }
     count = int(next(iter(reference.values())).shape[0])
-    runner = load_original(data, record, signature, count)
-    expected = answers_of(runner, signature, reference)
-    program, note = program_of(data, record, signature)
-    runtime: dict[str, str]
-    if format == "onnx":
-        exported, opset = _onnx_bytes(program, signature, where)
-        got = run_onnx(exported, reference)
-        import onnxruntime
-
-        runtime = {
-            "onnxruntime": onnxruntime.__version__,
-            "opset": opset,
-            "exported_with": f"torch {torch.__version__}",
-        }
-    else:
-        if record.format == "torch_export":
-            exported = data
-        else:
-            buffer = io.BytesIO()
-            with _quiet():
-                torch.export.save(program, buffer)
-            exported = buffer.getvalue()
-        got = _pt2_answers(exported, record, signature, reference, count)
-        runtime = {"torch": torch.__version__}
+    exported, expected, got, runtime, note = _export_sandboxed(
+        data, record, signature, reference, format
+    )
     checks = _compare(signature, expected, got, atol, rtol, target or where)
     failed = [check for check in checks if not check.passed]
     if failed:
@@ -456,6 +461,55 @@ def export_version(
     )
 
 
+def _export_sandboxed(
+    data: bytes,
+    record: Any,
+    signature: Signature,
+    reference: Mapping[str, np.ndarray],
+    format: ExportFormat,
+) -> tuple[bytes, list[Any], list[Any], dict[str, str], str]:
+    """In one sandboxed child: the original's answer to `reference`, the export, and the
+    export's answer; (exported bytes, expected, got, runtime, note)."""
+    from servemesh.edge.child import EXPORT_OP
+    from servemesh.sandbox.model import ModelCrashed, ModelFailed
+
+    where = f"{record.model} {record.version}"
+    count = int(next(iter(reference.values())).shape[0])
+    with open_sandboxed(data, record, signature, count) as original:
+        try:
+            expected = sandboxed_answers(original, signature, reference)
+        except ModelFailed as exc:
+            raise ExportError(
+                f"{where}: the model fails on the reference rows ({exc.error or exc.kind}: {exc})"
+            ) from None
+        except ModelCrashed as exc:
+            raise ExportError(f"{where}: {exc}") from None
+        try:
+            answer = original.ask(EXPORT_OP, {"format": format}, reference)
+        except ModelFailed as exc:
+            if exc.kind != "refused":
+                raise ExportError(
+                    f"{where}: the export failed ({exc.error or exc.kind}: {exc})"
+                ) from None
+            kind = ExportRefused if exc.error == "ExportRefused" else ExportError
+            raise kind(str(exc)) from None
+        except ModelCrashed as exc:
+            raise ExportError(f"{where}: the export: {exc}") from None
+    got = [answer.arrays[key] for key in sorted(answer.arrays, key=int)]
+    runtime = answer.header.get("runtime")
+    note = answer.header.get("note")
+    if not (
+        isinstance(runtime, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in runtime.items())
+        and isinstance(note, str)
+        and all(key.isdigit() for key in answer.arrays)
+    ):
+        raise ExportError(f"{where}: the sandboxed export answered a malformed header")
+    # A torch.export version's .pt2 is its stored bytes, which this process already holds.
+    exported = data if format == "pt2" and record.format == "torch_export" else answer.blob
+    return exported, expected, got, dict(runtime), note[:300]
+
+
 def _pt2_answers(
     exported: bytes,
     record: Any,
@@ -463,7 +517,8 @@ def _pt2_answers(
     reference: Mapping[str, np.ndarray],
     count: int,
 ) -> list[Any]:
-    """The exported program's answer, loaded as a model server loads a .pt2 (allowlist)."""
+    """The exported program's answer, loaded as a model server loads a .pt2 (allowlist):
+    in the sandboxed child (`servemesh.edge.child`), never in the caller's process."""
     from servemesh.services.model.artifacts import ArtifactError, open_artifact, reconcile_signature
     from servemesh.services.model.runner import ModelRunner
 

@@ -34,8 +34,8 @@ from typing import Any, Literal
 
 import grpc
 
-from servemesh.atomic import atomic_write_bytes
-from servemesh.errors import ServemeshError
+from servemesh.contract.atomic import atomic_write_bytes
+from servemesh.contract.errors import ServemeshError
 from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
 
 __all__ = [

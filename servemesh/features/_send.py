@@ -10,12 +10,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from servemesh.control_credential import Metadata
-from servemesh.errors import ServemeshError
+from servemesh.contract.control_credential import Metadata
+from servemesh.contract.errors import ServemeshError
+from servemesh.contract.wire import message_size_options
 from servemesh.features._read import FeatureFile, FileError, FileRows, Layout
 from servemesh.identity import Dial, dial_service
 from servemesh.spec import ResolvedSpec
-from servemesh.wire import message_size_options
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 
 # Problems a refused file lists; reading stops once this many are found.

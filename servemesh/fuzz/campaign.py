@@ -23,15 +23,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from servemesh.control_credential import control_metadata, read_control_token
-from servemesh.credentials import authorization_value, read_edge_credentials
-from servemesh.fuzz.rpcs import RPCS, Api, Rpc
-from servemesh.fuzz.strategies import Known, near_valid, raw, structured
-from servemesh.fuzz.watch import MemoryWatch, ValidTrickle
-from servemesh.identity import Dial, dial_edge, dial_mesh, dial_service
-from servemesh.launcher import Mesh
-from servemesh.spec import ResolvedSpec
-from servemesh.wire import (
+from servemesh.contract.control_credential import control_metadata, read_control_token
+from servemesh.contract.wire import (
     AUTHORIZATION_HEADER,
     MODEL_HEADER,
     OIP_SERVICE,
@@ -39,6 +32,13 @@ from servemesh.wire import (
     message_size_options,
     method_path,
 )
+from servemesh.fuzz.rpcs import RPCS, Api, Rpc
+from servemesh.fuzz.strategies import Known, near_valid, raw, structured
+from servemesh.fuzz.watch import MemoryWatch, ValidTrickle
+from servemesh.identity import Dial, dial_edge, dial_mesh, dial_service
+from servemesh.launcher import Mesh
+from servemesh.spec import ResolvedSpec
+from servemesh.state.credentials import authorization_value, read_edge_credentials
 from servemesh_api.inference import grpc_service_pb2 as oip
 
 Via = Literal["envoy", "direct"]

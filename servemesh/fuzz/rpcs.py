@@ -8,7 +8,7 @@ from typing import Literal
 
 from google.protobuf.message import Message
 
-from servemesh.wire import (
+from servemesh.contract.wire import (
     CONTROL_METHODS,
     FEATURE_SERVICE,
     GATEWAY_SERVICE,

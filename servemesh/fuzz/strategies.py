@@ -21,8 +21,8 @@ from typing import Any, cast
 from google.protobuf.message import Message
 from hypothesis import strategies as st
 
+from servemesh.contract.wire import LOAD_CONFIG_PARAMETER, LOAD_VERSION_PARAMETER
 from servemesh.fuzz.rpcs import Rpc
-from servemesh.wire import LOAD_CONFIG_PARAMETER, LOAD_VERSION_PARAMETER
 from servemesh_api.feature.v1 import feature_pb2
 from servemesh_api.gateway.v1 import gateway_pb2
 from servemesh_api.inference import grpc_service_pb2 as oip

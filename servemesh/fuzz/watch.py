@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from servemesh.contract.wire import GATEWAY_SERVICE, method_path
 from servemesh.identity import Dial
 from servemesh.observe.cpu import rss_bytes
-from servemesh.wire import GATEWAY_SERVICE, method_path
 from servemesh_api.gateway.v1 import gateway_pb2
 
 PREDICT = method_path(GATEWAY_SERVICE, "Predict")

@@ -1,7 +1,7 @@
 """The mesh's identities: its CA, a certificate per service, and the TLS every hop speaks.
 
 issue_mesh_certificates(spec)                  # `up`: the CA and every certificate
-dial_service(spec, "model-zone-a-0").channel() # mTLS to a replica, as the operator
+dial_service(spec, "model-fraud-zone-a-0").channel() # mTLS to a replica, as the operator
 dial_mesh(spec, zone, caller=instance)         # a service to its zone's mesh listener
 dial_edge(spec)                                # a client of the edge (TLS, no cert)
 serving_credentials(spec, instance)            # a service's own port

@@ -12,8 +12,8 @@ import fcntl
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from servemesh.contract.private import open_lock
 from servemesh.identity.store import MeshIdentity
-from servemesh.private import open_lock
 from servemesh.spec import MeshSpec, ResolvedSpec
 
 ENVOY_IDENTITY = "envoy"

@@ -32,7 +32,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from servemesh.atomic import atomic_write_bytes
+from servemesh.contract.atomic import atomic_write_bytes
+from servemesh.contract.private import check_secret
 from servemesh.identity.authority import (
     KeyPair,
     create_authority,
@@ -40,7 +41,6 @@ from servemesh.identity.authority import (
     lifetime,
     time_left,
 )
-from servemesh.private import check_secret
 
 # Issue a new leaf at `up` when less than this share of its life is left.
 RENEW_AT_FRACTION = 1 / 3

@@ -5,7 +5,7 @@ With `traffic.edge_auth.mode: jwt` the edge asks every caller (health checks asi
 issuer and audience, carrying an expiry and a `role` from the spec's `roles`. Envoy's
 jwt_authn filter checks the signature against the public JWKS (`<state_dir>/auth/jwks.json`),
 then the issuer, audience and expiry, and passes the verified `role` and `sub` on to the
-gateway in CALLER_ROLE_HEADER and CALLER_HEADER (servemesh/wire.py).
+gateway in CALLER_ROLE_HEADER and CALLER_HEADER (servemesh/contract/wire.py).
 
 `servemesh up` creates the key once (`<state_dir>/auth/signing-key.pem`, mode 0600, in a
 0700 folder); `servemesh auth token` signs with it. Nothing here touches the network.
@@ -28,9 +28,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from jwt.algorithms import ECAlgorithm
 
-from servemesh.durations import duration_seconds
-from servemesh.errors import ServemeshError
-from servemesh.policy import EdgeAuth
+from servemesh.contract.errors import ServemeshError
+from servemesh.spec.durations import duration_seconds
+from servemesh.spec.policy import EdgeAuth
 
 if TYPE_CHECKING:
     from servemesh.spec import MeshSpec

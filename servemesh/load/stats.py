@@ -1,5 +1,5 @@
 """The numbers read from outcomes: windows, success and shares, summaries, and the one
-percentile of servemesh (`servemesh.percentiles`, nearest rank), kept importable here.
+percentile of servemesh (`servemesh.contract.percentiles`, nearest rank), kept importable here.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from servemesh.contract.percentiles import percentile as percentile  # kept importable from here
 from servemesh.load.outcome import Outcome
-from servemesh.percentiles import percentile as percentile  # kept importable from here
 
 # A benchmark row whose req/s spreads over this share of its median is measured once more,
 # and flagged if it stays as wide (`servemesh bench predict`, `servemesh bench model`).

@@ -10,7 +10,7 @@ import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
 
 
 class PrometheusError(ServemeshError, RuntimeError):

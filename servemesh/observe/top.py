@@ -10,14 +10,13 @@ Health checks and reflection are left out of the services' rows.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from servemesh.contract.wire import SLI_FAILURE_CODES
 from servemesh.observe.cpu import Cost, proc_cpu_seconds
 from servemesh.observe.prom_query import PromClient, PrometheusError
 from servemesh.observe.scrape import (
@@ -27,9 +26,8 @@ from servemesh.observe.scrape import (
     scrape,
     sum_by,
 )
-from servemesh.proxy.apply import MeshPaths
 from servemesh.spec import ResolvedSpec
-from servemesh.wire import SLI_FAILURE_CODES
+from servemesh.state.running import RunningMesh
 
 PREDICT = "servemesh_gateway_predictions_total"
 PREDICT_SECONDS = "servemesh_gateway_predict_duration_seconds"
@@ -386,36 +384,19 @@ def measure_prometheus(
 # --- the command -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RunningMesh:
-    spec: ResolvedSpec
-    pids: dict[str, int]
-    prometheus: str | None  # its address, when the mesh runs one
-
-
-def find_mesh(state_dir: Path) -> RunningMesh:
-    paths = MeshPaths(state_dir)
-    spec = paths.running_spec()
-    endpoints: dict[str, Any] = {}
-    if paths.endpoints.is_file():
-        endpoints = json.loads(paths.endpoints.read_text())
-    pids = {str(k): int(v) for k, v in dict(endpoints.get("pids") or {}).items()}
-    prometheus = endpoints.get("prometheus")
-    return RunningMesh(spec=spec, pids=pids, prometheus=str(prometheus) if prometheus else None)
-
-
 def measure(mesh: RunningMesh, source: str, window_s: float, interval_s: float) -> TopReport:
     """One report: from Prometheus when `source` allows and it answers, else direct."""
-    if source != "direct" and mesh.prometheus is not None:
-        client = PromClient(mesh.prometheus)
+    prometheus = mesh.prometheus()
+    if source != "direct" and prometheus is not None:
+        client = PromClient(prometheus)
         try:
-            return measure_prometheus(client, mesh.spec, mesh.pids, window_s, interval_s)
+            return measure_prometheus(client, mesh.spec, mesh.pids(), window_s, interval_s)
         except PrometheusError:
             if source == "prometheus":
                 raise
     elif source == "prometheus":
         raise PrometheusError("this mesh runs no Prometheus (metrics.prometheus, or no binary)")
-    return measure_direct(mesh.spec, mesh.pids, interval_s)
+    return measure_direct(mesh.spec, mesh.pids(), interval_s)
 
 
 def _ms(value: float | None) -> str:
@@ -424,6 +405,15 @@ def _ms(value: float | None) -> str:
 
 def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2%}"
+
+
+# What an empty label means in the gateways' Predict counters (services/gateway/metrics.py):
+# a call that failed before any version was chosen (an unknown entity, a bad input), or one
+# naming a model the spec does not have.
+_EMPTY_LABELS = {
+    "version": "(none: failed before routing)",
+    "model": "(not in the spec)",
+}
 
 
 def render(report: TopReport) -> Any:
@@ -446,7 +436,7 @@ def render(report: TopReport) -> Any:
             table.add_column(column, justify="right")
         for row in rows:
             table.add_row(
-                *(row.key[n] or "(none)" for n in names),
+                *(row.key[n] or _EMPTY_LABELS.get(n, "(none)") for n in names),
                 f"{row.rps:.1f}",
                 _ratio(row.error_ratio),
                 _ms(row.p50_ms),

@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from servemesh.atomic import atomic_write_text
+from servemesh.contract.atomic import atomic_write_text
 from servemesh.predlog.record import PredictWatch, Row, RowContext, to_row
 from servemesh.spec import MeshSpec, PredictionLogSpec
 from servemesh_api.gateway.v1 import gateway_pb2

@@ -15,11 +15,11 @@ from typing import Any, TypeVar
 
 import duckdb
 
-from servemesh.durations import duration_seconds
 from servemesh.predlog.buffer import STATUS_FILE, predictions_dir
 from servemesh.predlog.parquet_store import expire_files, live_files
 from servemesh.predlog.record import COLUMNS
 from servemesh.spec import PredictionLogSpec
+from servemesh.spec.durations import duration_seconds
 
 _SINCE = re.compile(r"^(\d+(ms|s|m|h|d))+$")
 
@@ -245,6 +245,23 @@ class ParquetReader:
     def expire(self, retention_s: float) -> int:
         return expire_files(self.root, int((self.clock() - retention_s) * 1000))
 
+    def _listed(self, since_ms: int | None, read: Callable[[list[str]], _T], empty: _T) -> _T:
+        """`read(files)` of the files live since `since_ms` (every file: None; `empty` when
+        there are none).
+        A writer's compaction may remove files between the listing and the read (it renames
+        their merged file in first): the read is then made again on a new listing."""
+        for attempt in range(READ_ATTEMPTS):
+            files = [str(f.path) for f in live_files(self.root, since_ms)]
+            if not files:
+                return empty
+            try:
+                return read(files)
+            except duckdb.IOException:
+                gone = [f for f in files if not Path(f).exists()]
+                if not gone or attempt == READ_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
     def _read(
         self,
         since_ms: int,
@@ -253,20 +270,8 @@ class ParquetReader:
         *,
         utc: bool = False,
     ) -> _T:
-        """`answer(execute)` over the files live since `since_ms` (`empty` when there are
-        none). A writer's compaction may remove files between the listing and the read (it
-        renames their merged file in first): the read is then made again on a new listing."""
-        for attempt in range(READ_ATTEMPTS):
-            files = [str(f.path) for f in live_files(self.root, since_ms)]
-            if not files:
-                return empty
-            try:
-                return _over_files(files, answer, utc)
-            except duckdb.IOException:
-                gone = [f for f in files if not Path(f).exists()]
-                if not gone or attempt == READ_ATTEMPTS - 1:
-                    raise
-        raise AssertionError("unreachable")
+        """`answer(execute)` over the files live since `since_ms` (see `_listed`)."""
+        return self._listed(since_ms, lambda files: _over_files(files, answer, utc), empty)
 
     def query(self, q: LogQuery) -> QueryResult:
         now = self.clock()
@@ -299,17 +304,18 @@ class ParquetReader:
         )
 
     def summary(self) -> LogSummary:
-        files = live_files(self.root)
-        rows, oldest, newest = 0, None, None
-        if files:
+        """How many files and rows, and their time span (`servemesh log status`)."""
+        where = f"parquet files under {self.root}"
+
+        def counted(files: list[str]) -> LogSummary:
             with duckdb.connect() as con:
                 found = con.execute(
-                    "SELECT count(*), min(ts), max(ts) FROM read_parquet(?, union_by_name = true)",
-                    [[str(f.path) for f in files]],
+                    f"SELECT count(*), min(ts), max(ts) FROM {PARQUET_SOURCE}", [files]
                 ).fetchone()
             assert found is not None
-            rows, oldest, newest = int(found[0]), found[1], found[2]
-        return LogSummary(f"parquet files under {self.root}", len(files), rows, oldest, newest, [])
+            return LogSummary(where, len(files), int(found[0]), found[1], found[2], [])
+
+        return self._listed(None, counted, LogSummary(where, 0, 0, None, None, []))
 
 
 class PostgresReader:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from servemesh.wire import TENSOR_VALUE_FIELDS, TRACE_HEADERS
+from servemesh.contract.wire import TENSOR_VALUE_FIELDS, TRACE_HEADERS
 from servemesh_api.gateway.v1 import gateway_pb2
 
 T = TypeVar("T")

@@ -10,8 +10,11 @@
   it is ready (its log tail in the error when it dies or times out), signal, kill,
   restart it as first started, stop in tiers by PID (SIGTERM, grace, SIGKILL).
 - `GrpcHealth`, `TcpPort`, `RedisPing`, `Check`, `All`: what "ready" means for a child.
+- `restarts.RestartPolicy`, `restarts.Restarts`: crash-loop backoff for an owner that starts
+  crashed children again (a kill() holds a child down: `Child.held`).
 - `RedisServer`: a redis-server child: start, snapshot-and-kill outage, start again on
-  its port.
+  its port; a primary or replica of a replicated store (`replicated`, `replica_of`).
+- `sentinel.SentinelServer`: a Redis Sentinel watching a replicated store's primary.
 
 Errors: `ProcessError` (no such child, still running, not running) and its subclass
 `StartError` (a child exited or was not ready in time; the message carries its log tail).

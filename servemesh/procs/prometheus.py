@@ -24,9 +24,9 @@ from typing import Any
 
 import yaml
 
-from servemesh.atomic import atomic_write_text
-from servemesh.durations import duration_seconds
-from servemesh.private import private_dir
+from servemesh.contract.atomic import atomic_write_text
+from servemesh.contract.private import private_dir
+from servemesh.contract.wire import ENVOY_STATS_PATH
 from servemesh.procs.ready import Check
 from servemesh.procs.supervisor import Child, Supervisor
 from servemesh.slo_rules import SERVICES_JOB, render_rules
@@ -36,7 +36,7 @@ from servemesh.spec import (
     ResolvedSpec,
     proxy_part,
 )
-from servemesh.wire import ENVOY_STATS_PATH
+from servemesh.spec.durations import duration_seconds
 
 NAME = "prometheus"
 ENVOY_JOB = "envoy"

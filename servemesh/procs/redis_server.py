@@ -11,6 +11,7 @@ an owner-only config file, never on the command line, where `ps` would show them
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 import shutil
@@ -21,8 +22,8 @@ from pathlib import Path
 
 import redis
 
-from servemesh.atomic import atomic_write_bytes
-from servemesh.private import check_secret, private_dir
+from servemesh.contract.atomic import atomic_write_bytes
+from servemesh.contract.private import check_secret, private_dir
 from servemesh.procs.ready import RedisPing
 from servemesh.procs.supervisor import ProcessError, Supervisor
 from servemesh.spec import free_port
@@ -50,6 +51,12 @@ DISABLED_COMMANDS = (
     "MONITOR",
 )
 MIN_SYSTEM_MAJOR = 7
+# What a replicated store needs of these: a replica asks its primary for SYNC/PSYNC (kept,
+# behind the password), and Sentinel sends REPLICAOF, SLAVEOF and CONFIG (REWRITE) on a
+# failover: those three are renamed to names derived from the password, which only the
+# Sentinels' config names (`replication_renames`), instead of disabled.
+REPLICATION_KEPT = ("SYNC", "PSYNC")
+REPLICATION_RENAMED = ("CONFIG", "REPLICAOF", "SLAVEOF")
 
 
 def _major_version(binary: str) -> int | None:
@@ -80,7 +87,7 @@ def redis_server_binary() -> str:
 
 def ensure_redis_password(path: Path) -> str:
     """The password kept in `path`, created (random, owner-only) on first use; refused
-    (servemesh.private.PrivacyError) when another user owns it or others can read it."""
+    (servemesh.contract.private.PrivacyError) when another user owns it or others can read it."""
     check_secret(path)
     try:
         existing = path.read_text().strip()
@@ -91,6 +98,15 @@ def ensure_redis_password(path: Path) -> str:
     password = secrets.token_urlsafe(32)
     atomic_write_bytes(path, (password + "\n").encode(), 0o600)
     return password
+
+
+def replication_renames(password: str) -> dict[str, str]:
+    """The secret names of the commands Sentinel sends on a failover, for `password`'s
+    store: the same on every server and Sentinel of it, guessable by no client."""
+    return {
+        command: f"{command}-{hashlib.sha256(f'{password}:{command}'.encode()).hexdigest()[:24]}"
+        for command in REPLICATION_RENAMED
+    }
 
 
 def _quote(value: str) -> str:
@@ -113,6 +129,13 @@ class RedisServer:
     # Extra config lines ("notify-keyspace-events K$g"): CONFIG is disabled, so a server
     # option a test or drill needs is set here, at start.
     settings: tuple[str, ...] = ()
+    # Part of a replicated store (primary, replicas, Sentinels): persistence on (AOF,
+    # fsync every second), replication's commands kept or renamed (REPLICATION_*).
+    replicated: bool = False
+    # "host port" of the primary this server replicates (None: a primary).
+    replica_of: str | None = None
+    # The supervisor's group (its stop tier): every server of the store is "redis".
+    group: str = "redis"
 
     @property
     def url(self) -> str:
@@ -161,22 +184,54 @@ class RedisServer:
         self._write_config()
         argv = [redis_server_binary(), str(self.config_path)]
         ready = RedisPing(self.url, password=self.password)
-        return self.supervisor.start(self.name, argv, ready=ready, timeout_s=timeout_s).pid
+        return self.supervisor.start(
+            self.name, argv, group=self.group, ready=ready, timeout_s=timeout_s
+        ).pid
 
-    def _write_config(self) -> None:
+    def config_lines(self) -> list[str]:
+        """The server's redis.conf (it holds the password)."""
+        password = self.password
+        disabled = [
+            c for c in DISABLED_COMMANDS if not self.replicated or c not in REPLICATION_KEPT
+        ]
+        renamed = replication_renames(password) if self.replicated else {}
         lines = [
             f"port {self.port}",
             # Loopback only: the mesh's services are on this machine (netns zones reach
             # it through the host's loopback); protected mode refuses any other peer.
             f"bind {self.host}",
             "protected-mode yes",
-            f"requirepass {_quote(self.password)}",
+            f"requirepass {_quote(password)}",
             'save ""',
-            "appendonly no",
             f"dir {_quote(str(self.data_dir))}",
-            *(f'rename-command {command} ""' for command in DISABLED_COMMANDS),
+            *(
+                f"rename-command {command} {_quote(renamed.get(command, ''))}"
+                for command in disabled
+            ),
             *self.settings,
         ]
+        if not self.replicated:
+            return [*lines, "appendonly no"]
+        return [
+            *lines,
+            # Every acknowledged write is on disk within a second (the files are in the
+            # owner-only data dir).
+            "appendonly yes",
+            "appendfsync everysec",
+            # Any server may be promoted: each authenticates to the primary it follows.
+            f"masterauth {_quote(password)}",
+            # The primary pings its replicas every second (default 10): a replica's
+            # `master_last_io_seconds_ago` then measures its lag even when nothing is
+            # written, which reads compare with a view's max_age.
+            "repl-ping-replica-period 1",
+            "replica-read-only yes",
+            # A replica's first sync starts at once (the default waits 5 s for others).
+            "repl-diskless-sync-delay 0",
+            *([f"replicaof {self.replica_of}"] if self.replica_of else []),
+        ]
+
+    def _write_config(self) -> None:
+        lines = self.config_lines()
         # It holds the password: owner-only, whatever the file it replaces was.
         atomic_write_bytes(self.config_path, ("\n".join(lines) + "\n").encode(), 0o600)
 

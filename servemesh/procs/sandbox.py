@@ -21,37 +21,80 @@ from __future__ import annotations
 import os
 import pwd
 import stat
+import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
 
 # "auto": the user model servers run as when the launcher is root.
 AUTO_UID = 61000
 AUTO_GID = 61000
+# The user an offline model run (the push probe and kin: servemesh.sandbox) runs as when
+# its caller is root: none of the model servers' files, nor anyone else's, are its own.
+OFFLINE_UID = 61099
+OFFLINE_GID = 61099
 
 
 class SandboxError(ServemeshError, RuntimeError):
     """Model servers cannot run as the user asked for; the message says why."""
 
 
+# A pool of model servers of its own runs as a user of its own, picked from this range by
+# its name (the same pool, the same user, run after run): POOL_UID_FIRST + crc32(name) mod
+# POOL_UID_COUNT, the next free one on a collision within the mesh.
+POOL_UID_FIRST = 61100
+POOL_UID_COUNT = 800
+
+
 @dataclass(frozen=True)
 class RunAs:
-    """An unprivileged user (and group) a child runs as."""
+    """An unprivileged user (and group) a child runs as, with supplementary `groups` (none
+    by default)."""
 
     uid: int
     gid: int
+    groups: tuple[int, ...] = ()
+
+    def group_options(self) -> list[str]:
+        """setpriv's options for the groups: exactly `groups`, or none."""
+        if self.groups:
+            return ["--groups=" + ",".join(str(g) for g in self.groups)]
+        return ["--clear-groups"]
 
     def setpriv_options(self) -> list[str]:
-        """setpriv's options for this user, no groups, no capabilities, no new privileges."""
+        """setpriv's options for this user, its groups only, no capabilities, no new
+        privileges."""
         return [
             f"--reuid={self.uid}",
             f"--regid={self.gid}",
-            "--clear-groups",
+            *self.group_options(),
             "--inh-caps=-all",
             "--bounding-set=-all",
             "--no-new-privs",
         ]
+
+
+def pool_users(base: RunAs, pools: Sequence[str]) -> dict[str, RunAs]:
+    """The user each pool's model servers run as. The shared pool ("") runs as `base`;
+    each named pool as a uid and gid of its own, with `base`'s group as a supplementary one:
+    what every model server reads is shared with that group, what one server alone holds
+    (its key, its ledger) with its own. So a pool cannot read another pool's key, its
+    ledger, nor its memory (/proc of another user), and signals none of its processes."""
+    users: dict[str, RunAs] = {}
+    taken = {base.uid}
+    for pool in sorted(pools):
+        if not pool:
+            users[pool] = base
+            continue
+        offset = zlib.crc32(pool.encode()) % POOL_UID_COUNT
+        while POOL_UID_FIRST + offset in taken:
+            offset = (offset + 1) % POOL_UID_COUNT
+        uid = POOL_UID_FIRST + offset
+        taken.add(uid)
+        users[pool] = RunAs(uid, uid, groups=(base.gid,))
+    return users
 
 
 def parse_user(value: str) -> RunAs:
@@ -69,6 +112,12 @@ def parse_user(value: str) -> RunAs:
     if uid == 0 or gid == 0:
         raise SandboxError("sandbox.model_user: not root (uid and gid 0 read every secret)")
     return RunAs(uid, gid)
+
+
+def offline_user() -> RunAs | None:
+    """Who a sandboxed offline model run runs as: a user of its own when this process is
+    root; None (this process's user) otherwise, when file modes cannot keep them apart."""
+    return RunAs(OFFLINE_UID, OFFLINE_GID) if os.geteuid() == 0 else None
 
 
 def unreachable(path: Path, run_as: RunAs) -> Path | None:

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from servemesh.private import PRIVATE_UMASK
+from servemesh.contract.private import PRIVATE_UMASK
 from servemesh.procs.sandbox import RunAs, SandboxError
 
 # setpriv's names for the signals a child may get when its parent dies.

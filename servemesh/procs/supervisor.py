@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
 from servemesh.procs.ready import Readiness
 from servemesh.procs.sandbox import RunAs
 from servemesh.procs.spawn import Launch, Spawner
@@ -20,6 +20,10 @@ from servemesh.procs.spawn import Launch, Spawner
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # between readiness checks
+# Signals that pause or continue a process: it is still there, nothing to hold down.
+JOB_CONTROL = frozenset(
+    {signal.SIGSTOP, signal.SIGCONT, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU}
+)
 
 
 class ProcessError(ServemeshError, RuntimeError):
@@ -39,6 +43,9 @@ class Child:
     ready: Readiness | None = None
     # Set when the owner stopped it (so it did not "exit on its own").
     stopped: bool = field(default=False, repr=False)
+    # Set when someone killed it on purpose (kill(): a drill's outage) and wants it to stay
+    # down until restart(): an owner that starts crashed children again leaves it alone.
+    held: bool = field(default=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -156,13 +163,14 @@ class Supervisor:
             self.wait_ready([name], time.monotonic() + timeout_s)
         return child
 
-    def restart(self, name: str, timeout_s: float = 60.0) -> Child:
-        """Start a stopped child again as it was first started, and wait until it is ready."""
+    def restart(self, name: str, timeout_s: float = 60.0, *, wait: bool = True) -> Child:
+        """Start a stopped child again as it was first started, and wait until it is ready
+        (`wait` False: return at once; its owner checks `child.ready` as it likes)."""
         old = self.child(name)
         if old.alive():
             raise ProcessError(f"{name} is still running")
         child = self._launch(old.launch, old.ready)
-        if child.ready is not None:
+        if wait and child.ready is not None:
             self.wait_ready([name], time.monotonic() + timeout_s)
         return child
 
@@ -206,13 +214,24 @@ class Supervisor:
         child.popen.send_signal(sig)
         return child.pid
 
-    def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> int:
+    def kill(self, name: str, sig: signal.Signals = signal.SIGKILL, *, hold: bool = True) -> int:
         """Signal a child (SIGKILL by default) and, for SIGKILL or SIGTERM, wait until it
-        exited; returns its PID. It stays known, so restart() can start it again."""
-        pid = self.send_signal(name, sig)
+        exited; returns its PID. It stays known, so restart() can start it again.
+
+        A kill is deliberate: with `hold` (the default) the child is marked `held`, so an
+        owner that starts crashed children again leaves it down until restart(). A signal
+        that pauses or continues (SIGSTOP, SIGCONT...) ends nothing and holds nothing."""
+        child = self.child(name)
+        if not child.alive():
+            raise ProcessError(f"{name} is not running")
+        if hold and sig not in JOB_CONTROL:
+            # Before the signal: an owner's watch must never see it dead and not yet held.
+            child.held = True
+        child.popen.send_signal(sig)
         if sig in (signal.SIGKILL, signal.SIGTERM):
-            self.child(name).wait(self.grace_s + 5)
-        return pid
+            # This process, not the name's: an owner may have started it again already.
+            child.wait(self.grace_s + 5)
+        return child.pid
 
     def stop(self, name: str, grace_s: float | None = None) -> int | None:
         """Stop one child (SIGTERM, grace, SIGKILL) and forget it; returns its exit status."""

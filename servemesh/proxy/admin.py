@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
 from servemesh.spec import EDGE_PROXY, proxy_part
 
 # Linux's limit on a Unix socket path (sun_path holds 108 bytes, one for the NUL).

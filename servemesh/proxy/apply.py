@@ -16,32 +16,26 @@ warning naming it.
 
 from __future__ import annotations
 
-import contextlib
-import difflib
-import fcntl
 import functools
 import getpass
 import json
 import logging
 import os
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import yaml
 
-from servemesh.atomic import atomic_write_text
-from servemesh.errors import NoMesh, ServemeshError
-from servemesh.private import open_lock
+from servemesh.contract.atomic import atomic_write_text
+from servemesh.contract.errors import NoMesh
 from servemesh.proxy.admin import AdminClient, AdminError, admin_socket_path
 from servemesh.proxy.process import validate_config
 from servemesh.proxy.render import (
     EnvoyResources,
-    XdsLayout,
     render_proxies,
     static_bootstrap,
     xds_files,
@@ -53,12 +47,10 @@ from servemesh.spec import (
     SpecError,
     declared,
     dump_spec,
-    load_resolved,
-    load_spec,
     parse_resolved,
     parse_spec_or_resolved,
-    proxy_part,
 )
+from servemesh.state.paths import ApplyError, MeshPaths, NoRunningMesh, XdsLayout
 
 # Fields a live apply may change. Everything else describes processes and needs a restart.
 ROUTING_FIELDS_TOP = {"traffic"}
@@ -73,129 +65,8 @@ PENDING, APPLIED, FAILED = "pending", "applied", "failed"
 log = logging.getLogger(__name__)
 
 
-# Per thread: the state dirs whose change lock it holds, and how deeply (see change_lock).
-_HELD = threading.local()
-_PROCESS_LOCKS: dict[Path, threading.Lock] = {}
-_PROCESS_LOCKS_GUARD = threading.Lock()
-
-
-def _process_lock(state_dir: Path) -> threading.Lock:
-    """The lock this process's threads take turns on for one mesh's changes."""
-    with _PROCESS_LOCKS_GUARD:
-        return _PROCESS_LOCKS.setdefault(state_dir, threading.Lock())
-
-
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-class ApplyError(ServemeshError, ValueError):
-    """The change was refused; the live configuration is untouched."""
-
-    label = "refused"
-
-
-class NoRunningMesh(NoMesh, SpecError):
-    """No mesh runs from this state dir: it holds no resolved spec (exit status 2)."""
-
-
-@dataclass(frozen=True)
-class MeshPaths:
-    """Where a running mesh keeps what `routes` commands read and write."""
-
-    state_dir: Path
-
-    @classmethod
-    def of(cls, state_dir: str | Path | None) -> MeshPaths:
-        """A command's `--state-dir`, else the spec's (`.servemesh` unless it says other);
-        a spec that does not load is refused (ApplyError), naming what is wrong."""
-        if state_dir:
-            return cls(Path(state_dir))
-        try:
-            return cls(Path(load_spec(None).state_dir))
-        except SpecError as exc:
-            raise ApplyError(str(exc)) from None
-
-    def running_spec(self) -> ResolvedSpec:
-        """The resolved spec the mesh running from this state dir wrote (what every
-        command that talks to a running mesh reads)."""
-        if not self.resolved_spec.is_file():
-            raise NoRunningMesh(self.state_dir)
-        return load_resolved(self.resolved_spec)
-
-    @contextlib.contextmanager
-    def change_lock(self) -> Iterator[None]:
-        """Hold the mesh's one change at a time: a second `apply`, `routes set` or
-        `rollback` from another process while one is under way is refused at once instead
-        of interleaving its Envoy swap and spec write with the first one's. Threads of one
-        process take turns; the lock is re-entrant within a thread (an apply holds it across
-        its loads and the swap it then asks for)."""
-        key = self.state_dir.resolve()
-        depth: dict[Path, int] = _HELD.__dict__.setdefault("depth", {})
-        if depth.get(key):
-            depth[key] += 1
-            try:
-                yield
-            finally:
-                depth[key] -= 1
-            return
-        with _process_lock(key):
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            with open_lock(self.state_dir / "changes.lock", "r+") as handle:
-                try:
-                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    handle.seek(0)
-                    holder = handle.read().strip() or "?"
-                    raise ApplyError(
-                        f"another change to this mesh is under way (pid {holder}); "
-                        "run this one when it has finished"
-                    ) from None
-                handle.seek(0)
-                handle.truncate()
-                handle.write(str(os.getpid()))
-                handle.flush()
-                depth[key] = 1
-                try:
-                    yield
-                finally:
-                    del depth[key]
-                    handle.truncate(0)
-                    fcntl.flock(handle, fcntl.LOCK_UN)
-
-    @property
-    def resolved_spec(self) -> Path:
-        return self.state_dir / "mesh.resolved.yaml"
-
-    @property
-    def endpoints(self) -> Path:
-        return self.state_dir / "endpoints.json"
-
-    @property
-    def xds(self) -> XdsLayout:
-        """The edge Envoy's watched files (the shared layout's only Envoy's)."""
-        return XdsLayout(self.state_dir / "xds")
-
-    def xds_of(self, proxy: str) -> XdsLayout:
-        """One of the mesh's Envoys' watched files: a zone Envoy's under xds-<zone>."""
-        return self.xds if proxy == EDGE_PROXY else XdsLayout(self.state_dir / f"xds-{proxy}")
-
-    @property
-    def history(self) -> Path:
-        return self.state_dir / "routes-history.jsonl"
-
-    @property
-    def logs(self) -> Path:
-        return self.state_dir / "logs"
-
-    @property
-    def envoy_config(self) -> Path:
-        return self.state_dir / "envoy" / "envoy.yaml"
-
-    def envoy_config_of(self, proxy: str) -> Path:
-        """One of the mesh's Envoys' bootstrap, named by its part: envoy/envoy.yaml (the
-        edge's), envoy/envoy-<zone>.yaml (a zone's)."""
-        return self.envoy_config.with_name(f"{proxy_part(proxy)}.yaml")
 
 
 @dataclass(frozen=True)
@@ -250,14 +121,29 @@ def _topology(spec: MeshSpec) -> dict[str, Any]:
     return data
 
 
+def _leaves(value: Any, path: str = "") -> dict[str, Any]:
+    """Plain data as `a.b.c: value` pairs (an empty mapping is a value of its own)."""
+    if isinstance(value, dict) and value:
+        found: dict[str, Any] = {}
+        for key, inner in value.items():
+            found.update(_leaves(inner, f"{path}.{key}" if path else str(key)))
+        return found
+    return {path: value}
+
+
 def diff_lines(before: MeshSpec, after: MeshSpec) -> list[str]:
-    old = json.dumps(routing_view(before), indent=1, sort_keys=True).splitlines()
-    new = json.dumps(routing_view(after), indent=1, sort_keys=True).splitlines()
-    return [
-        line
-        for line in difflib.unified_diff(old, new, "live", "new", n=0, lineterm="")
-        if not line.startswith(("---", "+++", "@@"))
-    ]
+    """What a change does to the routing, a line per value, in the live plan's words:
+    `~ models.fraud.traffic.v1: 100 -> 90`, `+ ...` added, `- ...` removed."""
+    old, new = _leaves(routing_view(before)), _leaves(routing_view(after))
+    lines = []
+    for key in sorted(old.keys() | new.keys()):
+        if key not in new:
+            lines.append(f"- {key}: {json.dumps(old[key])}")
+        elif key not in old:
+            lines.append(f"+ {key}: {json.dumps(new[key])}")
+        elif old[key] != new[key]:
+            lines.append(f"~ {key}: {json.dumps(old[key])} -> {json.dumps(new[key])}")
+    return lines
 
 
 def one_change_at_a_time(
@@ -358,8 +244,15 @@ class RouteManager:
 
     @one_change_at_a_time
     def set_weights(
-        self, model: str, weights: dict[str, int], *, who: str | None = None
+        self,
+        model: str,
+        weights: dict[str, int],
+        *,
+        who: str | None = None,
+        reason: str | None = None,
     ) -> ApplyResult:
+        """`model`'s weights (every version not named gets 0); `reason`, when given, is
+        recorded in the history entry's action after the weights (a quarantine's)."""
         live = self.live_spec()
         if model not in live.models:
             raise ApplyError(f"model {model!r} is not served; served models: {sorted(live.models)}")
@@ -375,9 +268,10 @@ class RouteManager:
         full = {version: weights.get(version, 0) for version in current.versions}
         if sum(full.values()) != 100:
             raise ApplyError(f"weights must sum to 100, got {sum(full.values())} ({full})")
-        return self._apply_models(
-            live, {model: {"traffic": full}}, f"set {model} " + _weights_text(full), who
-        )
+        action = f"set {model} " + _weights_text(full)
+        if reason:
+            action += f" ({reason})"
+        return self._apply_models(live, {model: {"traffic": full}}, action, who)
 
     @one_change_at_a_time
     def set_shadow(
@@ -474,9 +368,10 @@ class RouteManager:
 
         Clusters are written before the routes that name them; with `routes_first` the
         routes go first, for a change that only removes clusters (no route may name a
-        cluster that is gone). `changes` are lines that describe the change beyond routing
-        (models, versions, views added or removed), shown and recorded with the diff; a
-        step of a larger change is not recorded on its own (`record=False`).
+        cluster that is gone). `changes`, when given, are lines that describe the whole
+        change (an apply's plan, a fleet or scaling step), recorded instead of the routing
+        view's JSON diff, whose fragments would only repeat them unreadably; a step of a
+        larger change is not recorded on its own (`record=False`).
         """
         return self._apply(
             live,
@@ -504,7 +399,7 @@ class RouteManager:
             proposed = parse_resolved(dump_spec(proposed), "proposed change")
         except SpecError as exc:
             raise ApplyError(str(exc)) from None
-        diff = [*(changes or []), *diff_lines(live, proposed)]
+        diff = list(changes) if changes else diff_lines(live, proposed)
         by_proxy = render_proxies(proposed, self.paths.logs)
         self._validate(proposed, by_proxy)
         version = str(int(time.time() * 1000))

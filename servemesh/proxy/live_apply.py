@@ -28,11 +28,22 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 
-from servemesh.control_credential import ControlCredentialMissing, Metadata, control_metadata_for
+from servemesh.contract.control_credential import (
+    ControlCredentialMissing,
+    Metadata,
+    control_metadata_for,
+)
+from servemesh.contract.wire import (
+    LOAD_CONFIG_PARAMETER,
+    LOAD_VERSION_PARAMETER,
+    message_size_options,
+    version_health_name,
+)
 from servemesh.identity import dial_registry, dial_service
-from servemesh.model_contract import check_model_contract
-from servemesh.proxy.apply import ApplyError, ApplyResult, RouteManager
+from servemesh.proxy.apply import ApplyResult, RouteManager
+from servemesh.proxy.apply_merge import merge_over_running
 from servemesh.proxy.live_plan import ApplyPlan, Key, PlanRefused, plan_apply
+from servemesh.proxy.replicas import wait_model_servers_in
 from servemesh.spec import (
     RESOLVED_FIELDS,
     MeshSpec,
@@ -41,13 +52,10 @@ from servemesh.spec import (
     declared,
     parse_spec,
     parse_spec_or_resolved,
+    resolve,
 )
-from servemesh.wire import (
-    LOAD_CONFIG_PARAMETER,
-    LOAD_VERSION_PARAMETER,
-    message_size_options,
-    version_health_name,
-)
+from servemesh.spec.model_contract import check_model_contract
+from servemesh.state.paths import ApplyError
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
@@ -72,6 +80,8 @@ class LiveApplyResult:
     dry_run: bool
     loads: list[ReplicaLoad] = field(default_factory=list)
     envoy: ApplyResult | None = None
+    # A new pool's model servers, started by this apply and ready before it returned.
+    started: list[str] = field(default_factory=list)
 
 
 def _signature(record: registry_pb2.ModelVersion) -> list[tuple[str, str, list[int]]]:
@@ -126,10 +136,9 @@ class LiveApply:
         live = self.manager.live_spec()
         try:
             proposed = over_running(text, live, source, prune=prune)
+            plan = plan_apply(live, proposed, prune=prune)
         except SpecError as exc:
             raise ApplyError(str(exc)) from None
-        try:
-            plan = plan_apply(live, proposed, prune=prune)
         except PlanRefused as exc:
             raise ApplyError(f"{source}: {exc}") from None
         if not prune:  # what the file's sections leave out, kept (shown to the operator)
@@ -171,9 +180,16 @@ class LiveApply:
             asyncio.run(self.check_registry(live, plan))
         if dry_run or not plan.changed:
             return LiveApplyResult(plan=plan, dry_run=dry_run)
+        union, target = self._targets(live, plan)
+        started = new_pool_replicas(live, target)
+        if started and live.network.mode == "netns":
+            raise ApplyError(
+                f"models: a new pool needs processes of its own ({', '.join(started)}), and "
+                "network.mode netns joins a zone's ports only at start; restart the mesh"
+            )
         loads = asyncio.run(self.load_everywhere(live, plan)) if plan.added_versions else []
         try:
-            envoy = self._swap(live, plan, f"apply {source}", who)
+            envoy = self._swap(live, union, target, plan, f"apply {source}", who)
         except BaseException:
             # Refused before any file moved (Envoy's validator): undo the loads. Once the
             # files moved (a confirmation that timed out), the spec lists the new versions
@@ -181,17 +197,61 @@ class LiveApply:
             if plan.added_versions and not _lists_all(self.manager.live_spec(), plan):
                 asyncio.run(self.unload_everywhere(live, loads))
             raise
-        return LiveApplyResult(plan=plan, dry_run=False, loads=loads, envoy=envoy)
+        if started:
+            self._wait_started(live, target, started, source, who)
+        return LiveApplyResult(plan=plan, dry_run=False, loads=loads, envoy=envoy, started=started)
+
+    def _wait_started(
+        self,
+        live: ResolvedSpec,
+        target: ResolvedSpec,
+        started: list[str],
+        source: str,
+        who: str | None,
+    ) -> None:
+        """A new pool's servers start once the spec lists them (`servemesh up` follows it):
+        wait until they serve and Envoy counts them healthy; when they do not, put the
+        running spec back (their processes stop) and refuse."""
+        missing = wait_model_servers_in(self.manager, target, started, self.load_timeout_s)
+        if not missing:
+            return
+        logs = ", ".join(str(self.manager.paths.state_dir / "logs" / f"{n}.log") for n in missing)
+        self.manager.swap(
+            self.manager.live_spec(),
+            live,
+            f"undo apply {source}",
+            who,
+            routes_first=True,
+            changes=[f"- model servers {', '.join(started)}: not ready"],
+        )
+        raise ApplyError(
+            f"{', '.join(missing)}: not serving within {self.load_timeout_s:g} s (see {logs}); "
+            "nothing changed: the mesh is back as it was"
+        )
+
+    @staticmethod
+    def _targets(live: ResolvedSpec, plan: ApplyPlan) -> tuple[ResolvedSpec | None, ResolvedSpec]:
+        """(the spec between, the spec the change ends at). A change that adds and removes
+        takes two swaps: new clusters go in before the routes that name them, old ones out
+        after the routes that named them, so the spec between keeps what goes (None when
+        one swap does). The target is resolved from the spec between, so a new pool's
+        servers keep the ports they were started with at the first swap."""
+        if not (plan.adds and plan.removes):
+            return None, resolved_target(live, plan.target)
+        union = resolved_target(live, _keeping_removed(plan, live))
+        return union, resolved_target(union, plan.target)
 
     def _swap(
-        self, live: ResolvedSpec, plan: ApplyPlan, action: str, who: str | None
+        self,
+        live: ResolvedSpec,
+        union: ResolvedSpec | None,
+        target: ResolvedSpec,
+        plan: ApplyPlan,
+        action: str,
+        who: str | None,
     ) -> ApplyResult:
-        target = resolved_target(live, plan.target)
         changes = plan.lines()
-        if plan.adds and plan.removes:
-            # New clusters go in before the routes that name them, old ones out after the
-            # routes that named them: two swaps, the first keeping what goes.
-            union = resolved_target(live, _keeping_removed(plan, live))
+        if union is not None:
             self.manager.swap(live, union, action, who, record=False)
         return self.manager.swap(
             live, target, action, who, routes_first=plan.removes, changes=changes
@@ -255,14 +315,17 @@ class LiveApply:
 
     # --- the replicas -----------------------------------------------------------------
 
-    def _replicas(self, live: ResolvedSpec) -> list[str]:
-        return [i.name for i in live.instances() if i.service == "model"]
+    def _replicas(self, live: ResolvedSpec, plan: ApplyPlan) -> list[str]:
+        """The running model servers that load a new version: those of its pool (a new
+        pool's servers load theirs as they start)."""
+        pools = {plan.target.pool_of(model) for model, _ in plan.added_versions}
+        return [i.name for i in live.instances() if i.service == "model" and i.pool in pools]
 
     async def load_everywhere(self, live: ResolvedSpec, plan: ApplyPlan) -> list[ReplicaLoad]:
         """Load every new version on every replica in parallel; refuse (after unloading
         what was loaded) when any replica could not."""
         loads = await asyncio.gather(
-            *(self._load_on(live, replica, plan) for replica in self._replicas(live))
+            *(self._load_on(live, replica, plan) for replica in self._replicas(live, plan))
         )
         failed = [load for load in loads if load.failure]
         if failed:
@@ -283,7 +346,10 @@ class LiveApply:
         async with dial_service(live, replica).aio_channel(options=options) as channel:
             stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
+            pool = live.instance(replica).pool
             for model, version in plan.added_versions:
+                if plan.target.pool_of(model) != pool:
+                    continue  # another pool's servers hold it (a new pool's load at start)
                 where = f"models.{model}.versions.{version}"
                 config = plan.target.models[model].model_dump_json()
                 request = oip.RepositoryModelLoadRequest(
@@ -361,11 +427,14 @@ def over_running(
 ) -> MeshSpec:
     """The declared spec a file means for the running mesh.
 
-    Every top-level section the file leaves out is the running mesh's, so a file that
-    declares only `models:` and `feature_views:` applies to a mesh of any shape rather than
-    to the built-in defaults of what it omits (two zones, the demo model). Without
-    `prune`, the models and views the file leaves out of its sections are kept too (a file
-    may declare just the model it adds). A running mesh's resolved spec is taken whole.
+    Every field the file leaves out is the running mesh's, at any depth (`apply_merge`), so
+    a file that declares only `models:` and `feature_views:` applies to a mesh of any shape,
+    and a model entry that names only a new version keeps the model's running inputs and
+    weights, rather than the built-in defaults of what it omits (two zones, the demo model
+    and its view). Without `prune`, the models, views and versions the file leaves out are
+    kept too (a file may declare just what it adds). A running mesh's resolved spec is taken
+    whole. Raises PlanRefused when a version --prune drops still has weight or is a shadow
+    target the file does not move.
     """
     try:
         data = yaml.safe_load(text)
@@ -375,13 +444,8 @@ def over_running(
         return parse_spec_or_resolved(text, source)
     if data is None and text.strip():
         return parse_spec(text, source)  # malformed: the parser says where
-    data = dict(data or {})
     base = declared(running).model_dump(mode="json")
-    merged = {**base, **data}
-    if not prune:
-        for section in ("models", "feature_views"):
-            if isinstance(data.get(section), dict):
-                merged[section] = {**base[section], **data[section]}
+    merged = merge_over_running(base, dict(data or {}), prune=prune)
     try:
         return MeshSpec.model_validate(merged)
     except ValidationError as exc:
@@ -417,19 +481,29 @@ def _ms(started: float) -> float:
 
 
 def resolved_target(live: ResolvedSpec, target: MeshSpec) -> ResolvedSpec:
-    """The running mesh with the target's models, views, traffic, coalescing, logs and
-    scaling policy (processes and ports cannot change live, so the rest is the running
-    mesh's own)."""
-    return live.model_copy(
-        update={
-            "models": dict(target.models),
-            "feature_views": dict(target.feature_views),
-            "traffic": target.traffic,
-            "coalescing": target.coalescing,
-            "logs": target.logs,
-            "scaling": target.scaling,
-        }
+    """The running mesh with the target's models, views, traffic, coalescing, logs, pools and
+    scaling policy; the rest is the running mesh's own. A new model on a pool of its own
+    brings that pool's processes: they get ports of their own, every other process keeps
+    its."""
+    return resolve(
+        live.model_copy(
+            update={
+                "models": dict(target.models),
+                "feature_views": dict(target.feature_views),
+                "traffic": target.traffic,
+                "coalescing": target.coalescing,
+                "logs": target.logs,
+                "scaling": target.scaling,
+                "pools": dict(target.pools),
+            }
+        )
     )
+
+
+def new_pool_replicas(live: ResolvedSpec, target: ResolvedSpec) -> list[str]:
+    """The model servers `target` runs that `live` does not: a new pool's."""
+    running = {i.name for i in live.instances()}
+    return [i.name for i in target.instances() if i.service == "model" and i.name not in running]
 
 
 def _keeping_removed(plan: ApplyPlan, live: MeshSpec) -> MeshSpec:

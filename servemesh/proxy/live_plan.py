@@ -17,20 +17,32 @@ change only as a new version.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from servemesh.errors import ServemeshError
-from servemesh.scaling_policy import ScalingSpec
-from servemesh.spec import CoalescingSpec, LogsSpec, MeshSpec, ModelSpec, TiersSpec
+from servemesh.contract.errors import ServemeshError
+from servemesh.spec import (
+    CoalescingSpec,
+    LogsSpec,
+    MeshSpec,
+    ModelSpec,
+    PoolSpec,
+    TiersSpec,
+    own_pool_name,
+)
 from servemesh.spec import declared as declared_part
+from servemesh.spec.policy import ShadowSpec
+from servemesh.spec.scaling_policy import ScalingSpec
 
 Key = tuple[str, str]
 
 # Top-level fields a live apply may change (the rest describe processes).
 # `scaling`: the scaler reads the running spec every round.
-LIVE_TOP = {"models", "feature_views", "traffic", "coalescing", "logs", "scaling"}
+# `pools`: a pool's servers per zone change like the scaler's counts (the launcher starts
+# and stops them); a new pool's servers start and load its models from the spec.
+LIVE_TOP = {"models", "feature_views", "traffic", "coalescing", "logs", "scaling", "pools"}
 # Resolved by the launcher (or set by `up --netns`): a file usually leaves them out, and the
 # running mesh keeps its own, as `routes apply` does.
 IGNORED_TOP = {"ports", "state_dir", "feature_store", "demo", "network"}
@@ -46,6 +58,21 @@ class PlanRefused(ServemeshError, ValueError):
     """The file asks for a change a running mesh cannot take; one line names the field."""
 
     label = "refused"
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change of a plan, as the plan table shows it and the history records it."""
+
+    sign: str  # `+` added, `-` removed, `~` changed
+    kind: str  # model, version, feature view, weights, tiers, policy, ...
+    what: str = ""  # the model, version or view; empty for a mesh-wide setting
+    detail: str = ""  # "before -> after"
+
+    @property
+    def line(self) -> str:
+        head = f"{self.sign} {self.kind}" + (f" {self.what}" if self.what else "")
+        return f"{head}: {self.detail}" if self.detail else head
 
 
 @dataclass(frozen=True)
@@ -72,6 +99,9 @@ class ApplyPlan:
     tiers: dict[str, tuple[TiersSpec | None, TiersSpec | None]] = field(default_factory=dict)
     # True when routing or policy changes beyond weights (shadow, policy, mesh traffic).
     routing_changed: bool = False
+    # What of it changes, readably: a model's shadow, each field of a model's policy or of
+    # the mesh's `traffic` that changes.
+    routing: list[Change] = field(default_factory=list)
     # (before, after) when the gateways' coalescing changes.
     coalescing: tuple[CoalescingSpec, CoalescingSpec] | None = None
     # (before, after) when what the services log changes.
@@ -101,31 +131,38 @@ class ApplyPlan:
             or self.scaling
         )
 
-    def lines(self) -> list[str]:
-        """One line per change, `+` added, `-` removed, `~` changed (history and output)."""
-        found: list[str] = []
-        found += [f"+ model {m}" for m in self.added_models]
-        found += [f"- model {m}" for m in self.removed_models]
-        found += [f"+ version {m} {v}" for m, v in self.added_versions]
-        found += [f"- version {m} {v}" for m, v in self.removed_versions]
-        found += [f"+ feature view {v}" for v in self.added_views]
-        found += [f"- feature view {v}" for v in self.removed_views]
+    def changes(self) -> list[Change]:
+        """Every change, in the order the plan table and the history show them."""
+        found: list[Change] = []
+        found += [Change("+", "model", m) for m in self.added_models]
+        found += [Change("-", "model", m) for m in self.removed_models]
+        found += [Change("+", "version", f"{m} {v}") for m, v in self.added_versions]
+        found += [Change("-", "version", f"{m} {v}") for m, v in self.removed_versions]
+        found += [Change("+", "feature view", v) for v in self.added_views]
+        found += [Change("-", "feature view", v) for v in self.removed_views]
         for model, (before, after) in sorted(self.weights.items()):
-            found.append(f"~ weights {model}: {_weights(before) or '-'} -> {_weights(after)}")
+            found.append(
+                Change("~", "weights", model, f"{_weights(before) or '-'} -> {_weights(after)}")
+            )
         for model, (old, new) in sorted(self.fallback.items()):
-            found.append(f"~ fallback_score {model}: {old} -> {new}")
+            found.append(Change("~", "fallback_score", model, f"{old} -> {new}"))
         for model, (was, now) in sorted(self.tiers.items()):
-            found.append(f"~ tiers {model}: {tiers_text(was)} -> {tiers_text(now)}")
+            found.append(Change("~", "tiers", model, f"{tiers_text(was)} -> {tiers_text(now)}"))
+        found += self.routing
         if self.coalescing is not None:
             before_text, after_text = (coalescing_text(c) for c in self.coalescing)
-            found.append(f"~ coalescing: {before_text} -> {after_text}")
+            found.append(Change("~", "coalescing", detail=f"{before_text} -> {after_text}"))
         if self.logs is not None:
             before_text, after_text = (logs_text(c) for c in self.logs)
-            found.append(f"~ logs: {before_text} -> {after_text}")
+            found.append(Change("~", "logs", detail=f"{before_text} -> {after_text}"))
         if self.scaling is not None:
             before_text, after_text = (scaling_text(c) for c in self.scaling)
-            found.append(f"~ scaling: {before_text} -> {after_text}")
+            found.append(Change("~", "scaling", detail=f"{before_text} -> {after_text}"))
         return found
+
+    def lines(self) -> list[str]:
+        """One line per change, `+` added, `-` removed, `~` changed (history and output)."""
+        return [change.line for change in self.changes()]
 
 
 def scaling_text(scaling: ScalingSpec) -> str:
@@ -154,6 +191,68 @@ def tiers_text(tiers: TiersSpec | None) -> str:
     if tiers is not None and tiers.cache is not None:
         parts.append(f"cache ttl {tiers.cache.ttl}, {tiers.cache.max_entries} entries")
     return "; ".join(parts) or "off"
+
+
+def shadow_text(shadow: ShadowSpec | None) -> str:
+    return "off" if shadow is None else f"{shadow.version} ({shadow.percent:g}%)"
+
+
+def value_text(where: str, value: Any) -> str:
+    """A spec value as a change line shows it."""
+    if value is None:
+        return "none"
+    if where.rsplit(".", 1)[-1] == "users" and isinstance(value, list):
+        # htpasswd lines: the history says how many, never their hashes.
+        return f"{len(value)} user{'s' * (len(value) != 1)}"
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def leaf_changes(before: Any, after: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted path, before, after) for every place two plain-data trees differ; a field
+    one side lacks counts as None there."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        found: list[tuple[str, Any, Any]] = []
+        for key in [*before, *(k for k in after if k not in before)]:
+            where = f"{path}.{key}" if path else str(key)
+            found += leaf_changes(before.get(key), after.get(key), where)
+        return found
+    return [] if before == after else [(path, before, after)]
+
+
+def _leaf_change(kind: str, what: str, where: str, before: Any, after: Any) -> Change:
+    return Change("~", kind, what, f"{value_text(where, before)} -> {value_text(where, after)}")
+
+
+def routing_changes(running: MeshSpec, declared: MeshSpec, models: list[str]) -> list[Change]:
+    """The routing and policy a plan changes, one line per field: the mesh's `traffic`, and
+    the shadow and policy of `models` (those both specs serve)."""
+    before = running.traffic.model_dump(mode="json")
+    after = declared.traffic.model_dump(mode="json")
+    found = [_leaf_change("traffic", w, w, a, b) for w, a, b in leaf_changes(before, after)]
+    for name in models:
+        live, wanted = running.models[name], declared.models[name]
+        if live.shadow != wanted.shadow:
+            shadows = f"{shadow_text(live.shadow)} -> {shadow_text(wanted.shadow)}"
+            found.append(Change("~", "shadow", name, shadows))
+        if live.policy != wanted.policy:
+            found += _policy_changes(name, live, wanted, running, declared)
+    return found
+
+
+def _policy_changes(
+    name: str, live: ModelSpec, wanted: ModelSpec, running: MeshSpec, declared: MeshSpec
+) -> list[Change]:
+    """A model's own policy overrides the mesh's `traffic.model`: its fields are shown
+    against the policy the model follows before and after."""
+    found = []
+    if (live.policy is None) != (wanted.policy is None):
+        moved = "traffic.model -> its own" if live.policy is None else "its own -> traffic.model"
+        found.append(Change("~", "policy", name, moved))
+    before = (live.policy or running.traffic.model).model_dump(mode="json")
+    after = (wanted.policy or declared.traffic.model).model_dump(mode="json")
+    for where, old, new in leaf_changes(before, after):
+        found.append(_leaf_change("policy", f"{name} {where}", where, old, new))
+    return found
 
 
 def logs_text(logs: LogsSpec) -> str:
@@ -200,7 +299,8 @@ def views_read_by(model: ModelSpec) -> set[str]:
 
 def _model_fixed(model: ModelSpec) -> dict[str, Any]:
     data = model.model_dump(mode="json")
-    return {k: v for k, v in data.items() if k not in LIVE_MODEL}
+    # The pool is compared as placed (`pool: fraud` and no pool are one for model fraud).
+    return {k: v for k, v in data.items() if k not in LIVE_MODEL and k != "pool"}
 
 
 def _version_fixed(model: ModelSpec, version: str) -> dict[str, Any]:
@@ -247,9 +347,40 @@ def _check_fixed_top(running: MeshSpec, declared: MeshSpec) -> None:
             )
 
 
+def _check_running_pools(running: MeshSpec, declared: MeshSpec) -> None:
+    """A pool that runs keeps how many servers it started with and how they load (its
+    processes were started so); its memory budget may change live (each server follows the
+    spec). A new pool's settings come with it."""
+    default = PoolSpec()
+    for pool in running.pool_names():
+        if pool not in declared.pool_names():
+            continue
+        before, after = (
+            spec.pools.get(pool, default).model_dump(mode="json", exclude={"memory_budget"})
+            for spec in (running, declared)
+        )
+        where = first_difference(before, after, f"pools.{pool}")
+        loads = [spec.pools.get(pool, default).on_demand for spec in (running, declared)]
+        if where is None and loads[0] != loads[1]:
+            where = f"pools.{pool}.memory_budget"  # a budget alone turns a pool on demand
+        if where:
+            raise PlanRefused(
+                f"{where}: a running pool's servers change only with a restart of the mesh "
+                "(servemesh up), or by the scaler; its memory_budget may change live"
+            )
+
+
 def _plan_versions(
     name: str, live: ModelSpec, wanted: ModelSpec, plan: dict[str, list[Key]]
 ) -> None:
+    live_pool, wanted_pool = (spec.pool or own_pool_name(name) for spec in (live, wanted))
+    if live_pool != wanted_pool:
+        raise PlanRefused(
+            f"models.{name}.pool: {live_pool} -> {wanted_pool}: a served model does not move "
+            "between pools "
+            "live; add it under a new name on the new pool, move the traffic there, then drop "
+            "the old one (or restart the mesh)"
+        )
     fixed_before, fixed_after = _model_fixed(live), _model_fixed(wanted)
     where = first_difference(fixed_before, fixed_after, f"models.{name}")
     if where:
@@ -299,6 +430,7 @@ def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) ->
     running = declared_part(running)
     declared = declared_part(declared)
     _check_fixed_top(running, declared)
+    _check_running_pools(running, declared)
 
     models: dict[str, ModelSpec] = {}
     added_models: list[str] = []
@@ -309,6 +441,7 @@ def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) ->
     fallback: dict[str, tuple[float | None, float | None]] = {}
     tiers: dict[str, tuple[TiersSpec | None, TiersSpec | None]] = {}
     routing_changed = running.traffic != declared.traffic
+    served_by_both: list[str] = []
 
     for name, live in running.models.items():
         wanted = declared.models.get(name)
@@ -332,6 +465,7 @@ def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) ->
         if live.tiers != wanted.tiers:
             tiers[name] = (live.tiers, wanted.tiers)
         routing_changed |= _routing_of(running, name) != _routing_of(declared, name)
+        served_by_both.append(name)
     for name, wanted in declared.models.items():
         if name not in running.models:
             added_models.append(name)
@@ -404,6 +538,7 @@ def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) ->
         fallback=fallback,
         tiers=tiers,
         routing_changed=routing_changed,
+        routing=routing_changes(running, declared, served_by_both),
         coalescing=(
             (running.coalescing, declared.coalescing)
             if running.coalescing != declared.coalescing

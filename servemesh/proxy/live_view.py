@@ -6,9 +6,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from servemesh.contract.wire import (
+    BUCKET_HEADER,
+    MODEL_INFER_STAT,
+    mesh_route_config,
+    model_cluster,
+)
 from servemesh.proxy.admin import AdminClient, ClusterView
 from servemesh.spec import MeshSpec
-from servemesh.wire import BUCKET_HEADER, MODEL_INFER_STAT, mesh_route_config, model_cluster
 
 INFER_STATS = f"grpc.{MODEL_INFER_STAT}"
 

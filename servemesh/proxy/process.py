@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
 from servemesh.proxy.admin import AdminClient
 
 

@@ -8,7 +8,9 @@ Envoy fails over across zones and comes back when the local zone recovers.
 Routes, clusters and endpoints are rendered as xDS resources. `servemesh up` serves them to
 Envoy from files it watches (RDS/CDS/EDS over `path_config_source`), so a weight change is a
 file swap, not a restart; `static_bootstrap` inlines the same resources into one file that
-`envoy --mode validate` checks before anything is swapped.
+`envoy --mode validate` checks before anything is swapped. With `discovery.backend: dns`
+there are no endpoint files: each service cluster is a STRICT_DNS cluster whose host names
+(ResolvedSpec.endpoint_of) Envoy resolves itself, its endpoints inline in the cluster.
 """
 
 from __future__ import annotations
@@ -20,35 +22,7 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
-from servemesh.durations import duration_seconds
-from servemesh.identity.tokens import (
-    ROLE_CLAIM,
-    SUBJECT_CLAIM,
-    audience_of,
-    issuer_of,
-    jwks_path,
-)
-from servemesh.netns import zone_source_address
-from servemesh.policy import (
-    GRPC_CODES,
-    EdgeAuth,
-    FaultPolicy,
-    Overload,
-    RateLimit,
-    RetryPolicy,
-    RoutePolicy,
-)
-from servemesh.proxy.admin import ADMIN_SOCKET_MODE, admin_socket_path
-from servemesh.proxy.tls import downstream_tls, upstream_tls
-from servemesh.proxy.tracing import (
-    collector_cluster,
-    forced_traces_filter,
-    hcm_tracing,
-    tracer_runtime,
-    with_forced_trace_routes,
-)
-from servemesh.spec import EDGE_PROXY, Instance, MeshSpec, ModelSpec, ResolvedSpec, ServiceKind
-from servemesh.wire import (
+from servemesh.contract.wire import (
     BUCKET_HEADER,
     BUCKET_RANGE_HEADER,
     CALLER_HEADER,
@@ -83,6 +57,43 @@ from servemesh.wire import (
     version_health_name,
     zone_of_cluster,
 )
+from servemesh.identity.tokens import (
+    ROLE_CLAIM,
+    SUBJECT_CLAIM,
+    audience_of,
+    issuer_of,
+    jwks_path,
+)
+from servemesh.procs.netns import zone_source_address
+from servemesh.proxy.admin import ADMIN_SOCKET_MODE, admin_socket_path
+from servemesh.proxy.tls import downstream_tls, upstream_tls
+from servemesh.proxy.tracing import (
+    collector_cluster,
+    forced_traces_filter,
+    hcm_tracing,
+    tracer_runtime,
+    with_forced_trace_routes,
+)
+from servemesh.spec import (
+    EDGE_PROXY,
+    DiscoverySpec,
+    Instance,
+    MeshSpec,
+    ModelSpec,
+    ResolvedSpec,
+    ServiceKind,
+)
+from servemesh.spec.durations import duration_seconds
+from servemesh.spec.policy import (
+    GRPC_CODES,
+    EdgeAuth,
+    FaultPolicy,
+    Overload,
+    RateLimit,
+    RetryPolicy,
+    RoutePolicy,
+)
+from servemesh.state.paths import XdsLayout
 from servemesh_api.feature.v1 import feature_pb2
 from servemesh_api.gateway.v1 import gateway_pb2
 from servemesh_api.inference import grpc_service_pb2
@@ -239,19 +250,55 @@ def load_assignment(
 def _load_assignment(
     spec: ResolvedSpec, name: str, members: list[Instance], local_zone: str | None
 ) -> dict[str, Any]:
-    """The cluster's endpoints as the spec places its instances (the file catalog)."""
+    """The cluster's endpoints as the spec places its instances (the file catalog), or with
+    `discovery.backend: dns` the host names Envoy resolves: instances that share a name and
+    port are one endpoint, every address the name gives a host."""
     # A standby replica (the scaler's, not yet or not now in rotation) is told DRAINING too.
     draining = set(spec.fleet.draining) | set(spec.fleet.standby)
-    return load_assignment(
-        name,
-        (
-            ZoneEndpoint(
-                i.zone, spec.host_of(i.name), spec.port_of(i.name), draining=i.name in draining
-            )
-            for i in members
-        ),
-        local_zone,
-    )
+    endpoints: dict[tuple[str, int], ZoneEndpoint] = {}
+    for member in members:
+        address, port = spec.endpoint_of(member.name)
+        before = endpoints.get((address, port))
+        # A shared name drains only when every instance behind it does.
+        out = member.name in draining and (before is None or before.draining)
+        endpoints[(address, port)] = ZoneEndpoint(
+            before.zone if before else member.zone, address, port, draining=out
+        )
+    return load_assignment(name, endpoints.values(), local_zone)
+
+
+# Envoy's strict-DNS cluster: every address a name resolves to is a host of the cluster,
+# resolved again every refresh (the typed form; Cluster.dns_refresh_rate is deprecated).
+_DNS_CLUSTER = _T + "extensions.clusters.dns.v3.DnsCluster"
+
+
+def _dns_cluster_type(discovery: DiscoverySpec) -> dict[str, Any]:
+    """`cluster_type` of a cluster whose endpoints are host names (discovery.backend dns)."""
+    return {
+        "name": "envoy.cluster.dns",
+        "typed_config": {
+            "@type": _DNS_CLUSTER,
+            "dns_refresh_rate": _ms(discovery.dns_refresh_rate_ms),
+            "respect_dns_ttl": discovery.respect_dns_ttl,
+            "dns_lookup_family": discovery.dns_lookup_family.upper(),
+            "all_addresses_in_single_endpoint": False,
+        },
+    }
+
+
+def is_eds(cluster: dict[str, Any]) -> bool:
+    """Whether a rendered cluster reads its endpoints from an endpoint file (EDS); with
+    `discovery.backend: dns` none does: each carries its `load_assignment` inline."""
+    return cluster.get("type") == "EDS"
+
+
+def _inline_endpoints(cluster: dict[str, Any], assignment: dict[str, Any]) -> dict[str, Any]:
+    """A cluster with its endpoints in it: a service's host names stay STRICT_DNS, the
+    rest (Envoy's admin socket, the trace collector's address) becomes STATIC."""
+    inline = {**cluster, "load_assignment": assignment}
+    if is_eds(cluster):
+        inline["type"] = "STATIC"
+    return inline
 
 
 def _shadow_marking(version: str) -> list[dict[str, Any]]:
@@ -1113,6 +1160,9 @@ def _render_all(spec: ResolvedSpec, log_dir: Path, proxy: str) -> EnvoyResources
             cluster["upstream_bind_config"] = {
                 "source_address": {"address": source, "port_value": 0}
             }
+        if spec.discovery.backend == "dns":
+            del cluster["type"]
+            cluster["cluster_type"] = _dns_cluster_type(spec.discovery)
         clusters.append(cluster)
         assignments[name] = _load_assignment(spec, name, members, local_zone)
         endpoint_sets[name] = EndpointSet(kind, local_zone)
@@ -1217,6 +1267,9 @@ def _render_all(spec: ResolvedSpec, log_dir: Path, proxy: str) -> EnvoyResources
             )
         )
     _add_stats_listener(spec, log_dir, listeners, route_configs, clusters, assignments, proxy)
+    if spec.discovery.backend == "dns":
+        # Envoy resolves the names itself: no endpoint file, no control plane.
+        clusters = [_inline_endpoints(c, assignments[c["name"]]) for c in clusters]
     return EnvoyResources(
         listeners=listeners,
         route_configs=route_configs,
@@ -1399,6 +1452,8 @@ def static_bootstrap(
         listeners.append({**listener, "filter_chains": [chain]})
     clusters = [
         {**c, "type": "STATIC", "load_assignment": resources.load_assignments[c["name"]]}
+        if is_eds(c)
+        else c
         for c in resources.clusters
     ]
     return {
@@ -1414,28 +1469,6 @@ def _file_source(path: Path) -> dict[str, Any]:
         "path_config_source": {"path": str(path), "watched_directory": {"path": str(path.parent)}},
         "resource_api_version": "V3",
     }
-
-
-@dataclass(frozen=True)
-class XdsLayout:
-    """Where the watched resource files live under a mesh's state dir."""
-
-    root: Path
-
-    @property
-    def cds(self) -> Path:
-        return self.root / "cds" / "clusters.yaml"
-
-    def eds(self, cluster: str) -> Path:
-        return self.root / "eds" / f"{cluster}.yaml"
-
-    def rds(self, route_config: str) -> Path:
-        return self.root / "rds" / f"{route_config}.yaml"
-
-    def eds_files(self) -> list[Path]:
-        """Every endpoint file on disk now."""
-        folder = self.root / "eds"
-        return sorted(folder.iterdir()) if folder.is_dir() else []
 
 
 def dynamic_bootstrap(
@@ -1469,6 +1502,9 @@ def xds_files(
     clusters = []
     for cluster in resources.clusters:
         name = cluster["name"]
+        if not is_eds(cluster):  # its endpoints inline (discovery.backend dns)
+            clusters.append({"@type": CLUSTER_TYPE, **cluster})
+            continue
         files[layout.eds(name)] = {
             "version_info": version,
             "resources": [{"@type": ENDPOINTS_TYPE, **resources.load_assignments[name]}],

@@ -35,8 +35,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from servemesh.contract.wire import TRACE_COLLECTOR_CLUSTER, envoy_trace_service
 from servemesh.spec import MeshSpec, ResolvedSpec, TracingSpec
-from servemesh.wire import TRACE_COLLECTOR_CLUSTER, envoy_trace_service
 
 _OTEL_CONFIG = "type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig"
 _SAMPLERS = "type.googleapis.com/envoy.extensions.tracers.opentelemetry.samplers.v3."

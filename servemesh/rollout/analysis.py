@@ -39,7 +39,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
+from servemesh.contract.wire import (
+    LATENCY_BUCKETS_S,
+    ROUTE_PINNED,
+    SCORE_BUCKETS,
+    SLI_FAILURE_CODES,
+)
 from servemesh.observe.prom_query import PromClient, PrometheusError
 from servemesh.observe.scrape import Sample, scrape
 from servemesh.rollout.stats import (
@@ -51,9 +57,8 @@ from servemesh.rollout.stats import (
     psi_chance,
 )
 from servemesh.rollout.types import ArmWindow, Check
-from servemesh.rollout_plan import AnalysisSpec
 from servemesh.spec import ResolvedSpec
-from servemesh.wire import LATENCY_BUCKETS_S, ROUTE_PINNED, SCORE_BUCKETS, SLI_FAILURE_CODES
+from servemesh.spec.rollout_plan import AnalysisSpec
 
 MODEL_CALLS = "servemesh_gateway_model_calls_total"
 # Series of a gateway from before the route label count as routed (`!=`, not `=`).

@@ -21,12 +21,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from servemesh.durations import duration_seconds
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
+from servemesh.contract.wire import SLI_FAILURE_CODES
 from servemesh.observe.prom_query import PromClient, PrometheusError
 from servemesh.observe.scrape import Sample, scrape
-from servemesh.proxy.apply import MeshPaths
-from servemesh.rollout_plan import SloSpec
 from servemesh.slo_rules import (
     OBJECTIVES,
     PREDICT,
@@ -42,7 +40,9 @@ from servemesh.slo_rules import (
     slow_bound_s,
 )
 from servemesh.spec import ResolvedSpec
-from servemesh.wire import SLI_FAILURE_CODES
+from servemesh.spec.durations import duration_seconds
+from servemesh.spec.rollout_plan import SloSpec
+from servemesh.state.paths import MeshPaths
 
 PROMETHEUS = "prometheus"
 COUNTERS = "counters"

@@ -34,17 +34,18 @@ from pathlib import Path
 
 import grpc
 
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
+from servemesh.contract.wire import message_size_options
 from servemesh.identity import dial_registry
 from servemesh.observe.scrape import quantile
 from servemesh.proxy.admin import AdminError
-from servemesh.proxy.apply import ApplyError, MeshPaths, RouteManager
+from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_view import VersionView, live_view
 from servemesh.registry.client import ArtifactIntegrityError, fetch_verified
 from servemesh.registry.errors import ArtifactTooLargeError
 from servemesh.rollout.types import ArmWindow, ChecklistItem
 from servemesh.spec import ResolvedSpec
-from servemesh.wire import message_size_options
+from servemesh.state.paths import ApplyError, MeshPaths
 from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
 
 ARTIFACT_INTEGRITY = "artifact_integrity"

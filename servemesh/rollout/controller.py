@@ -35,14 +35,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from servemesh.errors import ServemeshError
-from servemesh.proxy.apply import ApplyError
+from servemesh.contract.errors import ServemeshError
 from servemesh.rollout.analysis import pinned_between
 from servemesh.rollout.state import arm_of, check_record, checklist_record, window_record
 from servemesh.rollout.types import ArmWindow, Check, ChecklistItem, Ending, Outcome
-from servemesh.rollout_plan import AnalysisSpec, RolloutPlan, RolloutStep, SloSpec, Strategy
-from servemesh.rollout_state import Request, RolloutState, StateStore, who
 from servemesh.spec import ResolvedSpec
+from servemesh.spec.rollout_plan import AnalysisSpec, RolloutPlan, RolloutStep, SloSpec, Strategy
+from servemesh.state.paths import ApplyError
+from servemesh.state.rollouts import Request, RolloutState, StateStore, who
 
 # How long a route change waits for another change of the mesh (an operator's `routes set`,
 # an apply) to finish before it gives up: the mesh takes one change at a time.

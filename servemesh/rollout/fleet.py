@@ -33,17 +33,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from servemesh.errors import ServemeshError
-from servemesh.identity import dial_service
+from servemesh.contract.errors import ServemeshError
+from servemesh.contract.wire import model_cluster, version_health_name
 from servemesh.proxy.admin import AdminError
-from servemesh.proxy.apply import ApplyError, ApplyResult, RouteManager
+from servemesh.proxy.apply import ApplyResult, RouteManager
+from servemesh.proxy.replicas import (
+    clusters_listing,
+    envoy_hosts,
+    served_health_names,
+    version_health,
+)
 from servemesh.rollout.types import Ending, Outcome
-from servemesh.rollout_plan import RolloutPlan
 from servemesh.spec import FLEET_STATUS_FILE, FleetState, ReplicaSet, ResolvedSpec, resolve
-from servemesh.wire import model_cluster, version_health_name
+from servemesh.spec.rollout_plan import RolloutPlan
+from servemesh.state.paths import ApplyError
 
 log = logging.getLogger(__name__)
 
@@ -118,18 +123,30 @@ class StrategyContext:
 
 
 def fleet_status(state_dir: Path, kind: str | None = None) -> dict[str, dict[str, Any]]:
-    """What the running mesh says it started, by instance: {"service", "generation", "pid"}
-    ({} when it wrote nothing yet); with `kind`, only the replicas of that service."""
+    """What the running mesh says it started, by instance: {"service", "generation", "pid",
+    "state", "restarts", "last_exit"} ({} when it wrote nothing yet); with `kind`, only the
+    replicas of that service. `restarts`: times the mesh started it again after it exited
+    unexpectedly; `state`: running, restarting, held (killed on purpose), exited."""
+    instances = _status_section(state_dir, "instances")
+    if kind is None:
+        return instances
+    return {n: e for n, e in instances.items() if isinstance(e, dict) and e.get("service") == kind}
+
+
+def mesh_processes_status(state_dir: Path) -> dict[str, dict[str, Any]]:
+    """The running mesh's other processes it starts again when they crash (the registry,
+    the trace store, the per-zone layout's Envoys), by name, as fleet_status describes
+    its replicas (no generation)."""
+    return _status_section(state_dir, "processes")
+
+
+def _status_section(state_dir: Path, section: str) -> dict[str, dict[str, Any]]:
     try:
         data = json.loads((Path(state_dir) / FLEET_STATUS_FILE).read_text())
     except (OSError, ValueError):
         return {}
-    instances = data.get("instances", {}) if isinstance(data, dict) else {}
-    if not isinstance(instances, dict):
-        return {}
-    if kind is None:
-        return instances
-    return {n: e for n, e in instances.items() if isinstance(e, dict) and e.get("service") == kind}
+    found = data.get(section, {}) if isinstance(data, dict) else {}
+    return found if isinstance(found, dict) else {}
 
 
 def _supported(spec: ResolvedSpec) -> None:
@@ -145,96 +162,8 @@ def _supported(spec: ResolvedSpec) -> None:
         )
 
 
-def version_health(spec: ResolvedSpec, instance: str, names: list[str]) -> dict[str, bool]:
-    """Each health name's status on the replica itself (False: not SERVING or no answer)."""
-    found = dict.fromkeys(names, False)
-    try:
-        with dial_service(spec, instance).channel() as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            for name in names:
-                try:
-                    answer = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=2)
-                except grpc.RpcError:
-                    continue
-                found[name] = answer.status == SERVING
-    except (OSError, ValueError):  # no certificate yet, or no such file: not ready
-        pass
-    return found
-
-
-@dataclass(frozen=True)
-class HostState:
-    healthy: bool
-    in_flight: int
-
-
-def envoy_hosts(manager: RouteManager) -> dict[str, dict[str, HostState]]:
-    """The mesh's Envoys' view of every cluster's hosts, by cluster and host:port: healthy
-    (health checks, EDS status, ejection) and the calls in flight to it (`rq_active`). With
-    an Envoy per zone, a cluster more than one holds (the registry's) is healthy where
-    every one of them counts the host healthy, its calls in flight summed."""
-    views: dict[str, dict[str, HostState]] = {}
-    for admin in manager.admins().values():
-        for cluster, hosts in _hosts_of(admin.get("/clusters?format=json")).items():
-            seen = views.setdefault(cluster, {})
-            for address, state in hosts.items():
-                before = seen.get(address)
-                seen[address] = (
-                    state
-                    if before is None
-                    else HostState(
-                        healthy=before.healthy and state.healthy,
-                        in_flight=before.in_flight + state.in_flight,
-                    )
-                )
-    return views
-
-
-def _hosts_of(text: str) -> dict[str, dict[str, HostState]]:
-    """One Envoy's /clusters?format=json as host states by cluster and host:port."""
-    data = json.loads(text)
-    views: dict[str, dict[str, HostState]] = {}
-    for status in data.get("cluster_statuses", []):
-        hosts: dict[str, HostState] = {}
-        for host in status.get("host_statuses", []):
-            socket = host.get("address", {}).get("socket_address")
-            if not socket:
-                continue
-            health = host.get("health_status", {})
-            healthy = (
-                health.get("eds_health_status", "HEALTHY") == "HEALTHY"
-                and not health.get("failed_active_health_check")
-                and not health.get("failed_outlier_check")
-                and not health.get("pending_active_hc")
-            )
-            stats = {s.get("name"): s.get("value", 0) for s in host.get("stats", [])}
-            hosts[f"{socket['address']}:{socket['port_value']}"] = HostState(
-                healthy=healthy, in_flight=int(stats.get("rq_active", 0) or 0)
-            )
-        views[status["name"]] = hosts
-    return views
-
-
 def _address(spec: ResolvedSpec, instance: str) -> str:
     return f"{spec.host_of(instance)}:{spec.port_of(instance)}"
-
-
-def _clusters_listing(spec: ResolvedSpec, instance: str) -> list[str]:
-    """Every model-version cluster (of every zone) whose endpoints list `instance`."""
-    found = []
-    for model_name, model in spec.models.items():
-        for version in model.versions:
-            if instance in {i.name for i in spec.version_replicas(model_name, version)}:
-                found += [model_cluster(model_name, version, zone) for zone in spec.zones]
-    return found
-
-
-def every_version_health_name(spec: ResolvedSpec) -> list[str]:
-    return [
-        version_health_name(model_name, version)
-        for model_name, model in sorted(spec.models.items())
-        for version in sorted(model.versions)
-    ]
 
 
 # --- waiting ----------------------------------------------------------------------------------
@@ -278,14 +207,16 @@ def _wait_started(
 
 
 def _wait_serving(
-    ctx: StrategyContext, spec: ResolvedSpec, names: list[str], health: list[str]
+    ctx: StrategyContext, spec: ResolvedSpec, names: list[str], health: list[str] | None = None
 ) -> None:
-    """Until every replica in `names` reports every health name in `health` SERVING."""
+    """Until every model server in `names` reports each name of `health` SERVING; None:
+    what it serves (its own health and its pool's versions: `served_health_names`)."""
     pending = set(names)
 
     def serving() -> bool:
         for name in sorted(pending):
-            if all(version_health(spec, name, health).values()):
+            wanted = health if health is not None else served_health_names(spec, name)
+            if all(version_health(spec, name, wanted).values()):
                 pending.discard(name)
         return not pending
 
@@ -294,8 +225,9 @@ def _wait_serving(
     except FleetError:
         logs = ", ".join(str(ctx.state_dir / "logs" / f"{n}.log") for n in sorted(pending))
         raise FleetError(
-            f"{', '.join(sorted(pending))} did not report {', '.join(health)} SERVING within "
-            f"{ctx.ready_timeout_s:g} s; see {logs}"
+            f"{', '.join(sorted(pending))} did not report "
+            f"{', '.join(health) if health is not None else 'every version they serve'} "
+            f"SERVING within {ctx.ready_timeout_s:g} s; see {logs}"
         ) from None
 
 
@@ -567,7 +499,7 @@ def retire_old_set(
                 )
     replicas = [i.name for i in live.set_replicas(new.name)]
     # Every version, not only the new one: after this the new set serves everything.
-    _wait_serving(ctx, live, replicas, ["", *every_version_health_name(live)])
+    _wait_serving(ctx, live, replicas)
     everything = {m: sorted(model.versions) for m, model in live.models.items()}
     taking_over = new.model_copy(update={"serves": everything})
     step = live.fleet.model_copy(update={"sets": [old, taking_over]})
@@ -582,7 +514,7 @@ def retire_old_set(
         f"Envoy did not count every replica of set {new.name!r} healthy in every cluster",
         live,
         replicas,
-        lambda name: _clusters_listing(_with_fleet(live, step), name),
+        lambda name: clusters_listing(_with_fleet(live, step), name),
         healthy=True,
     )
     old_replicas = [i.name for i in live.set_replicas(old.name)]
@@ -608,8 +540,8 @@ def retire_old_set(
 
 
 def run_rolling(ctx: StrategyContext) -> Ending:
-    """Replace every model server in turn, draining each first; then give the version 100%
-    in one route change (see the module's doc)."""
+    """Replace every model server of the model's pool in turn, draining each first; then
+    give the version 100% in one route change (see the module's doc)."""
     live = ctx.manager.live_spec()
     _supported(live)
     _check_versions(ctx, live)
@@ -618,11 +550,13 @@ def run_rolling(ctx: StrategyContext) -> Ending:
             f"fleet.sets: set {live.fleet.sets[1].name!r} of a blue-green update is up; "
             "retire the old set or abort that rollout first"
         )
-    replicas = [i.name for i in live.set_replicas(live.fleet.sets[0].name)]
+    # The model's own pool only: the other pools' servers hold none of its versions.
+    pool = live.pool_of(ctx.model)
+    replicas = [i.name for i in live.set_replicas(live.fleet.sets[0].name) if i.pool == pool]
     if len(replicas) < 2:
         raise FleetError(
-            "model_servers.per_zone: a rolling update takes one replica out at a time and "
-            f"needs at least two; this mesh has {len(replicas)} (use --strategy blue-green)"
+            f"pools.{pool}.per_zone: a rolling update takes one replica out at a time and "
+            f"needs at least two; pool {pool} has {len(replicas)} (use --strategy blue-green)"
         )
     done = _rolled_before(ctx, replicas)
     for name in replicas:
@@ -678,7 +612,7 @@ def _rolled_before(ctx: StrategyContext, replicas: list[str]) -> set[str]:
 
 def _replace(ctx: StrategyContext, name: str, *, resumed: bool) -> None:
     live = ctx.manager.live_spec()
-    clusters = _clusters_listing(live, name)
+    clusters = clusters_listing(live, name)
     if not resumed:
         # 1. Out of rotation: Envoy is told the replica drains; it sends it no new call.
         if name not in live.fleet.draining:
@@ -716,7 +650,7 @@ def _replace(ctx: StrategyContext, name: str, *, resumed: bool) -> None:
         ctx.record(f"{ROLLING_RENEWING}:{name}", {"old_pid": old_pid})
     _wait_started(ctx, {name: generation}, {name: old_pid} if not resumed else {})
     # 4. The new process holds every version, warmed up, before it takes calls again.
-    _wait_serving(ctx, live, [name], ["", *every_version_health_name(live)])
+    _wait_serving(ctx, live, [name])
     _undrain(ctx, name)
     _wait_envoy(
         ctx,

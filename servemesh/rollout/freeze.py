@@ -19,7 +19,7 @@ from datetime import datetime, time, timedelta
 from typing import Literal
 from zoneinfo import ZoneInfo
 
-from servemesh.rollout_plan import FreezeSpec, FreezeWindow, weekday_index
+from servemesh.spec.rollout_plan import FreezeSpec, FreezeWindow, weekday_index
 
 MINUTES_PER_WEEK = 7 * 24 * 60
 

@@ -35,8 +35,8 @@ from servemesh.rollout.checklist import (
 )
 from servemesh.rollout.freeze import freeze_detail
 from servemesh.rollout.types import ArmWindow, ChecklistItem
-from servemesh.rollout_plan import RolloutPlan, SloSpec
 from servemesh.spec import ResolvedSpec
+from servemesh.spec.rollout_plan import RolloutPlan, SloSpec
 
 __all__ = [
     "after_shadow",

@@ -1,4 +1,4 @@
-"""The controller's side of a rollout's durable state (servemesh.rollout_state): its own
+"""The controller's side of a rollout's durable state (servemesh.state.rollouts): its own
 values (checks, arm windows, checklist items) as the records the state file holds, and back.
 """
 
@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from servemesh.rollout.types import ArmWindow, Check, ChecklistItem
-from servemesh.rollout_state import CheckRecord, WindowRecord
+from servemesh.state.rollouts import CheckRecord, WindowRecord
 
 
 def check_record(check: Check) -> CheckRecord:

@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
-from servemesh.errors import GATE_REFUSED, OK, REFUSED, ROLLED_BACK
+from servemesh.contract.errors import GATE_REFUSED, OK, REFUSED, ROLLED_BACK
 
 Verdict = Literal["pass", "fail", "wait"]
 
@@ -57,7 +57,7 @@ class ChecklistItem:
 
 
 class Outcome(enum.IntEnum):
-    """How `servemesh rollout start|resume` ends: its exit status (servemesh/errors.py)."""
+    """How `servemesh rollout start|resume` ends: its exit status (servemesh/contract/errors.py)."""
 
     PROMOTED = OK
     FAILED = REFUSED  # an error of the command itself (bad arguments, a bad plan)

@@ -40,12 +40,13 @@ def main(argv: list[str] | None = None) -> int:
 def run(state_dir: Path) -> int:
     from prometheus_client import start_http_server
 
-    from servemesh.atomic import atomic_write_text
-    from servemesh.private import private_dir
+    from servemesh.contract.atomic import atomic_write_text
+    from servemesh.contract.private import private_dir
     from servemesh.proxy.admin import AdminClient
-    from servemesh.proxy.apply import MeshPaths, RouteManager
+    from servemesh.proxy.apply import RouteManager
     from servemesh.scaling.loop import Scaler
     from servemesh.scaling.metrics import ScalerMetrics
+    from servemesh.state.paths import MeshPaths
 
     stop = threading.Event()
 

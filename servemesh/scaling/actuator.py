@@ -26,24 +26,26 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
+from servemesh.contract.wire import GATEWAY_CLUSTER, feature_cluster
 from servemesh.proxy.admin import AdminError
 from servemesh.proxy.apply import RouteManager
-from servemesh.rollout.fleet import (
+from servemesh.proxy.replicas import (
+    clusters_listing,
     envoy_hosts,
-    every_version_health_name,
-    fleet_status,
+    served_health_names,
     version_health,
 )
+from servemesh.rollout.fleet import fleet_status
 from servemesh.spec import (
+    SHARED_POOL,
     FleetState,
     ResolvedSpec,
     ScaledKind,
     instance_name,
-    replicas_field,
     resolve,
+    scaled_pool_label,
 )
-from servemesh.wire import GATEWAY_CLUSTER, feature_cluster, model_cluster
 
 log = logging.getLogger(__name__)
 
@@ -53,21 +55,31 @@ class ScaleError(ServemeshError, RuntimeError):
 
 
 def zone_replicas(
-    spec: ResolvedSpec, zone: str, kind: ScaledKind = "model"
+    spec: ResolvedSpec, zone: str, kind: ScaledKind = "model", pool: str | None = None
 ) -> tuple[list[str], list[str]]:
-    """The zone's replicas of `kind` (model servers: of the first set), (in rotation,
-    standby), in index order."""
+    """The zone's replicas of `kind` (model servers: of the first set, of `pool`; None: the
+    first model's pool), (in rotation, standby), in index order."""
+    if kind == "model" and pool is None:
+        pool = spec.pool_names()[0]
     standby = set(spec.fleet.standby)
     names = [
         i.name
         for i in spec.instances()
-        if i.service == kind and i.zone == zone and i.replica_set == ""
+        if i.service == kind
+        and i.zone == zone
+        and i.replica_set == ""
+        and (kind != "model" or i.pool == pool)
     ]
     return [n for n in names if n not in standby], [n for n in names if n in standby]
 
 
 def busy_with_an_update(spec: ResolvedSpec) -> str:
     """Why the fleet is not the scaler's to change now ("" when it is)."""
+    if spec.discovery.backend == "dns":
+        return (
+            "discovery.backend 'dns': replicas are added by whoever owns the names "
+            "(docker compose --scale, a Swarm service, a Kubernetes Deployment), not this mesh"
+        )
     if spec.discovery.backend != "file":
         return (
             f"discovery.backend {spec.discovery.backend!r}: replicas are added by the "
@@ -89,6 +101,8 @@ class PoolActuator:
     drain_timeout_s: float = 30.0
     poll_s: float = 0.2
     kind: ScaledKind = "model"
+    # The model servers' pool it scales (gateways and feature services: SHARED_POOL).
+    pool: str = SHARED_POOL
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)
 
@@ -98,7 +112,7 @@ class PoolActuator:
         """Put `to` replicas of `zone` in rotation, keeping `standby` warm behind them;
         the names that joined the rotation."""
         live = self.manager.live_spec()
-        rotation, spare = zone_replicas(live, zone, self.kind)
+        rotation, spare = zone_replicas(live, zone, self.kind, self.pool)
         warm = self._warm(live, spare[: max(0, to - len(rotation))])
         joined: list[str] = []
         if warm:
@@ -108,7 +122,7 @@ class PoolActuator:
             rotation += warm
         if len(rotation) < to:
             live = self.manager.live_spec()
-            total = sum(len(names) for names in zone_replicas(live, zone, self.kind))
+            total = sum(len(names) for names in zone_replicas(live, zone, self.kind, self.pool))
             wanted_total = max(total, to)
             self._layout(zone, wanted_total, len(rotation), f"{reason}: starting")
             fresh = self._names(zone, to)[len(rotation) :]
@@ -123,7 +137,7 @@ class PoolActuator:
         """Take `zone` down to `to` replicas in rotation (and `standby` behind them); the
         names that were stopped."""
         live = self.manager.live_spec()
-        rotation, spare = zone_replicas(live, zone, self.kind)
+        rotation, spare = zone_replicas(live, zone, self.kind, self.pool)
         total = len(rotation) + len(spare)
         self._layout(zone, total, to, f"{reason}: draining")
         keep = to + standby
@@ -137,7 +151,7 @@ class PoolActuator:
         """Start standbys behind the rotation until the zone has `standby` of them (they warm
         on their own; a grow checks them before they join)."""
         live = self.manager.live_spec()
-        rotation, spare = zone_replicas(live, zone, self.kind)
+        rotation, spare = zone_replicas(live, zone, self.kind, self.pool)
         if len(spare) >= standby:
             return []
         return self._layout(
@@ -147,20 +161,20 @@ class PoolActuator:
     # --- steps ----------------------------------------------------------------------------
 
     def _names(self, zone: str, count: int) -> list[str]:
-        return [instance_name(self.kind, zone, index) for index in range(count)]
+        return [instance_name(self.kind, zone, index, self.pool) for index in range(count)]
 
     def _layout(self, zone: str, total: int, rotation: int, action: str) -> list[str]:
         """One fleet change: `total` replicas of the kind in `zone`, the first `rotation` of
         them in rotation. The names the change adds."""
         live = self.manager.live_spec()
-        counts = dict(live.replicas_of(self.kind).per_zone)
+        counts = dict(live.replicas_of(self.kind, self.pool).per_zone)
         before = counts.get(zone, 0)
         counts[zone] = total
         names = self._names(zone, total)
         others = [n for n in live.fleet.standby if not self._in_pool(live, n, zone)]
         fleet = live.fleet.model_dump()
         if self.kind == "model":
-            fleet["per_zone"] = counts
+            fleet["model_pools"] = {**fleet["model_pools"], self.pool: counts}
         else:
             fleet["pools"] = {**fleet["pools"], self.kind: counts}
         fleet["standby"] = others + names[rotation:]
@@ -168,14 +182,18 @@ class PoolActuator:
         if changed == live.fleet:
             return []
         proposed = resolve(live.model_copy(update={"fleet": changed}))
-        what = replicas_field(self.kind).replace("_", " ")
+        what = scaled_pool_label(self.kind, self.pool)
         line = f"{what} {zone}: {before} -> {total}, {rotation} in rotation"
         self.manager.swap(live, proposed, f"scale: {action}", changes=[line])
         return names[before:]
 
     def _in_pool(self, spec: ResolvedSpec, name: str, zone: str) -> bool:
         return any(
-            i.name == name and i.zone == zone and i.service == self.kind for i in spec.instances()
+            i.name == name
+            and i.zone == zone
+            and i.service == self.kind
+            and (self.kind != "model" or i.pool == self.pool)
+            for i in spec.instances()
         )
 
     def _until(self, what: str, timeout_s: float, done: Callable[[], bool]) -> None:
@@ -187,11 +205,12 @@ class PoolActuator:
 
     def _warm(self, spec: ResolvedSpec, names: list[str]) -> list[str]:
         """Those of `names` that are ready now: their own health SERVING, and for a model
-        server every version's too."""
-        health = [""]
-        if self.kind == "model":
-            health += every_version_health_name(spec)
-        return [n for n in names if all(version_health(spec, n, health).values())]
+        server that of every version it serves too."""
+
+        def health(name: str) -> list[str]:
+            return served_health_names(spec, name) if self.kind == "model" else [""]
+
+        return [n for n in names if all(version_health(spec, n, health(n)).values())]
 
     def _wait_ready(self, names: list[str]) -> None:
         """Until the mesh started each of `names` and each holds every version SERVING."""
@@ -229,12 +248,7 @@ class PoolActuator:
             elif self.kind == "feature":
                 clusters = [feature_cluster(zone) for zone in spec.zones]
             else:
-                clusters = [
-                    model_cluster(model, version, zone)
-                    for model, entry in spec.models.items()
-                    for version in entry.versions
-                    for zone in spec.zones
-                ]
+                clusters = clusters_listing(spec, name)
             found[name] = [(cluster, address) for cluster in clusters]
         return found
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from servemesh.scaling.schedule import floor_at
-from servemesh.scaling_policy import PoolPolicy
+from servemesh.spec.scaling_policy import PoolPolicy
 
 # A ratio within this much of 1 is "at target": neither up nor down (no flapping on noise).
 TOLERANCE = 0.1
@@ -149,7 +149,7 @@ class Decision:
     signals: PoolSignals
     floor: int
     held: str = ""  # why no change although the signals asked for one ("" otherwise)
-    pool: str = "model"  # the kind of replica: model, gateway or feature
+    pool: str = "model"  # what is scaled: a model pool (model-fraud), gateway or feature
 
     @property
     def changes(self) -> bool:

@@ -84,7 +84,7 @@ def replica_capacity(spec: Any, state_dir: str | Path) -> tuple[float, str]:
     policy's `capacity_rps`, else the last capacity plan of the spec's models, else
     DEFAULT_CAPACITY_RPS."""
     from servemesh.capacity.plan import measured_model_capacity
-    from servemesh.scaling_policy import DEFAULT_CAPACITY_RPS
+    from servemesh.spec.scaling_policy import DEFAULT_CAPACITY_RPS
 
     given = spec.scaling.model_servers.forecast.capacity_rps
     if given is not None:

@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from servemesh.atomic import atomic_write_text
-from servemesh.private import private_dir
+from servemesh.contract.atomic import atomic_write_text
+from servemesh.contract.private import private_dir
 from servemesh.scaling.decide import Decision
 
 FOLDER = "scaling"

@@ -26,8 +26,8 @@ from servemesh.scaling.forecast import Forecast, forecast, replica_capacity
 from servemesh.scaling.history import record, write_status
 from servemesh.scaling.metrics import ScalerMetrics
 from servemesh.scaling.signals import SERVING_METHODS, PoolReader
-from servemesh.scaling_policy import DEFAULT_CAPACITY_RPS
-from servemesh.spec import SCALED_KINDS, ResolvedSpec, ScaledKind
+from servemesh.spec import ResolvedSpec, ScaledKind, scaled_pool_label
+from servemesh.spec.scaling_policy import DEFAULT_CAPACITY_RPS
 
 # The wait between rounds while the live spec cannot be read (the last interval read is
 # kept once there was one).
@@ -48,14 +48,16 @@ class Scaler:
     scrape: Callable[[str], list[Sample]] = scrape
     clock: Callable[[], float] = time.monotonic
     wall: Callable[[], datetime] = _wall
-    # The actuator of each kind's pool (tests inject their own); missing: a real one.
-    actuators: dict[ScaledKind, PoolActuator] | None = None
+    # The actuator of each pool, by its label (`scaled_pool_label`: `model-fraud`,
+    # `gateway`; tests inject their own); missing: a real one.
+    actuators: dict[str, PoolActuator] | None = None
     # Calls per hour, for the forecast: the prediction log's when None.
     hourly: Callable[[ResolvedSpec, float], list[tuple[datetime, int]]] | None = None
     metrics: ScalerMetrics = field(default_factory=ScalerMetrics)
-    _stabilizers: dict[tuple[ScaledKind, str], Stabilizer] = field(default_factory=dict, init=False)
+    # By pool label and zone.
+    _stabilizers: dict[tuple[str, str], Stabilizer] = field(default_factory=dict, init=False)
     # One reader per pool and zone: a reader forgets the replicas a read does not name.
-    _readers: dict[tuple[ScaledKind, str], PoolReader] = field(default_factory=dict, init=False)
+    _readers: dict[tuple[str, str], PoolReader] = field(default_factory=dict, init=False)
     _history: tuple[float, list[tuple[datetime, int]]] | None = field(default=None, init=False)
 
     @property
@@ -63,7 +65,7 @@ class Scaler:
         return self.manager.paths.state_dir
 
     def round(self) -> list[Decision]:
-        """Decide (and act) once for every pool's zones (model servers first, then the
+        """Decide (and act) once for every pool's zones (each model pool first, then the
         gateways and the feature services); the decisions made."""
         live = self.manager.live_spec()
         policy = live.scaling
@@ -78,9 +80,9 @@ class Scaler:
             return []
         decisions: list[Decision] = []
         status: dict[str, dict[str, dict[str, Any]]] = {}
-        for kind in SCALED_KINDS:
-            found = self._pool_round(live, kind)
-            status[kind] = {d.zone: entry for d, entry in found}
+        for kind, pool_name in live.scaled_pools():
+            found = self._pool_round(live, kind, pool_name)
+            status[scaled_pool_label(kind, pool_name)] = {d.zone: entry for d, entry in found}
             decisions += [d for d, _ in found]
             if any(d.changes for d, _ in found):
                 # The next pool reads the spec as these moves left it (ports, fleet).
@@ -90,29 +92,35 @@ class Scaler:
         return decisions
 
     def _pool_round(
-        self, live: ResolvedSpec, kind: ScaledKind
+        self, live: ResolvedSpec, kind: ScaledKind, pool_name: str = ""
     ) -> list[tuple[Decision, dict[str, Any]]]:
-        """One round for one kind's pool in every zone it has replicas in."""
+        """One round for one pool (a kind's; model servers: the model pool `pool_name`) in
+        every zone it has replicas in."""
         scaling = live.scaling
         pool = scaling.pool(kind)
-        actuator = (self.actuators or {}).get(kind) or PoolActuator(
-            self.manager, scaling.ready_timeout_s, scaling.drain_timeout_s, kind=kind
+        label = scaled_pool_label(kind, pool_name)
+        actuator = (self.actuators or {}).get(label) or PoolActuator(
+            self.manager,
+            scaling.ready_timeout_s,
+            scaling.drain_timeout_s,
+            kind=kind,
+            pool=pool_name,
         )
-        zones = live.scaled_zones(kind)
+        zones = live.scaled_zones(kind, pool_name)
         predicted = self.predicted_floor(live, len(zones), kind)
         found: list[tuple[Decision, dict[str, Any]]] = []
         for zone in zones:
-            rotation, standby = zone_replicas(live, zone, kind)
-            reader = self._readers.get((kind, zone))
+            rotation, standby = zone_replicas(live, zone, kind, pool_name)
+            reader = self._readers.get((label, zone))
             if reader is None:
                 reader = PoolReader(self.scrape, self.clock, SERVING_METHODS[kind])
-                self._readers[(kind, zone)] = reader
+                self._readers[(label, zone)] = reader
             signals = reader.read({n: live.metrics_address_of(n) for n in rotation})
-            stabilizer = self._stabilizers.setdefault((kind, zone), Stabilizer())
+            stabilizer = self._stabilizers.setdefault((label, zone), Stabilizer())
             found_now = decide(
                 zone, pool, signals, stabilizer, self.clock(), self.wall(), predicted
             )
-            decision = replace(found_now, pool=kind)
+            decision = replace(found_now, pool=label)
             self.metrics.observe(decision, len(rotation), len(standby))
             entry: dict[str, Any] = {
                 "in_rotation": rotation,
@@ -128,7 +136,7 @@ class Scaler:
                 try:
                     actuator.keep_standby(zone, pool.standby)
                 except ScaleError as exc:
-                    log.warning("scale: %s %s standby: %s", kind, zone, exc)
+                    log.warning("scale: %s %s standby: %s", label, zone, exc)
             found.append((decision, entry))
         return found
 

@@ -10,7 +10,8 @@ Prometheus as job `servemesh-scaler`):
                                                                    calls_per_s
     servemesh_scaler_rounds_total{outcome}                         ok | failed | held
 
-`pool` is the kind of replica: model, gateway or feature.
+`pool` is what is scaled: a model pool by its processes' prefix (model-fraud), gateway or
+feature.
 """
 
 from __future__ import annotations

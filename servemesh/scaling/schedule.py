@@ -13,7 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
-from servemesh.scaling_policy import WEEKDAYS, ScalingSchedule, ScheduleFloor
+from servemesh.spec.scaling_policy import WEEKDAYS, ScalingSchedule, ScheduleFloor
 
 
 def _active(floor: ScheduleFloor, day: str, previous_day: str, clock: str) -> bool:

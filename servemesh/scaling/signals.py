@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from servemesh.contract.wire import FEATURE_SERVICE, GATEWAY_SERVICE, OIP_SERVICE, SLI_FAILURE_CODES
 from servemesh.observe.scrape import Sample, delta, quantiles_by, sum_by
 from servemesh.scaling.decide import PoolSignals
-from servemesh.wire import FEATURE_SERVICE, GATEWAY_SERVICE, OIP_SERVICE, SLI_FAILURE_CODES
 
 INFER = f"/{OIP_SERVICE}/ModelInfer"
 # The method whose calls are a pool's load, by kind of replica.

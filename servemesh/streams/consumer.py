@@ -27,8 +27,9 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from servemesh.durations import duration_seconds
 from servemesh.spec import ResolvedSpec, StreamSpec
+from servemesh.spec.durations import duration_seconds
+from servemesh.spec.store_clients import store_writer
 from servemesh.streams.events import Event, Poison, parse_event
 from servemesh.streams.keys import StreamKeys, id_ms, text
 from servemesh.streams.metrics import StreamMetrics, read_lag
@@ -77,13 +78,13 @@ Hook = Callable[[list[str]], Awaitable[None]]
 def stream_client(spec: ResolvedSpec, stream: StreamSpec) -> aioredis.Redis:
     """The Redis holding the stream: the spec's own for it, else the mesh's."""
     if stream.redis_url is None:
-        url, password = spec.redis_url, spec.redis_password()
-    else:
-        url, password = stream.redis_url, None
-        if stream.password_file is not None:
-            from pathlib import Path
+        # The feature store's: its primary, followed through a failover when replicated.
+        return store_writer(spec, socket_connect_timeout=2.0, health_check_interval=10)
+    url, password = stream.redis_url, None
+    if stream.password_file is not None:
+        from pathlib import Path
 
-            password = Path(stream.password_file).read_text().strip() or None
+        password = Path(stream.password_file).read_text().strip() or None
     return aioredis.Redis.from_url(
         url, password=password, socket_connect_timeout=2.0, health_check_interval=10
     )

@@ -26,7 +26,7 @@ import grpc
 import numpy as np
 import redis.asyncio as aioredis
 
-from servemesh.credentials import EdgeAuthMetadata
+from servemesh.contract.wire import TENSOR_VALUE_FIELDS
 from servemesh.services.feature.store import (
     LoadInProgress,
     RedisFeatureStore,
@@ -34,8 +34,9 @@ from servemesh.services.feature.store import (
     pack_rows,
 )
 from servemesh.spec import ResolvedSpec, StreamSpec
+from servemesh.spec.store_clients import store_writer
+from servemesh.state.credentials import EdgeAuthMetadata
 from servemesh.streams.events import Event, Poison
-from servemesh.wire import TENSOR_VALUE_FIELDS
 
 POISON_CODES = frozenset(
     {
@@ -164,9 +165,9 @@ class FeatureWriter:
 
 
 def feature_store_client(spec: ResolvedSpec) -> aioredis.Redis:
-    return aioredis.Redis.from_url(
-        spec.redis_url, password=spec.redis_password(), socket_connect_timeout=2.0
-    )
+    """A client for writing to the feature store (its primary, followed through a
+    failover when replicated)."""
+    return store_writer(spec, socket_connect_timeout=2.0)
 
 
 class MeshPredictor:
@@ -292,9 +293,9 @@ class InProcessPredictor:
     ) -> InProcessPredictor:
         """Download and verify (sha256) the version from the mesh's registry, and load it
         with the model server's own loader."""
+        from servemesh.contract.wire import message_size_options
         from servemesh.identity import dial_registry
         from servemesh.services.model.loader import registry_loader
-        from servemesh.wire import message_size_options
 
         version = cls.default_version(spec, stream)
         options = message_size_options(spec.limits.max_message_bytes)

@@ -18,7 +18,7 @@ import logging
 import signal
 from pathlib import Path
 
-from servemesh.atomic import atomic_write_text
+from servemesh.contract.atomic import atomic_write_text
 from servemesh.spec import STREAM_TARGETS_GLOB, ResolvedSpec, StreamSpec, load_resolved
 from servemesh.streams.consumer import Consumer, stream_client
 from servemesh.streams.metrics import StreamMetrics

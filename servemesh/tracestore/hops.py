@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from servemesh.percentiles import percentile
+from servemesh.contract.percentiles import percentile
 from servemesh.tracestore.store import SpanRecord
 
 
@@ -157,17 +157,37 @@ def _summarize(rooted: Sequence[Rooted]) -> tuple[list[HopSummary], float]:
     return rows, round(total, 3)
 
 
-def hops_tables(traces: Sequence[Sequence[SpanRecord]], title: str) -> list[Table]:
-    """One table per kind of trace (its root span: an edge Predict, a health check), the
-    kind with the most traces first."""
+@dataclass(frozen=True)
+class HopGroup:
+    """The traces of one kind (their root span: an edge Predict, a health check) and their
+    hops."""
+
+    root: str
+    traces: int
+    median_ms: float  # the median root span
+    hops: list[HopSummary]
+
+
+def hop_groups(traces: Sequence[Sequence[SpanRecord]]) -> list[HopGroup]:
+    """One group per kind of trace, the kind with the most traces first."""
     kinds: dict[str, list[Rooted]] = {}
     for root, spans in _rooted(traces):
         kinds.setdefault(_who(root), []).append((root, spans))
-    tables = []
+    groups = []
     for kind, group in sorted(kinds.items(), key=lambda item: -len(item[1])):
         rows, total = _summarize(group)
+        groups.append(HopGroup(kind, len(group), total, rows))
+    return groups
+
+
+def hops_tables(traces: Sequence[Sequence[SpanRecord]], title: str) -> list[Table]:
+    """One table per kind of trace (its root span: an edge Predict, a health check), the
+    kind with the most traces first."""
+    tables = []
+    for group in hop_groups(traces):
         table = Table(
-            title=f"{title}: {len(group)} rooted at {kind}, the median {total:.2f} ms",
+            title=f"{title}: {group.traces} rooted at {group.root}, "
+            f"the median {group.median_ms:.2f} ms",
             title_justify="left",
         )
         table.add_column("hop")
@@ -176,7 +196,7 @@ def hops_tables(traces: Sequence[Sequence[SpanRecord]], title: str) -> list[Tabl
         table.add_column("p90 ms", justify="right")
         table.add_column("max ms", justify="right")
         table.add_column("of the trace", justify="right")
-        for row in rows:
+        for row in group.hops:
             table.add_row(
                 row.label,
                 str(row.traces),

@@ -21,11 +21,11 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from servemesh.contract.wire import Span as SpanAttr
 from servemesh.identity import TRACE_STORE_IDENTITY, serving_credentials
 from servemesh.services.runtime import ServiceServer, configure_logging, run_service
 from servemesh.spec import ResolvedSpec, load_resolved
 from servemesh.tracestore.store import SpanRecord, TraceStore
-from servemesh.wire import Span as SpanAttr
 
 log = logging.getLogger(__name__)
 

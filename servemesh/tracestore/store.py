@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from servemesh.private import private_file
+from servemesh.contract.private import private_file
 
 # Attribute values are kept as JSON; bound what one span may store.
 MAX_ATTRIBUTES_BYTES = 16 * 1024

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rich.table import Table
 from rich.text import Text
@@ -58,6 +59,36 @@ def _bar(span: SpanRecord, t0: int, total: int, width: int) -> Text:
     return Text(" " * start) + Text("█" * length, style=style)
 
 
+def _status(span: SpanRecord) -> str:
+    # Unset is how a span says "nothing went wrong" (OpenTelemetry sets ok rarely).
+    return "error" if span.status == "error" else "ok"
+
+
+def waterfall_data(spans: Sequence[SpanRecord]) -> dict[str, Any]:
+    """What the waterfall shows, as data: the trace, its length, and each span in
+    waterfall order (its depth in the tree, whether it is linked in, its start offset)."""
+    rows = waterfall_rows(spans)
+    t0 = min((s.start_ns for s in spans), default=0)
+    t1 = max((s.end_ns for s in spans), default=0)
+    return {
+        "trace_id": next((r.span.trace_id for r in rows if not r.linked), ""),
+        "ms": max(t1 - t0, 1) / 1e6,
+        "spans": [
+            {
+                "service": row.span.who,
+                "span": row.span.name,
+                "depth": row.depth,
+                "linked": row.linked,
+                "start_ms": (row.span.start_ns - t0) / 1e6,
+                "ms": row.span.duration_ns / 1e6,
+                "status": _status(row.span),
+                "message": row.span.message,
+            }
+            for row in rows
+        ],
+    }
+
+
 def waterfall(spans: Sequence[SpanRecord], width: int = BAR_WIDTH) -> Table:
     """The trace's waterfall: service, span, start offset, duration, bar, status."""
     rows = waterfall_rows(spans)
@@ -75,8 +106,7 @@ def waterfall(spans: Sequence[SpanRecord], width: int = BAR_WIDTH) -> Table:
     for row in rows:
         span = row.span
         name = "  " * row.depth + ("↪ " if row.linked else "") + span.name
-        # Unset is how a span says "nothing went wrong" (OpenTelemetry sets ok rarely).
-        status = "error" if span.status == "error" else "ok"
+        status = _status(span)
         if span.message:
             status = f"{status}: {span.message}"
         table.add_row(
@@ -88,6 +118,22 @@ def waterfall(spans: Sequence[SpanRecord], width: int = BAR_WIDTH) -> Table:
             Text(status, style="red" if span.status == "error" else ""),
         )
     return table
+
+
+def slowest_data(summaries: Sequence[TraceSummary]) -> list[dict[str, Any]]:
+    """The slowest table's rows, as data."""
+    return [
+        {
+            "root_ms": s.duration_ns / 1e6,
+            "trace_id": s.trace_id,
+            "request_id": s.request_id,
+            "model": s.model,
+            "root_service": s.root_service,
+            "root_span": s.root_name,
+            "status": s.status,
+        }
+        for s in summaries
+    ]
 
 
 def slowest_table(summaries: Sequence[TraceSummary], title: str) -> Table:

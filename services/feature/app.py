@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import redis.asyncio as aioredis
-
-from servemesh.control_credential import control_verifier
+from servemesh.contract.control_credential import control_verifier
+from servemesh.contract.wire import FEATURE_SERVICE
 from servemesh.identity import serving_credentials
 from servemesh.services.feature.changes import ChangeHub
 from servemesh.services.feature.health import watch_store
 from servemesh.services.feature.metrics import FeatureMetrics
+from servemesh.services.feature.replica import store_clients
 from servemesh.services.feature.service import FeatureServicer
 from servemesh.services.feature.store import RedisFeatureStore
 from servemesh.services.runtime import DeadlineBudget, ServiceServer
 from servemesh.spec import ResolvedSpec
-from servemesh.wire import FEATURE_SERVICE
 from servemesh_api.feature.v1 import feature_pb2_grpc
 
 
@@ -21,10 +20,12 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
     """The instance's server, unstarted; mutual TLS on its port (`tls=False`: plaintext, for
     tests of the service's own behaviour, never a running mesh)."""
     password = spec.redis_password()
-    client = aioredis.Redis.from_url(
-        spec.redis_url, password=password, socket_connect_timeout=1.0, health_check_interval=10
+    zone = spec.instance(instance).zone
+    clients = store_clients(spec, zone)
+    client = clients.writer
+    store = RedisFeatureStore(
+        client, spec.feature_store.key_prefix, reader=clients.reader, lag_s=clients.lag
     )
-    store = RedisFeatureStore(client, spec.feature_store.key_prefix)
     server = ServiceServer(
         instance,
         host=spec.listen_host,
@@ -34,6 +35,10 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         credentials=serving_credentials(spec, instance) if tls else None,
         service="feature",
     )
+    metrics = FeatureMetrics(server.metrics.registry)
+    if clients.lag is not None:
+        clients.lag.on_change = metrics.replica_lag.labels(zone).set
+        clients.lag.start()
     servicer = FeatureServicer(
         store,
         spec.feature_views,
@@ -43,7 +48,7 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         ),
         max_entities=spec.limits.max_rows_per_predict,
         limits=spec.limits,
-        metrics=FeatureMetrics(server.metrics.registry),
+        metrics=metrics,
         changes=ChangeHub(client, spec.feature_store.key_prefix),
     )
     server.add_service(
@@ -59,8 +64,9 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
     server.on_spec_change(follow)
     if servicer.changes is not None:
         server.on_stop(servicer.changes.close)
-    server.on_stop(client.aclose)
-    # SERVING only while Redis answers; a read that cannot reach it probes at once.
-    servicer.store_unreachable = watch_store(server, spec.redis_url, password).poke
+    server.on_stop(clients.close)
+    # SERVING only while the Redis it reads answers (a replicated store: the zone's
+    # replica); a read that cannot reach it probes at once.
+    servicer.store_unreachable = watch_store(server, clients.read_url, password).poke
     server.serve_metrics(spec.metrics_ports.get(instance, 0))
     return server

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from servemesh.tier_keys import flush_key, scores_base
+from servemesh.contract.tier_keys import model_of, watched_patterns
 from servemesh_api.feature.v1 import feature_pb2
 
 log = logging.getLogger(__name__)
@@ -80,14 +80,8 @@ def meaning_of(key: str, prefix: str) -> KeyMeaning | None:
         if at:
             return KeyMeaning(row=(view, int(version), tail)) if version.isdigit() else None
         return KeyMeaning(view=head) if tail == "current" else None
-    if key.startswith(prefix + ".tiers:") and key.endswith(":flush"):
-        model = key[len(prefix) + len(".tiers:") : -len(":flush")]
-        return KeyMeaning(model=model) if key == flush_key(prefix, model) else None
-    if key.startswith(prefix + ".scores:") and key.endswith(":current"):
-        parts = key[len(prefix) + len(".scores:") : -len(":current")].split(":")
-        if len(parts) == 2 and key == f"{scores_base(prefix, *parts)}:current":
-            return KeyMeaning(model=parts[0])
-    return None
+    model = model_of(key, prefix)
+    return KeyMeaning(model=model) if model is not None else None
 
 
 @dataclass
@@ -110,8 +104,7 @@ class ChangeHub:
         self._channel_head = f"__keyspace@{db}__:"
         self._patterns = [
             f"{self._channel_head}{prefix}:*",
-            f"{self._channel_head}{prefix}.tiers:*",
-            f"{self._channel_head}{prefix}.scores:*:current",
+            *(f"{self._channel_head}{pattern}" for pattern in watched_patterns(prefix)),
         ]
         self._watchers: list[_Watcher] = []
         self._task: asyncio.Task[None] | None = None

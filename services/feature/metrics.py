@@ -8,6 +8,7 @@ service has.
 | servemesh_feature_misses_total | counter | view (entities the view does not hold) |
 | servemesh_feature_stale_reads_total | counter | view, policy (rows older than max_age) |
 | servemesh_feature_redis_read_seconds | histogram | view (the read's MGET round trips) |
+| servemesh_feature_replica_lag_seconds | gauge | zone (replicated store; +Inf: link down) |
 
 Only views of the spec are labelled: a read naming another view is refused before it
 reaches the store.
@@ -18,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # A Redis MGET on loopback takes ~0.15 ms; a busy or distant store, milliseconds.
 REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
@@ -67,6 +68,13 @@ class FeatureMetrics:
             "Seconds a read spent on Redis (its MGET round trips), by view.",
             ["view"],
             buckets=REDIS_BUCKETS,
+            registry=self.registry,
+        )
+        self.replica_lag = Gauge(
+            "servemesh_feature_replica_lag_seconds",
+            "A replicated store: seconds since the zone's replica last heard from its "
+            "primary (+Inf while the link is down), by zone.",
+            ["zone"],
             registry=self.registry,
         )
         self._views: dict[str, _ViewMetrics] = {}

@@ -30,7 +30,7 @@ import grpc
 import numpy as np
 import redis.exceptions
 
-from servemesh.echo import brief_list, shown
+from servemesh.contract.echo import brief_list, shown
 from servemesh.services.feature.changes import ChangeHub, FeedOverloaded, FeedUnavailable
 from servemesh.services.feature.metrics import FeatureMetrics
 from servemesh.services.feature.rows import (
@@ -536,7 +536,10 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         started = time.perf_counter()
         tier_read: TierRead | None = None
         if tier is None:
-            version, rows = await self._call_store(context, self.store.read(read.view, read.ids))
+            max_age = self._max_age_ms(read.view, view)
+            version, rows = await self._call_store(
+                context, self.store.read(read.view, read.ids, max_age)
+            )
         else:
             (version, rows), tier_read = await self._call_store(
                 context, self._read_with_tier(read, tier)
@@ -565,7 +568,9 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         the rows still answer."""
         ids = read.ids if tier.precomputed else []
         rows, found = await asyncio.gather(
-            self.store.read(read.view, read.ids),
+            self.store.read(
+                read.view, read.ids, self._max_age_ms(read.view, self._view(read.view))
+            ),
             _or_none(self.store.tier_answers(tier.model, tier.version, ids)),
         )
         return rows, found

@@ -31,18 +31,19 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
 import redis.asyncio as aioredis
+import redis.exceptions
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
+from servemesh.contract.tier_keys import flush_key, score_keys
 from servemesh.services.runtime.tracing import tracer
-from servemesh.tier_keys import flush_key, scores_base
 
 # A load that sends nothing for this long loses its lease; the next load cleans up after it.
 LOAD_LEASE_MS = 60_000
@@ -152,7 +153,7 @@ class Rows:
 @dataclass(frozen=True)
 class TierRead:
     """A model version's precomputed answers for some entities and the model's flush
-    generation (servemesh/tier_keys.py)."""
+    generation (servemesh/contract/tier_keys.py)."""
 
     flush: int
     run: int  # the version's current batch run; 0: none
@@ -243,8 +244,16 @@ class RedisFeatureStore:
         self,
         client: aioredis.Redis,
         key_prefix: str = "fs",
+        *,
+        reader: aioredis.Redis | None = None,
+        lag_s: Callable[[], float] | None = None,
     ) -> None:
+        # `client` writes (a replicated store's primary, found through Sentinel); `reader`,
+        # when given, answers reads (the zone's replica) while its lag, `lag_s()`, is
+        # within the view's max_age.
         self.client = client
+        self.reader = reader or client
+        self.lag_s = lag_s
         self.key_prefix = key_prefix
         self._cached: dict[str, ViewVersion | None] = {}
         self._renew = client.register_script(_RENEW)
@@ -276,19 +285,23 @@ class RedisFeatureStore:
             await self.refresh(view)
         return self._cached[view]
 
-    async def refresh(self, view: str, version: int | None = None) -> ViewVersion | None:
-        """Re-read the view's pointer (or take `version`) and that version's metadata."""
+    async def refresh(
+        self, view: str, version: int | None = None, client: aioredis.Redis | None = None
+    ) -> ViewVersion | None:
+        """Re-read the view's pointer (or take `version`) and that version's metadata
+        (from `client`; the reader by default)."""
+        client = client or self.reader
         if version is None:
             with _redis_span("GET", 1):
-                raw = await self.client.get(self.view_key(view, "current"))
+                raw = await client.get(self.view_key(view, "current"))
             version = int(raw) if raw is not None else 0
-        found = await self._version(view, version) if version else None
+        found = await self._version(view, version, client) if version else None
         self._cached[view] = found
         return found
 
-    async def _version(self, view: str, version: int) -> ViewVersion | None:
+    async def _version(self, view: str, version: int, client: aioredis.Redis) -> ViewVersion | None:
         with _redis_span("HGET", 1):
-            meta = await self.client.hget(self.version_key(view, version), "features")
+            meta = await client.hget(self.version_key(view, version), "features")
         if meta is None:
             return None  # deleted meanwhile: the caller reads the pointer again
         try:
@@ -302,20 +315,40 @@ class RedisFeatureStore:
             key_base=self.entity_key(view, version, ""),
         )
 
+    def reads_primary(self, max_age_ms: int | None) -> bool:
+        """Whether a read of a view with `max_age_ms` goes to the primary: the replica's
+        lag is past the view's max age (rows fresh on the primary could read stale)."""
+        if self.reader is self.client or self.lag_s is None or max_age_ms is None:
+            return False
+        return self.lag_s() * 1000 > max_age_ms
+
     async def read(
-        self, view: str, entity_ids: Sequence[str]
+        self, view: str, entity_ids: Sequence[str], max_age_ms: int | None = None
     ) -> tuple[ViewVersion | None, Rows | None]:
         """The rows of `entity_ids` in the view's current version, and that version.
 
-        (None, None) when the view has no version yet.
+        (None, None) when the view has no version yet. From the replica, unless its lag is
+        past `max_age_ms` and the primary answers.
         """
+        if self.reads_primary(max_age_ms):
+            try:
+                return await self._read(view, entity_ids, self.client)
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+                # No primary (a failover under way): the replica's rows, whose event times
+                # still decide their staleness.
+                pass
+        return await self._read(view, entity_ids, self.reader)
+
+    async def _read(
+        self, view: str, entity_ids: Sequence[str], client: aioredis.Redis
+    ) -> tuple[ViewVersion | None, Rows | None]:
         pointer = self.view_key(view, "current")
         cached = await self.current(view)
         for _ in range(READ_ATTEMPTS):
             version = cached.version if cached else 0
             keys = [cached.key_base + e for e in entity_ids] if cached else []
             with _redis_span("MGET", len(keys) + 1):
-                answer: Sequence[bytes | str | None] = await self.client.mget([*keys, pointer])
+                answer: Sequence[bytes | str | None] = await client.mget([*keys, pointer])
             *stored, raw = answer
             now = int(raw) if raw is not None else 0
             # The client answers bytes (no decode_responses); anything else is not ours.
@@ -324,28 +357,28 @@ class RedisFeatureStore:
                 if cached is None:
                     return None, None
                 return cached, unpack_rows(rows, len(cached.features))
-            cached = await self.refresh(view, now)
+            cached = await self.refresh(view, now, client)
         raise VersionMoved(f"view {view!r}: its version changed {READ_ATTEMPTS} times in one read")
 
     async def tier_answers(self, model: str, version: str, entity_ids: Sequence[str]) -> TierRead:
         """The flush generation of `model`, and the answers of the current batch run of
         `model` `version` for `entity_ids`: read with the run pointer last (as a view's rows
         are), so every answer is from the run that was current while it was read."""
-        base = scores_base(self.key_prefix, model, version)
-        pointer = f"{base}:current"
+        keys = score_keys(self.key_prefix, model, version)
+        pointer = keys.current
         with _redis_span("MGET", 2):
             flushed = flush_key(self.key_prefix, model)
-            flush_raw, run_raw = await self.client.mget([flushed, pointer])
+            flush_raw, run_raw = await self.reader.mget([flushed, pointer])
         flush = int(flush_raw or 0)
         for _ in range(READ_ATTEMPTS):
             run = int(run_raw or 0)
             if not run or not entity_ids:
                 return TierRead(flush, run, "", 0, [])
-            run_key = f"{base}@{run}"
+            run_key = keys.run(run)
             with _redis_span("MGET", len(entity_ids) + 1):
-                async with self.client.pipeline(transaction=False) as pipe:
+                async with self.reader.pipeline(transaction=False) as pipe:
                     pipe.hmget(run_key, ["sha256", "scored_at_ms"])
-                    pipe.mget([*(f"{run_key}:{e}" for e in entity_ids), pointer])
+                    pipe.mget([*(keys.answer(run, e) for e in entity_ids), pointer])
                     meta, values = await pipe.execute()
             *stored, run_raw = values
             if int(run_raw or 0) == run:
@@ -357,7 +390,7 @@ class RedisFeatureStore:
                     int(scored_at or 0),
                     [v if isinstance(v, bytes) else b"" for v in stored],
                 )
-        raise VersionMoved(f"{base}: its run changed {READ_ATTEMPTS} times in one read")
+        raise VersionMoved(f"{keys.base}: its run changed {READ_ATTEMPTS} times in one read")
 
     # --- writes into the current version ------------------------------------------------
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
 from servemesh_api.feature.v1 import feature_pb2
 
 # The packed answer's cell: float32, little-endian, whatever this machine's byte order.

@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 
+from servemesh.contract.wire import GATEWAY_SERVICE, message_size_options
 from servemesh.identity import dial_mesh, mesh_identity, serving_credentials
 from servemesh.identity.watch import follow_certificate
 from servemesh.predlog import gateway_prediction_log
@@ -15,7 +16,6 @@ from servemesh.services.gateway.metrics import PredictMetrics
 from servemesh.services.gateway.service import GatewayServicer
 from servemesh.services.runtime import ServiceServer
 from servemesh.spec import ResolvedSpec
-from servemesh.wire import GATEWAY_SERVICE, message_size_options
 from servemesh_api.gateway.v1 import gateway_pb2_grpc
 
 
@@ -70,18 +70,19 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         followed[0] = new
 
     server.on_spec_change(follow)
-    if servicer.wants_feed():
-        servicer.feed_wanted.set()
+    tiers = servicer.tiers
+    if tiers.wants_feed():
+        tiers.feed_wanted.set()
     server.run_in_background(
         follow_feed(
             lambda: followed[0],
             spec.instance(instance).zone,
             instance,
-            servicer.feed,
-            servicer.wants_feed,
-            servicer.feed_changed,
-            servicer.feed_broke,
-            servicer.feed_wanted,
+            tiers.feed,
+            tiers.wants_feed,
+            tiers.feed_changed,
+            tiers.feed_broke,
+            tiers.feed_wanted,
         )
     )
     channels = [mesh_channel]

@@ -27,18 +27,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from servemesh.echo import shown
+from servemesh.contract.echo import shown
+from servemesh.contract.wire import CALLER_HEADER, CALLER_ROLE_HEADER, CLIENT_CERT_HEADER
 from servemesh.identity.authority import spiffe_id
 from servemesh.identity.enroll import ENVOY_IDENTITY, OPERATOR_IDENTITY
-from servemesh.services.runtime.errors import MeshError
+from servemesh.identity.peers import peer_spiffe_id
+from servemesh.services.runtime.errors import PermissionDenied
 from servemesh.spec import MeshSpec
-from servemesh.wire import CALLER_HEADER, CALLER_ROLE_HEADER, CLIENT_CERT_HEADER
-
-PEER_PROPERTIES = ("peer_spiffe_id", "peer_uri")
-
-
-class PermissionDenied(MeshError):
-    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 @dataclass(frozen=True)
@@ -50,15 +45,6 @@ class Caller:
     role: str = ""  # a verified token's role ("" without one)
     subject: str = ""  # a verified token's subject, or a basic-auth user
     certificate: str = ""  # the URI of the caller's verified certificate at the edge
-
-
-def _peer_of(auth: Mapping[str, Iterable[bytes]]) -> str:
-    for name in PEER_PROPERTIES:
-        for value in auth.get(name) or ():
-            text = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
-            if text.startswith("spiffe://"):
-                return text
-    return ""
 
 
 def client_cert_uri(value: str) -> str:
@@ -79,7 +65,7 @@ def caller_from(
     metadata: Iterable[tuple[str, str | bytes]],
 ) -> Caller:
     """The caller of a call whose TLS auth context is `auth` and metadata `metadata`."""
-    peer = _peer_of(auth)
+    peer = peer_spiffe_id(auth)
     if peer != spiffe_id(ENVOY_IDENTITY, spec.name):
         return Caller(peer=peer)  # a direct caller: nothing it says about itself counts
     headers = {k: v for k, v in metadata if isinstance(v, str)}

@@ -45,12 +45,12 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servemesh.contract.wire import health_watch_options, reconnect_backoff_options
 from servemesh.identity import OPERATOR_IDENTITY, dial_service
 from servemesh.services.runtime import ServiceServer
 from servemesh.services.runtime.dependencies import DependencyWatch, Verdict
 from servemesh.services.runtime.tracing import client_interceptors
-from servemesh.spec import ENVOY_PART, MeshSpec, ModelSpec, ResolvedSpec
-from servemesh.wire import health_watch_options, reconnect_backoff_options
+from servemesh.spec import MeshSpec, ModelSpec, ResolvedSpec, proxy_part
 
 PROBE_INTERVAL_S = 0.5
 # Each replica's Check and the listener's connect: far above a healthy local answer (a dead
@@ -227,8 +227,11 @@ class GatewayHealth:
         self._watching(spec)
         needs = needs_of(spec)
         mesh = spec.mesh_address_for(self.zone)
+        # The zone's own Envoy's host (proxy.layout per_zone: not the edge's).
         listener = await accepts_connections(
-            spec.host_of(ENVOY_PART), spec.mesh_ports[self.zone], self.timeout_s
+            spec.host_of(proxy_part(spec.proxy_of_zone(self.zone))),
+            spec.mesh_ports[self.zone],
+            self.timeout_s,
         )
         features = self._count(spec, "feature")
         models = self._count(spec, "model")

@@ -56,10 +56,10 @@ from typing import Any, Protocol, TypeVar
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from servemesh.contract.wire import ROUTE_PINNED, ROUTE_ROUTED, SCORE_BUCKETS
 from servemesh.services.runtime.errors import MeshError
 from servemesh.services.runtime.metrics import RPC_BUCKETS
 from servemesh.spec import MeshSpec
-from servemesh.wire import ROUTE_PINNED, ROUTE_ROUTED, SCORE_BUCKETS
 from servemesh_api.gateway.v1 import gateway_pb2
 
 Key = tuple[str, str, str, str, str]

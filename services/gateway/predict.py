@@ -16,8 +16,8 @@ from functools import cached_property
 
 import numpy as np
 
-from servemesh.echo import shown
-from servemesh.model_contract import check_model_contract
+from servemesh.contract.echo import shown
+from servemesh.contract.wire import BUCKETS
 from servemesh.services.gateway.metrics import FALLBACK_VERSION
 from servemesh.services.gateway.tensors import (
     DATATYPES,
@@ -35,7 +35,7 @@ from servemesh.services.runtime.errors import (
     NotFound,
 )
 from servemesh.spec import MeshSpec, ModelSpec
-from servemesh.wire import BUCKETS
+from servemesh.spec.model_contract import check_model_contract
 from servemesh_api.feature.v1 import feature_pb2
 from servemesh_api.gateway.v1 import gateway_pb2
 from servemesh_api.inference import grpc_service_pb2 as oip

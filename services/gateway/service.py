@@ -10,7 +10,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 import numpy as np
@@ -18,51 +18,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link
 
-from servemesh.policy import CircuitBreakers
-from servemesh.predlog import PredictionLog
-from servemesh.predlog.record import PredictWatch
-from servemesh.services.feature.wire import build_request, read_matrix
-from servemesh.services.gateway.callers import caller_of, check_pin
-from servemesh.services.gateway.coalesce import Coalescer, Member, fail, settle
-from servemesh.services.gateway.feed import ChangeKey, FeedMark, FeedState
-from servemesh.services.gateway.metrics import PredictMetrics, observed
-from servemesh.services.gateway.predict import (
-    ModelSignature,
-    PredictPlan,
-    ViewRead,
-    conform_inputs,
-    fallback_response,
-    plan_predict,
-    scores_of,
-    shared_infer_request,
-    signature_from_metadata,
-    split_outputs,
-    stale_reason,
-    view_inputs,
-    wire_inputs,
-)
-from servemesh.services.gateway.tiers import (
-    FEED_ONLINE,
-    FEED_PRECOMPUTED,
-    HIT,
-    MISS,
-    SKIPPED,
-    STALE,
-    AnswerCache,
-    TierState,
-    cache_keys,
-    feed_keys,
-    precomputed_rows,
-    response_of,
-    rows_of,
-    tiers_for,
-)
-from servemesh.services.runtime import DeadlineBudget, bind_request_id, request_id_from
-from servemesh.services.runtime.errors import Internal, MeshError
-from servemesh.services.runtime.logs import new_request_id
-from servemesh.services.runtime.tracing import traced_call, tracer
-from servemesh.spec import CacheTierSpec, MeshSpec, ModelSpec, TiersSpec
-from servemesh.wire import (
+from servemesh.contract.wire import (
     BUCKET_HEADER,
     BUCKET_RANGE_HEADER,
     FEATURE_SERVICE,
@@ -83,9 +39,38 @@ from servemesh.wire import (
     lost_the_mesh_listener,
     method_path,
 )
-from servemesh.wire import (
+from servemesh.contract.wire import (
     Span as SpanAttr,
 )
+from servemesh.predlog import PredictionLog
+from servemesh.predlog.record import PredictWatch
+from servemesh.services.feature.wire import build_request, read_matrix
+from servemesh.services.gateway.callers import caller_of, check_pin
+from servemesh.services.gateway.coalesce import Coalescer, Member, fail, settle
+from servemesh.services.gateway.metrics import PredictMetrics, observed
+from servemesh.services.gateway.predict import (
+    ModelSignature,
+    PredictPlan,
+    ViewRead,
+    conform_inputs,
+    fallback_response,
+    plan_predict,
+    scores_of,
+    shared_infer_request,
+    signature_from_metadata,
+    split_outputs,
+    stale_reason,
+    view_inputs,
+    wire_inputs,
+)
+from servemesh.services.gateway.tiering import Fresh, TierCall, TierKey, Tiers
+from servemesh.services.gateway.tiers import TierState
+from servemesh.services.runtime import DeadlineBudget, bind_request_id, request_id_from
+from servemesh.services.runtime.errors import Internal, MeshError
+from servemesh.services.runtime.logs import new_request_id
+from servemesh.services.runtime.tracing import traced_call, tracer
+from servemesh.spec import MeshSpec, ModelSpec
+from servemesh.spec.policy import CircuitBreakers
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.inference import grpc_service_pb2 as oip
@@ -128,19 +113,24 @@ class FeatureAsk:
     span: trace.SpanContext  # its server span's
 
 
-# A tiered call's read also asks for its model version's tier state (model, version,
-# whether precomputed answers are read): GetFeaturesRequest.tier.
-TierKey = tuple[str, str, bool]
 # A shared GetFeatures: the view, the features read and the tier state asked for (the same
 # for every member).
 FeatureKey = tuple[str, tuple[str, ...], TierKey | None]
-# How fresh each row read is: the view's version and each entity's event time (ms), which
-# a tier's cache keys on (services/gateway/tiers.py).
-Fresh = tuple[int, list[int]]
 # One view read: its matrix, why stale rows degrade the answer (""), the rows' freshness,
 # and the tier state read with it (None: not asked, or the store could not say).
 ViewAnswer = tuple[np.ndarray, str, Fresh, TierState | None]
-Features = tuple[dict[str, np.ndarray], str, dict[str, Fresh], TierState | None]
+
+
+class Features(NamedTuple):
+    """One Predict's feature read: each view's matrix, why stale rows degrade the answer
+    (""), each view's freshness, and the tier state read with it (None: none)."""
+
+    matrices: dict[str, np.ndarray]
+    stale: str
+    fresh: dict[str, Fresh]
+    tier: TierState | None
+
+
 # A shared ModelInfer: the model, its spec entry (by identity: a spec change starts new
 # calls), where Envoy sends it (a pinned version, or a version's bucket range; None when
 # the weighted split picks per call, which is never shared), and the per-row shape of
@@ -225,13 +215,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._shadowed: dict[str, ModelSpec] = {}
         # Each model's sticky bucket ranges, for the spec entry they were made from.
         self._ranges: dict[str, tuple[ModelSpec, dict[str, tuple[int, int]]]] = {}
-        # The cache tier of each model whose spec has one (services/gateway/tiers.py).
-        self.caches: dict[str, AnswerCache] = {}
-        # The store's change feed, for caches that answer without reading (services/gateway/
-        # feed.py); followed by a task of the server's (app.py) while a model wants it.
-        self.feed = FeedState()
-        self.feed_wanted = asyncio.Event()
-        self.clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000
+        # The precomputed and cache tiers and the change feed (services/gateway/tiering.py).
+        self.tiers = Tiers(spec, self.metrics, self._routed_version)
 
     def use_channel(self, mesh_channel: grpc.aio.Channel) -> None:
         """Send calls from now on over `mesh_channel` (a re-dial after a rotation)."""
@@ -244,17 +229,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         for name in list(self.signatures):
             if spec.models.get(name) != self.spec.models.get(name):
                 del self.signatures[name]
-        for name, cache in list(self.caches.items()):
-            model = spec.models.get(name)
-            bounds = model.tiers.cache if model is not None and model.tiers else None
-            if bounds is None:
-                del self.caches[name]
-            else:
-                cache.configure(bounds.max_entries, bounds.ttl_s)
         self.spec = spec
         self._spec_stamp = _file_stamp(self.spec_file())
-        if self.wants_feed():
-            self.feed_wanted.set()
+        self.tiers.follow_spec(spec)
 
     @observed
     async def Predict(
@@ -276,91 +253,87 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             check_pin(
                 self.spec, plan.model_name, plan.version, lambda: caller_of(self.spec, context)
             )
-            # The request id follows the request to every hop, and so does the caller's
-            # trace context: as it came, or (a recorded call) each downstream call's own
-            # client span (traced_call).
-            metadata = [(REQUEST_ID_HEADER, request_id)]
-            metadata += [(k, v) for k, v in incoming if k in TRACE_HEADERS]
+            metadata = _downstream_metadata(request_id, incoming)
             span.set_attribute(SpanAttr.MODEL, plan.model_name)
             signature = await self._signature(plan, deadline, metadata)
             raw = conform_inputs(plan, signature)
             shared = self.spec.coalescing.enabled
-            # A tiered call reads its version's tier state with its features: one call to
-            # the feature service whichever tier answers (services/gateway/tiers.py).
-            tiers = tiers_for(plan)
-            version = self._tier_version(plan) if tiers is not None else None
-            tier: TierKey | None = None
-            mark: FeedMark | None = None
-            if tiers is not None and version is not None:
-                tier = (plan.model_name, version, tiers.precomputed is not None)
-                if _follows_feed(tiers) and self.feed.fresh():
-                    # The cache answers on the feed's word, before any call; else the mark
-                    # says whether the answer made now may be kept.
-                    found = self._from_memory(plan, tiers, version)
-                    if found is not None:
-                        return self._tier_answered(watch, found, request_id, span)
-                    mark = self.feed.mark()
-            try:
-                matrices, stale, fresh, state = await watch.features(
-                    self._features(plan, deadline, metadata, tier, shared=shared)
-                )
-            except DownstreamError:
-                if tier is not None and tiers is not None:
-                    self._tiers_skipped(plan.model_name, tiers)
-                raise
-            if tier is not None and tiers is not None and tiers.precomputed is not None:
-                found = self._precomputed(plan, signature, state, mark)
-                if found is not None:
-                    return self._tier_answered(watch, found, request_id, span)
-            cache: AnswerCache | None = None
-            keys: list[tuple[str, str, str, int, int]] = []
-            if mark is not None:
-                cache = self.caches.get(plan.model_name)
-                ids = plan.reads[0].entity_ids
-                keys = feed_keys(plan.model_name, version or "", ids, FEED_ONLINE)
-            elif tier is not None and tiers is not None and tiers.cache is not None and version:
-                cache, keys = self._cache_of(plan, tiers.cache, state, version, fresh, stale)
-                if cache is not None:
-                    rows, expired = cache.get_all(keys)
-                    if rows is not None:
-                        self.metrics.record_tier(plan.model_name, "cache", HIT)
-                        found = response_of(rows, version, gateway_pb2.TIER_CACHE)
-                        return self._tier_answered(watch, found, request_id, span)
-                    self.metrics.record_tier(plan.model_name, "cache", STALE if expired else MISS)
-            ask = ModelAsk(
-                plan,
-                signature,
-                wire_inputs(signature, view_inputs(plan, matrices), raw),
-                metadata,
-                span.get_span_context(),
-            )
+            tier = self.tiers.begin(plan)  # may answer on the change feed's word
+            if tier.answer is not None:
+                return self._answered(watch, tier.answer, request_id, span)
+            read = await self._read(watch, tier, deadline, metadata, shared=shared)
+            found = self.tiers.before_online(tier, signature, read.tier, read.fresh, read.stale)
+            if found is not None:
+                return self._answered(watch, found, request_id, span)
+            inputs = wire_inputs(signature, view_inputs(plan, read.matrices), raw)
+            ask = ModelAsk(plan, signature, inputs, metadata, span.get_span_context())
             answer = await watch.inference(self._infer(ask, deadline, shared=shared))
-            if cache is not None and answer.model_version == version and not stale:
-                # Only the version the key names: Envoy may have routed elsewhere meanwhile.
-                online_rows = rows_of(answer, plan.n_rows)
-                if online_rows is not None and (mark is None or self._unchanged_since(mark, plan)):
-                    cache.put_all(keys, online_rows)
+            self.tiers.after_online(tier, answer, read.stale)
         except DownstreamError as exc:
-            if exc.path_lost and self.spec.proxy.layout == "per_zone":
-                # With an Envoy per zone, this zone's is down while the others may not be:
-                # the edge tries the call again on another zone's gateway (its retry policy
-                # matches the header), rather than this gateway answering a fallback.
-                context.set_trailing_metadata(((RETRY_ELSEWHERE_HEADER, "true"),))
+            fallback = self._degraded(exc, plan, request_id, context)
+            if fallback is None:
                 watch.failed(exc)
                 raise
-            fallback = (
-                fallback_response(plan, request_id, str(exc))
-                if plan and exc.code in FALLBACK_CODES
-                else None
-            )
-            if fallback is not None:
-                log.warning("predict degraded", extra={"hop": exc.hop, "code": exc.code.name})
-                return watch.answered(fallback)
-            watch.failed(exc)
-            raise
+            return watch.answered(fallback)
         except BaseException as exc:
             watch.failed(exc)
             raise
+        self._online_answered(plan, answer, read.stale, started)
+        return self._answered(watch, answer, request_id, span)
+
+    # --- the steps of Predict ------------------------------------------------------------
+
+    async def _read(
+        self,
+        watch: PredictWatch,
+        tier: TierCall,
+        deadline: float,
+        metadata: list[tuple[str, str]],
+        *,
+        shared: bool,
+    ) -> Features:
+        """The call's features, with its version's tier state when it is tiered: one call
+        to the feature service whichever tier answers (services/gateway/tiering.py)."""
+        try:
+            return await watch.features(
+                self._features(tier.plan, deadline, metadata, tier.key, shared=shared)
+            )
+        except DownstreamError:
+            self.tiers.read_failed(tier)
+            raise
+
+    def _degraded(
+        self,
+        exc: DownstreamError,
+        plan: PredictPlan | None,
+        request_id: str,
+        context: grpc.aio.ServicerContext,
+    ) -> gateway_pb2.PredictResponse | None:
+        """What a downstream failure ends as: the model's fallback answer, when it has one
+        for this failure; None: the caller gets the error (retried elsewhere or not)."""
+        if self._retry_elsewhere(exc, context):
+            return None
+        if plan is None or exc.code not in FALLBACK_CODES:
+            return None
+        fallback = fallback_response(plan, request_id, str(exc))
+        if fallback is not None:
+            log.warning("predict degraded", extra={"hop": exc.hop, "code": exc.code.name})
+        return fallback
+
+    def _retry_elsewhere(self, exc: DownstreamError, context: grpc.aio.ServicerContext) -> bool:
+        """With an Envoy per zone, this zone's is down while the others may not be: the edge
+        tries the call again on another zone's gateway (its retry policy matches the header),
+        rather than this gateway answering a fallback."""
+        if not (exc.path_lost and self.spec.proxy.layout == "per_zone"):
+            return False
+        context.set_trailing_metadata(((RETRY_ELSEWHERE_HEADER, "true"),))
+        return True
+
+    def _online_answered(
+        self, plan: PredictPlan, answer: gateway_pb2.PredictResponse, stale: str, started: float
+    ) -> None:
+        """The model's answer logged (with request logs on), and marked degraded when it was
+        made from features older than their view allows."""
         # A line per answer costs more than the call's whole server path: written only
         # with request logs on (`logs.requests` in the spec, or --request-logs).
         if log.isEnabledFor(logging.INFO):
@@ -374,169 +347,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     "ms": round((time.perf_counter() - started) * 1000, 3),
                 },
             )
-        answer.request_id = request_id
-        span.set_attribute(SpanAttr.VERSION, answer.model_version)
         if stale:
-            # The model answered from features older than their view allows: say so.
             answer.degraded = True
             answer.degraded_reason = stale
-        return watch.answered(answer)
 
-    # --- tiers (services/gateway/tiers.py) -----------------------------------------------
-
-    def _tier_version(self, plan: PredictPlan) -> str | None:
-        """The version the call would be routed to per the spec this gateway follows; None
-        when unknown (the weighted split picks, or the spec file changed and is not yet
-        followed: Envoy may route by the new one already)."""
-        arm = self._arm(plan)
-        if arm is None or self._spec_in_flux():
-            return None
-        return arm[0]
-
-    def wants_feed(self) -> bool:
-        """Whether a model's cache follows the store's change feed."""
-        models = self.spec.models.values()
-        return any(m.tiers is not None and _follows_feed(m.tiers) for m in models)
-
-    def feed_changed(self, changes: list[ChangeKey]) -> None:
-        """Drop what the feed's changes touch from the caches that follow it."""
-        self.metrics.feed_live.set(1)
-        if changes:
-            self.metrics.feed_changes.inc(len(changes))
-        for kind, name, entity in changes:
-            if kind == "model":
-                cache = self.caches.get(name)
-                if cache is not None:
-                    cache.clear()
-                continue
-            for model_name, model in self.spec.models.items():
-                cache = self.caches.get(model_name)
-                if cache is None or model.feature_view != name:
-                    continue
-                if model.tiers is None or not _follows_feed(model.tiers):
-                    continue
-                if kind == "view":
-                    cache.clear()
-                    continue
-                cache.drop(
-                    [
-                        (model_name, version, entity, held, 0)
-                        for version in model.versions
-                        for held in (FEED_PRECOMPUTED, FEED_ONLINE)
-                    ]
-                )
-
-    def feed_broke(self) -> None:
-        """The feed is lost: what the caches that follow it hold is no longer trusted."""
-        self.metrics.feed_live.set(0)
-        self.metrics.feed_breaks.inc()
-        for model_name, model in self.spec.models.items():
-            cache = self.caches.get(model_name)
-            if cache is not None and model.tiers is not None and _follows_feed(model.tiers):
-                cache.clear()
-
-    def _from_memory(
-        self, plan: PredictPlan, tiers: TiersSpec, version: str
-    ) -> gateway_pb2.PredictResponse | None:
-        """A tiered call answered from what this gateway holds, on the feed's word: a
-        precomputed answer kept, else one made online; counted per tier."""
-        assert tiers.cache is not None
-        cache = self._cache_for(plan.model_name, tiers.cache)
-        ids = plan.reads[0].entity_ids
-        if tiers.precomputed is not None:
-            rows, _ = cache.get_all(feed_keys(plan.model_name, version, ids, FEED_PRECOMPUTED))
-            if rows is not None:
-                self.metrics.record_tier(plan.model_name, "precomputed", HIT)
-                return response_of(rows, version, gateway_pb2.TIER_PRECOMPUTED)
-        rows, expired = cache.get_all(feed_keys(plan.model_name, version, ids, FEED_ONLINE))
-        if rows is not None:
-            if tiers.precomputed is not None:  # looked up first, as the read way does
-                self.metrics.record_tier(plan.model_name, "precomputed", MISS)
-            self.metrics.record_tier(plan.model_name, "cache", HIT)
-            return response_of(rows, version, gateway_pb2.TIER_CACHE)
-        # A miss: the read way follows, whose precomputed lookup is counted there.
-        self.metrics.record_tier(plan.model_name, "cache", STALE if expired else MISS)
-        return None
-
-    def _cache_for(self, model: str, bounds: CacheTierSpec) -> AnswerCache:
-        """The model's cache, made on its first use."""
-        cache = self.caches.get(model)
-        if cache is None:
-            cache = self.caches[model] = AnswerCache(bounds.max_entries, bounds.ttl_s)
-        return cache
-
-    def _unchanged_since(self, mark: FeedMark, plan: PredictPlan) -> bool:
-        read = plan.reads[0]
-        return self.feed.unchanged_since(mark, plan.model_name, read.view, read.entity_ids)
-
-    def _tiers_skipped(self, model: str, tiers: TiersSpec) -> None:
-        """The feature read that carried the tier state failed: each tier is counted skipped
-        (the call ends as the online path does, a fallback or the error)."""
-        if tiers.precomputed is not None:
-            self.metrics.record_tier(model, "precomputed", SKIPPED)
-        if tiers.cache is not None:
-            self.metrics.record_tier(model, "cache", SKIPPED)
-
-    def _precomputed(
-        self,
-        plan: PredictPlan,
-        signature: ModelSignature,
-        found: TierState | None,
-        mark: FeedMark | None = None,
-    ) -> gateway_pb2.PredictResponse | None:
-        tiers = plan.model.tiers
-        assert tiers is not None and tiers.precomputed is not None
-        if found is None:
-            self.metrics.record_tier(plan.model_name, "precomputed", SKIPPED)
-            return None
-        rows = precomputed_rows(
-            found.answers,
-            signature,
-            found.scored_at_ms,
-            self.clock_ms(),
-            tiers.precomputed.max_age_ms,
-        )
-        if rows.rows is None:
-            self.metrics.record_tier(plan.model_name, "precomputed", STALE if rows.stale else MISS)
-            return None
-        self.metrics.record_tier(plan.model_name, "precomputed", HIT)
-        version = self._tier_version(plan)  # the answers are this version's run
-        assert version is not None
-        cache = self.caches.get(plan.model_name)
-        if mark is not None and cache is not None and tiers.cache is not None:
-            # Kept in memory only while its oldest row stays younger than max_age for as
-            # long as the cache may hold it.
-            held_ms = round(tiers.cache.ttl_s * 1000)
-            young = self.clock_ms() - rows.oldest_ms + held_ms <= tiers.precomputed.max_age_ms
-            if young and self._unchanged_since(mark, plan):
-                ids = plan.reads[0].entity_ids
-                keys = feed_keys(plan.model_name, version, ids, FEED_PRECOMPUTED)
-                cache.put_all(keys, rows.rows)
-        return response_of(rows.rows, version, gateway_pb2.TIER_PRECOMPUTED)
-
-    def _cache_of(
-        self,
-        plan: PredictPlan,
-        bounds: CacheTierSpec,
-        found: TierState | None,
-        version: str,
-        fresh: Mapping[str, Fresh],
-        stale: str,
-    ) -> tuple[AnswerCache | None, list[tuple[str, str, str, int, int]]]:
-        """The model's cache and the call's keys, or no cache: the store could not say
-        whether it was flushed, or the features are stale (such answers are not kept)."""
-        if found is None:
-            self.metrics.record_tier(plan.model_name, "cache", SKIPPED)
-            return None, []
-        if stale:
-            return None, []
-        cache = self._cache_for(plan.model_name, bounds)
-        cache.flushed(found.flush_generation)
-        read = plan.reads[0]
-        view_version, event_ms = fresh[read.view]
-        return cache, cache_keys(plan.model_name, version, read.entity_ids, view_version, event_ms)
-
-    def _tier_answered(
+    def _answered(
         self,
         watch: PredictWatch,
         answer: gateway_pb2.PredictResponse,
@@ -546,6 +361,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         answer.request_id = request_id
         span.set_attribute(SpanAttr.VERSION, answer.model_version)
         return watch.answered(answer)
+
+    def _routed_version(self, plan: PredictPlan) -> str | None:
+        """The version the call would be routed to per the spec this gateway follows; None
+        when unknown (the weighted split picks, or the spec file changed and is not yet
+        followed: Envoy may route by the new one already)."""
+        arm = self._arm(plan)
+        if arm is None or self._spec_in_flux():
+            return None
+        return arm[0]
 
     def _routing(self, plan: PredictPlan) -> list[tuple[str, str]]:
         # Envoy routes on these headers: the model picks the route, a pinned version its cluster.
@@ -597,7 +421,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         `shared`: each view's read joins those of the concurrent Predicts that read it (and
         ask for the same tier state); else it is made alone, by the same code."""
         if not plan.reads:
-            return {}, "", {}, None
+            return Features({}, "", {}, None)
         breakers = self.spec.traffic.feature.circuit_breakers
         shared = shared and not _breaker_counts_calls(breakers, self.spec.coalescing.max_rows)
         span = trace.get_current_span().get_span_context()
@@ -921,7 +745,7 @@ def _features_of(plan: PredictPlan, read: Sequence[ViewAnswer]) -> Features:
     matrices = {r.view: answer[0] for r, answer in zip(plan.reads, read, strict=True)}
     reasons = [answer[1] for answer in read if answer[1]]
     fresh = {r.view: answer[2] for r, answer in zip(plan.reads, read, strict=True)}
-    return matrices, "; ".join(reasons), fresh, read[0][3]
+    return Features(matrices, "; ".join(reasons), fresh, read[0][3])
 
 
 def _tier_state(
@@ -996,6 +820,10 @@ def _string_parameter(reply: oip.ModelInferResponse, name: str) -> str:
     return param.string_param if param is not None else ""
 
 
-def _follows_feed(tiers: TiersSpec) -> bool:
-    """Whether the tiers' cache answers on the change feed's word (`freshness: feed`)."""
-    return tiers.cache is not None and tiers.cache.freshness == "feed"
+def _downstream_metadata(request_id: str, incoming: Sequence[Any]) -> list[tuple[str, str]]:
+    """The request id follows the request to every hop, and so does the caller's trace
+    context: as it came, or (a recorded call) each downstream call's own client span
+    (traced_call)."""
+    metadata = [(REQUEST_ID_HEADER, request_id)]
+    metadata += [(k, v) for k, v in incoming if k in TRACE_HEADERS]
+    return metadata

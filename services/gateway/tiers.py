@@ -2,7 +2,8 @@
 
 Pure logic, no network: which calls may use a tier, the version a call would be routed to,
 the cache (LRU + TTL, per gateway) and its keys, and answers made from a tier's rows. The
-gateway (services/gateway/service.py) does the reads:
+gateway's `Tiers` (services/gateway/tiering.py) puts them together, and its Predict
+(services/gateway/service.py) does the reads:
 
 1. precomputed: the version's current batch run (`servemesh batch score --out redis`),
    read by the feature service with the call's features (GetFeaturesRequest.tier: one call

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
 from servemesh.services.model.pt2_guard import (
     UnsafeArtifact,
     check_export_archive,

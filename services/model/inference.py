@@ -13,6 +13,13 @@ from collections.abc import Iterable, Mapping
 import grpc
 import numpy as np
 
+from servemesh.contract.wire import (
+    REPLICA_PARAMETER,
+    REQUEST_ID_HEADER,
+    SHADOW_ROLE_HEADER,
+    VERSION_HEADER,
+    ZONE_PARAMETER,
+)
 from servemesh.services.model.batching.rows import Rows
 from servemesh.services.model.errors import RequestError
 from servemesh.services.model.loader import LoadedModel
@@ -21,13 +28,6 @@ from servemesh.services.model.tensors import TensorSig, decode_request, encode_o
 from servemesh.services.runtime import DeadlineBudget
 from servemesh.services.runtime.logs import new_request_id
 from servemesh.spec import BatchingSpec
-from servemesh.wire import (
-    REPLICA_PARAMETER,
-    REQUEST_ID_HEADER,
-    SHADOW_ROLE_HEADER,
-    VERSION_HEADER,
-    ZONE_PARAMETER,
-)
 from servemesh_api.inference import grpc_service_pb2 as oip
 
 Metadata = Iterable[tuple[str, str | bytes]]
@@ -104,16 +104,18 @@ async def infer(
     replica: str,
     zone: str,
     budget: DeadlineBudget,
+    caller: str = "",
 ) -> oip.ModelInferResponse:
     """Validate the request fully, queue it on its version's batcher, answer its rows.
 
     The version is the request's own, else the one Envoy routed to, else the highest.
+    `caller` is who sent it (the call's gRPC peer), for the in-flight journal.
     """
     loaded = repository.resolve(request.model_name, request.model_version or routed_version)
     deadline = request_deadline(request, context, budget)
     priority = priority_level(request, loaded.batching)
     decoded = decode_request(request, loaded.signature, loaded.batching.max_rows_per_request)
-    result = await loaded.batcher.submit(decoded.rows, deadline, request_id, priority)
+    result = await loaded.batcher.submit(decoded.rows, deadline, request_id, priority, caller)
     plain = _plain_answer(loaded, result, decoded.raw, replica, zone)
     if plain is not None:
         if request.id:

@@ -12,7 +12,6 @@ from typing import Any
 import grpc
 import torch
 
-from servemesh.model_contract import check_model_contract
 from servemesh.services.model.artifacts import FORMATS, PLATFORMS, ArtifactError, Format
 from servemesh.services.model.batching import Batcher
 from servemesh.services.model.errors import LoadError
@@ -24,6 +23,7 @@ from servemesh.services.model.runner import (
 )
 from servemesh.services.model.tensors import Signature
 from servemesh.spec import BatchingSpec, MeshSpec
+from servemesh.spec.model_contract import check_model_contract
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,9 @@ class LoadedModel:
     batcher: Batcher
     sha256: str
     platform: str = PLATFORM
+    # Bytes of its weights, measured at load (`on_demand.weight_bytes`): what it costs an
+    # on-demand pool's memory budget.
+    memory_bytes: int = 0
 
     async def close(self) -> None:
         """Finish the queued and in-flight requests, then stop the batcher."""
@@ -128,6 +131,7 @@ async def load_model(
         batcher=batcher,
         sha256=sha256,
         platform=PLATFORMS[format],
+        memory_bytes=runner.weight_bytes(),
     )
 
 
@@ -164,7 +168,7 @@ def registry_loader(
         model_spec = live.models.get(model)
         version_spec = model_spec.versions.get(version) if model_spec else None
         batching = model_spec.batching if model_spec else BatchingSpec()
-        record, data = await _fetch_with_retry(fetcher, channel, model, version, live, retry_for_s)
+        record, data = await fetch_with_retry(fetcher, channel, model, version, live, retry_for_s)
         if record.format not in FORMATS:
             raise LoadError(f"{where}: format {record.format!r} is not one of {list(FORMATS)}")
         format: Format = "torch_export" if record.format == "torch_export" else "torchscript"
@@ -205,7 +209,7 @@ def registry_loader(
     return load
 
 
-async def _fetch_with_retry(
+async def fetch_with_retry(
     fetch: FetchVerified,
     channel: grpc.aio.Channel,
     model: str,
@@ -213,6 +217,9 @@ async def _fetch_with_retry(
     spec: MeshSpec,
     retry_for_s: float,
 ) -> tuple[Any, bytes]:
+    """The version's record and bytes through `fetch`; an unreachable registry
+    (UNAVAILABLE) is retried with backoff for `retry_for_s`, any other refusal is a
+    LoadError naming it. The client's own checks (size, sha256) raise as they do."""
     give_up = time.monotonic() + retry_for_s
     backoff = 0.1
     while True:

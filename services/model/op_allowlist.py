@@ -1,21 +1,27 @@
 """The operators a served model may run: one explicit allowlist, shared by both formats.
 
-A model is a program; servemesh runs programs written by model authors inside the model
-servers, which hold the mesh's credentials and read the registry's files. What keeps the
-program from touching any of that is what it may call: TorchScript graphs
-(`torchscript_guard`) and torch.export graphs (`pt2_guard`) may call these operators and
-nothing else. An operator not named here is refused, with its name, before the model runs.
+A model is a program written by its author. TorchScript graphs (`torchscript_guard`) and
+torch.export graphs (`pt2_guard`) may call these operators and nothing else; an operator
+not named here is refused, with its name, before the model runs.
+
+This list is defence in depth, not the boundary. ATen's kernels are C++ that trust much
+of what they are given, and no list of names makes them memory-safe: a model that passes
+this list may still run code of its choosing inside the process that runs it. The
+boundary is that process's sandbox (its own user, no secrets, rlimits and a syscall
+filter: docs/security.md). The list keeps the ways that are known and cheap to refuse out
+of reach, so that an attack needs a new kernel bug rather than a call by name.
 
 Policy:
 
 - Pure tensor maths is allowed generously: creation from values (`zeros`, `ones`, `full`,
   `arange`, `tensor`, `*_like`), shape and view changes, indexing and slicing, arithmetic,
   comparisons, reductions, activations, normalisation, convolution, pooling, attention,
-  recurrent cells, embeddings, type and device conversions, random draws (`rand`,
+  recurrent cells (not the raw `lstm`/`gru`/`rnn_*` kernels), embeddings, type and
+  device conversions, random draws (`rand`,
   `dropout`: they draw from the generator, they do not save or set its state).
 - The plumbing TorchScript compiles ordinary Python into is allowed: constants, attribute
   reads and writes on the model's own objects, lists, tuples, dicts, strings, scalar
-  arithmetic, `if`/`for`/`while` blocks, `raise`, `with torch.no_grad()`, `warnings.warn`,
+  arithmetic, `if`/`for`/`while` blocks, `raise`, `with torch.no_grad()`,
   calls to the archive's own functions and methods (`prim::CallFunction`/`CallMethod`,
   which the guard checks point to functions it also checks).
 - torch's own dynamic quantization of linear layers (`quantized::linear_dynamic` and the
@@ -30,8 +36,9 @@ Policy:
   server's stdout, where it could forge log lines), threads (`prim::fork`, `aten::wait`),
   RPC, profiler and RNG-state operators, Python callbacks (`prim::PythonOp`), every
   namespace but `aten`, `prim` and the `quantized` operators above (custom operators from
-  `torch.ops.*`), and ATen's
-  private `aten::_*` entry points except the few pure kernels listed by name below.
+  `torch.ops.*`), ATen's private `aten::_*` entry points (but for a few pieces of
+  plumbing listed by name below), the raw kernels behind checked public operators
+  (`RAW_KERNELS`), and `warnings.warn` (`aten::warn` writes into the server's log).
 
 Operators are matched by name, without the overload (`aten::add` covers `add.Tensor`,
 `add.Scalar`, `add.out`, ...): no allowed name has an overload that does more than its
@@ -40,7 +47,7 @@ name says.
 
 from __future__ import annotations
 
-__all__ = ["ALLOWED_ATEN", "ALLOWED_PRIM", "ALLOWED_QUANTIZED", "allowed_operator"]
+__all__ = ["ALLOWED_ATEN", "ALLOWED_PRIM", "ALLOWED_QUANTIZED", "RAW_KERNELS", "allowed_operator"]
 
 # prim:: nodes: TorchScript's own plumbing for Python constructs; none touches the world.
 ALLOWED_PRIM: frozenset[str] = frozenset(
@@ -164,22 +171,22 @@ _ATEN_TENSOR = """
     multi_margin_loss cosine_embedding_loss triplet_margin_loss poisson_nll_loss
 """
 
-# ATen's private `_` entry points that ordinary models meet: torch's own fused kernels and
-# the names torch.export writes. Each is pure; any other `aten::_*` is refused.
+# ATen's private `_` entry points allowed: TorchScript's own plumbing for Python builtins
+# (dict item assignment, `torch.no_grad()`, `torch.jit.is_tracing()`), the read of one element
+# that `.item()` compiles to, and the assertions torch.export writes. None is a kernel that
+# takes sizes, strides or indices from its caller. Every other `aten::_*` is refused: ATen's
+# private kernels trust their callers (the public wrappers check), and a model that calls
+# one directly gets memory outside its tensors (`_reshape_alias` with a far stride,
+# `_pad_packed_sequence` with a negative batch, `_embedding_bag` with `padding_idx` past
+# the table, the fused transformer and attention fast paths). The `_upsample_*` kernels stay:
+# `torch.nn.functional.interpolate` compiles into them, and they are structured kernels whose
+# size checks run in the kernel's own meta function, not in a public wrapper.
 _ATEN_PRIVATE = """
     _set_item _set_grad_enabled _get_tracing_state _local_scalar_dense
-    _native_multi_head_attention _transformer_encoder_layer_fwd _nested_tensor_from_mask
-    _nested_tensor_from_mask_left_aligned to_padded_tensor _convolution _softmax
-    _log_softmax _to_copy _unsafe_view _reshape_alias _native_batch_norm_legit
-    _native_batch_norm_legit_no_training _native_batch_norm_legit_functional
     _assert_scalar _assert_tensor_metadata _assert_async _functional_assert_async
-    _functional_assert_scalar _scaled_dot_product_attention_math
-    _scaled_dot_product_flash_attention_for_cpu _pack_padded_sequence
+    _functional_assert_scalar
     _upsample_nearest_exact1d _upsample_nearest_exact2d _upsample_nearest_exact3d
     _upsample_bilinear2d_aa _upsample_bicubic2d_aa _upsample_lanczos2d_aa
-    _pad_packed_sequence _shape_as_tensor _dim_arange _unique _unique2 _weight_norm
-    _weight_norm_interface _adaptive_avg_pool2d _adaptive_avg_pool3d _embedding_bag
-    _cdist_forward _euclidean_dist
     sym_size sym_stride sym_numel sym_constrain_range
     sym_constrain_range_for_size lift_fresh lift_fresh_copy
 """
@@ -192,9 +199,25 @@ _NEVER = """
     _efficientzerotensor
 """
 
+# The raw kernels behind public operators that check their arguments: called directly,
+# they read or write past the tensors they are given. `native_batch_norm` in training mode
+# with one-element running stats for four channels writes past them (`batch_norm` refuses
+# that); raw `lstm`/`gru`/`rnn_*` with 1x1 weight views for a wider layer read past them
+# (the cells, `lstm_cell` and kin, check their weights' sizes, so a recurrent model runs
+# its cells in a loop, or is pushed as a torch.export program of cells). `warn` writes a
+# line of the model's choosing into the server's log, which could forge a JSON log record
+# (`prim::Print` is refused for the same reason).
+RAW_KERNELS: frozenset[str] = frozenset(
+    """
+    native_batch_norm native_layer_norm native_group_norm native_dropout lstm gru
+    rnn_tanh rnn_relu quantized_lstm quantized_gru warn
+    """.split()
+)
+
 ALLOWED_ATEN: frozenset[str] = frozenset(
     (set(_ATEN_BUILTINS.split()) | set(_ATEN_TENSOR.split()) | set(_ATEN_PRIVATE.split()))
     - set(_NEVER.split())
+    - RAW_KERNELS
 )
 
 

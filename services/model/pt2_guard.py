@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
 from servemesh.services.model.op_allowlist import allowed_operator
 
 __all__ = [

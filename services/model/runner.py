@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
 from servemesh.services.model.artifacts import Format, load_module
 from servemesh.services.model.batching.rows import NamedRows, Rows, join_rows, row_count
+from servemesh.services.model.on_demand import weight_bytes
 from servemesh.services.model.tensors import Signature
 from servemesh.services.model.torch_types import TORCH_DTYPES, oip_datatype, to_array, to_tensor
 
@@ -49,6 +50,10 @@ class _Port:
 
 class SignatureViolation(ServemeshError, ValueError):
     """The model's answer does not keep its signature (count, datatype, dims or rows)."""
+
+
+class NonFiniteOutput(ServemeshError, ValueError):
+    """The model answered NaN or an infinity on rows where it must answer numbers."""
 
 
 class ArtifactMismatch(ServemeshError):
@@ -158,6 +163,10 @@ class ModelRunner:
         target = torch.device(device) if device is not None else default_device()
         module = load_module(data, format, target)
         return cls(module, model=model, version=version, device=target, **kwargs)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the model's weights (`on_demand.weight_bytes`): what it costs a budget."""
+        return weight_bytes(self._module)
 
     @property
     def single(self) -> bool:
@@ -296,6 +305,31 @@ class ModelRunner:
             raise SignatureViolation(f"model returned {row_count(result)} rows for a batch of 2")
         return result
 
+    def check(self) -> Rows:
+        """The readiness check: one batch of the rows the model warmed up on (zeros),
+        checked against the signature, and every floating-point output finite.
+
+        Sample rows come from the input shapes because neither the registry's signature nor
+        the spec carries sample rows of a model's own. Zeros, because the model answered
+        them at warm-up: a model may refuse other values on purpose (an input it validates
+        itself), and readiness asks whether it still answers as it did, not whether it
+        answers everything; one that now answers NaN or an infinity, or raises, or hangs, has
+        changed. The injected latency (a drill knob) is not slept: a slow replica is the
+        deadlines' and Envoy's outlier detection's business, not readiness's. Raises
+        SignatureViolation or NonFiniteOutput; whatever the model itself raises passes
+        through.
+        """
+        result = self._forward(self.zeros(1))
+        if row_count(result) != 1:
+            raise SignatureViolation(f"model returned {row_count(result)} rows for a batch of 1")
+        for port in self._outputs:
+            array = result if isinstance(result, np.ndarray) else result[port.name]
+            if not _all_finite(array, port.datatype):
+                raise NonFiniteOutput(
+                    f"{self._what(port)} is not finite (NaN or infinity) on the sample rows"
+                )
+        return result
+
     def warm_up(self, sizes: Iterable[int]) -> dict[int, float]:
         """Run zeros at each batch size; returns the seconds per batch expected at each.
 
@@ -325,3 +359,18 @@ class ModelRunner:
             },
         )
         return timings
+
+
+# bfloat16 travels as its uint16 bit patterns (`to_array`): all exponent bits set is an
+# infinity or a NaN.
+_BF16_EXPONENT = 0x7F80
+
+
+def _all_finite(array: np.ndarray, datatype: str | None) -> bool:
+    """No NaN and no infinity in `array` (integer and boolean outputs always pass)."""
+    if datatype == "BF16":
+        bits = array.view(np.uint16)
+        return not bool(np.any((bits & _BF16_EXPONENT) == _BF16_EXPONENT))
+    if array.dtype.kind in "fc":
+        return bool(np.isfinite(array).all())
+    return True

@@ -1,173 +1,173 @@
-"""Wires a model server replica from the mesh spec: registry channel, loads, servicer, server."""
+"""The OIP v2 gRPC servicer of one replica: every RPC of GRPCInferenceService, each handed on.
+
+| RPCs | where |
+| --- | --- |
+| ServerLive, ServerReady, ModelReady, ServerMetadata | here |
+| ModelInfer, ModelMetadata | `inference` |
+| RepositoryIndex, RepositoryModelLoad, RepositoryModelUnload | `repository` |
+| ModelStatistics | `statistics` |
+
+No handler maps errors: each raises from the tree in services/model/errors.py, and the
+runtime's ErrorStatusInterceptor (installed by every ServiceServer) answers with its status.
+A bad request never crashes the replica.
+
+Admission control: ModelInfer admits at most `max_in_flight` calls at once and refuses the
+next with RESOURCE_EXHAUSTED at its first line, before the request is read, validated or
+queued. Under overload the queue then stays in front of a cheap refusal instead of growing
+in the event loop, where every call would cost a full answer's CPU and most would be
+answered after their callers gave up (docs/benchmarks.md, "The deadline mix").
+"""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterable
+from importlib import metadata
 
 import grpc
 
-from servemesh.control_credential import control_verifier
-from servemesh.identity import dial_registry, serving_credentials
-from servemesh.services.model.errors import ServingError
-from servemesh.services.model.load_specs import LoadSpecs
-from servemesh.services.model.loader import ModelLoader, registry_loader
-from servemesh.services.model.metrics import add_batcher_metrics
-from servemesh.services.model.readiness import ModelServer, routed_versions
-from servemesh.services.model.repository import Key, ModelRepository, natural_key
-from servemesh.services.model.servicer import InferenceServicer
-from servemesh.services.model.shadow import ShadowLedger, ShadowRecorder, ledger_path
-from servemesh.services.runtime import DeadlineBudget, ServiceServer
-from servemesh.services.runtime.live_spec import SpecHook
-from servemesh.services.runtime.tracing import client_interceptors
-from servemesh.spec import MeshSpec, ResolvedSpec, SpecError
-from servemesh.wire import OIP_SERVICE, message_size_options
+from servemesh.services.model.errors import Overloaded, ServingError
+from servemesh.services.model.inference import infer, model_metadata, routing_headers
+from servemesh.services.model.loader import ModelLoader
+from servemesh.services.model.repository import Key, ModelRepository
+from servemesh.services.model.shadow import ROLES, ShadowRecorder
+from servemesh.services.model.statistics import model_statistics
+from servemesh.services.runtime import DeadlineBudget, bind_request_id
+from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 
-SERVICE_NAME = OIP_SERVICE
+SERVER_NAME = "servemesh"
+EXTENSIONS = ("model_repository", "statistics")
+# ModelInfer calls one replica holds at once before it refuses more (admission control).
+# Above any closed loop the bench and the mesh run (64 callers), and a replica answers
+# ~128 calls in ~40-60 ms on one core: a 1 s caller admitted at the limit is still answered
+# in time, and a refused one is retried elsewhere by Envoy at once.
+MAX_IN_FLIGHT = 128
 
 
-def _as_hook(close: Callable[[], None]):  # type: ignore[no-untyped-def]
-    async def hook() -> None:
-        close()
-
-    return hook
-
-
-log = logging.getLogger(__name__)
-
-
-def expected_versions(spec: MeshSpec) -> list[tuple[str, str]]:
-    """Every (model, version) the spec asks each model server to serve."""
-    return [(name, version) for name, model in spec.models.items() for version in model.versions]
-
-
-async def build_servicer(
-    spec: MeshSpec, instance: str, loader: ModelLoader, shadow: ShadowRecorder | None = None
-) -> InferenceServicer:
-    """A servicer for `instance` with every version of the spec loaded and warmed up."""
-    where = spec.instance(instance)
-    if where.service != "model":
-        raise SpecError(f"instance {instance!r} is a {where.service} instance, not a model server")
-    servicer = InferenceServicer(
-        replica=instance,
-        zone=where.zone,
-        loader=loader,
-        expected=expected_versions(spec),
-        budget=DeadlineBudget(
-            spec.deadlines.hop_budget_ms / 1000, spec.deadlines.default_timeout_ms / 1000
-        ),
-        shadow=shadow,
-    )
+def _server_version() -> str:
     try:
-        await servicer.repository.load_all()
-    except BaseException:
-        await servicer.repository.close()
-        raise
-    return servicer
+        return metadata.version("servemesh")
+    except metadata.PackageNotFoundError:
+        return "0"
 
 
-async def build_server(
-    spec: ResolvedSpec, instance: str, *, loader: ModelLoader | None = None, tls: bool = True
-) -> ServiceServer:
-    """The model server for `instance`, returned unstarted with every version loaded.
+class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
+    """GRPCInferenceService for the models in `repository`, built from `loader`/`expected`.
 
-    It binds its port and turns its health SERVING only after every version is loaded and
-    warmed up, so Envoy never routes to a replica that cannot answer yet; afterwards its
-    health (and OIP ServerReady) stays NOT_SERVING while any version the spec routes
-    traffic to is unloaded (see `readiness`). Prometheus metrics are served at
-    http://<metrics_address_of(instance)>/metrics (a free port when the spec names none).
-    Its port is mutual TLS with the instance's mesh certificate; `tls=False` serves
-    plaintext, for the side-by-side bench only (its peers, Triton and the echo server, are
-    plaintext too). Without `loader` versions come from the registry at
-    spec.registry_address. On drain (SIGTERM) the batchers finish what is queued and in
-    flight, then the registry channel closes.
+    ServerReady answers `readiness()` when the server wires one in (the model server's
+    health rule, see `readiness`), else whether every expected version is served.
     """
-    port = spec.port_of(instance)  # fail before minutes of loading, not after
-    channel: grpc.aio.Channel | None = None
-    specs = LoadSpecs(spec)
-    if loader is None:
-        size = spec.limits.max_message_bytes
-        channel = dial_registry(spec, caller=instance).aio_channel(
-            options=message_size_options(size),
-            interceptors=client_interceptors(),
+
+    def __init__(
+        self,
+        *,
+        replica: str,
+        zone: str = "",
+        loader: ModelLoader | None = None,
+        expected: Iterable[Key] = (),
+        budget: DeadlineBudget | None = None,
+        shadow: ShadowRecorder | None = None,
+        max_in_flight: int = MAX_IN_FLIGHT,
+    ) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        self.replica = replica
+        self.zone = zone
+        self.budget = budget or DeadlineBudget()
+        self.repository = ModelRepository(loader=loader, expected=expected)
+        self.readiness: Callable[[], bool] = self.repository.is_ready
+        self._version = _server_version()
+        self.shadow = shadow
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0  # ModelInfer calls admitted and not yet answered
+
+    # --- health and metadata --------------------------------------------------------
+
+    async def ServerLive(
+        self, request: oip.ServerLiveRequest, context: grpc.aio.ServicerContext
+    ) -> oip.ServerLiveResponse:
+        return oip.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: oip.ServerReadyRequest, context: grpc.aio.ServicerContext
+    ) -> oip.ServerReadyResponse:
+        return oip.ServerReadyResponse(ready=self.readiness())
+
+    async def ModelReady(
+        self, request: oip.ModelReadyRequest, context: grpc.aio.ServicerContext
+    ) -> oip.ModelReadyResponse:
+        try:
+            self.repository.resolve(request.name, request.version)
+        except ServingError:
+            return oip.ModelReadyResponse(ready=False)
+        return oip.ModelReadyResponse(ready=True)
+
+    async def ServerMetadata(
+        self, request: oip.ServerMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> oip.ServerMetadataResponse:
+        return oip.ServerMetadataResponse(
+            name=SERVER_NAME, version=self._version, extensions=list(EXTENSIONS)
         )
-        # Batching and latency of the spec of now, including entries a load brought.
-        loader = registry_loader(channel, specs.current)
-    # Answers of shadowed calls (both sides) go to a ledger for `routes shadow-report`.
-    ledger = ShadowLedger(ledger_path(Path(spec.state_dir), instance))
-    try:
-        servicer = await build_servicer(spec, instance, loader, ShadowRecorder(ledger, instance))
-    except BaseException:
-        if channel is not None:
-            await channel.close()
-        raise
-    server = ModelServer(
-        instance,
-        repository=servicer.repository,
-        routed=routed_versions(spec),
-        host=spec.listen_host,
-        port=port,
-        max_message_bytes=spec.limits.max_message_bytes,
-        control_token=control_verifier(spec.state_dir),
-        credentials=serving_credentials(spec, instance) if tls else None,
-        service="model",
-    )
-    servicer.readiness = server.is_ready
-    servicer.repository.configure = specs.bring
-    servicer.repository.spec_names = lambda model, version: (
-        version in (specs.spec.models[model].versions if model in specs.spec.models else ())
-    )
-    server.on_spec_change(follow_spec(server, servicer.repository, specs))
-    server.add_service(
-        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server, servicer, SERVICE_NAME
-    )
-    add_batcher_metrics(server.metrics.registry, servicer.repository.batchers)
-    # Stop hooks run last-registered first: the batchers drain, then the channel and the
-    # metrics endpoint close (scrapes see the drain's last counts).
-    server.serve_metrics(spec.metrics_ports.get(instance, 0))
-    server.on_stop(_as_hook(ledger.close))
-    if channel is not None:
-        server.on_stop(channel.close)
-    server.on_stop(servicer.repository.close)
-    return server
 
+    async def ModelMetadata(
+        self, request: oip.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> oip.ModelMetadataResponse:
+        loaded = self.repository.resolve(request.name, request.version)
+        return model_metadata(loaded, self.repository.versions_of(loaded.model))
 
-def _ordered(keys: set[Key]) -> list[Key]:
-    return sorted(keys, key=lambda key: (key[0], natural_key(key[1])))
+    # --- inference --------------------------------------------------------------------
 
+    async def ModelInfer(
+        self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> oip.ModelInferResponse:
+        if self.in_flight >= self.max_in_flight:
+            raise Overloaded(
+                f"replica {self.replica} is at its limit of {self.max_in_flight} "
+                "concurrent ModelInfer calls"
+            )
+        self.in_flight += 1
+        try:
+            request_id, routed_version, role = routing_headers(context.invocation_metadata())
+            bind_request_id(request_id)
+            answer = infer(
+                self.repository,
+                request,
+                context,
+                request_id=request_id,
+                routed_version=routed_version,
+                replica=self.replica,
+                zone=self.zone,
+                budget=self.budget,
+                # The connection's peer (Envoy's mesh listener for a routed call, a tool's
+                # address for a direct one); the request id ties it to the gateway's call.
+                caller=context.peer() or "",
+            )
+            if self.shadow is not None and role in ROLES:
+                return await self.shadow.record(role, request_id, routed_version, request, answer)
+            return await answer
+        finally:
+            self.in_flight -= 1
 
-def follow_spec(server: ModelServer, repository: ModelRepository, specs: LoadSpecs) -> SpecHook:
-    """The replica's hook for a new resolved spec (`servemesh apply`, `routes set`).
+    # --- extensions: statistics and the model repository ----------------------------
 
-    Readiness follows the new routed set first (a routed version this replica lacks turns
-    it NOT_SERVING at once); then versions the spec dropped are unloaded (their queued
-    requests finish; Envoy stopped routing to them before the spec was written), and
-    versions it lists that are not loaded are loaded, so a replica that missed a step (a
-    restart, a failed load) catches up. Versions loaded outside the spec and never part of
-    it (a RepositoryModelLoad of `servemesh apply` that has not written the spec yet) stay.
-    """
+    async def ModelStatistics(
+        self, request: oip.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+    ) -> oip.ModelStatisticsResponse:
+        return model_statistics(self.repository, request)
 
-    async def follow(spec: ResolvedSpec) -> None:
-        before = set(expected_versions(specs.spec))
-        specs.follow(spec)
-        wanted = set(expected_versions(spec))
-        await server.set_routed(routed_versions(spec))
-        loaded = set(repository.models())
-        for model, version in _ordered((before - wanted) & loaded):
-            log.info("unloading: no longer in the spec", extra={"model": model, "version": version})
-            try:
-                await repository.unload(model, version)
-            except ServingError:  # unloaded meanwhile (RepositoryModelUnload)
-                continue
-        for model, version in _ordered(wanted - loaded):
-            if server.draining:
-                return
-            log.info("loading: new in the spec", extra={"model": model, "version": version})
-            try:
-                await repository.load(model, version)
-            except Exception:  # the repository logged why; readiness says the rest
-                continue
+    async def RepositoryIndex(
+        self, request: oip.RepositoryIndexRequest, context: grpc.aio.ServicerContext
+    ) -> oip.RepositoryIndexResponse:
+        return self.repository.index(request)
 
-    return follow
+    async def RepositoryModelLoad(
+        self, request: oip.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
+    ) -> oip.RepositoryModelLoadResponse:
+        await self.repository.load_requested(request)
+        return oip.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: oip.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
+    ) -> oip.RepositoryModelUnloadResponse:
+        await self.repository.unload_requested(request)
+        return oip.RepositoryModelUnloadResponse()

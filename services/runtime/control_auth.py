@@ -8,7 +8,7 @@ without one, PERMISSION_DENIED with a wrong one, before the handler reads a sing
 Every other method passes untouched. The token and the header's value are never logged.
 
 A service holds no token, only its SHA-256 digest (a verifier, `sha256:<hex>`, from
-servemesh.control_credential.control_verifier): it hashes the bearer a call presents and
+servemesh.contract.control_credential.control_verifier): it hashes the bearer a call presents and
 compares digests. Given a token (tests, a server built in-process), it keeps only the
 digest of it.
 """
@@ -21,8 +21,8 @@ from typing import Any
 
 import grpc
 
-from servemesh.control_credential import BEARER_PREFIX, VERIFIER_PREFIX, token_digest
-from servemesh.wire import AUTHORIZATION_HEADER, CONTROL_METHODS
+from servemesh.contract.control_credential import BEARER_PREFIX, VERIFIER_PREFIX, token_digest
+from servemesh.contract.wire import AUTHORIZATION_HEADER, CONTROL_METHODS
 
 log = logging.getLogger(__name__)
 

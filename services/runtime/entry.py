@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from servemesh.discovery.registration import join_catalog
+from servemesh.catalog.registration import join_catalog
 from servemesh.services.runtime.faults import control_file
 from servemesh.services.runtime.live_spec import LiveSpec
 from servemesh.services.runtime.logs import configure_logging, set_request_logs

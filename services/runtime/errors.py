@@ -25,7 +25,7 @@ from typing import NoReturn
 
 import grpc
 
-from servemesh.errors import ServemeshError
+from servemesh.contract.errors import ServemeshError
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,10 @@ class NotFound(MeshError):
 
 class AlreadyExists(MeshError):
     code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class PermissionDenied(MeshError):
+    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 class ResourceExhausted(MeshError):

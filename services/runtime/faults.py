@@ -26,8 +26,8 @@ from typing import Any
 
 import grpc
 
-from servemesh.atomic import atomic_write_text
-from servemesh.wire import HEALTH_PREFIX, REFLECTION_PREFIX
+from servemesh.contract.atomic import atomic_write_text
+from servemesh.contract.wire import HEALTH_PREFIX, REFLECTION_PREFIX
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from servemesh.wire import REQUEST_ID_HEADER
+from servemesh.contract.wire import REQUEST_ID_HEADER
 
 _request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 

@@ -51,7 +51,7 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from servemesh.wire import LATENCY_BUCKETS_S
+from servemesh.contract.wire import LATENCY_BUCKETS_S
 
 # Seconds: from a cached feature read (0.5 ms) to a call that waited out a long deadline.
 RPC_BUCKETS = LATENCY_BUCKETS_S

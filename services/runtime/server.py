@@ -14,12 +14,12 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from servemesh.contract.wire import MIN_PING_INTERVAL_MS, message_size_options
 from servemesh.services.runtime.call_path import CallPath, PathServer
 from servemesh.services.runtime.control_auth import ControlAuth
 from servemesh.services.runtime.faults import FaultInjector
 from servemesh.services.runtime.live_spec import LiveSpec, SpecHook
 from servemesh.services.runtime.metrics import ServiceMetrics
-from servemesh.wire import MIN_PING_INTERVAL_MS, message_size_options
 
 log = logging.getLogger(__name__)
 

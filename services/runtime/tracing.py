@@ -56,10 +56,10 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import Attributes
 
+from servemesh.contract.wire import TRACE_HEADERS
 from servemesh.identity.credentials import client_credentials, server_name_option
 from servemesh.identity.enroll import TRACE_STORE_IDENTITY, enrolled
 from servemesh.spec import ResolvedSpec
-from servemesh.wire import TRACE_HEADERS
 
 TRACER_NAME = "servemesh"
 # W3C trace context only: the one format Envoy's OpenTelemetry tracer reads and writes.

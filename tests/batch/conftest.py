@@ -19,10 +19,9 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from servemesh.control_credential import control_metadata, ensure_control_token
-from servemesh.demo import DEMO_FEATURES, demo_artifact, demo_features, demo_signature
+from servemesh.contract.control_credential import control_metadata, ensure_control_token
+from servemesh.contract.demo import DEMO_FEATURES, demo_artifact, demo_features, demo_signature
 from servemesh.identity import dial_registry
-from servemesh.proxy.apply import MeshPaths
 from servemesh.registry.app import build_server
 from servemesh.registry.client import push_version
 from servemesh.services.feature.store import RedisFeatureStore
@@ -39,6 +38,7 @@ from servemesh.spec import (
     dump_spec,
     resolve,
 )
+from servemesh.state.paths import MeshPaths
 
 
 def demo_bytes(seed: int) -> bytes:

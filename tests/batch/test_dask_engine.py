@@ -112,6 +112,21 @@ async def assert_gone(pids: set[int], workers: set[int]) -> None:
         await asyncio.sleep(0.05)
 
 
+def sandboxed_children() -> list[tuple[str, object]]:
+    """On a worker: (the seccomp mode of each model's child, the runner the worker holds)."""
+    from servemesh.batch import dask_engine
+
+    found = []
+    for scorer in dask_engine._models.values():
+        assert scorer.sandboxed is not None
+        status = Path(f"/proc/{scorer.sandboxed.pid}/status").read_text()
+        seccomp = next(
+            line.split()[1] for line in status.splitlines() if line.startswith("Seccomp:")
+        )
+        found.append((seccomp, getattr(scorer, "runner", None)))
+    return found
+
+
 async def test_a_cluster_at_an_address_scores_the_same_rows_as_in_process(
     start_mesh: StartBatchMesh, tmp_path: Path
 ) -> None:
@@ -147,6 +162,11 @@ async def test_a_cluster_at_an_address_scores_the_same_rows_as_in_process(
             assert code == 0, err
             # The workers loaded the artifact (once each at most), verified by its sha256.
             loaded_by = await client.run(lambda: [k[0] for k in dask_engine._models])
+            # ... each in a sandboxed child of its own, confined by its filter, where the
+            # model runs: a worker holds no model of its own.
+            children = await client.run(sandboxed_children)
+    scoring = [child for found in children.values() for child in found]
+    assert scoring and all(seccomp == "2" and runner is None for seccomp, runner in scoring)
     assert any(keys == [result.sha256] for keys in loaded_by.values()), loaded_by
     assert f"(sha256 {result.sha256[:12]})" in stdout and "scored 1,500 rows" in stdout
     ours, theirs = pq.read_table(local), pq.read_table(out)

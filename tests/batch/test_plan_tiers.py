@@ -3,6 +3,7 @@ written by the gateways' store) as the entities file a batch job scores next."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -72,6 +73,23 @@ def test_the_top_entities_go_to_a_file_a_job_scores(
     assert main([*job, "--state-dir", str(state_dir)]) == 0
     assert read_entity_file(hot, "id", "user").ids == ["user-5", "user-0", "user-1", "user-2"]
     assert "156 of 163 user lookups" in capsys.readouterr().out
+
+
+def test_plan_tiers_o_json_prints_every_id_written_and_what_they_cover(
+    state_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "top.csv"
+    args = ["batch", "plan-tiers", "fraud", "--top", "3", "--since", "1d", "--show", "1"]
+    assert main([*args, "--out", str(out), "--state-dir", str(state_dir), "-o", "json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [(r["rank"], r["id"], r["calls"], r["covered"]) for r in shown["top"]] == [
+        (1, "user-0", 32, 0.5),
+        (2, "user-1", 16, 0.75),
+        (3, "user-2", 8, 0.875),
+    ]
+    assert (shown["entity"], shown["written"], shown["distinct"]) == ("user", 3, 6)
+    assert (shown["covered_lookups"], shown["lookups"], shown["file"]) == (56, 64, str(out))
+    assert out.read_text() == "user\nuser-0\nuser-1\nuser-2\n"
 
 
 @pytest.mark.parametrize(

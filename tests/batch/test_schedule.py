@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from servemesh.batch.history import RunRecord, read_history
 from servemesh.batch.schedule import decide, job_lock, last_fire, next_fire, ready_path, to_ms
-from servemesh.control_credential import control_metadata
+from servemesh.contract.control_credential import control_metadata
 from servemesh.registry.client import set_alias
 from servemesh.spec import BatchJobSpec, MeshSpec, parse_spec
 from tests.batch.conftest import StartBatchMesh
@@ -114,6 +114,33 @@ def test_a_held_job_lock_is_refused_to_a_second_holder(tmp_path: Path) -> None:
         assert again
 
 
+def test_batch_history_o_json_prints_the_tables_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from servemesh.batch.history import record_run
+    from servemesh.cli import main
+
+    record_run(tmp_path, ran("2026-05-01T02:00:00"))
+    failed = ran("2026-05-02T02:00:00", job="", status="failed")
+    record_run(tmp_path, RunRecord(**{**vars(failed), "error": "no view"}))
+    where = ["--state-dir", str(tmp_path)]
+    assert main(["batch", "history", *where, "-o", "json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [(r["job"], r["status"], r["error"]) for r in shown] == [
+        ("nightly", "ok", ""),
+        (None, "failed", "no view"),
+    ]
+    assert shown[0]["finished"] == "2026-05-01T02:00:00.100000Z"
+    assert shown[0]["sha256"] == "ab" * 32 and shown[0]["rows"] == 1
+    assert main(["batch", "history", *where, "--job", "nightly", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 1
+    # The table as before: the sha256 cut short, the error beside the status.
+    assert main(["batch", "history", *where]) == 0
+    table = capsys.readouterr().out
+    assert "2026-05-01 02:00:00" in table and "abababababab " in table
+    assert "failed: no view" in table
+
+
 async def test_run_due_runs_a_due_job_into_parquet_and_records_it(
     start_mesh: StartBatchMesh, tmp_path: Path
 ) -> None:
@@ -168,7 +195,7 @@ async def test_the_scheduler_up_starts_runs_a_due_job_and_stops_on_sigterm(
     mesh = await start_mesh(batch=[nightly(name="hourly", output=str(out), schedule="@hourly")])
     await mesh.load_view(50)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "servemesh.cli.batch_scheduler", "--state-dir", str(mesh.state_dir),
+        sys.executable, "-m", "servemesh.batch.scheduler", "--state-dir", str(mesh.state_dir),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:

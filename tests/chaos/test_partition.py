@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from servemesh.netns import ZoneNetwork, available
 from servemesh.procs import Check, Supervisor
+from servemesh.procs.netns import ZoneNetwork, available
 from tests.netns.helpers import owned_by
 
 CAN, WHY = available()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import math
 import subprocess
 import sys
@@ -24,7 +25,8 @@ from servemesh.chaos.report import envoy_deltas, recovery
 from servemesh.chaos.runner import list_drills, load_experiment
 from servemesh.chaos.scope import describe, select
 from servemesh.chaos.timeline import Timeline
-from servemesh.demo import demo_features
+from servemesh.cli import main
+from servemesh.contract.demo import demo_features
 from servemesh.load import Outcome, percentile, window_stats
 from servemesh.proxy.apply import RouteManager
 from servemesh.spec import MeshSpec
@@ -138,7 +140,7 @@ def test_every_drill_is_a_valid_chaos_toolkit_experiment_with_an_slo_and_rollbac
         assert all("tolerance" in p for p in experiment["steady-state-hypothesis"]["probes"])
 
 
-def test_chaos_list_shows_every_drill() -> None:
+def test_chaos_list_shows_every_drill(capsys: pytest.CaptureFixture[str]) -> None:
     shown = subprocess.run(
         [sys.executable, "-m", "servemesh", "chaos", "list"],
         capture_output=True,
@@ -149,6 +151,10 @@ def test_chaos_list_shows_every_drill() -> None:
     assert shown.returncode == 0, shown.stderr
     for name in DRILLS:
         assert name in shown.stdout
+    assert main(["chaos", "list", "-o", "json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert {d["drill"] for d in listed} == DRILLS
+    assert all(d["proves"] and d["slo"].startswith("SLO") for d in listed)
 
 
 def test_a_failed_activity_reads_as_its_message() -> None:
@@ -195,7 +201,7 @@ def test_the_timeline_keeps_one_window_per_fault_and_closes_what_is_left() -> No
 
 def test_a_fault_scope_is_a_service_in_a_zone_or_named_replicas() -> None:
     spec = MeshSpec()
-    assert [i.name for i in select(spec, "model", "zone-a")] == ["model-zone-a-0"]
+    assert [i.name for i in select(spec, "model", "zone-a")] == ["model-fraud-zone-a-0"]
     assert [i.name for i in select(spec, "feature")] == ["feature-zone-a-0", "feature-zone-b-0"]
     assert [i.name for i in select(spec, replicas="gateway-zone-b-0")] == ["gateway-zone-b-0"]
     with pytest.raises(DrillError, match="no zone 'zone-x'"):
@@ -203,14 +209,14 @@ def test_a_fault_scope_is_a_service_in_a_zone_or_named_replicas() -> None:
     with pytest.raises(DrillError, match=r"no replicas named \['model-9'\]"):
         select(spec, replicas=["model-9"])
     assert describe("model", "zone-a", None) == "model zone-a"
-    assert describe("model", None, ["model-zone-a-0", "model-zone-b-0"]) == (
-        "model-zone-a-0, model-zone-b-0"
+    assert describe("model", None, ["model-fraud-zone-a-0", "model-fraud-zone-b-0"]) == (
+        "model-fraud-zone-a-0, model-fraud-zone-b-0"
     )
 
 
 def test_a_drill_on_a_zones_own_model_servers_names_the_small_host_profile_when_none() -> None:
     spec = MeshSpec(profile="small-host")
-    assert [i.name for i in select(spec, "model")] == ["model-zone-a-0"]
+    assert [i.name for i in select(spec, "model")] == ["model-fraud-zone-a-0"]
     with pytest.raises(DrillError, match="no model replicas in zone-b") as err:
         select(spec, "model", "zone-b")
     assert "profile small-host" in str(err.value) and "default profile" in str(err.value)
@@ -220,7 +226,7 @@ def test_the_shifted_canary_moves_every_score_and_keeps_them_within_0_and_1() ->
     import numpy as np
 
     from servemesh.chaos.canary import parse_shifted_source, shifted_artifact
-    from servemesh.demo import build_fraud_model
+    from servemesh.contract.demo import build_fraud_model
 
     assert parse_shifted_source("shifted:0.3") == (0.3, 1)
     assert parse_shifted_source("shifted:-0.2:2") == (-0.2, 2)

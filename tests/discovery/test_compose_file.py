@@ -219,8 +219,8 @@ def test_the_image_installs_every_package_of_the_tree() -> None:
 
 def test_the_probe_finds_the_instance_in_the_container_s_command(tmp_path: Path) -> None:
     cmdline = tmp_path / "cmdline"
-    cmdline.write_bytes(b"python\0-m\0servemesh.services.model\0--instance\0model-zone-a-0\0")
-    assert instance_of_pid1(cmdline) == "model-zone-a-0"
+    cmdline.write_bytes(b"python\0-m\0servemesh.services.model\0--instance\0model-fraud-zone-a-0\0")
+    assert instance_of_pid1(cmdline) == "model-fraud-zone-a-0"
     cmdline.write_bytes(b"servemesh\0compose\0seed\0")
     assert instance_of_pid1(cmdline) is None
 

@@ -19,17 +19,7 @@ import consul
 import pytest
 import yaml
 
-from servemesh.discovery.compose import (
-    CONSUL_ACL_PLAN,
-    CONSUL_AGENT_TOKENS,
-    CONSUL_MANAGEMENT_TOKEN,
-    CONTAINER_CONSUL_TOKEN,
-    ComposeError,
-    check_compose_spec,
-    consul_token_secret,
-    render_compose,
-)
-from servemesh.discovery.consul_acl import (
+from servemesh.catalog.consul_acl import (
     AGENT,
     CLIENTS,
     CONSUL_NODE,
@@ -41,7 +31,17 @@ from servemesh.discovery.consul_acl import (
     render_plan,
     written_services,
 )
-from servemesh.discovery.consul_catalog import TOKEN_FILE_ENV, consul_token
+from servemesh.catalog.consul_catalog import TOKEN_FILE_ENV, consul_token
+from servemesh.discovery.compose import (
+    CONSUL_ACL_PLAN,
+    CONSUL_AGENT_TOKENS,
+    CONSUL_MANAGEMENT_TOKEN,
+    CONTAINER_CONSUL_TOKEN,
+    ComposeError,
+    check_compose_spec,
+    consul_token_secret,
+    render_compose,
+)
 from servemesh.spec import SpecError, load_spec, resolve
 from tests.discovery.test_compose_file import (
     COMPOSE,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from servemesh.discovery.consul_catalog import ConsulCatalog, service_id
-from servemesh.discovery.registration import join_catalog
+from servemesh.catalog.consul_catalog import ConsulCatalog, service_id
+from servemesh.catalog.registration import join_catalog
 from servemesh.spec import MeshSpec, ResolvedSpec, resolve
 
 ADDRESS = os.environ.get("CONSUL_HTTP_ADDR", "127.0.0.1:8500").removeprefix("http://")
@@ -50,24 +50,24 @@ def _spec(tmp_path: Path) -> ResolvedSpec:
 
 def test_an_instance_registers_is_listed_with_its_zone_and_leaves(tmp_path: Path) -> None:
     spec = _spec(tmp_path)
-    leave = asyncio.run(join_catalog(spec, "model-zone-b-0"))
+    leave = asyncio.run(join_catalog(spec, "model-fraud-zone-b-0"))
     assert leave is not None
     catalog = ConsulCatalog(spec)
     try:
         index, entries = catalog.watch("model", 0, 1)
-        [entry] = [e for e in entries if e.instance == "model-zone-b-0"]
+        [entry] = [e for e in entries if e.instance == "model-fraud-zone-b-0"]
         assert (entry.zone, entry.address, entry.port) == (
-            "zone-b", "127.0.0.1", spec.port_of("model-zone-b-0"),
+            "zone-b", "127.0.0.1", spec.port_of("model-fraud-zone-b-0"),
         )  # fmt: skip
         # Nothing serves the port: its check is not passing, so it is no endpoint.
         assert not entry.passing
         checks = catalog.client.agent.checks()
         [check] = [
-            c for c in checks.values() if c["ServiceID"] == service_id(spec, "model-zone-b-0")
+            c for c in checks.values() if c["ServiceID"] == service_id(spec, "model-fraud-zone-b-0")
         ]
         assert check["Type"] == "grpc"
     finally:
         asyncio.run(_awaited(leave()))
     # A blocking query wakes for the removal.
     _, after = catalog.watch("model", index, 10)
-    assert not [e for e in after if e.instance == "model-zone-b-0"]
+    assert not [e for e in after if e.instance == "model-fraud-zone-b-0"]

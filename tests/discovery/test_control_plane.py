@@ -9,16 +9,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from servemesh.discovery.catalog import CatalogEntry
+from servemesh.catalog.file import CatalogEntry
+from servemesh.contract.wire import GATEWAY_CLUSTER, feature_cluster, model_servers_cluster
 from servemesh.discovery.control_plane import ControlPlane
 from servemesh.identity import issue_mesh_certificates
 from servemesh.procs import Check, Supervisor
 from servemesh.proxy.admin import AdminClient, admin_socket_path, prepare_admin_dir
-from servemesh.proxy.apply import MeshPaths, write_initial
+from servemesh.proxy.apply import write_initial
 from servemesh.proxy.process import envoy_command, is_ready
 from servemesh.proxy.render import dynamic_bootstrap, render_resources
 from servemesh.spec import MeshSpec, ResolvedSpec, ServiceKind, resolve
-from servemesh.wire import GATEWAY_CLUSTER, feature_cluster, model_servers_cluster
+from servemesh.state.paths import MeshPaths
 from tests.waiting import wait_until
 
 
@@ -56,8 +57,8 @@ def _spec(state: Path) -> ResolvedSpec:
     return resolve(MeshSpec.model_validate(declared))
 
 
-MODEL_A = CatalogEntry("model", "model-zone-a-0", "zone-a", "127.0.0.2", 41001)
-MODEL_B = CatalogEntry("model", "model-zone-b-0", "zone-b", "127.0.0.3", 41002)
+MODEL_A = CatalogEntry("model", "model-fraud-zone-a-0", "zone-a", "127.0.0.2", 41001)
+MODEL_B = CatalogEntry("model", "model-fraud-zone-b-0", "zone-b", "127.0.0.3", 41002)
 FEATURE_A = CatalogEntry("feature", "feature-zone-a-0", "zone-a", "127.0.0.4", 41003)
 
 
@@ -124,8 +125,8 @@ def test_a_running_envoy_serves_the_endpoints_the_control_plane_writes(
     cluster = model_servers_cluster("zone-b")
     # Before: the spec's own instances on loopback (the file catalog's endpoints).
     assert {h.address for h in admin.clusters()[cluster].hosts} == {
-        spec.address_of("model-zone-a-0"),
-        spec.address_of("model-zone-b-0"),
+        spec.address_of("model-fraud-zone-a-0"),
+        spec.address_of("model-fraud-zone-b-0"),
     }
     written = plane.sync([MODEL_A, MODEL_B, FEATURE_A])
     assert MeshPaths(tmp_path).xds.eds(cluster) in written

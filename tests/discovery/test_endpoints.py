@@ -8,12 +8,18 @@ from typing import Any
 import pytest
 import yaml
 
-from servemesh.discovery.catalog import CatalogEntry, FileCatalog
-from servemesh.discovery.consul_catalog import entries_of, service_id, service_registration
+from servemesh.catalog.consul_catalog import entries_of, service_id, service_registration
+from servemesh.catalog.file import CatalogEntry, FileCatalog
+from servemesh.contract.wire import (
+    GATEWAY_CLUSTER,
+    feature_cluster,
+    model_cluster,
+    model_servers_cluster,
+)
 from servemesh.discovery.endpoints import endpoint_files
-from servemesh.proxy.render import XdsLayout, render_resources
+from servemesh.proxy.render import render_resources
 from servemesh.spec import MeshSpec, ResolvedSpec, SpecError, parse_spec, resolve
-from servemesh.wire import GATEWAY_CLUSTER, feature_cluster, model_cluster, model_servers_cluster
+from servemesh.state.paths import XdsLayout
 
 LAYOUT = XdsLayout(Path("/state/xds"))
 
@@ -42,9 +48,9 @@ def _hosts(files: dict[Path, dict[str, Any]], cluster: str) -> list[tuple[str, i
 
 def _entries() -> list[CatalogEntry]:
     return [
-        CatalogEntry("model", "model-zone-a-0", "zone-a", "10.0.0.5", 50052),
-        CatalogEntry("model", "model-zone-b-0", "zone-b", "10.0.1.5", 50053),
-        CatalogEntry("model", "model-zone-b-1", "zone-b", "10.0.1.6", 50053, passing=False),
+        CatalogEntry("model", "model-fraud-zone-a-0", "zone-a", "10.0.0.5", 50052),
+        CatalogEntry("model", "model-fraud-zone-b-0", "zone-b", "10.0.1.5", 50053),
+        CatalogEntry("model", "model-fraud-zone-b-1", "zone-b", "10.0.1.6", 50053, passing=False),
         CatalogEntry("feature", "feature-zone-a-0", "zone-a", "10.0.0.7", 50054),
     ]
 
@@ -91,8 +97,8 @@ def test_the_file_catalog_is_the_spec_s_instances_at_their_ports() -> None:
     spec = _spec()
     entries = FileCatalog(spec).entries("model")
     assert sorted((e.instance, e.zone, e.address, e.port) for e in entries) == [
-        ("model-zone-a-0", "zone-a", "127.0.0.1", spec.port_of("model-zone-a-0")),
-        ("model-zone-b-0", "zone-b", "127.0.0.1", spec.port_of("model-zone-b-0")),
+        ("model-fraud-zone-a-0", "zone-a", "127.0.0.1", spec.port_of("model-fraud-zone-a-0")),
+        ("model-fraud-zone-b-0", "zone-b", "127.0.0.1", spec.port_of("model-fraud-zone-b-0")),
     ]
     # The same endpoints the renderer gives Envoy without any catalog.
     resources = render_resources(spec, Path("/logs"))
@@ -105,20 +111,23 @@ def test_the_file_catalog_is_the_spec_s_instances_at_their_ports() -> None:
 
 def test_registration_names_kind_instance_zone_versions_and_a_mutual_tls_check() -> None:
     spec = _spec(discovery={"backend": "consul", "deregister_after": "30s"})
-    payload = service_registration(spec, "model-zone-b-0", "10.0.1.5")
+    payload = service_registration(spec, "model-fraud-zone-b-0", "10.0.1.5")
     assert payload["name"] == "model"
-    assert payload["service_id"] == "servemesh-model-zone-b-0"
-    assert (payload["address"], payload["port"]) == ("10.0.1.5", spec.port_of("model-zone-b-0"))
+    assert payload["service_id"] == "servemesh-model-fraud-zone-b-0"
+    assert (payload["address"], payload["port"]) == (
+        "10.0.1.5",
+        spec.port_of("model-fraud-zone-b-0"),
+    )
     assert payload["meta"] == {
         "mesh": "servemesh",
-        "instance": "model-zone-b-0",
+        "instance": "model-fraud-zone-b-0",
         "zone": "zone-b",
         "versions": "fraud:v1,fraud:v2",
     }
     check = payload["check"]
-    assert check["grpc"] == f"10.0.1.5:{spec.port_of('model-zone-b-0')}"
+    assert check["grpc"] == f"10.0.1.5:{spec.port_of('model-fraud-zone-b-0')}"
     assert check["grpc_use_tls"] is True and check["tls_skip_verify"] is False
-    assert check["TLSServerName"] == "model-zone-b-0.servemesh.internal"
+    assert check["TLSServerName"] == "model-fraud-zone-b-0.servemesh.internal"
     assert check["DeregisterCriticalServiceAfter"] == "30s"
     assert check["interval"] == "2000ms"
     # Only model servers list versions.
@@ -141,15 +150,15 @@ def test_a_consul_answer_becomes_entries_of_this_mesh_only_with_health() -> None
         }
 
     answer = [
-        node("model-zone-a-0", "servemesh", ["passing", "passing"]),
-        node("model-zone-a-1", "servemesh", ["passing", "critical"]),
-        node("model-zone-a-0", "other-mesh", ["passing"]),
+        node("model-fraud-zone-a-0", "servemesh", ["passing", "passing"]),
+        node("model-fraud-zone-a-1", "servemesh", ["passing", "critical"]),
+        node("model-fraud-zone-a-0", "other-mesh", ["passing"]),
     ]
     assert entries_of(spec, "model", answer) == [
-        CatalogEntry("model", "model-zone-a-0", "zone-a", "10.0.0.5", 50052, passing=True),
-        CatalogEntry("model", "model-zone-a-1", "zone-a", "10.0.0.5", 50052, passing=False),
+        CatalogEntry("model", "model-fraud-zone-a-0", "zone-a", "10.0.0.5", 50052, passing=True),
+        CatalogEntry("model", "model-fraud-zone-a-1", "zone-a", "10.0.0.5", 50052, passing=False),
     ]
-    assert service_id(spec, "model-zone-a-0") == "servemesh-model-zone-a-0"
+    assert service_id(spec, "model-fraud-zone-a-0") == "servemesh-model-fraud-zone-a-0"
 
 
 def test_hosts_place_parts_and_listen_host_is_what_binds() -> None:
@@ -159,7 +168,7 @@ def test_hosts_place_parts_and_listen_host_is_what_binds() -> None:
     assert spec.registry_address == f"reg:{spec.port_of('registry-0')}"
     assert spec.mesh_address_for("zone-b") == f"envoy:{spec.mesh_ports['zone-b']}"
     assert spec.edge_address.startswith("envoy:")
-    assert spec.address_of("model-zone-a-0").startswith("127.0.0.1:")
+    assert spec.address_of("model-fraud-zone-a-0").startswith("127.0.0.1:")
     resources = render_resources(spec, Path("/logs"))
     assert {ls["address"]["socket_address"]["address"] for ls in resources.listeners} == {"0.0.0.0"}
 

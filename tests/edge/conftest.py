@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 
-from servemesh.demo import Artifact, demo_artifact
+from servemesh.contract.demo import Artifact, demo_artifact
 from servemesh.registry.app import registry_server
 from servemesh.registry.client import push_version
 from servemesh.registry.store import RegistryStore

@@ -29,6 +29,7 @@ from servemesh.services.model.batching.rows import NamedRows
 from servemesh.services.model.loader import registry_loader
 from servemesh.spec import MeshSpec
 from tests.edge.conftest import EdgeRegistry, Wine
+from tests.sandbox.spy import sandbox_spy
 
 pytest.importorskip("onnxruntime", reason="the edge extra: pip install -e '.[edge]'")
 
@@ -133,3 +134,19 @@ async def test_an_export_outside_the_tolerance_is_refused_and_nothing_is_written
     assert "on 66 reference rows (allowed: atol 0 + rtol 0" in message
     assert not target.exists() and not manifest_path(target).exists()
     assert [p.name for p in tmp_path.iterdir()] == ["registry"]  # the registry's own
+
+
+async def test_the_export_and_its_check_run_in_a_sandboxed_child(
+    edge_registry: EdgeRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record, data = await fetch_verified(edge_registry.channel, "fraud", "v1")
+    spy = sandbox_spy(monkeypatch)  # loading (or tracing) a model in this process now raises
+    exported = await asyncio.to_thread(export_version, data, record, "onnx")
+    assert [o.entry for o in spy.opened] == [("-m", "servemesh.edge.child")]
+    assert spy.opened[0].seccomp == "2"
+    monkeypatch.undo()
+    # The bytes that came back answer as the original, in onnxruntime here.
+    rows = np.random.default_rng(5).standard_normal((32, 64)).astype(np.float32)
+    [on_device] = run_onnx(exported.data, {"features": rows})
+    served = await server_answer(edge_registry, "fraud", "v1", rows)
+    np.testing.assert_allclose(on_device, served, atol=1e-4, rtol=1e-3)

@@ -291,7 +291,7 @@ def test_apply_adds_the_view_and_the_model_live(trained: Trained, mesh: Up) -> N
     assert "wine" in resolved["models"] and "lot" in resolved["feature_views"]
     assert "fraud" in resolved["models"]  # without --prune, the rest stays
     wine = mesh.listed()[("wine", "v1")]
-    assert wine["weight"] == 100 and wine["replicas"] == ["model-zone-a-0"]
+    assert wine["weight"] == 100 and wine["replicas"] == ["model-wine-zone-a-0"]
 
 
 def test_features_load_reports_the_rows(trained: Trained, mesh: Up) -> None:

@@ -45,8 +45,8 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servemesh.control_credential import control_metadata, ensure_control_token
-from servemesh.demo import DEMO_FEATURES
+from servemesh.contract.control_credential import control_metadata, ensure_control_token
+from servemesh.contract.demo import DEMO_FEATURES
 from servemesh.identity import dial_service
 from servemesh.procs import GrpcHealth, RedisServer, Supervisor
 from servemesh.spec import (

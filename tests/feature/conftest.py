@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from servemesh.control_credential import control_metadata, ensure_control_token
-from servemesh.demo import DEMO_FEATURES
+from servemesh.contract.control_credential import control_metadata, ensure_control_token
+from servemesh.contract.demo import DEMO_FEATURES
 from servemesh.identity import dial_service
-from servemesh.proxy.apply import MeshPaths
 from servemesh.services.feature.app import build_server
 from servemesh.services.runtime import ServiceServer
 from servemesh.spec import (
@@ -35,6 +34,7 @@ from servemesh.spec import (
     dump_spec,
     resolve,
 )
+from servemesh.state.paths import MeshPaths
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 from tests.control_kit import credentialed_channel
 

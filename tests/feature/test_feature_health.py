@@ -12,12 +12,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servemesh.contract.wire import FEATURE_SERVICE
 from servemesh.procs import RedisServer, Supervisor
 from servemesh.services.feature.app import build_server
 from servemesh.services.feature.health import watch_store
 from servemesh.services.runtime import ServiceServer
 from servemesh.services.runtime.dependencies import Debounce
-from servemesh.wire import FEATURE_SERVICE
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 from tests.feature.conftest import INSTANCE, features_spec
 from tests.waiting import wait_until_async

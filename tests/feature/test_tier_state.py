@@ -10,8 +10,8 @@ import json
 import grpc
 import pytest
 
+from servemesh.contract.tier_keys import flush_key, scores_base
 from servemesh.spec import FeatureViewSpec
-from servemesh.tier_keys import flush_key, scores_base
 from servemesh_api.feature.v1 import feature_pb2
 from tests.feature.conftest import StartFeatures
 

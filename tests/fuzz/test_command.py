@@ -34,9 +34,9 @@ def test_the_json_report_holds_statuses_findings_and_the_verdict(tmp_path: Path)
             )
         ],
         dead={},
-        rss_growth={"model-zone-a-0": 10, "envoy": 600 * 1024 * 1024},
+        rss_growth={"model-fraud-zone-a-0": 10, "envoy": 600 * 1024 * 1024},
         rss_bound=512 * 1024 * 1024,
-        services={"model-zone-a-0": "model", "envoy": "envoy"},
+        services={"model-fraud-zone-a-0": "model", "envoy": "envoy"},
         valid_sent=5,
         valid_failures=[],
     )

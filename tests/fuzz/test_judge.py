@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from servemesh.contract.wire import CONTROL_METHODS
 from servemesh.fuzz.campaign import UNDECODABLE, Outcome, judge
 from servemesh.fuzz.rpcs import RPCS, Rpc
 from servemesh.fuzz.strategies import Known, near_valid, raw, structured
-from servemesh.wire import CONTROL_METHODS
 
 KNOWN = Known(
     models={"fraud": ["v1", "v2"]},

@@ -1,11 +1,11 @@
 """Caller strings in the gateway's refusals are quoted and cut short, by the one rule
-(servemesh/echo.py) every service uses."""
+(servemesh/contract/echo.py) every service uses."""
 
 from __future__ import annotations
 
 import pytest
 
-from servemesh.echo import MAX_SHOWN, brief, brief_list, shown
+from servemesh.contract.echo import MAX_SHOWN, brief, brief_list, shown
 from servemesh.services.gateway.predict import plan_predict
 from servemesh.services.runtime.errors import MeshError
 from servemesh.spec import MeshSpec, ModelSpec

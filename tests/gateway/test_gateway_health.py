@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from servemesh.atomic import atomic_write_text
+from servemesh.contract.atomic import atomic_write_text
 from servemesh.identity import dial_service, serving_credentials
 from servemesh.procs import RedisServer, Supervisor
 from servemesh.services.feature.app import build_server as build_feature
@@ -34,7 +34,7 @@ from tests.feature.test_feature_health import NOT_SERVING, SERVING, health_becom
 
 GATEWAY = "gateway-zone-a-0"
 FEATURE = "feature-zone-a-0"
-MODEL = "model-zone-a-0"
+MODEL = "model-fraud-zone-a-0"
 
 ALL_UP = Seen(mesh_listener=True, feature_serving=2, feature_total=2, model_serving=1,
               model_total=2)  # fmt: skip
@@ -130,8 +130,9 @@ class Dependencies:
         self.listener = None
 
     def apply(self, models: dict[str, ModelSpec]) -> None:
-        """Change the running spec's models the way `servemesh apply` does: atomically."""
-        changed = self.spec.model_copy(update={"models": models})
+        """Change the running spec's models the way `servemesh apply` does: atomically, a
+        new model's own pool with ports of its own."""
+        changed = resolve(self.spec.model_copy(update={"models": models}))
         atomic_write_text(self.spec_path, dump_spec(changed))
 
 

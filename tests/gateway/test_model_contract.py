@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from servemesh.demo import demo_signature
-from servemesh.model_contract import check_model_contract
+from servemesh.contract.demo import demo_signature
 from servemesh.spec import (
     MeshSpec,
     SpecError,
@@ -16,6 +15,7 @@ from servemesh.spec import (
     parse_spec_or_resolved,
     resolve,
 )
+from servemesh.spec.model_contract import check_model_contract
 
 
 @dataclass(frozen=True)

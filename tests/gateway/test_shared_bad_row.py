@@ -16,11 +16,11 @@ import grpc
 import numpy as np
 import pytest
 
-from servemesh.demo import N_FEATURES
+from servemesh.contract.demo import N_FEATURES
+from servemesh.contract.wire import GATEWAY_SERVICE
 from servemesh.services.gateway.service import PINNED, GatewayServicer
 from servemesh.services.runtime import ServiceServer
 from servemesh.spec import MeshSpec, ModelSpec
-from servemesh.wire import GATEWAY_SERVICE
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from servemesh.policy import CircuitBreakers
+from servemesh.contract.wire import BUCKET_RANGE_HEADER, SHADOW_ROLE_HEADER
 from servemesh.services.gateway.predict import split_outputs
 from servemesh.services.gateway.service import (
     _breaker_counts_calls,
@@ -14,7 +14,7 @@ from servemesh.services.gateway.service import (
     _shadowed,
 )
 from servemesh.services.runtime.errors import Internal
-from servemesh.wire import BUCKET_RANGE_HEADER, SHADOW_ROLE_HEADER
+from servemesh.spec.policy import CircuitBreakers
 from servemesh_api.inference import grpc_service_pb2 as oip
 
 

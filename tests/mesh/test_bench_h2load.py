@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from servemesh.bench_h2load import Measured, frame_file, measure_edge, predict_body, send_marker
+from servemesh.bench.h2load import Measured, frame_file, measure_edge, predict_body, send_marker
+from servemesh.bench.observe import cpu_by_kind
 from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
-from servemesh.observe_bench import cpu_by_kind
 from servemesh.proxy.admin import AdminClient
 
 pytestmark = pytest.mark.skipif(
@@ -46,8 +46,11 @@ def test_h2load_s_predicts_through_the_tls_edge_are_counted_from_the_access_log(
     measured = _measure_edge(mesh, predict_body("fraud", "user-1"), tmp_path)
     assert measured.ok > 10 and measured.errors == {}
     assert measured.cancelled_at_stop <= CONCURRENCY
-    # Envoy's count of the window and h2load's own differ only at the window's edges.
-    assert abs(measured.ok - len(measured.latencies_ms)) <= CONCURRENCY
+    # Envoy's count of the window and h2load's own differ only at the window's edges: at
+    # each, the calls started between h2load's own edge and the moment its line was read
+    # (the window's clock), a handful per stream, more on a busy box; never a tenth more.
+    edges = max(2 * CONCURRENCY, len(measured.latencies_ms) // 10)
+    assert abs(measured.ok - len(measured.latencies_ms)) <= edges
     # The window as h2load ran it: at most what was asked, plus the time to read a line.
     assert 0 < measured.seconds < 0.6 + 0.25
     # The mesh's processes worked for those answers (the client's CPU is kept apart).

@@ -17,7 +17,8 @@ import pytest
 from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh, envoy_child
 from servemesh.proxy.admin import AdminClient
-from servemesh.proxy.apply import APPLIED, FAILED, ApplyError, RouteManager
+from servemesh.proxy.apply import APPLIED, FAILED, RouteManager
+from servemesh.state.paths import ApplyError
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.mesh.envoys import zone_admin
 from tests.waiting import wait_until

@@ -12,17 +12,15 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servemesh.control_credential import (
+from servemesh.contract.control_credential import (
     Metadata,
     control_metadata,
     control_metadata_for,
     control_token_path,
     read_control_token,
 )
-from servemesh.demo import DEMO_FEATURES
-from servemesh.identity import dial_service
-from servemesh.launcher import Mesh
-from servemesh.wire import (
+from servemesh.contract.demo import DEMO_FEATURES
+from servemesh.contract.wire import (
     CONTROL_METHODS,
     FEATURE_SERVICE,
     LOAD_VERSION_PARAMETER,
@@ -31,6 +29,8 @@ from servemesh.wire import (
     method_path,
     version_health_name,
 )
+from servemesh.identity import dial_service
+from servemesh.launcher import Mesh
 from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc

@@ -18,10 +18,11 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servemesh.bench import round_credentials
-from servemesh.bench_h2load import Measured, frame_file, measure_edge, predict_body, send_marker
+from servemesh.bench.h2load import Measured, frame_file, measure_edge, predict_body, send_marker
+from servemesh.bench.observe import BENCH_CALLER, cpu_by_kind
+from servemesh.bench.predict import round_credentials
 from servemesh.cli import main
-from servemesh.credentials import EdgeAuthMetadata
+from servemesh.contract.wire import AUTHORIZATION_HEADER, CALLER_ROLE_HEADER
 from servemesh.identity import dial_edge
 from servemesh.identity.edge_client import dial_edge_as
 from servemesh.identity.tokens import (
@@ -31,12 +32,11 @@ from servemesh.identity.tokens import (
     load_signing_key,
 )
 from servemesh.launcher import Mesh
-from servemesh.observe_bench import BENCH_CALLER, cpu_by_kind
-from servemesh.policy import EdgeAuth, TrafficSpec
 from servemesh.proxy.admin import AdminClient
 from servemesh.rollout.analysis import EndpointsSource, pinned_between, window
 from servemesh.spec import ResolvedSpec
-from servemesh.wire import AUTHORIZATION_HEADER, CALLER_ROLE_HEADER
+from servemesh.spec.policy import EdgeAuth, TrafficSpec
+from servemesh.state.credentials import EdgeAuthMetadata
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.mesh.conftest import test_mesh_spec
 

@@ -27,41 +27,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2
 
-from servemesh.credentials import authorization_value, htpasswd_line
-from servemesh.identity import (
-    EDGE_IDENTITY,
-    ENVOY_IDENTITY,
-    OPERATOR_IDENTITY,
-    Dial,
-    dial_edge,
-    dial_mesh,
-    dial_service,
-    issue_mesh_certificates,
-    mesh_identity,
-    serving_credentials,
-)
-from servemesh.launcher import Mesh, envoy_child
-from servemesh.policy import (
-    EdgeAuth,
-    Overload,
-    RateLimit,
-    RetryPolicy,
-    RoutePolicy,
-    ShadowSpec,
-    TrafficSpec,
-)
-from servemesh.procs import All, Check, Supervisor, TcpPort
-from servemesh.proxy.admin import (
-    AdminClient,
-    AdminError,
-    admin_dir,
-    admin_socket_path,
-    prepare_admin_dir,
-)
-from servemesh.proxy.process import envoy_command, validate_config
-from servemesh.proxy.render import render_resources, static_bootstrap
-from servemesh.spec import EDGE_PROXY, MeshSpec, Ports, ProxySpec, ResolvedSpec, resolve
-from servemesh.wire import (
+from servemesh.contract.wire import (
     AUTHORIZATION_HEADER,
     BUCKET_HEADER,
     CALLER_HEADER,
@@ -80,6 +46,40 @@ from servemesh.wire import (
     fault_runtime_prefix,
     method_path,
 )
+from servemesh.identity import (
+    EDGE_IDENTITY,
+    ENVOY_IDENTITY,
+    OPERATOR_IDENTITY,
+    Dial,
+    dial_edge,
+    dial_mesh,
+    dial_service,
+    issue_mesh_certificates,
+    mesh_identity,
+    serving_credentials,
+)
+from servemesh.launcher import Mesh, envoy_child
+from servemesh.procs import All, Check, Supervisor, TcpPort
+from servemesh.proxy.admin import (
+    AdminClient,
+    AdminError,
+    admin_dir,
+    admin_socket_path,
+    prepare_admin_dir,
+)
+from servemesh.proxy.process import envoy_command, validate_config
+from servemesh.proxy.render import render_resources, static_bootstrap
+from servemesh.spec import EDGE_PROXY, MeshSpec, Ports, ProxySpec, ResolvedSpec, resolve
+from servemesh.spec.policy import (
+    EdgeAuth,
+    Overload,
+    RateLimit,
+    RetryPolicy,
+    RoutePolicy,
+    ShadowSpec,
+    TrafficSpec,
+)
+from servemesh.state.credentials import authorization_value, htpasswd_line
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc as oip_grpc

@@ -25,9 +25,9 @@ from grpc_health.v1 import health_pb2
 
 from servemesh.identity import Dial, dial_edge
 from servemesh.launcher import Mesh
-from servemesh.policy import ConnectionLimits, RateLimit, TrafficSpec
 from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.render import GATEWAY_STREAMS_CLUSTER
+from servemesh.spec.policy import ConnectionLimits, RateLimit, TrafficSpec
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.mesh.test_edge_hardening import (
     HEALTH_WATCH,

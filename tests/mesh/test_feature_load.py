@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from servemesh.demo import DEMO_FEATURES, demo_features
+from servemesh.contract.demo import DEMO_FEATURES, demo_features
 from servemesh.launcher import Mesh
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.mesh
 def test_load_sends_its_calls_and_reports_who_answered(
     mesh: Mesh, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = main(["load", "--rate", "40", "--seconds", "1", "--state-dir", str(mesh.state_dir)])
+    code = main(["load", "--rate", "40", "--duration", "1s", "--state-dir", str(mesh.state_dir)])
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "40 Predicts over" in printed
@@ -26,6 +26,6 @@ def test_load_sends_its_calls_and_reports_who_answered(
 def test_load_refuses_a_model_the_mesh_does_not_serve(
     mesh: Mesh, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = main(["load", "--model", "nope", "--seconds", "1", "--state-dir", str(mesh.state_dir)])
+    code = main(["load", "--model", "nope", "--duration", "1s", "--state-dir", str(mesh.state_dir)])
     assert code == 1
     assert "--model: 'nope' is not served" in capsys.readouterr().err

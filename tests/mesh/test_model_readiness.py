@@ -11,18 +11,18 @@ from collections.abc import Iterator
 
 import pytest
 
-from servemesh.control_credential import control_metadata_for
+from servemesh.contract.control_credential import control_metadata_for
+from servemesh.contract.wire import model_cluster, model_servers_cluster
 from servemesh.identity import dial_edge, dial_service
 from servemesh.launcher import Mesh
-from servemesh.wire import model_cluster, model_servers_cluster
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 from tests.mesh.envoys import EveryEnvoy
 from tests.waiting import wait_until
 
-VICTIM = "model-zone-a-0"
-OTHER = "model-zone-b-0"
+VICTIM = "model-fraud-zone-a-0"
+OTHER = "model-fraud-zone-b-0"
 ROUTED = "v1"  # weight 100 in the test mesh's spec
 
 

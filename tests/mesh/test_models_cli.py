@@ -9,13 +9,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
+import pytest
 import yaml
 
-from servemesh.control_credential import control_metadata_for
+from servemesh.contract.control_credential import control_metadata_for
+from servemesh.contract.wire import LOAD_CONFIG_PARAMETER, LOAD_VERSION_PARAMETER
 from servemesh.identity import dial_service
 from servemesh.launcher import Mesh
 from servemesh.spec import ModelInputSpec, ModelSpec, ModelVersionSpec
-from servemesh.wire import LOAD_CONFIG_PARAMETER, LOAD_VERSION_PARAMETER
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 from tests.mesh.conftest import SLOW_VERSION
@@ -66,31 +68,26 @@ def test_list_shows_live_weights_and_the_replicas_that_hold_each_version(
         "--signature", str(signature),
     )  # fmt: skip
     assert pushed.returncode == 0, pushed.stderr
+    # Pushed, not served: listed with no replica and no weight.
+    after = listed(mesh)
+    churn = after[("churn", "v1")]
+    assert churn["replicas"] == [] and churn["format"] == "torch_export"
+    assert churn["weight"] is None  # the spec routes no traffic to it
+    table = models(mesh, "list")
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert "100%" in next(line for line in lines if "fraud" in line and " v1 " in line)
+    # Nor can an operator put it on fraud's servers by hand: a model server reads only its
+    # own pool's models from the registry (a model of no pool of its: refused, not loaded).
     credential = control_metadata_for(mesh.state_dir)
     with dial_service(mesh.spec, replicas[0]).channel() as channel:
-        # The spec does not name churn: the load carries its entry, as `servemesh apply`
-        # sends it (without one the replica refuses, FAILED_PRECONDITION).
         request = oip.RepositoryModelLoadRequest(model_name="churn")
         request.parameters[LOAD_VERSION_PARAMETER].string_param = "v1"
         request.parameters[LOAD_CONFIG_PARAMETER].string_param = CHURN_ENTRY.model_dump_json()
-        grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(
-            request, timeout=120, metadata=credential
-        )
-
-    try:
-        after = listed(mesh)
-        churn = after[("churn", "v1")]
-        assert churn["replicas"] == [replicas[0]] and churn["format"] == "torch_export"
-        assert churn["weight"] is None  # the spec routes no traffic to it
-        table = models(mesh, "list")
-        assert table.returncode == 0, table.stderr
-        lines = table.stdout.splitlines()
-        assert "100%" in next(line for line in lines if "fraud" in line and " v1 " in line)
-    finally:
-        # The session's mesh is shared: leave its replica serving what it served before.
-        with dial_service(mesh.spec, replicas[0]).channel() as channel:
-            grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel).RepositoryModelUnload(
-                oip.RepositoryModelUnloadRequest(model_name="churn"),
-                timeout=30,
-                metadata=credential,
+        with pytest.raises(grpc.RpcError) as refused:
+            grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel).RepositoryModelLoad(
+                request, timeout=120, metadata=credential
             )
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "reads only its own pool's models" in str(refused.value.details())
+    assert ("churn", "v1") not in {key for key, row in listed(mesh).items() if row["replicas"]}

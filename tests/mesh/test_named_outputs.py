@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from servemesh.control_credential import control_metadata_for
+from servemesh.contract.control_credential import control_metadata_for
 from servemesh.identity import dial_edge, dial_service, mesh_identity
 from servemesh.launcher import Mesh
 from servemesh.registry.client import push_version

@@ -20,6 +20,7 @@ import pytest
 from psycopg import sql
 
 from servemesh.cli import main
+from servemesh.contract.wire import TRACE_HEADERS
 from servemesh.identity import dial_edge
 from servemesh.launcher import TRACE_STORE, Mesh
 from servemesh.load import BackgroundLoad, Outcome, predict_target
@@ -27,7 +28,6 @@ from servemesh.predlog.buffer import STATUS_FILE, predictions_dir
 from servemesh.spec import DemoSpec, MeshSpec, Ports, Replicas
 from servemesh.tracestore.receiver import store_path
 from servemesh.tracestore.store import TraceStore
-from servemesh.wire import TRACE_HEADERS
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.postgres_server import PostgresServer
 from tests.waiting import wait_until

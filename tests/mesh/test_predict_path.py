@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from servemesh.demo import demo_artifact, demo_features
+from servemesh.contract.demo import demo_artifact, demo_features
 from servemesh.identity import dial_service
 from servemesh.launcher import Mesh
 from servemesh.predlog.buffer import predictions_dir

@@ -13,7 +13,8 @@ import grpc
 import pytest
 
 from servemesh.cli import main
-from servemesh.demo import demo_features
+from servemesh.contract.demo import demo_features
+from servemesh.contract.wire import GATEWAY_SERVICE
 from servemesh.identity import dial_mesh
 from servemesh.launcher import Mesh
 from servemesh.predlog.buffer import PredictionLog, predictions_dir
@@ -21,7 +22,6 @@ from servemesh.predlog.query import LogQuery, ParquetReader
 from servemesh.services.gateway.service import GatewayServicer
 from servemesh.services.runtime import ServiceServer
 from servemesh.spec import PredictionLogSpec
-from servemesh.wire import GATEWAY_SERVICE
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.predlog.records import CONTEXT, BlockedStore
 from tests.waiting import wait_until

@@ -13,7 +13,7 @@ from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 
 def test_sigkilled_model_replica_is_masked_by_retries(mesh: Mesh) -> None:
-    victim = "model-zone-a-0"
+    victim = "model-fraud-zone-a-0"
     total, kill_after = 200, 60
     outcomes: list[str] = []
     with dial_edge(mesh.spec).channel() as channel:

@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from servemesh.control_credential import (
+from servemesh.contract.control_credential import (
     CONTROL_VERIFIER_ENV,
     control_metadata,
     read_control_token,
@@ -27,9 +27,9 @@ from servemesh.control_credential import (
 )
 from servemesh.identity import dial_edge, dial_registry, mesh_identity
 from servemesh.launcher import Mesh
-from servemesh.procs.sandbox import AUTO_GID, AUTO_UID
+from servemesh.procs.sandbox import AUTO_GID, AUTO_UID, RunAs, pool_users
 from servemesh.spec import REDIS_PASSWORD_FILE
-from servemesh.state_dir import model_grants
+from servemesh.state.sharing import model_grants
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.registry.v1 import registry_pb2 as pb
 from servemesh_api.registry.v1 import registry_pb2_grpc
@@ -74,7 +74,11 @@ def test_every_path_of_the_state_dir_is_private_but_what_model_servers_read(
     root = isolated.state_dir
     identity = mesh_identity(isolated.spec)
     shared = {g.path: g.mode for g in model_grants(root, isolated.paths.resolved_spec, identity, 0)}
-    models = [identity.root / name for name in _model_servers(isolated)]
+    # What every model server reads is its group's (AUTO_GID); what one pool's servers
+    # alone hold (their identity) is that pool's group's.
+    own = {
+        identity.root / name: _pool_user(isolated, name).gid for name in _model_servers(isolated)
+    }
     loose: list[str] = []
     for path in [root, *root.rglob("*")]:
         info = os.lstat(path)
@@ -84,8 +88,9 @@ def test_every_path_of_the_state_dir_is_private_but_what_model_servers_read(
         if mode & 0o007:
             loose.append(f"{path} {mode:04o} (others)")
         elif mode & 0o070:
-            granted = path in shared or any(m == path or m in path.parents for m in models)
-            if not granted or info.st_gid != AUTO_GID:
+            owner = next((m for m in own if m == path or m in path.parents), None)
+            group = own[owner] if owner is not None else AUTO_GID if path in shared else None
+            if info.st_gid != group:
                 loose.append(f"{path} {mode:04o} gid {info.st_gid}")
     assert loose == []
     assert shared[root] == 0o710  # the model servers' group passes, never lists
@@ -94,11 +99,13 @@ def test_every_path_of_the_state_dir_is_private_but_what_model_servers_read(
 def test_model_servers_run_as_their_own_user_without_privileges(isolated: Mesh) -> None:
     servers = _model_servers(isolated)
     assert servers
-    for pid in servers.values():
+    for name, pid in servers.items():
         status = _status(pid)
-        assert status["Uid"].split() == [str(AUTO_UID)] * 4
-        assert status["Gid"].split() == [str(AUTO_GID)] * 4
-        assert status["Groups"].strip() == ""
+        user = _pool_user(isolated, name)
+        assert user.uid != AUTO_UID  # a pool's own user, not the one every pool shares
+        assert status["Uid"].split() == [str(user.uid)] * 4
+        assert status["Gid"].split() == [str(user.gid)] * 4
+        assert status["Groups"].split() == [str(AUTO_GID)]
         assert status["NoNewPrivs"].strip() == "1"
         assert int(status["CapBnd"], 16) == 0 and int(status["CapEff"], 16) == 0
     # The rest of the mesh stays the launcher's.
@@ -106,8 +113,14 @@ def test_model_servers_run_as_their_own_user_without_privileges(isolated: Mesh) 
     assert _status(registry)["Uid"].split()[0] == "0"
 
 
-def _opens_as_model_user(paths: list[Path]) -> dict[str, str]:
-    """Each path opened for reading by the model servers' user: "ok" or the error's name."""
+def _pool_user(mesh: Mesh, instance: str) -> RunAs:
+    """Who a model server runs as: its pool's user."""
+    pools = mesh.spec.pool_names()
+    return pool_users(RunAs(AUTO_UID, AUTO_GID), pools)[mesh.spec.instance(instance).pool]
+
+
+def _opens_as_model_user(paths: list[Path], user: RunAs) -> dict[str, str]:
+    """Each path opened for reading as a model server's user: "ok" or the error's name."""
     probe = (
         "import sys\n"
         "for p in sys.argv[1:]:\n"
@@ -118,9 +131,9 @@ def _opens_as_model_user(paths: list[Path]) -> dict[str, str]:
     )
     argv = [
         "setpriv",
-        f"--reuid={AUTO_UID}",
-        f"--regid={AUTO_GID}",
-        "--clear-groups",
+        f"--reuid={user.uid}",
+        f"--regid={user.gid}",
+        f"--groups={','.join(map(str, user.groups))}" if user.groups else "--clear-groups",
         "--",
         sys.executable,
         "-c",
@@ -151,7 +164,7 @@ def test_the_model_user_cannot_open_the_mesh_secrets(isolated: Mesh) -> None:
         isolated.paths.resolved_spec,
     ]
     assert all(p.exists() for p in secrets + needed)
-    opened = _opens_as_model_user(secrets + needed)
+    opened = _opens_as_model_user(secrets + needed, _pool_user(isolated, model))
     assert {p: opened[str(p)] for p in secrets} == {p: "PermissionError" for p in secrets}
     assert {p: opened[str(p)] for p in needed} == {p: "ok" for p in needed}
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from servemesh.contract.wire import feature_cluster, model_cluster
 from servemesh.launcher import Mesh
 from servemesh.observe.scrape import sample, scrape
 from servemesh.proxy.admin import AdminClient
 from servemesh.spec import EDGE_PROXY, DemoSpec, MeshSpec, Ports
-from servemesh.wire import feature_cluster, model_cluster
 from tests.mesh.edge_load import edge_load
 from tests.waiting import wait_until
 
@@ -40,14 +40,16 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 def test_one_feature_one_model_process_and_one_envoy_serve_both_zones(mesh: Mesh) -> None:
     assert mesh.spec.zones == list(ZONES)
     assert list(mesh.pids_of("feature")) == ["feature-zone-a-0"]
-    assert list(mesh.pids_of("model")) == ["model-zone-a-0"]
+    assert list(mesh.pids_of("model")) == ["model-fraud-zone-a-0"]
     assert sorted(mesh.pids_of("gateway")) == ["gateway-zone-a-0", "gateway-zone-b-0"]
     assert mesh.spec.proxies() == [EDGE_PROXY]
     # Both zones' clusters are in the one Envoy: zone-a's own replica is its priority 0,
     # and the same replica is zone-b's priority 1, the other zone's (the zone topology).
     model = mesh.spec.models["fraud"]
     version = next(v for v, weight in model.traffic.items() if weight)
-    address = f"{mesh.spec.host_of('model-zone-a-0')}:{mesh.spec.port_of('model-zone-a-0')}"
+    address = (
+        f"{mesh.spec.host_of('model-fraud-zone-a-0')}:{mesh.spec.port_of('model-fraud-zone-a-0')}"
+    )
     admin = AdminClient.of_mesh(mesh.spec.state_dir)
 
     def placed() -> dict[str, list[tuple[str, str, int, bool]]]:
@@ -94,4 +96,4 @@ def test_each_zones_gateway_answers_through_the_shared_processes(mesh: Mesh) -> 
     outcomes = load.snapshot()
     failed = [o for o in outcomes if not o.ok]
     assert failed == [], failed[:3]
-    assert {o.replica for o in outcomes} == {"model-zone-a-0"}
+    assert {o.replica for o in outcomes} == {"model-fraud-zone-a-0"}

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from servemesh.demo import DEMO_FEATURES
+from servemesh.contract.demo import DEMO_FEATURES
 from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
 from servemesh.spec import MeshSpec

@@ -7,6 +7,7 @@ ends, and they answer again once Redis is back."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -17,12 +18,12 @@ import grpc
 import pytest
 import redis
 
+from servemesh.contract.tier_keys import scores_base
 from servemesh.identity import dial_service
 from servemesh.identity.edge_client import dial_edge_as
 from servemesh.launcher import Mesh
 from servemesh.observe.scrape import scrape, sum_by
 from servemesh.spec import TiersSpec, parse_spec
-from servemesh.tier_keys import scores_base
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.mesh.conftest import apply_live, log_lines, test_mesh_spec
 from tests.waiting import wait_until
@@ -95,6 +96,27 @@ def cli(mesh: Mesh, *args: str) -> str:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+def test_predict_json_names_the_tier_that_answered(mesh: Mesh) -> None:
+    # First in the module: user-11 is still in the view and in no tier yet. Each gateway
+    # fills its own cache, so a later call is answered from one within a few calls.
+    seen = []
+    for _ in range(6):
+        answer = json.loads(
+            cli(mesh, "predict", "--model", "fraud", "--entity", "user-11", "--json")
+        )
+        seen.append(answer["tier"])
+        if answer["tier"] == "cache":
+            break
+    assert seen[0] == "online" and seen[-1] == "cache", seen
+    # The text answer says so too (an online answer says nothing of tiers).
+    texts = []
+    for _ in range(6):
+        texts.append(cli(mesh, "predict", "--model", "fraud", "--entity", "user-11"))
+        if "answered by: the cache tier" in texts[-1]:
+            break
+    assert "answered by: the cache tier" in texts[-1], texts
 
 
 def test_cache_weight_change_flush_and_feature_load(
@@ -222,7 +244,7 @@ def test_redis_down_skips_the_tiers_and_ends_as_online(mesh: Mesh) -> None:
 
             # The online path with Redis down: the same model without tiers, the same
             # call, ends alike (each apply swaps Envoy's config: settled again after).
-            weights(mesh, "{v1: 100, v2: 0}", fallback, tiers="")
+            weights(mesh, "{v1: 100, v2: 0}", fallback, tiers="    tiers: null\n")
             before = _skipped(mesh)
             wait_until(lambda: _fallen_back(direct) == calls[-1], "online: as tiered", timeout_s=60)
             assert _skipped(mesh) == before  # no tiers, no lookup

@@ -29,11 +29,12 @@ from servemesh.load import (
     share,
     success_ratio,
 )
-from servemesh.policy import CircuitBreakers, RetryPolicy, RoutePolicy
 from servemesh.proxy.admin import AdminClient
-from servemesh.proxy.apply import ApplyError, RouteManager
+from servemesh.proxy.apply import RouteManager
 from servemesh.services.runtime.faults import FaultSettings, set_fault
 from servemesh.spec import CoalescingSpec, DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Ports
+from servemesh.spec.policy import CircuitBreakers, RetryPolicy, RoutePolicy
+from servemesh.state.paths import ApplyError
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.mesh.envoys import counters_everywhere, every_admin, zone_admin
 from tests.waiting import wait_until
@@ -314,7 +315,7 @@ def _calls_until_ejected(mesh: Mesh, admin: AdminClient, address: str) -> _Eject
 def test_a_replica_failing_every_call_is_ejected_and_callers_never_notice(
     mesh: Mesh, routes: RouteManager, admin: AdminClient
 ) -> None:
-    victim = "model-zone-a-0"
+    victim = "model-fraud-zone-a-0"
     address = mesh.spec.address_of(victim)
     set_fault(mesh.state_dir, victim, FaultSettings(error_percent=100, error_code="UNAVAILABLE"))
     assert _calls_until_ejected(mesh, admin, address).enforced >= 1
@@ -406,7 +407,7 @@ def test_retries_never_carry_a_call_past_the_callers_deadline(
 def test_zone_outage_fails_over_to_the_other_zone_and_comes_back(
     mesh: Mesh, routes: RouteManager, admin: AdminClient
 ) -> None:
-    victim = "model-zone-a-0"
+    victim = "model-fraud-zone-a-0"
     # The load runs until 300 requests were sent from 2 s after the replica is back, however
     # long its restart takes on a busy machine (a fixed-length run could end before it).
     run, stop, restarted = LoadRun(), threading.Event(), threading.Event()

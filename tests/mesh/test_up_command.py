@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,14 +21,15 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from servemesh.contract.wire import zone_of_cluster
 from servemesh.identity import dial_edge_at
-from servemesh.netns import available
-from servemesh.policy import EdgeAuth
 from servemesh.procs import Check, Supervisor
+from servemesh.procs.netns import available
 from servemesh.spec import MeshSpec, ProxySpec
-from servemesh.wire import zone_of_cluster
+from servemesh.spec.policy import EdgeAuth
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.mesh.conftest import test_mesh_spec
+from tests.waiting import wait_until
 
 NETNS, NO_NETNS = available()
 
@@ -51,12 +53,54 @@ def _pid_exists(pid: int) -> bool:
     return True
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """A one-shot servemesh command."""
+def _cli(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """A one-shot servemesh command (in `cwd`, with `env` added to the environment)."""
     return subprocess.run(
         [sys.executable, "-m", "servemesh", *args],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True, text=True, timeout=60, check=False, cwd=cwd,
+        env={**os.environ, **(env or {})},
     )  # fmt: skip
+
+
+def _dead_pid() -> int:
+    """The PID of a process that has exited and been reaped."""
+    with subprocess.Popen(["true"]) as child:
+        child.wait()
+    return child.pid
+
+
+class Predicting:
+    """Predicts through an edge, one after another on a thread, until stopped: how many
+    were answered, and every failure."""
+
+    def __init__(self, spec: MeshSpec, edge: str) -> None:
+        self.spec, self.edge = spec, edge
+        self.answered = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="predicting", daemon=True)
+
+    def _run(self) -> None:
+        with dial_edge_at(self.spec, self.edge).channel() as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            while not self._stop.is_set():
+                request = gateway_pb2.PredictRequest(model="fraud", entity_ids=["user-3"])
+                try:
+                    stub.Predict(request, timeout=5)
+                    self.answered += 1
+                except grpc.RpcError as exc:
+                    self.failures.append(f"{exc.code().name}: {exc.details()}")
+
+    def __enter__(self) -> Predicting:
+        self._thread.start()
+        wait_until(lambda: self.answered or self.failures, "a first answer through the edge")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
 
 
 class Up:
@@ -76,6 +120,10 @@ class Up:
     def output(self) -> str:
         """What `up` printed (stdout and stderr)."""
         return self.log.read_text(errors="replace")
+
+    @property
+    def pid(self) -> int:
+        return self.supervisor.pid("up")
 
     def stop(self) -> int | None:
         """SIGTERM; the exit status once `up` stopped every process it started."""
@@ -133,7 +181,7 @@ def test_up_serves_predictions_and_stops_cleanly_on_sigterm(
     assert mesh.stop() == 0, mesh.output
     assert "stopped" in mesh.output
     pids = endpoints["pids"]
-    assert {"redis", "envoy", "registry-0", "gateway-zone-a-0", "model-zone-b-0"} <= set(pids)
+    assert {"redis", "envoy", "registry-0", "gateway-zone-a-0", "model-fraud-zone-b-0"} <= set(pids)
     assert not [name for name, pid in pids.items() if _pid_exists(pid)]
     ports = [
         int(a.rsplit(":", 1)[1])
@@ -147,6 +195,94 @@ def test_up_serves_predictions_and_stops_cleanly_on_sigterm(
     assert [p for p in ports if not _port_is_free("127.0.0.1", p)] == []
     # Envoy's admin API was a Unix socket in the state dir, never a port.
     assert endpoints["envoy_admin"].endswith(".sock")
+
+
+def test_a_second_up_on_a_held_state_dir_is_refused_and_the_first_mesh_keeps_answering(
+    tmp_path: Path, up: Callable[..., Up]
+) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    # The lock a killed mesh left behind: the first `up` takes it over, saying so.
+    dead = _dead_pid()
+    lock = state / "mesh.lock"
+    lock.write_text(json.dumps({"pid": dead, "edge": "127.0.0.1:1", "started_at": 1.0}))
+    lock.chmod(0o600)
+    spec = test_mesh_spec(str(state), entities=100)
+    mesh = up(spec)
+    assert (
+        f"note: taking over {state} from a mesh that was not stopped "
+        f"(pid {dead}, edge 127.0.0.1:1, no longer running)"
+    ) in mesh.output
+    edge = mesh.endpoints["edge"]
+    kept = {name: (state / name).read_bytes() for name in ("endpoints.json", "mesh.resolved.yaml")}
+
+    # A second `up` on the same spec (so the same state dir), as `make up` run twice:
+    # refused with one line naming the running mesh, while callers keep getting answers.
+    with Predicting(spec, edge) as calls:
+        second = _cli("up", "--spec", str(tmp_path / "mesh.yaml"))
+        seen = calls.answered
+        wait_until(lambda: calls.answered > seen, "an answer after the refused start")
+    assert second.returncode == 4, second.stderr + second.stdout
+    assert second.stderr.splitlines() == [
+        f"error: a mesh is already running from {state} (pid {mesh.pid}, edge {edge}): stop it "
+        f"first (`servemesh down --state-dir {state}`), or give this one another --state-dir"
+    ]
+    assert calls.failures == [] and calls.answered > 0
+    # Nothing of the first mesh's was touched: its files, its lock.
+    assert {name: (state / name).read_bytes() for name in kept} == kept
+    assert json.loads(lock.read_text())["pid"] == mesh.pid
+    # ... and the commands still find it through its state dir.
+    predicted = _cli("predict", "--model", "fraud", "--entity", "user-42", "--json",
+                     "--state-dir", str(state))  # fmt: skip
+    assert predicted.returncode == 0, predicted.stderr
+    answer = json.loads(predicted.stdout)
+    assert answer["model_version"] == "v1" and answer["tier"] == "online", answer
+
+    assert mesh.stop() == 0, mesh.output
+    assert lock.read_text() == ""  # stopped cleanly: the state dir is free
+
+
+def test_status_and_down_from_another_folder(tmp_path: Path, up: Callable[..., Up]) -> None:
+    state = tmp_path / "state"
+    mesh = up(test_mesh_spec(str(state), entities=100))
+    endpoints = mesh.endpoints
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shown = _cli("status", "--state-dir", str(state), "--json", cwd=elsewhere)
+    assert shown.returncode == 0, shown.stderr
+    status = json.loads(shown.stdout)
+    assert status["state"] == "running" and status["pid"] == mesh.pid
+    assert status["edge"] == endpoints["edge"]
+    rows = {row["endpoint"]: row for row in status["processes"]}
+    assert rows["edge (clients, grpcurl)"]["address"] == endpoints["edge"]
+    assert rows["edge (clients, grpcurl)"]["health"] == "ready"
+    services = endpoints["services"]
+    assert {name: rows[name]["pid"] for name in services} == {
+        name: endpoints["pids"][name] for name in services
+    }
+    assert {rows[name]["health"] for name in services} == {"SERVING"}
+    assert {rows[name]["state"] for name in services} == {"running"}
+    # The environment names the state dir just as well; the table is the one `up` printed.
+    table = _cli("status", cwd=elsewhere, env={"SERVEMESH_STATE_DIR": str(state)})
+    assert table.returncode == 0, table.stderr
+    assert f"mesh at {state}: `servemesh up` pid {mesh.pid}" in table.stdout
+    assert endpoints["edge"] in table.stdout and "SERVING" in table.stdout
+
+    # Stopped from there, as Ctrl-C in its `up` would: `up` ends as it does after Ctrl-C.
+    down = _cli("down", cwd=elsewhere, env={"SERVEMESH_STATE_DIR": str(state)})
+    assert down.returncode == 0, down.stderr
+    assert f"stopped the mesh at {state} (pid {mesh.pid})" in down.stdout
+    up_child = mesh.supervisor.child("up")
+    assert up_child.wait(60) == 0, mesh.output
+    assert "stopped" in mesh.output
+    assert not [name for name, pid in endpoints["pids"].items() if _pid_exists(pid)]
+    # Nothing runs there now: the line says how to point at a mesh that does.
+    after = _cli("status", "--state-dir", str(state), cwd=elsewhere)
+    assert after.returncode == 5
+    assert after.stderr.splitlines() == [
+        f"error: no running mesh at {state}: start one with `servemesh up`, or point at a "
+        "running one with --state-dir DIR or SERVEMESH_STATE_DIR"
+    ]
 
 
 def _bind_configs(state: Path) -> tuple[int, int]:
@@ -179,7 +315,10 @@ def test_up_netns_keeps_each_zones_source_through_a_weight_change(
     endpoints = mesh.endpoints
     pids = endpoints["pids"]
     # Each zone's services run in that zone's namespace; Envoy stays on the machine.
-    zone_a, zone_b = _namespace_of(pids["model-zone-a-0"]), _namespace_of(pids["model-zone-b-0"])
+    zone_a, zone_b = (
+        _namespace_of(pids["model-fraud-zone-a-0"]),
+        _namespace_of(pids["model-fraud-zone-b-0"]),
+    )
     assert zone_a and zone_b and zone_a != zone_b
     assert _namespace_of(pids["gateway-zone-a-0"]) == zone_a
     assert _namespace_of(pids["envoy"]) == ""

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from servemesh.contract.wire import GATEWAY_CLUSTER, feature_cluster, mesh_route_config
 from servemesh.identity import mesh_identity
 from servemesh.launcher import Mesh, envoy_child
 from servemesh.load.background import BackgroundLoad
-from servemesh.proxy.apply import ApplyError, RouteManager
+from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_view import served_split
 from servemesh.spec import (
     EDGE_PROXY,
@@ -28,7 +29,7 @@ from servemesh.spec import (
     Ports,
     ProxySpec,
 )
-from servemesh.wire import GATEWAY_CLUSTER, feature_cluster, mesh_route_config
+from servemesh.state.paths import ApplyError
 from tests.mesh.edge_load import edge_load, zones_answering
 from tests.mesh.tls_probe import (
     assert_rotation_served,
@@ -138,7 +139,7 @@ def test_a_killed_zone_envoy_is_started_again_and_calls_keep_being_answered(
         )
         old = mesh.pid(name)
         killed_at = load.now_s()
-        mesh.kill(name, signal.SIGKILL)
+        mesh.kill(name, signal.SIGKILL, revive=True)
         # The mesh starts it again by itself (a new process, ready on its admin API).
         wait_until(lambda: mesh.is_running(name) and mesh.pid(name) != old, f"{name} again")
         back_at = load.now_s()
@@ -177,7 +178,7 @@ def test_a_zone_envoy_killed_as_a_change_lands_leaves_every_envoy_on_one_split(
     name = envoy_child("zone-a")
     old = mesh.pid(name)
     wanted = {"v1": 30, "v2": 70}
-    mesh.kill(name, signal.SIGKILL)
+    mesh.kill(name, signal.SIGKILL, revive=True)
     try:
         routes.set_weights("fraud", wanted)
         applied = True
@@ -199,7 +200,7 @@ def test_a_killed_edge_envoy_is_started_again_and_the_edge_answers_again(mesh: M
     try:
         wait_until(lambda: any(o.ok for o in load.run.window(0.0)), "the edge answering")
         old = mesh.pid(name)
-        mesh.kill(name, signal.SIGKILL)
+        mesh.kill(name, signal.SIGKILL, revive=True)
         wait_until(lambda: mesh.is_running(name) and mesh.pid(name) != old, f"{name} again")
         spawned_at = load.now_s()
         # A new process is not yet a listening one: how long Envoy takes to bind and to pass

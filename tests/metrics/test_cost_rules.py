@@ -59,11 +59,11 @@ def test_each_model_is_given_its_share_of_the_cpu_and_priced(tmp_path: Path) -> 
     inputs = [
         # model servers: 0.8 cores, their compute 3:1 between a and b
         series("process_cpu_seconds_total", counter(48, n), job="servemesh", service="model",
-               instance="model-zone-a-0"),
+               instance="model-fraud-zone-a-0"),
         series("servemesh_model_compute_seconds_sum", counter(30, n), model="a", version="v1",
-               instance="model-zone-a-0"),
+               instance="model-fraud-zone-a-0"),
         series("servemesh_model_compute_seconds_sum", counter(10, n), model="b", version="v1",
-               instance="model-zone-a-0"),
+               instance="model-fraud-zone-a-0"),
         # gateways and feature services: 0.4 cores, Predicts 1:3 between a and b
         series("process_cpu_seconds_total", counter(12, n), job="servemesh", service="gateway",
                instance="gateway-zone-a-0"),
@@ -78,7 +78,7 @@ def test_each_model_is_given_its_share_of_the_cpu_and_priced(tmp_path: Path) -> 
                code="UNAVAILABLE", version="v1", zone="zone-a"),
         # b's model server holds a GPU
         series("servemesh_model_on_gpu", f"1x{n}", model="b", version="v1",
-               instance="model-zone-a-0"),
+               instance="model-fraud-zone-a-0"),
     ]  # fmt: skip
     cores = {"a": 0.8 * 0.75 + 0.4 * 0.25, "b": 0.8 * 0.25 + 0.4 * 0.75}
     per_hour = {"a": cores["a"] * 0.04, "b": cores["b"] * 0.04 + 2.5}
@@ -113,9 +113,9 @@ def test_a_million_predictions_costing_more_than_a_week_before_alerts(tmp_path: 
     cpu = f"{counter(900, steady)} {counter(1800, hotter, start=900 * steady + 1800)}"
     inputs = [
         series("process_cpu_seconds_total", cpu, job="servemesh", service="model",
-               instance="model-zone-a-0"),
+               instance="model-fraud-zone-a-0"),
         series("servemesh_model_compute_seconds_sum", counter(600, steady + hotter + 1),
-               model="a", version="v1", instance="model-zone-a-0"),
+               model="a", version="v1", instance="model-fraud-zone-a-0"),
         series("servemesh_gateway_predictions_total", counter(90000, steady + hotter + 1),
                model="a", code="OK", version="v1", zone="zone-a"),
     ]  # fmt: skip

@@ -11,11 +11,11 @@ from typing import Any
 import grpc
 import pytest
 
+from servemesh.contract.wire import GATEWAY_SERVICE, OIP_SERVICE, method_path
 from servemesh.launcher import Mesh
 from servemesh.observe.prom_query import PromClient
 from servemesh.observe.scrape import Sample, sample, scrape
 from servemesh.spec import proxy_part
-from servemesh.wire import GATEWAY_SERVICE, OIP_SERVICE, method_path
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.waiting import wait_until
 

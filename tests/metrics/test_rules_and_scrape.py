@@ -105,10 +105,10 @@ def test_targets_found_by_file_come_and_go_a_stream_consumer_and_a_fleet_replica
 
     try:
         first = {i.name for i in spec.instances()}
-        fleet = spec.fleet.model_copy(update={"per_zone": {"zone-a": 2, "zone-b": 1}})
+        fleet = spec.fleet.model_copy(update={"model_pools": {"fraud": {"zone-a": 2, "zone-b": 1}}})
         grown = resolve(spec.model_copy(update={"fleet": fleet}))
         added = {i.name for i in grown.instances()} - first
-        assert added == {"model-zone-a-1"}
+        assert added == {"model-fraud-zone-a-1"}
         with Supervisor(tmp_path / "logs") as supervisor:
             prom = PrometheusServer(supervisor, spec, tmp_path / "prometheus", PROMETHEUS)
             prom.start(30)

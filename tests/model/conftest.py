@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
-from servemesh.demo import Artifact, demo_artifact
-from servemesh.model_bench.targets import EchoServicer
-from servemesh.services.model.service import SERVICE_NAME
+from servemesh.bench.model.targets import EchoServicer
+from servemesh.contract.demo import Artifact, demo_artifact
+from servemesh.services.model.app import SERVICE_NAME
 from servemesh.services.runtime import ServiceServer
 from servemesh_api.inference import grpc_service_pb2_grpc
 

@@ -16,13 +16,13 @@ from contextlib import asynccontextmanager
 import numpy as np
 import torch
 
-from servemesh.demo import Artifact
+from servemesh.contract.demo import Artifact
 from servemesh.identity import dial_address, serving_credentials
+from servemesh.services.model.app import SERVICE_NAME
 from servemesh.services.model.batching import MONOTONIC, Batcher, BatchRunner, Clock, Rows
 from servemesh.services.model.loader import LoadedModel, warm_up_sizes
 from servemesh.services.model.runner import ModelRunner
-from servemesh.services.model.service import SERVICE_NAME
-from servemesh.services.model.servicer import InferenceServicer
+from servemesh.services.model.service import InferenceServicer
 from servemesh.services.model.tensors import Signature, TensorSig
 from servemesh.services.runtime import ServiceServer
 from servemesh.spec import BatchingSpec, MeshSpec
@@ -36,7 +36,7 @@ SIGNATURE = Signature(
 )
 # A batch the test never lets through fails after this long instead of hanging the run.
 GATE_TIMEOUT_S = 30.0
-REPLICA = "model-zone-a-0"
+REPLICA = "model-fraud-zone-a-0"
 Stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub
 
 
@@ -179,9 +179,9 @@ class AnnouncingBatcher(Batcher):
         self.admitted: asyncio.Queue[str] = asyncio.Queue()
 
     def enqueue(
-        self, rows: Rows, deadline: float, request_id: str, priority: int = 0
+        self, rows: Rows, deadline: float, request_id: str, priority: int = 0, caller: str = ""
     ) -> asyncio.Future[Rows]:
-        answer = super().enqueue(rows, deadline, request_id, priority)
+        answer = super().enqueue(rows, deadline, request_id, priority, caller)
         self.admitted.put_nowait(request_id)
         return answer
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from servemesh.demo import Artifact, torchscript_artifact
+from servemesh.contract.demo import Artifact, torchscript_artifact
 from servemesh.services.model.batching import (
     DISPATCH_SLACK_S,
     DISPATCH_SLACK_SHARE,

@@ -9,11 +9,9 @@ from typing import Any
 import grpc
 import pytest
 
-from servemesh.cli import build_parser
-from servemesh.load import percentile
-from servemesh.model_bench.load import closed_loop, open_loop, request_bodies
-from servemesh.model_bench.models import BENCH_MODELS
-from servemesh.model_bench.run import (
+from servemesh.bench.model.load import closed_loop, open_loop, request_bodies
+from servemesh.bench.model.models import BENCH_MODELS
+from servemesh.bench.model.run import (
     NICED,
     BenchConfig,
     ServerProcess,
@@ -21,8 +19,11 @@ from servemesh.model_bench.run import (
     aggregate,
     checks,
     nice_checks,
+    sandbox_checks,
     variant_rows,
 )
+from servemesh.cli import build_parser
+from servemesh.load import percentile
 from servemesh.services.model.artifacts import open_artifact
 from servemesh_api.inference import grpc_service_pb2 as oip
 
@@ -162,7 +163,7 @@ def test_bench_model_command_line() -> None:
 def test_the_heavy_model_is_a_checked_export_that_computes_what_its_network_does() -> None:
     import torch
 
-    from servemesh.demo import build_heavy_model
+    from servemesh.contract.demo import build_heavy_model
 
     artifact = BENCH_MODELS["heavy"].artifact(1)
     opened = open_artifact(artifact.data)  # the pt2 guard's allowlist first, as served
@@ -186,10 +187,13 @@ def test_the_heavy_bench_measures_closed_loops_of_the_batching_targets() -> None
         "batching off": ("closed",),
         "echo (protocol ceiling)": ("closed",),
         "adaptive, inference niced": ("closed",),
+        "adaptive, no sandbox": ("closed",),
         "servemesh adaptive, INT8": ("closed",),
         "triton (pytriton)": ("closed",),
     }
     assert {t.name: t.variant for t in config.targets()}["servemesh adaptive, INT8"] == "int8"
+    # Only the row that measures what the sandbox costs serves without it.
+    assert [t.name for t in config.targets() if not t.sandbox] == ["adaptive, no sandbox"]
     assert not [t for t in BenchConfig().targets() if t.variant], "the demo run has no INT8"
 
 
@@ -275,8 +279,8 @@ def test_bench_model_and_predict_take_the_heavy_model() -> None:
 
 
 def test_every_model_server_of_a_run_loads_one_artifact_built_by_the_run(tmp_path: Path) -> None:
-    from servemesh.model_bench.run import _artifact_file
-    from servemesh.model_bench.targets import read_artifact
+    from servemesh.bench.model.run import _artifact_file
+    from servemesh.bench.model.targets import read_artifact
 
     config = BenchConfig(model="demo")
     path = _artifact_file(config, "", tmp_path)
@@ -288,7 +292,7 @@ def test_every_model_server_of_a_run_loads_one_artifact_built_by_the_run(tmp_pat
 
 
 def test_the_in_process_ceiling_runs_the_batcher_enforcing_deadlines_and_blind() -> None:
-    from servemesh.model_bench.targets import ceiling
+    from servemesh.bench.model.targets import ceiling
 
     found = ceiling(0.3, 8, BENCH_MODELS["demo"])
     assert set(found) == {"forward_b1", "forward_b8", "batcher_c64", "batcher_c64_ignore"}
@@ -322,4 +326,27 @@ def test_the_niced_model_thread_is_compared_with_the_default_in_the_same_run() -
         "c=64 req/s, inference niced vs default (x)": (1.24, True),
         "c=64 p99, inference niced vs default (x)": (1.5, False),
         "c=1 req/s, inference niced vs default (x)": (1.07, True),
+    }
+
+
+def test_sandbox_checks_compare_the_confined_server_with_the_bare_one() -> None:
+    def row(target: str, concurrency: int, rps: float, p50: float) -> dict[str, object]:
+        return {
+            "target": target,
+            "mode": "closed",
+            "concurrency": concurrency,
+            "rps": rps,
+            "p50_ms": p50,
+        }
+
+    rows = [
+        row("servemesh adaptive", 64, 960.0, 40.0),
+        row("adaptive, no sandbox", 64, 1000.0, 39.0),
+        row("servemesh adaptive", 1, 400.0, 2.4),
+        row("adaptive, no sandbox", 1, 410.0, 2.1),
+    ]
+    found = {c["target"]: (c["value"], c["met"]) for c in sandbox_checks(rows)}
+    assert found == {
+        "c=64 req/s, sandbox vs none (x)": (0.96, True),
+        "c=1 p50 added by the sandbox (ms)": (0.3, False),
     }

@@ -13,10 +13,9 @@ from typing import Any
 
 import pytest
 
-from servemesh.cli import build_parser
-from servemesh.model_bench import h2load
-from servemesh.model_bench.load import request_bodies
-from servemesh.model_bench.run import (
+from servemesh.bench.model import h2load
+from servemesh.bench.model.load import request_bodies
+from servemesh.bench.model.run import (
     BenchConfig,
     ServerWindow,
     TargetUnavailable,
@@ -26,6 +25,7 @@ from servemesh.model_bench.run import (
     measurements,
     probe,
 )
+from servemesh.cli import build_parser
 
 needs_h2load = pytest.mark.skipif(
     shutil.which("h2load") is None,

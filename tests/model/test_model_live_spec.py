@@ -15,12 +15,17 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servemesh.atomic import atomic_write_text
-from servemesh.demo import Artifact
+from servemesh.contract.atomic import atomic_write_text
+from servemesh.contract.demo import Artifact
+from servemesh.contract.wire import (
+    LOAD_CONFIG_PARAMETER,
+    LOAD_VERSION_PARAMETER,
+    version_health_name,
+)
+from servemesh.services.model.app import build_server
 from servemesh.services.model.load_specs import LoadSpecs
 from servemesh.services.model.loader import registry_loader
 from servemesh.services.model.readiness import ModelServer
-from servemesh.services.model.service import build_server
 from servemesh.services.runtime.live_spec import LiveSpec
 from servemesh.spec import (
     BatchingSpec,
@@ -32,7 +37,6 @@ from servemesh.spec import (
     dump_spec,
     resolve,
 )
-from servemesh.wire import LOAD_CONFIG_PARAMETER, LOAD_VERSION_PARAMETER, version_health_name
 from servemesh_api.inference import grpc_service_pb2 as oip
 from tests.control_kit import accept_test_credential, credentialed_channel
 from tests.model.model_helpers import Stub
@@ -41,7 +45,7 @@ from tests.model.test_model_readiness import HeldLoader
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-REPLICA = "model-zone-a-0"
+REPLICA = "model-fraud-zone-a-0"
 
 
 def _spec(

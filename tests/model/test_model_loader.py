@@ -8,7 +8,7 @@ import grpc
 import pytest
 import torch
 
-from servemesh.demo import DEMO_FEATURES, Artifact
+from servemesh.contract.demo import DEMO_FEATURES, Artifact
 from servemesh.services.model.errors import LoadError
 from servemesh.services.model.loader import registry_loader
 from servemesh.spec import BatchingSpec, MeshSpec, ModelSpec, ModelVersionSpec

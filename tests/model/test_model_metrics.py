@@ -12,9 +12,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from servemesh.demo import Artifact
+from servemesh.contract.demo import Artifact
+from servemesh.services.model.app import build_server
 from servemesh.services.model.loader import ModelLoader
-from servemesh.services.model.service import build_server
 from servemesh.spec import (
     BatchingSpec,
     MeshSpec,
@@ -29,7 +29,7 @@ from servemesh_api.inference import grpc_service_pb2_grpc
 from tests.model.model_helpers import GatedLoader, rows
 from tests.model.test_model_server import demo_loader, infer_request
 
-INSTANCE = "model-zone-a-0"
+INSTANCE = "model-fraud-zone-a-0"
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 

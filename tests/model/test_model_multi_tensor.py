@@ -20,7 +20,7 @@ from servemesh.services.model.batching import Batcher, ManualClock, NamedRows, R
 from servemesh.services.model.errors import InferenceFailed, LoadError
 from servemesh.services.model.loader import LoadedModel, ModelLoader, load_model
 from servemesh.services.model.runner import ModelRunner
-from servemesh.services.model.servicer import InferenceServicer
+from servemesh.services.model.service import InferenceServicer
 from servemesh.services.model.tensors import (
     RequestError,
     Signature,
@@ -365,7 +365,7 @@ async def multi(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Stub, Chu
         "dtypes": (Dtypes(), dtypes_example(), DTYPES_SIGNATURE),
     }
     servicer = InferenceServicer(
-        replica="model-zone-a-0",
+        replica="model-fraud-zone-a-0",
         loader=artifact_loader(models, request.param),
         expected=[("churn", "v1"), ("dtypes", "v1")],
     )

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from servemesh.control_credential import control_metadata_for, ensure_control_token
-from servemesh.demo import demo_artifact
+from servemesh.contract.control_credential import control_metadata_for, ensure_control_token
+from servemesh.contract.demo import demo_artifact
 from servemesh.identity import Dial, dial_registry, dial_service
 from servemesh.procs import Child, GrpcHealth, Supervisor
 from servemesh.registry.client import push_version
@@ -34,7 +34,7 @@ from tests.model.model_helpers import rows
 from tests.model.test_model_metrics import scrape, value
 from tests.model.test_model_server import infer_request
 
-MODEL_INSTANCE = "model-zone-a-0"
+MODEL_INSTANCE = "model-fraud-zone-a-0"
 SLOW_MS = 300.0  # every batch takes this long: requests are surely in flight at SIGTERM
 
 

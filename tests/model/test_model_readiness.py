@@ -13,12 +13,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servemesh.demo import Artifact
-from servemesh.policy import ShadowSpec
+from servemesh.contract.demo import Artifact
+from servemesh.services.model.app import SERVICE_NAME, build_server
 from servemesh.services.model.loader import LoadedModel
 from servemesh.services.model.readiness import ModelServer, routed_versions
-from servemesh.services.model.service import SERVICE_NAME, build_server
 from servemesh.spec import MeshSpec, ModelSpec, Ports, ResolvedSpec, resolve
+from servemesh.spec.policy import ShadowSpec
 from servemesh_api.inference import grpc_service_pb2 as oip
 from tests.control_kit import accept_test_credential, credentialed_channel
 from tests.model.model_helpers import Stub, rows
@@ -60,7 +60,7 @@ async def replica(
     artifacts: dict[int, Artifact],
 ) -> AsyncIterator[tuple[ModelServer, HeldLoader, grpc.aio.Channel]]:
     loader = HeldLoader(artifacts)
-    server = await build_server(_spec(), "model-zone-a-0", loader=loader, tls=False)
+    server = await build_server(_spec(), "model-fraud-zone-a-0", loader=loader, tls=False)
     assert isinstance(server, ModelServer)
     accept_test_credential(server)
     await server.start()

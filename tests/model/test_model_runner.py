@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from servemesh.demo import Artifact
+from servemesh.contract.demo import Artifact
 from servemesh.services.model.runner import ArtifactMismatch, ModelRunner, verify_artifact
 from tests.model.model_helpers import FEATURES, array_of, rows
 

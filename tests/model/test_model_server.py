@@ -15,15 +15,15 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from servemesh.demo import Artifact
+from servemesh.contract.demo import Artifact
+from servemesh.contract.wire import SHADOW_ROLE_HEADER
+from servemesh.services.model.app import SERVICE_NAME, build_server
 from servemesh.services.model.errors import LoadError
 from servemesh.services.model.loader import LoadedModel, load_model
 from servemesh.services.model.repository import natural_key
-from servemesh.services.model.service import SERVICE_NAME, build_server
-from servemesh.services.model.servicer import InferenceServicer
+from servemesh.services.model.service import InferenceServicer
 from servemesh.services.model.shadow import ShadowLedger, ShadowRecorder
 from servemesh.spec import BatchingSpec, MeshSpec, Ports, resolve
-from servemesh.wire import SHADOW_ROLE_HEADER
 from servemesh_api.inference import grpc_service_pb2 as oip
 from tests.model.model_helpers import (
     FEATURES,
@@ -280,7 +280,9 @@ async def test_built_server_loads_every_spec_version_before_it_reports_serving(
     artifacts: dict[int, Artifact],
 ) -> None:
     spec = resolve(MeshSpec(ports=Ports.free()))
-    server = await build_server(spec, "model-zone-b-0", loader=demo_loader(artifacts), tls=False)
+    server = await build_server(
+        spec, "model-fraud-zone-b-0", loader=demo_loader(artifacts), tls=False
+    )
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     try:
@@ -290,7 +292,7 @@ async def test_built_server_loads_every_spec_version_before_it_reports_serving(
         stub = Stub(channel)
         assert (await stub.ServerReady(oip.ServerReadyRequest())).ready
         reply = await stub.ModelInfer(infer_request(rows(1), version="v1"), timeout=5)
-        assert reply.parameters["servemesh_replica"].string_param == "model-zone-b-0"
+        assert reply.parameters["servemesh_replica"].string_param == "model-fraud-zone-b-0"
         assert reply.parameters["servemesh_zone"].string_param == "zone-b"
     finally:
         await channel.close()

@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
+from servemesh.contract.wire import REPLICA_PARAMETER, ZONE_PARAMETER
 from servemesh.services.model.inference import _plain_answer
 from servemesh.services.model.loader import LoadedModel
 from servemesh.services.model.tensors import (
@@ -20,7 +21,6 @@ from servemesh.services.model.tensors import (
     decode_request,
     encode_outputs,
 )
-from servemesh.wire import REPLICA_PARAMETER, ZONE_PARAMETER
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.registry.v1 import registry_pb2
 from tests.model.model_helpers import FEATURES, SIGNATURE, array_of, rows

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from servemesh.demo import Artifact
-from servemesh.services.model.service import SERVICE_NAME
-from servemesh.services.model.servicer import InferenceServicer
+from servemesh.contract.demo import Artifact
+from servemesh.services.model.app import SERVICE_NAME
+from servemesh.services.model.service import InferenceServicer
 from servemesh.services.runtime import ServiceServer
 from servemesh_api.inference import grpc_service_pb2_grpc
 from tests.model.model_helpers import REPLICA

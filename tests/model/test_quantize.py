@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from servemesh.demo import N_FEATURES, demo_artifact, heavy_artifact
+from servemesh.contract.demo import N_FEATURES, demo_artifact, heavy_artifact
 from servemesh.quantize import (
     QuantizeError,
     QuantizeRefused,
@@ -20,6 +20,7 @@ from servemesh.registry.records import TensorSpec
 from servemesh.services.model.artifacts import open_artifact
 from servemesh.services.model.tensors import Signature
 from tests.model.torch_models import CHURN_FEATURES, Churn, churn_example, exported
+from tests.sandbox.spy import sandbox_spy
 
 
 def demo_record(data: bytes, format: str = "torchscript", model: str = "fraud") -> VersionRecord:
@@ -153,3 +154,22 @@ def test_accuracy_reads_labels_by_argmax_or_threshold_and_integers_exactly() -> 
     assert nan.max_abs_error == float("inf")
     with pytest.raises(QuantizeError, match="answers shape"):
         measure_accuracy(one, [np.zeros((2, 1))], [np.zeros((3, 1))])
+
+
+def test_the_derivation_and_both_checks_run_in_sandboxed_children(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    source = demo_artifact(3).data
+    record = demo_record(source)
+    spy = sandbox_spy(monkeypatch)  # loading a model in this process now raises
+    derived = quantize_version(source, record, "int8")
+    # The source in the quantize child (derive, then its answers), the derived model in a
+    # plain child of its own.
+    assert [o.entry for o in spy.opened] == [
+        ("-m", "servemesh.quantize"),
+        ("-m", "servemesh.sandbox.child"),
+    ]
+    assert {o.seccomp for o in spy.opened} == {"2"}
+    monkeypatch.undo()
+    assert open_artifact(derived.data).format == "torchscript"
+    assert derived.layers == 3 and derived.accuracy.max_abs_error <= 0.05

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from servemesh.cli.models import ModelsError, PushRequest, check_push
-from servemesh.demo import build_fraud_model, demo_artifact
+from servemesh.contract.demo import build_fraud_model, demo_artifact
 from servemesh.services.model.artifacts import ArtifactError, load_module, open_artifact
 from servemesh.services.model.op_allowlist import ALLOWED_ATEN, allowed_operator
 from tests.model import crafted_pt2
@@ -191,6 +191,171 @@ def test_storage_memory_and_print_operators_are_refused(
     module: torch.nn.Module, operator: str
 ) -> None:
     refused(saved(module), f"operator {operator} in __torch__.")
+
+
+# --- raw kernels that trust their caller (memory outside the tensors) ------------------------
+# Each of these passed the allowlist before it was narrowed, behaved on the push probe's rows,
+# and read or wrote the server's memory on a request's values: the model takes its offset,
+# batch size or index from the request. Scripting is enough to show the guard refuses them;
+# none of them runs here.
+
+
+class ReshapeAlias(torch.nn.Module):
+    """Strides from the request: reads (and writes) anywhere in the process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offset = int(x[0, 0].item())
+        return torch.ops.aten._reshape_alias(self.w, [2, 4], [offset, 1]) + 0
+
+
+class PadPacked(torch.nn.Module):
+    """A negative batch size from the request: a heap write."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sizes = torch.tensor([int(x[0, 0].item())])
+        out, _ = torch.ops.aten._pad_packed_sequence(x, sizes, False, 0.0, 1)
+        return out
+
+
+class EmbeddingBagPastTheTable(torch.nn.Module):
+    """`padding_idx` past the table: the private kernel indexes past it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.zeros(4, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index = x.long().flatten()
+        offsets = torch.zeros(1, dtype=torch.long)
+        out = torch.ops.aten._embedding_bag(
+            self.table, index, offsets, False, 0, False, None, False, 1 << 20
+        )
+        return out[0]
+
+
+class BatchNormShortStats(torch.nn.Module):
+    """Training mode with one-element running stats for four channels: writes past them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.var = torch.nn.Parameter(torch.ones(1), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten.native_batch_norm(x, None, None, self.mean, self.var, True, 0.1, 1e-5)
+        return out[0]
+
+
+class BatchNormLegitShortStats(BatchNormShortStats):
+    """The same through the private kernel torch.export writes for batch norm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._native_batch_norm_legit(
+            x, None, None, self.mean, self.var, True, 0.1, 1e-5
+        )
+        return out[0]
+
+
+class RawLstm(torch.nn.Module):
+    """A wider layer given 1x1 weight views: the raw kernels read past them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(1, x.size(0), 64)
+        weights = [self.w, self.w]
+        return torch.ops.aten.lstm(x, [h, h], weights, False, 1, 0.0, False, False, True)[0]
+
+
+class RawGru(RawLstm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(1, x.size(0), 64)
+        return torch.ops.aten.gru(x, h, [self.w, self.w], False, 1, 0.0, False, False, True)[0]
+
+
+class RawRnnTanh(RawLstm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(1, x.size(0), 64)
+        return torch.ops.aten.rnn_tanh(x, h, [self.w, self.w], False, 1, 0.0, False, False, True)[0]
+
+
+class Warner(torch.nn.Module):
+    """`warnings.warn` writes a line of the model's choosing into the server's log."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        warnings.warn('{"level": "ERROR", "service": "gateway", "msg": "forged"}', stacklevel=1)
+        return x
+
+
+@pytest.mark.parametrize(
+    ("module", "operator"),
+    [
+        (ReshapeAlias(), "aten::_reshape_alias"),
+        (PadPacked(), "aten::_pad_packed_sequence"),
+        (EmbeddingBagPastTheTable(), "aten::_embedding_bag"),
+        (BatchNormShortStats(), "aten::native_batch_norm"),
+        (BatchNormLegitShortStats(), "aten::_native_batch_norm_legit"),
+        (RawLstm(), "aten::lstm"),
+        (RawGru(), "aten::gru"),
+        (RawRnnTanh(), "aten::rnn_tanh"),
+        (Warner(), "aten::warn"),
+    ],
+    ids=[
+        "reshape_alias", "pad_packed_sequence", "embedding_bag", "native_batch_norm",
+        "native_batch_norm_legit", "lstm", "gru", "rnn_tanh", "warn",
+    ],
+)  # fmt: skip
+def test_raw_kernels_that_trust_their_caller_are_refused(
+    module: torch.nn.Module, operator: str
+) -> None:
+    refused(saved(module), f"operator {operator} in __torch__.")
+
+
+def test_push_refuses_a_raw_kernel_before_the_probe_batch(tmp_path: Path) -> None:
+    model = tmp_path / "alias.pt"
+    model.write_bytes(saved(ReshapeAlias()))
+    signature = tmp_path / "sig.yaml"
+    signature.write_text(
+        "inputs: [{name: x, datatype: FP32, shape: [-1, 8]}]\n"
+        "outputs: [{name: y, datatype: FP32, shape: [-1, 4]}]\n"
+    )
+    request = PushRequest(file=model, model="alias", version="v1", signature=signature)
+    with pytest.raises(ModelsError, match=r"operator aten::_reshape_alias in"):
+        check_push(request, limit_bytes=1 << 30)
+
+
+def test_the_public_forms_of_those_kernels_check_what_they_are_given() -> None:
+    # Why the public operators stay allowed: each refuses what its raw kernel would trust.
+    x = torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match="running_mean should contain 4 elements"):
+        short = (torch.zeros(1), torch.ones(1))
+        torch.ops.aten.batch_norm(x, None, None, *short, True, 0.1, 1e-5, False)
+    with pytest.raises(RuntimeError, match="padding_idx must be within"):
+        torch.ops.aten.embedding_bag.padding_idx(
+            torch.randn(4, 3), torch.tensor([0, 1]), torch.tensor([0]),
+            False, 0, False, None, False, 100,
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="inconsistent input_size"):
+        torch.ops.aten.lstm_cell(
+            torch.randn(2, 4), [torch.randn(2, 3), torch.randn(2, 3)],
+            torch.randn(1, 1), torch.randn(1, 1),
+        )  # fmt: skip
+
+
+def test_library_layers_built_on_refused_kernels_say_which_and_why() -> None:
+    # nn.LSTM calls the raw kernel; the transformer layers' scripted code has a fused fast
+    # path (a private kernel) in a branch. Both are refused by name: recurrent models use
+    # the cells, transformer models go through torch.export (scaled_dot_product_attention).
+    refused(saved(torch.nn.LSTM(4, 4)), "operator aten::lstm in __torch__.")
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    message = refused(saved(layer), "operator aten::_")
+    assert re.search(r"aten::_(transformer_encoder_layer_fwd|native_multi_head_attention)", message)
 
 
 # --- hidden operators ----------------------------------------------------------------------
@@ -445,17 +610,20 @@ class Ordinary(torch.nn.Module):
             torch.nn.GELU(),
             torch.nn.LayerNorm(16),
         )
-        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
-        self.encoder = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
-        self.lstm = torch.nn.LSTM(16, 8, batch_first=True)
+        self.query = torch.nn.Linear(16, 16)
+        self.cell = torch.nn.LSTMCell(16, 8)
         self.embedding = torch.nn.Embedding(10, 8)
 
     def forward(self, image: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             features = self.conv(image).unsqueeze(1)
-        encoded = self.encoder(features)
-        hidden, _ = self.lstm(encoded)
-        mixed = hidden[:, -1] + self.embedding(tokens).mean(1)
+        q = self.query(features)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, features, features)
+        hidden = torch.zeros(features.size(0), 8)
+        state = torch.zeros(features.size(0), 8)
+        for step in range(attended.size(1)):
+            hidden, state = self.cell(attended[:, step], (hidden, state))
+        mixed = hidden + self.embedding(tokens).mean(1)
         return torch.softmax(mixed, dim=-1).topk(2).indices
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from servemesh.netns import available
 from servemesh.procs import Check
+from servemesh.procs.netns import available
 
 CAN, WHY = available()
 needs_netns = pytest.mark.skipif(not CAN, reason=f"zone namespaces unavailable here: {WHY}")

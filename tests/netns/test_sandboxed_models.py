@@ -4,7 +4,7 @@ user, without any capability, and the mesh predicts through both zones.
 
 Inside a namespace every process passes through `ip netns exec` (root) and a setpriv that
 drops the capabilities; the sandbox's change of user has to happen in that same setpriv
-(servemesh.netns.drop_privileges_argv). Skipped, with the reason, where this machine
+(servemesh.procs.netns.drop_privileges_argv). Skipped, with the reason, where this machine
 cannot run zones in namespaces or start processes as another user."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 
 from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
-from servemesh.netns import NETNS_DIR
-from servemesh.procs.sandbox import AUTO_GID, AUTO_UID
+from servemesh.procs.netns import NETNS_DIR
+from servemesh.procs.sandbox import AUTO_GID, AUTO_UID, RunAs, pool_users
 from servemesh.spec import NetworkSpec
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.mesh.conftest import test_mesh_spec
@@ -66,18 +66,20 @@ def test_each_model_server_runs_in_its_zone_as_the_sandbox_user_without_capabili
     assert network is not None
     servers = mesh.pids_of("model")
     assert {mesh.spec.instance(name).zone for name in servers} == set(ZONES)
+    users = pool_users(RunAs(AUTO_UID, AUTO_GID), mesh.spec.pool_names())
     for name, pid in servers.items():
+        user = users[mesh.spec.instance(name).pool]  # its pool's own user
         inside = os.stat(NETNS_DIR / network.namespace(mesh.spec.instance(name).zone)).st_ino
         assert os.stat(f"/proc/{pid}/ns/net").st_ino == inside, name
         caps = capabilities(pid)
         assert (caps["Uid"], caps["CapEff"], caps["CapBnd"], caps["NoNewPrivs"]) == (
-            str(AUTO_UID),
+            str(user.uid),
             "0000000000000000",
             "0000000000000000",
             "1",
         ), name
         gid_line = Path(f"/proc/{pid}/status").read_text().split("\nGid:\t", 1)[1]
-        assert gid_line.split()[:4] == [str(AUTO_GID)] * 4, name
+        assert gid_line.split()[:4] == [str(user.gid)] * 4, name
     # The rest of the zone's processes stay the launcher's user, without capabilities.
     for pid in mesh.pids_of("feature").values():
         assert capabilities(pid)["Uid"] == "0"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from servemesh.netns import NETNS_DIR, ZoneNetwork, zone_source_address
 from servemesh.procs import Supervisor
+from servemesh.procs.netns import NETNS_DIR, ZoneNetwork, zone_source_address
 from servemesh.procs.sandbox import AUTO_GID, AUTO_UID, RunAs
 from tests.netns.helpers import (
     CONNECT,

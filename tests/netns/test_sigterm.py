@@ -36,7 +36,7 @@ def test_up_netns_closes_its_network_on_sigterm(tmp_path: Path) -> None:
         # The core and two zones, the machine's link, four NAT chains and a filter chain.
         assert len(running) == 3 + 1 + 5, running
         pids = json.loads(endpoints.read_text())["pids"]
-        for name in ("gateway-zone-a-0", "feature-zone-b-0", "model-zone-a-0"):
+        for name in ("gateway-zone-a-0", "feature-zone-b-0", "model-fraud-zone-a-0"):
             caps = capabilities(pids[name])
             assert caps["CapEff"] == caps["CapBnd"] == "0000000000000000", (name, caps)
         predicted = subprocess.run(

@@ -15,14 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from servemesh.netns import ZoneNetwork
 from servemesh.procs import Check, Supervisor
+from servemesh.procs.netns import ZoneNetwork
 from tests.netns.helpers import free_port, needs_netns, owned_by
 
 # Creates a network, prints its names as JSON, then waits; SIGTERM exits through atexit.
 OWNER = (
     "import json, signal, sys, time\n"
-    "from servemesh.netns import ZoneNetwork\n"
+    "from servemesh.procs.netns import ZoneNetwork\n"
     "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
     "net = ZoneNetwork(['zone-a', 'zone-b']).create()\n"
     "net.attach_host({'zone-a': [int(sys.argv[1])]}, {'zone-a': [int(sys.argv[2])]})\n"

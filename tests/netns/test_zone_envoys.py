@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from servemesh.contract.wire import model_cluster
 from servemesh.launcher import Mesh, envoy_child
-from servemesh.netns import NETNS_DIR
+from servemesh.procs.netns import NETNS_DIR
 from servemesh.proxy.admin import AdminClient, admin_socket_path
 from servemesh.spec import EDGE_PROXY, DemoSpec, MeshSpec, NetworkSpec, Ports, ProxySpec
-from servemesh.wire import model_cluster
 from tests.mesh.edge_load import edge_load, zones_answering
 from tests.netns.helpers import needs_netns
 from tests.waiting import wait_until

@@ -32,7 +32,10 @@ METADATA = (
 
 def _answer() -> gateway_pb2.PredictResponse:
     answer = gateway_pb2.PredictResponse(
-        scores=[0.638087], model_version="v1", model_replica="model-zone-a-0", model_zone="zone-a"
+        scores=[0.638087],
+        model_version="v1",
+        model_replica="model-fraud-zone-a-0",
+        model_zone="zone-a",
     )
     score = answer.outputs["score"]
     score.datatype = "FP32"

@@ -20,7 +20,7 @@ def answer(score: float = 0.5, version: str = "v1") -> gateway_pb2.PredictRespon
     return gateway_pb2.PredictResponse(
         scores=[score],
         model_version=version,
-        model_replica="model-zone-a-0",
+        model_replica="model-fraud-zone-a-0",
         model_zone="zone-a",
         outputs={"score": gateway_pb2.Tensor(datatype="FP32", shape=[1, 1], float_values=[score])},
     )

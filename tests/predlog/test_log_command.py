@@ -45,9 +45,10 @@ def test_query_and_status_over_a_state_dir(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # An empty state dir holds neither a mesh nor its log.
-    assert main(["log", "status", "--state-dir", str(tmp_path), "--json"]) == 2
+    assert main(["log", "status", "--state-dir", str(tmp_path), "--json"]) == 5
     assert capsys.readouterr().err.strip() == (
-        f"error: no running mesh at {tmp_path}: start one with `servemesh up`"
+        f"error: no running mesh at {tmp_path}: start one with `servemesh up`, or point at a "
+        "running one with --state-dir DIR or SERVEMESH_STATE_DIR"
     )
     now = time.time()
     store = ParquetStore(predictions_dir(tmp_path), "gateway-zone-a-0")

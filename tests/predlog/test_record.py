@@ -57,7 +57,7 @@ async def test_an_answer_becomes_a_row_with_its_replica_zone_outputs_and_timings
     assert row["request_id"] == "r-1" and row["trace_id"] == TRACE
     assert (row["gateway"], row["gateway_zone"]) == ("gateway-zone-a-0", "zone-a")
     assert (row["model"], row["version"]) == ("fraud", "v1")
-    assert (row["replica"], row["zone"]) == ("model-zone-a-0", "zone-a")
+    assert (row["replica"], row["zone"]) == ("model-fraud-zone-a-0", "zone-a")
     assert json.loads(str(row["entities"])) == {"user": ["user-42"]}
     assert row["entity_keys"] == ["user=user-42"]
     assert json.loads(str(row["outputs"])) == {"score": [[0.638087]]}

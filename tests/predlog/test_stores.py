@@ -132,7 +132,7 @@ def test_model_version_request_id_and_limit(backend: Backend) -> None:
     first = limited.rows[0]
     assert (first["gateway"], first["replica"], first["zone"]) == (
         "gateway-zone-a-0",
-        "model-zone-a-0",
+        "model-fraud-zone-a-0",
         "zone-a",
     )
     assert first["outputs"] == {"score": [[0.5]]}
@@ -201,9 +201,11 @@ def test_flush_files_merge_into_one_and_readers_never_count_twice(tmp_path: Path
     assert reader.query(LogQuery(since_s=7200)).matched == MERGE_RUN + 1
 
 
-def test_a_read_whose_files_a_merge_removed_is_made_again_on_a_new_listing(
+def _merged_after_the_first_listing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+) -> tuple[ParquetReader, list[int]]:
+    """A reader of MERGE_RUN + 1 flush files whose writer merges them right after the
+    reader's first listing, as a gateway may; and the length of each listing it makes."""
     root = tmp_path / "predictions"
     store = ParquetStore(root, "g", lambda: NOW)
     for i in range(MERGE_RUN + 1):
@@ -213,14 +215,29 @@ def test_a_read_whose_files_a_merge_removed_is_made_again_on_a_new_listing(
     def listed_then_merged(folder: Path, since_ms: int = 0) -> list[object]:
         found = live_files(folder, since_ms)
         if not listings:
-            store.compact()  # between the reader's listing and its read, as a gateway may
+            store.compact()
             assert not all(f.path.exists() for f in found)
         listings.append(len(found))
         return found  # type: ignore[return-value]
 
     monkeypatch.setattr("servemesh.predlog.query.live_files", listed_then_merged)
-    reader = ParquetReader(root, lambda: NOW)
+    return ParquetReader(root, lambda: NOW), listings
+
+
+def test_a_read_whose_files_a_merge_removed_is_made_again_on_a_new_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reader, listings = _merged_after_the_first_listing(tmp_path, monkeypatch)
     assert reader.query(LogQuery()).matched == MERGE_RUN + 1  # every call once
+    assert listings == [MERGE_RUN + 1, 2]
+
+
+def test_a_summary_whose_files_a_merge_removed_is_made_again_on_a_new_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`servemesh log status` under a writer that merges its files meanwhile."""
+    reader, listings = _merged_after_the_first_listing(tmp_path, monkeypatch)
+    assert reader.summary().rows == MERGE_RUN + 1
     assert listings == [MERGE_RUN + 1, 2]
 
 

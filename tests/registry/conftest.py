@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from servemesh.demo import Artifact, demo_artifact
+from servemesh.contract.demo import Artifact, demo_artifact
 from servemesh.registry.app import registry_server
 from servemesh.registry.store import RegistryStore
 from servemesh_api.registry.v1 import registry_pb2_grpc

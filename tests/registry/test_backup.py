@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from servemesh.demo import Artifact
+from servemesh.contract.demo import Artifact
 from servemesh.registry.app import registry_server
 from servemesh.registry.backup import (
     BackupDamaged,

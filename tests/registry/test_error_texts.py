@@ -7,7 +7,7 @@ import shutil
 
 import grpc
 
-from servemesh.demo import Artifact
+from servemesh.contract.demo import Artifact
 from servemesh_api.registry.v1 import registry_pb2 as pb
 from tests.registry.registry_kit import RunningRegistry, blob_path
 from tests.registry.test_registry_service import push, refused

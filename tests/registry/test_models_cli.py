@@ -25,7 +25,7 @@ from servemesh.identity import dial_address, serving_credentials
 from servemesh.registry.app import registry_server
 from servemesh.registry.store import RegistryStore
 from servemesh.services.model.loader import registry_loader
-from servemesh.services.model.servicer import InferenceServicer
+from servemesh.services.model.service import InferenceServicer
 from servemesh.spec import MeshSpec, Replicas, ResolvedSpec, dump_spec, resolve
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.registry.v1 import registry_pb2_grpc
@@ -355,7 +355,7 @@ async def push_v1(mesh: Mesh, artifact: Path, data: bytes, signature: Mapping[st
 async def test_quantize_pushes_a_checked_int8_version_that_a_model_server_serves(
     mesh: Mesh, tmp_path: Path
 ) -> None:
-    from servemesh.demo import demo_artifact, demo_signature
+    from servemesh.contract.demo import demo_artifact, demo_signature
 
     await push_v1(mesh, tmp_path / "fraud.pt", demo_artifact(1).data, demo_signature())
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from servemesh.control_credential import Metadata, control_metadata
-from servemesh.demo import Artifact
+from servemesh.contract.control_credential import Metadata, control_metadata
+from servemesh.contract.demo import Artifact
 from servemesh.registry.app import registry_server
 from servemesh.registry.client import push_version
 from servemesh.registry.store import RegistryStore

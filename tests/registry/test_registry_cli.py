@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from servemesh.demo import Artifact
+from servemesh.contract.demo import Artifact
 from servemesh.identity import dial_address, serving_credentials
 from servemesh.registry.app import registry_server
 from servemesh.registry.client import push_version, set_alias

@@ -6,10 +6,10 @@ import signal
 import sys
 from pathlib import Path
 
+from servemesh.contract.wire import REGISTRY_SERVICE
 from servemesh.identity import dial_registry
 from servemesh.procs import GrpcHealth, Supervisor
 from servemesh.spec import MeshSpec, Ports, dump_spec, resolve
-from servemesh.wire import REGISTRY_SERVICE
 from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
 
 

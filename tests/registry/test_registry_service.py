@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from servemesh.demo import Artifact
+from servemesh.contract.demo import Artifact
 from servemesh.registry.client import (
     ArtifactIntegrityError,
     ArtifactTooLargeError,

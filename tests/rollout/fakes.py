@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from servemesh.proxy.apply import ApplyError
 from servemesh.rollout.controller import Controller, Parts
 from servemesh.rollout.types import ArmWindow, Check, ChecklistItem
-from servemesh.rollout_plan import AnalysisSpec, RolloutPlan, RolloutStep
-from servemesh.rollout_state import StateStore
+from servemesh.spec.rollout_plan import AnalysisSpec, RolloutPlan, RolloutStep
+from servemesh.state.paths import ApplyError
+from servemesh.state.rollouts import StateStore
 
 
 class Crash(BaseException):

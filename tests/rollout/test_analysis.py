@@ -29,8 +29,8 @@ from servemesh.rollout.stats import (
     psi,
 )
 from servemesh.rollout.types import ArmWindow, Check
-from servemesh.rollout_plan import AnalysisSpec
 from servemesh.services.model.shadow import ShadowLedger
+from servemesh.spec.rollout_plan import AnalysisSpec
 
 LAT = LEDGER_LATENCY_BOUNDS_S
 ANALYSIS = AnalysisSpec(min_samples=100)
@@ -286,7 +286,12 @@ def test_too_few_calls_in_either_arm_waits_on_every_check() -> None:
 
 
 def _record(ledger: ShadowLedger, role: str, version: str, i: int, **extra: object) -> None:
-    entry = {"role": role, "request_id": f"r{i}", "replica": "model-zone-a-0", "model": "fraud"}
+    entry = {
+        "role": role,
+        "request_id": f"r{i}",
+        "replica": "model-fraud-zone-a-0",
+        "model": "fraud",
+    }
     ledger.append(entry | {"version": version} | extra)
 
 
@@ -294,7 +299,7 @@ def test_the_ledger_source_counts_both_sides_by_version_and_reads_only_whole_new
     tmp_path: Path,
 ) -> None:
     folder = tmp_path / "shadow"
-    ledger = ShadowLedger(folder / "model-zone-a-0.jsonl", max_bytes=4000)
+    ledger = ShadowLedger(folder / "model-fraud-zone-a-0.jsonl", max_bytes=4000)
     source = LedgerSource(folder)
     for i in range(30):
         _record(ledger, "primary", "v1", i, scores=[0.2], ms=3.0)
@@ -308,12 +313,12 @@ def test_the_ledger_source_counts_both_sides_by_version_and_reads_only_whole_new
     assert (first.arms["v2"].requests, first.arms["v2"].errors) == (30, 10)
     assert p99_s(first.arms["v2"]) > 0.1 > p99_s(first.arms["v1"])
     # The ledger rolled over to .1 on the way (4 kB): nothing was counted twice or lost.
-    assert (folder / "model-zone-a-0.jsonl.1").exists()
+    assert (folder / "model-fraud-zone-a-0.jsonl.1").exists()
     # A line still being written is left for the next read.
-    with (folder / "model-zone-a-0.jsonl").open("a") as handle:
+    with (folder / "model-fraud-zone-a-0.jsonl").open("a") as handle:
         handle.write('{"role": "primary", "model": "fraud", "vers')
     assert source.snapshot("fraud").arms["v1"].requests == 30
-    with (folder / "model-zone-a-0.jsonl").open("a") as handle:
+    with (folder / "model-fraud-zone-a-0.jsonl").open("a") as handle:
         handle.write('ion": "v1", "scores": [0.2], "ms": 2.0}\n')
     later = source.snapshot("fraud")
     assert window(first, later)["v1"].requests == 1
@@ -332,7 +337,7 @@ def test_the_ledger_source_counts_both_sides_by_version_and_reads_only_whole_new
 def test_the_shadow_step_catches_each_bad_version(tmp_path: Path, bad: str, check: str) -> None:
     rng = random.Random(5)
     folder = tmp_path / "shadow"
-    ledger = ShadowLedger(folder / "model-zone-b-0.jsonl")
+    ledger = ShadowLedger(folder / "model-fraud-zone-b-0.jsonl")
     source = LedgerSource(folder)
     before = source.snapshot("fraud")
     for i in range(600):

@@ -21,9 +21,9 @@ from servemesh.observe.prom_query import PromClient
 from servemesh.procs.prometheus import PrometheusServer, prometheus_binary
 from servemesh.procs.supervisor import Supervisor
 from servemesh.rollout.budget import read_from_prometheus
-from servemesh.rollout_plan import RolloutSpec, SloSpec
 from servemesh.slo_rules import BUDGET_LEFT, SERVICES_JOB, slow_bound_s
 from servemesh.spec import MeshSpec, MetricsSpec, Ports, resolve
+from servemesh.spec.rollout_plan import RolloutSpec, SloSpec
 from tests.waiting import wait_until
 
 PROMETHEUS = prometheus_binary()

@@ -20,7 +20,7 @@ from servemesh.rollout.checklist import (
 )
 from servemesh.rollout.gates import after_shadow, render_checklist
 from servemesh.rollout.types import ArmWindow, ChecklistItem
-from servemesh.rollout_plan import ChecklistSpec, RolloutPlan, SloSpec
+from servemesh.spec.rollout_plan import ChecklistSpec, RolloutPlan, SloSpec
 
 LATENCY_BOUNDS = (0.01, 0.025, 0.05, 0.1, 0.25, math.inf)
 SCORE_BOUNDS = (0.0, 0.25, 0.5, 0.75, 1.0, math.inf)

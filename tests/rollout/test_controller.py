@@ -13,7 +13,7 @@ import pytest
 
 from servemesh.rollout.controller import ControllerError, StartRequest
 from servemesh.rollout.types import Ending, Outcome
-from servemesh.rollout_state import StateStore
+from servemesh.state.rollouts import StateStore
 from tests.rollout.fakes import Arm, Crash, Gates, World, controller, short_plan
 
 FULL = (None, 1, 5, 25, 50, 100)

@@ -20,11 +20,13 @@ import grpc
 import pytest
 
 from servemesh.cli import main
+from servemesh.contract.wire import model_cluster
 from servemesh.identity import dial_edge
 from servemesh.identity.edge_client import dial_edge_as
 from servemesh.launcher import Mesh
 from servemesh.load import BackgroundLoad, Outcome, predict_target
-from servemesh.proxy.apply import MeshPaths, RouteManager
+from servemesh.proxy.apply import RouteManager
+from servemesh.proxy.replicas import envoy_hosts
 from servemesh.rollout.fleet import (
     GREEN_READY,
     GREEN_STARTED,
@@ -32,16 +34,15 @@ from servemesh.rollout.fleet import (
     SWITCHED,
     SWITCHED_BACK,
     StrategyContext,
-    envoy_hosts,
     fleet_status,
     run_blue_green,
     run_rolling,
 )
 from servemesh.rollout.types import Check, Ending
 from servemesh.rollout.types import Outcome as RolloutOutcome
-from servemesh.rollout_plan import RolloutPlan
 from servemesh.spec import DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Ports, Replicas
-from servemesh.wire import model_cluster
+from servemesh.spec.rollout_plan import RolloutPlan
+from servemesh.state.paths import MeshPaths
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.waiting import wait_until
 
@@ -50,8 +51,8 @@ pytestmark = pytest.mark.mesh
 ENTITIES = 50
 RATE_PER_S = 30.0
 ZONE = "zone-a"
-BLUE = ["model-zone-a-0", "model-zone-a-1"]
-GREEN = ["model-green-zone-a-0", "model-green-zone-a-1"]
+BLUE = ["model-fraud-zone-a-0", "model-fraud-zone-a-1"]
+GREEN = ["model-fraud-green-zone-a-0", "model-fraud-green-zone-a-1"]
 
 
 def fleet_mesh_spec(state_dir: Path) -> MeshSpec:
@@ -338,7 +339,7 @@ def test_retiring_the_old_set_leaves_the_green_set_alone(
     blue_pids = [mesh.pid(name) for name in BLUE]
     with steady_load(mesh) as load:
         assert main(["fleet", "--state-dir", str(mesh.state_dir), "retire"]) == 0
-        assert "stopping model-zone-a-0, model-zone-a-1" in capsys.readouterr().out
+        assert "stopping model-fraud-zone-a-0, model-fraud-zone-a-1" in capsys.readouterr().out
         retired_at = load.now_s()
         wait_until(
             lambda: sum(1 for o in list(load.outcomes) if o.sent_s > retired_at) >= 30,

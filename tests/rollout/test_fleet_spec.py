@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
+from servemesh.contract.wire import model_cluster, model_servers_cluster
 from servemesh.identity.enroll import mesh_identities
-from servemesh.proxy.apply import MeshPaths, RouteManager
+from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.render import render_proxies
 from servemesh.rollout.fleet import StrategyContext, _rolled_before
-from servemesh.rollout_plan import RolloutPlan
 from servemesh.spec import (
     FleetState,
     MeshSpec,
@@ -26,7 +26,8 @@ from servemesh.spec import (
     parse_spec_or_resolved,
     resolve,
 )
-from servemesh.wire import model_cluster, model_servers_cluster
+from servemesh.spec.rollout_plan import RolloutPlan
+from servemesh.state.paths import MeshPaths
 
 GREEN = ReplicaSet(name="green", serves={"fraud": ["v2"]})
 
@@ -80,12 +81,12 @@ def test_a_second_set_gets_names_and_ports_of_its_own_and_keeps_every_other_port
 ) -> None:
     live = running(tmp_path)
     both = with_fleet(live, sets=[ReplicaSet(), GREEN])
-    assert models(live) == ["model-zone-a-0", "model-zone-b-0"]
+    assert models(live) == ["model-fraud-zone-a-0", "model-fraud-zone-b-0"]
     assert models(both) == [
-        "model-zone-a-0",
-        "model-zone-b-0",
-        "model-green-zone-a-0",
-        "model-green-zone-b-0",
+        "model-fraud-zone-a-0",
+        "model-fraud-zone-b-0",
+        "model-fraud-green-zone-a-0",
+        "model-fraud-green-zone-b-0",
     ]
     for name, port in live.instance_ports.items():
         assert both.instance_ports[name] == port
@@ -95,7 +96,9 @@ def test_a_second_set_gets_names_and_ports_of_its_own_and_keeps_every_other_port
     fresh += [both.metrics_ports[n] for n in models(both)[2:]]
     assert len(set(fresh)) == 4 and not set(fresh) & held
     # Each new replica gets a certificate of its own when the mesh issues them.
-    assert {"model-green-zone-a-0", "model-green-zone-b-0"} <= set(mesh_identities(both))
+    assert {"model-fraud-green-zone-a-0", "model-fraud-green-zone-b-0"} <= set(
+        mesh_identities(both)
+    )
 
 
 def test_fixed_service_ports_stay_with_their_instances_when_a_set_joins(tmp_path: Path) -> None:
@@ -108,15 +111,17 @@ def test_fixed_service_ports_stay_with_their_instances_when_a_set_joins(tmp_path
 def test_retiring_the_first_set_drops_its_ports_and_keeps_the_green_ones(tmp_path: Path) -> None:
     both = with_fleet(running(tmp_path), sets=[ReplicaSet(), GREEN])
     only = with_fleet(both, sets=[ReplicaSet(name="green")])
-    assert models(only) == ["model-green-zone-a-0", "model-green-zone-b-0"]
-    assert "model-zone-a-0" not in only.instance_ports
-    assert only.port_of("model-green-zone-a-0") == both.port_of("model-green-zone-a-0")
+    assert models(only) == ["model-fraud-green-zone-a-0", "model-fraud-green-zone-b-0"]
+    assert "model-fraud-zone-a-0" not in only.instance_ports
+    assert only.port_of("model-fraud-green-zone-a-0") == both.port_of("model-fraud-green-zone-a-0")
 
 
 def test_the_fleet_survives_the_resolved_file_and_is_no_part_of_a_declared_spec(
     tmp_path: Path,
 ) -> None:
-    both = with_fleet(running(tmp_path), sets=[ReplicaSet(), GREEN], draining=["model-zone-a-0"])
+    both = with_fleet(
+        running(tmp_path), sets=[ReplicaSet(), GREEN], draining=["model-fraud-zone-a-0"]
+    )
     text = dump_spec(both)
     assert parse_resolved(text).fleet == both.fleet
     assert isinstance(parse_spec_or_resolved(text), ResolvedSpec)
@@ -126,7 +131,7 @@ def test_the_fleet_survives_the_resolved_file_and_is_no_part_of_a_declared_spec(
 @pytest.mark.parametrize(
     ("fleet", "message"),
     [
-        ({"draining": ["model-zone-c-0"]}, "fleet.draining: names no replica"),
+        ({"draining": ["model-fraud-zone-c-0"]}, "fleet.draining: names no replica"),
         ({"generations": {"gateway-zone-a-0": 1}}, "fleet.generations: names no model server"),
         (
             {"sets": [ReplicaSet(), ReplicaSet(name="green", serves={"fraud": ["v9"]})]},
@@ -156,8 +161,8 @@ def test_set_names_must_differ_and_be_plain() -> None:
 
 def test_a_version_s_clusters_list_the_set_that_serves_it(tmp_path: Path) -> None:
     both = with_fleet(running(tmp_path), sets=[ReplicaSet(), GREEN])
-    green = {both.port_of("model-green-zone-a-0"), both.port_of("model-green-zone-b-0")}
-    blue = {both.port_of("model-zone-a-0"), both.port_of("model-zone-b-0")}
+    green = {both.port_of("model-fraud-green-zone-a-0"), both.port_of("model-fraud-green-zone-b-0")}
+    blue = {both.port_of("model-fraud-zone-a-0"), both.port_of("model-fraud-zone-b-0")}
     for zone in both.zones:
         assert {
             port_of(e) for e in endpoints(both, model_cluster("fraud", "v2", zone), tmp_path)
@@ -175,22 +180,22 @@ def test_a_version_s_clusters_list_the_set_that_serves_it(tmp_path: Path) -> Non
 
 
 def test_a_draining_replica_is_listed_as_draining_in_every_cluster(tmp_path: Path) -> None:
-    spec = with_fleet(running(tmp_path), draining=["model-zone-a-0"])
-    port = spec.port_of("model-zone-a-0")
+    spec = with_fleet(running(tmp_path), draining=["model-fraud-zone-a-0"])
+    port = spec.port_of("model-fraud-zone-a-0")
     for cluster in (model_cluster("fraud", "v1", "zone-b"), model_servers_cluster("zone-a")):
         listed = {port_of(e): e.get("health_status") for e in endpoints(spec, cluster, tmp_path)}
-        assert listed == {port: "DRAINING", spec.port_of("model-zone-b-0"): None}
+        assert listed == {port: "DRAINING", spec.port_of("model-fraud-zone-b-0"): None}
 
 
 @pytest.mark.parametrize(
     ("marker", "skipped"),
     [
         (None, []),
-        ("rolling:draining:model-zone-b-0", ["model-zone-a-0"]),
-        ("rolling:renewing:model-zone-b-0", ["model-zone-a-0"]),
-        ("rolling:replaced:model-zone-a-0", ["model-zone-a-0"]),
-        ("rolling:replaced:model-zone-b-0", ["model-zone-a-0", "model-zone-b-0"]),
-        ("rolling:switched", ["model-zone-a-0", "model-zone-b-0"]),
+        ("rolling:draining:model-fraud-zone-b-0", ["model-fraud-zone-a-0"]),
+        ("rolling:renewing:model-fraud-zone-b-0", ["model-fraud-zone-a-0"]),
+        ("rolling:replaced:model-fraud-zone-a-0", ["model-fraud-zone-a-0"]),
+        ("rolling:replaced:model-fraud-zone-b-0", ["model-fraud-zone-a-0", "model-fraud-zone-b-0"]),
+        ("rolling:switched", ["model-fraud-zone-a-0", "model-fraud-zone-b-0"]),
     ],
 )
 def test_a_resumed_rolling_update_skips_the_replicas_it_replaced(

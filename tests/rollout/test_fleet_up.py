@@ -11,15 +11,16 @@ import pytest
 import yaml
 
 from servemesh.procs import Check, Supervisor
-from servemesh.proxy.apply import MeshPaths, RouteManager
+from servemesh.proxy.apply import RouteManager
 from servemesh.rollout.fleet import StrategyContext, fleet_status, run_blue_green
 from servemesh.rollout.types import Outcome
-from servemesh.rollout_plan import RolloutPlan
 from servemesh.spec import DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Ports, Replicas
+from servemesh.spec.rollout_plan import RolloutPlan
+from servemesh.state.paths import MeshPaths
 
 pytestmark = pytest.mark.mesh
 
-GREEN = "model-green-zone-a-0"
+GREEN = "model-fraud-green-zone-a-0"
 
 
 def _alive(pid: int) -> bool:
@@ -88,7 +89,7 @@ def test_the_mesh_owns_the_green_set_and_stops_it(tmp_path: Path) -> None:
         assert ending.outcome == Outcome.PROMOTED, ending.reason
         status = fleet_status(state, "model")
         pids = {name: int(entry["pid"] or 0) for name, entry in status.items()}
-        assert set(pids) == {"model-zone-a-0", GREEN}
+        assert set(pids) == {"model-fraud-zone-a-0", GREEN}
         # Started by the mesh, not by this process: `up` is their parent.
         assert _parent_of(pids[GREEN]) == up.pid
         assert all(_alive(pid) for pid in pids.values())

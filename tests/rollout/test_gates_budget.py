@@ -19,9 +19,9 @@ from servemesh.rollout.budget import (
     ObjectiveBudget,
     count_from_samples,
 )
-from servemesh.rollout_plan import RolloutSpec, SloSpec
 from servemesh.slo_rules import BUDGET_LEFT, BURN_RATE, burn_windows, render_rules, slow_bound_s
 from servemesh.spec import MeshSpec, Ports, ResolvedSpec, resolve
+from servemesh.spec.rollout_plan import RolloutSpec, SloSpec
 
 PROMTOOL = promtool_binary()
 

@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from servemesh.rollout.freeze import active_freeze, freeze_detail
-from servemesh.rollout_plan import FreezeSpec, FreezeWindow
+from servemesh.spec.rollout_plan import FreezeSpec, FreezeWindow
 
 BERLIN = ZoneInfo("Europe/Berlin")
 SPEC = FreezeSpec(

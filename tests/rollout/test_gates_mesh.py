@@ -27,14 +27,6 @@ from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_view import live_view
 from servemesh.rollout.gates import error_budget_item, preflight
 from servemesh.rollout.types import ChecklistItem
-from servemesh.rollout_plan import (
-    ChecklistSpec,
-    FreezeSpec,
-    FreezeWindow,
-    RolloutPlan,
-    RolloutSpec,
-    SloSpec,
-)
 from servemesh.slo_rules import BUDGET_LEFT, BURN_RATE, burn_windows
 from servemesh.spec import (
     DemoSpec,
@@ -44,6 +36,14 @@ from servemesh.spec import (
     ModelVersionSpec,
     Ports,
     ResolvedSpec,
+)
+from servemesh.spec.rollout_plan import (
+    ChecklistSpec,
+    FreezeSpec,
+    FreezeWindow,
+    RolloutPlan,
+    RolloutSpec,
+    SloSpec,
 )
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc

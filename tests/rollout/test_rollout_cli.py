@@ -12,7 +12,7 @@ import pytest
 from servemesh.cli import main
 from servemesh.cli.rollout import load_plan
 from servemesh.rollout.controller import ControllerError
-from servemesh.rollout_state import StateStore
+from servemesh.state.rollouts import StateStore
 from tests.rollout.fakes import Crash, World, controller, short_plan
 
 

@@ -32,9 +32,9 @@ from servemesh.load import BackgroundLoad
 from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_view import live_view
 from servemesh.rollout.gates import error_budget_item
-from servemesh.rollout_plan import FreezeSpec, RolloutSpec, SloSpec
-from servemesh.rollout_state import StateStore
 from servemesh.spec import DemoSpec, MeshSpec, MetricsSpec, ModelSpec, ModelVersionSpec, Ports
+from servemesh.spec.rollout_plan import FreezeSpec, RolloutSpec, SloSpec
+from servemesh.state.rollouts import StateStore
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.waiting import wait_until
 

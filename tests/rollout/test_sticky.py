@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from servemesh.contract.wire import bucket_ranges
 from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
 from servemesh.observe.scrape import sample, scrape
@@ -33,11 +34,10 @@ from servemesh.rollout.analysis import (
     window,
 )
 from servemesh.rollout.types import ArmWindow
-from servemesh.rollout_plan import AnalysisSpec
 from servemesh.services.gateway.predict import sticky_bucket
 from servemesh.services.runtime.faults import FaultSettings, set_fault
 from servemesh.spec import DemoSpec, MeshSpec, MetricsSpec, ModelSpec, ModelVersionSpec, Ports
-from servemesh.wire import bucket_ranges
+from servemesh.spec.rollout_plan import AnalysisSpec
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.waiting import wait_until
 

@@ -6,10 +6,10 @@ import math
 
 from prometheus_client import CollectorRegistry
 
+from servemesh.contract.wire import BUCKETS, SCORE_BUCKETS
 from servemesh.services.gateway.metrics import PredictMetrics
 from servemesh.services.gateway.predict import plan_predict, sticky_bucket
 from servemesh.spec import MeshSpec
-from servemesh.wire import BUCKETS, SCORE_BUCKETS
 from servemesh_api.gateway.v1 import gateway_pb2
 from tests.gateway.test_named_inputs import SPEC as WINE_SPEC
 from tests.gateway.test_named_inputs import wine_request

@@ -41,7 +41,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from servemesh.services.runtime import ServiceServer
 from tests.runtime.legacy_chain import legacy_interceptors
 
-SERVICE = "servemesh.bench.Echo"
+SERVICE = "servemesh.bench.predict.Echo"
 METHOD = f"/{SERVICE}/Echo"
 # What Envoy puts on every call: its request id and a trace it did not sample.
 METADATA = (

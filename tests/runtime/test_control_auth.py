@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from servemesh.control_credential import (
+from servemesh.contract.control_credential import (
     ControlCredentialMissing,
     control_metadata,
     control_metadata_for,
@@ -23,14 +23,14 @@ from servemesh.control_credential import (
     ensure_control_token,
     read_control_token,
 )
-from servemesh.services.runtime import ServiceServer
-from servemesh.wire import (
+from servemesh.contract.wire import (
     CONTROL_METHODS,
     FEATURE_SERVICE,
     OIP_SERVICE,
     REGISTRY_SERVICE,
     method_path,
 )
+from servemesh.services.runtime import ServiceServer
 from tests.control_kit import TEST_CREDENTIAL, TEST_TOKEN
 
 MISSING = "control call: this method needs the mesh's control credential"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from servemesh.atomic import atomic_write_text
+from servemesh.contract.atomic import atomic_write_text
 from servemesh.services.runtime.live_spec import LiveSpec
 from servemesh.spec import MeshSpec, ResolvedSpec, dump_spec, resolve
 

@@ -30,16 +30,17 @@ from servemesh.observe.scrape import scrape
 from servemesh.proxy.admin import AdminClient
 from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_apply import LiveApply
-from servemesh.rollout.fleet import every_version_health_name, fleet_status, version_health
+from servemesh.proxy.replicas import served_health_names, version_health
+from servemesh.rollout.fleet import fleet_status
 from servemesh.scaling.__main__ import metrics_address
 from servemesh.scaling.history import pool_status, read_history, read_status
 from servemesh.scaling.signals import SERVING_METHODS
-from servemesh.scaling_policy import PoolPolicy, ScalingSpec, ScalingTargets
 from servemesh.spec import DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Ports, Replicas
+from servemesh.spec.scaling_policy import PoolPolicy, ScalingSpec, ScalingTargets
 from tests.waiting import wait_until
 
 ZONE = "zone-a"
-FIRST, PROMOTED, NEXT_STANDBY = (f"model-{ZONE}-{i}" for i in range(3))
+FIRST, PROMOTED, NEXT_STANDBY = (f"model-fraud-{ZONE}-{i}" for i in range(3))
 
 
 def scaling(max_replicas: int) -> ScalingSpec:
@@ -94,7 +95,7 @@ def mesh(tmp_path: Path) -> Iterator[Mesh]:
 
 
 def _status(mesh: Mesh) -> dict[str, Any]:
-    zones = pool_status(read_status(mesh.state_dir), "model")
+    zones = pool_status(read_status(mesh.state_dir), "model-fraud")
     found: dict[str, Any] = zones.get(ZONE, {})
     return found
 
@@ -103,8 +104,7 @@ def _serving(mesh: Mesh, name: str) -> bool:
     spec = RouteManager(mesh.paths).live_spec()
     if name not in {i.name for i in spec.instances()}:
         return False
-    health = ["", *every_version_health_name(spec)]
-    return all(version_health(spec, name, health).values())
+    return all(version_health(spec, name, served_health_names(spec, name)).values())
 
 
 def _done(mesh: Mesh, start: int, end: int) -> list[dict[str, Any]]:
@@ -168,9 +168,11 @@ def test_load_promotes_the_standby_and_a_lower_max_drains_back_without_a_failed_
         )  # fmt: skip
 
     decisions = "servemesh_scaler_decisions_total"
-    assert value(decisions, pool="model", zone=ZONE, direction="up", outcome="done") >= 1
-    assert value(decisions, pool="model", zone=ZONE, direction="down", outcome="done") >= 1
-    assert value("servemesh_scaler_replicas", pool="model", zone=ZONE, state="in_rotation") == 1
+    assert value(decisions, pool="model-fraud", zone=ZONE, direction="up", outcome="done") >= 1
+    assert value(decisions, pool="model-fraud", zone=ZONE, direction="down", outcome="done") >= 1
+    assert (
+        value("servemesh_scaler_replicas", pool="model-fraud", zone=ZONE, state="in_rotation") == 1
+    )
     assert value("servemesh_scaler_rounds_total", outcome="ok") >= 1
 
     shown = subprocess.run(

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
-from servemesh.demo import DEMO_FEATURES, build_fraud_model
+from servemesh.contract.demo import DEMO_FEATURES, build_fraud_model
 from servemesh.seeding import seed_demo_features
 from servemesh.services.feature.store import RedisFeatureStore
 from servemesh.services.model.runner import ModelRunner

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from servemesh.demo import DEMO_FEATURES, demo_features
+from servemesh.contract.demo import DEMO_FEATURES, demo_features
 from servemesh.streams.events import Event
 from servemesh.streams.metrics import StreamMetrics, read_lag
 from servemesh.streams.predict import Outcome, Transient

@@ -19,11 +19,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
+from servemesh.contract.wire import GATEWAY_SERVICE, HEALTH_SERVICE, method_path
 from servemesh.identity import Dial, dial_edge
 from servemesh.launcher import Mesh
 from servemesh.proxy.admin import AdminClient
 from servemesh.tracestore.store import TraceStore
-from servemesh.wire import GATEWAY_SERVICE, HEALTH_SERVICE, method_path
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.mesh.test_edge_limits import relay_from
 from tests.waiting import wait_until

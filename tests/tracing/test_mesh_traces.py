@@ -9,11 +9,11 @@ import secrets
 import pytest
 
 from servemesh.cli import main
+from servemesh.contract.wire import Span as SpanAttr
 from servemesh.identity import dial_edge
 from servemesh.identity.edge_client import dial_edge_as
 from servemesh.launcher import Mesh
 from servemesh.tracestore.store import SpanRecord, TraceStore
-from servemesh.wire import Span as SpanAttr
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.mesh.conftest import SLOW_MS, SLOW_VERSION
 from tests.waiting import wait_until
@@ -56,7 +56,14 @@ def complete_trace(store: TraceStore, trace_id: str) -> list[SpanRecord]:
             ("model", "batch"),
         }
         meshes = [s for s in spans if s.service.startswith("envoy-mesh-")]
-        return spans if whole <= names and len(meshes) >= 2 else None
+        # Closed: every span's parent arrived too (each process exports in batches of its
+        # own, so a child may be stored before the hop that called it), but the edge's,
+        # whose parent is the caller's own unstored span.
+        own = [s for s in spans if s.trace_id == trace_id]
+        ids = {s.span_id for s in own}
+        outside = {s.parent_id for s in own if s.service == "envoy-edge"}
+        closed = all(s.parent_id in ids or s.parent_id in outside for s in own)
+        return spans if whole <= names and len(meshes) >= 2 and closed else None
 
     return wait_until(arrived, f"every hop of trace {trace_id}", timeout_s=60)
 

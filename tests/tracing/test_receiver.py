@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import Link, SpanKind
 
+from servemesh.contract.wire import Span as SpanAttr
 from servemesh.identity import OPERATOR_IDENTITY, TRACE_STORE_IDENTITY, dial_address
 from servemesh.identity.credentials import client_credentials, server_name_option
 from servemesh.identity.enroll import enrolled
@@ -26,7 +27,6 @@ from servemesh.services.runtime import ServiceServer
 from servemesh.spec import MeshSpec, Ports, ResolvedSpec, resolve
 from servemesh.tracestore.receiver import build_server, store_path
 from servemesh.tracestore.store import TraceStore
-from servemesh.wire import Span as SpanAttr
 
 
 @pytest.fixture

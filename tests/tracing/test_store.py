@@ -3,6 +3,7 @@ and retention by age and by size on an injected clock."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -177,3 +178,43 @@ def test_latest_lists_the_traces_started_last_newest_first(store: TraceStore) ->
     assert [s.request_id for s in store.latest(10)] == ["req-c", "req-e", "req-a"]
     assert [s.request_id for s in store.latest(2)] == ["req-c", "req-e"]
     assert [s.request_id for s in store.latest(10, since_ns=T0 + 3 * MS)] == ["req-c"]
+
+
+def test_trace_o_json_prints_the_waterfall_the_slowest_and_the_hops(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from servemesh.cli import main
+    from servemesh.tracestore.receiver import store_path
+
+    state = tmp_path / "state"
+    path = store_path(state)
+    path.parent.mkdir(parents=True)
+    written = TraceStore(path)
+    written.add(request_trace("a", 10, "req-a"))
+    written.add(request_trace("c", 30, "req-c"))
+    written.close()
+    where = ["--state-dir", str(state), "-o", "json"]
+
+    assert main(["trace", "req-a", *where]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["trace_id"] == "a" * 32 and shown["ms"] == 10.0
+    assert [(s["span"], s["depth"], s["linked"]) for s in shown["spans"]] == [
+        ("ingress", 0, False),
+        ("Predict", 1, False),
+        ("ModelInfer", 2, False),
+        ("batch", 3, True),
+    ]
+    assert shown["spans"][1]["start_ms"] == 1.0 and shown["spans"][1]["status"] == "ok"
+
+    # The spans started at T0, long ago: a --since that reaches back to them.
+    assert main(["trace", "--slowest", "5", "--since", "9999d", *where]) == 0
+    slowest = json.loads(capsys.readouterr().out)
+    assert [(s["request_id"], s["root_ms"], s["status"]) for s in slowest] == [
+        ("req-c", 30.0, "ok"),
+        ("req-a", 10.0, "ok"),
+    ]
+
+    assert main(["trace", "--hops", "5", "--since", "9999d", *where]) == 0
+    (group,) = json.loads(capsys.readouterr().out)
+    assert group["root"] == "envoy-edge ingress" and group["traces"] == 2
+    assert group["median_ms"] == 20.0 and group["hops"][0]["traces"] == 2

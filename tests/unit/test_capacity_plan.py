@@ -17,8 +17,8 @@ from servemesh.capacity.plan import (
     save_measurement,
 )
 from servemesh.scaling.forecast import replica_capacity
-from servemesh.scaling_policy import DEFAULT_CAPACITY_RPS
 from servemesh.spec import CostSpec, MeshSpec
+from servemesh.spec.scaling_policy import DEFAULT_CAPACITY_RPS
 
 
 def step(rate: float, p99: float, ok: int = 100, calls: int = 100, **cpu: float) -> Step:

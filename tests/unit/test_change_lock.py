@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from servemesh.proxy.apply import ApplyError, MeshPaths, RouteManager
+from servemesh.proxy.apply import RouteManager
+from servemesh.state.paths import ApplyError, MeshPaths
 
 HOLDER = """
 import sys
 from pathlib import Path
-from servemesh.proxy.apply import MeshPaths
+from servemesh.state.paths import MeshPaths
 with MeshPaths(Path(sys.argv[1])).change_lock():
     print("locked", flush=True)
     sys.stdin.readline()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from servemesh.demo import (
+from servemesh.contract.demo import (
     build_fraud_model,
     canonical_torchscript,
     demo_artifact,
@@ -22,7 +22,7 @@ from servemesh.demo import (
     source_artifact,
 )
 
-EXPORT = "from servemesh.demo import demo_artifact; print(demo_artifact({seed}).sha256)"
+EXPORT = "from servemesh.contract.demo import demo_artifact; print(demo_artifact({seed}).sha256)"
 # An unrelated model with nn.Linear layers, scripted before the demo in the same process.
 SCRIPT_OTHER_FIRST = (
     "import torch; "
@@ -83,7 +83,7 @@ def test_what_the_process_scripted_before_does_not_change_the_bytes(tmp_path: Pa
     assert exported_sha256("0", tmp_path, seed=4, prelude=SCRIPT_OTHER_FIRST) == plain
 
 
-HEAVY_EXPORT = "from servemesh.demo import heavy_artifact; print(heavy_artifact(5).sha256)"
+HEAVY_EXPORT = "from servemesh.contract.demo import heavy_artifact; print(heavy_artifact(5).sha256)"
 
 
 def test_the_heavy_artifact_is_the_same_bytes_in_another_process(tmp_path: Path) -> None:

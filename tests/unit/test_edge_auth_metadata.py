@@ -11,14 +11,14 @@ from pathlib import Path
 import jwt
 import pytest
 
-from servemesh.bench import ROUND_TOKEN_MARGIN_S, check_h2load_fits, round_credentials
-from servemesh.credentials import SELF_TOKEN_TTL_S, EdgeAuthMetadata, ensure_edge_credentials
-from servemesh.errors import UsageError
+from servemesh.bench.model import h2load
+from servemesh.bench.predict import ROUND_TOKEN_MARGIN_S, check_h2load_fits, round_credentials
+from servemesh.contract.errors import UsageError
+from servemesh.contract.wire import AUTHORIZATION_HEADER
 from servemesh.identity.tokens import ensure_signing_key, read_jwks, verify_token
-from servemesh.model_bench import h2load
-from servemesh.policy import EdgeAuth, TrafficSpec
 from servemesh.spec import MeshSpec
-from servemesh.wire import AUTHORIZATION_HEADER
+from servemesh.spec.policy import EdgeAuth, TrafficSpec
+from servemesh.state.credentials import SELF_TOKEN_TTL_S, EdgeAuthMetadata, ensure_edge_credentials
 
 
 def _spec(state_dir: Path, auth: EdgeAuth) -> MeshSpec:

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from servemesh.cli import build_parser, main
 from servemesh.cli.auth import cmd_token, ttl_seconds
+from servemesh.contract.wire import CALLER_HEADER, CALLER_ROLE_HEADER, CLIENT_CERT_HEADER
 from servemesh.identity.tokens import (
     TokenError,
     audience_of,
@@ -29,17 +30,16 @@ from servemesh.identity.tokens import (
     signing_key_path,
     verify_token,
 )
-from servemesh.policy import EdgeAuth
 from servemesh.services.gateway.callers import (
     Caller,
-    PermissionDenied,
     caller_from,
     check_pin,
     client_cert_uri,
 )
 from servemesh.services.gateway.predict import plan_predict
+from servemesh.services.runtime.errors import PermissionDenied
 from servemesh.spec import MeshSpec
-from servemesh.wire import CALLER_HEADER, CALLER_ROLE_HEADER, CLIENT_CERT_HEADER
+from servemesh.spec.policy import EdgeAuth
 from servemesh_api.gateway.v1 import gateway_pb2
 
 JWT = EdgeAuth(mode="jwt")

@@ -11,41 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from servemesh.identity import issue_mesh_certificates
-from servemesh.netns import zone_source_address
-from servemesh.policy import (
-    CircuitBreakers,
-    EdgeAuth,
-    Overload,
-    RateLimit,
-    RoutePolicy,
-    ShadowSpec,
-    TrafficSpec,
-)
-from servemesh.proxy.admin import admin_socket_path
-from servemesh.proxy.offline import validate_offline
-from servemesh.proxy.process import EnvoyConfigError, validate_config
-from servemesh.proxy.render import (
-    JWT_CACHE_SIZE,
-    XdsLayout,
-    dynamic_bootstrap,
-    render_resources,
-    static_bootstrap,
-    xds_files,
-)
-from servemesh.proxy.tracing import FORCED_TRACES_FILTER
-from servemesh.spec import (
-    MeshSpec,
-    ModelSpec,
-    ModelVersionSpec,
-    NetworkSpec,
-    Ports,
-    ResolvedSpec,
-    TlsSpec,
-    TracingSpec,
-    resolve,
-)
-from servemesh.wire import (
+from servemesh.contract.wire import (
     BUCKET_HEADER,
     BUCKETS,
     CONTROL_METHODS,
@@ -69,6 +35,40 @@ from servemesh.wire import (
     version_health_name,
     zone_of_cluster,
 )
+from servemesh.identity import issue_mesh_certificates
+from servemesh.procs.netns import zone_source_address
+from servemesh.proxy.admin import admin_socket_path
+from servemesh.proxy.offline import validate_offline
+from servemesh.proxy.process import EnvoyConfigError, validate_config
+from servemesh.proxy.render import (
+    JWT_CACHE_SIZE,
+    dynamic_bootstrap,
+    render_resources,
+    static_bootstrap,
+    xds_files,
+)
+from servemesh.proxy.tracing import FORCED_TRACES_FILTER
+from servemesh.spec import (
+    MeshSpec,
+    ModelSpec,
+    ModelVersionSpec,
+    NetworkSpec,
+    Ports,
+    ResolvedSpec,
+    TlsSpec,
+    TracingSpec,
+    resolve,
+)
+from servemesh.spec.policy import (
+    CircuitBreakers,
+    EdgeAuth,
+    Overload,
+    RateLimit,
+    RoutePolicy,
+    ShadowSpec,
+    TrafficSpec,
+)
+from servemesh.state.paths import XdsLayout
 
 REPO = Path(__file__).resolve().parents[2]
 # An htpasswd line for user "edge" (any 27 base64 characters and "=" pass the spec's check).

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from servemesh.demo import DEMO_FEATURES
-from servemesh.durations import duration_seconds
+from servemesh.contract.demo import DEMO_FEATURES
 from servemesh.spec import FeatureViewSpec, MeshSpec, SpecError, parse_spec
+from servemesh.spec.durations import duration_seconds
 
 
 def test_the_default_spec_has_the_demo_user_view() -> None:

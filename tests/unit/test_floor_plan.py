@@ -13,152 +13,120 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The contract every layer may use: wire names, the spec and its policy, demo names,
-# atomic file writes, the control credential, caller strings in errors. It imports
-# nothing of ours but itself.
-CONTRACT = {
-    "wire",
-    "spec",
-    "policy",
-    "durations",
-    "rollout_plan",
-    "scaling_policy",
-    "rollout_state",
-    "demo",
-    "demo_model",
-    "atomic",
-    "private",
-    "model_contract",
-    "control_credential",
-    "echo",
-    "identity",
-    "errors",
-    "tier_keys",
-    "percentiles",
-}
+# What every layer may use: the shared pieces, the spec and its policies, what a rollout
+# records, the mesh's identity. None of it imports anything above it.
+CONTRACT = {"contract", "spec", "identity"}
 SERVICES = {"services.runtime", "services.gateway", "services.feature", "services.model"}
-TOOLING = {"procs", "netns", "load", "proxy", "credentials", "observe", "state_dir"}
+TOOLING = {"procs", "load", "proxy", "observe", "state"}
 
 ALLOWED: dict[str, set[str]] = {
     # the contract
-    # the operator's error tree and its exit statuses: every layer's errors subclass it
-    "errors": set(),
-    "wire": set(),
-    "atomic": set(),
-    # the one percentile (nearest rank): benchmarks, drills, probes, trace hops
-    "percentiles": set(),
-    # the state dir's privacy: umask, modes, secrets checked, lock files
-    "private": {"errors"},
-    "echo": set(),  # caller strings quoted and bounded in error messages
-    # where the gateway's tiers find batch answers and flush generations in Redis
-    "tier_keys": set(),
-    "demo": {"demo_model"},  # torch only when a demo model is built
-    "demo_model": set(),
-    "policy": {"durations"},
-    "durations": set(),
-    # what a rollout follows: its steps, analysis, checklist, SLOs and freeze windows
-    "rollout_plan": {"durations", "policy"},
-    # what a rollout records under <state_dir>/rollouts/: the controller writes it, `rollout
-    # status` and the chaos drills read it
-    "rollout_state": {"atomic", "private", "rollout_plan", "errors"},
-    "spec": {"demo", "policy", "durations", "rollout_plan", "scaling_policy", "errors"},
-    # what the scaler holds each pool to: bounds, targets, windows, calendar floors
-    "scaling_policy": {"durations", "policy"},
-    # does a model's spec entry fit an artifact's signature (apply, loader, gateway)
-    "model_contract": {"spec", "wire"},
-    # the control credential: services check it, every control caller sends it
-    "control_credential": {"wire", "private", "errors"},
+    # the small shared pieces (servemesh/contract/): the operator's error tree and its exit
+    # statuses, wire names, atomic writes, the state dir's privacy (umask, modes, lock
+    # files), the one percentile (nearest rank), a model server's in-flight journal, caller
+    # strings quoted in errors, the tier keys in Redis, the control credential, the demo's
+    # names (torch only when a demo model is built). It imports nothing of ours.
+    "contract": set(),
+    # the mesh spec (servemesh/spec/): its sections, and the policies it carries (a
+    # rollout's steps and gates, what the scaler holds each pool to, durations, whether a
+    # model's spec entry fits an artifact's signature)
+    "spec": {"contract"},
     # the mesh's CA and certificates, and how every hop dials and serves TLS
     # (and the edge's token signing key, its JWKS and the tokens it verifies)
-    "identity": {
-        "spec",
-        "policy",
-        "durations",
-        "demo",
-        "demo_model",
-        "atomic",
-        "private",
-        "errors",
-    },
+    "identity": {"spec", "contract"},
     # the services: the runtime under them, the contract, and nothing that runs a mesh
-    "services.runtime": CONTRACT | {"discovery"},  # a service joins the catalog
+    "services.runtime": CONTRACT | {"catalog"},  # a service joins the catalog
     # (and the feature service's wire format, services/feature/wire.py, to read its answers)
     "services.gateway": CONTRACT | {"services.runtime", "predlog", "services.feature"},
     "services.feature": CONTRACT | {"services.runtime"},
     "services.model": CONTRACT | {"services.runtime", "registry"},  # its artifact client
     "registry": CONTRACT | {"services.runtime"},
+    # the service catalog (the file catalog, or Consul with its ACLs), and how a service
+    # joins it: beneath the services, which register themselves
+    "catalog": CONTRACT,
     # the prediction log: the gateways write it, `servemesh log` reads it
     "predlog": CONTRACT,
     # the embedded trace store: an OTLP receiver on the service runtime, and its reader
     "tracestore": CONTRACT | {"services.runtime"},
     # libraries for running and driving a mesh, usable without one
-    # what a caller presents at the edge: the basic key, or a token signed with the mesh key
-    "credentials": {"private", "durations", "wire", "identity", "spec"},
+    # the state dir (servemesh/state/): its layout (each Envoy's watched files, the resolved
+    # spec, the routes history) and the one-change-at-a-time lock, the running mesh as a
+    # process outside it sees it, what `up` keeps private there and shares with sandboxed
+    # model servers (procs.sandbox), the lock a running mesh holds, what a rollout records,
+    # what a caller presents at the edge (the basic key, or a token signed with the mesh key)
+    "state": CONTRACT | {"procs"},
     # the recording rules, as PromQL: the SLIs, and the error budgets of the spec's SLOs
     "slo_rules": CONTRACT,
-    # processes, and the mesh's Prometheus (which evaluates slo_rules)
+    # processes, the mesh's Prometheus (which evaluates slo_rules), and the zones' network
+    # namespaces (a zone's process may run as the sandbox's user)
     "procs": CONTRACT | {"slo_rules"},
-    # what `up` keeps private in its state dir, and shares with sandboxed model servers
-    "state_dir": CONTRACT | {"credentials", "procs"},
-    # zone namespaces; a zone's process may run as the sandbox's user (procs.sandbox)
-    "netns": CONTRACT | {"procs"},
+    # model code in a sandboxed child: the child confines itself and loads through the
+    # model server's guard; the caller gets arrays back
+    "sandbox": CONTRACT | {"procs", "services.runtime", "services.model"},
     "load": CONTRACT,
-    "proxy": CONTRACT | {"load", "netns"},
+    "proxy": CONTRACT | {"load", "procs", "state"},  # a zone Envoy runs in its namespace
     # reads a running mesh's metrics, its Prometheus and /proc (`servemesh top`, cost)
-    "observe": CONTRACT | {"proxy"},
+    "observe": CONTRACT | {"proxy", "state"},
     # running a mesh
     "seeding": CONTRACT | {"registry", "services.feature"},
-    # the service catalog (file or Consul), the control plane that turns it into Envoy's
-    # endpoint files, and the docker-compose topology's rendered configs
-    "discovery": CONTRACT | {"proxy", "procs", "slo_rules"},
+    # the control plane that turns the catalog into Envoy's endpoint files, and the
+    # docker-compose topology's rendered configs (with Consul's ACLs)
+    "discovery": CONTRACT | {"catalog", "proxy", "procs", "slo_rules", "state"},
     # batch scoring: a view's rows from the feature store, scored with the model server's
     # loader and runner (in process, on a Dask cluster, or through the mesh's model servers,
-    # its rows put on the wire as the gateway puts them); artifacts from the registry
+    # its rows put on the wire as the gateway puts them); artifacts from the registry; the
+    # model itself runs in a sandboxed child (in process and on each Dask worker). The
+    # scheduler process `up` starts (batch/scheduler.py) finds the running mesh and its
+    # resolved spec through the state dir (state.running), not through proxy, so batch
+    # stays beneath proxy and the launcher that starts it
     "batch": CONTRACT
-    | {"credentials", "registry", "services.feature", "services.gateway", "services.model"},
+    | {
+        "state",
+        "registry",
+        "services.feature",
+        "services.gateway",
+        "services.model",
+        "sandbox",
+    },
     # the launcher starts the batch scheduler when the spec has jobs (its ready file)
-    "launcher": CONTRACT | TOOLING | {"seeding", "batch", "scaling"},
+    # and quarantines a version whose calls keep crashing its model servers
+    "launcher": CONTRACT | TOOLING | {"seeding", "batch", "scaling", "quarantine"},
+    # crash records, the quarantine decision and list; traffic moved by the route manager
+    "quarantine": CONTRACT | {"proxy", "state"},
     # the scaler: signals from the replicas' /metrics, decisions, fleet changes through the
     # route manager (the fleet's own waits: a replica's version health, Envoy's hosts)
     "scaling": CONTRACT | TOOLING | {"rollout", "predlog", "capacity"},
     # the capacity plan's arithmetic and the measurement it keeps (the scaler's forecast
     # reads it)
     "capacity": CONTRACT,
-    # the capacity plan's step load, on a mesh of its own
-    "capacity_probe": CONTRACT | TOOLING | {"launcher", "bench", "capacity"},
     # what runs meshes and measures them; the chaos suite is imported by the CLI alone
     # (its drills drive `servemesh rollout` as a command, and read the state it records;
     # the registry-restore drill backs the registry up and restores it with its own module)
     "chaos": CONTRACT
     | TOOLING
     | {"launcher", "seeding", "services.runtime", "streams", "registry"},
-    # two meshes against each other, and the trace store read for a sampled trace
-    "observe_bench": CONTRACT | TOOLING | {"launcher", "tracestore"},
-    # the mesh against its own model server (it reads CPU and settles a mesh as observe_bench)
-    # and against the echo server, which it starts as bench model does (model_bench)
-    "bench": CONTRACT | TOOLING | {"launcher", "observe_bench", "model_bench", "bench_h2load"},
-    # bench predict's rows driven by h2load: the edge's outcomes read from its access log,
-    # the bench servers' from their counters (model_bench)
-    "bench_h2load": CONTRACT | TOOLING | {"model_bench"},
-    # py-spy on a mesh of its own under load (set up and settled as bench predict's)
-    "profile_bench": CONTRACT | TOOLING | {"launcher", "observe_bench", "bench"},
-    # batch scoring against the model in a tight loop, on a registry and Redis of its own
-    "batch_bench": CONTRACT | TOOLING | {"batch", "registry", "services.feature", "services.model"},
-    # Predicts with the gateway's tiers on and off, on a mesh of its own
-    "tiers_bench": CONTRACT | TOOLING | {"launcher", "observe_bench", "bench", "batch"},
-    "batch_mesh_bench": CONTRACT | TOOLING | {"launcher", "observe_bench", "bench", "tiers_bench"},
-    # fixed and autoscaled meshes under one ramp (the scaler's history, the fleet's waits)
-    "scale_bench": CONTRACT
+    # the benchmarks (servemesh/bench/): each runs what it measures on a mesh of its own
+    # (launcher) or as bare servers (the services' own servicers, the model server's
+    # loader, batch scoring on a registry and Redis of its own), with its peer (Triton, the
+    # echo server) in the same run; the trace store read for a sampled trace, the scaler's
+    # history under a ramp, a stream consumer's events/s, a bench model's INT8 form derived
+    # as `models quantize` derives it, the capacity plan's step load
+    "bench": CONTRACT
     | TOOLING
-    | {"launcher", "bench", "observe_bench", "scaling", "rollout"},
-    # one shared Envoy against an Envoy per zone: two meshes measured back to back
-    "layout_bench": CONTRACT | TOOLING | {"launcher", "bench", "observe_bench"},
-    # a stream consumer on a mesh of its own: events/s and event-to-prediction latency
-    "stream_bench": CONTRACT | TOOLING | {"launcher", "bench", "streams"},
+    | SERVICES
+    | {
+        "launcher",
+        "tracestore",
+        "batch",
+        "registry",
+        "scaling",
+        "rollout",
+        "streams",
+        "quantize",
+        "capacity",
+    },
     # fuzzes a mesh of its own (launcher) through Envoy and straight to its replicas
     "fuzz": CONTRACT | TOOLING | {"launcher"},
-    # (and a bench model's INT8 form, derived as `models quantize` derives it)
-    "model_bench": CONTRACT | TOOLING | SERVICES | {"quantize", "registry"},
     # `servemesh rollout`: the controller, its analysis, checklist and gates
     # (the registry's artifact client: the checklist verifies a version's sha256 with it;
     # the error-budget gate reads the budgets slo_rules defines; a derived version is held to
@@ -166,39 +134,32 @@ ALLOWED: dict[str, set[str]] = {
     "rollout": CONTRACT | TOOLING | {"registry", "slo_rules", "quantize"},
     # streaming predictions: a Redis stream consumer scoring through the edge, or in process
     # with the model server's loader and the feature store's reads and writes
-    "streams": CONTRACT | {"credentials", "services.feature", "services.model"},
+    "streams": CONTRACT | {"state", "services.feature", "services.model"},
     # models on devices: a version exported (ONNX, checked in onnxruntime, or .pt2) with the
     # model server's runner as the original, and an alias's artifact synced to a folder
-    "edge": CONTRACT | {"registry", "services.model"},
+    # (the model, torch's export of it and the export's check run in a sandboxed child)
+    "edge": CONTRACT | {"registry", "services.model", "sandbox"},
     # derived versions (dynamic INT8, FP16/BF16): the version's program as edge export reads
     # it, checked through the model server's loader against its source
-    "quantize": CONTRACT | {"edge", "registry", "services.model"},
+    # (derived and checked in sandboxed children)
+    "quantize": CONTRACT | {"edge", "registry", "services.model", "sandbox"},
     # loads a user's feature file through a running mesh's feature service (its row checks)
     "features": CONTRACT | {"proxy", "services.feature"},
     # the command line (servemesh/cli/, one module per command group): `compose` and
     # `control-plane` render the containers' topology and seed their registry, `log` reads
     # the prediction log, `models push` checks and probes a model with the model server's
-    # own loader before uploading it to the registry
+    # own loader, in a sandboxed child, before uploading it to the registry
     "cli": CONTRACT
     | TOOLING
     | {
+        "sandbox",
         "launcher",
         "chaos",
         "bench",
-        "observe_bench",
-        "profile_bench",
-        "stream_bench",
         "batch",
-        "batch_bench",
-        "tiers_bench",
-        "batch_mesh_bench",
-        "scale_bench",
-        "layout_bench",
         "scaling",
         "capacity",
-        "capacity_probe",
         "fuzz",
-        "model_bench",
         "features",
         "edge",
         "quantize",
@@ -206,15 +167,16 @@ ALLOWED: dict[str, set[str]] = {
         "tracestore",
         "rollout",
         "discovery",
+        "catalog",
         "seeding",
         "predlog",
         "registry",
         "services.model",
+        "quarantine",
     },
     "__main__": {"cli"},
-    # development tools
-    "protogen": set(),
-    "typecheck": set(),
+    # development tools: the protobuf code generator, the type check
+    "dev": set(),
 }
 
 

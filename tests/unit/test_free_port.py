@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from servemesh import spec as spec_module
 from servemesh.spec import RESERVATION_S, free_port
+from servemesh.spec import network as spec_module
 
 
 def claim_file(port: int) -> Path:

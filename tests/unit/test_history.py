@@ -11,17 +11,9 @@ from typing import Any
 
 import pytest
 
-from servemesh.proxy.apply import (
-    APPLIED,
-    PENDING,
-    ApplyError,
-    MeshPaths,
-    RouteManager,
-    _restore,
-    _touched,
-    routing_view,
-)
+from servemesh.proxy.apply import APPLIED, PENDING, RouteManager, _restore, _touched, routing_view
 from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, Ports, ResolvedSpec, resolve
+from servemesh.state.paths import ApplyError, MeshPaths
 
 
 def two_models() -> ResolvedSpec:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from servemesh.errors import UsageError
-from servemesh.layout_bench import LayoutRound, arm_spec, bench_layout, print_report, summarize
+from servemesh.bench.layout import LayoutRound, arm_spec, as_report, bench_layout, summarize
+from servemesh.bench.report import emit
+from servemesh.contract.errors import UsageError
 from servemesh.spec import MeshSpec, Replicas
 
 
@@ -64,7 +65,7 @@ def test_the_report_prints_every_arm_and_its_ratio_to_the_first(
         "concurrency": 16,
         "figures": summarize(rounds, arms),  # type: ignore[arg-type]
     }
-    print_report(report)
+    emit(as_report(report), json_stdout=False, json_out=None)
     printed = capsys.readouterr().out
     assert "small-host: one feature and one model process for every zone" in printed
     memory = next(line for line in printed.splitlines() if "memory (RSS)" in line)
@@ -85,8 +86,8 @@ def test_the_arms_shape_the_spec_and_two_different_ones_are_needed() -> None:
 
 
 def test_the_command_offers_the_benchs_arms_and_its_default() -> None:
+    from servemesh.bench.layout import ARMS, DEFAULT_ARMS
     from servemesh.cli import build_parser
-    from servemesh.layout_bench import ARMS, DEFAULT_ARMS
 
     args = build_parser().parse_args(["bench", "layout"])
     assert tuple(args.arms) == DEFAULT_ARMS

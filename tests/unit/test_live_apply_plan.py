@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from servemesh.demo import DEMO_FEATURES
+from servemesh.contract.demo import DEMO_FEATURES
 from servemesh.proxy.live_apply import _keeping_removed, over_running, resolved_target
 from servemesh.proxy.live_plan import ApplyPlan, PlanRefused, first_difference, plan_apply
 from servemesh.spec import (

@@ -1,5 +1,5 @@
 """Every command that talks to a running mesh, pointed at a state dir with none: exit
-status 2 and the same one line, never a traceback or an empty answer."""
+status 5 and the same one line, never a traceback or an empty answer."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from servemesh.cli import main
 # (command line, where the state dir goes: "after" the command's own name, "group" before
 # its subcommand); FILE is a spec file that exists.
 COMMANDS = [
+    ["status"],
+    ["down"],
     ["routes", "show"],
     ["routes", "set", "fraud", "v1=100"],
     ["routes", "history"],
@@ -44,7 +46,7 @@ COMMANDS = [
     ["log", "query"],
     ["log", "status"],
     ["top", "--once"],
-    ["load", "--seconds", "1"],
+    ["load", "--duration", "1s"],
     ["predict", "--model", "fraud", "--entity", "user-1"],
 ]
 GROUPS = {"routes", "models", "certs", "fleet", "rollout", "features"}
@@ -59,7 +61,10 @@ def _argv(command: list[str], state: Path, spec: Path, where: str) -> list[str]:
 
 
 def _line(state: Path) -> str:
-    return f"error: no running mesh at {state}: start one with `servemesh up`"
+    return (
+        f"error: no running mesh at {state}: start one with `servemesh up`, or point at a "
+        "running one with --state-dir DIR or SERVEMESH_STATE_DIR"
+    )
 
 
 # Every command with the flags after it; those of a group with subcommands also with the
@@ -73,7 +78,7 @@ PLACES = [
 
 
 @pytest.mark.parametrize(("command", "where"), PLACES)
-def test_no_running_mesh_is_exit_2_and_one_line(
+def test_no_running_mesh_is_exit_5_and_one_line(
     command: list[str],
     where: str,
     tmp_path: Path,
@@ -85,7 +90,7 @@ def test_no_running_mesh_is_exit_2_and_one_line(
     state.mkdir()
     spec = tmp_path / "mesh.yaml"
     spec.write_text("zones: [zone-a]\n")
-    assert main(_argv(command, state, spec, where)) == 2
+    assert main(_argv(command, state, spec, where)) == 5
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [_line(state)]
     assert captured.out == ""
@@ -96,7 +101,7 @@ def test_routes_apply_says_where_it_went_then_the_same_line(
 ) -> None:
     spec = tmp_path / "mesh.yaml"
     spec.write_text("zones: [zone-a]\n")
-    assert main(["routes", "apply", str(spec), "--state-dir", str(tmp_path)]) == 2
+    assert main(["routes", "apply", str(spec), "--state-dir", str(tmp_path)]) == 5
     note, line = capsys.readouterr().err.splitlines()
     assert "is now `servemesh apply" in note and line == _line(tmp_path)
 
@@ -105,7 +110,7 @@ def test_the_environment_names_the_state_dir(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SERVEMESH_STATE_DIR", str(tmp_path))
-    assert main(["fleet", "show"]) == 2
+    assert main(["fleet", "show"]) == 5
     assert capsys.readouterr().err.splitlines() == [_line(tmp_path)]
 
 
@@ -116,4 +121,4 @@ def test_top_once_as_a_process_prints_the_line_not_a_traceback(tmp_path: Path) -
         text=True,
         timeout=60,
     )
-    assert (done.returncode, done.stderr.splitlines(), done.stdout) == (2, [_line(tmp_path)], "")
+    assert (done.returncode, done.stderr.splitlines(), done.stdout) == (5, [_line(tmp_path)], "")

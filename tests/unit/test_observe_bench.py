@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from servemesh.observe_bench import (
+from servemesh.bench.observe import (
     LOG_ONLY,
     OBSERVED,
     OFF,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from servemesh.bench import (
+from servemesh.bench.predict import (
     ECHO,
     ECHO_TLS,
     EDGE,

@@ -9,15 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from servemesh.bench import (
-    EDGE,
-    bench_predict,
-    check_connections,
-    check_h2load_fits,
-    h2load_round,
-    without_tiers,
-)
-from servemesh.bench_h2load import (
+from servemesh.bench.h2load import (
     PREDICT_METHOD,
     CpuWindow,
     Measured,
@@ -28,9 +20,17 @@ from servemesh.bench_h2load import (
     split_cancelled,
     window_outcomes,
 )
+from servemesh.bench.model import h2load
+from servemesh.bench.predict import (
+    EDGE,
+    bench_predict,
+    check_connections,
+    check_h2load_fits,
+    h2load_round,
+    without_tiers,
+)
 from servemesh.cli import build_parser
-from servemesh.errors import UsageError
-from servemesh.model_bench import h2load
+from servemesh.contract.errors import UsageError
 from servemesh.spec import MeshSpec, ModelVersionSpec, TiersSpec
 from servemesh_api.gateway.v1 import gateway_pb2
 

@@ -141,6 +141,26 @@ def test_a_killed_child_restarts_as_it_was_started(supervisor: Supervisor, tmp_p
     assert (tmp_path / "logs" / "web.log").read_text().count("listening") == 2
 
 
+def test_a_kill_holds_the_child_down_until_restart_and_a_pause_holds_nothing(
+    supervisor: Supervisor, tmp_path: Path
+) -> None:
+    serve(supervisor, "web", tmp_path)
+    supervisor.kill("web", signal.SIGSTOP)  # paused, not ended: nothing to hold
+    assert supervisor.is_running("web") and not supervisor.child("web").held
+    supervisor.send_signal("web", signal.SIGCONT)
+    supervisor.kill("web")
+    assert supervisor.child("web").held and not supervisor.child("web").stopped
+    # Started again without waiting for it (an owner checks its readiness itself).
+    child = supervisor.restart("web", wait=False)
+    assert not child.held and child.ready is not None
+    supervisor.wait_ready(["web"], time.monotonic() + 30)
+    # A kill that asks not to hold: a crash as its owner sees it.
+    supervisor.kill("web", hold=False)
+    assert not supervisor.child("web").held and not supervisor.is_running("web")
+    with pytest.raises(ProcessError, match="web is not running"):
+        supervisor.kill("web")
+
+
 def test_reap_reports_children_that_exited_on_their_own_once(
     supervisor: Supervisor, tmp_path: Path
 ) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from servemesh.profile_bench import (
+from servemesh.bench.profile import (
     find_py_spy,
     merge_line,
     parse_collapsed,

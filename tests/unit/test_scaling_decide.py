@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 from servemesh.scaling.decide import PoolSignals, Stabilizer, decide, recommend
 from servemesh.scaling.schedule import floor_at
-from servemesh.scaling_policy import PoolPolicy, ScalingSchedule, ScheduleFloor, front_targets
+from servemesh.spec.scaling_policy import PoolPolicy, ScalingSchedule, ScheduleFloor, front_targets
 
 MONDAY_NOON = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 

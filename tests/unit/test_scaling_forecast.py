@@ -11,7 +11,7 @@ import pytest
 
 from servemesh.scaling.decide import PoolSignals, Stabilizer, decide
 from servemesh.scaling.forecast import forecast, hour_of_week
-from servemesh.scaling_policy import PoolPolicy
+from servemesh.spec.scaling_policy import PoolPolicy
 
 MONDAY = datetime(2026, 11, 30, tzinfo=UTC)
 PEAK_RPS, QUIET_RPS = 500.0, 10.0

@@ -1,4 +1,4 @@
-"""The scaler's round over every pool (model servers, gateways, feature services) and every
+"""The scaler's round over every pool (each model pool, gateways, feature services) and every
 zone of a two-zone mesh, with the replicas' /metrics and the moves faked: each pool decides
 on its own signals, in each zone on its own, and the status and history name the pool."""
 
@@ -9,12 +9,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from servemesh.observe.scrape import Sample
-from servemesh.proxy.apply import MeshPaths
 from servemesh.scaling.history import pool_status, read_history, read_status
 from servemesh.scaling.loop import Scaler
-from servemesh.scaling.signals import IN_FLIGHT, SERVING_METHODS
-from servemesh.scaling_policy import PoolPolicy, ScalingSpec, front_targets
-from servemesh.spec import MeshSpec, Ports, ResolvedSpec, resolve
+from servemesh.scaling.signals import IN_FLIGHT, QUEUE, SERVING_METHODS
+from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, Ports, ResolvedSpec, resolve
+from servemesh.spec.scaling_policy import PoolPolicy, ScalingSpec, front_targets
+from servemesh.state.paths import MeshPaths
 
 
 @dataclass
@@ -45,24 +45,33 @@ class FakeActuator:
 
 def test_each_pool_decides_on_its_own_signals_in_each_zone(tmp_path: Path) -> None:
     quick = PoolPolicy(up_window="0s", cooldown="0s", target=front_targets())
+    quick_models = PoolPolicy(up_window="0s", cooldown="0s")
+    risk = ModelSpec(versions={"v1": ModelVersionSpec(source="demo:3")}, traffic={"v1": 100})
     spec = resolve(
         MeshSpec(
             ports=Ports.free(),
             state_dir=str(tmp_path),
-            scaling=ScalingSpec(gateway=quick, feature=quick),
+            models={"fraud": ModelSpec(), "risk": risk},
+            scaling=ScalingSpec(gateway=quick, feature=quick, model_servers=quick_models),
         )
     )
-    busy = spec.metrics_address_of("gateway-zone-a-0")
-    in_flight = {busy: 80.0}
+    busy_gateway = spec.metrics_address_of("gateway-zone-a-0")
+    busy_model = spec.metrics_address_of("model-risk-zone-b-0")
+    in_flight = {busy_gateway: 80.0}
+    queued = {busy_model: 16.0}
 
     def scrape(address: str) -> list[Sample]:
         kind = next(
             i.service for i in spec.instances() if spec.metrics_address_of(i.name) == address
         )
         method = SERVING_METHODS.get(kind, "")
-        return [Sample(IN_FLIGHT, {"method": method}, in_flight.get(address, 0.0))]
+        return [
+            Sample(IN_FLIGHT, {"method": method}, in_flight.get(address, 0.0)),
+            Sample(QUEUE, {}, queued.get(address, 0.0)),
+        ]
 
-    actuators = {kind: FakeActuator() for kind in ("model", "gateway", "feature")}
+    pools = ("model-fraud", "model-risk", "gateway", "feature")
+    actuators = {label: FakeActuator() for label in pools}
     scaler = Scaler(
         FakeManager(spec, MeshPaths(tmp_path)),  # type: ignore[arg-type]
         scrape=scrape,
@@ -72,16 +81,22 @@ def test_each_pool_decides_on_its_own_signals_in_each_zone(tmp_path: Path) -> No
     )
     decisions = scaler.round()
 
-    # Zone-a's gateways carry 80 calls in flight against 32: they grow; nothing else moves.
+    # Zone-a's gateways carry 80 calls in flight against 32: they grow. Risk's zone-b server
+    # queues 16 against 8: risk's pool grows there, and fraud's pool, on processes of its
+    # own, stays as it is. Nothing else moves.
     assert actuators["gateway"].grown == [("zone-a", 2)]
-    assert actuators["feature"].grown == actuators["model"].grown == []
+    assert actuators["model-risk"].grown == [("zone-b", 2)]
+    assert actuators["feature"].grown == actuators["model-fraud"].grown == []
     assert {(d.pool, d.zone) for d in decisions} == {
-        (kind, zone) for kind in ("model", "gateway", "feature") for zone in ("zone-a", "zone-b")
+        (label, zone) for label in pools for zone in ("zone-a", "zone-b")
     }
     status = read_status(tmp_path)
     assert pool_status(status, "gateway")["zone-a"]["signals"]["in_flight"] == 80.0
     assert pool_status(status, "gateway")["zone-b"]["signals"]["in_flight"] == 0.0
-    assert pool_status(status, "model")["zone-a"]["in_rotation"] == ["model-zone-a-0"]
-    [entry] = read_history(tmp_path)
-    assert (entry["pool"], entry["zone"], entry["from"], entry["to"]) == ("gateway", "zone-a", 1, 2)
-    assert entry["line"].endswith("gateway zone-a 1 -> 2")
+    assert pool_status(status, "model-fraud")["zone-a"]["in_rotation"] == ["model-fraud-zone-a-0"]
+    assert pool_status(status, "model-risk")["zone-b"]["in_rotation"] == ["model-risk-zone-b-0"]
+    assert pool_status(status, "model-risk")["zone-b"]["signals"]["queue_depth"] == 16.0
+    entries = sorted((e["pool"], e["zone"], e["from"], e["to"]) for e in read_history(tmp_path))
+    assert entries == [("gateway", "zone-a", 1, 2), ("model-risk", "zone-b", 1, 2)]
+    lines = {e["pool"]: e["line"] for e in read_history(tmp_path)}
+    assert lines["model-risk"].endswith("model-risk zone-b 1 -> 2")

@@ -36,7 +36,7 @@ def test_the_interval_between_two_scrapes_gives_the_pools_signals() -> None:
     replicas = {"a": Replica(), "b": Replica()}
     now = [100.0]
     reader = PoolReader(lambda address: replicas[address].text(), clock=lambda: now[0])
-    first = reader.read({"model-zone-a-0": "a", "model-zone-a-1": "b"})
+    first = reader.read({"model-fraud-zone-a-0": "a", "model-fraud-zone-a-1": "b"})
     assert first.replicas == 2 and first.p99_ms is None and first.cpu is None  # no interval yet
 
     replicas["a"].calls(95, 0.004)
@@ -47,7 +47,7 @@ def test_the_interval_between_two_scrapes_gives_the_pools_signals() -> None:
     replicas["a"].cpu.inc(1.5)
     replicas["b"].cpu.inc(0.5)
     now[0] = 102.0
-    found = reader.read({"model-zone-a-0": "a", "model-zone-a-1": "b"})
+    found = reader.read({"model-fraud-zone-a-0": "a", "model-fraud-zone-a-1": "b"})
     assert found.calls_per_s == pytest.approx(100.0)  # 200 calls in 2 s
     assert found.error_ratio == pytest.approx(0.025)
     assert found.queue_depth == pytest.approx(4.0)
@@ -118,10 +118,10 @@ def test_each_pool_and_zone_keeps_its_own_interval() -> None:
         for zone in ("a", "b")
     }
     for zone in ("a", "b"):
-        readers[zone].read({f"model-zone-{zone}-0": zone})
+        readers[zone].read({f"model-fraud-zone-{zone}-0": zone})
     replicas["a"].calls(10, 0.01)
     replicas["b"].calls(30, 0.01)
     now[0] = 1.0
-    found = {zone: readers[zone].read({f"model-zone-{zone}-0": zone}) for zone in ("a", "b")}
+    found = {zone: readers[zone].read({f"model-fraud-zone-{zone}-0": zone}) for zone in ("a", "b")}
     assert found["a"].calls_per_s == pytest.approx(10.0)
     assert found["b"].calls_per_s == pytest.approx(30.0)

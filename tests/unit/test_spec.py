@@ -34,8 +34,8 @@ def test_empty_spec_is_the_demo_mesh() -> None:
     assert set(spec.models) == {"fraud"}
     assert [i.name for i in spec.instances()][:3] == [
         "registry-0",
-        "model-zone-a-0",
-        "model-zone-b-0",
+        "model-fraud-zone-a-0",
+        "model-fraud-zone-b-0",
     ]
 
 
@@ -143,7 +143,7 @@ def test_the_small_host_profile_runs_one_feature_and_one_model_process_for_every
     assert spec.proxy.layout == "shared"
     assert [(i.name, i.zone) for i in spec.instances()] == [
         ("registry-0", "zone-a"),
-        ("model-zone-a-0", "zone-a"),
+        ("model-fraud-zone-a-0", "zone-a"),
         ("feature-zone-a-0", "zone-a"),
         ("gateway-zone-a-0", "zone-a"),
         ("gateway-zone-b-0", "zone-b"),

@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from servemesh.atomic import atomic_write_text
-from servemesh.control_credential import (
+from servemesh.contract.atomic import atomic_write_text
+from servemesh.contract.control_credential import (
     CONTROL_VERIFIER_ENV,
     control_metadata,
     control_token_path,
@@ -24,13 +24,13 @@ from servemesh.control_credential import (
     read_control_token,
     token_digest,
 )
-from servemesh.credentials import ensure_edge_credentials, read_edge_credentials
-from servemesh.private import PrivacyError, open_lock, prepare_state_dir
+from servemesh.contract.private import PrivacyError, open_lock, prepare_state_dir
 from servemesh.procs import Supervisor, ensure_redis_password
 from servemesh.procs.sandbox import RunAs, model_user, unreachable
 from servemesh.procs.spawn import with_death_signal
 from servemesh.services.runtime.control_auth import ControlAuth
-from servemesh.state_dir import secure_state_dir
+from servemesh.state.credentials import ensure_edge_credentials, read_edge_credentials
+from servemesh.state.sharing import secure_state_dir
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from servemesh.contract.wire import bucket_ranges
 from servemesh.services.gateway.predict import ModelSignature, TensorMeta, plan_predict
 from servemesh.services.gateway.tiers import (
     AnswerCache,
@@ -18,7 +19,6 @@ from servemesh.services.gateway.tiers import (
     tiers_for,
 )
 from servemesh.spec import MeshSpec, SpecError, parse_spec
-from servemesh.wire import bucket_ranges
 from servemesh_api.gateway.v1 import gateway_pb2
 
 TIERED = (

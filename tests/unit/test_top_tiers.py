@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from servemesh.observe.top import TierRow, TopReport, render, tier_rows
+from servemesh.observe.top import Row, TierRow, TopReport, render, tier_rows
 
 
 def test_hit_ratio_and_share_of_answers_per_model_and_tier() -> None:
@@ -45,3 +45,14 @@ def test_no_tiers_no_section() -> None:
     console.print(render(TopReport(source="metrics endpoints", seconds=1.0)))
     assert "tiers" not in console.export_text()
     assert TierRow("m", "cache", 0.0, None, None, None, None).as_dict()["hit_ratio"] is None
+
+
+def test_a_version_row_without_a_version_says_what_it_counts() -> None:
+    # The gateways count a call that failed before any version was chosen (NOT_FOUND for an
+    # entity of no view, a bad input) under version "": the row says so, never "(none)".
+    failed = Row({"model": "risk", "version": ""}, rps=0.5, error_ratio=1.0, p50_ms=1.0, p99_ms=2.0)
+    console = Console(width=160, record=True)
+    console.print(render(TopReport(source="metrics endpoints", seconds=4.0, versions=[failed])))
+    line = next(line for line in console.export_text().splitlines() if "risk" in line)
+    cells = [cell.strip() for cell in line.strip("│ ").split("│")]
+    assert cells[:2] == ["risk", "(none: failed before routing)"]

@@ -1,4 +1,5 @@
-"""Every wire name is spelled once: in servemesh/wire.py, and nowhere else in the product."""
+"""Every wire name is spelled once: in servemesh/contract/wire.py, and nowhere else in the
+product."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from servemesh import wire
+from servemesh.contract import wire
 from servemesh_api.feature.v1 import feature_pb2
 from servemesh_api.gateway.v1 import gateway_pb2
 from servemesh_api.inference import grpc_service_pb2
@@ -33,7 +34,7 @@ def string_literals() -> list[tuple[str, str]]:
     found: list[tuple[str, str]] = []
     for folder in PRODUCT:
         for path in (REPO / folder).rglob("*.py"):
-            if path == REPO / "servemesh" / "wire.py":
+            if path == REPO / "servemesh" / "contract" / "wire.py":
                 continue
             tree = ast.parse(path.read_text())
             docstrings = {
@@ -59,7 +60,9 @@ LITERALS = string_literals()
 @pytest.mark.parametrize("value", OWNED)
 def test_no_module_but_the_wire_module_spells_it(value: str) -> None:
     spelled = [where for where, text in LITERALS if value in text]
-    assert spelled == [], f"{value!r} is spelled outside servemesh/wire.py; import it from there"
+    assert spelled == [], (
+        f"{value!r} is spelled outside servemesh/contract/wire.py; import it from there"
+    )
 
 
 def test_cluster_names_read_back_their_zone() -> None:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from servemesh.contract.wire import GATEWAY_CLUSTER, RETRY_ELSEWHERE_HEADER, zone_of_cluster
 from servemesh.proxy.admin import admin_socket_path
 from servemesh.proxy.offline import validate_offline
 from servemesh.proxy.render import render_proxies, render_resources, static_bootstrap
@@ -24,7 +25,6 @@ from servemesh.spec import (
     parse_spec,
     resolve,
 )
-from servemesh.wire import GATEWAY_CLUSTER, RETRY_ELSEWHERE_HEADER, zone_of_cluster
 
 FREE = Ports.free()
 

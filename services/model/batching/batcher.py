@@ -29,15 +29,18 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
-from collections.abc import Iterable, Mapping
-from typing import Protocol
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol, TypeVar
 
 import numpy as np
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Link, Status, StatusCode
 
+from servemesh.contract.inflight import Call, JournalSlot, NoSlot
+from servemesh.contract.wire import Span as SpanAttr
 from servemesh.services.model.batching.clock import MONOTONIC, Clock
 from servemesh.services.model.batching.overlap import ArrivalOverlap
 from servemesh.services.model.batching.queues import Pending, RequestQueue, State
@@ -48,9 +51,10 @@ from servemesh.services.model.errors import DeadlineMissed, InferenceFailed, Que
 from servemesh.services.model.latency import LatencyTable
 from servemesh.services.runtime.tracing import tracer
 from servemesh.spec import BatchingSpec
-from servemesh.wire import Span as SpanAttr
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # A batch leaves this much before the latest moment that still meets its earliest deadline
 # (plus a share of its expected time, for forward passes slowed by cold caches), to cover
@@ -79,6 +83,40 @@ def _timed_run(clock: Clock, runner: BatchRunner, batch: Rows) -> tuple[Rows, fl
     started = clock.now()
     result = runner.run(batch)
     return result, clock.now() - started
+
+
+def payload_sha256(rows: Rows) -> str:
+    """The sha256 of a request's input payload as the model receives it: each input
+    tensor's bytes (C order, the signature's dtype), tensors in the signature's order. For
+    a raw OIP request of the signature's dtypes, the sha256 of its raw_input_contents one
+    after another."""
+    if isinstance(rows, NamedRows):
+        digest = hashlib.sha256()
+        for tensor in rows.values():
+            digest.update(_contiguous(tensor))
+        return digest.hexdigest()
+    return hashlib.sha256(_contiguous(rows)).hexdigest()
+
+
+def _contiguous(array: np.ndarray) -> memoryview:
+    # A decoded request is contiguous already: no copy in the common case.
+    return (array if array.flags.c_contiguous else np.ascontiguousarray(array)).data
+
+
+def _journaled_run(
+    clock: Clock, runner: BatchRunner, batch: Rows, slot: JournalSlot | NoSlot, items: list[Pending]
+) -> tuple[Rows, float]:
+    """`_timed_run` with the batch's calls in the in-flight journal while the model runs
+    (servemesh.contract.inflight): a crash of the process in the forward pass names them. In the
+    model's thread, so the event loop pays nothing for it."""
+    calls: list[Call] = [
+        (item.request_id, item.caller, payload_sha256(item.rows)) for item in items
+    ]
+    slot.begin(calls)
+    try:
+        return _timed_run(clock, runner, batch)
+    finally:
+        slot.end()
 
 
 class Batcher:
@@ -120,6 +158,9 @@ class Batcher:
             self.overlap.solo(expected_s[1])
         self._wakeup = asyncio.Event()
         self._worker = Worker(f"infer-{name}", nice=batching.inference_nice)
+        # The model thread's slot in the server's in-flight journal (servemesh.contract.inflight),
+        # given by the server once the version is served; None: batches are not journaled.
+        self.journal: JournalSlot | NoSlot | None = None
         self._task: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -131,7 +172,7 @@ class Batcher:
         return self._queue.waiting
 
     def enqueue(
-        self, rows: Rows, deadline: float, request_id: str, priority: int = 0
+        self, rows: Rows, deadline: float, request_id: str, priority: int = 0, caller: str = ""
     ) -> asyncio.Future[Rows]:
         """Admit a request or refuse it at once; the future resolves to its output rows.
 
@@ -172,6 +213,7 @@ class Batcher:
             request_id=request_id,
             priority=priority,
             enqueued=now,
+            caller=caller,
             future=loop.create_future(),
             span=trace.get_current_span(),
         )
@@ -183,13 +225,15 @@ class Batcher:
             self._wakeup.set()
         return item.future
 
-    async def submit(self, rows: Rows, deadline: float, request_id: str, priority: int = 0) -> Rows:
+    async def submit(
+        self, rows: Rows, deadline: float, request_id: str, priority: int = 0, caller: str = ""
+    ) -> Rows:
         """The model's output rows for `rows`, computed in some batch before `deadline`.
 
         `enqueue` and its answer; raises what either raises. Cancelling the caller
-        withdraws the request.
+        withdraws the request. `caller` is who sent it, as the in-flight journal names it.
         """
-        return await self.enqueue(rows, deadline, request_id, priority)
+        return await self.enqueue(rows, deadline, request_id, priority, caller)
 
     async def warm_up(self, sizes: Iterable[int]) -> dict[int, float]:
         """Run the runner's warm-up in the worker thread; seeds and returns expected times.
@@ -207,6 +251,22 @@ class Batcher:
         if not self.overlap.solo_s and 1 in timings:
             self.overlap.solo(timings[1])
         return timings
+
+    @property
+    def closing(self) -> bool:
+        """Whether `close` has begun (new requests are refused)."""
+        return self._closing
+
+    def run_in_worker(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """`fn()` in the thread that runs this batcher's batches, after the calls handed to
+        it already: the model server's readiness check goes this way, so a model whose
+        thread hangs or crashes fails the check as its requests would. Not to be called
+        once `close` has begun (the thread stops after what it holds)."""
+        return self._worker.call(fn)
+
+    def busy_for(self) -> float:
+        """Seconds the model's thread has spent on its current call; 0.0 while idle."""
+        return self._worker.busy_for()
 
     async def close(self) -> None:
         """Refuse new requests, run everything already queued or in flight, then stop."""
@@ -439,7 +499,12 @@ class Batcher:
         self.stats.batch_size_hist.observe(size)
         span = self._batch_span(items, size)
         try:
-            result, infer_s = await self._worker.call(_timed_run, clock, self.runner, batch)
+            if self.journal is None:
+                result, infer_s = await self._worker.call(_timed_run, clock, self.runner, batch)
+            else:
+                result, infer_s = await self._worker.call(
+                    _journaled_run, clock, self.runner, batch, self.journal, items
+                )
             kind = NamedRows if isinstance(batch, NamedRows) else np.ndarray
             if not isinstance(result, kind) or row_count(result) != size:
                 got = row_count(result) if isinstance(result, kind) else "no"

@@ -44,6 +44,8 @@ class Pending:
     timer: Timer | None = None
     # The request's own span (its server span): its batch links to it.
     span: trace.Span = trace.INVALID_SPAN
+    # Who sent it (the in-flight journal names it when the process crashes mid-batch).
+    caller: str = ""
 
 
 def _edf_key(item: Pending) -> tuple[float, int]:

@@ -7,6 +7,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -30,6 +31,11 @@ class Worker:
         self._nice = nice
         # The thread's nice value (set before __init__ returns; None where it could not be read).
         self.niceness: int | None = None
+        # time.monotonic() when the call running now began; None while the thread waits.
+        # Written by the thread alone and read by the event loop (one attribute store each
+        # way, atomic under the GIL): the model server's liveness asks how long a call has
+        # run, so a model stuck in a forward pass shows without joining the thread.
+        self.busy_since: float | None = None
         self._started = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
@@ -41,6 +47,11 @@ class Worker:
         future: asyncio.Future[T] = loop.create_future()
         self._jobs.put((loop, future, fn, args))
         return future
+
+    def busy_for(self) -> float:
+        """Seconds the call running now has taken so far; 0.0 while the thread waits."""
+        since = self.busy_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
     def stop(self) -> None:
         """Let the thread end once the calls already handed to it are done."""
@@ -66,10 +77,13 @@ class Worker:
             if job is None:
                 return
             loop, future, fn, args = job
+            self.busy_since = time.monotonic()
             try:
                 result, error = fn(*args), None
             except BaseException as exc:  # handed to the awaiting coroutine
                 result, error = None, exc
+            finally:
+                self.busy_since = None
             try:
                 loop.call_soon_threadsafe(_settle, future, result, error)
             except RuntimeError:  # the loop closed while the model ran

@@ -1,0 +1,72 @@
+"""The table of a running mesh's endpoints: what `servemesh up` prints once the mesh is
+up, and what `servemesh status` prints again later, from any shell (with each process's
+state and health beside it)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rich.table import Table
+
+from servemesh.spec import EDGE_PROXY, ResolvedSpec, proxy_part
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One row: what it is, where it answers, and the process behind it (the mesh's name
+    for it, "" when the row is no process of its own: an admin socket, a shared Envoy's
+    second listener)."""
+
+    what: str
+    address: str
+    process: str = ""
+    # The Envoy whose admin socket says whether this row's Envoy is ready ("" for none).
+    proxy: str = ""
+    # A service instance answering grpc.health.v1 on its own port ("" for none).
+    instance: str = ""
+
+
+def endpoint_rows(spec: ResolvedSpec, endpoints: Mapping[str, Any]) -> list[Endpoint]:
+    """Every endpoint of the mesh `spec` resolves to, as `up` lists them."""
+    rows = [Endpoint("edge (clients, grpcurl)", str(endpoints["edge"]), "envoy", EDGE_PROXY)]
+    per_zone = spec.proxy.layout == "per_zone"
+    for zone in spec.zones:
+        # Its own Envoy in the per-zone layout; the edge's holds it in the shared one.
+        process, proxy = (proxy_part(zone), zone) if per_zone else ("", "")
+        rows.append(
+            Endpoint(f"mesh listener of {zone}", spec.mesh_address_for(zone), process, proxy)
+        )
+    # A Unix socket (curl --unix-socket PATH http://localhost/...), not a TCP port.
+    for proxy, socket in dict(endpoints["envoy_admins"]).items():
+        what = "envoy admin" if proxy == EDGE_PROXY else f"envoy admin of {proxy}"
+        rows.append(Endpoint(what, f"unix:{socket}"))
+    rows.append(Endpoint("redis", str(endpoints["redis"]), "redis"))
+    if endpoints.get("trace_store"):
+        # `servemesh trace` reads what it stores; a collector of the spec's when no pid.
+        rows.append(Endpoint("trace store (OTLP)", str(endpoints["trace_store"]), "tracestore"))
+    for inst in spec.instances():
+        rows.append(Endpoint(inst.name, spec.address_of(inst.name), inst.name, instance=inst.name))
+    return rows
+
+
+def endpoint_table(
+    title: str,
+    rows: Sequence[Endpoint],
+    pids: Mapping[str, int],
+    extra: Mapping[str, Mapping[str, str]] | None = None,
+) -> Table:
+    """The rows with their PIDs; `extra` adds a column per key, by row (`what`)."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("endpoint")
+    table.add_column("address")
+    table.add_column("pid", justify="right")
+    columns = dict(extra or {})
+    for name in columns:
+        table.add_column(name)
+    for row in rows:
+        pid = pids.get(row.process, "") if row.process else ""
+        cells = [columns[name].get(row.what, "") for name in columns]
+        table.add_row(row.what, row.address, str(pid), *cells)
+    return table

@@ -1,0 +1,1 @@
+"""Development tools: the protobuf code generator and the type check `make` runs."""

@@ -1,0 +1,93 @@
+"""How the services run: what they accept (`limits:`), deadlines (`deadlines:`), the demo
+seeding (`demo:`), the registry's own settings (`registry:`), and the model servers'
+sandbox and quarantine (`sandbox:`)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from servemesh.spec.base import _Strict
+from servemesh.spec.durations import Duration, duration_seconds
+
+
+class Limits(_Strict):
+    # gRPC messages above this are refused with RESOURCE_EXHAUSTED by every service.
+    max_message_bytes: Annotated[int, Field(ge=1024, le=256 * 1024 * 1024)] = 4 * 1024 * 1024
+    # Registry uploads above this are refused.
+    max_artifact_bytes: Annotated[int, Field(ge=1024, le=16 * 1024**3)] = 512 * 1024 * 1024
+    # Bytes the registry stores in all (distinct artifacts); an upload that would pass it is
+    # refused before its bytes arrive.
+    registry_quota_bytes: Annotated[int, Field(ge=1024, le=1024**5)] = 8 * 1024**3
+    # An upload that sends no message for this long is aborted (DEADLINE_EXCEEDED), and
+    # leaves nothing behind.
+    upload_idle_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
+    # Entities plus rows in one Predict.
+    max_rows_per_predict: Annotated[int, Field(ge=1, le=65536)] = 1024
+    # Feature names one GetFeatures may ask for, and entities x features it may read.
+    max_feature_names: Annotated[int, Field(ge=1, le=65536)] = 1024
+    max_feature_cells: Annotated[int, Field(ge=1, le=64 * 1024 * 1024)] = 1024 * 1024
+
+
+class Deadlines(_Strict):
+    # Time each hop keeps for itself (answering, serialising) before calling downstream.
+    hop_budget_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
+    # Deadline applied to calls that arrive without one.
+    default_timeout_ms: Annotated[float, Field(gt=0, le=600_000)] = 5000.0
+
+
+class DemoSpec(_Strict):
+    # Seed the registry with the demo models and Redis with demo features on `up`.
+    enabled: bool = True
+    entities: Annotated[int, Field(ge=0, le=1_000_000)] = 5000
+
+
+class RegistryBackupSpec(_Strict):
+    """Scheduled backups of the registry's store, taken by the registry process itself
+    (`servemesh registry backup` takes one by hand; docs/registry.md)."""
+
+    # How often; null: never on a schedule.
+    interval: Duration | None = None
+    # Where the snapshots and artifacts go; null: <state_dir>/registry-backups.
+    directory: str | None = None
+    # The newest this many snapshots are kept (and the artifacts they name).
+    keep: Annotated[int, Field(ge=1, le=10_000)] = 7
+
+    @property
+    def interval_s(self) -> float | None:
+        return None if self.interval is None else duration_seconds(self.interval)
+
+
+class RegistrySpec(_Strict):
+    backup: RegistryBackupSpec = Field(default_factory=RegistryBackupSpec)
+
+
+class QuarantineSpec(_Strict):
+    """When the launcher takes a version's traffic away because its calls keep crashing
+    their model servers (servemesh/quarantine.py, docs/operators.md "Quarantine")."""
+
+    # A (model, version) in flight in `crashes` model server crashes within `within` is
+    # quarantined: its weight goes to 0, its share to the model's last good version.
+    # false: crashes are still recorded (<state_dir>/crashes.jsonl), traffic never moves.
+    enabled: bool = True
+    crashes: Annotated[int, Field(ge=1, le=1000)] = 3
+    within: Duration = "5m"
+
+
+class SandboxSpec(_Strict):
+    # The user model servers run as when `servemesh up` runs as root (a model file is code):
+    # auto: uid/gid 61000; off: root, like the rest; or a uid, uid:gid or user name.
+    # Not root, every process is the mesh's user (servemesh.procs.sandbox).
+    model_user: str = "auto"
+    # Model servers confine themselves once their first models loaded: no new processes or
+    # programs, no ptrace, no signals to others, no changes of modes or owners, no core
+    # dumps (services/runtime/confine.py, profile "server"); false only to debug a model
+    # server with a tracer.
+    syscall_filter: bool = True
+    # The address space a model server may map (RLIMIT_AS), in GiB: torch, the server's
+    # threads (each maps a malloc arena) and the pool's models. A model that allocates past
+    # it fails its batch with an error instead of taking the host's memory.
+    model_address_space_gib: Annotated[int, Field(ge=2, le=4096)] = 32
+    # A version whose calls keep crashing its servers loses its traffic (QuarantineSpec).
+    quarantine: QuarantineSpec = Field(default_factory=QuarantineSpec)
