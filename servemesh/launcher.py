@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Self
 
 import grpc
-import yaml
 
 from servemesh.contract.atomic import atomic_write_text
 from servemesh.contract.control_credential import (
@@ -35,6 +34,7 @@ from servemesh.contract.control_credential import (
 )
 from servemesh.contract.inflight import discard, journal_path, read_inflight
 from servemesh.contract.wire import ENVOY_STATS_PATH, message_size_options
+from servemesh.contract.yaml_text import dump_yaml
 from servemesh.identity import (
     OPERATOR_IDENTITY,
     TRACE_STORE_IDENTITY,
@@ -947,12 +947,12 @@ class Mesh:
             static = config.with_name(f"{config.stem}.static.yaml")
             static.parent.mkdir(parents=True, exist_ok=True)
             bootstrap = static_bootstrap(self.spec, resources, self.logs_dir, proxy)
-            static.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+            static.write_text(dump_yaml(bootstrap))
             validate_config(static)
             layout = self.paths.xds_of(proxy)
             write_initial(self.spec, resources, layout)
             running = dynamic_bootstrap(self.spec, resources, layout, self.logs_dir, proxy)
-            config.write_text(yaml.safe_dump(running, sort_keys=False))
+            config.write_text(dump_yaml(running))
             validate_config(config)
 
     def _start_envoy(self, deadline: float) -> None:

@@ -33,12 +33,11 @@ import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import yaml
-
 from servemesh.catalog.consul_acl import AGENT, CLIENTS, CONSUL_NODE, render_plan
 from servemesh.contract.atomic import atomic_write_text
 from servemesh.contract.control_credential import ensure_control_token
 from servemesh.contract.errors import ServemeshError
+from servemesh.contract.yaml_text import dump_yaml
 from servemesh.identity import issue_mesh_certificates, mesh_identity
 from servemesh.identity.enroll import edge_names
 from servemesh.procs.prometheus import SERVICES_TARGETS, render_config, service_targets
@@ -92,7 +91,7 @@ def _write(path: Path, text: str, mode: int = 0o644) -> None:
 
 
 def _dump(content: object) -> str:
-    return yaml.safe_dump(content, sort_keys=False)
+    return dump_yaml(content)
 
 
 def check_compose_spec(spec: ResolvedSpec) -> None:

@@ -15,10 +15,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from servemesh.catalog.file import CatalogEntry
 from servemesh.contract.atomic import atomic_write_text
+from servemesh.contract.yaml_text import dump_yaml
 from servemesh.proxy.render import EnvoyResources, ZoneEndpoint, load_assignment, xds_files
 from servemesh.state.paths import XdsLayout
 
@@ -67,7 +66,7 @@ def write_endpoint_files(files: dict[Path, dict[str, Any]]) -> list[Path]:
     returns those written."""
     written = []
     for path, content in sorted(files.items()):
-        text = yaml.safe_dump(content, sort_keys=False)
+        text = dump_yaml(content)
         try:
             if path.read_text() == text:
                 continue

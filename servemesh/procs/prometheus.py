@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from servemesh.contract.atomic import atomic_write_text
 from servemesh.contract.private import private_dir
 from servemesh.contract.wire import ENVOY_STATS_PATH
+from servemesh.contract.yaml_text import dump_yaml
 from servemesh.procs.ready import Check
 from servemesh.procs.supervisor import Child, Supervisor
 from servemesh.slo_rules import SERVICES_JOB, render_rules
@@ -149,10 +148,10 @@ class PrometheusServer:
 
     def write_config(self) -> None:
         private_dir(self.root)  # its data too: Prometheus runs under umask 077
-        atomic_write_text(self.rules_file, yaml.safe_dump(render_rules(self.spec), sort_keys=False))
+        atomic_write_text(self.rules_file, dump_yaml(render_rules(self.spec)))
         self.write_targets(self.spec)
         config = render_config(self.spec, self.rules_file, self.services_file)
-        atomic_write_text(self.config_file, yaml.safe_dump(config, sort_keys=False))
+        atomic_write_text(self.config_file, dump_yaml(config))
 
     def write_targets(self, spec: ResolvedSpec) -> None:
         """The instances of `spec` as the services job's targets (whole, by rename:

@@ -32,6 +32,7 @@ import yaml
 
 from servemesh.contract.atomic import atomic_write_text
 from servemesh.contract.errors import NoMesh
+from servemesh.contract.yaml_text import dump_yaml, load_yaml
 from servemesh.proxy.admin import AdminClient, AdminError, admin_socket_path
 from servemesh.proxy.process import validate_config
 from servemesh.proxy.render import (
@@ -79,7 +80,7 @@ class ApplyResult:
 
 
 def _dump(content: dict[str, Any]) -> str:
-    return yaml.safe_dump(content, sort_keys=False)
+    return dump_yaml(content)
 
 
 def _without_version(content: dict[str, Any]) -> dict[str, Any]:
@@ -650,7 +651,7 @@ def _put_back(previous: dict[Path, str | None]) -> str:
 
 def _on_disk(path: Path) -> dict[str, Any] | None:
     try:
-        content = yaml.safe_load(path.read_text())
+        content = load_yaml(path.read_text())
     except (OSError, yaml.YAMLError):
         return None
     return _without_version(content) if isinstance(content, dict) else None

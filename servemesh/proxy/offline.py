@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
+from servemesh.contract.yaml_text import dump_yaml
 from servemesh.identity import issue_mesh_certificates
 from servemesh.identity.tokens import ensure_signing_key
 from servemesh.proxy.process import validate_config
@@ -30,6 +29,6 @@ def validate_offline(spec: ResolvedSpec, workdir: Path) -> Path:
     for proxy, resources in render_proxies(scratch, workdir).items():
         config = edge if proxy == EDGE_PROXY else workdir / f"envoy-{proxy}.yaml"
         bootstrap = static_bootstrap(scratch, resources, workdir, proxy)
-        config.write_text(yaml.safe_dump(bootstrap))
+        config.write_text(dump_yaml(bootstrap, sort_keys=True))
         validate_config(config)
     return edge

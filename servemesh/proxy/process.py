@@ -8,9 +8,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from servemesh.contract.errors import ServemeshError
+from servemesh.contract.yaml_text import load_yaml
 from servemesh.proxy.admin import AdminClient
 
 
@@ -85,7 +84,7 @@ def raise_file_limit(config: Path) -> int:
     if hard != resource.RLIM_INFINITY and soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         soft = hard
-    cap = _connection_cap(yaml.safe_load(config.read_text()) or {})
+    cap = _connection_cap(load_yaml(config.read_text()) or {})
     if cap is not None and soft != resource.RLIM_INFINITY and cap + FILE_RESERVE > soft:
         raise EnvoyConfigError(
             f"traffic.overload.max_downstream_connections is {cap}, but Envoy may open only "
