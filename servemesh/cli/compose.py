@@ -31,8 +31,19 @@ def cmd_compose_init(args: argparse.Namespace) -> int:
     rendered = render_compose(Path(args.spec), Path(args.out))
     instances = len(rendered.spec.instances())
     write(f"rendered {instances} instances' configs, certificates and secrets into {args.out}")
-    write(f"next: docker compose --env-file {args.out}/compose.env up --build")
+    write(f"next: {next_step(rendered.spec.discovery.backend, args.out)}")
     return 0
+
+
+def next_step(backend: str, out: str) -> str:
+    """The command that starts what was rendered: the DNS file runs on the images `make
+    images` builds, with no Consul; the Consul file builds its own."""
+    if backend == "dns":
+        return (
+            f"docker compose --env-file {out}/compose.env -f deploy/compose/dns.yml up -d "
+            "(or make compose-up)"
+        )
+    return f"docker compose --env-file {out}/compose.env up --build"
 
 
 async def _probe(spec_path: str, instance: str) -> bool:

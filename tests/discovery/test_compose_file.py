@@ -248,3 +248,22 @@ def test_each_zone_has_an_envoy_container_of_its_own_that_its_gateways_wait_for(
     plane = [v.split(":")[1] for v in compose.services["control-plane"].volumes]
     for folder in ["xds", *(f"xds-{zone}" for zone in spec.zones)]:
         assert f"/var/lib/servemesh/{folder}/eds" in plane, folder
+
+
+@pytest.mark.parametrize(
+    ("spec", "compose_file"),
+    [("mesh.yaml", "docker-compose.yml"), ("mesh-dns.yaml", "deploy/compose/dns.yml")],
+)
+def test_init_names_the_compose_file_that_runs_what_it_rendered(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], spec: str, compose_file: str
+) -> None:
+    from servemesh.cli import main
+
+    out = tmp_path / "rendered"
+    code = main(["compose", "init", "--spec", str(COMPOSE_SPEC.parent / spec), "--out", str(out)])
+    assert code == 0
+    [hint] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("next:")]
+    assert f"--env-file {out}/compose.env" in hint
+    # The Consul file is compose's default one; the DNS file must be named.
+    assert ("dns.yml" in hint) == (compose_file != "docker-compose.yml"), hint
+    assert (REPO / compose_file).exists()
