@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from servemesh import launcher
-from servemesh.procs import RedisServer, Supervisor
+from servemesh.procs import RedisServer, Supervisor, prometheus
 from servemesh.proxy import process
 from tests.postgres_server import PostgresServer
 
@@ -72,6 +73,16 @@ PACKAGE_MESHES = ("metrics/", "fuzz/", "tracing/")
 # test` after the others (on their own) and by `make test-containers`, and skipped where no
 # Docker engine answers.
 CONTAINER_PATHS = ("containers/",)
+# The tests whose meshes run Prometheus where its binary is installed (the launcher's
+# `metrics.prometheus: auto`): the ones that read it (the metrics tests, rollout gates and
+# analysis, the bad-canary drill's controller). Every other mesh a test starts in its own
+# process runs as on a machine without the binary, the services' /metrics alone: a
+# Prometheus scraping every mesh cost about 1 s of CPU at each start and a fifth of an idle
+# mesh's CPU (docs/testing.md, 2026-12-06), for tests that never asked it anything. A test
+# outside these paths that skips for want of Prometheus while it is installed fails instead
+# (pytest_runtest_makereport), so this list cannot hide a test. Meshes started by
+# `servemesh up` in a child process keep the default.
+PROMETHEUS_PATHS = ("metrics/", "rollout/", "chaos/test_drills.py")
 NETNS_PATHS = ("netns/", "chaos/test_partition.py", "mesh/test_up_command.py")
 _TESTS = Path(__file__).parent
 
@@ -139,6 +150,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(GroupOrder(), "servemesh-group-order")
+    config.pluginmanager.register(PrometheusWhereRead(), "servemesh-prometheus-where-read")
     # pytest-xdist's `--dist loadgroup` hands out groups sorted by their number of tests
     # unless told not to (`--loadscope-reorder`, its default): the one-test drill modules
     # then ran last, each alone for a minute beside idle workers. The groups go in
@@ -210,6 +222,46 @@ def order_groups(items: list[pytest.Item]) -> None:
     }
     ordered = sorted(groups, key=lambda name: -cost[name])
     items[:] = [item for name in ordered for item in groups[name]]
+
+
+class PrometheusWhereRead:
+    """Prometheus for the meshes of PROMETHEUS_PATHS' tests only. The launcher looks for the
+    binary when a mesh starts, during the setup of the first test that asks for it, so the
+    test being run decides."""
+
+    def __init__(self) -> None:
+        self.installed = prometheus.prometheus_binary
+        self.current: pytest.Item | None = None
+        # launcher imports the name; its copy is the one a mesh's start calls.
+        launcher.prometheus_binary = self.binary  # type: ignore[attr-defined]
+
+    def binary(self) -> str | None:
+        if self.current is None or not _under(self.current.path, PROMETHEUS_PATHS):
+            return None
+        return self.installed()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item) -> Iterator[None]:
+        self.current = item
+        try:
+            yield
+        finally:
+            self.current = None
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item) -> Generator[None, Any, None]:
+        outcome = yield
+        report: pytest.TestReport = outcome.get_result()
+        if not report.skipped or _under(item.path, PROMETHEUS_PATHS):
+            return
+        reason = str(report.longrepr[-1] if isinstance(report.longrepr, tuple) else "")
+        if "prometheus" in reason.lower() and self.installed() is not None:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"skipped for want of Prometheus, which is installed ({reason}): the meshes "
+                "of tests outside PROMETHEUS_PATHS (tests/conftest.py) run without it; add "
+                "this test's path there"
+            )
 
 
 def _envoy_refused(*args: object, **kwargs: object) -> list[str]:
