@@ -127,6 +127,30 @@ def _settling(check: Check) -> Check:
     return Check(check.name, "wait", f"(settling after the route change) {check.detail}")
 
 
+# Checks whose fail is a statistical judgement: one rolls back only when the look after it
+# fails as well. A step looks at its growing window once an interval, and each look may
+# fail by chance (at the check's own significance): a good canary of a few dozen scores was
+# seen failing PSI at p=0.0009 against a limit of 0.001. A real shift fails again one
+# interval later, on more calls; a chance one rarely does.
+CONFIRMED_CHECKS = frozenset({"psi"})
+
+
+def _confirm(checks: list[Check], failed_last_look: set[str]) -> list[Check]:
+    """`checks` with a confirmed check's first fail turned into a wait; `failed_last_look`
+    becomes the names that fail at this look."""
+    confirmed = []
+    failing = set()
+    for check in checks:
+        if check.name in CONFIRMED_CHECKS and check.verdict == "fail":
+            failing.add(check.name)
+            if check.name not in failed_last_look:
+                check = Check(check.name, "wait", f"{check.detail}; to confirm at the next look")
+        confirmed.append(check)
+    failed_last_look.clear()
+    failed_last_look.update(failing)
+    return confirmed
+
+
 def load_fleet() -> Any:
     """`servemesh.rollout.fleet` (StrategyContext, run_blue_green, run_rolling), imported
     when first used: a canary never pays for the fleet's imports."""
@@ -472,6 +496,7 @@ class Controller:
         settles = not step.shadow and step.weight != 100
         latency_before: Any = None
         held = False
+        failed_last_look: set[str] = set()
         while True:
             self.parts.sleep(plan.analysis.interval_s)
             state = self._reload(state)
@@ -502,6 +527,7 @@ class Controller:
                         late_p99 if c.name == P99_CHECK and late_p99 is not None else c
                         for c in checks
                     ]
+            checks = _confirm(checks, failed_last_look)
             for check in checks:
                 self.say(f"  {step.label} {check_line(check)}")
             # Calls callers pinned to a version: never judged (analysis.py), shown apart.
@@ -649,11 +675,14 @@ class Controller:
             # Without a baseline window (no traffic before the switch) nothing compares:
             # the dwell alone is waited out, and a failing check still counts.
             patience = last.dwell_s + 10 * plan.analysis.interval_s
+            failed_last_look: set[str] = set()
             while True:
                 self.parts.sleep(plan.analysis.interval_s)
                 after = self.parts.source.snapshot(model, shadow=False)
                 canary = self.parts.window(switched, after).get(version) or _empty(version)
-                checks = list(self.parts.judge(base, canary, plan.analysis))
+                checks = _confirm(
+                    list(self.parts.judge(base, canary, plan.analysis)), failed_last_look
+                )
                 for check in checks:
                     self.say(f"  {state.strategy} {check_line(check)}")
                 self._set(model, last_checks=[check_record(c) for c in checks])

@@ -35,6 +35,7 @@ class World:
     arms: dict[str, Arm] = field(default_factory=lambda: {"v1": Arm(), "v2": Arm()})
     weights: dict[str, int] = field(default_factory=lambda: {"v1": 100, "v2": 0})
     shadow: str | None = None
+    psi_verdicts: list[str] = field(default_factory=list)
     t: float = 1_000_000.0
     requests: dict[str, float] = field(default_factory=dict)
     errors: dict[str, float] = field(default_factory=dict)
@@ -114,6 +115,9 @@ class World:
     def judge(self, base: ArmWindow, canary: ArmWindow, analysis: AnalysisSpec) -> list[Check]:
         if min(base.requests, canary.requests) < analysis.min_samples:
             return [Check("samples", "wait", f"{canary.requests} canary calls")]
+        # A scripted PSI verdict per judgement, where a test gives some (none: no PSI check).
+        psi = [Check("psi", v, f"PSI scripted {v}") for v in self.psi_verdicts[:1]]
+        del self.psi_verdicts[:1]
         increase = (canary.error_ratio - base.error_ratio) * 100
         limit = analysis.max_error_ratio_increase_points
         p99 = self.arms[canary.version].p99_ms / self.arms[base.version].p99_ms
@@ -129,6 +133,7 @@ class World:
                 "fail" if p99 > analysis.max_p99_ratio else "pass",
                 f"p99 {p99:.2f}x the baseline's (limit {analysis.max_p99_ratio}x)",
             ),
+            *psi,
         ]
 
 

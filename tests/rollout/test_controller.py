@@ -79,6 +79,26 @@ def test_a_failing_canary_is_rolled_back_within_one_interval_naming_the_check(
     assert lines[-1].startswith("rolling back: step 1%: error_ratio fail")
 
 
+def test_a_psi_fail_that_the_next_look_does_not_repeat_rolls_nothing_back(
+    tmp_path: Path,
+) -> None:
+    # One look's chance shift: a wait that says so, then the step goes on and promotes.
+    world = World(rate_per_s=1000, psi_verdicts=["fail", "pass", "pass", "pass"])
+    lines: list[str] = []
+    ending = controller(tmp_path, world, lines=lines).start("fraud", "v2", short_plan(50, 100))
+    assert ending.outcome == Outcome.PROMOTED, ending.reason
+    assert any("psi wait: PSI scripted fail; to confirm at the next look" in x for x in lines)
+
+
+def test_a_psi_fail_confirmed_by_the_next_look_rolls_back(tmp_path: Path) -> None:
+    world = World(rate_per_s=1000, psi_verdicts=["fail", "fail"])
+    ending = controller(tmp_path, world).start("fraud", "v2", short_plan(50, 100))
+    assert ending.outcome == Outcome.ROLLED_BACK
+    assert ending.reason.startswith("step 50%: psi fail: PSI scripted fail"), ending.reason
+    # Judged once an interval: the second look (the second fail) decided.
+    assert world.changes[-1][0] - world.changes[0][0] == pytest.approx(2.0)
+
+
 def test_a_slow_canary_fails_its_p99_check(tmp_path: Path) -> None:
     world = World()
     world.arms["v2"] = Arm(p99_ms=110.0)
