@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from servemesh.rollout.controller import Controller, Parts
-from servemesh.rollout.types import ArmWindow, Check, ChecklistItem
+from servemesh.rollout.types import ArmWindow, Check, ChecklistItem, Verdict
 from servemesh.spec.rollout_plan import AnalysisSpec, RolloutPlan, RolloutStep
 from servemesh.state.paths import ApplyError
 from servemesh.state.rollouts import StateStore
@@ -35,7 +35,7 @@ class World:
     arms: dict[str, Arm] = field(default_factory=lambda: {"v1": Arm(), "v2": Arm()})
     weights: dict[str, int] = field(default_factory=lambda: {"v1": 100, "v2": 0})
     shadow: str | None = None
-    psi_verdicts: list[str] = field(default_factory=list)
+    psi_verdicts: list[Verdict] = field(default_factory=list)
     t: float = 1_000_000.0
     requests: dict[str, float] = field(default_factory=dict)
     errors: dict[str, float] = field(default_factory=dict)
