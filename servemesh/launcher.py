@@ -86,6 +86,7 @@ from servemesh.spec import (
     proxy_part,
     resolve,
 )
+from servemesh.spec.features import sentinel_names
 from servemesh.state.credentials import ensure_edge_credentials, htpasswd_line
 from servemesh.state.lock import Holder, MeshLock, refuse_if_held
 from servemesh.state.paths import MeshPaths
@@ -165,7 +166,8 @@ class Mesh:
     supervisor: Supervisor = field(init=False, repr=False)
     # The Redis this mesh started (None when the spec names one of its own).
     redis: RedisServer | None = field(default=None, init=False)
-    # A replicated store's (feature_store.topology): each zone's replica and Sentinel.
+    # A replicated store's (feature_store.topology): each zone's replica, and its Sentinels
+    # by zone (and "witness", the one in no zone).
     store_replicas: dict[str, RedisServer] = field(default_factory=dict, init=False)
     sentinels: dict[str, SentinelServer] = field(default_factory=dict, init=False)
     # The zones' namespaces, with `network: {mode: netns}` (None on one loopback).
@@ -880,21 +882,24 @@ class Mesh:
             )
             replica.start(timeout_s=max(0.0, deadline - time.monotonic()))
             self.store_replicas[zone] = replica
-        for zone in spec.zones:
+        # One per zone, and the witness (feature_store.witness_sentinel) where the mesh
+        # resolved a port for it.
+        names = [n for n in sentinel_names(spec.zones, witness=True) if n in spec.store_ports]
+        for name in names:
             sentinel = SentinelServer(
                 self.supervisor,
-                self.state_dir / f"redis-sentinel-{zone}",
+                self.state_dir / f"redis-{name}",
                 primary=primary_at,
                 password_file=primary.password_path,
-                quorum=quorum_of(len(spec.zones)),
+                quorum=quorum_of(len(names)),
                 down_after_ms=store.sentinel_down_after_ms,
                 failover_timeout_ms=store.sentinel_failover_timeout_ms,
                 host=spec.host,
-                port=spec.store_ports[f"sentinel-{zone}"],
-                name=f"redis-sentinel-{zone}",
+                port=spec.store_ports[name],
+                name=f"redis-{name}",
             )
             sentinel.start(timeout_s=max(0.0, deadline - time.monotonic()))
-            self.sentinels[zone] = sentinel
+            self.sentinels[name.removeprefix("sentinel-")] = sentinel
 
     def _join_zone_network(self) -> None:
         """Create the zones' namespaces and join them to the machine's loopback: each

@@ -35,6 +35,7 @@ from servemesh.spec.base import (
 from servemesh.spec.features import (
     REDIS_PASSWORD_FILE,
     SENTINEL_MASTER_NAME,
+    WITNESS_SENTINEL,
     FeatureName,
     FeatureStoreSpec,
     FeatureViewSpec,
@@ -188,6 +189,7 @@ __all__ = [
     "QuarantineSpec",
     "REDIS_PASSWORD_FILE",
     "SENTINEL_MASTER_NAME",
+    "WITNESS_SENTINEL",
     "REGISTRY_INSTANCE",
     "RegistryBackupSpec",
     "RegistrySpec",

@@ -88,10 +88,26 @@ class FeatureStoreSpec(_Strict):
     # Sentinel's failover-timeout: how long before a failover that stalled is tried again,
     # and the bound on moving the other replicas to the new primary.
     sentinel_failover_timeout_ms: Annotated[int, Field(ge=1000, le=600_000)] = 8000
+    # One more Sentinel, in no zone, where the zones' own cannot outvote a lost zone's (an
+    # even number of zones): with two, a lost zone takes one Sentinel of two with it, the
+    # other is no majority, and a primary lost with that zone is never replaced. On one host
+    # the witness is one more process; across hosts, run it where neither zone's loss takes
+    # it too.
+    witness_sentinel: bool = True
 
 
 # The name a replicated store's Sentinels know it by (clients ask them for its primary).
 SENTINEL_MASTER_NAME = "servemesh"
+# The witness Sentinel's name among the store's ports (the zones' are "sentinel-<zone>").
+WITNESS_SENTINEL = "sentinel-witness"
+
+
+def sentinel_names(zones: list[str], witness: bool) -> list[str]:
+    """The Sentinels of a replicated store over `zones`: one per zone, and the witness where
+    the zones are even in number and it is wanted."""
+    names = [f"sentinel-{zone}" for zone in zones]
+    return [*names, WITNESS_SENTINEL] if witness and len(zones) % 2 == 0 else names
+
 
 # The embedded Redis's password, in the state dir (owner-only; created by the launcher).
 REDIS_PASSWORD_FILE = "redis-password"

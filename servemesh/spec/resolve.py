@@ -12,7 +12,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from servemesh.contract.yaml_text import dump_yaml, load_yaml
 from servemesh.spec.base import Port, ScaledKind, SpecError, ZoneName
-from servemesh.spec.features import REDIS_PASSWORD_FILE
+from servemesh.spec.features import REDIS_PASSWORD_FILE, sentinel_names
 from servemesh.spec.fleet import (
     REGISTRY_INSTANCE,
     FleetState,
@@ -160,8 +160,10 @@ class ResolvedSpec(MeshSpec):
 
     @property
     def sentinels(self) -> list[tuple[str, int]]:
-        """Host and port of every Sentinel of a replicated store, zone by zone."""
-        found = (self.store_ports.get(f"sentinel-{zone}") for zone in self.zones)
+        """Host and port of every Sentinel of a replicated store, zone by zone, then the
+        witness where there is one."""
+        names = sentinel_names(self.zones, witness=True)
+        found = (self.store_ports.get(name) for name in names)
         return [(self.host, port) for port in found if port]
 
     def redis_password(self) -> str | None:
@@ -363,7 +365,8 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
             )
         for zone in spec.zones:
             store_ports[f"replica-{zone}"] = pick(0)
-            store_ports[f"sentinel-{zone}"] = pick(0)
+        for name in sentinel_names(spec.zones, store.witness_sentinel):
+            store_ports[name] = pick(0)
     # No collector named: the launcher runs the embedded trace store, on a port chosen now.
     tracing = spec.tracing
     embedded_trace_store_port = known.embedded_trace_store_port if known else None

@@ -24,7 +24,8 @@ from servemesh.procs.redis_server import DISABLED_COMMANDS, replication_renames
 from servemesh.procs.sentinel import SentinelServer, quorum_of
 from servemesh.services.feature.replica import ReplicaLag, lag_of
 from servemesh.services.feature.store import RedisFeatureStore, StoreError
-from servemesh.spec import SENTINEL_MASTER_NAME
+from servemesh.spec import SENTINEL_MASTER_NAME, WITNESS_SENTINEL, parse_spec, resolve
+from servemesh.spec.features import sentinel_names
 from tests.waiting import wait_until
 
 FEATURES = ["a", "b"]
@@ -124,6 +125,38 @@ def test_the_sentinels_config_names_the_primary_a_majority_and_the_secret_comman
         f"sentinel rename-command {name} CONFIG {replication_renames(password)['CONFIG']}" in lines
     )
     assert [quorum_of(n) for n in (1, 2, 3, 5)] == [1, 2, 2, 3]
+
+
+FREE_PORTS = "ports: {edge: 0, mesh: 0, envoy_admin: 0, services_base: 0}\n"
+
+
+def test_two_zones_get_a_witness_sentinel_and_an_odd_count_needs_none(tmp_path: Path) -> None:
+    assert sentinel_names(["zone-a", "zone-b"], witness=True) == [
+        "sentinel-zone-a",
+        "sentinel-zone-b",
+        WITNESS_SENTINEL,
+    ]
+    assert sentinel_names(["a", "b", "c"], witness=True) == [
+        "sentinel-a",
+        "sentinel-b",
+        "sentinel-c",
+    ]
+    assert sentinel_names(["zone-a", "zone-b"], witness=False) == [
+        "sentinel-zone-a",
+        "sentinel-zone-b",
+    ]
+    spec = resolve(
+        parse_spec(f"state_dir: {tmp_path}\n{FREE_PORTS}feature_store: {{topology: replicated}}\n")
+    )
+    assert WITNESS_SENTINEL in spec.store_ports
+    assert len(spec.sentinels) == 3 and len(set(spec.sentinels)) == 3
+    plain = resolve(
+        parse_spec(
+            f"state_dir: {tmp_path}\n{FREE_PORTS}"
+            "feature_store: {topology: replicated, witness_sentinel: false}\n"
+        )
+    )
+    assert len(plain.sentinels) == 2
 
 
 def test_lag_reads_zero_for_a_primary_and_infinite_while_the_link_is_down() -> None:
