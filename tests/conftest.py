@@ -78,7 +78,7 @@ CONTAINER_PATHS = ("containers/",)
 # analysis, the bad-canary drill's controller). Every other mesh a test starts in its own
 # process runs as on a machine without the binary, the services' /metrics alone: a
 # Prometheus scraping every mesh cost about 1 s of CPU at each start and a fifth of an idle
-# mesh's CPU (docs/testing.md, 2026-12-06), for tests that never asked it anything. A test
+# mesh's CPU (docs/testing.md, 2026-12-05 late), for tests that never asked it anything. A test
 # outside these paths that skips for want of Prometheus while it is installed fails instead
 # (pytest_runtest_makereport), so this list cannot hide a test. Meshes started by
 # `servemesh up` in a child process keep the default.
