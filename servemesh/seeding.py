@@ -90,11 +90,13 @@ async def seed_demo_features(spec: ResolvedSpec, views: list[str], batch: int = 
     """Load the demo rows into each view as one new version (a load, like a user's file),
     observed now: what was there before is replaced."""
     import numpy as np
-    import redis.asyncio as aioredis
 
     from servemesh.services.feature.store import RedisFeatureStore
+    from servemesh.spec.store_clients import store_writer
 
-    client = aioredis.Redis.from_url(spec.redis_url, password=spec.redis_password())
+    # The primary the Sentinels name, for a replicated store (a seeding after a failover
+    # reaches the promoted replica, not the lost primary the spec's URL names).
+    client = store_writer(spec)
     try:
         store = RedisFeatureStore(client, spec.feature_store.key_prefix)
         rows = demo_features(spec.demo.entities)

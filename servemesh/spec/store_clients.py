@@ -118,8 +118,8 @@ def writer_at_sync(
 
 
 def store_sentinels(spec: ResolvedSpec) -> list[Address]:
-    """The Sentinels a writer follows: every zone's for a replicated store, none for a
-    single one."""
+    """The Sentinels a writer follows: every one of a replicated store (each zone's, and
+    the witness where there is one), none for a single store."""
     if spec.feature_store.topology != "replicated":
         return []
     return spec.sentinels

@@ -7,6 +7,7 @@ has the figures)."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import redis
 from servemesh.contract.demo import DEMO_FEATURES
 from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
+from servemesh.seeding import seed_demo_features
 from servemesh.spec import SENTINEL_MASTER_NAME, MeshSpec
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.waiting import wait_until
@@ -198,4 +200,7 @@ def test_a_lost_zone_takes_a_sentinel_with_it_and_the_witness_still_makes_a_majo
     rows = tmp_path / "users.csv"
     write_rows(rows, [f"user-{i}" for i in range(ENTITIES)])
     wait_until(lambda: load(mesh, rows).returncode == 0, "a feature load on the new primary")
+    # The demo's seeding too (what `up` and `compose seed` run): it follows the Sentinels,
+    # not the lost primary the spec's URL names.
+    asyncio.run(seed_demo_features(mesh.spec, ["user"]))
     print(f"zone {lost} lost: {kept}'s replica promoted {promoted_s:.2f} s after the SIGKILLs")
