@@ -1,10 +1,10 @@
 """YAML in and out on libyaml where PyYAML was built with it (its wheels are).
 
 A mesh writes its Envoy configs, xDS files and resolved spec at start and on every change,
-and every service reads the spec back: with PyYAML's pure-Python emitter the writes alone
-were 1.7 of the 2.6 s of CPU a default mesh's launcher spent starting it. The C classes
-build and write the same safe types; files a person reads first (`servemesh init`) keep
-the Python emitter's layout by not coming through here."""
+and every service reads the spec back (on each live change; the scaler every round): with
+PyYAML's pure-Python emitter the writes were 1.7 of the 2.6 s of CPU a launcher spent on
+its first mesh, and the pure-Python loader took about 27 ms for a resolved spec, libyaml
+6 ms. The C classes load the same safe types and write the same text."""
 
 from __future__ import annotations
 

@@ -90,10 +90,6 @@ def _write(path: Path, text: str, mode: int = 0o644) -> None:
     os.chmod(path, mode)
 
 
-def _dump(content: object) -> str:
-    return dump_yaml(content)
-
-
 def check_compose_spec(spec: ResolvedSpec) -> None:
     """Refuse a spec whose parts would not find each other across containers."""
     problems = []
@@ -150,12 +146,12 @@ def _envoy(spec: ResolvedSpec, out: Path, state: Path) -> None:
         for path, content in xds_files(resources, layout, "1").items():
             if path.parent.name == "eds":
                 continue  # the control plane's
-            _write(state / path.relative_to(CONTAINER_STATE), _dump(content))
+            _write(state / path.relative_to(CONTAINER_STATE), dump_yaml(content))
         (state / layout.root.relative_to(CONTAINER_STATE) / "eds").mkdir(
             parents=True, exist_ok=True
         )
         bootstrap = dynamic_bootstrap(spec, resources, layout, logs, proxy)
-        _write(out / "envoy" / inside.envoy_config_of(proxy).name, _dump(bootstrap))
+        _write(out / "envoy" / inside.envoy_config_of(proxy).name, dump_yaml(bootstrap))
 
         empty = {name: {"cluster_name": name, "endpoints": []} for name in resources.endpoint_sets}
         assignments = {**resources.load_assignments, **empty}
@@ -165,7 +161,7 @@ def _envoy(spec: ResolvedSpec, out: Path, state: Path) -> None:
             # The admin socket (the admin API, and the stats listener's cluster to it) where
             # its path is short enough for a Unix socket (108 bytes): the rendered folder
             # may lie deep. Every other path: the files rendered here.
-            text = _dump(static).replace(
+            text = dump_yaml(static).replace(
                 str(admin_socket_path(CONTAINER_STATE, proxy)), str(Path(scratch) / "admin.sock")
             )
             check = Path(scratch) / "envoy.static.yaml"
@@ -177,9 +173,9 @@ def _prometheus(spec: ResolvedSpec, out: Path) -> None:
     folder = out / "prometheus"
     services = PROMETHEUS_DIR / SERVICES_TARGETS
     config = render_config(spec, PROMETHEUS_DIR / "rules.yml", services)
-    _write(folder / "prometheus.yml", _dump(config))
+    _write(folder / "prometheus.yml", dump_yaml(config))
     _write(folder / SERVICES_TARGETS, json.dumps(service_targets(spec), indent=1) + "\n")
-    _write(folder / "rules.yml", _dump(render_rules(spec)))
+    _write(folder / "rules.yml", dump_yaml(render_rules(spec)))
 
 
 def _redis(out: Path) -> None:

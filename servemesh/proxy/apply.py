@@ -79,10 +79,6 @@ class ApplyResult:
     entry_id: int | None
 
 
-def _dump(content: dict[str, Any]) -> str:
-    return dump_yaml(content)
-
-
 def _without_version(content: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in content.items() if k != "version_info"}
 
@@ -448,7 +444,7 @@ class RouteManager:
         try:
             for paths, step_routes, step_clusters in steps:
                 for path in paths:  # endpoints before the clusters that read them
-                    atomic_write_text(path, _dump(changed[path]))
+                    atomic_write_text(path, dump_yaml(changed[path]))
                 for proxy in by_proxy:
                     self._confirm(
                         proxy,
@@ -496,7 +492,7 @@ class RouteManager:
             for proxy, resources in by_proxy.items():
                 config = Path(tmp) / f"{proxy}.yaml"
                 bootstrap = static_bootstrap(spec, resources, self.paths.logs, proxy)
-                config.write_text(_dump(bootstrap))
+                config.write_text(dump_yaml(bootstrap))
                 try:
                     validate_config(config)
                 except ValueError as exc:
@@ -681,4 +677,4 @@ def _envoy_named(proxy: str) -> str:
 def write_initial(spec: ResolvedSpec, resources: EnvoyResources, layout: XdsLayout) -> None:
     """Write every watched file for a mesh about to start (version 1)."""
     for path, content in xds_files(resources, layout, "1").items():
-        atomic_write_text(path, _dump(content))
+        atomic_write_text(path, dump_yaml(content))

@@ -113,7 +113,6 @@ from servemesh.spec.resolve import (
     parse_spec,
     parse_spec_or_resolved,
     resolve,
-    safe_yaml,
     with_profile,
 )
 from servemesh.spec.services import (
@@ -200,7 +199,6 @@ __all__ = [
     "resolve",
     "RESOLVED_FIELDS",
     "ResolvedSpec",
-    "safe_yaml",
     "SandboxSpec",
     "SCALED_KINDS",
     "scaled_pool_label",

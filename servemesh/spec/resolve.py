@@ -159,12 +159,16 @@ class ResolvedSpec(MeshSpec):
         return (self.host, port) if port else None
 
     @property
-    def sentinels(self) -> list[tuple[str, int]]:
-        """Host and port of every Sentinel of a replicated store, zone by zone, then the
-        witness where there is one."""
+    def sentinel_ports(self) -> dict[str, int]:
+        """The port of each Sentinel of a replicated store, by name: zone by zone, then the
+        witness where the mesh resolved one; empty for a single store."""
         names = sentinel_names(self.zones, witness=True)
-        found = (self.store_ports.get(name) for name in names)
-        return [(self.host, port) for port in found if port]
+        return {name: self.store_ports[name] for name in names if self.store_ports.get(name)}
+
+    @property
+    def sentinels(self) -> list[tuple[str, int]]:
+        """Host and port of every Sentinel of a replicated store (`sentinel_ports`' order)."""
+        return [(self.host, port) for port in self.sentinel_ports.values()]
 
     def redis_password(self) -> str | None:
         """The Redis password from feature_store.password_file (None: no file named). Read
@@ -442,16 +446,9 @@ def parse_spec(text: str, source: str = "<spec>") -> MeshSpec:
     return _parse(MeshSpec, text, source)
 
 
-def safe_yaml(text: str) -> object:
-    """`yaml.safe_load` on libyaml (servemesh/contract/yaml_text.py): the resolved spec is
-    read by every service on each live change and by the scaler every round, and the pure
-    Python loader took about 27 ms for it, the C one 6 ms."""
-    return load_yaml(text)
-
-
 def _parse(kind: type[Spec], text: str, source: str) -> Spec:
     try:
-        data = safe_yaml(text) or {}
+        data = load_yaml(text) or {}
     except yaml.YAMLError as exc:
         raise SpecError(f"{source}: malformed YAML: {exc}") from None
     if not isinstance(data, dict):
@@ -492,7 +489,7 @@ def parse_resolved(text: str, source: str = "<resolved spec>") -> ResolvedSpec:
 def parse_spec_or_resolved(text: str, source: str = "<spec>") -> MeshSpec:
     """A declared spec, or a resolved one when the text names resolved ports."""
     try:
-        data = safe_yaml(text)
+        data = load_yaml(text)
     except yaml.YAMLError:
         data = None  # parse_spec says what is wrong with it
     if isinstance(data, dict) and RESOLVED_FIELDS & set(data):
