@@ -86,7 +86,6 @@ from servemesh.spec import (
     proxy_part,
     resolve,
 )
-from servemesh.spec.features import sentinel_names
 from servemesh.state.credentials import ensure_edge_credentials, htpasswd_line
 from servemesh.state.lock import Holder, MeshLock, refuse_if_held
 from servemesh.state.paths import MeshPaths
@@ -884,18 +883,18 @@ class Mesh:
             self.store_replicas[zone] = replica
         # One per zone, and the witness (feature_store.witness_sentinel) where the mesh
         # resolved a port for it.
-        names = [n for n in sentinel_names(spec.zones, witness=True) if n in spec.store_ports]
-        for name in names:
+        ports = spec.sentinel_ports
+        for name, port in ports.items():
             sentinel = SentinelServer(
                 self.supervisor,
                 self.state_dir / f"redis-{name}",
                 primary=primary_at,
                 password_file=primary.password_path,
-                quorum=quorum_of(len(names)),
+                quorum=quorum_of(len(ports)),
                 down_after_ms=store.sentinel_down_after_ms,
                 failover_timeout_ms=store.sentinel_failover_timeout_ms,
                 host=spec.host,
-                port=spec.store_ports[name],
+                port=port,
                 name=f"redis-{name}",
             )
             sentinel.start(timeout_s=max(0.0, deadline - time.monotonic()))

@@ -135,20 +135,18 @@ def _settling(check: Check) -> Check:
 CONFIRMED_CHECKS = frozenset({"psi"})
 
 
-def _confirm(checks: list[Check], failed_last_look: set[str]) -> list[Check]:
-    """`checks` with a confirmed check's first fail turned into a wait; `failed_last_look`
-    becomes the names that fail at this look."""
-    confirmed = []
-    failing = set()
-    for check in checks:
-        if check.name in CONFIRMED_CHECKS and check.verdict == "fail":
-            failing.add(check.name)
-            if check.name not in failed_last_look:
-                check = Check(check.name, "wait", f"{check.detail}; to confirm at the next look")
-        confirmed.append(check)
-    failed_last_look.clear()
-    failed_last_look.update(failing)
-    return confirmed
+def _confirm(checks: list[Check], failed_last_look: set[str]) -> tuple[list[Check], set[str]]:
+    """`checks` with the first fail of a confirmed check (one that did not fail at the last
+    look) turned into a wait, and the confirmed checks that fail at this look."""
+    failing = {c.name for c in checks if c.name in CONFIRMED_CHECKS and c.verdict == "fail"}
+    unconfirmed = failing - failed_last_look
+    confirmed = [
+        Check(c.name, "wait", f"{c.detail}; to confirm at the next look")
+        if c.name in unconfirmed
+        else c
+        for c in checks
+    ]
+    return confirmed, failing
 
 
 def load_fleet() -> Any:
@@ -527,7 +525,7 @@ class Controller:
                         late_p99 if c.name == P99_CHECK and late_p99 is not None else c
                         for c in checks
                     ]
-            checks = _confirm(checks, failed_last_look)
+            checks, failed_last_look = _confirm(checks, failed_last_look)
             for check in checks:
                 self.say(f"  {step.label} {check_line(check)}")
             # Calls callers pinned to a version: never judged (analysis.py), shown apart.
@@ -680,9 +678,8 @@ class Controller:
                 self.parts.sleep(plan.analysis.interval_s)
                 after = self.parts.source.snapshot(model, shadow=False)
                 canary = self.parts.window(switched, after).get(version) or _empty(version)
-                checks = _confirm(
-                    list(self.parts.judge(base, canary, plan.analysis)), failed_last_look
-                )
+                judged = list(self.parts.judge(base, canary, plan.analysis))
+                checks, failed_last_look = _confirm(judged, failed_last_look)
                 for check in checks:
                     self.say(f"  {state.strategy} {check_line(check)}")
                 self._set(model, last_checks=[check_record(c) for c in checks])
