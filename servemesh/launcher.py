@@ -57,6 +57,7 @@ from servemesh.procs import (
     StartError,
     Supervisor,
 )
+from servemesh.procs.liveness import LivenessPolicy, LivenessWatch, Target
 from servemesh.procs.netns import ZoneNetwork
 from servemesh.procs.netns import available as netns_available
 from servemesh.procs.prometheus import PrometheusServer, prometheus_binary
@@ -199,6 +200,13 @@ class Mesh:
     # killed mesh whose lock this one took over, if any.
     _lock: MeshLock | None = field(default=None, init=False, repr=False)
     took_over: Holder | None = field(default=None, init=False)
+    # Probes every model server's liveness and kills the ones hung for good, which the
+    # fleet's thread then starts again (servemesh.procs.liveness); None: not running.
+    liveness: LivenessWatch | None = field(default=None, init=False)
+    # Why a process was killed for liveness (until its exit is counted), and the cause of
+    # each process's last unexpected exit when the mesh itself caused it (fleet status).
+    _liveness_kills: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    _exit_causes: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(
@@ -308,6 +316,7 @@ class Mesh:
             self._start_scaler(deadline)
             self._write_endpoints()
             self._start_fleet_follower()
+            self._start_liveness_watch()
         except BaseException:
             self.stop()
             raise
@@ -319,6 +328,9 @@ class Mesh:
             # First: nothing may start a replica while the mesh stops. Every replica the
             # follower started is a child of the supervisor, so stop_all stops it by PID.
             self._stop_fleet_follower()
+            if self.liveness is not None:
+                self.liveness.stop()
+                self.liveness = None
             if self._quarantines is not None:
                 # A quarantine under way finishes while Envoy still runs to confirm it.
                 self._quarantines.shutdown(wait=True, cancel_futures=True)
@@ -597,6 +609,11 @@ class Mesh:
                 self._crashed[name] = child
                 self._reviving.pop(name, None)
                 delay = self._restarts.exited(name, child.returncode)
+                cause = self._liveness_kills.pop(name, None)
+                if cause is None:
+                    self._exit_causes.pop(name, None)
+                else:
+                    self._exit_causes[name] = f"liveness: {cause}"
                 if child.launch.group == "model" and child.returncode:
                     self._attribute_crash(name, child.returncode)
                 log.warning(
@@ -698,6 +715,8 @@ class Mesh:
     def _forget_restarts(self, name: str) -> None:
         with self._restart_lock:
             self._restarts.forget(name)
+            self._exit_causes.pop(name, None)
+            self._liveness_kills.pop(name, None)
             self._crashed.pop(name, None)
             self._reviving.pop(name, None)
 
@@ -727,7 +746,46 @@ class Mesh:
             "state": self._state_of(name),
             "restarts": record.restarts,
             "last_exit": record.last_exit,
+            # Set when the mesh itself ended that process (a failed liveness), else null.
+            "last_cause": self._exit_causes.get(name),
         }
+
+    # --- liveness: model servers that run but answer nothing are started again ---------
+
+    def _start_liveness_watch(self) -> None:
+        settings = self.spec.sandbox.liveness
+        if not settings.enabled:
+            return
+        policy = LivenessPolicy(
+            period_s=settings.period_s, timeout_s=settings.timeout_s, failures=settings.failures
+        )
+        self.liveness = LivenessWatch(policy, self._liveness_targets, self._kill_unresponsive)
+        self.liveness.start()
+
+    def _liveness_targets(self) -> list[Target]:
+        """Every model server running now and not on its way down or held by a drill."""
+        with self._restart_lock:
+            children = list(self.supervisor.children.items())
+        return [
+            Target(name, child.pid, dial_service(self.spec, name))
+            for name, child in children
+            if child.launch.group == "model" and child.alive() and not (child.stopped or child.held)
+        ]
+
+    def _kill_unresponsive(self, name: str, pid: int, reason: str) -> None:
+        """SIGKILL a model server that failed its liveness (the same process the probes
+        judged); the fleet's thread starts it again with crash-loop backoff, and its in-flight
+        calls are recorded as for any crash (a model that hangs its server keeps being
+        quarantined like one that crashes it)."""
+        with self._restart_lock:
+            child = self.supervisor.children.get(name)
+            if child is None or child.pid != pid or not child.alive():
+                return
+            if child.stopped or child.held:
+                return
+            log.error("%s (pid %d): %s; killing it so it starts again", name, pid, reason)
+            self._liveness_kills[name] = reason
+            self.supervisor.kill(name, signal.SIGKILL, hold=False)
 
     def _write_fleet_status(self) -> None:
         """The fleet status file (servemesh.rollout.fleet.fleet_status, `servemesh fleet

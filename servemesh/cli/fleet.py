@@ -71,7 +71,19 @@ def restart_fields(entry: dict[str, Any]) -> dict[str, object]:
         "state": entry.get("state", "running"),
         "restarts": entry.get("restarts", 0),
         "last_exit": entry.get("last_exit"),
+        # "liveness: ..." when the mesh killed it for failing its liveness checks.
+        "last_cause": entry.get("last_cause"),
     }
+
+
+def last_exit_text(fields: dict[str, object]) -> str:
+    """The last unexpected exit, with what caused it when the mesh did (`SIGKILL
+    (liveness)`)."""
+    text = exit_text(fields["last_exit"])
+    cause = fields.get("last_cause")
+    if isinstance(cause, str) and cause:
+        text += f" ({cause.split(':', 1)[0]})"
+    return text
 
 
 def exit_text(status: object) -> str:
@@ -109,7 +121,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             str(row["healthy_in_clusters"]),
             str(row["state"]),
             str(row["restarts"]),
-            exit_text(row["last_exit"]),
+            last_exit_text(row),
         )
     out.print(table)
     _print_other_restarts(manager)
@@ -129,7 +141,7 @@ def _print_other_restarts(manager: RouteManager) -> None:
             continue
         out.print(
             f"{name}: {fields['state']}, started again {fields['restarts']} time(s), "
-            f"last exit {exit_text(fields['last_exit'])}",
+            f"last exit {last_exit_text(fields)}",
             highlight=False,
         )
 

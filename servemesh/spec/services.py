@@ -75,6 +75,38 @@ class QuarantineSpec(_Strict):
     within: Duration = "5m"
 
 
+class LivenessSpec(_Strict):
+    """When the launcher restarts a model server that is running but no longer alive: its
+    event loop does not answer, or a model's thread has been in one call for `stall`
+    (services/model/checks.py). Readiness takes such a replica out of Envoy within seconds;
+    liveness gives the pool its replica back, since a stuck Python thread cannot be freed
+    from outside its process (servemesh/procs/liveness.py)."""
+
+    # false: liveness is still reported (the health name `liveness`), never acted on.
+    enabled: bool = True
+    # A call in a model's thread for this long means the thread is stuck for good. Keep it
+    # above the slowest batch a caller may wait for (deadlines are capped at 60 s).
+    stall: Duration = "30s"
+    # How often the launcher asks each model server, and how many answers in a row must
+    # fail (no answer within `timeout`, or NOT_SERVING) before it kills the process, which
+    # the mesh then starts again with crash-loop backoff (a restart, counted and shown).
+    period: Duration = "5s"
+    timeout: Duration = "2s"
+    failures: Annotated[int, Field(ge=1, le=100)] = 3
+
+    @property
+    def stall_s(self) -> float:
+        return duration_seconds(self.stall)
+
+    @property
+    def period_s(self) -> float:
+        return duration_seconds(self.period)
+
+    @property
+    def timeout_s(self) -> float:
+        return duration_seconds(self.timeout)
+
+
 class SandboxSpec(_Strict):
     # The user model servers run as when `servemesh up` runs as root (a model file is code):
     # auto: uid/gid 61000; off: root, like the rest; or a uid, uid:gid or user name.
@@ -91,3 +123,5 @@ class SandboxSpec(_Strict):
     model_address_space_gib: Annotated[int, Field(ge=2, le=4096)] = 32
     # A version whose calls keep crashing its servers loses its traffic (QuarantineSpec).
     quarantine: QuarantineSpec = Field(default_factory=QuarantineSpec)
+    # A model server that runs but no longer answers is killed and started again.
+    liveness: LivenessSpec = Field(default_factory=LivenessSpec)

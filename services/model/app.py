@@ -149,6 +149,7 @@ async def build_server(
         instance,
         repository=servicer.repository,
         routed=pool_routed_versions(spec, spec.instance(instance).pool),
+        stall_s=spec.sandbox.liveness.stall_s,
         host=spec.listen_host,
         port=port,
         max_message_bytes=spec.limits.max_message_bytes,
