@@ -22,6 +22,7 @@ from servemesh.rollout.fleet import (
     mesh_processes_status,
     retire_old_set,
 )
+from servemesh.spec import Instance, ReplicaSet
 
 
 def _manager(args: argparse.Namespace) -> RouteManager:
@@ -39,28 +40,40 @@ def fleet_rows(manager: RouteManager) -> list[dict[str, object]]:
     except (AdminError, OSError, ValueError):
         hosts = {}
     rows: list[dict[str, object]] = []
-    first = spec.fleet.sets[0]
-    for replica_set in spec.fleet.sets:
-        if replica_set is first:
-            serves = "every other version" if len(spec.fleet.sets) > 1 else "every version"
+    # The first set's replicas (each pool's under its home name), then each second set's.
+    members: list[tuple[Instance, ReplicaSet | None]] = [
+        (inst, None) for inst in spec.first_set_replicas()
+    ]
+    for second in spec.fleet.sets[1:]:
+        members += [
+            (inst, second)
+            for pool in second.pools or spec.pool_names()
+            for inst in spec.set_replicas(second.name, pool)
+        ]
+    for inst, replica_set in members:
+        if replica_set is None:
+            set_name = inst.replica_set or "first"
+            others = spec.fleet.sets_in(inst.pool)
+            serves = "every other version" if others else "every version"
         else:
+            set_name = replica_set.name
             serves = ", ".join(f"{m} {' '.join(v)}" for m, v in sorted(replica_set.serves.items()))
-        for inst in spec.set_replicas(replica_set.name):
-            address = "{}:{}".format(*spec.endpoint_of(inst.name))
-            listed = [h[address] for h in hosts.values() if address in h]
-            rows.append(
-                {
-                    "set": replica_set.name or "first",
-                    "replica": inst.name,
-                    "zone": inst.zone,
-                    "pid": status.get(inst.name, {}).get("pid"),
-                    "generation": spec.fleet.generations.get(inst.name, 0),
-                    "draining": inst.name in spec.fleet.draining,
-                    "serves": serves or "-",
-                    "healthy_in_clusters": f"{sum(h.healthy for h in listed)}/{len(listed)}",
-                    **restart_fields(status.get(inst.name, {})),
-                }
-            )
+        address = "{}:{}".format(*spec.endpoint_of(inst.name))
+        listed = [h[address] for h in hosts.values() if address in h]
+        rows.append(
+            {
+                "set": set_name,
+                "pool": inst.pool,
+                "replica": inst.name,
+                "zone": inst.zone,
+                "pid": status.get(inst.name, {}).get("pid"),
+                "generation": spec.fleet.generations.get(inst.name, 0),
+                "draining": inst.name in spec.fleet.draining,
+                "serves": serves or "-",
+                "healthy_in_clusters": f"{sum(h.healthy for h in listed)}/{len(listed)}",
+                **restart_fields(status.get(inst.name, {})),
+            }
+        )
     return rows
 
 
@@ -147,12 +160,16 @@ def _print_other_restarts(manager: RouteManager) -> None:
 
 
 def cmd_retire(args: argparse.Namespace) -> int:
-    retire_old_set(_manager(args), say=lambda line: out.print(line, highlight=False))
+    retire_old_set(
+        _manager(args), pool=args.pool, say=lambda line: out.print(line, highlight=False)
+    )
     return 0
 
 
 def cmd_discard(args: argparse.Namespace) -> int:
-    discard_new_set(_manager(args), say=lambda line: out.print(line, highlight=False))
+    discard_new_set(
+        _manager(args), pool=args.pool, say=lambda line: out.print(line, highlight=False)
+    )
     return 0
 
 
@@ -172,9 +189,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "retire", help="after a promoted blue-green update: stop the old set (no switch back)"
     )
     add_mesh_flags(retire, inherited=True)
+    add_pool_flag(retire)
     retire.set_defaults(func=cmd_retire)
     discard = verbs.add_parser(
         "discard", help="after a blue-green update was switched back: stop the new set"
     )
     add_mesh_flags(discard, inherited=True)
+    add_pool_flag(discard)
     discard.set_defaults(func=cmd_discard)
+
+
+def add_pool_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pool",
+        default=None,
+        help="the pool whose second set to act on (needed only while several pools have one)",
+    )

@@ -1171,7 +1171,7 @@ def _render_all(spec: ResolvedSpec, log_dir: Path, proxy: str) -> EnvoyResources
     add(GATEWAY_STREAMS_CLUSTER, "gateway", of("gateway"), _streams_policy(spec), None)
     add(REGISTRY_CLUSTER, "registry", of("registry"), spec.traffic.model, None)
     # The first replica set; a version another set serves (blue-green) lists that set's.
-    model_servers = spec.set_replicas(spec.fleet.sets[0].name)
+    model_servers = spec.first_set_replicas()
     for zone in spec.zones:
         add(feature_cluster(zone), "feature", of("feature"), spec.traffic.feature, zone)
         add(model_servers_cluster(zone), "model", model_servers, spec.traffic.model, zone)

@@ -7,14 +7,16 @@ it started to `<state_dir>/fleet-status.json`. This module, in the rollout's pro
 changes the spec through the route manager (validated, swapped, confirmed, recorded in
 `routes history`) and waits for what it needs: the replicas' own health, and Envoy's view.
 
-- **Blue-green** (`run_blue_green`): a second set of model servers ("green", as many per
-  zone as the first) starts, loads every version and warms up; the new version's clusters
-  list the green replicas only. Once every green replica reports the version SERVING and
-  Envoy counts every one of them healthy, one route change gives the version 100%. The old
-  set ("blue") keeps serving the baseline, so switching back is one route change too
-  (`servemesh rollout abort`, `servemesh routes set`, or a failed check). After the
-  rollout is promoted and confirmed, `retire_old_set` (`servemesh fleet retire`) makes the
-  green set the mesh's only one and stops the blue replicas.
+- **Blue-green** (`run_blue_green`): a second set of model servers ("green") starts in the
+  model's pool only, as many per zone as the pool has, loads every version of the pool and
+  warms up; the new version's clusters list the green replicas only. Other pools start and
+  stop nothing, and updates of different pools may run side by side. Once every green
+  replica reports the version SERVING and Envoy counts every one of them healthy, one route
+  change gives the version 100%. The old set ("blue") keeps serving the baseline, so
+  switching back is one route change too (`servemesh rollout abort`, `servemesh routes
+  set`, or a failed check). After the rollout is promoted and confirmed, `retire_old_set`
+  (`servemesh fleet retire`) makes the green replicas the pool's own (`fleet.homes`) and
+  stops the pool's blue replicas.
 - **Rolling** (`run_rolling`): every model server is replaced in turn: its endpoints are
   marked draining (Envoy sends it no new call), its calls in flight finish (Envoy's
   `rq_active` for it reaches 0), the mesh stops it by PID and starts a new process, which
@@ -322,17 +324,19 @@ def run_blue_green(ctx: StrategyContext) -> Ending:
     live = ctx.manager.live_spec()
     _supported(live)
     _check_versions(ctx, live)
-    sets = live.fleet.sets
-    serving_set = next((s for s in sets[1:] if ctx.version in s.serves.get(ctx.model, [])), None)
-    if serving_set is None and len(sets) > 1:
+    pool = live.pool_of(ctx.model)
+    extra = live.fleet.sets_in(pool)
+    serving_set = next((s for s in extra if ctx.version in s.serves.get(ctx.model, [])), None)
+    if serving_set is None and extra:
         raise FleetError(
-            f"fleet.sets: set {sets[1].name!r} of an earlier blue-green update is still up; "
-            "retire the old set (servemesh fleet retire) or abort that rollout first"
+            f"fleet.sets: set {extra[0].name!r} of an earlier blue-green update of pool "
+            f"{pool!r} is still up; retire the old set (servemesh fleet retire --pool {pool}) "
+            "or abort that rollout first"
         )
     try:
         if serving_set is None:
             serving_set = _start_green(ctx, live)
-        green = [i.name for i in ctx.manager.live_spec().set_replicas(serving_set.name)]
+        green = [i.name for i in ctx.manager.live_spec().set_replicas(serving_set.name, pool)]
         _warm_green(ctx, serving_set.name, green)
     except _Stopped as stop:
         _tear_down_green(ctx)
@@ -360,7 +364,7 @@ def run_blue_green(ctx: StrategyContext) -> Ending:
         ctx.record(SWITCHED_BACK, {"change": result.entry_id})
         _tear_down_green(ctx)
         return ending
-    blue = sets[0].name or "first"
+    blue = live.fleet.home_of(pool) or "first"
     return Ending(
         Outcome.PROMOTED,
         f"{ctx.model} {ctx.version} takes 100% on set {serving_set.name!r}; set {blue!r} "
@@ -369,11 +373,11 @@ def run_blue_green(ctx: StrategyContext) -> Ending:
 
 
 def _start_green(ctx: StrategyContext, live: ResolvedSpec) -> ReplicaSet:
-    first = live.fleet.sets[0]
-    name = SET_NAMES[1] if first.name == SET_NAMES[0] else SET_NAMES[0]
-    green = ReplicaSet(name=name, serves={ctx.model: [ctx.version]})
-    fleet = live.fleet.model_copy(update={"sets": [first, green]})
-    replicas = [i.name for i in _with_fleet(live, fleet).set_replicas(name)]
+    pool = live.pool_of(ctx.model)
+    name = SET_NAMES[1] if live.fleet.home_of(pool) == SET_NAMES[0] else SET_NAMES[0]
+    green = ReplicaSet(name=name, serves={ctx.model: [ctx.version]}, pools=[pool])
+    fleet = live.fleet.model_copy(update={"sets": [*live.fleet.sets, green]})
+    replicas = [i.name for i in _with_fleet(live, fleet).set_replicas(name, pool)]
     ctx.say(
         f"blue-green: starting set {name!r} for {ctx.model} {ctx.version}: {', '.join(replicas)}"
     )
@@ -411,21 +415,25 @@ def _warm_green(ctx: StrategyContext, set_name: str, green: list[str]) -> None:
     ctx.record(GREEN_READY, {"set": set_name, "pids": pids})
 
 
-def _tear_down_green(ctx: StrategyContext) -> None:
-    """Drop the second set (its version's clusters list the first set's replicas again);
-    the mesh stops its replicas. Only while no traffic goes to it."""
+def _tear_down_green(ctx: StrategyContext, pool: str | None = None) -> None:
+    """Drop the second set of the pool (the model's, without `pool`): its versions'
+    clusters list the first set's replicas again, and the mesh stops its replicas. Only
+    while no traffic goes to it."""
     live = ctx.manager.live_spec()
-    if len(live.fleet.sets) < 2:
+    pool = pool or live.pool_of(ctx.model)
+    extra = live.fleet.sets_in(pool)
+    if not extra:
         return
-    dropped = live.fleet.sets[1].name
-    fleet = live.fleet.model_copy(update={"sets": [live.fleet.sets[0]]})
+    dropped = extra[0]
+    fleet = live.fleet.model_copy(update={"sets": [s for s in live.fleet.sets if s is not dropped]})
     _change_fleet(
         ctx,
         fleet,
-        f"stop set {dropped}" + (f" (blue-green {ctx.model} {ctx.version})" if ctx.model else ""),
-        [f"- replica set {dropped}"],
+        f"stop set {dropped.name} of pool {pool}"
+        + (f" (blue-green {ctx.model} {ctx.version})" if ctx.model else ""),
+        [f"- replica set {dropped.name} (pool {pool})"],
     )
-    ctx.say(f"blue-green: set {dropped!r} stopped")
+    ctx.say(f"blue-green: set {dropped.name!r} of pool {pool!r} stopped")
 
 
 def _taking_traffic(spec: ResolvedSpec, replica_set: ReplicaSet) -> list[str]:
@@ -440,44 +448,65 @@ def _taking_traffic(spec: ResolvedSpec, replica_set: ReplicaSet) -> list[str]:
     return found
 
 
-def discard_new_set(manager: RouteManager, *, say: Callable[[str], None] = print) -> None:
+def second_set(live: ResolvedSpec, pool: str | None) -> tuple[str, ReplicaSet]:
+    """The pool and second set a `fleet retire` or `discard` acts on: the one of `pool`, or,
+    without one, the only second set there is."""
+    if pool is not None:
+        if pool not in live.pool_names():
+            raise FleetError(f"--pool: no pool {pool!r}; pools: {live.pool_names()}")
+        extra = live.fleet.sets_in(pool)
+        if not extra:
+            raise FleetError(f"fleet.sets: pool {pool!r} has no second set")
+        return pool, extra[0]
+    found = [(p, s) for p in live.pool_names() for s in live.fleet.sets_in(p)]
+    if not found:
+        raise FleetError("fleet.sets: there is no second set")
+    if len(found) > 1:
+        pools = ", ".join(p for p, _ in found)
+        raise FleetError(f"fleet.sets: pools {pools} each have a second set; name one: --pool")
+    return found[0]
+
+
+def discard_new_set(
+    manager: RouteManager, *, pool: str | None = None, say: Callable[[str], None] = print
+) -> None:
     """Stop the second set of a blue-green update that was switched back (an abort whose
     controller had gone): its versions' clusters list the first set again. Refused while
     any version it serves takes traffic."""
     live = manager.live_spec()
     _supported(live)
-    if len(live.fleet.sets) < 2:
-        raise FleetError("fleet.sets: there is no second set; nothing to discard")
-    busy = _taking_traffic(live, live.fleet.sets[1])
+    pool, extra = second_set(live, pool)
+    busy = _taking_traffic(live, extra)
     if busy:
         raise FleetError(
-            f"fleet.sets: set {live.fleet.sets[1].name!r} still takes traffic for "
+            f"fleet.sets: set {extra.name!r} of pool {pool!r} still takes traffic for "
             f"{', '.join(busy)}; move it back first (servemesh routes set)"
         )
     ctx = StrategyContext(
         manager=manager, spec=live, model="", version="", baseline="", plan=RolloutPlan(), say=say
     )
-    _tear_down_green(ctx)
+    _tear_down_green(ctx, pool)
 
 
 def retire_old_set(
     manager: RouteManager,
     *,
+    pool: str | None = None,
     say: Callable[[str], None] = print,
     ready_timeout_s: float = 300.0,
     poll_s: float = 0.1,
 ) -> ApplyResult:
     """The explicit last step of a blue-green update, once it is promoted and confirmed:
-    the second set becomes the mesh's only one (every version's clusters list its
-    replicas), and the mesh stops the old set's. No switch back to the old set after this.
+    the second set's replicas become the pool's own (every version of the pool's clusters
+    list them; `fleet.homes`), and the mesh stops the pool's old replicas. No switch back
+    to the old set after this; other pools are not touched.
 
     Refused while a version only the old set serves still takes traffic (a switch back
     happened: tear the new set down instead by aborting)."""
     live = manager.live_spec()
     _supported(live)
-    if len(live.fleet.sets) < 2:
-        raise FleetError("fleet.sets: there is no second set; nothing to retire")
-    old, new = live.fleet.sets[0], live.fleet.sets[1]
+    pool, new = second_set(live, pool)
+    old_name = live.fleet.home_of(pool)
     ctx = StrategyContext(
         manager=manager,
         spec=live,
@@ -490,24 +519,27 @@ def retire_old_set(
         poll_s=poll_s,
     )
     served = {(m, v) for m, versions in new.serves.items() for v in versions}
-    for model_name, model in live.models.items():
+    in_pool = {m: model for m, model in live.models.items() if live.pool_of(m) == pool}
+    for model_name, model in in_pool.items():
         for version, weight in model.traffic.items():
             if weight and (model_name, version) not in served:
                 raise FleetError(
                     f"models.{model_name}.traffic: {version} still takes {weight}% on set "
-                    f"{old.name or 'first'!r}; move its weight to the new set's version first"
+                    f"{old_name or 'first'!r}; move its weight to the new set's version first"
                 )
-    replicas = [i.name for i in live.set_replicas(new.name)]
-    # Every version, not only the new one: after this the new set serves everything.
+    replicas = [i.name for i in live.set_replicas(new.name, pool)]
+    # Every version of the pool, not only the new one: after this the new set serves them.
     _wait_serving(ctx, live, replicas)
-    everything = {m: sorted(model.versions) for m, model in live.models.items()}
+    everything = {m: sorted(model.versions) for m, model in in_pool.items()}
     taking_over = new.model_copy(update={"serves": everything})
-    step = live.fleet.model_copy(update={"sets": [old, taking_over]})
+    step = live.fleet.model_copy(
+        update={"sets": [taking_over if s is new else s for s in live.fleet.sets]}
+    )
     manager.swap(
         live,
         _with_fleet(live, step),
-        f"retire set {old.name or 'first'}: set {new.name} serves every version",
-        changes=[f"~ replica set {new.name}: serves every version"],
+        f"retire set {old_name or 'first'} of pool {pool}: set {new.name} serves every version",
+        changes=[f"~ replica set {new.name} (pool {pool}): serves every version of the pool"],
     )
     _wait_envoy(
         ctx,
@@ -517,16 +549,23 @@ def retire_old_set(
         lambda name: clusters_listing(_with_fleet(live, step), name),
         healthy=True,
     )
-    old_replicas = [i.name for i in live.set_replicas(old.name)]
-    only = ReplicaSet(name=new.name)
+    old_replicas = [i.name for i in live.set_replicas(old_name, pool)]
     final = manager.live_spec()
+    retired = final.fleet.model_copy(
+        update={
+            "sets": [
+                s for s in final.fleet.sets if not (s.name == new.name and s.pools == new.pools)
+            ],
+            "homes": {**final.fleet.homes, pool: new.name},
+        }
+    )
     result = manager.swap(
         final,
-        _with_fleet(final, final.fleet.model_copy(update={"sets": [only]})),
-        f"retire set {old.name or 'first'}",
-        changes=[f"- replica set {old.name or 'first'}: {', '.join(old_replicas)}"],
+        _with_fleet(final, retired),
+        f"retire set {old_name or 'first'} of pool {pool}",
+        changes=[f"- replica set {old_name or 'first'} (pool {pool}): {', '.join(old_replicas)}"],
     )
-    say(f"fleet: set {new.name!r} is the mesh's only set; stopping {', '.join(old_replicas)}")
+    say(f"fleet: pool {pool!r} runs on set {new.name!r} now; stopping {', '.join(old_replicas)}")
     _wait(
         ctx,
         f"the mesh did not stop {', '.join(old_replicas)}",
@@ -545,14 +584,16 @@ def run_rolling(ctx: StrategyContext) -> Ending:
     live = ctx.manager.live_spec()
     _supported(live)
     _check_versions(ctx, live)
-    if len(live.fleet.sets) > 1:
-        raise FleetError(
-            f"fleet.sets: set {live.fleet.sets[1].name!r} of a blue-green update is up; "
-            "retire the old set or abort that rollout first"
-        )
     # The model's own pool only: the other pools' servers hold none of its versions.
     pool = live.pool_of(ctx.model)
-    replicas = [i.name for i in live.set_replicas(live.fleet.sets[0].name) if i.pool == pool]
+    extra = live.fleet.sets_in(pool)
+    if extra:
+        raise FleetError(
+            f"fleet.sets: set {extra[0].name!r} of a blue-green update of pool {pool!r} is "
+            f"up; retire the old set (servemesh fleet retire --pool {pool}) or abort that "
+            "rollout first"
+        )
+    replicas = [i.name for i in live.set_replicas(live.fleet.home_of(pool), pool)]
     if len(replicas) < 2:
         raise FleetError(
             f"pools.{pool}.per_zone: a rolling update takes one replica out at a time and "

@@ -67,8 +67,7 @@ def zone_replicas(
         for i in spec.instances()
         if i.service == kind
         and i.zone == zone
-        and i.replica_set == ""
-        and (kind != "model" or i.pool == pool)
+        and (kind != "model" or (i.pool == pool and i.replica_set == spec.fleet.home_of(pool)))
     ]
     return [n for n in names if n not in standby], [n for n in names if n in standby]
 

@@ -74,14 +74,17 @@ def model_set_instances(
 
 
 class ReplicaSet(_Strict):
-    """A set of model servers, as many per zone as `model_servers.per_zone`. Each loads every
-    version the spec lists, like any model server."""
+    """A set of model servers, in each of its pools as many per zone as the pool has. Each
+    loads every version its pool holds, like any model server."""
 
     # "" names the set a mesh starts with; a blue-green update names the other one.
     name: Literal[""] | SetName = ""
     # The versions whose clusters list this set's replicas instead of the first set's, by
     # model (a blue-green update's new version, on its green set).
     serves: dict[Name, list[Name]] = Field(default_factory=dict)
+    # The pools it has replicas in: a blue-green update's set, only the updated model's
+    # pool (no other pool starts a replica or loses one); None, every pool (the first set).
+    pools: list[Name] | None = None
 
 
 class FleetState(_Strict):
@@ -114,12 +117,38 @@ class FleetState(_Strict):
     # and the pools' warm standbys. Any kind but the registry.
     standby: list[str] = Field(default_factory=list)
 
+    # The name a pool's replicas of the first set carry once a blue-green update of that
+    # pool was retired (its new set took the pool over, under its own name); a pool not
+    # here: the first set's name. The other pools' replicas never change name or process.
+    homes: dict[Name, Literal[""] | SetName] = Field(default_factory=dict)
+
     @model_validator(mode="after")
-    def _set_names_unique(self) -> FleetState:
-        names = [s.name for s in self.sets]
-        if len(set(names)) != len(names):
-            raise ValueError(f"sets: names must differ, got {names}")
+    def _sets_apart(self) -> FleetState:
+        if self.sets[0].pools is not None or self.sets[0].serves:
+            raise ValueError("sets[0]: the first set spans every pool and serves the rest")
+        for index, one in enumerate(self.sets):
+            for other in self.sets[index + 1 :]:
+                shared = _overlap(one.pools, other.pools)
+                if one.name == other.name and shared:
+                    raise ValueError(
+                        f"sets: two sets named {one.name or 'first'!r} share pools {shared}"
+                    )
         return self
+
+    def sets_in(self, pool: str) -> list[ReplicaSet]:
+        """The sets after the first with replicas in `pool` (a blue-green update's)."""
+        return [s for s in self.sets[1:] if s.pools is None or pool in s.pools]
+
+    def home_of(self, pool: str) -> str:
+        """The set name `pool`'s replicas of the first set carry."""
+        return self.homes.get(pool, self.sets[0].name)
+
+
+def _overlap(one: list[str] | None, other: list[str] | None) -> list[str]:
+    """The pools two sets share ("every pool" for a set of every pool)."""
+    if one is None or other is None:
+        return sorted(other or one or ["every pool"])
+    return sorted(set(one) & set(other))
 
 
 # What the running mesh started of its model-server fleet, by instance (PID, generation):

@@ -18,7 +18,6 @@ from servemesh.spec.fleet import (
     FleetState,
     Instance,
     Replicas,
-    ReplicaSet,
     model_set_instances,
 )
 from servemesh.spec.mesh import MeshSpec, Profile, Spec
@@ -74,7 +73,16 @@ class ResolvedSpec(MeshSpec):
             if unknown:
                 kind = "model server" if known is models else "replica"
                 raise ValueError(f"fleet.{field_name}: names no {kind}: {unknown}")
+        pools = self.pool_names()
+        unknown_homes = sorted(set(self.fleet.homes) - set(pools))
+        if unknown_homes:
+            raise ValueError(f"fleet.homes: no such pools {unknown_homes}; pools: {pools}")
         for index, replica_set in enumerate(self.fleet.sets):
+            unknown_pools = sorted(set(replica_set.pools or ()) - set(pools))
+            if unknown_pools:
+                raise ValueError(
+                    f"fleet.sets[{index}].pools: no such pools {unknown_pools}; pools: {pools}"
+                )
             for model, versions in replica_set.serves.items():
                 where = f"fleet.sets[{index}].serves.{model}"
                 if model not in self.models:
@@ -82,15 +90,27 @@ class ResolvedSpec(MeshSpec):
                 unknown = sorted(set(versions) - set(self.models[model].versions))
                 if unknown:
                     raise ValueError(f"{where}: no such versions {unknown}")
+                if replica_set.pools is not None and self.pool_of(model) not in replica_set.pools:
+                    raise ValueError(
+                        f"{where}: the model's pool {self.pool_of(model)!r} is not one of the "
+                        f"set's pools {replica_set.pools}"
+                    )
         return self
 
     def _model_instances(self) -> list[Instance]:
+        """The first set's replicas, each pool under its home name, then every other set's
+        in its own pools."""
         found: list[Instance] = []
-        for replica_set in self.fleet.sets:
+        for pool in self.pool_names():
+            found += model_set_instances(
+                self.fleet.home_of(pool), self.zones, self.pool_replicas(pool), pool
+            )
+        for replica_set in self.fleet.sets[1:]:
             for pool in self.pool_names():
-                found += model_set_instances(
-                    replica_set.name, self.zones, self.pool_replicas(pool), pool
-                )
+                if replica_set.pools is None or pool in replica_set.pools:
+                    found += model_set_instances(
+                        replica_set.name, self.zones, self.pool_replicas(pool), pool
+                    )
         return found
 
     def pool_replicas(self, pool: str) -> Replicas:
@@ -111,24 +131,39 @@ class ResolvedSpec(MeshSpec):
             return self.declared_replicas(kind)
         return Replicas.model_construct(per_zone=dict(counts))
 
-    def replica_set_of(self, model: str, version: str) -> ReplicaSet:
-        """The set whose replicas a version's clusters list: the one that serves it, else
-        the first."""
-        for replica_set in self.fleet.sets[1:]:
+    def replica_set_of(self, model: str, version: str) -> str:
+        """The name of the set whose replicas a version's clusters list: a set of the
+        model's pool that serves it, else the first (under the pool's home name)."""
+        pool = self.pool_of(model)
+        for replica_set in self.fleet.sets_in(pool):
             if version in replica_set.serves.get(model, []):
-                return replica_set
-        return self.fleet.sets[0]
+                return replica_set.name
+        return self.fleet.home_of(pool)
 
-    def set_replicas(self, set_name: str) -> list[Instance]:
-        """The model servers of one set, in start order."""
-        return [i for i in self.instances() if i.service == "model" and i.replica_set == set_name]
+    def set_replicas(self, set_name: str, pool: str | None = None) -> list[Instance]:
+        """The model servers of one set (of one pool: sets of different pools may share a
+        name), in start order."""
+        return [
+            i
+            for i in self.instances()
+            if i.service == "model"
+            and i.replica_set == set_name
+            and (pool is None or i.pool == pool)
+        ]
+
+    def first_set_replicas(self) -> list[Instance]:
+        """The first set's model servers, every pool's under its home name."""
+        return [
+            i
+            for i in self.instances()
+            if i.service == "model" and i.replica_set == self.fleet.home_of(i.pool)
+        ]
 
     def version_replicas(self, model: str, version: str) -> list[Instance]:
         """The model servers a version's clusters list as endpoints: its pool's, in the set
         that serves it."""
         pool = self.pool_of(model)
-        members = self.set_replicas(self.replica_set_of(model, version).name)
-        return [i for i in members if i.pool == pool]
+        return self.set_replicas(self.replica_set_of(model, version), pool)
 
     @model_validator(mode="after")
     def _every_listener_has_a_port(self) -> ResolvedSpec:

@@ -1,10 +1,11 @@
 """Blue-green and rolling updates against a real mesh under a steady open-loop load.
 
-One mesh for the module (one zone, two model servers), its tests in order: a blue-green
-update whose check fails switches back and drops its set; one that holds switches in one
-route change while the old set keeps answering; the old set is retired; a rolling update
-replaces each replica once; and stopping the mesh leaves none of the replicas it started.
-Every test asserts that no call of the load failed.
+One mesh for the module (one zone, two model servers for fraud, one for risk on a pool of
+its own), its tests in order: a blue-green update whose check fails switches back and drops
+its set; one that holds switches in one route change while the old set keeps answering; the
+old set is retired; a rolling update replaces each replica once; and stopping the mesh
+leaves none of the replicas it started. Every test asserts that no call of the load failed,
+and the updates of fraud start, stop and rename nothing of risk's pool.
 """
 
 from __future__ import annotations
@@ -40,7 +41,15 @@ from servemesh.rollout.fleet import (
 )
 from servemesh.rollout.types import Check, Ending
 from servemesh.rollout.types import Outcome as RolloutOutcome
-from servemesh.spec import DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Ports, Replicas
+from servemesh.spec import (
+    DemoSpec,
+    MeshSpec,
+    ModelSpec,
+    ModelVersionSpec,
+    PoolSpec,
+    Ports,
+    Replicas,
+)
 from servemesh.spec.rollout_plan import RolloutPlan
 from servemesh.state.paths import MeshPaths
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -53,6 +62,8 @@ RATE_PER_S = 30.0
 ZONE = "zone-a"
 BLUE = ["model-fraud-zone-a-0", "model-fraud-zone-a-1"]
 GREEN = ["model-fraud-green-zone-a-0", "model-fraud-green-zone-a-1"]
+# The other pool's one server: no update of fraud may start, stop or rename anything of it.
+RISK = "model-risk-zone-a-0"
 
 
 def fleet_mesh_spec(state_dir: Path) -> MeshSpec:
@@ -73,8 +84,12 @@ def fleet_mesh_spec(state_dir: Path) -> MeshSpec:
                     "v2": ModelVersionSpec(source="demo:2"),
                 },
                 traffic={"v1": 100, "v2": 0},
-            )
+            ),
+            "risk": ModelSpec(
+                versions={"v1": ModelVersionSpec(source="demo:3")}, traffic={"v1": 100}
+            ),
         },
+        pools={"risk": PoolSpec(per_zone={ZONE: 1})},
         demo=DemoSpec(enabled=True, entities=ENTITIES),
     )
     return spec.model_copy(
@@ -242,6 +257,7 @@ def test_blue_green_switches_in_one_change_and_the_old_set_keeps_answering(
     mesh: Mesh, manager: RouteManager
 ) -> None:
     blue_pids = {name: mesh.pid(name) for name in BLUE}
+    risk_pid = mesh.pid(RISK)
     before = last_id(manager)
 
     def crash_after_start(marker: str, data: dict[str, Any]) -> None:
@@ -311,8 +327,10 @@ def test_blue_green_switches_in_one_change_and_the_old_set_keeps_answering(
     # Blue never restarted; green runs beside it, each with its own PID.
     assert {name: mesh.pid(name) for name in BLUE} == blue_pids
     status = fleet_status(mesh.state_dir, "model")
-    assert set(status) == set(BLUE) | set(GREEN)
+    # fraud's pool got a second set; risk's pool started nothing and lost nothing.
+    assert set(status) == set(BLUE) | set(GREEN) | {RISK}
     assert all(alive(int(status[n]["pid"] or 0)) for n in GREEN)
+    assert mesh.pid(RISK) == risk_pid
     # Envoy: v2's cluster lists the green replicas only, v1's the blue ones.
     live = manager.live_spec()
     hosts = envoy_hosts(manager)
@@ -324,9 +342,13 @@ def test_blue_green_switches_in_one_change_and_the_old_set_keeps_answering(
 def test_fleet_show_lists_both_sets(mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fleet", "--state-dir", str(mesh.state_dir), "show", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [(r["set"], r["replica"], r["pid"]) for r in rows] == [
-        ("first", name, mesh.pid(name)) for name in BLUE
-    ] + [("green", name, mesh.pid(name)) for name in GREEN]
+    assert [(r["set"], r["pool"], r["replica"], r["pid"]) for r in rows] == [
+        ("first", "fraud", name, mesh.pid(name)) for name in BLUE
+    ] + [("first", "risk", RISK, mesh.pid(RISK))] + [
+        ("green", "fraud", name, mesh.pid(name)) for name in GREEN
+    ]
+    serves = {r["replica"]: r["serves"] for r in rows}
+    assert serves[BLUE[0]] == "every other version" and serves[RISK] == "every version"
     assert {r["serves"] for r in rows if r["set"] == "green"} == {"fraud v2"}
     # Green is a host of v2's cluster alone; blue of v1's and of the replicas' own cluster.
     assert {r["healthy_in_clusters"] for r in rows if r["set"] == "green"} == {"1/1"}
@@ -337,9 +359,12 @@ def test_retiring_the_old_set_leaves_the_green_set_alone(
     mesh: Mesh, manager: RouteManager, capsys: pytest.CaptureFixture[str]
 ) -> None:
     blue_pids = [mesh.pid(name) for name in BLUE]
+    risk_pid = mesh.pid(RISK)
     with steady_load(mesh) as load:
         assert main(["fleet", "--state-dir", str(mesh.state_dir), "retire"]) == 0
-        assert "stopping model-fraud-zone-a-0, model-fraud-zone-a-1" in capsys.readouterr().out
+        said = capsys.readouterr().out
+        assert "pool 'fraud' runs on set 'green' now" in said
+        assert "stopping model-fraud-zone-a-0, model-fraud-zone-a-1" in said
         retired_at = load.now_s()
         wait_until(
             lambda: sum(1 for o in list(load.outcomes) if o.sent_s > retired_at) >= 30,
@@ -348,10 +373,12 @@ def test_retiring_the_old_set_leaves_the_green_set_alone(
         outcomes = finished(load)
 
     live = manager.live_spec()
-    assert [(s.name, s.serves) for s in live.fleet.sets] == [("green", {})]
-    assert [i.name for i in live.instances() if i.service == "model"] == GREEN
+    assert [(s.name, s.serves) for s in live.fleet.sets] == [("", {})]
+    assert live.fleet.homes == {"fraud": "green"}
+    assert [i.name for i in live.instances() if i.service == "model"] == [*GREEN, RISK]
     assert not any(alive(pid) for pid in blue_pids)
-    assert set(fleet_status(mesh.state_dir, "model")) == set(GREEN)
+    assert set(fleet_status(mesh.state_dir, "model")) == {*GREEN, RISK}
+    assert mesh.pid(RISK) == risk_pid
     assert {o.replica for o in outcomes if o.sent_s > retired_at} <= set(GREEN)
     # Every version is served by the green set now, the baseline too.
     assert predict(mesh, "v1").model_replica in GREEN
@@ -413,7 +440,9 @@ def test_a_rolling_update_replaces_each_replica_once_without_a_failed_call(
     replaced = [m.split(":", 2)[2] for m in recorder.names() if m.startswith(ROLLING_REPLACED)]
     assert replaced == GREEN
     replaced_at = fleet_status(mesh.state_dir, "model")
-    assert {n: s["generation"] for n, s in replaced_at.items()} == dict.fromkeys(GREEN, 1)
+    generations = {n: s["generation"] for n, s in replaced_at.items()}
+    # Only fraud's pool is replaced: risk's server keeps its process.
+    assert generations == {**dict.fromkeys(GREEN, 1), RISK: 0}
     assert manager.live_spec().fleet.draining == []
     assert [e["after"]["models"]["fraud"]["traffic"] for e in weight_changes(manager, before)] == [
         {"v1": 100, "v2": 0}

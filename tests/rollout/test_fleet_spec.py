@@ -153,8 +153,26 @@ def test_a_fleet_naming_what_does_not_run_is_refused_naming_the_field(
 
 
 def test_set_names_must_differ_and_be_plain() -> None:
-    with pytest.raises(ValueError, match="sets: names must differ"):
+    with pytest.raises(ValueError, match="sets: two sets named 'green' share pools"):
         FleetState(sets=[ReplicaSet(name="green"), ReplicaSet(name="green")])
+    with pytest.raises(ValueError, match="sets: two sets named 'green' share pools"):
+        FleetState(
+            sets=[
+                ReplicaSet(),
+                ReplicaSet(name="green", pools=["fraud", "risk"]),
+                ReplicaSet(name="green", pools=["risk"]),
+            ]
+        )
+    # Sets of different pools may share a name: their replicas' names differ by pool.
+    FleetState(
+        sets=[
+            ReplicaSet(),
+            ReplicaSet(name="green", pools=["fraud"]),
+            ReplicaSet(name="green", pools=["risk"]),
+        ]
+    )
+    with pytest.raises(ValueError, match="the first set spans every pool"):
+        FleetState(sets=[ReplicaSet(pools=["fraud"])])
     with pytest.raises(ValueError, match="name"):
         ReplicaSet(name="Green-1")
 
@@ -212,3 +230,93 @@ def test_a_resumed_rolling_update_skips_the_replicas_it_replaced(
         resume_from=marker,
     )
     assert sorted(_rolled_before(ctx, models(live))) == skipped
+
+
+def two_pools(tmp_path: Path) -> ResolvedSpec:
+    """fraud and risk, each on a pool of its own (the default), two zones."""
+    live = running(tmp_path)
+    risk = ModelSpec(
+        versions={"v1": ModelVersionSpec(source="demo:3"), "v2": ModelVersionSpec(source="demo:4")},
+        traffic={"v1": 100, "v2": 0},
+    )
+    return resolve(live.model_copy(update={"models": {**live.models, "risk": risk}}))
+
+
+FRAUD_GREEN = ReplicaSet(name="green", serves={"fraud": ["v2"]}, pools=["fraud"])
+
+
+def test_a_blue_green_set_starts_replicas_in_its_own_pool_only(tmp_path: Path) -> None:
+    live = two_pools(tmp_path)
+    both = with_fleet(live, sets=[ReplicaSet(), FRAUD_GREEN])
+    added = sorted(set(models(both)) - set(models(live)))
+    assert added == ["model-fraud-green-zone-a-0", "model-fraud-green-zone-b-0"]
+    assert {n: both.instance_ports[n] for n in live.instance_ports} == live.instance_ports
+    # risk's clusters are what they were; fraud v2's list the green replicas.
+    risk = {both.port_of(f"model-risk-zone-{z}-0") for z in "ab"}
+    green = {both.port_of(n) for n in added}
+    for zone in both.zones:
+        for version in ("v1", "v2"):
+            listed = endpoints(both, model_cluster("risk", version, zone), tmp_path)
+            assert {port_of(e) for e in listed} == risk
+        listed = endpoints(both, model_cluster("fraud", "v2", zone), tmp_path)
+        assert {port_of(e) for e in listed} == green
+    assert [i.name for i in both.first_set_replicas()] == models(live)
+
+
+def test_retiring_a_pool_s_old_set_renames_that_pool_s_replicas_only(tmp_path: Path) -> None:
+    both = with_fleet(two_pools(tmp_path), sets=[ReplicaSet(), FRAUD_GREEN])
+    retired = with_fleet(both, sets=[ReplicaSet()], homes={"fraud": "green"})
+    assert models(retired) == [
+        "model-fraud-green-zone-a-0",
+        "model-fraud-green-zone-b-0",
+        "model-risk-zone-a-0",
+        "model-risk-zone-b-0",
+    ]
+    for name in models(retired):
+        assert retired.port_of(name) == both.port_of(name)
+    assert retired.version_replicas("fraud", "v1")[0].replica_set == "green"
+    assert retired.version_replicas("risk", "v1")[0].replica_set == ""
+    # The next blue-green of fraud takes the other name; risk's may take "green".
+    assert with_fleet(
+        retired,
+        sets=[ReplicaSet(), ReplicaSet(name="blue", serves={"fraud": ["v1"]}, pools=["fraud"])],
+        homes={"fraud": "green"},
+    ).set_replicas("blue", "fraud")
+    risk_green = ReplicaSet(name="green", serves={"risk": ["v2"]}, pools=["risk"])
+    assert [
+        i.name
+        for i in with_fleet(
+            retired, sets=[ReplicaSet(), risk_green], homes={"fraud": "green"}
+        ).set_replicas("green", "risk")
+    ] == ["model-risk-green-zone-a-0", "model-risk-green-zone-b-0"]
+
+
+@pytest.mark.parametrize(
+    ("fleet", "message"),
+    [
+        (
+            {"sets": [ReplicaSet(), ReplicaSet(name="green", pools=["nope"])]},
+            r"fleet.sets\[1\].pools: no such pools \['nope'\]",
+        ),
+        (
+            {
+                "sets": [
+                    ReplicaSet(),
+                    ReplicaSet(name="green", serves={"risk": ["v2"]}, pools=["fraud"]),
+                ]
+            },
+            r"fleet.sets\[1\].serves.risk: the model's pool 'risk' is not one of",
+        ),
+        ({"homes": {"nope": "green"}}, r"fleet.homes: no such pools \['nope'\]"),
+        (
+            {"sets": [ReplicaSet(), FRAUD_GREEN], "homes": {"fraud": "green"}},
+            "instance names collide",
+        ),
+    ],
+)
+def test_a_per_pool_fleet_naming_what_does_not_run_is_refused(
+    tmp_path: Path, fleet: dict[str, Any], message: str
+) -> None:
+    live = two_pools(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        resolve(live.model_copy(update={"fleet": FleetState.model_validate(fleet)}))
