@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 import redis.asyncio as aioredis
 
+from servemesh.batch.errors import BatchError
 from servemesh.contract.wire import TENSOR_VALUE_FIELDS
 from servemesh.services.feature.store import (
     LoadInProgress,
@@ -244,41 +245,52 @@ class MeshPredictor:
         await self.channel.close()
 
 
-class ModelRunnerLike(Protocol):
-    def run(self, batch: Any) -> Any: ...
+class Score(Protocol):
+    """Every output of the model for some rows (float32 matrices by input name), by output
+    name; called from a worker thread, one batch at a time."""
+
+    def __call__(self, matrices: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
+def _check_view_inputs(spec: ResolvedSpec, stream: StreamSpec) -> None:
+    inputs = spec.models[stream.model].effective_inputs
+    raw = sorted(name for name, source in inputs.items() if source.raw)
+    if raw:
+        raise ValueError(
+            f"stream {stream.name!r}: in_process scores models whose inputs all come "
+            f"from views; {stream.model!r} takes raw inputs {raw} (use mode: mesh)"
+        )
 
 
 class InProcessPredictor:
-    """The model in this process: the registry's verified artifact (loaded once), the
-    views read straight from the feature store. No routing, canary or gateway: the version
-    is the stream's pin, else the one with the most traffic."""
+    """Scoring without the mesh's routing: the registry's verified artifact (loaded once,
+    in a sandboxed child of this consumer: its own process and user, no secrets, a syscall
+    filter; this process, which holds the feature store's password, never runs model code),
+    the views read straight from the feature store. No routing, canary or gateway: the
+    version is the stream's pin, else the one with the most traffic."""
 
     def __init__(
         self,
         spec: ResolvedSpec,
         stream: StreamSpec,
         store: RedisFeatureStore,
-        runner: ModelRunnerLike,
+        score: Score,
         *,
         version: str,
         input_names: Sequence[str],
         output_names: Sequence[str],
+        close: Callable[[], None] | None = None,
     ) -> None:
-        model = spec.models[stream.model]
-        inputs = model.effective_inputs
-        raw = sorted(name for name, source in inputs.items() if source.raw)
-        if raw:
-            raise ValueError(
-                f"stream {stream.name!r}: in_process scores models whose inputs all come "
-                f"from views; {stream.model!r} takes raw inputs {raw} (use mode: mesh)"
-            )
+        _check_view_inputs(spec, stream)
+        inputs = spec.models[stream.model].effective_inputs
         self.spec = spec
         self.stream = stream
         self.store = store
-        self.runner = runner
+        self.score = score
         self.version = version
         self.inputs = {name: inputs[name] for name in input_names}
         self.output_names = list(output_names)
+        self._close = close
 
     @staticmethod
     def default_version(spec: ResolvedSpec, stream: StreamSpec) -> str:
@@ -292,24 +304,32 @@ class InProcessPredictor:
         cls, spec: ResolvedSpec, stream: StreamSpec, store: RedisFeatureStore
     ) -> InProcessPredictor:
         """Download and verify (sha256) the version from the mesh's registry, and load it
-        with the model server's own loader."""
+        in a sandboxed child through the model servers' own guard and runner (as a batch
+        run does: servemesh.batch.scorer), taking up to the stream's batch size per call."""
+        from servemesh.batch.scorer import load_scorer
         from servemesh.contract.wire import message_size_options
         from servemesh.identity import dial_registry
-        from servemesh.services.model.loader import registry_loader
 
+        _check_view_inputs(spec, stream)
         version = cls.default_version(spec, stream)
         options = message_size_options(spec.limits.max_message_bytes)
         async with dial_registry(spec).aio_channel(options=options) as channel:
-            loaded = await registry_loader(channel, spec)(stream.model, version)
-        await loaded.close()  # the batcher: this process runs the model itself
+            scorer = await load_scorer(
+                channel, spec, stream.model, version, batch_size=stream.batch_size
+            )
+
+        def score(matrices: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            return scorer.score_batches(matrices, stream.batch_size)
+
         return cls(
             spec,
             stream,
             store,
-            loaded.runner,
-            version=loaded.version,
-            input_names=[t.name for t in loaded.signature.inputs],
-            output_names=[t.name for t in loaded.signature.outputs],
+            score,
+            version=scorer.version,
+            input_names=[t.name for t in scorer.signature.inputs],
+            output_names=scorer.output_names,
+            close=scorer.close,
         )
 
     async def predict(self, events: Sequence[Event]) -> list[Outcome]:
@@ -345,19 +365,14 @@ class InProcessPredictor:
         answers: list[Outcome] = [poison.get(i) or Poison("") for i in range(len(events))]
         if not keep:
             return answers
-        if len(self.inputs) == 1:
-            batch: Any = next(iter(matrices.values()))[keep]
-        else:
-            from servemesh.services.model.batching.rows import NamedRows
-
-            batch = NamedRows({name: m[keep] for name, m in matrices.items()})
-        result = await asyncio.to_thread(self.runner.run, batch)
-        arrays = (
-            {self.output_names[0]: result}
-            if isinstance(result, np.ndarray)
-            else {name: result[name] for name in self.output_names}
-        )
-        per_output = {name: _rows_of(np.asarray(a)) for name, a in arrays.items()}
+        kept = {name: m[keep] for name, m in matrices.items()}
+        try:
+            arrays = await asyncio.to_thread(self.score, kept)
+        except BatchError as exc:
+            # The model failed its batch or its child died: a later try (a new consumer,
+            # a new child) may not; the batch stays pending.
+            raise Transient("INTERNAL", str(exc)) from None
+        per_output = {name: _rows_of(np.asarray(arrays[name])) for name in self.output_names}
         for j, i in enumerate(keep):
             answers[i] = Prediction(
                 model=self.stream.model,
@@ -367,6 +382,8 @@ class InProcessPredictor:
         return answers
 
     async def close(self) -> None:
+        if self._close is not None:
+            self._close()  # the sandboxed child, by its PID
         await self.store.client.aclose()
 
 

@@ -1,4 +1,8 @@
-"""Streams against the session's real Redis, scored in process by the demo model: no mesh."""
+"""Streams against the session's real Redis, scored in process by the demo model: no mesh.
+
+The demo model runs in the test's own process here (it is servemesh's own code, built in
+the test); a consumer of a running mesh scores in a sandboxed child instead
+(InProcessPredictor.from_registry, tests/streams/test_mesh_streams.py)."""
 
 from __future__ import annotations
 
@@ -78,13 +82,17 @@ class StreamKit:
     def keys(self) -> StreamKeys:
         return StreamKeys.of(self.stream)
 
+    def score(self, matrices: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        (rows,) = matrices.values()  # the demo model's one input
+        return {"score": np.asarray(self.runner.run(rows))}
+
     def predictor(self) -> InProcessPredictor:
         store = RedisFeatureStore(self.client(), self.spec.feature_store.key_prefix)
         return InProcessPredictor(
             self.spec,
             self.stream,
             store,
-            self.runner,
+            self.score,
             version="v1",
             input_names=["features"],
             output_names=["score"],

@@ -1,15 +1,18 @@
 """Streams on a running mesh: `servemesh up` starts a consumer per spec'd stream; events
-are scored through the gateways (mode mesh) or in the consumer (in_process); a consumer
-SIGKILLed mid-stream and restarted leaves exactly one output per event; `stream status`."""
+are scored through the gateways (mode mesh) or in the consumer (in_process, the model in a
+sandboxed child of it); a consumer SIGKILLed mid-stream and restarted leaves exactly one
+output per event; `stream status`."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,8 +20,11 @@ import redis
 
 from servemesh.launcher import Mesh
 from servemesh.spec import DemoSpec, MeshSpec, MetricsSpec, Ports, Replicas, StreamSpec
+from servemesh.streams.events import Event
 from servemesh.streams.keys import StreamKeys
 from servemesh.streams.metrics import read_lag_now
+from servemesh.streams.predict import InProcessPredictor, Prediction
+from tests.sandbox.spy import sandbox_spy
 from tests.waiting import wait_until
 
 ENTITIES = 200
@@ -124,3 +130,62 @@ def test_stream_status_prints_lag_and_throughput(mesh: Mesh) -> None:
     assert set(found) == {"events", "local"}
     assert found["events"]["stats"]["consumer"] == "events-0"
     assert found["events"]["lag"]["pending"] == 0
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, read from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        parents.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def status_of(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+
+
+def test_the_in_process_consumer_runs_the_model_in_a_sandboxed_child(mesh: Mesh) -> None:
+    """The consumer holds the feature store's password; the model runs below it, confined
+    (seccomp filter on), and, when the mesh runs as root, as another user."""
+    consumer = mesh.pid("stream-local")
+    children = [
+        pid
+        for pid in descendants(consumer)
+        if b"servemesh.sandbox" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert children, "the in_process consumer runs no sandboxed child"
+    status = status_of(children[-1])
+    assert status["Seccomp"].strip() == "2"
+    if os.geteuid() == 0:
+        assert status["Uid"].split()[0] != status_of(consumer)["Uid"].split()[0]
+
+
+async def test_the_in_process_predictor_loads_no_model_in_its_own_process(
+    mesh: Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from servemesh.services.feature.store import RedisFeatureStore
+    from servemesh.streams.predict import feature_store_client
+
+    spy = sandbox_spy(monkeypatch)  # a model loaded in this process now raises
+    spec = mesh.spec
+    store = RedisFeatureStore(feature_store_client(spec), spec.feature_store.key_prefix)
+    predictor = await InProcessPredictor.from_registry(spec, spec.stream("local"), store)
+    try:
+        answers = await predictor.predict([Event("1-0", "user-1", {}), Event("1-1", "user-2", {})])
+    finally:
+        await predictor.close()
+    assert len(spy.opened) == 1 and spy.opened[0].seccomp == "2"
+    assert all(isinstance(a, Prediction) and 0 <= a.outputs["score"] <= 1 for a in answers)
