@@ -132,9 +132,10 @@ ALLOWED: dict[str, set[str]] = {
     # the error-budget gate reads the budgets slo_rules defines; a derived version is held to
     # the accuracy limits quantize derives under)
     "rollout": CONTRACT | TOOLING | {"registry", "slo_rules", "quantize"},
-    # streaming predictions: a Redis stream consumer scoring through the edge, or in process
-    # with the model server's loader and the feature store's reads and writes
-    "streams": CONTRACT | {"state", "services.feature", "services.model"},
+    # streaming predictions: a Redis stream consumer scoring through the edge, or without
+    # it, the model in a sandboxed child loaded as a batch run loads it (batch.scorer), with
+    # the feature store's reads and writes
+    "streams": CONTRACT | {"state", "services.feature", "services.model", "batch"},
     # models on devices: a version exported (ONNX, checked in onnxruntime, or .pt2) with the
     # model server's runner as the original, and an alias's artifact synced to a folder
     # (the model, torch's export of it and the export's check run in a sandboxed child)
