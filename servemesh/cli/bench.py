@@ -1,4 +1,4 @@
-"""`servemesh bench predict|observe|profile|model|pool|stream|batch|scale|layout`:
+"""`servemesh bench predict|observe|profile|model|pool|stream|batch|scale|layout|compose`:
 benchmarks, each on a mesh of its own (batch: a registry and a Redis of its own; pool: a
 registry and one on-demand pool's model server).
 
@@ -30,6 +30,7 @@ BENCHES = {
     "batch": "batch",
     "scale": "scale",
     "layout": "layout",
+    "compose": "compose",
 }
 
 
@@ -326,3 +327,15 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--concurrency", type=int, default=16, help="callers of the req/s round (default 16)"
     )
     reported(bench_layout)
+    bench_compose = bench_sub.add_parser(
+        "compose",
+        help="Predict through the compose mesh's edge (containers, make compose-up) against "
+        "servemesh up's (processes), the same spec, in one run: req/s and p50, compose/up",
+    )
+    bench_compose.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    add_duration(bench_compose, "--duration", "per round", dest="seconds", default=5.0)
+    bench_compose.add_argument("--repeats", type=int, default=3, help="rounds per mesh")
+    bench_compose.add_argument(
+        "--edge-port", type=int, default=18543, help="the compose edge's port on the host"
+    )
+    reported(bench_compose)
