@@ -226,6 +226,7 @@ def as_report(report: Mapping[str, object]) -> BenchReport:
         report,
         title=f"compose (containers, make compose-up) against up (processes), the same spec; "
         f"{report['repeats']} repeats of {report['seconds']} s per concurrency, order turning",
+        width=100,
     )
     table = shown.table("Predict through the edge", ("c", "arm", "req/s", "p50 ms", "p99 ms",
                                                      "failed"), left=("arm",))  # fmt: skip
