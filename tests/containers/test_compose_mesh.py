@@ -1,7 +1,9 @@
 """The compose mesh on the local images, for real: `make compose-up` (deploy/compose/dns.yml,
-no Consul, no Jaeger: Envoy resolves the compose service names), a Predict through the
-edge over TLS with the operator command line, and `make compose-down` leaving no
-container, network or volume of the project behind.
+no Consul, no Jaeger: Envoy resolves the compose service names), a model server container
+crashing under load (its process SIGKILLed from the host: the engine starts it again, the
+other zone answers meanwhile, no call fails), a Predict through the edge over TLS with the
+operator command line, and `make compose-down` leaving no container, network or volume of
+the project behind.
 
 Marked `containers` (tests/conftest.py) and skipped without a Docker engine or
 docker-compose. Every wait is on health or readiness, with bounds generous enough for a
@@ -13,10 +15,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,6 +85,73 @@ def compose_mesh() -> Iterator[str]:
     finally:
         down = make("compose-down", timeout=300)
         assert down.returncode == 0, down.stdout[-3000:] + down.stderr[-3000:]
+
+
+def container_of(service: str) -> str:
+    found = subprocess.run(
+        ["docker", "ps", "-q", "--filter", LABEL, "--filter",
+         f"label=com.docker.compose.service={service}"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout.split()  # fmt: skip
+    assert len(found) == 1, (service, found)
+    return found[0]
+
+
+def inspect(container: str) -> Any:
+    done = subprocess.run(
+        ["docker", "inspect", container], capture_output=True, text=True, timeout=60, check=True
+    )
+    return json.loads(done.stdout)[0]
+
+
+def healthy_again(container: str, restarts: int) -> bool:
+    facts = inspect(container)
+    health = facts["State"].get("Health") or {}
+    return bool(facts["RestartCount"] > restarts and health.get("Status") == "healthy")
+
+
+def test_a_model_server_container_that_crashes_is_started_again_and_no_call_fails(
+    compose_mesh: str,
+) -> None:
+    from servemesh.identity.channels import dial_edge_at
+    from servemesh.load import BackgroundLoad, predict_target
+    from servemesh.spec import load_spec
+    from servemesh.state.credentials import EdgeAuthMetadata
+    from tests.waiting import wait_until
+
+    spec = load_spec(str(REPO / "deploy" / "compose" / "mesh-dns.yaml"))
+    spec = spec.model_copy(update={"state_dir": str(RENDERED / "state")})
+    victim = container_of("model-fraud-zone-a-0")
+    restarts = int(inspect(victim)["RestartCount"])
+    target = predict_target(
+        dial_edge_at(spec, f"127.0.0.1:{EDGE_PORT}"),
+        entities=100,
+        timeout_s=5.0,
+        metadata=EdgeAuthMetadata(spec, "container-drill").metadata,
+    )
+    load = BackgroundLoad(target, rate_per_s=20.0)
+    load.start()
+    try:
+        wait_until(lambda: sum(o.ok for o in load.outcomes) >= 20, "the load's first answers",
+                   timeout_s=120)  # fmt: skip
+        state = inspect(victim)["State"]
+        # A crash, not a stop: the process dies from outside the engine (`docker kill` is a
+        # deliberate stop, which a restart policy leaves down).
+        os.kill(int(state["Pid"]), signal.SIGKILL)
+        crashed_at = load.now_s()
+        wait_until(lambda: healthy_again(victim, restarts), "the container healthy again",
+                   timeout_s=300)  # fmt: skip
+        back_s = load.now_s() - crashed_at
+        wait_until(lambda: sum(o.ok and o.sent_s > load.now_s() - 1 for o in load.outcomes) > 5,
+                   "answers after the restart", timeout_s=60)  # fmt: skip
+    finally:
+        load.stop()
+    outcomes = load.snapshot()
+    failed = [(round(o.sent_s, 2), o.code) for o in outcomes if not o.ok]
+    print(f"{len(outcomes)} calls, {len(failed)} failed; healthy again {back_s:.1f} s after")
+    assert not load.error, load.error
+    assert failed == [], failed[:10]
+    assert sum(o.sent_s > crashed_at for o in outcomes) > 20
 
 
 def predict() -> subprocess.CompletedProcess[str]:
