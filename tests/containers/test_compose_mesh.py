@@ -154,6 +154,76 @@ def test_a_model_server_container_that_crashes_is_started_again_and_no_call_fail
     assert sum(o.sent_s > crashed_at for o in outcomes) > 20
 
 
+ZONE_A = ["envoy-zone-a", "gateway-zone-a-0", "feature-zone-a-0", "model-fraud-zone-a-0"]
+
+
+def test_a_zone_whose_containers_are_all_paused_loses_only_the_calls_it_froze(
+    compose_mesh: str,
+) -> None:
+    """Every container of zone-a frozen (`docker pause`: nothing answers, nothing refuses)
+    for as long as 100 calls take, then thawed. The edge never retries a call a gateway
+    accepted (traffic.edge has no per-try timeout: a gateway busy downstream is no
+    failure), so a call the edge sends to zone-a's frozen gateway runs out its deadline
+    until the edge's health checks eject it (two checks in a row unanswered); every call
+    after that goes to zone-b, and every call after the thaw answers."""
+    from servemesh.identity.channels import dial_edge_at
+    from servemesh.load import BackgroundLoad, predict_target
+    from servemesh.spec import load_spec
+    from servemesh.state.credentials import EdgeAuthMetadata
+    from tests.waiting import wait_until
+
+    spec = load_spec(str(REPO / "deploy" / "compose" / "mesh-dns.yaml"))
+    spec = spec.model_copy(update={"state_dir": str(RENDERED / "state")})
+    zone_a = [container_of(service) for service in ZONE_A]
+    target = predict_target(
+        dial_edge_at(spec, f"127.0.0.1:{EDGE_PORT}"),
+        entities=100,
+        timeout_s=5.0,
+        metadata=EdgeAuthMetadata(spec, "container-drill").metadata,
+    )
+    load = BackgroundLoad(target, rate_per_s=20.0)
+    load.start()
+    paused: list[str] = []
+    try:
+        wait_until(lambda: sum(o.ok for o in load.outcomes) >= 20, "the load's first answers",
+                   timeout_s=120)  # fmt: skip
+        pausing_at = load.now_s()
+        subprocess.run(["docker", "pause", *zone_a], check=True, timeout=60)
+        paused = zone_a
+        paused_at = load.now_s()
+        wait_until(lambda: sum(o.sent_s > paused_at for o in load.outcomes) >= 100,
+                   "100 calls with zone-a paused", timeout_s=120)  # fmt: skip
+        subprocess.run(["docker", "unpause", *zone_a], check=True, timeout=60)
+        paused = []
+        thawed_at = load.now_s()
+        wait_until(lambda: sum(o.ok and o.sent_s > thawed_at for o in load.outcomes) >= 40,
+                   "answers after the thaw", timeout_s=120)  # fmt: skip
+    finally:
+        if paused:
+            subprocess.run(["docker", "unpause", *paused], timeout=60)
+        load.stop()
+    outcomes = load.snapshot()
+    failed = [(round(o.sent_s, 2), o.code) for o in outcomes if not o.ok]
+    during = [o for o in outcomes if pausing_at <= o.sent_s < thawed_at]
+    print(
+        f"{len(outcomes)} calls ({len(during)} while paused), {len(failed)} failed: {failed}; "
+        f"docker pause took {paused_at - pausing_at:.2f} s"
+    )
+    assert not load.error, load.error
+    assert len(during) >= 100
+    # Only calls sent to the frozen gateway before its ejection fail, by their deadline:
+    # none before the freeze, none once two health checks (and their timeouts) had time to
+    # go unanswered, none after the thaw.
+    checks = spec.traffic.edge.health_checks
+    ejected_within_s = (checks.unhealthy_threshold * checks.interval_ms + checks.timeout_ms
+                        + 1000) / 1000  # fmt: skip
+    assert {code for _, code in failed} <= {"DEADLINE_EXCEEDED"}, failed
+    assert all(pausing_at <= sent < pausing_at + ejected_within_s for sent, _ in failed), (
+        ejected_within_s,
+        failed,
+    )
+
+
 def predict() -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [
