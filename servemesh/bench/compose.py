@@ -32,7 +32,7 @@ from servemesh.bench.report import BenchReport, progress
 from servemesh.contract.errors import UsageError
 from servemesh.identity.channels import dial_edge_at
 from servemesh.launcher import Mesh
-from servemesh.load import predict_target
+from servemesh.load import Target, predict_target
 from servemesh.spec import (
     DiscoverySpec,
     FeatureStoreSpec,
@@ -78,6 +78,24 @@ def up_spec(compose: MeshSpec, state_dir: Path) -> MeshSpec:
             "feature_store": FeatureStoreSpec(),
             "tls": TlsSpec(),
         }
+    )
+
+
+def rendered_compose_spec() -> MeshSpec:
+    """The compose mesh's spec as a caller on the host dials it: the declared file with the
+    state dir `make compose-up` rendered (its CA, the edge's credentials)."""
+    compose = load_spec(str(COMPOSE_SPEC))
+    return compose.model_copy(update={"state_dir": str(RENDERED_STATE)})
+
+
+def edge_target(spec: MeshSpec, address: str, *, subject: str, entities: int = ENTITIES) -> Target:
+    """Predict through the edge at `address` over the TLS `spec` names, with the edge
+    credentials of its state dir (a token signed for `subject`, or the basic ones)."""
+    return predict_target(
+        dial_edge_at(spec, address),
+        entities=entities,
+        timeout_s=5.0,
+        metadata=EdgeAuthMetadata(spec, subject).metadata,
     )
 
 
@@ -170,19 +188,10 @@ def bench_compose(
         say(f"servemesh up mesh ready (edge {up.spec.edge_address})")
         stack.callback(compose_down, edge_port)
         up_s = compose_up(edge_port, say)
-        rendered = compose.model_copy(update={"state_dir": str(RENDERED_STATE)})
         targets = {
-            "up": predict_target(
-                dial_edge_at(up.spec, up.spec.edge_address),
-                entities=ENTITIES,
-                timeout_s=5.0,
-                metadata=EdgeAuthMetadata(up.spec, "bench-compose").metadata,
-            ),
-            "compose": predict_target(
-                dial_edge_at(rendered, f"127.0.0.1:{edge_port}"),
-                entities=ENTITIES,
-                timeout_s=5.0,
-                metadata=EdgeAuthMetadata(rendered, "bench-compose").metadata,
+            "up": edge_target(up.spec, up.spec.edge_address, subject="bench-compose"),
+            "compose": edge_target(
+                rendered_compose_spec(), f"127.0.0.1:{edge_port}", subject="bench-compose"
             ),
         }
         for repeat in range(repeats):

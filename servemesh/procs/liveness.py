@@ -206,8 +206,9 @@ class LivenessWatch:
     def run_round(self) -> None:
         """Probe every target once and act on the verdicts."""
         targets = self._targets()
-        self.verdicts.forget_others(t.name for t in targets)
-        for name in [n for n in self._channels if n not in {t.name for t in targets}]:
+        names = {t.name for t in targets}
+        self.verdicts.forget_others(names)
+        for name in [n for n in self._channels if n not in names]:
             self._channels.pop(name)[1].close()
         live = []
         for target in targets:

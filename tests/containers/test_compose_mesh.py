@@ -19,10 +19,14 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from servemesh.load import BackgroundLoad
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = os.environ.get("IMAGE_TAG", "dev")
@@ -110,30 +114,35 @@ def healthy_again(container: str, restarts: int) -> bool:
     return bool(facts["RestartCount"] > restarts and health.get("Status") == "healthy")
 
 
-def test_a_model_server_container_that_crashes_is_started_again_and_no_call_fails(
-    compose_mesh: str,
-) -> None:
-    from servemesh.identity.channels import dial_edge_at
-    from servemesh.load import BackgroundLoad, predict_target
-    from servemesh.spec import load_spec
-    from servemesh.state.credentials import EdgeAuthMetadata
+@contextmanager
+def edge_load() -> Iterator[BackgroundLoad]:
+    """20 Predicts a second through the compose edge (its TLS and credentials as rendered),
+    yielded once 20 have answered and stopped at the end; its outcomes stay readable."""
+    from servemesh.bench.compose import edge_target, rendered_compose_spec
+    from servemesh.load import BackgroundLoad
     from tests.waiting import wait_until
 
-    spec = load_spec(str(REPO / "deploy" / "compose" / "mesh-dns.yaml"))
-    spec = spec.model_copy(update={"state_dir": str(RENDERED / "state")})
-    victim = container_of("model-fraud-zone-a-0")
-    restarts = int(inspect(victim)["RestartCount"])
-    target = predict_target(
-        dial_edge_at(spec, f"127.0.0.1:{EDGE_PORT}"),
-        entities=100,
-        timeout_s=5.0,
-        metadata=EdgeAuthMetadata(spec, "container-drill").metadata,
+    target = edge_target(
+        rendered_compose_spec(), f"127.0.0.1:{EDGE_PORT}", subject="container-drill", entities=100
     )
     load = BackgroundLoad(target, rate_per_s=20.0)
     load.start()
     try:
         wait_until(lambda: sum(o.ok for o in load.outcomes) >= 20, "the load's first answers",
                    timeout_s=120)  # fmt: skip
+        yield load
+    finally:
+        load.stop()
+
+
+def test_a_model_server_container_that_crashes_is_started_again_and_no_call_fails(
+    compose_mesh: str,
+) -> None:
+    from tests.waiting import wait_until
+
+    victim = container_of("model-fraud-zone-a-0")
+    restarts = int(inspect(victim)["RestartCount"])
+    with edge_load() as load:
         state = inspect(victim)["State"]
         # A crash, not a stop: the process dies from outside the engine (`docker kill` is a
         # deliberate stop, which a restart policy leaves down).
@@ -144,8 +153,6 @@ def test_a_model_server_container_that_crashes_is_started_again_and_no_call_fail
         back_s = load.now_s() - crashed_at
         wait_until(lambda: sum(o.ok and o.sent_s > load.now_s() - 1 for o in load.outcomes) > 5,
                    "answers after the restart", timeout_s=60)  # fmt: skip
-    finally:
-        load.stop()
     outcomes = load.snapshot()
     failed = [(round(o.sent_s, 2), o.code) for o in outcomes if not o.ok]
     print(f"{len(outcomes)} calls, {len(failed)} failed; healthy again {back_s:.1f} s after")
@@ -166,42 +173,22 @@ def test_a_zone_whose_containers_are_all_paused_loses_only_the_calls_it_froze(
     failure), so a call the edge sends to zone-a's frozen gateway runs out its deadline
     until the edge's health checks eject it (two checks in a row unanswered); every call
     after that goes to zone-b, and every call after the thaw answers."""
-    from servemesh.identity.channels import dial_edge_at
-    from servemesh.load import BackgroundLoad, predict_target
-    from servemesh.spec import load_spec
-    from servemesh.state.credentials import EdgeAuthMetadata
+    from servemesh.bench.compose import rendered_compose_spec
     from tests.waiting import wait_until
 
-    spec = load_spec(str(REPO / "deploy" / "compose" / "mesh-dns.yaml"))
-    spec = spec.model_copy(update={"state_dir": str(RENDERED / "state")})
     zone_a = [container_of(service) for service in ZONE_A]
-    target = predict_target(
-        dial_edge_at(spec, f"127.0.0.1:{EDGE_PORT}"),
-        entities=100,
-        timeout_s=5.0,
-        metadata=EdgeAuthMetadata(spec, "container-drill").metadata,
-    )
-    load = BackgroundLoad(target, rate_per_s=20.0)
-    load.start()
-    paused: list[str] = []
-    try:
-        wait_until(lambda: sum(o.ok for o in load.outcomes) >= 20, "the load's first answers",
-                   timeout_s=120)  # fmt: skip
+    with edge_load() as load:
         pausing_at = load.now_s()
         subprocess.run(["docker", "pause", *zone_a], check=True, timeout=60)
-        paused = zone_a
-        paused_at = load.now_s()
-        wait_until(lambda: sum(o.sent_s > paused_at for o in load.outcomes) >= 100,
-                   "100 calls with zone-a paused", timeout_s=120)  # fmt: skip
-        subprocess.run(["docker", "unpause", *zone_a], check=True, timeout=60)
-        paused = []
+        try:
+            paused_at = load.now_s()
+            wait_until(lambda: sum(o.sent_s > paused_at for o in load.outcomes) >= 100,
+                       "100 calls with zone-a paused", timeout_s=120)  # fmt: skip
+        finally:
+            subprocess.run(["docker", "unpause", *zone_a], check=True, timeout=60)
         thawed_at = load.now_s()
         wait_until(lambda: sum(o.ok and o.sent_s > thawed_at for o in load.outcomes) >= 40,
                    "answers after the thaw", timeout_s=120)  # fmt: skip
-    finally:
-        if paused:
-            subprocess.run(["docker", "unpause", *paused], timeout=60)
-        load.stop()
     outcomes = load.snapshot()
     failed = [(round(o.sent_s, 2), o.code) for o in outcomes if not o.ok]
     during = [o for o in outcomes if pausing_at <= o.sent_s < thawed_at]
@@ -214,7 +201,7 @@ def test_a_zone_whose_containers_are_all_paused_loses_only_the_calls_it_froze(
     # Only calls sent to the frozen gateway before its ejection fail, by their deadline:
     # none before the freeze, none once two health checks (and their timeouts) had time to
     # go unanswered, none after the thaw.
-    checks = spec.traffic.edge.health_checks
+    checks = rendered_compose_spec().traffic.edge.health_checks
     ejected_within_s = (checks.unhealthy_threshold * checks.interval_ms + checks.timeout_ms
                         + 1000) / 1000  # fmt: skip
     assert {code for _, code in failed} <= {"DEADLINE_EXCEEDED"}, failed

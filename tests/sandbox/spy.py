@@ -30,7 +30,8 @@ class Spy:
     opened: list[Opened] = field(default_factory=list)
 
 
-def _status(pid: int) -> dict[str, str]:
+def status_of(pid: int) -> dict[str, str]:
+    """The fields of /proc/<pid>/status, by name."""
     lines = Path(f"/proc/{pid}/status").read_text().splitlines()
     return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
 
@@ -49,7 +50,7 @@ def sandbox_spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
 
     def open_(cls: type[SandboxedModel], /, data: bytes, **kwargs: Any) -> SandboxedModel:
         model = real_open(cls, data, **kwargs)
-        status = _status(model.pid)
+        status = status_of(model.pid)
         entry = tuple(kwargs.get("entry", ("-m", "servemesh.sandbox.child")))
         spy.opened.append(Opened(entry, model.pid, status["Seccomp"].strip(),
                                  status["Uid"].split()[0]))  # fmt: skip

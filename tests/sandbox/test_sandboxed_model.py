@@ -24,6 +24,7 @@ from servemesh.sandbox.model import ModelCrashed, ModelFailed, ModelRefused, San
 from servemesh.services.model.tensors import Signature, TensorSig
 from tests.model.torch_models import Churn, churn_example, exported
 from tests.sandbox import hostile_child
+from tests.sandbox.spy import status_of
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,11 +56,6 @@ def hostile(*argv: str, timeout_s: float = 60.0) -> SandboxedModel:
 def run_attack(model: SandboxedModel, code: int) -> bytes:
     found = model.run({"attack": np.array([[code]], dtype=np.int64)})["found"]
     return bytes(found.reshape(-1)).rstrip(b"\x00")
-
-
-def status_of(pid: int) -> dict[str, str]:
-    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
 
 
 def test_a_model_answers_from_its_sandbox_as_it_does_in_process() -> None:

@@ -24,7 +24,7 @@ from servemesh.streams.events import Event
 from servemesh.streams.keys import StreamKeys
 from servemesh.streams.metrics import read_lag_now
 from servemesh.streams.predict import InProcessPredictor, Prediction
-from tests.sandbox.spy import sandbox_spy
+from tests.sandbox.spy import sandbox_spy, status_of
 from tests.waiting import wait_until
 
 ENTITIES = 200
@@ -150,11 +150,6 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
-
-
-def status_of(pid: int) -> dict[str, str]:
-    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
-    return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
 
 
 def test_the_in_process_consumer_runs_the_model_in_a_sandboxed_child(mesh: Mesh) -> None:
