@@ -106,6 +106,28 @@ SERVICE_MODULES = {
     "feature": "servemesh.services.feature",
     "gateway": "servemesh.services.gateway",
 }
+# The mesh's own Python services, forked from one interpreter that imported these modules
+# beforehand (spec `processes.fork_server`; servemesh.procs.forkserver): python -m module ->
+# what its entry imports. Model servers are not here: each is exec'd, as its own user.
+FORKED_MODULES: dict[str, tuple[str, ...]] = {
+    "servemesh.registry": ("servemesh.registry.app", "servemesh.services.runtime.entry"),
+    "servemesh.services.gateway": (
+        "servemesh.services.gateway.app",
+        "servemesh.services.runtime.entry",
+    ),
+    "servemesh.services.feature": (
+        "servemesh.services.feature.app",
+        "servemesh.services.runtime.entry",
+    ),
+    "servemesh.tracestore": ("servemesh.tracestore.receiver",),
+    "servemesh.scaling": (
+        "servemesh.scaling.loop",
+        "servemesh.scaling.metrics",
+        "servemesh.proxy.admin",
+        "servemesh.proxy.apply",
+        "prometheus_client",
+    ),
+}
 # Stop order, a tier of groups at a time: the reverse of the start order, so Envoy stops
 # taking calls first and Redis goes last. Once the gateways are gone nothing calls a feature,
 # model or registry server, so those drain together (each takes half a second or more to
@@ -210,7 +232,11 @@ class Mesh:
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(
-            self.logs_dir, cwd=self.state_dir, grace_s=self.grace_s, thread_name="mesh-spawner"
+            self.logs_dir,
+            cwd=self.state_dir,
+            grace_s=self.grace_s,
+            thread_name="mesh-spawner",
+            forked=FORKED_MODULES if self.spec.processes.fork_server else None,
         )
         self._restarts = Restarts(self._restart_policy)
 

@@ -5,12 +5,16 @@ The shapes ("arms") are the spec itself with one change each:
 - `shared`: `proxy.layout: shared`, one Envoy for the edge and every zone;
 - `per_zone`: `proxy.layout: per_zone`, the edge's Envoy and one per zone;
 - `small-host`: `profile: small-host` (servemesh.spec.profile_preset): one feature and
-  one model process serve every zone, one Envoy.
+  one model process serve every zone, one Envoy;
+- `exec`: `per_zone` with `processes.fork_server: false`, every Python service exec'd
+  instead of forked from the fork server (servemesh.procs.forkserver).
 
 For each repeat, the order turning, one mesh per arm, on free ports, Prometheus off (every
 arm alike):
 
-- start-up: `Mesh.start()` until every service is SERVING and the edge answers;
+- start-up: `Mesh.start()` until every service is SERVING and the edge answers, and the
+  CPU (user + system) every process below this one has used by then (the fork server's
+  imports included);
 - memory: the resident set (VmRSS) of every process the mesh started, summed by kind
   (every Envoy counts as `envoy`), once Predicts are answered and the mesh has sat idle a
   moment;
@@ -24,6 +28,7 @@ are taken per repeat, from meshes measured back to back.
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import time
@@ -45,11 +50,11 @@ from servemesh.identity import dial_edge
 from servemesh.launcher import Mesh
 from servemesh.load import predict_target
 from servemesh.load.stats import spread
-from servemesh.observe.cpu import proc_cpu_seconds, rss_bytes
+from servemesh.observe.cpu import descendants, proc_cpu_seconds, rss_bytes
 from servemesh.spec import EDGE_PROXY, MeshSpec, ResolvedSpec, load_spec, with_profile
 
-Arm = Literal["shared", "per_zone", "small-host"]
-ARMS: tuple[Arm, ...] = ("shared", "per_zone", "small-host")
+Arm = Literal["shared", "per_zone", "small-host", "exec"]
+ARMS: tuple[Arm, ...] = ("shared", "per_zone", "small-host", "exec")
 DEFAULT_ARMS: tuple[Arm, ...] = ("shared", "per_zone")
 # Idle before memory is read: the first health-check rounds and lazy imports are done.
 SETTLE_S = 2.0
@@ -62,6 +67,7 @@ class LayoutRound:
     arm: Arm
     repeat: int
     startup_s: float
+    startup_cpu_s: float  # every process below the bench's, at ready
     envoys: int
     processes: int  # the mesh's own, Envoys and Redis included
     rss_mib: dict[str, float]  # by kind
@@ -97,11 +103,16 @@ def _rss_mib(pid: int) -> float | None:
 
 def arm_spec(spec: MeshSpec, arm: Arm) -> MeshSpec:
     """`spec` shaped as `arm`: a layout arm changes only `proxy.layout` (a small-host spec
-    moves to the default profile first); small-host takes that profile's processes."""
+    moves to the default profile first); small-host takes that profile's processes; exec
+    is per_zone with no fork server."""
     if arm == "small-host":
         return spec if spec.profile == "small-host" else with_profile(spec, "small-host")
     if spec.profile != "default":
         spec = with_profile(spec, "default")
+    if arm == "exec":
+        processes = spec.processes.model_copy(update={"fork_server": False})
+        spec = spec.model_copy(update={"processes": processes})
+        arm = "per_zone"
     return spec.model_copy(update={"proxy": spec.proxy.model_copy(update={"layout": arm})})
 
 
@@ -114,6 +125,7 @@ def measure_arm(
         started = time.perf_counter()
         mesh.start()
         startup_s = time.perf_counter() - started
+        startup_cpu_s = sum(filter(None, map(proc_cpu_seconds, descendants(os.getpid()))))
         try:
             wait_answering(mesh)
             time.sleep(SETTLE_S)
@@ -138,6 +150,7 @@ def measure_arm(
         arm=arm,
         repeat=repeat,
         startup_s=round(startup_s, 2),
+        startup_cpu_s=round(startup_cpu_s, 2),
         envoys=len(spec.proxies()),
         processes=processes,
         rss_mib={k: round(v, 1) for k, v in sorted(rss.items())},
@@ -152,6 +165,7 @@ def measure_arm(
 # The figures compared, each read off a round: (name, reader, unit).
 FIGURES: tuple[tuple[str, Callable[[LayoutRound], float], str], ...] = (
     ("start-up", lambda r: r.startup_s, "s"),
+    ("start-up CPU", lambda r: r.startup_cpu_s, "s"),
     ("memory (RSS)", lambda r: r.rss_total_mib, "MiB"),
     ("Envoy memory", lambda r: r.rss_mib.get("envoy", 0.0), "MiB"),
     ("idle CPU", lambda r: r.idle_cpu_total, "ms/s"),
@@ -231,12 +245,14 @@ ARM_LABELS: dict[str, str] = {
     "shared": "one Envoy",
     "per_zone": "the edge's Envoy and one per zone",
     "small-host": "one feature and one model process for every zone, one Envoy",
+    "exec": "per_zone, every Python service exec'd (no fork server)",
 }
 
 
 def round_line(found: LayoutRound) -> str:
     return (
-        f"  {found.arm:<10} #{found.repeat + 1}: start-up {found.startup_s:.2f} s, "
+        f"  {found.arm:<10} #{found.repeat + 1}: start-up {found.startup_s:.2f} s "
+        f"({found.startup_cpu_s:.1f} s of CPU), "
         f"{found.processes} processes ({found.envoys} Envoy), RSS "
         f"{found.rss_total_mib:.0f} MiB, idle {found.idle_cpu_total:.0f} ms/s, "
         f"p50 c=1 {found.p50_ms_c1:.2f} ms, {found.rps:.0f} req/s"

@@ -303,8 +303,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench_layout = bench_sub.add_parser(
         "layout",
         help="the mesh's shapes against each other in one run (one shared Envoy, an Envoy "
-        "per zone, the small-host profile): start-up, memory and idle CPU of every process, "
-        "Predict p50 and req/s",
+        "per zone, the small-host profile, every service exec'd): start-up time and CPU, "
+        "memory and idle CPU of every process, Predict p50 and req/s",
     )
     bench_layout.add_argument("--spec")
     bench_layout.add_argument(
@@ -312,7 +312,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         nargs="+",
         # servemesh.bench.layout.ARMS and DEFAULT_ARMS (not imported here: it loads the
         # launcher, which every other command would then pay for at start).
-        choices=("shared", "per_zone", "small-host"),
+        choices=("shared", "per_zone", "small-host", "exec"),
         default=["shared", "per_zone"],
         help="the shapes compared, each against the first (default: shared per_zone)",
     )

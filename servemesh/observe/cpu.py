@@ -23,6 +23,28 @@ def proc_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, their children...), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(parent, []).append(int(entry))
+    found: list[int] = []
+    pending = list(children.get(pid, []))
+    while pending:
+        child = pending.pop()
+        found.append(child)
+        pending.extend(children.get(child, []))
+    return found
+
+
 def rss_bytes(pid: int) -> int | None:
     """A process's resident set (VmRSS in /proc/PID/status); None once it is gone."""
     return _kib_field(Path(f"/proc/{pid}/status"), "VmRSS:")

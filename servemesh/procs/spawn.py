@@ -1,21 +1,29 @@
 """Forking children: a parent-death signal, a session of their own, one forking thread.
 
-Every long-lived child of servemesh is forked here and nowhere else.
+Every long-lived child of servemesh is forked here and nowhere else: exec'd, or, for the
+mesh's own Python services when the owner names them, forked from a fork server that has
+imported them already (servemesh.procs.forkserver).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 from servemesh.contract.private import PRIVATE_UMASK
+from servemesh.procs.forkserver import ForkServer, ForkServerError
 from servemesh.procs.sandbox import RunAs, SandboxError
+
+log = logging.getLogger(__name__)
+_P = TypeVar("_P")
 
 # setpriv's names for the signals a child may get when its parent dies.
 _SIGNAL_NAMES = {signal.SIGTERM: "TERM", signal.SIGKILL: "KILL"}
@@ -64,6 +72,19 @@ def with_death_signal(
     return [setpriv, *switch, "--pdeathsig", _SIGNAL_NAMES[sig], "--", *argv]
 
 
+class Process(Protocol):
+    """A started child as its owner handles it: `subprocess.Popen`, or a child of the fork
+    server (servemesh.procs.forkserver.ForkedProcess)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
 class Spawner:
     """Forks children from one thread that lives until close().
 
@@ -71,36 +92,97 @@ class Spawner:
     child forked from a short-lived thread (one that asked for a restart, say) would get its
     signal as soon as that thread ended. So every child is forked from this one thread,
     which lives as long as the children it started.
+
+    `forked`: the `python -m` modules started through a fork server instead (module -> the
+    modules it imports first), when they run as this user; the server starts with the
+    first of them and stays until close(). Where it cannot start, they are exec'd.
     """
 
-    def __init__(self, thread_name: str = "spawner") -> None:
+    def __init__(
+        self,
+        thread_name: str = "spawner",
+        *,
+        forked: Mapping[str, Sequence[str]] | None = None,
+        logs_dir: Path | None = None,
+    ) -> None:
         self._thread_name = thread_name
         self._pool: ThreadPoolExecutor | None = None
+        self._forked = dict(forked or {})
+        self._logs_dir = logs_dir
+        self._server: ForkServer | None = None
+        self._server_failed = False
 
-    def spawn(self, launch: Launch) -> subprocess.Popen[bytes]:
+    def spawn(self, launch: Launch) -> Process:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
-        return self._pool.submit(_popen, launch).result()
+        return self._pool.submit(self._start, launch).result()
+
+    def _start(self, launch: Launch) -> Process:
+        server = self._fork_server(launch)
+        if server is None:
+            return _popen(launch)
+        return _with_log(launch, lambda out: server.spawn(
+            launch.argv, env=_child_env(launch), cwd=launch.cwd, umask=PRIVATE_UMASK,
+            death_signal=launch.death_signal, out_fd=out,
+        ))  # fmt: skip
+
+    def _fork_server(self, launch: Launch) -> ForkServer | None:
+        """The running fork server, when `launch` is one of its modules (started now if need
+        be, in the forking thread), else None."""
+        if self._server_failed or launch.run_as is not None or not self._forked:
+            return None
+        if self._server is None:
+            server = ForkServer(
+                self._forked,
+                None if self._logs_dir is None else self._logs_dir / "forkserver.log",
+            )
+            if not server.runs(launch.argv):
+                return None
+            try:
+                server.start(with_death_signal([], signal.SIGKILL))
+            except (ForkServerError, OSError) as exc:
+                log.warning("no fork server, services are exec'd: %s", exc)
+                self._server_failed = True
+                return None
+            self._server = server
+        return self._server if self._server.runs(launch.argv) else None
 
     def close(self) -> None:
-        """End the forking thread; call only once its children are stopped."""
+        """End the forking thread (and the fork server); call only once its children are
+        stopped."""
         if self._pool is not None:
+            if self._server is not None:
+                self._pool.submit(self._server.close).result()
+                self._server = None
             self._pool.shutdown()
             self._pool = None
 
 
-def _popen(launch: Launch) -> subprocess.Popen[bytes]:
+def _child_env(launch: Launch) -> dict[str, str]:
     # Unbuffered Python output: a child's log shows its last words when it dies.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **launch.env}
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **launch.env}
+
+
+def _popen(launch: Launch) -> subprocess.Popen[bytes]:
     argv = with_death_signal(launch.argv, launch.death_signal, launch.run_as)
+    return _with_log(
+        launch,
+        lambda out: _fork(
+            argv, subprocess.DEVNULL if out is None else out, _child_env(launch), launch.cwd
+        ),
+    )
+
+
+def _with_log(launch: Launch, start: Callable[[int | None], _P]) -> _P:
+    """`start` given the child's log descriptor (None: output discarded), closed after."""
     if launch.log_path is None:
-        return _fork(argv, subprocess.DEVNULL, env, launch.cwd)
+        return start(None)
     launch.log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     # Opened here, by this user: a child running as another user writes its log through
     # this descriptor and cannot open the file (nor any other log) itself.
     fd = os.open(launch.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        return _fork(argv, fd, env, launch.cwd)
+        return start(fd)
     finally:
         os.close(fd)
 

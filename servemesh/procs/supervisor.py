@@ -15,7 +15,7 @@ from types import MappingProxyType
 from servemesh.contract.errors import ServemeshError
 from servemesh.procs.ready import Readiness
 from servemesh.procs.sandbox import RunAs
-from servemesh.procs.spawn import Launch, Spawner
+from servemesh.procs.spawn import Launch, Process, Spawner
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Child:
     """One started process. Its Launch (and readiness) start it again the same way."""
 
     launch: Launch
-    popen: subprocess.Popen[bytes]
+    popen: Process
     ready: Readiness | None = None
     # Set when the owner stopped it (so it did not "exit on its own").
     stopped: bool = field(default=False, repr=False)
@@ -92,13 +92,15 @@ class Supervisor:
         grace_s: float = 10.0,
         death_signal: signal.Signals = signal.SIGTERM,
         thread_name: str = "spawner",
+        forked: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         # Each child logs to <logs_dir>/<name>.log; without logs_dir, output is discarded.
         self.logs_dir = logs_dir
         self.cwd = cwd
         self.grace_s = grace_s
         self.death_signal = death_signal
-        self._spawner = Spawner(thread_name)
+        # `forked`: python -m modules forked from a fork server (servemesh.procs.spawn).
+        self._spawner = Spawner(thread_name, forked=forked, logs_dir=logs_dir)
         self._children: dict[str, Child] = {}
         self._lock = threading.Lock()
 

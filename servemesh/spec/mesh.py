@@ -65,7 +65,14 @@ from servemesh.spec.observability import (
 from servemesh.spec.policy import TrafficSpec
 from servemesh.spec.rollout_plan import RolloutSpec
 from servemesh.spec.scaling_policy import ScalingSpec
-from servemesh.spec.services import Deadlines, DemoSpec, Limits, RegistrySpec, SandboxSpec
+from servemesh.spec.services import (
+    Deadlines,
+    DemoSpec,
+    Limits,
+    ProcessesSpec,
+    RegistrySpec,
+    SandboxSpec,
+)
 from servemesh.spec.workloads import BatchJobSpec, StreamSpec
 
 Spec = TypeVar("Spec", bound="MeshSpec")
@@ -146,6 +153,7 @@ class MeshSpec(_Strict):
     discovery: DiscoverySpec = Field(default_factory=DiscoverySpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     sandbox: SandboxSpec = Field(default_factory=SandboxSpec)
+    processes: ProcessesSpec = Field(default_factory=ProcessesSpec)
     # Streaming predictions: one consumer process per entry, started by `servemesh up`.
     streams: list[StreamSpec] = Field(default_factory=list, max_length=64)
     # Scheduled batch runs (docs/batch.md): `servemesh batch run-due`, or `servemesh up`.

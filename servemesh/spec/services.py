@@ -125,3 +125,13 @@ class SandboxSpec(_Strict):
     quarantine: QuarantineSpec = Field(default_factory=QuarantineSpec)
     # A model server that runs but no longer answers is killed and started again.
     liveness: LivenessSpec = Field(default_factory=LivenessSpec)
+
+
+class ProcessesSpec(_Strict):
+    """How `servemesh up` starts the mesh's own Python services."""
+
+    # true: the registry, gateway, feature, trace-store and scaler processes are forked from
+    # one interpreter that has imported them already (servemesh.procs.forkserver), about a
+    # second of CPU less for each at every start and restart; model servers, and anything in
+    # a zone's network namespace, are always exec'd. false: every process is exec'd.
+    fork_server: bool = True

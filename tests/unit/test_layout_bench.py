@@ -16,6 +16,7 @@ def _round(arm: str, repeat: int, rss: float, idle: float, rps: float) -> Layout
         arm=arm,  # type: ignore[arg-type]
         repeat=repeat,
         startup_s=5.0,
+        startup_cpu_s=9.0,
         envoys=1,
         processes=8,
         rss_mib={"model": rss / 2, "envoy": rss / 2},
@@ -81,6 +82,10 @@ def test_the_arms_shape_the_spec_and_two_different_ones_are_needed() -> None:
     # A layout arm keeps the spec's own processes per zone.
     two = MeshSpec(model_servers=Replicas(per_zone={"zone-a": 2, "zone-b": 2}))
     assert arm_spec(two, "shared").model_servers.per_zone == {"zone-a": 2, "zone-b": 2}
+    # exec: the default layout, only the fork server off.
+    execd = arm_spec(small, "exec")
+    assert execd.processes.fork_server is False and MeshSpec().processes.fork_server is True
+    assert execd.model_copy(update={"processes": MeshSpec().processes}) == MeshSpec()
     with pytest.raises(UsageError, match="two or more different"):
         bench_layout(MeshSpec(), arms=("shared", "shared"))
 
