@@ -302,6 +302,8 @@ class Mesh:
         try:
             secure_state_dir(self.state_dir)
             self.logs_dir.mkdir(parents=True, exist_ok=True)
+            # Its imports overlap with Redis, the certificates and Envoy's config.
+            self.supervisor.prepare_fork_server()
             if self.spec.network.mode == "netns":
                 # Before anything starts: a machine that cannot says why at once.
                 can, why = netns_available()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from servemesh.contract.private import PRIVATE_UMASK
-from servemesh.procs.forkserver import ForkServer, ForkServerError
+from servemesh.procs.forkserver import ForkServer, ForkServerError, forkable
 from servemesh.procs.sandbox import RunAs, SandboxError
 
 log = logging.getLogger(__name__)
@@ -126,26 +126,50 @@ class Spawner:
             death_signal=launch.death_signal, out_fd=out,
         ))  # fmt: skip
 
+    def prepare(self) -> None:
+        """Start the fork server now, without waiting for its imports, so that they overlap
+        with whatever the owner does before its first service starts. Nothing when there
+        is none to start."""
+        if self._forked and self._server is None and not self._server_failed:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
+            self._pool.submit(self._launch_server).result()
+
+    def _launch_server(self) -> None:
+        if self._server is not None or self._server_failed:
+            return
+        server = ForkServer(
+            self._forked,
+            None if self._logs_dir is None else self._logs_dir / "forkserver.log",
+        )
+        try:
+            server.launch(with_death_signal([], signal.SIGKILL))
+        except OSError as exc:
+            self._no_server(exc)
+            return
+        self._server = server
+
+    def _no_server(self, why: Exception) -> None:
+        log.warning("no fork server, services are exec'd: %s", why)
+        self._server_failed = True
+        self._server = None
+
     def _fork_server(self, launch: Launch) -> ForkServer | None:
-        """The running fork server, when `launch` is one of its modules (started now if need
-        be, in the forking thread), else None."""
-        if self._server_failed or launch.run_as is not None or not self._forked:
+        """The fork server, ready, when `launch` is one of its modules and runs as this user
+        (started now if need be, in the forking thread); else None: exec it."""
+        if launch.run_as is not None or not self._forked:
             return None
+        if not forkable(launch.argv, self._forked):
+            return None
+        self._launch_server()
         if self._server is None:
-            server = ForkServer(
-                self._forked,
-                None if self._logs_dir is None else self._logs_dir / "forkserver.log",
-            )
-            if not server.runs(launch.argv):
-                return None
-            try:
-                server.start(with_death_signal([], signal.SIGKILL))
-            except (ForkServerError, OSError) as exc:
-                log.warning("no fork server, services are exec'd: %s", exc)
-                self._server_failed = True
-                return None
-            self._server = server
-        return self._server if self._server.runs(launch.argv) else None
+            return None
+        try:
+            self._server.wait_ready()
+        except ForkServerError as exc:
+            self._no_server(exc)
+            return None
+        return self._server
 
     def close(self) -> None:
         """End the forking thread (and the fork server); call only once its children are

@@ -176,6 +176,11 @@ class Supervisor:
             self.wait_ready([name], time.monotonic() + timeout_s)
         return child
 
+    def prepare_fork_server(self) -> None:
+        """Start the fork server's imports now (when there is one to start), so that they
+        overlap with the owner's other work before its first forked service."""
+        self._spawner.prepare()
+
     def _launch(self, launch: Launch, ready: Readiness | None) -> Child:
         popen = self._spawner.spawn(launch)
         child = Child(launch=launch, popen=popen, ready=ready)

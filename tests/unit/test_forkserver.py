@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from servemesh.observe.cpu import descendants
 from servemesh.procs import Check, Supervisor
 from servemesh.procs.forkserver import ForkServer, ForkServerError
 
@@ -44,6 +45,13 @@ def gone(pid: int) -> bool:
     except OSError:
         return True
     return state == "Z"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 @pytest.fixture
@@ -118,11 +126,27 @@ def test_a_server_that_cannot_start_leaves_children_execd(
 ) -> None:
     broken = {TARGET: ("servemesh.no_such_module",)}
     with caplog.at_level(logging.WARNING), Supervisor(tmp_path / "logs", forked=broken) as sup:
+        sup.prepare_fork_server()  # started early, failing only once waited for
         pid = start(sup, "svc", tmp_path / "r.json")
         assert parent_of(pid) == os.getpid()
         assert json.loads((tmp_path / "r.json").read_text())["preloaded"] is False
     assert "no fork server" in caplog.text and "no_such_module" in caplog.text
     assert gone(pid)
+
+
+def test_a_server_prepared_early_is_the_one_children_are_forked_from(tmp_path: Path) -> None:
+    with Supervisor(tmp_path / "logs", forked=FORKED) as sup:
+        sup.prepare_fork_server()
+        servers = [
+            pid
+            for pid in descendants(os.getpid())
+            if b"servemesh.procs.forkserver" in _cmdline(pid)
+        ]
+        assert len(servers) == 1  # running before any service asked for it
+        first = start(sup, "one", tmp_path / "one.json")
+        second = start(sup, "two", tmp_path / "two.json")
+        assert parent_of(first) == parent_of(second) == servers[0]
+    assert gone(servers[0]) and gone(first) and gone(second)
 
 
 def test_a_module_it_was_not_given_is_refused(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from servemesh.procs.forkserver.wire import MAX_MESSAGE, send
@@ -53,6 +53,11 @@ _SPAWN_TIMEOUT_S = 30.0
 
 class ForkServerError(RuntimeError):
     """The fork server could not start, or stopped answering."""
+
+
+def forkable(argv: Sequence[str], modules: Iterable[str]) -> bool:
+    """Whether `argv` is `python -m <one of modules> ...`, run by this interpreter."""
+    return len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m" and argv[2] in modules
 
 
 class ForkedProcess:
@@ -151,16 +156,17 @@ class ForkServer:
 
     def runs(self, argv: Sequence[str]) -> bool:
         """Whether `argv` is `python -m <a module this server runs> ...`."""
-        return (
-            len(argv) >= 3
-            and argv[0] == sys.executable
-            and argv[1] == "-m"
-            and (argv[2] in self.allowed)
-        )
+        return forkable(argv, self.allowed)
 
     def start(self, argv_prefix: Sequence[str] = ()) -> None:
         """Start the server and wait until it has imported everything (ForkServerError,
-        with its log's tail, when it cannot). `argv_prefix`: what to run it under (setpriv
+        with its log's tail, when it cannot)."""
+        self.launch(argv_prefix)
+        self.wait_ready()
+
+    def launch(self, argv_prefix: Sequence[str] = ()) -> None:
+        """Start the server's process without waiting for its imports (wait_ready() does,
+        and spawn() waits for them first). `argv_prefix`: what to run it under (setpriv
         for its own parent-death signal)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         argv = [*argv_prefix, sys.executable, "-m", MODULE, "--socket-fd", str(theirs.fileno())]
@@ -188,8 +194,16 @@ class ForkServer:
             if out != subprocess.DEVNULL:
                 os.close(out)
         self._sock = ours
-        readable, _, _ = select.select([ours], [], [], READY_TIMEOUT_S)
-        hello = json.loads(ours.recv(MAX_MESSAGE) or b"{}") if readable else {}
+
+    def wait_ready(self) -> None:
+        """Return once the server has imported everything; ForkServerError (with its log's
+        tail, the server stopped) when it cannot."""
+        if self._reader is not None:
+            return
+        if self._sock is None:
+            raise ForkServerError("the fork server is not running")
+        readable, _, _ = select.select([self._sock], [], [], READY_TIMEOUT_S)
+        hello = json.loads(self._sock.recv(MAX_MESSAGE) or b"{}") if readable else {}
         if "ready" not in hello:
             self.close()
             raise ForkServerError(f"the fork server did not start; its log:\n{self._log_tail()}")
@@ -208,8 +222,8 @@ class ForkServer:
     ) -> ForkedProcess:
         """Fork `argv` (a `python -m` line this server runs); its output goes to `out_fd`
         (None: discarded)."""
-        if self._sock is None:
-            raise ForkServerError("the fork server is not running")
+        self.wait_ready()
+        assert self._sock is not None
         request = {
             "module": argv[2],
             "args": list(argv[3:]),
