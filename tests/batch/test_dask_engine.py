@@ -61,7 +61,10 @@ def is_dask_worker(pid: int) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    return b"multiprocessing" in cmdline and b"spawn_main" in cmdline
+    # Dask titles its workers ("dask worker [address]") where setproctitle is installed,
+    # as it is with servemesh; otherwise a worker shows multiprocessing's spawn command.
+    spawned = b"multiprocessing" in cmdline and b"spawn_main" in cmdline
+    return spawned or cmdline.startswith(b"dask worker")
 
 
 async def watch_run(

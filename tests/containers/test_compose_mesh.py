@@ -1,9 +1,10 @@
 """The compose mesh on the local images, for real: `make compose-up` (deploy/compose/dns.yml,
-no Consul, no Jaeger: Envoy resolves the compose service names), a model server container
-crashing under load (its process SIGKILLed from the host: the engine starts it again, the
-other zone answers meanwhile, no call fails), a Predict through the edge over TLS with the
-operator command line, and `make compose-down` leaving no container, network or volume of
-the project behind.
+no Consul, no Jaeger: Envoy resolves the compose service names), then drills under load
+through the edge: a model server container crashing (its process SIGKILLed from the host:
+the engine starts it again, the other zone answers meanwhile, no call fails), a zone
+paused, a zone's Envoy crashing, the registry stopped, a partition between the zones'
+networks; a Predict through the edge over TLS with the operator command line, and `make
+compose-down` leaving no container, network or volume of the project behind.
 
 Marked `containers` (tests/conftest.py) and skipped without a Docker engine or
 docker-compose. Every wait is on health or readiness, with bounds generous enough for a
@@ -209,6 +210,122 @@ def test_a_zone_whose_containers_are_all_paused_loses_only_the_calls_it_froze(
         ejected_within_s,
         failed,
     )
+
+
+def test_a_zone_envoy_container_that_crashes_costs_its_zone_seconds_and_is_started_again(
+    compose_mesh: str,
+) -> None:
+    """zone-a's Envoy process SIGKILLed from the host under load: the engine starts the
+    container again; meanwhile zone-a's gateway says its way downstream is gone
+    (x-servemesh-retry-elsewhere) and the edge tries those calls on zone-b's gateway, so at
+    most 2% fail (the process mesh's bound, tests/mesh/test_zone_proxies.py), each one
+    UNAVAILABLE, none once the Envoy is healthy again."""
+    from tests.waiting import wait_until
+
+    victim = container_of("envoy-zone-a")
+    restarts = int(inspect(victim)["RestartCount"])
+    with edge_load() as load:
+        os.kill(int(inspect(victim)["State"]["Pid"]), signal.SIGKILL)
+        crashed_at = load.now_s()
+        wait_until(lambda: healthy_again(victim, restarts), "zone-a's Envoy healthy again",
+                   timeout_s=300)  # fmt: skip
+        back_at = load.now_s()
+        wait_until(lambda: sum(o.ok and o.sent_s > back_at for o in load.outcomes) >= 40,
+                   "answers after the Envoy's return", timeout_s=120)  # fmt: skip
+    outcomes = load.snapshot()
+    failed = [(round(o.sent_s, 2), o.code) for o in outcomes if not o.ok]
+    print(f"{len(outcomes)} calls, {len(failed)} failed: {failed[:10]}; healthy again "
+          f"{back_at - crashed_at:.1f} s after the kill")  # fmt: skip
+    assert not load.error, load.error
+    assert len(failed) <= 0.02 * len(outcomes), failed
+    assert {code for _, code in failed} <= {"UNAVAILABLE"}, failed
+    # A call still in flight on the old Envoy may end just after the new one is healthy;
+    # none sent a second after that fails.
+    assert all(sent < back_at + 1 for sent, _ in failed), (back_at, failed)
+
+
+def test_with_the_registry_container_stopped_serving_goes_on(compose_mesh: str) -> None:
+    """The registry stopped under load (`docker stop`: a deliberate outage, which the
+    restart policy leaves down) and started again: the model servers hold what they
+    loaded, so no Predict fails, and the registry is healthy again after its start."""
+    from tests.waiting import wait_until
+
+    registry = container_of("registry-0")
+    with edge_load() as load:
+        subprocess.run(["docker", "stop", registry], check=True, timeout=120)
+        try:
+            stopped_at = load.now_s()
+            assert inspect(registry)["State"]["Running"] is False
+            wait_until(lambda: sum(o.sent_s > stopped_at for o in load.outcomes) >= 100,
+                       "100 calls with the registry down", timeout_s=120)  # fmt: skip
+        finally:
+            subprocess.run(["docker", "start", registry], check=True, timeout=120)
+        wait_until(lambda: (inspect(registry)["State"].get("Health") or {}).get("Status")
+                   == "healthy", "the registry healthy again", timeout_s=300)  # fmt: skip
+    outcomes = load.snapshot()
+    failed = [(round(o.sent_s, 2), o.code) for o in outcomes if not o.ok]
+    print(f"{len(outcomes)} calls, {len(failed)} failed with the registry stopped")
+    assert not load.error, load.error
+    assert sum(o.sent_s > stopped_at for o in outcomes) >= 100
+    assert failed == [], failed[:10]
+
+
+def reaches(container: str, address: str) -> bool:
+    """Whether `container` opens a TCP connection to `address` (host:port, by name) within
+    2 s: perl is in every Debian base image, the Envoy image's included."""
+    probe = f"exit !IO::Socket::INET->new(PeerAddr => q({address}), Timeout => 2)"
+    done = subprocess.run(
+        ["docker", "exec", container, "perl", "-MIO::Socket::INET", "-e", probe],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    return done.returncode == 0
+
+
+def test_a_partition_between_the_zones_leaves_each_zone_serving_on_its_own(
+    compose_mesh: str,
+) -> None:
+    """Each zone's Envoy cut off from the other zone's network (`docker network disconnect`,
+    the only path between the zones in deploy/compose/dns.yml) under load, then joined
+    again: the cut is real (a zone's Envoy no longer reaches the other zone's model server,
+    and does again after), both zones go on answering from their own replicas, and no call
+    fails."""
+    from tests.waiting import wait_until
+
+    envoys = {zone: container_of(f"envoy-{zone}") for zone in ("zone-a", "zone-b")}
+    other = {"zone-a": "zone-b", "zone-b": "zone-a"}
+    model_port = {"zone-a": 50052, "zone-b": 50053}  # deploy/compose/mesh-dns.yaml, resolved
+
+    def across(zone: str) -> str:
+        return f"model-fraud-{other[zone]}-0:{model_port[other[zone]]}"
+
+    assert all(reaches(envoys[z], across(z)) for z in envoys)  # the check can fail below
+    with edge_load() as load:
+        cut_at = load.now_s()
+        for zone, envoy in envoys.items():
+            subprocess.run(["docker", "network", "disconnect", f"{PROJECT}_{other[zone]}",
+                            envoy], check=True, timeout=60)  # fmt: skip
+        try:
+            cut = {zone: not reaches(envoy, across(zone)) for zone, envoy in envoys.items()}
+            wait_until(lambda: sum(o.sent_s > cut_at for o in load.outcomes) >= 100,
+                       "100 calls across the partition", timeout_s=120)  # fmt: skip
+        finally:
+            for zone, envoy in envoys.items():
+                rejoin = ["docker", "network", "connect", "--alias", f"envoy-{zone}"]
+                subprocess.run([*rejoin, f"{PROJECT}_{other[zone]}", envoy], check=True, timeout=60)
+        healed_at = load.now_s()
+        wait_until(lambda: sum(o.ok and o.sent_s > healed_at for o in load.outcomes) >= 40,
+                   "answers after the heal", timeout_s=120)  # fmt: skip
+    outcomes = load.snapshot()
+    failed = [(round(o.sent_s, 2), o.code) for o in outcomes if not o.ok]
+    during = [o for o in outcomes if cut_at <= o.sent_s < healed_at]
+    served = sorted({o.zone for o in during if o.ok})
+    print(f"{len(outcomes)} calls ({len(during)} across the partition, answered from "
+          f"{served}), {len(failed)} failed: {failed[:10]}")  # fmt: skip
+    assert cut == {"zone-a": True, "zone-b": True}, cut
+    assert all(reaches(envoys[z], across(z)) for z in envoys)  # joined again
+    assert not load.error, load.error
+    assert len(during) >= 100 and served == ["zone-a", "zone-b"]
+    assert failed == [], failed[:10]
 
 
 def predict() -> subprocess.CompletedProcess[str]:
