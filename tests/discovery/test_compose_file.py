@@ -274,11 +274,13 @@ DNS_SPEC = REPO / "deploy" / "compose" / "mesh-dns.yaml"
 
 
 def test_in_the_dns_compose_file_each_zone_is_a_network_and_only_envoys_cross_zones() -> None:
-    """A zone's gateway, feature and model containers are on their zone's network and no
-    other zone's; the registry and Redis on `core` only; the edge on `front` and every
-    zone's network (it reaches each gateway), and the only one publishing a port; each
-    zone's Envoy on its zone's network, `core` (the registry) and the other zones' (its
-    failover path, which a partition cuts)."""
+    """A zone's gateway, feature and model containers are on their zone's network alone;
+    the registry, Redis (shared by the zones) on every zone's network; the seed on one;
+    the edge on `front` and every zone's network (it reaches each gateway), and the only
+    one publishing a port; each zone's Envoy on every zone's network (its own, and its
+    failover path, which a partition cuts). So once each zone's Envoy leaves the other
+    zones' networks, no container of one zone shares a network with another zone's
+    replicas."""
     spec = resolve(load_spec(DNS_SPEC))
     compose = ComposeFile.model_validate(yaml.safe_load(DNS_COMPOSE.read_text()))
 
@@ -287,17 +289,15 @@ def test_in_the_dns_compose_file_each_zone_is_a_network_and_only_envoys_cross_zo
         return set(found if isinstance(found, list) else found)
 
     zones = set(spec.zones)
-    assert set(compose.networks) == {"front", "core", *zones}
+    assert set(compose.networks) == {"front", *zones}
     for inst in spec.instances():
         if inst.service == "registry":
-            assert networks(inst.name) == {"core"}
-        elif inst.service == "gateway":
+            assert networks(inst.name) == zones
+        else:
             assert networks(inst.name) == {inst.zone}, inst.name
-        else:  # feature and model servers: their zone, and core (Redis, the registry)
-            assert networks(inst.name) == {inst.zone, "core"}, inst.name
-    assert networks("redis") == {"core"} and networks("seed") == {"core"}
+    assert networks("redis") == zones and len(networks("seed") & zones) == 1
     for zone in zones:
-        assert networks(proxy_part(zone)) == {*zones, "core"}, zone
+        assert networks(proxy_part(zone)) == zones, zone
     assert networks(proxy_part(EDGE_PROXY)) == {"front", *zones}
     published = [name for name, service in compose.services.items() if service.ports]
     assert published == [proxy_part(EDGE_PROXY)]
