@@ -3,8 +3,9 @@ no Consul, no Jaeger: Envoy resolves the compose service names), then drills und
 through the edge: a model server container crashing (its process SIGKILLed from the host:
 the engine starts it again, the other zone answers meanwhile, no call fails), a zone
 paused, a zone's Envoy crashing, the registry stopped, a partition between the zones'
-networks; a Predict through the edge over TLS with the operator command line, and `make
-compose-down` leaving no container, network or volume of the project behind.
+networks, a zone's containers CPU-throttled; a Predict through the edge over TLS with the
+operator command line, and `make compose-down` leaving no container, network or volume of
+the project behind.
 
 Marked `containers` (tests/conftest.py) and skipped without a Docker engine or
 docker-compose. Every wait is on health or readiness, with bounds generous enough for a
@@ -17,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import time
 from collections.abc import Iterator
@@ -268,6 +270,79 @@ def test_with_the_registry_container_stopped_serving_goes_on(compose_mesh: str) 
     assert not load.error, load.error
     assert sum(o.sent_s > stopped_at for o in outcomes) >= 100
     assert failed == [], failed[:10]
+
+
+def throttled_periods(container: str) -> int:
+    """How many CFS periods the container's cgroup was throttled in (cpu.stat's
+    nr_throttled), read on the host: cgroup v1 (cgroupfs or systemd) or v2."""
+    full = inspect(container)["Id"]
+    for pattern in (
+        f"/sys/fs/cgroup/cpu/docker/{full}/cpu.stat",
+        f"/sys/fs/cgroup/cpu,cpuacct/docker/{full}/cpu.stat",
+        f"/sys/fs/cgroup/cpu/system.slice/docker-{full}.scope/cpu.stat",
+        f"/sys/fs/cgroup/system.slice/docker-{full}.scope/cpu.stat",
+        f"/sys/fs/cgroup/docker/{full}/cpu.stat",
+    ):
+        path = Path(pattern)
+        if path.exists():
+            fields = dict(line.split() for line in path.read_text().splitlines())
+            return int(fields["nr_throttled"])
+    raise AssertionError(f"no cpu.stat found for container {full}")
+
+
+def test_a_zone_throttled_by_its_cgroups_is_served_around_and_loses_no_call(
+    compose_mesh: str,
+) -> None:
+    """A brownout: every container of zone-a limited to a twentieth of a core (`docker update
+    --cpus 0.05`) under load, then given the host's cores back. The throttle is real (the
+    cgroups count throttled periods); the edge's least-request balancing finds zone-a's
+    gateway slower (its calls stay in flight longer) and sends zone-b a larger share than
+    before; no call fails (nothing in the policy gives up on a slow answer within the
+    callers' deadline)."""
+    from tests.waiting import wait_until
+
+    zone_a = [container_of(service) for service in ZONE_A]
+    cores = str(os.cpu_count() or 1)
+    with edge_load() as load:
+        before_at = load.now_s()
+        wait_until(lambda: sum(o.ok and o.sent_s > before_at for o in load.outcomes) >= 150,
+                   "150 answers before the brownout", timeout_s=180)  # fmt: skip
+        throttled = {c: throttled_periods(c) for c in zone_a}
+        subprocess.run(["docker", "update", "--cpus", "0.05", *zone_a], check=True, timeout=60)
+        try:
+            slow_at = load.now_s()
+            wait_until(lambda: sum(o.sent_s > slow_at for o in load.outcomes) >= 250,
+                       "250 calls in the brownout", timeout_s=240)  # fmt: skip
+            ended_at = load.now_s()
+            grew = {c: throttled_periods(c) - n for c, n in throttled.items()}
+        finally:
+            subprocess.run(["docker", "update", "--cpus", cores, *zone_a], check=True, timeout=60)
+        wait_until(lambda: sum(o.ok and o.sent_s > ended_at for o in load.outcomes) >= 40,
+                   "answers after the brownout", timeout_s=120)  # fmt: skip
+    outcomes = load.snapshot()
+    failed = [(round(o.sent_s, 2), o.code) for o in outcomes if not o.ok]
+
+    def zone_b_share(first: float, last: float) -> float:
+        window = [o for o in outcomes if o.ok and first <= o.sent_s < last]
+        return sum(o.zone == "zone-b" for o in window) / max(1, len(window))
+
+    before, during = zone_b_share(before_at, slow_at), zone_b_share(slow_at, ended_at)
+    print(f"{len(outcomes)} calls, {len(failed)} failed: {failed[:10]}; zone-b's share "
+          f"{before:.0%} before, {during:.0%} in the brownout; throttled {grew}")  # fmt: skip
+    assert not load.error, load.error
+    assert max(grew.values()) > 0, grew  # the limit bit
+    assert failed == [], failed[:10]
+    assert during > before, (before, during)
+    # And the callers feel it where zone-a still answers: its median answer is slower (a
+    # zone-a the edge no longer sends to at all has been served around completely).
+    zone_a_ms = [
+        [o.latency_ms for o in outcomes if o.ok and o.zone == "zone-a" and first <= o.sent_s < last]
+        for first, last in ((before_at, slow_at), (slow_at, ended_at))
+    ]
+    if len(zone_a_ms[1]) >= 10:
+        assert statistics.median(zone_a_ms[1]) > statistics.median(zone_a_ms[0]), zone_a_ms
+    else:
+        assert during > 0.9, (before, during)
 
 
 def reaches(container: str, address: str) -> bool:
