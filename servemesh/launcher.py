@@ -108,7 +108,7 @@ SERVICE_MODULES = {
 }
 # The mesh's own Python services, forked from one interpreter that imported these modules
 # beforehand (spec `processes.fork_server`; servemesh.procs.forkserver): python -m module ->
-# what its entry imports. Model servers are not here: each is exec'd, as its own user.
+# what its entry imports. Model servers are not here: they run as their pool's user (below).
 FORKED_MODULES: dict[str, tuple[str, ...]] = {
     "servemesh.registry": ("servemesh.registry.app", "servemesh.services.runtime.entry"),
     "servemesh.services.gateway": (
@@ -126,6 +126,15 @@ FORKED_MODULES: dict[str, tuple[str, ...]] = {
         "servemesh.proxy.admin",
         "servemesh.proxy.apply",
         "prometheus_client",
+    ),
+}
+# Model servers run as their pool's user: when they do, each pool's user gets a fork server
+# of its own, running as that user, that imports torch and the model server once for the
+# pool's replicas (spec `processes.fork_server`; servemesh.procs.spawn `forked_as`).
+FORKED_AS_POOL_USER: dict[str, tuple[str, ...]] = {
+    "servemesh.services.model": (
+        "servemesh.services.model.app",
+        "servemesh.services.runtime.entry",
     ),
 }
 # Stop order, a tier of groups at a time: the reverse of the start order, so Envoy stops
@@ -237,6 +246,7 @@ class Mesh:
             grace_s=self.grace_s,
             thread_name="mesh-spawner",
             forked=FORKED_MODULES if self.spec.processes.fork_server else None,
+            forked_as=FORKED_AS_POOL_USER if self.spec.processes.fork_server else None,
         )
         self._restarts = Restarts(self._restart_policy)
 

@@ -22,9 +22,36 @@ Errors: `ProcessError` (no such child, still running, not running) and its subcl
 
 from __future__ import annotations
 
-from servemesh.procs.ready import All, Check, GrpcHealth, Readiness, RedisPing, TcpPort
-from servemesh.procs.redis_server import RedisServer, ensure_redis_password, redis_server_binary
-from servemesh.procs.supervisor import Child, ProcessError, StartError, Supervisor
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from servemesh.procs.ready import All, Check, GrpcHealth, Readiness, RedisPing, TcpPort
+    from servemesh.procs.redis_server import (
+        RedisServer,
+        ensure_redis_password,
+        redis_server_binary,
+    )
+    from servemesh.procs.supervisor import Child, ProcessError, StartError, Supervisor
+
+# Imported when first asked for (PEP 562): the fork server (servemesh.procs.forkserver)
+# runs inside this package and, running as a model pool's user, must not import what the
+# supervisor or Redis need (redis-py, gRPC's health stubs) before it forks.
+_FROM = {
+    "All": "ready",
+    "Check": "ready",
+    "GrpcHealth": "ready",
+    "Readiness": "ready",
+    "RedisPing": "ready",
+    "TcpPort": "ready",
+    "RedisServer": "redis_server",
+    "ensure_redis_password": "redis_server",
+    "redis_server_binary": "redis_server",
+    "Child": "supervisor",
+    "ProcessError": "supervisor",
+    "StartError": "supervisor",
+    "Supervisor": "supervisor",
+}
 
 __all__ = [
     "All",
@@ -41,3 +68,12 @@ __all__ = [
     "ensure_redis_password",
     "redis_server_binary",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _FROM.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -95,7 +95,10 @@ class Spawner:
 
     `forked`: the `python -m` modules started through a fork server instead (module -> the
     modules it imports first), when they run as this user; the server starts with the
-    first of them and stays until close(). Where it cannot start, they are exec'd.
+    first of them (or at prepare()) and stays until close(). `forked_as`: the same for
+    modules started as another user (a RunAs): one fork server per such user, running as
+    that user, so that what it forks never shares memory with another user's processes.
+    Where a server cannot start, its modules are exec'd.
     """
 
     def __init__(
@@ -103,19 +106,25 @@ class Spawner:
         thread_name: str = "spawner",
         *,
         forked: Mapping[str, Sequence[str]] | None = None,
+        forked_as: Mapping[str, Sequence[str]] | None = None,
         logs_dir: Path | None = None,
     ) -> None:
         self._thread_name = thread_name
         self._pool: ThreadPoolExecutor | None = None
         self._forked = dict(forked or {})
+        self._forked_as = dict(forked_as or {})
         self._logs_dir = logs_dir
-        self._server: ForkServer | None = None
-        self._server_failed = False
+        # By the user they run as (None: this process's own).
+        self._servers: dict[RunAs | None, ForkServer] = {}
+        self._failed: set[RunAs | None] = set()
 
     def spawn(self, launch: Launch) -> Process:
+        return self._thread().submit(self._start, launch).result()
+
+    def _thread(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
-        return self._pool.submit(self._start, launch).result()
+        return self._pool
 
     def _start(self, launch: Launch) -> Process:
         server = self._fork_server(launch)
@@ -127,57 +136,65 @@ class Spawner:
         ))  # fmt: skip
 
     def prepare(self) -> None:
-        """Start the fork server now, without waiting for its imports, so that they overlap
-        with whatever the owner does before its first service starts. Nothing when there
-        is none to start."""
-        if self._forked and self._server is None and not self._server_failed:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
-            self._pool.submit(self._launch_server).result()
+        """Start this user's fork server now, without waiting for its imports, so that
+        they overlap with whatever the owner does before its first service starts. Nothing
+        when there is none to start."""
+        if self._forked:
+            self._thread().submit(self._launch_server, None).result()
 
-    def _launch_server(self) -> None:
-        if self._server is not None or self._server_failed:
-            return
+    def _modules(self, user: RunAs | None) -> dict[str, Sequence[str]]:
+        return self._forked if user is None else self._forked_as
+
+    def _launch_server(self, user: RunAs | None) -> ForkServer | None:
+        """`user`'s fork server, its process started now if need be; None once it failed."""
+        if user in self._failed:
+            return None
+        if user in self._servers:
+            return self._servers[user]
+        name = "forkserver.log" if user is None else f"forkserver-{user.uid}.log"
         server = ForkServer(
-            self._forked,
-            None if self._logs_dir is None else self._logs_dir / "forkserver.log",
+            self._modules(user),
+            None if self._logs_dir is None else self._logs_dir / name,
+            # Another user's server: no process of that user (a model server) may read or
+            # write its memory, nor that of the children it forks.
+            undumpable=user is not None,
         )
         try:
-            server.launch(with_death_signal([], signal.SIGKILL))
-        except OSError as exc:
-            self._no_server(exc)
-            return
-        self._server = server
+            server.launch(with_death_signal([], signal.SIGKILL, user))
+        except (OSError, SandboxError) as exc:
+            self._no_server(user, exc)
+            return None
+        self._servers[user] = server
+        return server
 
-    def _no_server(self, why: Exception) -> None:
-        log.warning("no fork server, services are exec'd: %s", why)
-        self._server_failed = True
-        self._server = None
+    def _no_server(self, user: RunAs | None, why: Exception) -> None:
+        whose = "" if user is None else f" (uid {user.uid})"
+        log.warning("no fork server%s, its services are exec'd: %s", whose, why)
+        self._failed.add(user)
+        self._servers.pop(user, None)
 
     def _fork_server(self, launch: Launch) -> ForkServer | None:
-        """The fork server, ready, when `launch` is one of its modules and runs as this user
-        (started now if need be, in the forking thread); else None: exec it."""
-        if launch.run_as is not None or not self._forked:
+        """The fork server of the user `launch` runs as, ready, when `launch` is one of its
+        modules (started now if need be, in the forking thread); else None: exec it."""
+        if not forkable(launch.argv, self._modules(launch.run_as)):
             return None
-        if not forkable(launch.argv, self._forked):
-            return None
-        self._launch_server()
-        if self._server is None:
+        server = self._launch_server(launch.run_as)
+        if server is None:
             return None
         try:
-            self._server.wait_ready()
+            server.wait_ready()
         except ForkServerError as exc:
-            self._no_server(exc)
+            self._no_server(launch.run_as, exc)
             return None
-        return self._server
+        return server
 
     def close(self) -> None:
-        """End the forking thread (and the fork server); call only once its children are
-        stopped."""
+        """End the forking thread (and the fork servers); call only once their children
+        are stopped."""
         if self._pool is not None:
-            if self._server is not None:
-                self._pool.submit(self._server.close).result()
-                self._server = None
+            for server in self._servers.values():
+                self._pool.submit(server.close).result()
+            self._servers.clear()
             self._pool.shutdown()
             self._pool = None
 

@@ -93,14 +93,16 @@ class Supervisor:
         death_signal: signal.Signals = signal.SIGTERM,
         thread_name: str = "spawner",
         forked: Mapping[str, Sequence[str]] | None = None,
+        forked_as: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         # Each child logs to <logs_dir>/<name>.log; without logs_dir, output is discarded.
         self.logs_dir = logs_dir
         self.cwd = cwd
         self.grace_s = grace_s
         self.death_signal = death_signal
-        # `forked`: python -m modules forked from a fork server (servemesh.procs.spawn).
-        self._spawner = Spawner(thread_name, forked=forked, logs_dir=logs_dir)
+        # `forked`, `forked_as`: python -m modules forked from a fork server, as this user
+        # or as the user they run as (servemesh.procs.spawn).
+        self._spawner = Spawner(thread_name, forked=forked, forked_as=forked_as, logs_dir=logs_dir)
         self._children: dict[str, Child] = {}
         self._lock = threading.Lock()
 

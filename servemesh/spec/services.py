@@ -132,6 +132,7 @@ class ProcessesSpec(_Strict):
 
     # true: the registry, gateway, feature, trace-store and scaler processes are forked from
     # one interpreter that has imported them already (servemesh.procs.forkserver), about a
-    # second of CPU less for each at every start and restart; model servers, and anything in
-    # a zone's network namespace, are always exec'd. false: every process is exec'd.
+    # second of CPU less for each at every start and restart; model servers running as their
+    # pool's user are forked from a server of that user's own; anything in a zone's network
+    # namespace is exec'd. false: every process is exec'd.
     fork_server: bool = True

@@ -68,6 +68,14 @@ def _environ(pid: int) -> bytes:
     return Path(f"/proc/{pid}/environ").read_bytes()
 
 
+def _given(mesh: Mesh, name: str) -> bytes:
+    """The environment `name` was started with, as the launcher gave it: a service forked
+    from a fork server shows that server's first environment in /proc/<pid>/environ (and
+    its title overwrites it), so /proc does not tell what a forked process holds."""
+    env = {**os.environ, **mesh.supervisor.child(name).launch.env}
+    return b"\0".join(f"{key}={value}".encode() for key, value in env.items())
+
+
 def test_every_path_of_the_state_dir_is_private_but_what_model_servers_read(
     isolated: Mesh,
 ) -> None:
@@ -181,13 +189,14 @@ def test_no_service_holds_the_control_token_and_the_gateway_not_even_its_digest(
             "feature",
             "gateway",
         }:
-            seen = _environ(pid) + Path(f"/proc/{pid}/cmdline").read_bytes()
-            assert token.encode() not in seen, name
-    for pid in isolated.pids_of("gateway").values():
-        assert CONTROL_VERIFIER_ENV.encode() not in _environ(pid)
-        assert token_digest(token).encode() not in _environ(pid)
-    for pid in _model_servers(isolated).values():
-        assert f"{CONTROL_VERIFIER_ENV}={token_digest(token)}".encode() in _environ(pid)
+            seen = _environ(pid) + _given(isolated, name)
+            assert token.encode() not in seen + Path(f"/proc/{pid}/cmdline").read_bytes(), name
+    for name, pid in isolated.pids_of("gateway").items():
+        for seen in (_environ(pid), _given(isolated, name)):
+            assert CONTROL_VERIFIER_ENV.encode() not in seen
+            assert token_digest(token).encode() not in seen
+    for name in _model_servers(isolated):
+        assert f"{CONTROL_VERIFIER_ENV}={token_digest(token)}".encode() in _given(isolated, name)
 
 
 def test_what_a_model_server_holds_opens_no_control_method(isolated: Mesh) -> None:

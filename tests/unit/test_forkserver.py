@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -194,3 +195,35 @@ def test_forked_children_die_with_their_owner_even_when_it_is_killed(tmp_path: P
         outer.kill("owner", signal.SIGKILL)
         assert wait_for(lambda: gone(server)), "the fork server outlived its owner"
         assert wait_for(lambda: gone(child)), "the forked child outlived its owner"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a child as another user needs root")
+def test_another_users_children_come_from_a_server_of_that_user_that_no_one_can_read(
+    tmp_path: Path,
+) -> None:
+    from servemesh.procs.sandbox import OFFLINE_GID, OFFLINE_UID, RunAs
+
+    user = RunAs(uid=OFFLINE_UID, gid=OFFLINE_GID)
+    # A folder that user may write its report in (the test's own tmp_path is root's 0700).
+    shared = Path(tempfile.mkdtemp(prefix="forkserver-as-", dir="/tmp"))
+    shared.chmod(0o777)
+    try:
+        with Supervisor(tmp_path / "logs", forked_as=FORKED) as sup:
+            first = start(sup, "one", shared / "one.json", run_as=user)
+            second = start(sup, "two", shared / "two.json", run_as=user)
+            server = parent_of(first)
+            assert server == parent_of(second) != os.getpid()
+            for pid in (server, first, second):
+                status = Path(f"/proc/{pid}/status").read_text()
+                uids = next(line for line in status.splitlines() if line.startswith("Uid:"))
+                assert uids.split()[1:] == [str(OFFLINE_UID)] * 4, (pid, uids)
+                # Not dumpable: its /proc files are root's, so no process of that user (a
+                # model server of the same pool) reads or writes its memory.
+                assert os.stat(f"/proc/{pid}/mem").st_uid == 0, pid
+            assert json.loads((shared / "one.json").read_text())["preloaded"] is True
+            # Its own server, not this user's: what this process runs is exec'd.
+            mine = start(sup, "mine", shared / "mine.json")
+            assert parent_of(mine) == os.getpid()
+        assert gone(server) and gone(first) and gone(second)
+    finally:
+        shutil.rmtree(shared)

@@ -141,10 +141,19 @@ class ForkServer:
     follows that thread); close it only once its children are stopped.
     """
 
-    def __init__(self, allowed: Mapping[str, Sequence[str]], log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        allowed: Mapping[str, Sequence[str]],
+        log_path: Path | None = None,
+        *,
+        undumpable: bool = False,
+    ) -> None:
         # module it may run -> the modules to import for it beforehand
         self.allowed = dict(allowed)
         self.log_path = log_path
+        # Not dumpable (PR_SET_DUMPABLE 0, which its forks keep): no process of its user
+        # reads or writes its memory through /proc or ptrace.
+        self.undumpable = undumpable
         self._process: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._children: dict[int, ForkedProcess] = {}
@@ -174,6 +183,8 @@ class ForkServer:
             argv += ["--allow", module]
         for module in dict.fromkeys(m for mods in self.allowed.values() for m in mods):
             argv += ["--preload", module]
+        if self.undumpable:
+            argv.append("--undumpable")
         out: int = subprocess.DEVNULL
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -22,6 +22,8 @@ from pathlib import Path
 from servemesh.procs.forkserver.wire import MAX_MESSAGE, send
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_DUMPABLE = 4
+_PR_SET_NAME = 15
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--socket-fd", type=int, required=True)
     parser.add_argument("--allow", action="append", default=[], help="a module it may run")
     parser.add_argument("--preload", action="append", default=[], help="a module to import")
+    parser.add_argument("--undumpable", action="store_true", help="PR_SET_DUMPABLE 0 first")
     args = parser.parse_args(argv)
+    if args.undumpable:
+        _set_dumpable(False)
     sock = socket.socket(fileno=args.socket_fd)
     for name in args.preload:
         importlib.import_module(name)
@@ -112,6 +117,12 @@ def _serve(sock: socket.socket, allowed: frozenset[str]) -> Job | None:
         send(sock, {"pid": pid})
 
 
+def _set_dumpable(dumpable: bool) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_DUMPABLE, int(dumpable), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
+
+
 def _watch_parent(sig: int, server_pid: int) -> None:
     """The child gets `sig` when the server dies (and the server dies with its owner)."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -154,7 +165,9 @@ def _become(job: Job) -> None:
     # `ps` and /proc/<pid>/cmdline show the service, not the server it was forked from; the
     # short name (/proc/<pid>/comm) stays the interpreter's, as for an exec'd service.
     setproctitle.setproctitle(job.title)
-    Path("/proc/self/comm").write_text(Path(sys.executable).name[:15])
+    # prctl, not /proc/self/comm: an undumpable process's /proc files are root's.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_NAME, Path(sys.executable).name[:15].encode(), 0, 0, 0)
 
 
 def _report_exits(sock: socket.socket) -> None:
