@@ -16,7 +16,7 @@ arm alike):
   CPU (user + system) every process below this one has used by then (the fork server's
   imports included);
 - memory: the resident set (VmRSS) of every process the mesh started, summed by kind
-  (every Envoy counts as `envoy`), once Predicts are answered and the mesh has sat idle a
+  (every Envoy counts as `envoy`, the fork servers as `forkserver`), once Predicts are answered and the mesh has sat idle a
   moment;
 - idle CPU: user + system CPU of those processes over `idle_s` with no traffic, in ms/s;
 - Predict through the edge at c=1 (p50) and at c=`concurrency` (req/s), `seconds` each.
@@ -93,7 +93,13 @@ def _kind(spec: ResolvedSpec, name: str) -> str:
 
 
 def _by_kind(mesh: Mesh, read: Callable[[int], float | None]) -> dict[str, float]:
-    return sum_by_kind(mesh, read, _kind)
+    """By kind, the fork servers (which the mesh does not name) counted as `forkserver`."""
+    found = sum_by_kind(mesh, read, _kind)
+    for pid in mesh.supervisor.fork_server_pids().values():
+        value = read(pid)
+        if value is not None:
+            found["forkserver"] = found.get("forkserver", 0.0) + value
+    return found
 
 
 def _rss_mib(pid: int) -> float | None:

@@ -188,6 +188,15 @@ class Spawner:
             return None
         return server
 
+    def server_pids(self) -> dict[str, int]:
+        """The running fork servers' PIDs, by the name of their log ("forkserver", or
+        "forkserver-<uid>" for another user's)."""
+        return {
+            "forkserver" if user is None else f"forkserver-{user.uid}": server.pid
+            for user, server in self._servers.items()
+            if server.pid is not None
+        }
+
     def close(self) -> None:
         """End the forking thread (and the fork servers); call only once their children
         are stopped."""

@@ -178,6 +178,10 @@ class Supervisor:
             self.wait_ready([name], time.monotonic() + timeout_s)
         return child
 
+    def fork_server_pids(self) -> dict[str, int]:
+        """The fork servers this supervisor runs (not children it names), by log name."""
+        return self._spawner.server_pids()
+
     def prepare_fork_server(self) -> None:
         """Start the fork server's imports now (when there is one to start), so that they
         overlap with the owner's other work before its first forked service."""

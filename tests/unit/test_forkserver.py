@@ -144,6 +144,7 @@ def test_a_server_prepared_early_is_the_one_children_are_forked_from(tmp_path: P
             if b"servemesh.procs.forkserver" in _cmdline(pid)
         ]
         assert len(servers) == 1  # running before any service asked for it
+        assert sup.fork_server_pids() == {"forkserver": servers[0]}
         first = start(sup, "one", tmp_path / "one.json")
         second = start(sup, "two", tmp_path / "two.json")
         assert parent_of(first) == parent_of(second) == servers[0]
@@ -213,6 +214,7 @@ def test_another_users_children_come_from_a_server_of_that_user_that_no_one_can_
             second = start(sup, "two", shared / "two.json", run_as=user)
             server = parent_of(first)
             assert server == parent_of(second) != os.getpid()
+            assert sup.fork_server_pids() == {f"forkserver-{OFFLINE_UID}": server}
             for pid in (server, first, second):
                 status = Path(f"/proc/{pid}/status").read_text()
                 uids = next(line for line in status.splitlines() if line.startswith("Uid:"))

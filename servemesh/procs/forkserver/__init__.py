@@ -163,6 +163,11 @@ class ForkServer:
         # The request being answered (one at a time): its argv and death signal.
         self._inflight: tuple[list[str], int] = ([], int(signal.SIGTERM))
 
+    @property
+    def pid(self) -> int | None:
+        """The server's PID while it runs."""
+        return None if self._process is None else self._process.pid
+
     def runs(self, argv: Sequence[str]) -> bool:
         """Whether `argv` is `python -m <a module this server runs> ...`."""
         return forkable(argv, self.allowed)
