@@ -16,8 +16,8 @@ arm alike):
   CPU (user + system) every process below this one has used by then (the fork server's
   imports included);
 - memory: the resident set (VmRSS) of every process the mesh started, summed by kind
-  (every Envoy counts as `envoy`, the fork servers as `forkserver`), once Predicts are answered and the mesh has sat idle a
-  moment;
+  (every Envoy counts as `envoy`, the fork servers as `forkserver`), once Predicts are
+  answered and the mesh has sat idle a moment;
 - idle CPU: user + system CPU of those processes over `idle_s` with no traffic, in ms/s;
 - Predict through the edge at c=1 (p50) and at c=`concurrency` (req/s), `seconds` each.
 
