@@ -17,6 +17,7 @@ import pytest
 from servemesh.batch.checkpoint import RunDir
 from servemesh.batch.errors import BatchError
 from servemesh.batch.job import ScoreJob, run_score
+from servemesh.observe.cpu import descendants
 from tests.batch.conftest import DEFAULT_SIGINT, BatchMesh, StartBatchMesh
 from tests.batch.test_resume import checkpoint_of
 from tests.batch.test_score import reference_scores
@@ -25,26 +26,6 @@ pytest.importorskip("distributed")
 
 N = 2000
 CHUNK = 50
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below `pid` (children, theirs, ...), from /proc."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # pid (comm) state ppid ...: comm may hold spaces and parentheses.
-        parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
 
 
 def alive(pid: int) -> bool:
@@ -89,7 +70,7 @@ async def watch_run(
             break
         lines.append(line)
         if line.startswith("scored "):
-            now = descendants(proc.pid)
+            now = set(descendants(proc.pid))
             seen |= now
             workers |= {pid for pid in now if is_dask_worker(pid)}
         if stop_after is not None and line.startswith(f"scored {stop_after * CHUNK:,}/"):

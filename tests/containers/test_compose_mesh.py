@@ -30,6 +30,7 @@ import pytest
 
 if TYPE_CHECKING:
     from servemesh.load import BackgroundLoad
+    from servemesh.load.outcome import Outcome
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = os.environ.get("IMAGE_TAG", "dev")
@@ -138,6 +139,22 @@ def edge_load() -> Iterator[BackgroundLoad]:
         load.stop()
 
 
+def answers_after(
+    load: BackgroundLoad, since_s: float, what: str, count: int = 40, timeout_s: float = 120
+) -> None:
+    """Wait until `count` calls sent after `since_s` (the load's clock) have answered."""
+    from tests.waiting import wait_until
+
+    wait_until(lambda: sum(o.ok and o.sent_s > since_s for o in load.outcomes) >= count,
+               what, timeout_s=timeout_s)  # fmt: skip
+
+
+def failures(load: BackgroundLoad) -> tuple[list[Outcome], list[tuple[float, str]]]:
+    """Every outcome of the load, and the failed ones as (sent at, code)."""
+    outcomes = load.snapshot()
+    return outcomes, [(round(o.sent_s, 2), o.code) for o in outcomes if not o.ok]
+
+
 def test_a_model_server_container_that_crashes_is_started_again_and_no_call_fails(
     compose_mesh: str,
 ) -> None:
@@ -156,8 +173,7 @@ def test_a_model_server_container_that_crashes_is_started_again_and_no_call_fail
         back_s = load.now_s() - crashed_at
         wait_until(lambda: sum(o.ok and o.sent_s > load.now_s() - 1 for o in load.outcomes) > 5,
                    "answers after the restart", timeout_s=60)  # fmt: skip
-    outcomes = load.snapshot()
-    failed = [(round(o.sent_s, 2), o.code) for o in outcomes if not o.ok]
+    outcomes, failed = failures(load)
     print(f"{len(outcomes)} calls, {len(failed)} failed; healthy again {back_s:.1f} s after")
     assert not load.error, load.error
     assert failed == [], failed[:10]
@@ -190,10 +206,8 @@ def test_a_zone_whose_containers_are_all_paused_loses_only_the_calls_it_froze(
         finally:
             subprocess.run(["docker", "unpause", *zone_a], check=True, timeout=60)
         thawed_at = load.now_s()
-        wait_until(lambda: sum(o.ok and o.sent_s > thawed_at for o in load.outcomes) >= 40,
-                   "answers after the thaw", timeout_s=120)  # fmt: skip
-    outcomes = load.snapshot()
-    failed = [(round(o.sent_s, 2), o.code) for o in outcomes if not o.ok]
+        answers_after(load, thawed_at, "answers after the thaw")
+    outcomes, failed = failures(load)
     during = [o for o in outcomes if pausing_at <= o.sent_s < thawed_at]
     print(
         f"{len(outcomes)} calls ({len(during)} while paused), {len(failed)} failed: {failed}; "
@@ -232,10 +246,8 @@ def test_a_zone_envoy_container_that_crashes_costs_its_zone_seconds_and_is_start
         wait_until(lambda: healthy_again(victim, restarts), "zone-a's Envoy healthy again",
                    timeout_s=300)  # fmt: skip
         back_at = load.now_s()
-        wait_until(lambda: sum(o.ok and o.sent_s > back_at for o in load.outcomes) >= 40,
-                   "answers after the Envoy's return", timeout_s=120)  # fmt: skip
-    outcomes = load.snapshot()
-    failed = [(round(o.sent_s, 2), o.code) for o in outcomes if not o.ok]
+        answers_after(load, back_at, "answers after the Envoy's return")
+    outcomes, failed = failures(load)
     print(f"{len(outcomes)} calls, {len(failed)} failed: {failed[:10]}; healthy again "
           f"{back_at - crashed_at:.1f} s after the kill")  # fmt: skip
     assert not load.error, load.error
@@ -264,8 +276,7 @@ def test_with_the_registry_container_stopped_serving_goes_on(compose_mesh: str) 
             subprocess.run(["docker", "start", registry], check=True, timeout=120)
         wait_until(lambda: (inspect(registry)["State"].get("Health") or {}).get("Status")
                    == "healthy", "the registry healthy again", timeout_s=300)  # fmt: skip
-    outcomes = load.snapshot()
-    failed = [(round(o.sent_s, 2), o.code) for o in outcomes if not o.ok]
+    outcomes, failed = failures(load)
     print(f"{len(outcomes)} calls, {len(failed)} failed with the registry stopped")
     assert not load.error, load.error
     assert sum(o.sent_s > stopped_at for o in outcomes) >= 100
@@ -305,8 +316,7 @@ def test_a_zone_throttled_by_its_cgroups_is_served_around_and_loses_no_call(
     cores = str(os.cpu_count() or 1)
     with edge_load() as load:
         before_at = load.now_s()
-        wait_until(lambda: sum(o.ok and o.sent_s > before_at for o in load.outcomes) >= 150,
-                   "150 answers before the brownout", timeout_s=180)  # fmt: skip
+        answers_after(load, before_at, "150 answers before the brownout", 150, timeout_s=180)
         throttled = {c: throttled_periods(c) for c in zone_a}
         subprocess.run(["docker", "update", "--cpus", "0.05", *zone_a], check=True, timeout=60)
         try:
@@ -317,10 +327,8 @@ def test_a_zone_throttled_by_its_cgroups_is_served_around_and_loses_no_call(
             grew = {c: throttled_periods(c) - n for c, n in throttled.items()}
         finally:
             subprocess.run(["docker", "update", "--cpus", cores, *zone_a], check=True, timeout=60)
-        wait_until(lambda: sum(o.ok and o.sent_s > ended_at for o in load.outcomes) >= 40,
-                   "answers after the brownout", timeout_s=120)  # fmt: skip
-    outcomes = load.snapshot()
-    failed = [(round(o.sent_s, 2), o.code) for o in outcomes if not o.ok]
+        answers_after(load, ended_at, "answers after the brownout")
+    outcomes, failed = failures(load)
 
     def zone_b_share(first: float, last: float) -> float:
         window = [o for o in outcomes if o.ok and first <= o.sent_s < last]
@@ -388,10 +396,8 @@ def test_a_partition_between_the_zones_leaves_each_zone_serving_on_its_own(
                 rejoin = ["docker", "network", "connect", "--alias", f"envoy-{zone}"]
                 subprocess.run([*rejoin, f"{PROJECT}_{other[zone]}", envoy], check=True, timeout=60)
         healed_at = load.now_s()
-        wait_until(lambda: sum(o.ok and o.sent_s > healed_at for o in load.outcomes) >= 40,
-                   "answers after the heal", timeout_s=120)  # fmt: skip
-    outcomes = load.snapshot()
-    failed = [(round(o.sent_s, 2), o.code) for o in outcomes if not o.ok]
+        answers_after(load, healed_at, "answers after the heal")
+    outcomes, failed = failures(load)
     during = [o for o in outcomes if cut_at <= o.sent_s < healed_at]
     served = sorted({o.zone for o in during if o.ok})
     print(f"{len(outcomes)} calls ({len(during)} across the partition, answered from "

@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from servemesh.launcher import Mesh
+from servemesh.observe.cpu import descendants
 from servemesh.spec import DemoSpec, MeshSpec, MetricsSpec, Ports, Replicas, StreamSpec
 from servemesh.streams.events import Event
 from servemesh.streams.keys import StreamKeys
@@ -130,26 +131,6 @@ def test_stream_status_prints_lag_and_throughput(mesh: Mesh) -> None:
     assert set(found) == {"events", "local"}
     assert found["events"]["stats"]["consumer"] == "events-0"
     assert found["events"]["lag"]["pending"] == 0
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, read from /proc."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rpartition(")")[2].split()[1])
-        parents.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def test_the_in_process_consumer_runs_the_model_in_a_sandboxed_child(mesh: Mesh) -> None:

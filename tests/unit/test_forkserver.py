@@ -12,8 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,19 +20,11 @@ import pytest
 from servemesh.observe.cpu import descendants
 from servemesh.procs import Check, Supervisor
 from servemesh.procs.forkserver import ForkServer, ForkServerError
+from tests.waiting import wait_until
 
 PY = sys.executable
 TARGET = "tests.unit.forked_child"
 FORKED = {TARGET: ("servemesh.spec",)}
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def parent_of(pid: int) -> int:
@@ -83,7 +74,7 @@ def test_a_forked_child_is_the_process_its_argv_describes(
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     assert f"-m {TARGET} {report}" in cmdline  # what ps shows: the service, not the server
     assert Path(f"/proc/{pid}/comm").read_text().startswith("python")
-    assert wait_for(lambda: "up" in (tmp_path / "logs" / "svc.log").read_text())
+    wait_until(lambda: "up" in (tmp_path / "logs" / "svc.log").read_text(), "the child's log")
     assert supervisor.stop("svc") == 0  # it handled SIGTERM
     assert gone(pid)
 
@@ -166,9 +157,9 @@ def test_children_go_with_the_server(supervisor: Supervisor, tmp_path: Path) -> 
     pid = start(supervisor, "svc", tmp_path / "svc.json")
     server = parent_of(pid)
     os.kill(server, signal.SIGKILL)
-    assert wait_for(lambda: gone(pid)), "the child outlived its fork server"
+    wait_until(lambda: gone(pid), "the child gone with its fork server")
     child = supervisor.child("svc")
-    assert wait_for(lambda: child.returncode is not None)
+    wait_until(lambda: child.returncode is not None, "its exit known")
     assert child.returncode == -signal.SIGTERM  # its death signal, as far as we can know
 
 
@@ -189,13 +180,13 @@ def test_forked_children_die_with_their_owner_even_when_it_is_killed(tmp_path: P
         owner = outer.start("owner", [PY, "-c", owner_code, str(tmp_path / "inner"),
                                       str(tmp_path / "r.json")])  # fmt: skip
         log = tmp_path / "outer" / "owner.log"
-        assert wait_for(lambda: log.read_text().strip().isdigit(), 60), log.read_text()
+        wait_until(lambda: log.read_text().strip().isdigit(), "the owner's child PID", timeout_s=60)
         child = int(log.read_text().strip())
         server = parent_of(child)
         assert server != owner.pid and parent_of(server) == owner.pid
         outer.kill("owner", signal.SIGKILL)
-        assert wait_for(lambda: gone(server)), "the fork server outlived its owner"
-        assert wait_for(lambda: gone(child)), "the forked child outlived its owner"
+        wait_until(lambda: gone(server), "the fork server gone with its owner")
+        wait_until(lambda: gone(child), "the forked child gone with its owner")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="running a child as another user needs root")
