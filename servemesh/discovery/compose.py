@@ -21,6 +21,11 @@ parts it needs (its own certificate, the CA, the control token). Here:
                                 endpoint files (eds/), written by the control plane
     state/xds-<zone>/           the same for each zone's Envoy (per-zone layout)
     state/registry/, state/predictions/   the registry's store and the prediction log
+    state/mesh.resolved.yaml, state/envoys-mount, state/admin/
+                                what live route changes from the host need: the spec they
+                                start from, where the Envoys mount the state dir, and
+                                the folder of the Envoys' admin sockets (mounted into each)
+    state/routes-history.jsonl  those changes, as on one machine
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import tempfile
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,8 +46,8 @@ from servemesh.identity import issue_mesh_certificates, mesh_identity
 from servemesh.identity.enroll import edge_names
 from servemesh.procs.prometheus import SERVICES_TARGETS, render_config, service_targets
 from servemesh.procs.redis_server import DISABLED_COMMANDS
-from servemesh.proxy.admin import admin_socket_path
-from servemesh.proxy.process import validate_config
+from servemesh.proxy.admin import admin_dir, admin_socket_path
+from servemesh.proxy.process import validate_mounted
 from servemesh.proxy.render import (
     dynamic_bootstrap,
     render_proxies,
@@ -157,16 +161,23 @@ def _envoy(spec: ResolvedSpec, out: Path, state: Path) -> None:
         assignments = {**resources.load_assignments, **empty}
         with_empty = replace(resources, load_assignments=assignments)
         static = static_bootstrap(spec, with_empty, logs, proxy)
-        with tempfile.TemporaryDirectory() as scratch:
-            # The admin socket (the admin API, and the stats listener's cluster to it) where
-            # its path is short enough for a Unix socket (108 bytes): the rendered folder
-            # may lie deep. Every other path: the files rendered here.
-            text = dump_yaml(static).replace(
-                str(admin_socket_path(CONTAINER_STATE, proxy)), str(Path(scratch) / "admin.sock")
-            )
-            check = Path(scratch) / "envoy.static.yaml"
-            check.write_text(text.replace(str(CONTAINER_STATE), str(state)))
-            validate_config(check)
+        validate_mounted(
+            dump_yaml(static), CONTAINER_STATE, state, [admin_socket_path(CONTAINER_STATE, proxy)]
+        )
+
+
+def _live_changes(spec: ResolvedSpec, state: Path) -> None:
+    """What `servemesh routes`, `apply` and `rollback` need to change the compose mesh's
+    routing live from this host, as they change a mesh on one machine: the resolved spec
+    they start from, where the Envoys mount the state dir (the files they write name the
+    paths Envoy reads), and the folder the Envoys' admin sockets are mounted from (0700,
+    the containers' user: the admin API is the operator's alone)."""
+    here = MeshPaths(state)
+    _write(here.resolved_spec, dump_spec(spec))
+    _write(here.envoys_mount, f"{CONTAINER_STATE}\n")
+    admin = admin_dir(state)
+    admin.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(admin, 0o700)
 
 
 def _prometheus(spec: ResolvedSpec, out: Path) -> None:
@@ -276,6 +287,7 @@ def render_compose(spec_path: Path, out: Path) -> Rendered:
     for folder in ("registry", "predictions"):
         (state / folder).mkdir(exist_ok=True)
     _write(out / "mesh.yaml", dump_spec(spec))
+    _live_changes(spec, state)
     _envoy(spec, out, state)
     _prometheus(spec, out)
     _redis(out)

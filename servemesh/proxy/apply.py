@@ -34,7 +34,7 @@ from servemesh.contract.atomic import atomic_write_text
 from servemesh.contract.errors import NoMesh
 from servemesh.contract.yaml_text import dump_yaml, load_yaml
 from servemesh.proxy.admin import AdminClient, AdminError, admin_socket_path
-from servemesh.proxy.process import validate_config
+from servemesh.proxy.process import validate_config, validate_mounted
 from servemesh.proxy.render import (
     EnvoyResources,
     render_proxies,
@@ -188,6 +188,9 @@ class RouteManager:
     def admin(self) -> AdminClient:
         """The edge Envoy's admin API (the shared layout's only Envoy's)."""
         if self._admin is None:
+            if self.paths.envoys_mount.is_file():  # in containers: its socket is mounted here
+                self._admin = AdminClient(str(admin_socket_path(self.paths.state_dir)))
+                return self._admin
             if not self.paths.endpoints.is_file():
                 raise ApplyError(str(NoMesh(self.paths.state_dir)), exit_code=NoMesh.exit_code)
             endpoints = json.loads(self.paths.endpoints.read_text())
@@ -397,8 +400,14 @@ class RouteManager:
         except SpecError as exc:
             raise ApplyError(str(exc)) from None
         diff = list(changes) if changes else diff_lines(live, proposed)
-        by_proxy = render_proxies(proposed, self.paths.logs)
-        self._validate(proposed, by_proxy)
+        # Rendered as the Envoys see the state dir, written where it lies here (the same
+        # folder on one machine; a mesh in containers mounts it elsewhere).
+        seen = self.paths.as_envoys_see_it()
+        rendered = proposed
+        if seen != self.paths:
+            rendered = proposed.model_copy(update={"state_dir": str(seen.state_dir)})
+        by_proxy = render_proxies(rendered, seen.logs)
+        self._validate(rendered, by_proxy)
         version = str(int(time.time() * 1000))
         changed: dict[Path, dict[str, Any]] = {}
         # What each Envoy must report at the new version once its files are swapped.
@@ -407,7 +416,10 @@ class RouteManager:
         stale: list[Path] = []
         for proxy, resources in by_proxy.items():
             layout = self.paths.xds_of(proxy)
-            files = xds_files(resources, layout, version)
+            files = {
+                self.paths.here(path): content
+                for path, content in xds_files(resources, seen.xds_of(proxy), version).items()
+            }
             mine = {p: c for p, c in files.items() if _without_version(c) != _on_disk(p)}
             changed.update(mine)
             routes[proxy] = {
@@ -488,13 +500,20 @@ class RouteManager:
     def _validate(self, spec: ResolvedSpec, by_proxy: dict[str, EnvoyResources]) -> None:
         """Each Envoy's part checked by Envoy itself (`--mode validate`), before any file
         moves: a part one Envoy would refuse is refused for all of them."""
+        seen = self.paths.as_envoys_see_it()
         with tempfile.TemporaryDirectory() as tmp:
             for proxy, resources in by_proxy.items():
                 config = Path(tmp) / f"{proxy}.yaml"
-                bootstrap = static_bootstrap(spec, resources, self.paths.logs, proxy)
-                config.write_text(dump_yaml(bootstrap))
+                bootstrap = static_bootstrap(spec, resources, seen.logs, proxy)
                 try:
-                    validate_config(config)
+                    if seen == self.paths:
+                        config.write_text(dump_yaml(bootstrap))
+                        validate_config(config)
+                    else:  # in containers: checked against the same files here
+                        sockets = [admin_socket_path(seen.state_dir, p) for p in by_proxy]
+                        validate_mounted(
+                            dump_yaml(bootstrap), seen.state_dir, self.paths.state_dir, sockets
+                        )
                 except ValueError as exc:
                     raise ApplyError(
                         f"{_envoy_named(proxy)} refuses the rendered config:\n{exc}"

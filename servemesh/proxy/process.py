@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import resource
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,18 @@ def validate_config(config: Path, timeout_s: float = 60.0) -> None:
     if result.returncode != 0:
         lines = (result.stderr + result.stdout).strip().splitlines()
         raise EnvoyConfigError(_envoy_words(lines) or f"envoy exited {result.returncode}")
+
+
+def validate_mounted(text: str, inside: Path, here: Path, admin_sockets: list[Path]) -> None:
+    """Validate a config written for Envoys in containers (its paths under `inside`, where
+    they mount the state dir) against the same files `here`. The admin sockets move to a
+    scratch folder: their paths here may be longer than a Unix socket allows (108 bytes)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        for socket in admin_sockets:
+            text = text.replace(str(socket), str(Path(scratch) / "admin.sock"))
+        check = Path(scratch) / "envoy.static.yaml"
+        check.write_text(text.replace(str(inside), str(here)))
+        validate_config(check)
 
 
 _BACKTRACE = re.compile(r"\]\[backtrace\]|\] #\d+ ")

@@ -90,7 +90,12 @@ class MeshPaths:
         command that talks to a running mesh reads)."""
         if not self.resolved_spec.is_file():
             raise NoRunningMesh(self.state_dir)
-        return load_resolved(self.resolved_spec)
+        spec = load_resolved(self.resolved_spec)
+        if self.envoys_mount.is_file():
+            # A mesh in containers: its spec names their state dir; a command here reads
+            # and writes this one (its certificates, history, admin sockets).
+            spec = spec.model_copy(update={"state_dir": str(self.state_dir)})
+        return spec
 
     @contextlib.contextmanager
     def change_lock(self) -> Iterator[None]:
@@ -135,6 +140,25 @@ class MeshPaths:
     @property
     def resolved_spec(self) -> Path:
         return self.state_dir / "mesh.resolved.yaml"
+
+    @property
+    def envoys_mount(self) -> Path:
+        """Where the mesh's Envoys see this state dir, when that is not here: a mesh in
+        containers (`servemesh compose init` writes it) mounts the folder elsewhere, and
+        the files a live change writes must name the paths its Envoys read."""
+        return self.state_dir / "envoys-mount"
+
+    def as_envoys_see_it(self) -> MeshPaths:
+        """This state dir as the mesh's Envoys see it: itself on one machine, the
+        containers' mount point (envoys_mount) for a mesh in containers."""
+        if self.envoys_mount.is_file():
+            return MeshPaths(Path(self.envoys_mount.read_text().strip()))
+        return self
+
+    def here(self, seen: Path) -> Path:
+        """A path as the Envoys see it (under as_envoys_see_it()), as it lies here."""
+        inside = self.as_envoys_see_it().state_dir
+        return seen if inside == self.state_dir else self.state_dir / seen.relative_to(inside)
 
     @property
     def endpoints(self) -> Path:

@@ -409,6 +409,48 @@ def test_a_partition_between_the_zones_leaves_each_zone_serving_on_its_own(
     assert failed == [], failed[:10]
 
 
+def servemesh(*args: str) -> subprocess.CompletedProcess[str]:
+    """The operator command line on the host, against the rendered state dir."""
+    return subprocess.run(
+        [str(REPO / ".venv" / "bin" / "servemesh"), *args, "--state-dir", str(RENDERED / "state")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_routes_set_on_the_host_moves_the_containers_weights_live_and_no_call_fails(
+    compose_mesh: str,
+) -> None:
+    """`servemesh routes set` from the host, as on one machine: the route files it writes
+    are in folders the Envoys mount, its confirmation comes through their admin sockets
+    (mounted from the rendered state dir), and the load sees v2 answer, then v1 alone
+    again, with no call failed."""
+    with edge_load() as load:
+        half = servemesh("routes", "set", "fraud", "v1=50", "v2=50")
+        assert half.returncode == 0, half.stdout + half.stderr
+        assert "applied as change" in half.stdout, half.stdout
+        moved_at = load.now_s()
+        answers_after(load, moved_at, "answers at 50/50", count=60)
+        back = servemesh("routes", "set", "fraud", "v1=100", "v2=0")
+        assert back.returncode == 0, back.stdout + back.stderr
+        back_at = load.now_s()
+        answers_after(load, back_at, "answers at 100/0", count=40)
+    outcomes, failed = failures(load)
+    between = [o.version for o in outcomes if o.ok and moved_at < o.sent_s < back_at]
+    after = [o.version for o in outcomes if o.ok and o.sent_s > back_at + 1]
+    print(f"{len(outcomes)} calls, {len(failed)} failed; at 50/50: "
+          f"{between.count('v2')} of {len(between)} from v2")  # fmt: skip
+    assert not load.error, load.error
+    assert failed == [], failed[:10]
+    assert 0.2 < between.count("v2") / len(between) < 0.8, between
+    assert set(after) == {"v1"}, after
+    shown = servemesh("routes", "show", "--json")
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    weights = {row["version"]: row["weight"] for row in json.loads(shown.stdout)}
+    assert weights == {"v1": 100, "v2": 0}, shown.stdout
+    history = (RENDERED / "state" / "routes-history.jsonl").read_text()
+    assert "set fraud v1=50 v2=50" in history, history[-2000:]
+
+
 def predict() -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [

@@ -198,6 +198,33 @@ def test_every_mounted_file_is_one_compose_init_renders(tmp_path: Path) -> None:
     assert (out / "secrets" / "redis.conf").stat().st_mode & 0o077 == 0
 
 
+def test_the_render_lets_host_commands_change_routes_where_the_envoys_mount_it(
+    tmp_path: Path,
+) -> None:
+    """What `routes set` on the host needs: the running spec read here names this state dir
+    (its certificates, history, sockets), while the files it writes name the containers'
+    paths, and every Envoy mounts the admin sockets' folder (owner only)."""
+    from servemesh.proxy.admin import admin_dir
+    from servemesh.state.paths import MeshPaths
+
+    out = tmp_path / "rendered"
+    render_compose(COMPOSE_SPEC, out)
+    here = MeshPaths(out.resolve() / "state")
+    assert here.running_spec().state_dir == str(here.state_dir)
+    seen = here.as_envoys_see_it()
+    assert seen.state_dir == Path("/var/lib/servemesh")
+    rds = seen.xds_of(EDGE_PROXY).rds("edge")
+    assert here.here(rds) == here.state_dir / "xds" / "rds" / "edge.yaml"
+    assert admin_dir(here.state_dir).stat().st_mode & 0o777 == 0o700
+    for name, service in _compose().services.items():
+        if name.startswith(ENVOY_PART):
+            mounts = [v.split(":")[:2] for v in service.volumes]
+            assert [f"{RENDERED}state/admin", "/var/lib/servemesh/admin"] in mounts, name
+    # On one machine nothing moves.
+    local = MeshPaths(tmp_path / "local")
+    assert local.as_envoys_see_it() == local
+
+
 def test_a_spec_that_cannot_run_in_containers_is_refused_naming_the_fields() -> None:
     with pytest.raises(ComposeError, match=r"discovery\.backend.*\n.*listen_host"):
         check_compose_spec(resolve(load_spec(REPO / "mesh.yaml")))
