@@ -22,7 +22,7 @@ PYTRITON_STAMP := $(PYTRITON_VENV)/.installed
 TEST_WORKERS ?= 3
 PYTEST := $(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
 .PHONY: up test test-fast typecheck lint install triton-venv pytriton-venv protos check-protos bench fuzz clean \
-	images images-clean test-containers compose-up compose-down
+	images images-clean test-containers compose-up compose-down swarm-up swarm-down
 
 up: $(STAMP)
 	$(BIN)/servemesh up
@@ -193,3 +193,32 @@ compose-up: $(STAMP) images
 compose-down:
 	test ! -f deploy/compose/rendered-dns/compose.env || \
 		$(COMPOSE_DNS) down --volumes --remove-orphans --timeout 20
+
+# The same topology as a Docker Swarm stack (deploy/compose/stack.yml; docs/multihost.md):
+# the same render and images, this node labelled for both zones, `docker stack deploy`,
+# then a wait until every task is healthy and the seed complete. Where the engine is in no
+# swarm, swarm-up makes this node a single-node one (advertised on SWARM_ADVERTISE_ADDR)
+# and swarm-down leaves it again; a swarm that was there before is left as it was.
+SWARM_STACK ?= servemesh-swarm
+SWARM_ADVERTISE_ADDR ?= 127.0.0.1
+SWARM_MARK = deploy/compose/rendered-dns/swarm-made-here
+
+swarm-up: $(STAMP) images
+	$(BIN)/servemesh compose init --spec deploy/compose/mesh-dns.yaml --out deploy/compose/rendered-dns
+	if [ "$$(docker info --format '{{.Swarm.LocalNodeState}}')" != active ]; then \
+		docker swarm init --advertise-addr $(SWARM_ADVERTISE_ADDR) >/dev/null && touch $(SWARM_MARK); fi
+	docker node update --label-add servemesh.zone-a=true --label-add servemesh.zone-b=true \
+		"$$(docker info --format '{{.Swarm.NodeID}}')" >/dev/null
+	set -a && . deploy/compose/rendered-dns/compose.env && IMAGE_TAG=$(IMAGE_TAG) \
+		docker stack deploy --resolve-image never -c deploy/compose/stack.yml $(SWARM_STACK)
+	deploy/compose/wait-stack.sh $(SWARM_STACK)
+
+# Removes the stack and waits until its networks are gone (Swarm removes them after the
+# tasks); leaves the swarm when swarm-up made it. The engine keeps the bridge Swarm made
+# (docker_gwbridge, reused by the next swarm; .ci/run deletes it with the engine's own).
+swarm-down:
+	-docker stack rm $(SWARM_STACK)
+	for i in $$(seq 60); do \
+		[ -z "$$(docker network ls -q --filter label=com.docker.stack.namespace=$(SWARM_STACK))" ] && break; \
+		sleep 1; done
+	if [ -f $(SWARM_MARK) ]; then docker swarm leave --force >/dev/null && rm -f $(SWARM_MARK); fi

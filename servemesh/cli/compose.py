@@ -18,7 +18,7 @@ from servemesh.contract.errors import ServemeshError, UsageError
 from servemesh.contract.wire import message_size_options
 from servemesh.discovery.compose import render_compose
 from servemesh.discovery.control_plane import add_arguments, run_from_args
-from servemesh.identity import OPERATOR_IDENTITY, dial_registry, dial_service
+from servemesh.identity import OPERATOR_IDENTITY, dial_address, dial_registry
 from servemesh.seeding import seed_demo
 from servemesh.spec import load_resolved
 
@@ -48,8 +48,11 @@ def next_step(backend: str, out: str) -> str:
 
 async def _probe(spec_path: str, instance: str) -> bool:
     spec = load_resolved(spec_path)
-    # The instance's own certificate: the only one its container holds.
-    async with dial_service(spec, instance, caller=instance).aio_channel() as channel:
+    # The container's own process, at its own port on its loopback: its service name may
+    # resolve to another replica (a Swarm service of several tasks answers by any of
+    # them). The instance's own certificate: the only one its container holds.
+    own = f"127.0.0.1:{spec.port_of(instance)}"
+    async with dial_address(spec, own, instance, caller=instance).aio_channel() as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)

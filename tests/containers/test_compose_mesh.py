@@ -22,15 +22,11 @@ import statistics
 import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import pytest
 
-if TYPE_CHECKING:
-    from servemesh.load import BackgroundLoad
-    from servemesh.load.outcome import Outcome
+from tests.containers.drive import answers_after, edge_load, failures, inspect
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = os.environ.get("IMAGE_TAG", "dev")
@@ -105,54 +101,10 @@ def container_of(service: str) -> str:
     return found[0]
 
 
-def inspect(container: str) -> Any:
-    done = subprocess.run(
-        ["docker", "inspect", container], capture_output=True, text=True, timeout=60, check=True
-    )
-    return json.loads(done.stdout)[0]
-
-
 def healthy_again(container: str, restarts: int) -> bool:
     facts = inspect(container)
     health = facts["State"].get("Health") or {}
     return bool(facts["RestartCount"] > restarts and health.get("Status") == "healthy")
-
-
-@contextmanager
-def edge_load() -> Iterator[BackgroundLoad]:
-    """20 Predicts a second through the compose edge (its TLS and credentials as rendered),
-    yielded once 20 have answered and stopped at the end; its outcomes stay readable."""
-    from servemesh.bench.compose import edge_target, rendered_compose_spec
-    from servemesh.load import BackgroundLoad
-    from tests.waiting import wait_until
-
-    target = edge_target(
-        rendered_compose_spec(), f"127.0.0.1:{EDGE_PORT}", subject="container-drill", entities=100
-    )
-    load = BackgroundLoad(target, rate_per_s=20.0)
-    load.start()
-    try:
-        wait_until(lambda: sum(o.ok for o in load.outcomes) >= 20, "the load's first answers",
-                   timeout_s=120)  # fmt: skip
-        yield load
-    finally:
-        load.stop()
-
-
-def answers_after(
-    load: BackgroundLoad, since_s: float, what: str, count: int = 40, timeout_s: float = 120
-) -> None:
-    """Wait until `count` calls sent after `since_s` (the load's clock) have answered."""
-    from tests.waiting import wait_until
-
-    wait_until(lambda: sum(o.ok and o.sent_s > since_s for o in load.outcomes) >= count,
-               what, timeout_s=timeout_s)  # fmt: skip
-
-
-def failures(load: BackgroundLoad) -> tuple[list[Outcome], list[tuple[float, str]]]:
-    """Every outcome of the load, and the failed ones as (sent at, code)."""
-    outcomes = load.snapshot()
-    return outcomes, [(round(o.sent_s, 2), o.code) for o in outcomes if not o.ok]
 
 
 def test_a_model_server_container_that_crashes_is_started_again_and_no_call_fails(
@@ -162,7 +114,7 @@ def test_a_model_server_container_that_crashes_is_started_again_and_no_call_fail
 
     victim = container_of("model-fraud-zone-a-0")
     restarts = int(inspect(victim)["RestartCount"])
-    with edge_load() as load:
+    with edge_load(EDGE_PORT) as load:
         state = inspect(victim)["State"]
         # A crash, not a stop: the process dies from outside the engine (`docker kill` is a
         # deliberate stop, which a restart policy leaves down).
@@ -196,7 +148,7 @@ def test_a_zone_whose_containers_are_all_paused_loses_only_the_calls_it_froze(
     from tests.waiting import wait_until
 
     zone_a = [container_of(service) for service in ZONE_A]
-    with edge_load() as load:
+    with edge_load(EDGE_PORT) as load:
         pausing_at = load.now_s()
         subprocess.run(["docker", "pause", *zone_a], check=True, timeout=60)
         try:
@@ -240,7 +192,7 @@ def test_a_zone_envoy_container_that_crashes_costs_its_zone_seconds_and_is_start
 
     victim = container_of("envoy-zone-a")
     restarts = int(inspect(victim)["RestartCount"])
-    with edge_load() as load:
+    with edge_load(EDGE_PORT) as load:
         os.kill(int(inspect(victim)["State"]["Pid"]), signal.SIGKILL)
         crashed_at = load.now_s()
         wait_until(lambda: healthy_again(victim, restarts), "zone-a's Envoy healthy again",
@@ -265,7 +217,7 @@ def test_with_the_registry_container_stopped_serving_goes_on(compose_mesh: str) 
     from tests.waiting import wait_until
 
     registry = container_of("registry-0")
-    with edge_load() as load:
+    with edge_load(EDGE_PORT) as load:
         subprocess.run(["docker", "stop", registry], check=True, timeout=120)
         try:
             stopped_at = load.now_s()
@@ -314,7 +266,7 @@ def test_a_zone_throttled_by_its_cgroups_is_served_around_and_loses_no_call(
 
     zone_a = [container_of(service) for service in ZONE_A]
     cores = str(os.cpu_count() or 1)
-    with edge_load() as load:
+    with edge_load(EDGE_PORT) as load:
         before_at = load.now_s()
         answers_after(load, before_at, "150 answers before the brownout", 150, timeout_s=180)
         throttled = {c: throttled_periods(c) for c in zone_a}
@@ -382,7 +334,7 @@ def test_a_partition_between_the_zones_leaves_each_zone_serving_on_its_own(
         return f"model-fraud-{other[zone]}-0:{model_port[other[zone]]}"
 
     assert all(reaches(envoys[z], across(z)) for z in envoys)  # the check can fail below
-    with edge_load() as load:
+    with edge_load(EDGE_PORT) as load:
         cut_at = load.now_s()
         for zone, envoy in envoys.items():
             subprocess.run(["docker", "network", "disconnect", f"{PROJECT}_{other[zone]}",
@@ -424,7 +376,7 @@ def test_routes_set_on_the_host_moves_the_containers_weights_live_and_no_call_fa
     are in folders the Envoys mount, its confirmation comes through their admin sockets
     (mounted from the rendered state dir), and the load sees v2 answer, then v1 alone
     again, with no call failed."""
-    with edge_load() as load:
+    with edge_load(EDGE_PORT) as load:
         half = servemesh("routes", "set", "fraud", "v1=50", "v2=50")
         assert half.returncode == 0, half.stdout + half.stderr
         assert "applied as change" in half.stdout, half.stdout
