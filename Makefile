@@ -202,12 +202,15 @@ compose-down:
 SWARM_STACK ?= servemesh-swarm
 SWARM_ADVERTISE_ADDR ?= 127.0.0.1
 SWARM_MARK = deploy/compose/rendered-dns/swarm-made-here
+# The zones this node serves (its labels); empty on a swarm whose nodes are labelled already.
+SWARM_NODE_ZONES ?= zone-a zone-b
 
 swarm-up: $(STAMP) images
 	$(BIN)/servemesh compose init --spec deploy/compose/mesh-dns.yaml --out deploy/compose/rendered-dns
 	if [ "$$(docker info --format '{{.Swarm.LocalNodeState}}')" != active ]; then \
 		docker swarm init --advertise-addr $(SWARM_ADVERTISE_ADDR) >/dev/null && touch $(SWARM_MARK); fi
-	docker node update --label-add servemesh.zone-a=true --label-add servemesh.zone-b=true \
+	test -z "$(SWARM_NODE_ZONES)" || docker node update \
+		$(foreach zone,$(SWARM_NODE_ZONES),--label-add servemesh.$(zone)=true) \
 		"$$(docker info --format '{{.Swarm.NodeID}}')" >/dev/null
 	set -a && . deploy/compose/rendered-dns/compose.env && IMAGE_TAG=$(IMAGE_TAG) \
 		docker stack deploy --resolve-image never -c deploy/compose/stack.yml $(SWARM_STACK)
