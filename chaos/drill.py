@@ -21,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from servemesh.chaos.containers import ComposeMesh
 from servemesh.chaos.errors import DrillError
 from servemesh.chaos.guard import Guard
 from servemesh.chaos.leftovers import Leftovers
@@ -28,7 +29,7 @@ from servemesh.chaos.load import drill_load
 from servemesh.chaos.mesh import DrillMesh
 from servemesh.chaos.scope import select
 from servemesh.chaos.timeline import FaultWindow, Mark, Timeline
-from servemesh.identity import dial_edge
+from servemesh.identity import Dial, dial_edge, dial_edge_at
 from servemesh.load import BackgroundLoad, WindowStats, window_stats
 from servemesh.procs.netns import ZoneNetwork
 from servemesh.proxy.admin import AdminClient, AdminError
@@ -79,6 +80,14 @@ DEFAULTS: dict[str, Any] = {
     # The spec's `proxy.layout` unless set: shared (one Envoy) or per_zone (the edge and
     # each zone an Envoy of their own), which the zone-proxy-crash drill needs.
     "proxy": "",
+    # processes (a mesh of processes the drill starts, as `servemesh up`) or compose (a
+    # compose project of `compose_file` the drill starts on the local images, as `make
+    # compose-up`: the container drills, chaos/container_actions.py). Paths are relative
+    # to the folder the drill runs from (a checkout).
+    "mesh": "processes",
+    "compose_file": "deploy/compose/dns.yml",
+    "compose_spec": "deploy/compose/mesh-dns.yaml",
+    "image_tag": "dev",
 }
 
 # How often the settle step after the baseline looks at the load's last window.
@@ -124,6 +133,7 @@ class Drill:
         self.out_dir = self.out_dir.resolve()
         self.spec_path = resolve_spec(str(config["spec"]))
         self.mesh: DrillMesh | None = None
+        self.compose: ComposeMesh | None = None
         self.load: BackgroundLoad | None = None
         self.admin: AdminClient | None = None
         self.routes: RouteManager | None = None
@@ -157,22 +167,28 @@ class Drill:
                 raise DrillError(f"another drill is running in this process: {_current.name}")
             _current = self
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.mesh = DrillMesh.from_spec(self._mesh_spec(), self.out_dir / "mesh")
-        self.mesh.start()
-        self.admin = AdminClient.of_mesh(self.mesh.state_dir)
-        self.routes = RouteManager(self.mesh.paths, self.admin)
+        if self.config["mesh"] == "compose":
+            edge = self._start_compose()
+        elif self.config["mesh"] == "processes":
+            self.mesh = DrillMesh.from_spec(self._mesh_spec(), self.out_dir / "mesh")
+            self.mesh.start()
+            self.admin = AdminClient.of_mesh(self.mesh.state_dir)
+            self.routes = RouteManager(self.mesh.paths, self.admin)
+            edge = dial_edge(self.mesh.spec)
+        else:
+            raise DrillError(f"mesh {self.config['mesh']!r}: processes or compose")
         self.initial_weights = {
-            name: dict(model.traffic) for name, model in self.mesh.spec.models.items()
+            name: dict(model.traffic) for name, model in self.spec.models.items()
         }
         self.counters_start = self.counters()
         model = str(self.config["model"])
-        if model not in self.mesh.spec.models:
-            raise DrillError(f"model {model!r} is not in the spec {self.spec_path}")
+        if model not in self.spec.models:
+            raise DrillError(f"model {model!r} is not in the drill's mesh spec")
         self.load = drill_load(
-            dial_edge(self.mesh.spec),
+            edge,
             rate_per_s=float(self.config["rate"]),
             model=model,
-            entities=min(self.mesh.spec.demo.entities or 1, 1000),
+            entities=min(self.spec.demo.entities or 1, 1000),
             timeout_s=float(self.config["load_timeout_s"]),
             metadata=self._edge_metadata(),
         )
@@ -215,6 +231,19 @@ class Drill:
             and all(stats.zones.get(zone, 0.0) >= floor for zone in zones)
         )
 
+    def _start_compose(self) -> Dial:
+        """Start the drill's own compose project; how to reach its edge on this host."""
+        self.compose = ComposeMesh(
+            compose_file=Path(str(self.config["compose_file"])).resolve(),
+            compose_spec=Path(str(self.config["compose_spec"])).resolve(),
+            project=f"servemesh-drill-{slug(self.name)[:30]}",
+            image_tag=str(self.config["image_tag"]),
+        )
+        self.compose.start()
+        self.routes = RouteManager(self.compose.paths)
+        self.admin = self.routes.admin
+        return dial_edge_at(self.compose.spec, self.compose.edge_address)
+
     def _mesh_spec(self) -> MeshSpec:
         """The spec file, with the network and the Envoy layout the configuration asks
         for (each only if set)."""
@@ -234,7 +263,8 @@ class Drill:
 
     def _edge_metadata(self) -> list[tuple[str, str]]:
         """The edge's credentials when the spec turns edge auth on (the launcher made them)."""
-        credentials = read_edge_credentials(self.running_mesh.state_dir)
+        state_dir = self.compose.state_dir if self.compose else self.running_mesh.state_dir
+        credentials = read_edge_credentials(state_dir)
         return [("authorization", authorization_value(*credentials))] if credentials else []
 
     def finish(self) -> None:
@@ -282,6 +312,8 @@ class Drill:
                     # The mesh removes the zones' namespaces after the processes in them.
                     if self.mesh is not None:
                         self.mesh.stop()
+                    if self.compose is not None:
+                        self.compose.stop()
                 finally:
                     with _lock:
                         if _current is self:
@@ -332,10 +364,15 @@ class Drill:
 
     @property
     def spec(self) -> ResolvedSpec:
-        return self.running_mesh.spec
+        return self.compose.spec if self.compose is not None else self.running_mesh.spec
 
     @property
     def running_mesh(self) -> DrillMesh:
+        if self.compose is not None:
+            raise DrillError(
+                "this drill runs on containers (`mesh: compose`): its faults are the "
+                "container actions (servemesh.chaos.container_actions)"
+            )
         if self.mesh is None:
             raise DrillError("the drill's mesh is not running")
         return self.mesh
@@ -403,10 +440,10 @@ class Drill:
     def counters(self) -> dict[str, int]:
         """Every Envoy's cluster counters, summed (one Envoy, or the edge's and each
         zone's); {} when none answers."""
-        if self.admin is None or self.routes is None or self.mesh is None:
+        if self.admin is None or self.routes is None or (self.mesh is None and not self.compose):
             return {}
         found: dict[str, int] = {}
-        for admin in self.routes.admins(self.mesh.spec).values():
+        for admin in self.routes.admins(self.spec).values():
             try:
                 counters = admin.counters("cluster.")
             except AdminError:

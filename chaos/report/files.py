@@ -26,7 +26,7 @@ def write_report(drill: Drill, summary: DrillSummary, journal: dict[str, Any]) -
         "summary": str(out / "summary.json"),
         "journal": str(out / "journal.json"),
     }
-    zones = list(drill.spec.zones) if drill.mesh is not None else []
+    zones = list(drill.spec.zones) if drill.mesh is not None or drill.compose else []
     windows = [(w.label, w.start_s, w.end_s) for w in drill.windows]
     plot_timeline(timeline(summary, drill.outcomes_final, zones, windows), Path(files["timeline"]))
     Path(files["report"]).write_text(markdown(summary))
