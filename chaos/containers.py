@@ -20,6 +20,7 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,16 @@ def docker(*args: str, timeout_s: float = DOCKER_TIMEOUT_S) -> str:
         said = (done.stderr or done.stdout).strip().splitlines()[-3:]
         raise DrillError(f"docker {' '.join(args[:3])}: {' '.join(said)}")
     return done.stdout
+
+
+def _when(stamp: str) -> datetime:
+    """An engine timestamp (RFC 3339, nanoseconds, `Z` or an offset) as a datetime."""
+    head, _, rest = stamp.partition(".")
+    if not rest:  # no fraction: the offset follows the seconds
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    digits = rest[: len(rest) - len(rest.lstrip("0123456789"))]
+    offset = rest[len(digits) :].replace("Z", "+00:00") or "+00:00"
+    return datetime.fromisoformat(f"{head}.{digits[:6].ljust(6, '0')}{offset}")
 
 
 def _free_port() -> int:
@@ -203,8 +214,16 @@ class ComposeMesh:
         return f"{self.project}_{zone}"
 
     def healthy(self, service: str) -> bool:
-        facts = self.inspect(self.container(service))["State"]
-        return bool((facts.get("Health") or {}).get("Status") == "healthy")
+        """Healthy by a check made since the container last started: the engine keeps the
+        status a stopped container had until its next check after a start."""
+        state = self.inspect(self.container(service))["State"]
+        health = state.get("Health") or {}
+        checks = health.get("Log") or []
+        return bool(
+            health.get("Status") == "healthy"
+            and checks
+            and _when(checks[-1]["Start"]) > _when(state["StartedAt"])
+        )
 
     def restarts(self, service: str) -> int:
         return int(self.inspect(self.container(service))["RestartCount"])

@@ -236,7 +236,7 @@ class Drill:
         self.compose = ComposeMesh(
             compose_file=Path(str(self.config["compose_file"])).resolve(),
             compose_spec=Path(str(self.config["compose_spec"])).resolve(),
-            project=f"servemesh-drill-{slug(self.name)[:30]}",
+            project=f"servemesh-drill-{slug(self.name)[:30].rstrip('-')}",
             image_tag=str(self.config["image_tag"]),
         )
         self.compose.start()

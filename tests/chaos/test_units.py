@@ -266,3 +266,16 @@ def test_route_faults_and_zone_probes_go_to_the_envoys_that_serve_them(
     assert [str(a) for a in drill.route_admins("feature")] == zone_routes
     assert [str(a) for a in drill.route_admins("edge")] == ["envoy"]
     assert str(drill.admin_of_zone("zone-a")) == zone_a
+
+
+def test_engine_timestamps_compare_whatever_their_fraction_and_zone() -> None:
+    """A container's last health check is judged against its start by the engine's stamps:
+    nanoseconds, none, `Z` or an offset (chaos/containers.py)."""
+    from servemesh.chaos.containers import _when
+
+    started = _when("2026-12-05T22:56:10Z")
+    assert _when("2026-12-05T22:56:10.000000001Z") == started  # below a microsecond
+    assert _when("2026-12-05T22:56:10.5Z") > started
+    assert _when("2026-12-05T22:56:09.999999999Z") < started
+    assert _when("2026-12-05T23:56:10.5+01:00") > started
+    assert _when("2026-12-05T23:56:09+01:00") < started

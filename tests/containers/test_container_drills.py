@@ -128,7 +128,7 @@ def test_with_the_registry_container_stopped_serving_goes_on(tmp_path: Path) -> 
     result = container_drill("containers-registry-down", tmp_path)
     assert result.verdict == "held", result.text
     (down,) = result.summary["windows"]
-    assert down["label"] == "registry down"
+    assert down["label"] == "registry-0 stopped"
     assert down["failed"] == 0 and down["sent"] >= 300, down
     assert output(result, "start-the-registry")["started"] == "registry-0"
 
@@ -145,11 +145,15 @@ def test_partitioned_zones_each_serve_on_their_own(tmp_path: Path) -> None:
     assert set(output(result, "join-the-zones")["joined"]) == {"zone-a", "zone-b"}
 
 
-def test_a_throttled_zone_is_served_around_and_loses_no_call(tmp_path: Path) -> None:
+def test_a_throttled_zone_is_served_around_and_loses_only_late_calls(tmp_path: Path) -> None:
     result = container_drill("containers-brownout", tmp_path)
     assert result.verdict == "held", result.text
     (brownout,) = result.summary["windows"]
-    assert brownout["failed"] == 0, brownout
+    # What the drill's policy allows: calls zone-a's starved gateway still held run out
+    # their deadline; nothing else fails, and nothing is answered by a fallback.
+    assert brownout["success_pct"] >= 90 and brownout["degraded"] == 0, brownout
+    assert set(brownout["codes"]) <= {"DEADLINE_EXCEEDED"}, brownout
+    assert result.summary["phases"]["after faults"]["failed"] == 0
     assert max(output(result, "zone-a-was-throttled").values()) > 0
     # The edge's least-request balancing gave zone-b more than it had before the brownout.
     before = result.summary["phases"]["baseline"]["zones"].get("zone-b", 0)

@@ -515,6 +515,20 @@ _listed(
     "servemesh predict --model fraud --entity user-42 --address 127.0.0.1:8443 --spec deploy/compose/mesh-dns.yaml --state-dir deploy/compose/rendered-dns/state",
 )
 _listed(
+    "docs/multihost.md",
+    "needs the compose mesh (or the Swarm stack) up on the local images; "
+    "tests/containers/test_compose_mesh.py and test_swarm_stack.py run them",
+    "servemesh routes set fraud v1=50 v2=50 --state-dir deploy/compose/rendered-dns/state",
+    "servemesh apply /tmp/cb.yaml --state-dir deploy/compose/rendered-dns/state",
+    "servemesh routes show --state-dir deploy/compose/rendered-dns/state",
+)
+_listed(
+    "docs/multihost.md",
+    "starts a compose project of its own (Docker Engine, docker-compose, the images); "
+    "tests/containers/test_container_drills.py runs it",
+    "servemesh chaos run containers-zone-proxy-crash --out /tmp/drill1 --var recover_early=true",
+)
+_listed(
     "docs/observability.md",
     "its rates need tens of seconds of load under Prometheus's window; tests/metrics/test_mesh_metrics.py",
     "servemesh top --once --source prometheus --window 30",
