@@ -22,7 +22,7 @@ PYTRITON_STAMP := $(PYTRITON_VENV)/.installed
 TEST_WORKERS ?= 3
 PYTEST := $(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
 .PHONY: up test test-fast typecheck lint install triton-venv pytriton-venv protos check-protos bench fuzz clean \
-	images images-clean test-containers compose-up compose-down swarm-up swarm-down
+	images images-clean test-containers compose-up compose-down compose-operator swarm-up swarm-down
 
 up: $(STAMP)
 	$(BIN)/servemesh up
@@ -193,6 +193,11 @@ compose-up: $(STAMP) images
 compose-down:
 	test ! -f deploy/compose/rendered-dns/compose.env || \
 		$(COMPOSE_DNS) down --volumes --remove-orphans --timeout 20
+
+# The operator's command line inside the compose mesh's networks (what the host cannot
+# reach: the registry, each service's port), e.g. make compose-operator ARGS="models list".
+compose-operator:
+	$(COMPOSE_DNS) run --rm operator $(ARGS)
 
 # The same topology as a Docker Swarm stack (deploy/compose/stack.yml; docs/multihost.md):
 # the same render and images, this node labelled for both zones, `docker stack deploy`,

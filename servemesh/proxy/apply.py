@@ -188,8 +188,11 @@ class RouteManager:
     def admin(self) -> AdminClient:
         """The edge Envoy's admin API (the shared layout's only Envoy's)."""
         if self._admin is None:
-            if self.paths.envoys_mount.is_file():  # in containers: its socket is mounted here
-                self._admin = AdminClient(str(admin_socket_path(self.paths.state_dir)))
+            socket = admin_socket_path(self.paths.state_dir)
+            if not self.paths.endpoints.is_file() and socket.exists():
+                # A mesh in containers: no `up` wrote its endpoints, and the edge's admin
+                # socket is mounted where the state dir keeps it.
+                self._admin = AdminClient(str(socket))
                 return self._admin
             if not self.paths.endpoints.is_file():
                 raise ApplyError(str(NoMesh(self.paths.state_dir)), exit_code=NoMesh.exit_code)

@@ -128,6 +128,26 @@ def test_routes_set_on_the_host_moves_the_containers_weights_live_and_no_call_fa
     assert "set fraud v1=50 v2=50" in history, history[-2000:]
 
 
+def test_the_operator_container_lists_the_registry_s_models_with_their_live_weights(
+    compose_mesh: str,
+) -> None:
+    """What the host cannot reach (the registry) through the operator's one-shot container
+    on the mesh's networks: `make compose-operator ARGS="models list"`, the weights read
+    from the Envoys' mounted admin sockets."""
+    done = make("compose-operator", "ARGS=models list --json", timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    listed = json.loads(done.stdout[done.stdout.index("[") :])
+    weights = {(row["model"], row["version"]): row["weight"] for row in listed}
+    assert weights == {("fraud", "v1"): 100, ("fraud", "v2"): 0}, listed
+    # One-shot: nothing of it is left running.
+    running = subprocess.run(
+        ["docker", "ps", "-q", "--filter", LABEL, "--filter",
+         "label=com.docker.compose.service=operator"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout.split()  # fmt: skip
+    assert running == []
+
+
 def predict() -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [
