@@ -43,6 +43,13 @@ DRILLS = {
     "inter-zone-partition",
     "rollout-controller-killed",
     "stream-consumer-crash",
+    # on containers (chaos/container_actions.py): tests/containers/test_container_drills.py
+    "containers-replica-crash",
+    "containers-zone-proxy-crash",
+    "containers-zone-outage",
+    "containers-registry-down",
+    "containers-partition",
+    "containers-brownout",
 }
 
 

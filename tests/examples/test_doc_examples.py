@@ -529,6 +529,12 @@ _listed(
     "servemesh chaos run containers-zone-proxy-crash --out /tmp/drill1 --var recover_early=true",
 )
 _listed(
+    "docs/benchmarks.md",
+    "DRILL stands for each drill of the table, a run of minutes each; tests/chaos/ and "
+    "tests/containers/test_container_drills.py run them shortened",
+    "servemesh chaos run DRILL --var rate=50 --var baseline_s=5 --var fault_s=10 --var recover_s=20 --var recover_early=true --var slo_window_s=3 --var tail_s=0.5",
+)
+_listed(
     "docs/observability.md",
     "its rates need tens of seconds of load under Prometheus's window; tests/metrics/test_mesh_metrics.py",
     "servemesh top --once --source prometheus --window 30",
