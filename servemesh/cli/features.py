@@ -1,10 +1,13 @@
-"""`servemesh features load FILE --view NAME --key COLUMN [--timestamp COLUMN]`."""
+"""`servemesh features load FILE --view NAME --key COLUMN [--timestamp COLUMN]`, and
+`servemesh features backup|restore` (servemesh/features/backup.py)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,9 +19,9 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from servemesh.cli.flags import add_duration
+from servemesh.cli.flags import add_duration, add_output
 from servemesh.cli.mesh import add_mesh_flags, running_mesh
-from servemesh.cli.output import console, out
+from servemesh.cli.output import console, out, write
 from servemesh.contract.control_credential import ControlCredentialMissing, control_metadata_for
 
 if TYPE_CHECKING:
@@ -142,3 +145,70 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     add_duration(load, "--timeout", "give up after this long", dest="timeout")
     load.set_defaults(func=cmd_load, error_label="not loaded")
+    register_backup(verbs)
+
+
+def cmd_backup(args: argparse.Namespace) -> int:
+    """Every key of the running mesh's feature store into a folder, with its manifest."""
+    from servemesh.features.backup import back_up
+    from servemesh.spec.store_clients import store_writer_sync
+
+    mesh = running_mesh(args)
+    client = store_writer_sync(mesh.spec)
+    try:
+        manifest = back_up(client, mesh.spec.feature_store.key_prefix, Path(args.out))
+    finally:
+        client.close()
+    if args.json:
+        write(json.dumps(asdict(manifest)))
+        return 0
+    out.print(
+        f"backed up {manifest.keys:,} keys ({manifest.bytes:,} bytes) into {args.out} in "
+        f"{manifest.seconds:g} s; sha256 {manifest.sha256[:16]}…",
+        markup=False,
+    )
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    """Put a backup's keys back into the running mesh's feature store, once it verified."""
+    from servemesh.features.backup import restore
+    from servemesh.spec.store_clients import store_writer_sync
+
+    mesh = running_mesh(args)
+    client = store_writer_sync(mesh.spec)
+    try:
+        done = restore(client, Path(args.backup), prefix=mesh.spec.feature_store.key_prefix)
+    finally:
+        client.close()
+    if args.json:
+        write(json.dumps(asdict(done)))
+        return 0
+    out.print(
+        f"restored {done.keys:,} keys in {done.seconds:g} s (the time to recover); the "
+        f"backup was {done.age_s:g} s old (what was written since it is what it lacks)",
+        markup=False,
+    )
+    return 0
+
+
+def register_backup(verbs: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    backup = verbs.add_parser(
+        "backup",
+        help="every key of the online store into a folder, while the mesh serves",
+        description="A folder with feature-store.jsonl (each key as Redis serializes it, "
+        "with its time to live) and manifest.json (its sha256, counts, when). Keys are read "
+        "one by one: take it between feature loads (docs/operators.md).",
+    )
+    backup.add_argument("--out", required=True, help="the folder to write (replaced whole)")
+    add_mesh_flags(backup, inherited=True)
+    add_output(backup)
+    backup.set_defaults(func=cmd_backup, error_label="not backed up")
+    restore = verbs.add_parser(
+        "restore",
+        help="put a backup's keys back, once its sha256 verified (nothing changes otherwise)",
+    )
+    restore.add_argument("backup", help="a folder `features backup` wrote")
+    add_mesh_flags(restore, inherited=True)
+    add_output(restore)
+    restore.set_defaults(func=cmd_restore, error_label="not restored")
