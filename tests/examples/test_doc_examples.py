@@ -515,6 +515,14 @@ _listed(
     "servemesh predict --model fraud --entity user-42 --address 127.0.0.1:8443 --spec deploy/compose/mesh-dns.yaml --state-dir deploy/compose/rendered-dns/state",
 )
 _listed(
+    "docs/operators.md",
+    "a walk-through that deletes the store's keys between its steps; "
+    "tests/feature/test_store_backup.py runs backup and restore against a real Redis",
+    "servemesh features backup --out /tmp/fsbk/bk1",
+    "servemesh predict --model fraud --entity user-42",
+    "servemesh features restore /tmp/fsbk/bk1",
+)
+_listed(
     "docs/multihost.md",
     "needs the compose mesh (or the Swarm stack) up on the local images; "
     "tests/containers/test_compose_mesh.py and test_swarm_stack.py run them",

@@ -27,7 +27,10 @@ def main() -> int:
         # Imported by the fork server beforehand, never by this module.
         "preloaded": "servemesh.spec" in sys.modules,
     }
-    report.write_text(json.dumps(became))
+    # Whole or not at all: the test's readiness check is the file's existence.
+    partial = report.with_name(report.name + ".partial")
+    partial.write_text(json.dumps(became))
+    partial.rename(report)
     print("up")
     if len(sys.argv) > 2:
         return int(sys.argv[2])
