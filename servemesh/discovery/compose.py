@@ -20,7 +20,8 @@ parts it needs (its own certificate, the CA, the control token). Here:
     state/xds/                  the edge Envoy's clusters and routes (cds/, rds/), and its
                                 endpoint files (eds/), written by the control plane
     state/xds-<zone>/           the same for each zone's Envoy (per-zone layout)
-    state/registry/, state/predictions/   the registry's store and the prediction log
+    state/registry/, state/predictions/, state/traces/   the registry's store, the
+                                prediction log and the trace store's spans
     state/mesh.resolved.yaml, state/envoys-mount, state/admin/
                                 what live route changes from the host need: the spec they
                                 start from, where the Envoys mount the state dir, and
@@ -55,7 +56,14 @@ from servemesh.proxy.render import (
     xds_files,
 )
 from servemesh.slo_rules import render_rules
-from servemesh.spec import ResolvedSpec, dump_spec, load_spec, proxy_part, resolve
+from servemesh.spec import (
+    TRACE_STORE_PART,
+    ResolvedSpec,
+    dump_spec,
+    load_spec,
+    proxy_part,
+    resolve,
+)
 from servemesh.state.paths import MeshPaths
 
 # The state dir inside every container (the compose spec's `state_dir`).
@@ -107,11 +115,15 @@ def check_compose_spec(spec: ResolvedSpec) -> None:
     if spec.discovery.listen_host != "0.0.0.0":
         problems.append("discovery.listen_host: must be 0.0.0.0 (peers are other containers)")
     parts = [i.name for i in spec.instances()] + [proxy_part(p) for p in spec.proxies()]
+    if spec.embedded_trace_store_port is not None:
+        parts.append(TRACE_STORE_PART)  # the mesh's own trace store: a container too
     unplaced = [part for part in parts if part not in spec.discovery.hosts]
     if unplaced:
-        problems.append(f"discovery.hosts: name every instance and Envoy; missing {unplaced}")
-    if spec.embedded_redis_port is not None or spec.embedded_trace_store_port is not None:
-        problems.append("feature_store.redis_url and tracing.otlp_endpoint: name the containers")
+        problems.append(
+            f"discovery.hosts: name every instance, Envoy and the trace store; missing {unplaced}"
+        )
+    if spec.embedded_redis_port is not None:
+        problems.append("feature_store.redis_url: name the Redis container")
     if spec.discovery.backend == "consul" and spec.discovery.consul_token_file != (
         CONTAINER_CONSUL_TOKEN
     ):
@@ -284,7 +296,7 @@ def render_compose(spec_path: Path, out: Path) -> Rendered:
     state.mkdir(exist_ok=True)
     ensure_control_token(state)
     _issue_certificates(spec, state)
-    for folder in ("registry", "predictions"):
+    for folder in ("registry", "predictions", "traces"):
         (state / folder).mkdir(exist_ok=True)
     _write(out / "mesh.yaml", dump_spec(spec))
     _live_changes(spec, state)

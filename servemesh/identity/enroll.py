@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from servemesh.contract.private import open_lock
 from servemesh.identity.store import MeshIdentity
-from servemesh.spec import MeshSpec, ResolvedSpec
+from servemesh.spec import TRACE_STORE_PART, MeshSpec, ResolvedSpec
 
 ENVOY_IDENTITY = "envoy"
 EDGE_IDENTITY = "edge"
@@ -23,7 +23,7 @@ OPERATOR_IDENTITY = "operator"
 # The echo server a benchmark runs over mutual TLS beside a mesh (bench predict --tls-cost).
 BENCH_ECHO_IDENTITY = "bench-echo"
 # The embedded trace store (an OTLP receiver every service and Envoy export spans to).
-TRACE_STORE_IDENTITY = "tracestore-0"
+TRACE_STORE_IDENTITY = TRACE_STORE_PART
 
 
 def mesh_identity(spec: MeshSpec) -> MeshIdentity:

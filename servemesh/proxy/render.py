@@ -69,6 +69,7 @@ from servemesh.proxy.admin import ADMIN_SOCKET_MODE, admin_socket_path
 from servemesh.proxy.tls import downstream_tls, upstream_tls
 from servemesh.proxy.tracing import (
     collector_cluster,
+    collector_is_named,
     forced_traces_filter,
     hcm_tracing,
     tracer_runtime,
@@ -1203,6 +1204,11 @@ def _render_all(spec: ResolvedSpec, log_dir: Path, proxy: str) -> EnvoyResources
         if spec.embedded_trace_store_port is not None:
             # The mesh's own trace store takes spans over mutual TLS, as every hop does.
             collector[0]["transport_socket"] = upstream_tls(spec, "tracestore")
+        if spec.discovery.backend == "dns" and collector_is_named(spec):
+            # The store in a container of its own: Envoy resolves its name, as the
+            # services'.
+            del collector[0]["type"]
+            collector[0]["cluster_type"] = _dns_cluster_type(spec.discovery)
         clusters.append(collector[0])
         assignments[collector[0]["name"]] = collector[1]
 

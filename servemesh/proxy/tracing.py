@@ -33,6 +33,7 @@ match the twin.
 from __future__ import annotations
 
 import copy
+import ipaddress
 from typing import Any
 
 from servemesh.contract.wire import TRACE_COLLECTOR_CLUSTER, envoy_trace_service
@@ -99,6 +100,18 @@ def tracer_runtime(spec: ResolvedSpec) -> dict[str, int]:
     if _collector(spec) is None:
         return {}
     return {"tracing.opentelemetry.flush_interval_ms": spec.tracing.export_interval_ms}
+
+
+def collector_is_named(spec: MeshSpec) -> bool:
+    """Whether the collector is a host name for Envoy to resolve (not an address)."""
+    found = _collector(spec)
+    if found is None:
+        return False
+    try:
+        ipaddress.ip_address(found[0])
+    except ValueError:
+        return True
+    return False
 
 
 def collector_cluster(spec: ResolvedSpec) -> tuple[dict[str, Any], dict[str, Any]] | None:

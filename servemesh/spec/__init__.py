@@ -94,6 +94,7 @@ from servemesh.spec.network import (
 from servemesh.spec.observability import (
     SCALER_TARGETS_FILE,
     STREAM_TARGETS_GLOB,
+    TRACE_STORE_PART,
     CostSpec,
     LogsSpec,
     MetricsSpec,
@@ -134,6 +135,7 @@ from servemesh.spec.workloads import (
 )
 
 __all__ = [
+    "TRACE_STORE_PART",
     "BatchingSpec",
     "BatchJobSpec",
     "CacheTierSpec",

@@ -10,6 +10,7 @@ one (servemesh/spec/__init__.py lists them), a running mesh's spec in resolve.py
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,6 +57,7 @@ from servemesh.spec.network import (
     proxy_part,
 )
 from servemesh.spec.observability import (
+    TRACE_STORE_PART,
     CostSpec,
     LogsSpec,
     MetricsSpec,
@@ -225,6 +227,19 @@ class MeshSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _a_named_collector_needs_dns_discovery(self) -> MeshSpec:
+        endpoint = self.tracing.otlp_endpoint
+        if not endpoint or self.discovery.backend == "dns":
+            return self
+        host = endpoint.rpartition(":")[0].strip("[]")
+        if host != "localhost" and not re.fullmatch(r"[\d.]+|[0-9a-fA-F:]+", host):
+            raise ValueError(
+                f"tracing.otlp_endpoint: {host} is a host name, which only discovery.backend "
+                "dns has Envoy resolve; give the collector's address"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _replicas_in_known_zones(self) -> MeshSpec:
         for service in ("gateway", "feature", "model_servers"):
             replicas: Replicas = getattr(self, service)
@@ -369,10 +384,15 @@ class MeshSpec(_Strict):
     def _hosts_name_known_parts(self) -> MeshSpec:
         envoys = {proxy_part(proxy) for proxy in self.proxies()}
         known = {i.name for i in self.instances()} | envoys
+        embedded = getattr(self, "embedded_trace_store_port", None) is not None  # resolved
+        if self.tracing.enabled and (embedded or not self.tracing.otlp_endpoint):
+            known.add(TRACE_STORE_PART)  # the mesh's own trace store
         unknown = sorted(set(self.discovery.hosts) - known)
         if unknown:
             raise ValueError(
-                f"discovery.hosts: names no instance or Envoy ({sorted(envoys)}): {unknown}"
+                f"discovery.hosts: names no instance, Envoy ({sorted(envoys)}) or the mesh's "
+                f"trace store ({TRACE_STORE_PART}, with tracing on and no collector named): "
+                f"{unknown}"
             )
         return self
 

@@ -71,8 +71,17 @@ class PredictionLogSpec(_Strict):
 
 # An OTLP/gRPC collector's address: an IP (or localhost) and a port; Envoy's exporter
 # cluster takes no other names.
+# The embedded trace store's name: its certificate's identity, and its key in
+# discovery.hosts where it runs apart (a container of its own).
+TRACE_STORE_PART = "tracestore-0"
+# An address, or a host name that Envoy resolves itself (a container's, with
+# `discovery.backend: dns`: its trace collector cluster is then a DNS cluster).
 OtlpEndpoint = Annotated[
-    str, Field(pattern=r"^(localhost|\d{1,3}(\.\d{1,3}){3}|\[[0-9a-fA-F:]+\]):\d{1,5}$")
+    str,
+    Field(
+        pattern=r"^(localhost|\d{1,3}(\.\d{1,3}){3}|\[[0-9a-fA-F:]+\]"
+        r"|[a-zA-Z0-9]([a-zA-Z0-9.-]{0,251}[a-zA-Z0-9])?):\d{1,5}$"
+    ),
 ]
 
 

@@ -23,6 +23,7 @@ from servemesh.spec.fleet import (
 from servemesh.spec.mesh import MeshSpec, Profile, Spec
 from servemesh.spec.models import SHARED_POOL
 from servemesh.spec.network import EDGE_PROXY, ENVOY_PART, Ports, free_port, proxy_part
+from servemesh.spec.observability import TRACE_STORE_PART
 
 
 class ResolvedSpec(MeshSpec):
@@ -417,8 +418,11 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
             if known and known.embedded_trace_store_port
             else (base + len(spec.instances()) if base else 0)
         )
+        # Reached where discovery places it (a container of its own in compose), else on
+        # the mesh's host.
+        store_host = spec.discovery.hosts.get(TRACE_STORE_PART, spec.host)
         tracing = tracing.model_copy(
-            update={"otlp_endpoint": f"{spec.host}:{embedded_trace_store_port}"}
+            update={"otlp_endpoint": f"{store_host}:{embedded_trace_store_port}"}
         )
     fields = spec.model_dump(exclude=RESOLVED_FIELDS)
     return ResolvedSpec.model_validate(

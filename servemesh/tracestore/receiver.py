@@ -135,7 +135,8 @@ async def build_server(
     store = TraceStore(store_path(spec.state_dir))
     server = ServiceServer(
         "tracestore",
-        host=spec.host,
+        # Every interface a container's peers reach (discovery.listen_host), else the host.
+        host=spec.listen_host,
         port=spec.embedded_trace_store_port,
         max_message_bytes=spec.limits.max_message_bytes,
         # Spans name requests and entities: only mesh certificates may send them.

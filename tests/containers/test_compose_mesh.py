@@ -148,6 +148,37 @@ def test_the_operator_container_lists_the_registry_s_models_with_their_live_weig
     assert running == []
 
 
+def test_a_traced_predict_is_read_back_whole_on_the_host(compose_mesh: str) -> None:
+    """`predict --trace` through the edge: every hop (the edge's and the zone's Envoys, the
+    gateway, feature and model containers) sends its spans to the trace store container,
+    and `servemesh trace` on the host reads the trace whole from the rendered state dir."""
+    from tests.waiting import wait_until
+
+    done = subprocess.run(
+        [str(REPO / ".venv" / "bin" / "servemesh"), "predict", "--model", "fraud",
+         "--entity", "user-43", "--address", f"127.0.0.1:{EDGE_PORT}",
+         "--spec", "deploy/compose/mesh-dns.yaml", "--state-dir", str(RENDERED / "state"),
+         "--trace", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    request_id = json.loads(done.stdout)["request_id"]
+
+    def services() -> set[str]:
+        shown = servemesh("trace", request_id, "--json")
+        if shown.returncode != 0:
+            return set()
+        return {span["service"] for span in json.loads(shown.stdout)["spans"]}
+
+    def whole() -> bool:
+        found = services()
+        kinds = {name.split("-")[0] for name in found}
+        return "envoy-edge" in found and {"gateway", "feature", "model"} <= kinds
+
+    # Spans leave each process in batches (tracing.export_interval_ms): wait for the last.
+    wait_until(whole, "every hop's spans of the trace", timeout_s=60)
+
+
 def predict() -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [

@@ -328,3 +328,43 @@ def test_in_the_dns_compose_file_each_zone_is_a_network_and_only_envoys_cross_zo
     assert networks(proxy_part(EDGE_PROXY)) == {"front", *zones}
     published = [name for name, service in compose.services.items() if service.ports]
     assert published == [proxy_part(EDGE_PROXY)]
+
+
+def test_the_compose_mesh_traces_into_a_trace_store_container_envoy_resolves(
+    tmp_path: Path,
+) -> None:
+    """Tracing on in the DNS compose spec: the trace store is a container (tracestore-0)
+    on every zone's network, checked at the port the render gives it; the Envoys' trace
+    collector is a DNS cluster of its name over mutual TLS, and the services export to
+    the same name."""
+    from servemesh.discovery.compose import render_compose
+    from servemesh.spec import TRACE_STORE_PART
+
+    rendered = render_compose(DNS_SPEC, tmp_path / "out")
+    spec = rendered.spec
+    port = spec.embedded_trace_store_port
+    assert spec.tracing.enabled and port is not None
+    assert spec.tracing.otlp_endpoint == f"{TRACE_STORE_PART}:{port}"
+    assert (tmp_path / "out" / "state" / "tls" / TRACE_STORE_PART).is_dir()
+    for file in (DNS_COMPOSE, REPO / "deploy" / "compose" / "stack.yml"):
+        raw = yaml.safe_load(file.read_text())["services"][TRACE_STORE_PART]
+        assert set(raw["networks"]) == set(spec.zones), file
+        assert f"127.0.0.1:{port}" in " ".join(raw["healthcheck"]["test"]), file
+    clusters = yaml.safe_load(
+        (tmp_path / "out" / "state" / "xds" / "cds" / "clusters.yaml").read_text()
+    )
+    [collector] = [c for c in clusters["resources"] if c["name"] == "trace_collector"]
+    assert collector["cluster_type"]["name"] == "envoy.cluster.dns"
+    assert "transport_socket" in collector
+    address = collector["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert address["address"]["socket_address"] == {"address": TRACE_STORE_PART, "port_value": port}
+
+
+def test_a_collector_named_by_host_name_needs_dns_discovery() -> None:
+    from servemesh.spec import MeshSpec
+
+    with pytest.raises(ValueError, match="only discovery.backend dns"):
+        MeshSpec.model_validate({"tracing": {"otlp_endpoint": "jaeger:4317"}})
+    named = {"otlp_endpoint": "jaeger:4317"}
+    dns = MeshSpec.model_validate({"tracing": named, "discovery": {"backend": "dns"}})
+    assert dns.tracing.otlp_endpoint == "jaeger:4317"

@@ -529,6 +529,8 @@ _listed(
     "servemesh routes set fraud v1=50 v2=50 --state-dir deploy/compose/rendered-dns/state",
     "servemesh apply /tmp/cb.yaml --state-dir deploy/compose/rendered-dns/state",
     "servemesh routes show --state-dir deploy/compose/rendered-dns/state",
+    "servemesh predict --model fraud --entity user-42 --address 127.0.0.1:18443 --spec deploy/compose/mesh-dns.yaml --state-dir deploy/compose/rendered-dns/state --trace",
+    "servemesh trace 4feb0259-d85a-4e96-8b26-188f63e2a1c4 --state-dir deploy/compose/rendered-dns/state",
 )
 _listed(
     "docs/multihost.md",
