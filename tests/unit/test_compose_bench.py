@@ -21,7 +21,11 @@ def test_the_up_mesh_has_the_compose_shape_on_loopback(tmp_path: Path) -> None:
         compose.feature,
         compose.model_servers,
     )
-    assert local.metrics.prometheus == "off" and not local.tracing.enabled
+    # No Prometheus in either; both trace into the mesh's own store (a container there,
+    # the launcher's process here: the up mesh names no collector).
+    assert local.metrics.prometheus == "off"
+    assert local.tracing.enabled and compose.tracing.enabled and not local.tracing.otlp_endpoint
+    assert resolve(local).embedded_trace_store_port is not None
     # Nothing of the containers' world: the file catalog, the launcher's Redis, loopback.
     assert local.discovery.backend == "file" and not local.discovery.hosts
     assert local.feature_store.redis_url is None

@@ -132,7 +132,7 @@ def test_each_envoy_of_the_per_zone_layout_is_a_part_discovery_hosts_can_place()
     assert spec.mesh_address_for("zone-b").startswith("b-host:")
     assert spec.proxy_stats_address("zone-b").startswith("b-host:")
     # In the shared layout there is no zone Envoy to place.
-    with pytest.raises(ValueError, match=r"discovery.hosts: names no instance or Envoy"):
+    with pytest.raises(ValueError, match=r"discovery.hosts: names no instance, Envoy"):
         MeshSpec.model_validate(
             {"proxy": {"layout": "shared"}, "discovery": {"hosts": {"envoy-zone-a": "a-host"}}}
         )
