@@ -519,7 +519,6 @@ _listed(
     "a walk-through that deletes the store's keys between its steps; "
     "tests/feature/test_store_backup.py runs backup and restore against a real Redis",
     "servemesh features backup --out /tmp/fsbk/bk1",
-    "servemesh predict --model fraud --entity user-42",
     "servemesh features restore /tmp/fsbk/bk1",
 )
 _listed(
