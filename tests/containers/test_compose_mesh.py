@@ -136,7 +136,8 @@ def test_the_operator_container_lists_the_registry_s_models_with_their_live_weig
     from the Envoys' mounted admin sockets."""
     done = make("compose-operator", "ARGS=models list --json", timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    listed = json.loads(done.stdout[done.stdout.index("[") :])
+    # The command's one line of JSON, after make's echo of what it runs.
+    listed = json.loads(next(x for x in reversed(done.stdout.splitlines()) if x.startswith("[{")))
     weights = {(row["model"], row["version"]): row["weight"] for row in listed}
     assert weights == {("fraud", "v1"): 100, ("fraud", "v2"): 0}, listed
     # One-shot: nothing of it is left running.
