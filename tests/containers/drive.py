@@ -4,6 +4,7 @@ edge published on this host, and what that load saw."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +13,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from servemesh.load import BackgroundLoad
     from servemesh.load.outcome import Outcome
+
+
+def engine_missing(*tools: str) -> str | None:
+    """Why the lane cannot run here (a client missing from PATH, no Docker engine
+    answering), or None: each module skips with this reason."""
+    for tool in ("docker", *tools):
+        if shutil.which(tool) is None:
+            return f"no {tool} on PATH (apt-get install docker.io docker-compose)"
+    info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=30)
+    if info.returncode != 0:
+        return "no Docker engine answers (.ci/run starts one as root): " + info.stderr.strip()
+    return None
 
 
 def inspect(container: str) -> Any:

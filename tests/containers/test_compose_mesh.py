@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.containers.drive import answers_after, edge_load, failures
+from tests.containers.drive import answers_after, edge_load, engine_missing, failures
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = os.environ.get("IMAGE_TAG", "dev")
@@ -33,16 +32,6 @@ LABEL = f"label=com.docker.compose.project={PROJECT}"
 
 # A cold `make images` takes minutes; the mesh's start a minute or two on two cores.
 pytestmark = pytest.mark.timeout(1800)
-
-
-def _missing() -> str | None:
-    for tool in ("docker", "docker-compose"):
-        if shutil.which(tool) is None:
-            return f"no {tool} on PATH (apt-get install docker.io docker-compose)"
-    info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=30)
-    if info.returncode != 0:
-        return "no Docker engine answers: " + info.stderr.strip()
-    return None
 
 
 def make(*targets: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -72,7 +61,7 @@ def leftovers() -> dict[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def compose_mesh() -> Iterator[str]:
-    reason = _missing()
+    reason = engine_missing("docker-compose")
     if reason is not None:
         pytest.skip(reason)
     started = time.monotonic()

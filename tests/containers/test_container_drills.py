@@ -12,7 +12,6 @@ from `make images` (the lane's first module builds them).
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 
 from servemesh.chaos.runner import DrillResult, run_drill
+from tests.containers.drive import engine_missing
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = REPO / "deploy" / "compose"
@@ -40,13 +40,9 @@ SHORT: dict[str, Any] = {
 
 @pytest.fixture(autouse=True)
 def _engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    if shutil.which("docker") is None or shutil.which("docker-compose") is None:
-        pytest.skip(
-            "no docker or docker-compose on PATH (apt-get install docker.io docker-compose)"
-        )
-    info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=30)
-    if info.returncode != 0:
-        pytest.skip("no Docker engine answers: " + info.stderr.strip())
+    reason = engine_missing("docker-compose")
+    if reason is not None:
+        pytest.skip(reason)
     # The drill's paths (the compose file and spec) are relative to a checkout's root.
     monkeypatch.chdir(REPO)
 

@@ -8,11 +8,12 @@ engine they are skipped, saying why.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.containers.drive import engine_missing
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = os.environ.get("IMAGE_TAG", "dev")
@@ -26,20 +27,10 @@ PROMETHEUS = f"servemesh-prometheus:{TAG}"
 pytestmark = pytest.mark.timeout(1500)
 
 
-def _engine_missing() -> str | None:
-    """Why no image can be built or run here, or None when an engine answers."""
-    if shutil.which("docker") is None:
-        return "no docker client on PATH (apt-get install docker.io)"
-    info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=30)
-    if info.returncode != 0:
-        return "no Docker engine answers (.ci/run starts one as root): " + info.stderr.strip()
-    return None
-
-
 @pytest.fixture(scope="module", autouse=True)
 def images() -> None:
     """Builds the images, or reuses them when nothing changed (every step is cached)."""
-    reason = _engine_missing()
+    reason = engine_missing()
     if reason is not None:
         pytest.skip(reason)
     built = subprocess.run(

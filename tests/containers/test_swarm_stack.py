@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.containers.drive import answers_after, edge_load, failures, inspect
+from tests.containers.drive import answers_after, edge_load, engine_missing, failures, inspect
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = os.environ.get("IMAGE_TAG", "dev")
@@ -32,17 +32,6 @@ LABEL = f"label=com.docker.stack.namespace={STACK}"
 POOL_A = f"{STACK}_model-fraud-zone-a-0"
 
 pytestmark = pytest.mark.timeout(1800)
-
-
-def _missing() -> str | None:
-    import shutil
-
-    if shutil.which("docker") is None:
-        return "no docker on PATH (apt-get install docker.io)"
-    info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=30)
-    if info.returncode != 0:
-        return "no Docker engine answers: " + info.stderr.strip()
-    return None
 
 
 def docker(*args: str, timeout: float = 60) -> str:
@@ -80,7 +69,7 @@ def leftovers() -> dict[str, list[str]]:
 
 @pytest.fixture(scope="module")
 def swarm_stack() -> Iterator[str]:
-    reason = _missing()
+    reason = engine_missing()
     if reason is not None:
         pytest.skip(reason)
     before = swarm_state()
