@@ -122,12 +122,14 @@ def test_zone_outage_is_invisible_and_traffic_comes_back(tmp_path: Path) -> None
     watch = method_output(result, "watch-the-recovery")
     assert watch["recovered"] is True and watch["interrupted"] is False, watch
     assert watch["end_s"] - watch["start_s"] < SHORT["recover_s"], watch
-    # Traffic came back within two of the report's whole windows: the first that starts
-    # once the replicas were up again, or the next on a loaded host (a fresh-clone run of
-    # the suite read 3.5 s).
+    # Traffic came back within three of the report's whole windows. Usually it is the
+    # first that starts once the replicas were up again (a fresh-clone run read 3.5 s); but
+    # a restarted replica that fails its first call on a loaded host is ejected, and sits
+    # out the outlier's base ejection time (5 s: a passing health check does not let it
+    # back early, by design), which a fresh-clone run read as 6.7 s.
     back = summary["numbers"]["zones_back_s"]
     report = Path(summary["files"]["report"]).read_text()
-    assert back is not None and back <= 2 * RECOVERY_WINDOW_S, report
+    assert back is not None and back <= 3 * RECOVERY_WINDOW_S, report
     assert summary["numbers"]["failed"] <= summary["numbers"]["sent"] * 0.005
 
 
