@@ -14,10 +14,13 @@ so a snapshot copies only those no earlier snapshot in the folder has; each is h
 it is copied and a mismatch fails the backup (the store's own copy is damaged). A snapshot
 is written under a temporary name and renamed whole: a crash leaves no half snapshot.
 
-Restore goes through the registry's API into an empty registry, after checking the whole
-snapshot first: every artifact there, of its recorded size and sha256, the database
-intact. A damaged backup is refused with the list of what is wrong, and nothing is
-written. The registry verifies each upload's sha256 again as it stores it.
+Restore goes through the registry's API, after checking the whole snapshot first: every
+artifact there, of its recorded size and sha256, the database intact. A damaged backup is
+refused with the list of what is wrong, and nothing is written. By default it goes into an
+empty registry; with `missing_only` it puts back into a registry that still holds some of
+it only what is missing (models, versions, aliases no one has set), and refuses, before
+writing anything, a version the registry holds with other bytes than the snapshot's. The
+registry verifies each upload's sha256 again as it stores it.
 """
 
 from __future__ import annotations
@@ -258,6 +261,24 @@ class Restored:
     versions: int
     aliases: int
     seconds: float  # from the start of the restore to its last alias set
+    # With missing_only: the versions the registry held already (same sha256), left alone,
+    # and the aliases it points elsewhere now, kept as the registry has them.
+    already_there: int = 0
+    aliases_kept: list[str] = field(default_factory=list)
+
+
+async def _held(stub: Any, registry_pb2: Any) -> tuple[dict[str, Any], dict[tuple[str, str], str]]:
+    """The registry's models now (by name) and each version's sha256."""
+    models = {
+        m.name: m
+        for m in (await stub.ListModels(registry_pb2.ListModelsRequest(), timeout=10)).models
+    }
+    versions: dict[tuple[str, str], str] = {}
+    for name in models:
+        listed = await stub.ListVersions(registry_pb2.ListVersionsRequest(model=name), timeout=10)
+        for v in listed.versions:
+            versions[(name, v.version)] = v.sha256
+    return models, versions
 
 
 async def restore(
@@ -268,9 +289,11 @@ async def restore(
     *,
     max_artifact_bytes: int,
     progress: Callable[[str], None] = lambda _: None,
+    missing_only: bool = False,
 ) -> Restored:
     """Every model, version and alias of the snapshot (the newest when None) into the
-    empty registry behind `channel` (grpc.aio), through its API."""
+    empty registry behind `channel` (grpc.aio), through its API; with `missing_only`, what
+    of it the registry lacks (see the module's docstring)."""
     from servemesh.registry.client import push_version, set_alias
     from servemesh.registry.store import RegistryStore
     from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
@@ -287,11 +310,11 @@ async def restore(
         listed = "\n  ".join(problems)
         raise BackupDamaged(f"snapshot {chosen} is damaged; nothing restored:\n  {listed}")
     stub = registry_pb2_grpc.RegistryStub(channel)
-    there = await stub.ListModels(registry_pb2.ListModelsRequest(), timeout=10)
-    if there.models:
-        held = sorted(m.name for m in there.models)
+    held_models, held_versions = await _held(stub, registry_pb2)
+    if held_models and not missing_only:
         raise RestoreRefused(
-            f"the registry is not empty (models {held}): restore goes into an empty one"
+            f"the registry is not empty (models {sorted(held_models)}): restore goes into an "
+            "empty one"
         )
     with tempfile.TemporaryDirectory(prefix="servemesh-restore-") as scratch:
         # The store's own reader, on a copy (an older snapshot's schema migrated there).
@@ -303,14 +326,29 @@ async def restore(
             versions = {m.name: copy.list_versions(m.name) for m in models}
         finally:
             copy.close()
-    count = aliases = 0
+    clashes = [
+        f"{r.model}/{r.version}: the registry holds sha256 {held_versions[(r.model, r.version)]}, "
+        f"the snapshot {r.sha256}"
+        for model in models
+        for r in versions[model.name]
+        if held_versions.get((r.model, r.version), r.sha256) != r.sha256
+    ]
+    if clashes:
+        listed = "\n  ".join(clashes)
+        raise RestoreRefused(f"versions differ from the snapshot's; nothing restored:\n  {listed}")
+    count = aliases = there = 0
+    kept: list[str] = []
     for model in models:
-        await stub.CreateModel(
-            registry_pb2.CreateModelRequest(name=model.name, description=model.description),
-            timeout=10,
-            metadata=credential,
-        )
+        if model.name not in held_models:
+            await stub.CreateModel(
+                registry_pb2.CreateModelRequest(name=model.name, description=model.description),
+                timeout=10,
+                metadata=credential,
+            )
         for record in versions[model.name]:
+            if (record.model, record.version) in held_versions:
+                there += 1
+                continue
             data = blob_path(out, record.sha256).read_bytes()
             await push_version(
                 channel,
@@ -327,7 +365,13 @@ async def restore(
             )
             count += 1
             progress(f"{record.model}/{record.version}")
+        now_aliases = dict(held_models[model.name].aliases) if model.name in held_models else {}
         for alias, version in model.aliases.items():
+            if alias in now_aliases:
+                if now_aliases[alias] != version:
+                    # Set since the snapshot: the registry's newer choice stands.
+                    kept.append(f"{model.name}@{alias} -> {now_aliases[alias]}")
+                continue
             await set_alias(channel, model.name, alias, version, credential=credential)
             aliases += 1
     return Restored(
@@ -336,6 +380,8 @@ async def restore(
         versions=count,
         aliases=aliases,
         seconds=round(time.monotonic() - began, 3),
+        already_there=there,
+        aliases_kept=kept,
     )
 
 

@@ -38,6 +38,8 @@ COMMAND_MODULES: dict[str, str] = {
     "auth": "auth",
     "chaos": "chaos",
     "features": "features",
+    "backup": "backup",
+    "restore": "backup",
     "stream": "stream",
     "fuzz": "fuzz",
     "top": "top",

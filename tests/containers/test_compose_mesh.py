@@ -1,7 +1,8 @@
 """The compose mesh on the local images, for real: `make compose-up` (deploy/compose/dns.yml,
 no Consul, no Jaeger: Envoy resolves the compose service names), a live weight change from
-the host under load, a Predict through the edge over TLS with the operator command line,
-and `make compose-down` leaving no container, network or volume of the project behind.
+the host under load, canary rollouts run from the operator's container, a Predict through
+the edge over TLS with the operator command line, and `make compose-down` leaving no
+container, network or volume of the project behind.
 The drills on containers run through the chaos suite: test_container_drills.py.
 
 Marked `containers` (tests/conftest.py) and skipped without a Docker engine or
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.containers.drive import answers_after, edge_load, engine_missing, failures
 
@@ -167,6 +169,63 @@ def test_a_traced_predict_is_read_back_whole_on_the_host(compose_mesh: str) -> N
 
     # Spans leave each process in batches (tracing.export_interval_ms): wait for the last.
     wait_until(whole, "every hop's spans of the trace", timeout_s=60)
+
+
+def operator_rollout(plan: str) -> subprocess.CompletedProcess[str]:
+    return make("compose-operator", f"ARGS=rollout start fraud v2 --plan {plan}", timeout=600)
+
+
+def test_canaries_run_from_the_operator_container_roll_back_on_scores_and_promote_and_lose_no_call(
+    compose_mesh: str,
+) -> None:
+    """`servemesh rollout start` in the operator's container (its networks reach each
+    gateway's /metrics): it moves fraud's weights step by step through the Envoys' mounted
+    files and admin sockets and judges each step on the gateways' counters. The demo's v2
+    is another model, so the shipped plan rolls it back on its scores' distribution; a plan
+    that does not judge scores promotes it. The load through the edge loses no call, and
+    the host's command line reads what the container recorded."""
+    # A plan the container reads from /work (the repository, mounted read-only): the
+    # shipped one without a limit on the scores' distribution.
+    loose = REPO / "build" / "test-plans" / "canary-any-scores.yaml"
+    loose.parent.mkdir(parents=True, exist_ok=True)
+    plan = yaml.safe_load((REPO / "deploy" / "compose" / "canary-plan.yaml").read_text())
+    plan["analysis"]["max_psi"] = 1000
+    loose.write_text(yaml.safe_dump(plan))
+    with edge_load(EDGE_PORT) as load:
+        judged = operator_rollout("deploy/compose/canary-plan.yaml")
+        assert judged.returncode == 2, judged.stdout[-4000:] + judged.stderr[-4000:]
+        assert "Error 3" in judged.stderr, judged.stderr[-2000:]  # the rollout's own status
+        assert "rolled back: step 25%: psi fail" in judged.stdout, judged.stdout[-4000:]
+        started_at = load.now_s()
+        done = operator_rollout(str(loose.relative_to(REPO)))
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        assert "promoted: " in done.stdout, done.stdout[-4000:]
+        promoted_at = load.now_s()
+        answers_after(load, promoted_at, "answers after the promotion", count=40)
+    outcomes, failed = failures(load)
+    during = [o.version for o in outcomes if o.ok and started_at < o.sent_s < promoted_at]
+    after = [o.version for o in outcomes if o.ok and o.sent_s > promoted_at + 1]
+    print(f"{len(outcomes)} calls, {len(failed)} failed; during the promoted rollout "
+          f"{during.count('v2')} of {len(during)} from v2")  # fmt: skip
+    assert not load.error, load.error
+    assert failed == [], failed[:10]
+    assert {"v1", "v2"} <= set(during), during
+    assert set(after) == {"v2"}, after
+
+    # What the container recorded is the host's to read: the rollouts and the routes.
+    history = servemesh("rollout", "history", "fraud", "--json")
+    assert history.returncode == 0, history.stdout + history.stderr
+    events = json.loads(history.stdout)
+    ends = [(e["event"], e["version"]) for e in events if e["event"] in ("rolled_back", "promoted")]
+    assert ends[-2:] == [("rolled_back", "v2"), ("promoted", "v2")], events
+    steps = [e["step"] for e in events if e["event"] == "step"]
+    assert steps[-3:] == ["25%", "50%", "100%"], events
+    shown = servemesh("routes", "show", "--json")
+    weights = {row["version"]: row["weight"] for row in json.loads(shown.stdout)}
+    assert weights == {"v1": 0, "v2": 100}, shown.stdout
+    # Back to v1 from the host, as an operator would after a demonstration.
+    back = servemesh("routes", "set", "fraud", "v1=100", "v2=0")
+    assert back.returncode == 0, back.stdout + back.stderr
 
 
 def predict() -> subprocess.CompletedProcess[str]:

@@ -2,7 +2,8 @@
 snapshot taken while uploads go on is consistent and copies only what is new; a damaged
 backup is refused naming each fault, and nothing is restored; a restore into an empty
 registry brings every model, version (sha256, labels, lineage) and alias back through the
-API, and a registry that is not empty is refused; pruning keeps the newest; the schedule
+API, and a registry that is not empty is refused unless only what it lacks is asked for
+(then a version it holds with other bytes refuses the whole restore); pruning keeps the newest; the schedule
 takes snapshots on its own."""
 
 from __future__ import annotations
@@ -144,6 +145,50 @@ async def test_a_restore_brings_every_version_and_alias_back_into_an_empty_regis
         ]
         with empty.open_artifact(after[1]) as handle:
             assert handle.read() == demo2.data
+
+
+async def test_missing_only_puts_back_what_a_registry_lacks_and_refuses_other_bytes(
+    registry: RunningRegistry, demo1: Artifact, demo2: Artifact, tmp_path: Path
+) -> None:
+    out = tmp_path / "backups"
+    await seeded(registry, demo1, demo2)
+    await asyncio.to_thread(take_backup, registry.store.root, out)
+    async with another_registry(tmp_path / "partial") as (partial, channel):
+        # It lost churn and fraud/v2, and its stable alias moved on since the snapshot.
+        await push_version(
+            channel, model="fraud", version="v1", data=demo1.data, inputs=INPUTS,
+            outputs=OUTPUTS, credential=TEST_CREDENTIAL,
+        )  # fmt: skip
+        await push_version(
+            channel, model="fraud", version="v9", data=demo2.data, inputs=INPUTS,
+            outputs=OUTPUTS, credential=TEST_CREDENTIAL,
+        )  # fmt: skip
+        await set_alias(channel, "fraud", "stable", "v9", credential=TEST_CREDENTIAL)
+        done = await restore(
+            out, None, channel, TEST_CREDENTIAL, max_artifact_bytes=1 << 22, missing_only=True
+        )
+        assert (done.versions, done.already_there, done.aliases) == (2, 1, 0)
+        assert done.aliases_kept == ["fraud@stable -> v9"]
+        assert [m.name for m in partial.list_models()] == ["churn", "fraud"]
+        assert sorted(r.version for r in partial.list_versions("fraud")) == ["v1", "v2", "v9"]
+        assert partial.get_model("fraud").aliases == {"stable": "v9"}
+        again = await restore(
+            out, None, channel, TEST_CREDENTIAL, max_artifact_bytes=1 << 22, missing_only=True
+        )
+        assert (again.versions, again.already_there) == (0, 3)
+
+    async with another_registry(tmp_path / "other") as (other, channel):
+        # The same name with other bytes: refused before anything is written.
+        await push_version(
+            channel, model="fraud", version="v2", data=demo1.data, inputs=INPUTS,
+            outputs=OUTPUTS, credential=TEST_CREDENTIAL,
+        )  # fmt: skip
+        with pytest.raises(RestoreRefused, match="fraud/v2: the registry holds sha256"):
+            await restore(
+                out, None, channel, TEST_CREDENTIAL, max_artifact_bytes=1 << 22, missing_only=True
+            )
+        assert [m.name for m in other.list_models()] == ["fraud"]
+        assert [r.version for r in other.list_versions("fraud")] == ["v2"]
 
 
 async def test_pruning_keeps_the_newest_and_the_artifacts_they_name(

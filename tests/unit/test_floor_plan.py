@@ -147,6 +147,9 @@ ALLOWED: dict[str, set[str]] = {
     "quantize": CONTRACT | {"edge", "registry", "services.model", "sandbox"},
     # loads a user's feature file through a running mesh's feature service (its row checks)
     "features": CONTRACT | {"proxy", "services.feature"},
+    # backups of every store a mesh keeps and their restore: the registry's snapshots, the
+    # feature store's keys, the prediction log's files, the routes through the route manager
+    "recovery": CONTRACT | {"registry", "features", "predlog", "proxy", "state"},
     # the command line (servemesh/cli/, one module per command group): `compose` and
     # `control-plane` render the containers' topology and seed their registry, `log` reads
     # the prediction log, `models push` checks and probes a model with the model server's
@@ -163,6 +166,7 @@ ALLOWED: dict[str, set[str]] = {
         "capacity",
         "fuzz",
         "features",
+        "recovery",
         "edge",
         "quantize",
         "streams",
