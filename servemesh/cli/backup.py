@@ -104,8 +104,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     for column in ("part", "what", "seconds"):
         table.add_column(column)
     for name, part in done.parts.items():
-        what = ", ".join(f"{k} {v}" for k, v in part.detail.items() if v not in ([], None))
-        table.add_row(name, what, f"{part.seconds:g}")
+        table.add_row(name, _restored_text(name, part.detail), f"{part.seconds:g}")
     out.print(table)
     out.print(
         f"recovery time {done.seconds:g} s; recovery point: the backup was "
@@ -113,6 +112,26 @@ def cmd_restore(args: argparse.Namespace) -> int:
         markup=False,
     )
     return 0
+
+
+def _restored_text(part: str, detail: dict[str, Any]) -> str:
+    """What one part put back, in words."""
+    if part == "registry":
+        text = (
+            f"{detail['versions']} versions and {detail['aliases']} aliases put back, "
+            f"{detail['already_there']} versions held already"
+        )
+        kept = detail.get("aliases_kept") or []
+        return text + (f"; aliases moved since, kept: {', '.join(kept)}" if kept else "")
+    if part == "features":
+        return f"{detail['keys']:,} keys written back"
+    if part == "predictions":
+        return f"{detail['files']} files put back, {detail['already_there']} held already"
+    changed = detail.get("changed") or []
+    words = [f"set {c}" for c in changed] or ["every model's routes as in the backup"]
+    words += [f"left {s}" for s in detail.get("skipped") or []]
+    words += [f"put back {r}" for r in detail.get("records_put_back") or []]
+    return "; ".join(words)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

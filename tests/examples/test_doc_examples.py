@@ -522,6 +522,14 @@ _listed(
     "servemesh features restore /tmp/fsbk/bk1",
 )
 _listed(
+    "docs/operators.md",
+    "a walk-through that deletes keys, log files and moves weights between its steps; "
+    "tests/mesh/test_mesh_backup.py runs backup and restore on a real mesh",
+    "servemesh backup --out /tmp/bkdemo/bk1",
+    "servemesh restore /tmp/bkdemo/bk2",
+    "servemesh restore /tmp/bkdemo/bk1",
+)
+_listed(
     "docs/multihost.md",
     "needs the compose mesh (or the Swarm stack) up on the local images; "
     "tests/containers/test_compose_mesh.py and test_swarm_stack.py run them",
