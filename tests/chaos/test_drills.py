@@ -153,6 +153,29 @@ def test_feature_store_down_answers_fallbacks_then_real_scores(tmp_path: Path) -
     assert summary["numbers"]["time_to_recover_s"] <= 3
 
 
+def test_feature_data_loss_is_restored_from_its_backup_with_rpo_and_rto(tmp_path: Path) -> None:
+    result = drill("feature-data-loss", tmp_path)
+    assert result.verdict == "held", result.text
+    summary = result.summary
+    (loss,) = summary["windows"]
+    assert loss["label"] == "feature data lost"
+    # While the data was gone callers were told so (NOT_FOUND names the entity), never
+    # answered a made-up score.
+    assert loss["degraded"] == 0
+    assert set(loss["codes"]) <= {"OK", "NOT_FOUND"}, loss["codes"]
+    assert method_output(result, "answered-while-lost-pct") == 0.0
+    came_back = method_output(result, "what-came-back")
+    assert came_back["ok"] is True and came_back["missing"] == 0, came_back
+    assert came_back["backed_up"] > 100, came_back  # the demo's rows and views
+    assert came_back["lost_after_backup"] == ["fs:drill-late-row"], came_back
+    assert came_back["rto_s"] is not None and came_back["rpo_s"] is not None
+    assert "RTO:" in (result.out_dir / "feature-restore.md").read_text()
+    # Real scores again once the restore wrote the keys back.
+    after = summary["phases"]["after faults"]
+    assert after["failed"] == 0 and after["degraded"] == 0, after
+    assert summary["numbers"]["time_to_recover_s"] is not None
+
+
 def test_bad_canary_is_rolled_back_by_the_controller_with_bounded_damage(tmp_path: Path) -> None:
     result = drill("bad-canary", tmp_path)
     assert result.verdict == "held", result.text

@@ -39,6 +39,7 @@ DRILLS = {
     "feature-store-down",
     "registry-down",
     "registry-restore",
+    "feature-data-loss",
     "bad-canary",
     "inter-zone-partition",
     "rollout-controller-killed",

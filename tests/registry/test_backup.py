@@ -3,8 +3,8 @@ snapshot taken while uploads go on is consistent and copies only what is new; a 
 backup is refused naming each fault, and nothing is restored; a restore into an empty
 registry brings every model, version (sha256, labels, lineage) and alias back through the
 API, and a registry that is not empty is refused unless only what it lacks is asked for
-(then a version it holds with other bytes refuses the whole restore); pruning keeps the newest; the schedule
-takes snapshots on its own."""
+(then a version it holds with other bytes refuses the whole restore); pruning keeps the
+newest; the schedule takes snapshots on its own."""
 
 from __future__ import annotations
 

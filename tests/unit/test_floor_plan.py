@@ -102,10 +102,11 @@ ALLOWED: dict[str, set[str]] = {
     # what runs meshes and measures them; the chaos suite is imported by the CLI alone
     # (its drills drive `servemesh rollout` as a command, and read the state it records;
     # the registry-restore drill backs the registry up and restores it with its own module;
-    # a container drill renders its compose project as `compose init` does, with discovery's)
+    # a container drill renders its compose project as `compose init` does, with discovery's;
+    # the feature-data-loss drill backs the feature store up and restores it with features')
     "chaos": CONTRACT
     | TOOLING
-    | {"launcher", "seeding", "services.runtime", "streams", "registry", "discovery"},
+    | {"launcher", "seeding", "services.runtime", "streams", "registry", "discovery", "features"},
     # the benchmarks (servemesh/bench/): each runs what it measures on a mesh of its own
     # (launcher) or as bare servers (the services' own servicers, the model server's
     # loader, batch scoring on a registry and Redis of its own), with its peer (Triton, the
