@@ -116,6 +116,12 @@ def _summary(summary: LoadSummary, file: str) -> None:
         f"into view {summary.view!r} as version {summary.version} in {summary.seconds:.2f} s "
         f"({summary.rows_per_second:,.0f} rows/s){replaced}"
     )
+    if summary.replicas_acknowledged == 0:
+        out.print(
+            "warning: no replica of the store held the load when it was acknowledged: the "
+            "primary has it, and a failover now could lose it; load the file again to be sure",
+            markup=False,
+        )
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -56,6 +56,9 @@ class LoadSummary:
     replaced_version: int
     deleted_keys: int
     seconds: float
+    # A replicated store's replicas that held the load when it was acknowledged (0: none
+    # within the wait); -1: a single Redis.
+    replicas_acknowledged: int = -1
 
     @property
     def rows_per_second(self) -> float:
@@ -196,4 +199,5 @@ def load_file(
         replaced_version=reply.replaced_version,
         deleted_keys=reply.deleted_keys,
         seconds=time.perf_counter() - started,
+        replicas_acknowledged=reply.replicas_acknowledged,
     )

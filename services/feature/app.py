@@ -24,7 +24,12 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
     clients = store_clients(spec, zone)
     client = clients.writer
     store = RedisFeatureStore(
-        client, spec.feature_store.key_prefix, reader=clients.reader, lag_s=clients.lag
+        client,
+        spec.feature_store.key_prefix,
+        reader=clients.reader,
+        lag_s=clients.lag,
+        # A replicated store acknowledges a load once a replica holds it too.
+        load_ack_replicas=1 if spec.feature_store.topology == "replicated" else 0,
     )
     server = ServiceServer(
         instance,

@@ -681,6 +681,7 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
                 "rows": result.rows,
                 "replaced": result.replaced,
                 "deleted_keys": result.deleted_keys,
+                "replicas_acked": result.replicas_acked,
                 "ms": round((time.perf_counter() - started) * 1000, 1),
             },
         )
@@ -691,6 +692,7 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
             entities=result.rows,
             replaced_version=result.replaced,
             deleted_keys=result.deleted_keys,
+            replicas_acknowledged=-1 if result.replicas_acked is None else result.replicas_acked,
         )
 
     async def _receive(

@@ -169,6 +169,10 @@ class LoadResult:
     rows: int
     replaced: int  # 0: the view had no version
     deleted_keys: int
+    # A replicated store: how many replicas had every row and the swap when the load was
+    # acknowledged (None: a single Redis, nothing to wait for). 0 means the wait timed out:
+    # the load is current on the primary, and a failover right now could lose it.
+    replicas_acked: int | None = None
 
 
 def pack_rows(values: np.ndarray, event_ms: np.ndarray) -> list[bytes]:
@@ -237,6 +241,12 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+# How long a replicated store's load waits for a replica to hold it before it is
+# acknowledged all the same (saying no replica did): well within the writer's socket
+# timeout (5 s, services/feature/replica.py), which would otherwise end the wait as an error.
+LOAD_ACK_TIMEOUT_MS = 2000
+
+
 class RedisFeatureStore:
     """Reads, writes and loads views; every read is one MGET round trip."""
 
@@ -247,6 +257,8 @@ class RedisFeatureStore:
         *,
         reader: aioredis.Redis | None = None,
         lag_s: Callable[[], float] | None = None,
+        load_ack_replicas: int = 0,
+        load_ack_timeout_ms: int = LOAD_ACK_TIMEOUT_MS,
     ) -> None:
         # `client` writes (a replicated store's primary, found through Sentinel); `reader`,
         # when given, answers reads (the zone's replica) while its lag, `lag_s()`, is
@@ -254,6 +266,11 @@ class RedisFeatureStore:
         self.client = client
         self.reader = reader or client
         self.lag_s = lag_s
+        # A load is acknowledged once this many replicas hold it (WAIT), at most this long:
+        # replication is asynchronous, and a primary lost right after a commit would take
+        # an acknowledged load with it.
+        self.load_ack_replicas = load_ack_replicas
+        self.load_ack_timeout_ms = load_ack_timeout_ms
         self.key_prefix = key_prefix
         self._cached: dict[str, ViewVersion | None] = {}
         self._renew = client.register_script(_RENEW)
@@ -539,7 +556,18 @@ class StagedLoad:
             store.view_key(self.view, "current"),
             store.version_key(self.view, self.version),
         ]
-        replaced = int(await store._swap(keys=keys, args=[self.version, self.rows, _now_ms()]))
+        acked: int | None = None
+        args = [self.version, self.rows, _now_ms()]
+        if store.load_ack_replicas > 0:
+            # WAIT on the swap's own connection: a replica that acknowledged the swap's
+            # offset holds every row staged before it too (one ordered replication stream).
+            async with store.client.pipeline(transaction=False) as pipe:
+                await store._swap(keys=keys, args=args, client=pipe)
+                pipe.execute_command("WAIT", store.load_ack_replicas, store.load_ack_timeout_ms)
+                swapped, waited = await pipe.execute()
+            replaced, acked = int(swapped), int(waited)
+        else:
+            replaced = int(await store._swap(keys=keys, args=args))
         if replaced < 0:
             raise LoadLost(
                 f"view {self.view!r}: the load of version {self.version} lost its lease "
@@ -560,7 +588,7 @@ class StagedLoad:
         for old in await store._versions(self.view):
             if old < self.version:
                 deleted += await store.drop_version(self.view, old)
-        return LoadResult(self.view, self.version, self.rows, replaced, deleted)
+        return LoadResult(self.view, self.version, self.rows, replaced, deleted, acked)
 
     async def abort(self) -> None:
         """Remove everything staged and give the lease back; the current version stays."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -221,6 +222,44 @@ async def test_reads_come_from_the_zone_replica_and_go_to_the_primary_past_max_a
     )
     assert await watch.poll() < 5.0 and seen == [watch()]
     await watch.close()
+    await _close(writer, reader, *sentinel.sentinels)
+
+
+async def test_a_load_is_acknowledged_once_a_replica_holds_it_and_says_so_when_none_does(
+    store: Store,
+) -> None:
+    writer, reader, sentinel = _clients(store, "zone-a")
+    feature_store = RedisFeatureStore(
+        writer, "r3", reader=reader, load_ack_replicas=1, load_ack_timeout_ms=2000
+    )
+    staged = await feature_store.begin_load("v", FEATURES, "test")
+    await staged.add(["e-0"], np.ones((1, 2), np.float32), np.ones(1, np.int64))
+    done = await staged.commit()
+    assert done.replicas_acked is not None and done.replicas_acked >= 1
+    # Acknowledged means held: the replicas have the swap at once, no waiting on them here.
+    held = []
+    for replica in store.replicas.values():
+        with replica.client() as client:
+            held.append(client.get("r3:v:current"))
+    assert str(done.version).encode() in held, held
+
+    # No replica answering (both stopped): the wait times out, the load is current on the
+    # primary all the same, and the result says no replica held it.
+    supervisor = store.primary.supervisor
+    for replica in store.replicas.values():
+        supervisor.send_signal(replica.name, signal.SIGSTOP)
+    try:
+        staged = await feature_store.begin_load("v", FEATURES, "test")
+        await staged.add(["e-0"], np.full((1, 2), 2.0, np.float32), np.ones(1, np.int64))
+        began = time.monotonic()
+        late = await staged.commit()
+        waited = time.monotonic() - began
+    finally:
+        for replica in store.replicas.values():
+            supervisor.send_signal(replica.name, signal.SIGCONT)
+    assert late.replicas_acked == 0 and waited >= 1.9, (late, waited)
+    with store.primary.client() as client:
+        assert client.get("r3:v:current") == str(late.version).encode()
     await _close(writer, reader, *sentinel.sentinels)
 
 

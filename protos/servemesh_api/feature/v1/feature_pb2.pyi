@@ -168,20 +168,22 @@ class LoadFeaturesRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[LoadHeader, _Mapping]] = ..., chunk: _Optional[_Union[LoadChunk, _Mapping]] = ..., commit: _Optional[_Union[LoadCommit, _Mapping]] = ...) -> None: ...
 
 class LoadFeaturesResponse(_message.Message):
-    __slots__ = ("view", "version", "rows", "entities", "replaced_version", "deleted_keys")
+    __slots__ = ("view", "version", "rows", "entities", "replaced_version", "deleted_keys", "replicas_acknowledged")
     VIEW_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ENTITIES_FIELD_NUMBER: _ClassVar[int]
     REPLACED_VERSION_FIELD_NUMBER: _ClassVar[int]
     DELETED_KEYS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_ACKNOWLEDGED_FIELD_NUMBER: _ClassVar[int]
     view: str
     version: int
     rows: int
     entities: int
     replaced_version: int
     deleted_keys: int
-    def __init__(self, view: _Optional[str] = ..., version: _Optional[int] = ..., rows: _Optional[int] = ..., entities: _Optional[int] = ..., replaced_version: _Optional[int] = ..., deleted_keys: _Optional[int] = ...) -> None: ...
+    replicas_acknowledged: int
+    def __init__(self, view: _Optional[str] = ..., version: _Optional[int] = ..., rows: _Optional[int] = ..., entities: _Optional[int] = ..., replaced_version: _Optional[int] = ..., deleted_keys: _Optional[int] = ..., replicas_acknowledged: _Optional[int] = ...) -> None: ...
 
 class GetTierAnswersRequest(_message.Message):
     __slots__ = ("model", "version", "entity_ids")
