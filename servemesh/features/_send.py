@@ -188,6 +188,12 @@ def load_file(
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("rows:"):
             problems = [line.strip() for line in details.splitlines()[1:]]
             raise BadFile(file.path, problems, "(and more)" in details.splitlines()[0]) from None
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            # A load is all or nothing: what was staged is removed, the view's version stays.
+            raise LoadError(
+                f"UNAVAILABLE: {details}; nothing of the file became current: load it "
+                "again once the store answers (a failover takes seconds)"
+            ) from None
         raise LoadError(f"{exc.code().name}: {details}") from None
     finally:
         channel.close()

@@ -81,6 +81,11 @@ MAX_FEATURE_NAME = 64
 MAX_SOURCE_LENGTH = 1024
 # Problems one refused load lists; the rest are counted.
 MAX_PROBLEMS = 20
+# An interrupted load's clean-up: how long the call waits for it, and how long it goes on
+# trying a store it cannot reach (a failover names a new primary within seconds; its lease
+# would hold the next load off for LOAD_LEASE_MS otherwise).
+DISCARD_WAIT_S = 1.0
+DISCARD_RETRY_S = 30.0
 _LABELS = {feature_pb2.ROW_LABEL_ROW: "row", feature_pb2.ROW_LABEL_LINE: "line"}
 
 
@@ -501,6 +506,8 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
         changes: ChangeHub | None = None,
     ) -> None:
         self.store = store
+        # Clean-ups of interrupted loads still retrying a store out of reach (_discard).
+        self._discarding: set[asyncio.Task[None]] = set()
         # The store's change feed for gateways (WatchChanges); None: not offered.
         self.changes = changes
         self.metrics = metrics or FeatureMetrics()
@@ -671,8 +678,7 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
                 result = await load.commit()
         finally:
             if load is not None and not load.done:
-                # Shielded: a caller that hangs up still gets its staged rows removed.
-                await asyncio.shield(_quietly(load.abort()))
+                await self._discard(load)
         log.info(
             "features loaded",
             extra={
@@ -739,11 +745,22 @@ class FeatureServicer(feature_pb2_grpc.FeatureServiceServicer):
                     raise InvalidArgument("LoadFeaturesRequest: empty; nothing was loaded")
         except BaseException:
             if load is not None:
-                await asyncio.shield(_quietly(load.abort()))
+                await self._discard(load)
             raise
         if load is None:
             raise InvalidArgument("header: the stream ended without one; nothing was loaded")
         return load, committed
+
+    async def _discard(self, load: StagedLoad) -> None:
+        """Remove a refused or broken load's staged rows and give its lease back. A task of
+        its own, so a caller that hangs up still gets them removed; waited for briefly (it
+        takes milliseconds when the store answers), then left to go on: a store out of
+        reach (a failover) is tried again for DISCARD_RETRY_S, and the caller hears of the
+        failure now instead of after it."""
+        task = asyncio.create_task(_quietly(load.abort(retry_for_s=DISCARD_RETRY_S)))
+        self._discarding.add(task)
+        task.add_done_callback(self._discarding.discard)
+        await asyncio.wait({task}, timeout=DISCARD_WAIT_S)
 
     async def _stage(
         self,

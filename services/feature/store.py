@@ -28,6 +28,7 @@ one more key per MGET, and never a half-deleted version.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import time
@@ -47,6 +48,8 @@ from servemesh.services.runtime.tracing import tracer
 
 # A load that sends nothing for this long loses its lease; the next load cleans up after it.
 LOAD_LEASE_MS = 60_000
+# How often an interrupted load's clean-up tries a store it cannot reach again.
+ABORT_RETRY_EVERY_S = 0.5
 # Keys per SCAN step and per UNLINK when a version is deleted: bounded work per round trip.
 DELETE_BATCH = 1000
 # How often a read retries when the pointer moves under it before giving up.
@@ -590,11 +593,29 @@ class StagedLoad:
                 deleted += await store.drop_version(self.view, old)
         return LoadResult(self.view, self.version, self.rows, replaced, deleted, acked)
 
-    async def abort(self) -> None:
-        """Remove everything staged and give the lease back; the current version stays."""
+    async def abort(self, *, retry_for_s: float = 0.0) -> None:
+        """Remove everything staged and give the lease back; the current version stays.
+
+        `retry_for_s`: a store that cannot be reached (a failover under way: no primary, or
+        one being demoted) is tried again every half second for this long. Without it, the
+        lease of a load the primary's loss interrupted holds every next load off until it
+        expires (LOAD_LEASE_MS)."""
         if self.done:
             return
         self.done = True
         store = self.store
-        await store.drop_version(self.view, self.version)
-        await store._release(keys=[store.view_key(self.view, "load")], args=[self.version])
+        deadline = time.monotonic() + retry_for_s
+        while True:
+            try:
+                await store.drop_version(self.view, self.version)
+                await store._release(keys=[store.view_key(self.view, "load")], args=[self.version])
+                return
+            except (
+                redis.exceptions.ConnectionError,
+                redis.exceptions.TimeoutError,
+                redis.exceptions.ReadOnlyError,
+                OSError,
+            ):
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(ABORT_RETRY_EVERY_S)

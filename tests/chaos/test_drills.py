@@ -176,6 +176,31 @@ def test_feature_data_loss_is_restored_from_its_backup_with_rpo_and_rto(tmp_path
     assert summary["numbers"]["time_to_recover_s"] is not None
 
 
+def test_feature_primary_loss_during_a_load_fails_no_predict_and_loses_no_row(
+    tmp_path: Path,
+) -> None:
+    result = drill("feature-primary-loss", tmp_path)
+    assert result.verdict == "held", result.text
+    summary = result.summary
+    (loss,) = summary["windows"]
+    assert loss["label"] == "store primary redis lost"
+    # Predicts read the zones' replicas: not one failed or fell back.
+    assert loss["failed"] == 0 and loss["degraded"] == 0, loss["codes"]
+    killed = method_output(result, "kill-the-store-primary")
+    assert killed["killed"] == "redis" and killed["load_running"] is True, killed
+    promoted = method_output(result, "await-a-new-primary")
+    assert promoted["primary"].startswith("redis-replica-"), promoted
+    loaded = method_output(result, "finish-the-feature-load")
+    # The load finished, or failed saying why and was run again: every row served after.
+    tries = loaded["tries"]
+    assert tries[-1]["exit"] == 0, tries
+    assert all(t["said"].startswith("not loaded: ") for t in tries[:-1]), tries
+    assert loaded["rows_served"] == loaded["rows_in_file"] and loaded["lost"] == 0, loaded
+    assert "rows served after it" in (result.out_dir / "store-failover.md").read_text()
+    after = summary["phases"]["after faults"]
+    assert after["failed"] == 0, after
+
+
 def test_bad_canary_is_rolled_back_by_the_controller_with_bounded_damage(tmp_path: Path) -> None:
     result = drill("bad-canary", tmp_path)
     assert result.verdict == "held", result.text

@@ -40,6 +40,7 @@ DRILLS = {
     "registry-down",
     "registry-restore",
     "feature-data-loss",
+    "feature-primary-loss",
     "bad-canary",
     "inter-zone-partition",
     "rollout-controller-killed",
