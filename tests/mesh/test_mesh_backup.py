@@ -1,11 +1,16 @@
-"""`servemesh backup` / `servemesh restore` on the package's running mesh: one folder holds
-every store (registry, feature store, prediction log, routes); losses in each are put
-back; a backup that does not verify changes nothing."""
+"""`servemesh backup` / `servemesh restore` on a running mesh: one folder holds every store
+(registry, feature store, prediction log, routes); losses in each are put back; a backup
+that does not verify changes nothing.
+
+A mesh of its own, not the package's: the test moves weights several times, and a model
+server follows each move a little later (its live spec), so a module right after it on a
+shared mesh would see a late move undo what it did (a version it unloaded loaded again)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +25,17 @@ from servemesh.predlog.parquet_store import live_files
 from servemesh.proxy.apply import RouteManager
 from servemesh.spec.store_clients import store_writer_sync
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.mesh.conftest import test_mesh_spec
 from tests.waiting import wait_until
 
 ENTITIES = [f"user-{n}" for n in range(1, 21)]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    state_dir = tmp_path_factory.mktemp("backup-mesh")
+    with Mesh.from_spec(test_mesh_spec(str(state_dir))) as running:
+        yield running
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
