@@ -129,8 +129,8 @@ class RedisServer:
     # Extra config lines ("notify-keyspace-events K$g"): CONFIG is disabled, so a server
     # option a test or drill needs is set here, at start.
     settings: tuple[str, ...] = ()
-    # Part of a replicated store (primary, replicas, Sentinels): persistence on (AOF,
-    # fsync every second), replication's commands kept or renamed (REPLICATION_*).
+    # Part of a replicated store (primary, replicas, Sentinels): replication's commands
+    # kept or renamed (REPLICATION_*). Every server persists (AOF, fsync every second).
     replicated: bool = False
     # "host port" of the primary this server replicates (None: a primary).
     replica_of: str | None = None
@@ -209,15 +209,16 @@ class RedisServer:
                 for command in disabled
             ),
             *self.settings,
-        ]
-        if not self.replicated:
-            return [*lines, "appendonly no"]
-        return [
-            *lines,
-            # Every acknowledged write is on disk within a second (the files are in the
-            # owner-only data dir).
+            # Every acknowledged write is on disk within a second (the append-only files
+            # are in the owner-only data dir): a Redis that crashes, or a mesh started again
+            # on the same state dir, comes back with its data.
             "appendonly yes",
             "appendfsync everysec",
+        ]
+        if not self.replicated:
+            return lines
+        return [
+            *lines,
             # Any server may be promoted: each authenticates to the primary it follows.
             f"masterauth {_quote(password)}",
             # The primary pings its replicas every second (default 10): a replica's
