@@ -38,15 +38,12 @@ def cmd_backup(args: argparse.Namespace) -> int:
     if args.json:
         write(json.dumps(asdict(manifest)))
         return 0
-    table = Table(title=f"backup {target} ({manifest.taken_at})", title_justify="left")
-    for column in ("part", "what", "seconds"):
-        table.add_column(column)
-    for name, part in manifest.parts.items():
-        what = ", ".join(f"{k} {v}" for k, v in part.summary.items())
-        table.add_row(name, what, f"{part.seconds:g}")
-    for name, why in manifest.not_backed_up.items():
-        table.add_row(name, f"not backed up: {why}", "")
-    out.print(table)
+    rows = [
+        (name, ", ".join(f"{k} {v}" for k, v in part.summary.items()), f"{part.seconds:g}")
+        for name, part in manifest.parts.items()
+    ]
+    rows += [(name, f"not backed up: {why}", "") for name, why in manifest.not_backed_up.items()]
+    out.print(_parts_table(f"backup {target} ({manifest.taken_at})", rows))
     out.print(f"whole backup in {manifest.seconds:g} s", markup=False)
     return 0
 
@@ -100,18 +97,27 @@ def cmd_restore(args: argparse.Namespace) -> int:
     if args.json:
         write(json.dumps(asdict(done)))
         return 0
-    table = Table(title=f"restored from {folder}", title_justify="left")
-    for column in ("part", "what", "seconds"):
-        table.add_column(column)
-    for name, part in done.parts.items():
-        table.add_row(name, _restored_text(name, part.detail), f"{part.seconds:g}")
-    out.print(table)
+    rows = [
+        (name, _restored_text(name, part.detail), f"{part.seconds:g}")
+        for name, part in done.parts.items()
+    ]
+    out.print(_parts_table(f"restored from {folder}", rows))
     out.print(
         f"recovery time {done.seconds:g} s; recovery point: the backup was "
         f"{done.backup_age_s:g} s old (what was written since is not in it)",
         markup=False,
     )
     return 0
+
+
+def _parts_table(title: str, rows: list[tuple[str, str, str]]) -> Table:
+    """A row per part: its name, what was done with it, how long it took."""
+    table = Table(title=title, title_justify="left")
+    for column in ("part", "what", "seconds"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 def _restored_text(part: str, detail: dict[str, Any]) -> str:

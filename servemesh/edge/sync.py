@@ -35,6 +35,7 @@ from typing import Any, Literal
 import grpc
 
 from servemesh.contract.atomic import atomic_write_bytes
+from servemesh.contract.digests import file_sha256
 from servemesh.contract.errors import ServemeshError
 from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
 
@@ -50,7 +51,6 @@ __all__ = [
 SyncFormat = Literal["artifact", "onnx"]
 SYNC_FORMATS: tuple[SyncFormat, ...] = ("artifact", "onnx")
 FILE_MODE = 0o644
-_HASH_BLOCK = 1024 * 1024
 
 
 class SyncError(ServemeshError):
@@ -81,14 +81,6 @@ def manifest_of(directory: Path, model: str) -> Path:
     return directory / f"{model}.manifest.json"
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while block := handle.read(_HASH_BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def held(directory: Path, model: str) -> dict[str, Any] | None:
     """The manifest of what the folder holds for `model`, when its file is there and still
     hashes to the manifest's sha256; None otherwise (nothing held, or damaged)."""
@@ -97,7 +89,7 @@ def held(directory: Path, model: str) -> dict[str, Any] | None:
         path = directory / str(manifest["file"])
         if Path(manifest["file"]).name != manifest["file"]:
             return None
-        if _file_sha256(path) != manifest["sha256"]:
+        if file_sha256(path) != manifest["sha256"]:
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None

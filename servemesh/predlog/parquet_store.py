@@ -85,7 +85,9 @@ class PartFile:
         return self.min_ms // HOUR_MS
 
 
-def _parse(path: Path) -> PartFile | None:
+def part_file(path: Path) -> PartFile | None:
+    """The file's flush numbers and time range, as its name states them (None: not a
+    file of the log's)."""
     match = _NAME.match(path.name)
     if match is None:
         return None
@@ -98,7 +100,7 @@ def instance_files(folder: Path) -> list[PartFile]:
     if not folder.is_dir():
         return []
     found = sorted(
-        (f for f in (_parse(p) for p in folder.iterdir()) if f is not None),
+        (f for f in (part_file(p) for p in folder.iterdir()) if f is not None),
         key=lambda f: (f.first, -f.last),
     )
     kept: list[PartFile] = []
@@ -146,7 +148,7 @@ class ParquetStore:
         # Crash leftovers: merged inputs whose merged file made it, and unfinished writes.
         kept = instance_files(self.folder)
         for path in self.folder.iterdir():
-            part = _parse(path)
+            part = part_file(path)
             if (part is not None and part not in kept) or path.name.endswith(".tmp"):
                 path.unlink(missing_ok=True)
         self.next_seq = max((f.last for f in kept), default=0) + 1

@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from servemesh.contract.atomic import atomic_write_text
+from servemesh.contract.digests import file_sha256
 from servemesh.contract.errors import ServemeshError
 
 PART_MANIFEST = "manifest.json"
-_CHUNK = 1024 * 1024
 
 
 class BackupDamaged(ServemeshError, ValueError):
@@ -26,14 +26,6 @@ class CopiedFile:
     path: str  # relative to the part's folder
     bytes: int
     sha256: str
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def copy_hashed(source: Path, part: Path, relative: str) -> CopiedFile:
@@ -48,7 +40,7 @@ def hashed(part: Path, relative: str) -> CopiedFile:
     """The file at `part/relative`, made owner-only, with its size and sha256."""
     target = part / relative
     os.chmod(target, 0o600)
-    return CopiedFile(relative, target.stat().st_size, sha256_of(target))
+    return CopiedFile(relative, target.stat().st_size, file_sha256(target))
 
 
 def write_part_manifest(part: Path, files: list[CopiedFile], **summary: object) -> str:
@@ -76,7 +68,7 @@ def verified_files(part: Path) -> tuple[dict[str, object], list[CopiedFile]]:
             problems.append(f"{entry.path}: a path outside the backup")
         elif not path.is_file():
             problems.append(f"{entry.path}: missing")
-        elif path.stat().st_size != entry.bytes or sha256_of(path) != entry.sha256:
+        elif path.stat().st_size != entry.bytes or file_sha256(path) != entry.sha256:
             problems.append(f"{entry.path}: its sha256 is not the manifest's (changed or damaged)")
     if problems:
         raise BackupDamaged(f"{part}: " + "; ".join(problems))

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from servemesh.predlog.parquet_store import PartFile, instance_files, live_files
+from servemesh.predlog.parquet_store import PartFile, instance_files, live_files, part_file
 from servemesh.recovery.checksums import (
     BackupDamaged,
     CopiedFile,
@@ -78,12 +78,10 @@ def _covers(live: PartFile, backed: PartFile) -> bool:
 
 
 def _from_name(path: Path) -> PartFile:
-    """The file's flush numbers and time range, as its name states them."""
-    numbers, lo, hi = (path.stem.split("_") + ["", ""])[:3]
-    first, _, last = numbers.partition("-")
-    if not all(part.isdigit() for part in (first, last, lo, hi)):
+    found = part_file(path)
+    if found is None:
         raise BackupDamaged(f"{path.name}: not a prediction log file's name")
-    return PartFile(path, int(first), int(last), int(lo), int(hi))
+    return found
 
 
 def restore_predictions(part: Path, root: Path, files: list[CopiedFile]) -> PredictionsRestored:

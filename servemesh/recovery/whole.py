@@ -10,7 +10,6 @@ restore took, part by part (the recovery time).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from servemesh.contract.atomic import atomic_write_text
+from servemesh.contract.digests import file_sha256
 from servemesh.proxy.apply import RouteManager
 from servemesh.recovery.checksums import PART_MANIFEST, BackupDamaged
 from servemesh.recovery.predictions import (
@@ -57,10 +57,6 @@ class WholeManifest:
         return (datetime.now(UTC) - datetime.fromisoformat(self.taken_at)).total_seconds()
 
 
-def _sha256_text(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _timed(work: Callable[[], tuple[dict[str, Any], str]]) -> PartTaken:
     began = time.perf_counter()
     summary, digest = work()
@@ -91,7 +87,7 @@ def back_up_mesh(
         snap = take_backup(spec.registry_store_dir, out / "registry")
         path = out / "registry" / "snapshots" / snap.snapshot / PART_MANIFEST
         summary = {"snapshot": snap.snapshot, "versions": len(snap.versions)}
-        return summary, _sha256_text(path)
+        return summary, file_sha256(path)
 
     def features() -> tuple[dict[str, Any], str]:
         client = store_client()
@@ -99,7 +95,7 @@ def back_up_mesh(
             taken = back_up(client, spec.feature_store.key_prefix, out / "features")
         finally:
             client.close()
-        return {"keys": taken.keys, "bytes": taken.bytes}, _sha256_text(
+        return {"keys": taken.keys, "bytes": taken.bytes}, file_sha256(
             out / "features" / PART_MANIFEST
         )
 
@@ -176,7 +172,7 @@ def _check_part_manifest(folder: Path, name: str, taken: PartTaken) -> None:
     )
     if not path.is_file():
         raise BackupDamaged(f"{name}: {path.relative_to(folder)} missing")
-    if _sha256_text(path) != taken.manifest_sha256:
+    if file_sha256(path) != taken.manifest_sha256:
         raise BackupDamaged(f"{name}: its manifest's sha256 is not the one recorded: changed")
 
 
