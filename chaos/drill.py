@@ -19,7 +19,7 @@ import threading
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from servemesh.chaos.containers import ComposeMesh
 from servemesh.chaos.errors import DrillError
@@ -96,6 +96,8 @@ SETTLE_POLL_S = 0.5
 _current: Drill | None = None
 _lock = threading.Lock()
 
+Handoff = TypeVar("Handoff")
+
 
 def current() -> Drill:
     """The drill running in this process; actions and probes act on its mesh only."""
@@ -156,6 +158,15 @@ class Drill:
         self.start_error = ""
         self.failed_activity = ""
         self._closed = False
+        # What one drill's steps hand one another (a backup taken, a process killed), by
+        # the kind of record a drill module keeps: see handoff().
+        self._handoffs: dict[type, Any] = {}
+
+    def handoff(self, kind: type[Handoff]) -> Handoff:
+        """This drill's record of `kind` (a dataclass a drill module declares), made empty
+        at its first use: one step writes what a later one reads."""
+        found: Handoff = self._handoffs.setdefault(kind, kind())
+        return found
 
     # --- lifecycle -----------------------------------------------------------------------
 

@@ -52,11 +52,8 @@ class _State:
     compared: dict[str, Any] = field(default_factory=dict)
 
 
-_states: dict[Path, _State] = {}
-
-
 def _state() -> _State:
-    return _states.setdefault(current().out_dir, _State())
+    return current().handoff(_State)
 
 
 def _client() -> Any:

@@ -19,7 +19,6 @@ import asyncio
 import shutil
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from servemesh.chaos.drill import current
@@ -47,11 +46,8 @@ class _State:
     rto_s: float | None = None
 
 
-_states: dict[Path, _State] = {}
-
-
 def _state() -> _State:
-    return _states.setdefault(current().out_dir, _State())
+    return current().handoff(_State)
 
 
 def _channel() -> Any:

@@ -61,11 +61,8 @@ class _State:
     tries: list[dict[str, Any]] = field(default_factory=list)
 
 
-_states: dict[Path, _State] = {}
-
-
 def _state() -> _State:
-    return _states.setdefault(current().out_dir, _State())
+    return current().handoff(_State)
 
 
 def primary_address() -> tuple[str, int] | None:
