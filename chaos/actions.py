@@ -30,6 +30,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -40,15 +42,21 @@ from servemesh.chaos.leftovers import LOOP_STEP_MAX_S
 from servemesh.chaos.probes import services_healthy
 from servemesh.chaos.scope import describe
 from servemesh.contract.wire import fault_runtime_prefix
+from servemesh.identity import dial_edge_at
 from servemesh.launcher import envoy_child
-from servemesh.proxy.admin import AdminClient, admin_socket_path
+from servemesh.procs.ready import GrpcHealth
+from servemesh.proxy.admin import AdminClient, AdminError, admin_socket_path
 from servemesh.services.runtime.faults import FaultSettings, control_file, set_fault
+from servemesh.spec import MeshSpec
 from servemesh.spec.policy import GRPC_CODES
 
 __all__ = [
     "kill_replicas",
     "kill_zone_proxy",
     "await_zone_proxy",
+    "kill_edge",
+    "restart_edge",
+    "await_edge",
     "restart_replicas",
     "pause_replicas",
     "resume_replicas",
@@ -122,49 +130,108 @@ def restart_replicas(
 def kill_zone_proxy(zone: str = "zone-a") -> dict[str, Any]:
     """SIGKILL a zone's Envoy (the per-zone layout's): its gateways lose their way
     downstream until the mesh starts it again (await_zone_proxy)."""
-    drill = current()
-    mesh = drill.running_mesh
+    mesh = current().running_mesh
     if mesh.spec.proxy.layout != "per_zone":
         raise DrillError(
             "a zone's Envoy of its own needs proxy.layout per_zone "
             "(the experiment's `proxy: per_zone`, or --var proxy=per_zone)"
         )
-    name = envoy_child(zone)
-    drill.timeline.open_window(f"kill:{name}", f"kill {zone}'s Envoy")
-    # A crash, not an outage the drill holds: the mesh's own restart is what it measures.
-    pid = drill.kill(name, revive=True)
-    _killed_proxies[name] = pid
+    return _kill_proxy(zone, f"kill {zone}'s Envoy")
+
+
+def kill_edge(zone: str = "zone-a") -> dict[str, Any]:
+    """SIGKILL a zone's edge Envoy (proxy.edges per_zone) and hold it down until
+    restart_edge: callers given every edge's address go on through the others meanwhile."""
+    drill = current()
+    spec = drill.running_mesh.spec
+    if not spec.edges_per_zone:
+        raise DrillError(
+            "an edge per zone needs proxy.layout per_zone and proxy.edges per_zone "
+            "(the drill mesh's default)"
+        )
+    if zone not in spec.zones:
+        raise DrillError(f"zone: no zone named {zone!r}; zones: {spec.zones}")
+    name = envoy_child(_edge_of(spec, zone))
+    drill.timeline.open_window(f"kill:{name}", f"kill {zone}'s edge")
+    pid = drill.kill(name)
+    drill.handoff(_KilledProxies).pids[name] = pid
     return {"killed": {name: pid}}
 
 
-# The PID each zone Envoy had when kill_zone_proxy killed it: await_zone_proxy waits for
-# another one.
-_killed_proxies: dict[str, int | None] = {}
+def restart_edge(zone: str = "zone-a", timeout_s: float = 30.0) -> dict[str, Any]:
+    """Start the zone's edge Envoy that kill_edge holds down again (its admin ready); the
+    kill window stays open until await_edge sees it serving."""
+    drill = current()
+    mesh = drill.running_mesh
+    name = envoy_child(_edge_of(mesh.spec, zone))
+    if mesh.is_running(name):
+        return {"restarted": {}}
+    began = time.perf_counter()
+    pid = mesh.restart(name, timeout_s=timeout_s)
+    return {"restarted": {name: pid}, "seconds": round(time.perf_counter() - began, 3)}
+
+
+def _edge_of(spec: MeshSpec, zone: str) -> str:
+    return spec.edge_proxies()[spec.zones.index(zone)]
+
+
+@dataclass
+class _KilledProxies:
+    """The PID each Envoy had when a kill step killed it: the await step waits for another."""
+
+    pids: dict[str, int | None] = field(default_factory=dict)
+
+
+def _kill_proxy(proxy: str, label: str) -> dict[str, Any]:
+    drill = current()
+    name = envoy_child(proxy)
+    drill.timeline.open_window(f"kill:{name}", label)
+    # A crash, not an outage the drill holds: the mesh's own restart is what it measures.
+    pid = drill.kill(name, revive=True)
+    drill.handoff(_KilledProxies).pids[name] = pid
+    return {"killed": {name: pid}}
 
 
 def await_zone_proxy(zone: str = "zone-a", timeout_s: float = 30.0) -> dict[str, Any]:
     """Until the mesh has started the zone's Envoy again by itself (a new process, its
     admin API ready) and the zone's gateways are SERVING again; closes the kill window.
     Says how long the zone's Envoy was gone."""
+    return _await_proxy(
+        zone, lambda: services_healthy("gateway", zone), "its zone's gateways SERVING", timeout_s
+    )
+
+
+def await_edge(zone: str = "zone-a", timeout_s: float = 30.0) -> dict[str, Any]:
+    """Until the zone's edge runs again (a new process, its admin API ready) and answers
+    gRPC health SERVING on its edge port; closes the kill window."""
+    spec = current().running_mesh.spec
+    proxy = _edge_of(spec, zone)
+    health = GrpcHealth(dial_edge_at(spec, spec.edge_address_of(proxy)))
+    try:
+        return _await_proxy(proxy, health.check, "its edge listener SERVING", timeout_s)
+    finally:
+        health.close()
+
+
+def _await_proxy(
+    proxy: str, serving: Callable[[], bool], what: str, timeout_s: float
+) -> dict[str, Any]:
     drill = current()
     mesh = drill.running_mesh
-    name = envoy_child(zone)
+    name = envoy_child(proxy)
     began = time.perf_counter()
     give_up = time.monotonic() + timeout_s
-
-    killed = _killed_proxies.get(name)
-    admin = AdminClient(admin_socket_path(mesh.state_dir, zone))
+    killed = drill.handoff(_KilledProxies).pids.get(name)
+    admin = AdminClient(admin_socket_path(mesh.state_dir, proxy))
 
     def back() -> bool:
         if not mesh.is_running(name) or mesh.pid(name) == killed:
             return False
-        return admin.is_ready() and services_healthy("gateway", zone)
+        return admin.is_ready() and serving()
 
     while not back():
         if time.monotonic() > give_up:
-            raise DrillError(
-                f"{name} was not running with its zone's gateways SERVING within {timeout_s:g} s"
-            )
+            raise DrillError(f"{name} was not running with {what} within {timeout_s:g} s")
         time.sleep(0.05)
     drill.timeline.close_window(f"kill:{name}")
     return {"pid": mesh.pid(name), "seconds": round(time.perf_counter() - began, 3)}
@@ -283,10 +350,16 @@ def clear_route_fault(route: str = "model.fraud") -> dict[str, Any]:
         f"{prefix}.abort_percent": 0,
         f"{prefix}.delay_percent": 0,
     }
+    skipped = []
     for admin in drill.route_admins(route):
-        admin.set_runtime(values)
+        try:
+            admin.set_runtime(values)
+        except AdminError:
+            # An Envoy a drill killed: its runtime keys went with it, and the one started in
+            # its place begins with none.
+            skipped.append(str(admin.socket_path))
     drill.timeline.close_window(f"route:{route}")
-    return {"runtime": values}
+    return {"runtime": values, "not_answering": skipped}
 
 
 def inject_endpoint_fault(

@@ -29,12 +29,12 @@ from servemesh.chaos.load import drill_load
 from servemesh.chaos.mesh import DrillMesh
 from servemesh.chaos.scope import select
 from servemesh.chaos.timeline import FaultWindow, Mark, Timeline
-from servemesh.identity import Dial, dial_edge, dial_edge_at
+from servemesh.identity import Dial, dial_edge_at, dial_every_edge
 from servemesh.load import BackgroundLoad, WindowStats, window_stats
 from servemesh.procs.netns import ZoneNetwork
 from servemesh.proxy.admin import AdminClient, AdminError
 from servemesh.proxy.apply import RouteManager
-from servemesh.spec import EDGE_PROXY, Instance, MeshSpec, ResolvedSpec, load_spec
+from servemesh.spec import Instance, MeshSpec, ResolvedSpec, load_spec
 from servemesh.state.credentials import authorization_value, read_edge_credentials
 
 __all__ = [
@@ -185,7 +185,8 @@ class Drill:
             self.mesh.start()
             self.admin = AdminClient.of_mesh(self.mesh.state_dir)
             self.routes = RouteManager(self.mesh.paths, self.admin)
-            edge = dial_edge(self.mesh.spec)
+            # Every zone's edge, as callers are told to connect (docs/architecture.md).
+            edge = dial_every_edge(self.mesh.spec)
         else:
             raise DrillError(f"mesh {self.config['mesh']!r}: processes or compose")
         self.initial_weights = {
@@ -399,13 +400,18 @@ class Drill:
         routes = self._routes()
         return routes.admin_of(self.spec.proxy_of_zone(zone))
 
+    def admin_of_proxy(self, proxy: str) -> AdminClient:
+        """The admin API of one of the mesh's Envoys by name (spec.proxies())."""
+        return self._routes().admin_of(proxy)
+
     def route_admins(self, route: str) -> list[AdminClient]:
         """The Envoys that serve `route` (a fault filter's name, wire.fault_runtime_prefix):
-        `edge` is the edge's; a model's or the feature route is every zone's mesh listener,
+        `edge` is every edge Envoy's (one per zone with proxy.edges per_zone); a model's or
+        the feature route is every zone's mesh listener,
         each Envoy named once (one in the shared layout)."""
         routes = self._routes()
         if route == "edge":
-            return [routes.admin_of(EDGE_PROXY)]
+            return [routes.admin_of(proxy) for proxy in self.spec.edge_proxies()]
         proxies = dict.fromkeys(self.spec.proxy_of_zone(zone) for zone in self.spec.zones)
         return [routes.admin_of(proxy) for proxy in proxies]
 

@@ -238,6 +238,20 @@ def envoy_stats() -> dict[str, Any]:
     return {**delta, "healthy": healthy}
 
 
+def edge_calls() -> dict[str, int]:
+    """Calls each edge Envoy has taken since it (last) started, by Envoy name: after one was
+    killed and started again, a count above 0 says callers came back to it."""
+    drill = current()
+    taken: dict[str, int] = {}
+    for proxy in drill.spec.edge_proxies():
+        try:
+            counters = drill.admin_of_proxy(proxy).counters("http.edge.downstream_rq_total")
+        except AdminError as exc:
+            raise DrillError(f"{proxy}'s Envoy does not answer: {exc}") from None
+        taken[proxy] = int(counters.get("http.edge.downstream_rq_total", 0))
+    return taken
+
+
 def healthy_hosts(service: str = "model", zone: str | None = None, via: str | None = None) -> int:
     """Hosts of `service` Envoy holds healthy (in `zone`, or all), as seen from `via`'s
     clusters (default: the first zone). For models, the first version's cluster."""

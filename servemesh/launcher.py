@@ -39,7 +39,7 @@ from servemesh.identity import (
     OPERATOR_IDENTITY,
     TRACE_STORE_IDENTITY,
     dial_address,
-    dial_edge,
+    dial_edge_at,
     dial_registry,
     dial_service,
     issue_mesh_certificates,
@@ -77,12 +77,12 @@ from servemesh.proxy.render import dynamic_bootstrap, render_proxies, static_boo
 from servemesh.quarantine import Quarantine, move_traffic_away
 from servemesh.seeding import SeedConflict, SeedStep, seed_demo
 from servemesh.spec import (
-    EDGE_PROXY,
     FLEET_STATUS_FILE,
     MeshSpec,
     ResolvedSpec,
     SpecError,
     dump_spec,
+    is_edge_proxy,
     load_resolved,
     proxy_part,
     resolve,
@@ -465,6 +465,9 @@ class Mesh:
         spec = self.spec
         return {
             "edge": spec.edge_address,
+            # Every zone's edge, the first zone's first (one with proxy.edges one): what
+            # callers are given (docs/architecture.md, "Calling the mesh").
+            "edges": spec.edge_addresses,
             "mesh": spec.mesh_address,
             "mesh_by_zone": {zone: spec.mesh_address_for(zone) for zone in spec.zones},
             # Envoy's admin API: a Unix socket only this user can reach (AdminClient). The
@@ -1058,22 +1061,32 @@ class Mesh:
     def _start_envoy(self, deadline: float) -> None:
         """The zones' Envoys first (per-zone layout): a gateway is SERVING only once its
         zone's mesh listener accepts connections, and the edge's readiness needs one."""
-        zones = [p for p in self.spec.proxies() if p != EDGE_PROXY]
-        for index, proxy in enumerate(zones, 1):
-            self._start_one_envoy(proxy, self.spec.ports.envoy_admin + index, None)
+        proxies = self.spec.proxies()
+        edges = self.spec.edge_proxies()
+        zones = [p for p in proxies if p not in edges]
+        for proxy in zones:
+            self._start_one_envoy(proxy, self._base_id(proxy), None)
         self.supervisor.wait_ready([envoy_child(p) for p in zones], deadline)
-        self._start_one_envoy(EDGE_PROXY, self.spec.ports.envoy_admin, deadline)
+        for proxy in edges:
+            self._start_one_envoy(proxy, self._base_id(proxy), None)
+        self.supervisor.wait_ready([envoy_child(p) for p in edges], deadline)
+
+    def _base_id(self, proxy: str) -> int:
+        """Each Envoy's --base-id (its shared-memory name): the edge's ports.envoy_admin, the
+        others' the ones after it in spec.proxies()' order."""
+        return self.spec.ports.envoy_admin + self.spec.proxies().index(proxy)
 
     def _start_one_envoy(self, proxy: str, base_id: int, deadline: float | None) -> None:
         argv = envoy_command(self.paths.envoy_config_of(proxy), base_id=base_id)
-        if self.network is not None and proxy != EDGE_PROXY:
+        edge = is_edge_proxy(proxy)
+        if self.network is not None and not edge:
             argv = self.network.exec_argv(proxy, argv)  # a zone's Envoy runs in its zone
         admin = prepare_admin_dir(self.state_dir, proxy)
         checks: list[Readiness] = [Check(lambda: is_ready(admin), f"Envoy admin at {admin} ready")]
-        if proxy == EDGE_PROXY:
+        if edge:
             # Ready means Envoy finished its first health-check round; then confirm the edge
             # path end to end: Envoy -> a gateway answering SERVING.
-            checks.append(GrpcHealth(dial_edge(self.spec)))
+            checks.append(GrpcHealth(dial_edge_at(self.spec, self.spec.edge_address_of(proxy))))
         self.supervisor.start(
             envoy_child(proxy),
             argv,

@@ -38,7 +38,7 @@ from servemesh.bench.predict import Round, bench_spec, measure, summarize_rows
 from servemesh.bench.report import BenchReport, progress
 from servemesh.bench.tiers import entity_target
 from servemesh.contract.wire import OIP_SERVICE
-from servemesh.identity import dial_edge
+from servemesh.identity import dial_every_edge
 from servemesh.launcher import Mesh
 from servemesh.load.stats import spread
 from servemesh.observe.scrape import Sample, scrape, sum_by
@@ -163,7 +163,9 @@ def bench_during_batch(
         mesh.start()
         try:
             wait_answering(mesh)
-            target = entity_target(dial_edge(mesh.spec), model, ids, bench_credentials(mesh.spec))
+            target = entity_target(
+                dial_every_edge(mesh.spec), model, ids, bench_credentials(mesh.spec)
+            )
             for repeat in range(repeats):
                 turn = repeat % len(PHASES)
                 for phase in PHASES[turn:] + PHASES[:turn]:

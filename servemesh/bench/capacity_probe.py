@@ -19,7 +19,7 @@ from pathlib import Path
 from servemesh.bench.predict import one_zone_spec
 from servemesh.capacity.plan import KINDS, Step
 from servemesh.contract.errors import ServemeshError
-from servemesh.identity import dial_edge
+from servemesh.identity import dial_every_edge
 from servemesh.launcher import Mesh
 from servemesh.load import FixedRate, Target, open_loop, percentile, predict_target
 from servemesh.observe.cpu import rss_bytes
@@ -89,7 +89,7 @@ def probe(
 
             def target(timeout_s: float) -> Target:
                 return predict_target(
-                    dial_edge(live),
+                    dial_every_edge(live),
                     model=model,
                     entities=max(1, live.demo.entities),
                     entity_ids=entity_ids,

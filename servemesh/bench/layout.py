@@ -46,7 +46,7 @@ from servemesh.bench.observe import (
 from servemesh.bench.predict import CALL_TIMEOUT_S, bench_spec, measure
 from servemesh.bench.report import BenchReport, progress
 from servemesh.contract.errors import UsageError
-from servemesh.identity import dial_edge
+from servemesh.identity import dial_every_edge
 from servemesh.launcher import Mesh
 from servemesh.load import predict_target
 from servemesh.load.stats import spread
@@ -142,7 +142,7 @@ def measure_arm(
             after = _by_kind(mesh, proc_cpu_seconds)
             idle = {k: (after[k] - before.get(k, after[k])) / idle_s * 1e3 for k in after}
             target = predict_target(
-                dial_edge(mesh.spec),
+                dial_every_edge(mesh.spec),
                 model=sorted(mesh.spec.models)[0],
                 entities=max(1, spec.demo.entities),
                 timeout_s=CALL_TIMEOUT_S,

@@ -36,7 +36,7 @@ import grpc
 
 from servemesh.bench.report import BenchReport
 from servemesh.contract.wire import GATEWAY_SERVICE, OIP_SERVICE, TRACE_HEADERS
-from servemesh.identity import dial_edge
+from servemesh.identity import dial_every_edge
 from servemesh.launcher import Mesh
 from servemesh.load import BackgroundLoad, ClosedLoop, closed_loop, predict_target, summarize
 from servemesh.observe.cpu import proc_cpu_seconds
@@ -176,7 +176,7 @@ def wait_answering(mesh: Mesh, timeout_s: float = 60.0) -> None:
     in_a_row = 0
     model = next(iter(sorted(mesh.spec.models)))
     credentials = bench_credentials(mesh.spec)
-    with dial_edge(mesh.spec).channel() as channel:
+    with dial_every_edge(mesh.spec).channel() as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         request = gateway_pb2.PredictRequest(model=model, entity_ids=["user-0"])
         while in_a_row < SETTLED_CALLS:
@@ -200,7 +200,7 @@ def measure_round(
     run = asyncio.run(
         closed_loop(
             predict_target(
-                dial_edge(mesh.spec),
+                dial_every_edge(mesh.spec),
                 entities=entities,
                 timeout_s=5.0,
                 metadata=bench_credentials(mesh.spec),
@@ -291,7 +291,7 @@ def freshness(mesh: Mesh, probes: int, load_rps: float) -> list[Probe]:
     """`probes` sampled Predicts one after another, with `load_rps` of unsampled open-loop
     load beside them (0: an idle mesh)."""
     entities = max(1, mesh.spec.demo.entities)
-    dial = dial_edge(mesh.spec)
+    dial = dial_every_edge(mesh.spec)
     credentials = bench_credentials(mesh.spec)
     with ExitStack() as stack:
         if load_rps > 0:

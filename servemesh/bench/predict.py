@@ -52,7 +52,7 @@ from servemesh.bench.observe import BENCH_CALLER, cpu_by_kind, sum_by_kind, wait
 from servemesh.bench.report import BenchReport, progress
 from servemesh.contract.errors import UsageError
 from servemesh.contract.wire import AUTHORIZATION_HEADER, OIP_SERVICE
-from servemesh.identity import Dial, dial_address, dial_edge, dial_service
+from servemesh.identity import Dial, dial_address, dial_edge, dial_every_edge, dial_service
 from servemesh.identity.enroll import BENCH_ECHO_IDENTITY, enrolled
 from servemesh.launcher import Mesh
 from servemesh.load import ClosedLoop, Target, closed_loop, predict_target, summarize
@@ -432,7 +432,7 @@ def weight_change_times(
     first, second = sorted(model.versions)[:2]
     manager = RouteManager(mesh.paths)
     times = []
-    with dial_edge(mesh.spec).channel() as channel:
+    with dial_every_edge(mesh.spec).channel() as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         request = gateway_pb2.PredictRequest(model=model_name, entity_ids=["user-0"])
         for flip in range(count):
@@ -587,7 +587,7 @@ def bench_predict(
         auth = EdgeAuthMetadata(mesh.spec, BENCH_CALLER)
         targets = {
             EDGE: predict_target(
-                dial_edge(mesh.spec),
+                dial_every_edge(mesh.spec),
                 model=model_name,
                 entities=entities,
                 timeout_s=CALL_TIMEOUT_S,
@@ -792,6 +792,7 @@ def h2load_rounds(
     model_file = bench_h2load.frame_file(workdir, "model-infer", model_body)
     for server in (standalone, echo):
         probe(server.address, model_body)
+    # h2load drives the first edge alone (one address); its marker goes there too.
     edge_dial = dial_edge(mesh.spec)
     admin = AdminClient.of_mesh(mesh.state_dir)
 

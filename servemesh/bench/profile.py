@@ -33,7 +33,7 @@ from pathlib import Path
 from servemesh.bench.observe import bench_credentials, process_kind, wait_answering
 from servemesh.bench.predict import bench_spec
 from servemesh.bench.report import BenchReport
-from servemesh.identity import dial_edge
+from servemesh.identity import dial_every_edge
 from servemesh.launcher import Mesh
 from servemesh.load import ClosedLoop, LoadRun, closed_loop, predict_target, summarize
 from servemesh.spec import MeshSpec, load_spec
@@ -224,7 +224,7 @@ def bench_profile(
         try:
             wait_answering(mesh)
             target = predict_target(
-                dial_edge(mesh.spec),
+                dial_every_edge(mesh.spec),
                 model=model,
                 entities=max(1, spec.demo.entities),
                 timeout_s=CALL_TIMEOUT_S,

@@ -26,7 +26,7 @@ from pathlib import Path
 from servemesh.bench.observe import bench_credentials, wait_answering
 from servemesh.bench.predict import one_zone_spec
 from servemesh.bench.report import BenchReport, progress
-from servemesh.identity import dial_edge
+from servemesh.identity import dial_every_edge
 from servemesh.launcher import Mesh
 from servemesh.load import BackgroundLoad, percentile, predict_target
 from servemesh.load.drive import open_loop
@@ -115,7 +115,7 @@ def run_mode(
         with mesh:
             wait_answering(mesh)
             target = predict_target(
-                dial_edge(mesh.spec),
+                dial_every_edge(mesh.spec),
                 entities=500,
                 timeout_s=5.0,
                 metadata=bench_credentials(mesh.spec),
@@ -169,7 +169,7 @@ def cold_starts(spec: MeshSpec, repeats: int) -> dict[str, list[float]]:
                     if standby:
                         _wait(partial(_standby_warm, mesh), 180)
                     target = predict_target(
-                        dial_edge(mesh.spec),
+                        dial_every_edge(mesh.spec),
                         entities=500,
                         timeout_s=5.0,
                         metadata=bench_credentials(mesh.spec),

@@ -44,7 +44,7 @@ from servemesh.bench.predict import (
     summarize_rows,
 )
 from servemesh.bench.report import BenchReport, progress
-from servemesh.identity import Dial, dial_edge
+from servemesh.identity import Dial, dial_every_edge
 from servemesh.launcher import Mesh
 from servemesh.load import Target
 from servemesh.load.outcome import Reply, Request
@@ -229,7 +229,7 @@ def bench_tiers(
         try:
             wait_answering(mesh)
             scored_s = precompute(mesh, model, live_versions, hot)
-            edge = dial_edge(mesh.spec)
+            edge = dial_every_edge(mesh.spec)
             credentials = bench_credentials(mesh.spec)
             targets = {
                 "mix": entity_target(edge, model, mix, credentials),

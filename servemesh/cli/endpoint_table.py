@@ -31,6 +31,10 @@ class Endpoint:
 def endpoint_rows(spec: ResolvedSpec, endpoints: Mapping[str, Any]) -> list[Endpoint]:
     """Every endpoint of the mesh `spec` resolves to, as `up` lists them."""
     rows = [Endpoint("edge (clients, grpcurl)", str(endpoints["edge"]), "envoy", EDGE_PROXY)]
+    for proxy in spec.edge_proxies()[1:]:
+        # The other zones' edges: a caller is given every edge's address.
+        what = f"edge of {spec.zone_of_edge(proxy)} (clients)"
+        rows.append(Endpoint(what, spec.edge_address_of(proxy), proxy_part(proxy), proxy))
     per_zone = spec.proxy.layout == "per_zone"
     for zone in spec.zones:
         # Its own Envoy in the per-zone layout; the edge's holds it in the shared one.

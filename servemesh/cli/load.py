@@ -19,7 +19,7 @@ from servemesh.cli.flags import add_duration, add_output, add_rate, deprecated
 from servemesh.cli.mesh import add_mesh_flags, running_mesh
 from servemesh.cli.output import console, out, write
 from servemesh.contract.errors import ServemeshError
-from servemesh.identity.channels import dial_edge
+from servemesh.identity.channels import dial_every_edge
 from servemesh.load import FixedRate, LoadRun, open_loop, predict_target, summarize
 from servemesh.state.credentials import EdgeAuthMetadata
 
@@ -74,7 +74,7 @@ def cmd_load(args: argparse.Namespace) -> int:
             f"--model: {args.model!r} is not served; served: {sorted(spec.models)}"
         )
     target = predict_target(
-        dial_edge(spec),
+        dial_every_edge(spec),
         model=args.model,
         entities=args.entities or spec.demo.entities,
         timeout_s=args.timeout,
@@ -83,7 +83,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     stop = threading.Event()
     console.print(
         f"{args.rate:g} Predict/s to {args.model} for {args.seconds:g} s through "
-        f"{spec.edge_address} (Ctrl-C ends it early)"
+        f"{', '.join(spec.edge_addresses)} (Ctrl-C ends it early)"
     )
     run = LoadRun()
     try:

@@ -14,7 +14,7 @@ from servemesh.cli.mesh import add_mesh_flags, running_mesh
 from servemesh.cli.output import out, write
 from servemesh.contract.errors import ServemeshError, UsageError
 from servemesh.contract.wire import AUTHORIZATION_HEADER, TENSOR_VALUE_FIELDS, TRACE_HEADERS
-from servemesh.identity import OPERATOR_IDENTITY, Dial, dial_edge_at
+from servemesh.identity import OPERATOR_IDENTITY, Dial, across_edges, dial_edges
 from servemesh.identity.edge_client import dial_edge_as
 from servemesh.identity.tokens import mint_token
 from servemesh.spec import MeshSpec, load_spec
@@ -23,16 +23,17 @@ from servemesh.state.paths import MeshPaths, NoRunningMesh
 from servemesh.tracestore.traceparent import new_traceparent
 
 
-def _edge_dial(spec: MeshSpec, address: str, as_operator: bool = False) -> Dial:
-    """How to reach the edge: as the running mesh serves it (TLS or not) when one runs on
-    this state dir, else as `spec` says; with the operator's certificate when asked."""
+def _edge_dial(spec: MeshSpec, addresses: list[str], as_operator: bool = False) -> Dial:
+    """How to reach the edges: as the running mesh serves them (TLS or not) when one runs on
+    this state dir, else as `spec` says; with the operator's certificate when asked. Every
+    edge at once, as callers are meant to (across_edges)."""
     try:
         spec = MeshPaths(Path(spec.state_dir)).running_spec()
     except NoRunningMesh:
         pass
     if as_operator:
-        return dial_edge_as(spec, address, OPERATOR_IDENTITY)
-    return dial_edge_at(spec, address)
+        return across_edges(dial_edge_as(spec, addresses[0], OPERATOR_IDENTITY), addresses)
+    return dial_edges(spec, addresses)
 
 
 # A token `predict` signs for itself (jwt mode, the mesh's key readable, none given).
@@ -62,16 +63,22 @@ def _edge_auth_metadata(args: argparse.Namespace, spec: MeshSpec) -> list[tuple[
     return []
 
 
-def _edge(args: argparse.Namespace) -> tuple[str, MeshSpec]:
-    """The edge's address and the spec to dial it with: the running mesh's (its endpoints
-    and TLS), or with --address the --spec's (a mesh this state dir does not run)."""
+def _edge(args: argparse.Namespace) -> tuple[list[str], MeshSpec]:
+    """The edges' addresses and the spec to dial them with: the running mesh's (its
+    endpoints and TLS), or with --address (one or several, comma-separated) the --spec's
+    (a mesh this state dir does not run)."""
     if args.address is None:
         mesh = running_mesh(args)
-        return str(mesh.endpoints().get("edge") or mesh.spec.edge_address), mesh.spec
+        endpoints = mesh.endpoints()
+        edges = endpoints.get("edges") or [endpoints.get("edge") or mesh.spec.edge_address]
+        return [str(edge) for edge in edges], mesh.spec
     spec = load_spec(args.spec)
     if args.state_dir:
         spec = spec.model_copy(update={"state_dir": args.state_dir})
-    return args.address, spec
+    addresses = [a.strip() for a in str(args.address).split(",") if a.strip()]
+    if not addresses:
+        raise UsageError("--address: give host:port (several edges: comma-separated)")
+    return addresses, spec
 
 
 def _parse_entity(text: str) -> dict[str, str] | str:
@@ -177,7 +184,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise UsageError("--entity: name every entity (name=id) or none")
     request.entities.extend(gateway_pb2.EntityRow(ids=ids) for ids in named)
     request.entity_ids.extend(e for e in entities if isinstance(e, str))
-    address, spec = _edge(args)
+    addresses, spec = _edge(args)
     try:
         metadata = _edge_auth_metadata(args, spec)
     except OSError as exc:
@@ -186,7 +193,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
     if args.trace:
         traceparent, trace_id = new_traceparent()
         metadata.append((TRACE_HEADERS[0], traceparent))
-    with _edge_dial(spec, address, args.as_operator).channel() as channel:
+    try:
+        plan = _edge_dial(spec, addresses, args.as_operator)
+    except ValueError as exc:
+        raise UsageError(f"--address: {exc}") from None
+    with plan.channel() as channel:
         try:
             reply = gateway_pb2_grpc.GatewayStub(channel).Predict(
                 request, timeout=args.timeout, metadata=metadata
@@ -283,7 +294,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="present the operator's certificate at the edge (and sign an operator token)",
     )
     predict.add_argument(
-        "--address", help="edge address (default: the running mesh's; then no mesh is needed)"
+        "--address",
+        help="edge address, or every edge's comma-separated (default: the running mesh's "
+        "edges; then no mesh is needed)",
     )
     add_mesh_flags(predict)
     add_duration(

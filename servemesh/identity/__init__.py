@@ -4,6 +4,7 @@ issue_mesh_certificates(spec)                  # `up`: the CA and every certific
 dial_service(spec, "model-fraud-zone-a-0").channel() # mTLS to a replica, as the operator
 dial_mesh(spec, zone, caller=instance)         # a service to its zone's mesh listener
 dial_edge(spec)                                # a client of the edge (TLS, no cert)
+dial_every_edge(spec)                          # a caller given every zone's edge
 serving_credentials(spec, instance)            # a service's own port
 """
 
@@ -13,12 +14,16 @@ import grpc
 
 from servemesh.identity.channels import (
     Dial,
+    across_edges,
     dial_address,
     dial_edge,
     dial_edge_at,
+    dial_edges,
+    dial_every_edge,
     dial_mesh,
     dial_registry,
     dial_service,
+    edges_target,
 )
 from servemesh.identity.credentials import server_credentials
 from servemesh.identity.enroll import (
@@ -42,8 +47,12 @@ __all__ = [
     "Dial",
     "MeshIdentity",
     "dial_address",
+    "across_edges",
     "dial_edge",
     "dial_edge_at",
+    "dial_edges",
+    "dial_every_edge",
+    "edges_target",
     "dial_mesh",
     "dial_registry",
     "dial_service",

@@ -9,6 +9,8 @@ plaintext when the spec turns edge TLS off.
 
 from __future__ import annotations
 
+import ipaddress
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,8 +80,85 @@ def dial_mesh(spec: ResolvedSpec, zone: str, *, caller: str = OPERATOR_IDENTITY)
 
 
 def dial_edge(spec: ResolvedSpec) -> Dial:
-    """To the edge listener: TLS trusting the mesh CA, or plaintext when tls.edge is off."""
+    """To the first zone's edge listener alone: TLS trusting the mesh CA, or plaintext when
+    tls.edge is off (what tests of one edge's own behaviour dial; callers: dial_edges)."""
     return dial_edge_at(spec, spec.edge_address)
+
+
+# How a caller given every edge dials them (docs/architecture.md, "Calling the mesh"): a
+# connection to each, calls spread round robin over those that are up, and a call that
+# failed UNAVAILABLE before any answer began (its edge died, or refused the connection)
+# sent again, so one edge's loss costs no call. A Predict sent twice is scored twice,
+# which is harmless: the gateway's calls are reads.
+EDGE_RETRY_ATTEMPTS = 3
+EDGE_SERVICE_CONFIG = {
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "methodConfig": [
+        {
+            "name": [{}],
+            "retryPolicy": {
+                "maxAttempts": EDGE_RETRY_ATTEMPTS,
+                "initialBackoff": "0.02s",
+                "maxBackoff": "0.2s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }
+    ],
+}
+
+
+def edges_target(addresses: Sequence[str]) -> str:
+    """One gRPC target naming every edge: the address itself for one, else an ipv4: (or
+    ipv6:) list of them. Several edges known by host name are one DNS name to the caller
+    (every edge an address of it), which gRPC resolves itself; a list of names is refused."""
+    if not addresses:
+        raise ValueError("no edge address given")
+    if len(addresses) == 1:
+        return addresses[0]
+    families = set()
+    literal = []
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        host = "127.0.0.1" if host == "localhost" else host
+        try:
+            ip = ipaddress.ip_address(host)
+        except ValueError:
+            raise ValueError(
+                f"edge {address!r}: several edges are dialled by address; give callers one "
+                "DNS name holding every edge's address instead"
+            ) from None
+        families.add(ip.version)
+        literal.append(f"[{host}]:{port}" if ip.version == 6 else f"{host}:{port}")
+    if len(families) > 1:
+        raise ValueError(f"edges {list(addresses)}: IPv4 and IPv6 addresses in one list")
+    scheme = "ipv6" if families == {6} else "ipv4"
+    return f"{scheme}:{','.join(literal)}"
+
+
+def dial_edges(spec: MeshSpec, addresses: Sequence[str]) -> Dial:
+    """To every edge of `spec`'s mesh at once (`addresses`: each zone's edge), as a caller
+    is meant to connect: round robin over the edges that are up, an UNAVAILABLE call
+    retried on another (EDGE_SERVICE_CONFIG)."""
+    return across_edges(dial_edge_at(spec, addresses[0]), addresses)
+
+
+def across_edges(plan: Dial, addresses: Sequence[str]) -> Dial:
+    """`plan` (a way to dial one edge: its credentials and name to verify) made to dial
+    every edge in `addresses` as dial_edges does."""
+    options: tuple[Option, ...] = (
+        ("grpc.service_config", json.dumps(EDGE_SERVICE_CONFIG)),
+        ("grpc.enable_retries", 1),
+        # The :authority callers send: the first edge's (the target is a list).
+        ("grpc.default_authority", addresses[0]),
+    )
+    return Dial(edges_target(addresses), plan.credentials, plan.options + options)
+
+
+def dial_every_edge(spec: ResolvedSpec) -> Dial:
+    """To every edge of a running mesh (dial_edges over spec.edge_addresses)."""
+    return dial_edges(spec, spec.edge_addresses)
 
 
 def dial_edge_at(spec: MeshSpec, target: str) -> Dial:

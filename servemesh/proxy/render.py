@@ -83,6 +83,7 @@ from servemesh.spec import (
     ModelSpec,
     ResolvedSpec,
     ServiceKind,
+    is_edge_proxy,
 )
 from servemesh.spec.durations import duration_seconds
 from servemesh.spec.policy import (
@@ -980,6 +981,7 @@ def _listener(
     log_dir: Path,
     extra_filters: list[dict[str, Any]],
     edge: bool,
+    log_name: str = "",
 ) -> dict[str, Any]:
     chain: dict[str, Any] = {}
     if not edge or spec.tls.edge:
@@ -1046,7 +1048,9 @@ def _listener(
                                     "name": "envoy.access_loggers.file",
                                     "typed_config": {
                                         "@type": _FILE_LOG,
-                                        "path": str(log_dir / f"envoy-{name}-access.log"),
+                                        "path": str(
+                                            log_dir / f"envoy-{log_name or name}-access.log"
+                                        ),
                                         "log_format": {"json_format": _ACCESS_LOG_FORMAT},
                                     },
                                 }
@@ -1084,10 +1088,11 @@ def render_proxies(spec: ResolvedSpec, log_dir: Path) -> dict[str, EnvoyResource
 def _held_by(spec: ResolvedSpec, everything: EnvoyResources, proxy: str) -> EnvoyResources:
     """The part of the whole mesh's resources one Envoy of the per-zone layout holds.
 
-    The edge: the edge listener and the gateways' clusters. A zone: its mesh listener and
-    the clusters its callers reach (those named for the zone, and the registry). Each has
-    its own stats listener (rendered for it) and the trace collector."""
-    if proxy == EDGE_PROXY:
+    An edge (each zone's with an edge per zone): the edge listener and the gateways'
+    clusters, every edge alike but for its port, so any of them serves any caller. A zone:
+    its mesh listener and the clusters its callers reach (those named for the zone, and the
+    registry). Each has its own stats listener (rendered for it) and the trace collector."""
+    if is_edge_proxy(proxy):
         routes = {"edge"}
         clusters = {GATEWAY_CLUSTER, GATEWAY_STREAMS_CLUSTER}
     elif proxy in spec.zones:
@@ -1242,8 +1247,14 @@ def _render_all(spec: ResolvedSpec, log_dir: Path, proxy: str) -> EnvoyResources
     # credentials cannot drain it for the others).
     if (forced := forced_traces_filter(spec)) is not None:
         edge_filters.append(forced)
+    # Every edge Envoy holds the same edge listener on its own port, logging to its own
+    # file (envoy-edge-access.log for the first zone's, as with a single edge).
+    edge_port = spec.edge_port_of(proxy) if is_edge_proxy(proxy) else spec.ports.edge
+    edge_log = "edge" if proxy == EDGE_PROXY or not is_edge_proxy(proxy) else proxy
     listeners.append(
-        _listener("edge", spec, spec.ports.edge, "edge", log_dir, edge_filters, edge=True)
+        _listener(
+            "edge", spec, edge_port, "edge", log_dir, edge_filters, edge=True, log_name=edge_log
+        )
     )
     for zone in spec.zones:
         name = mesh_route_config(zone)

@@ -89,7 +89,9 @@ from servemesh.spec.network import (
     ProxySpec,
     TlsSpec,
     free_port,
+    is_edge_proxy,
     proxy_part,
+    zone_edge_proxy,
 )
 from servemesh.spec.observability import (
     SCALER_TARGETS_FILE,
@@ -149,6 +151,7 @@ __all__ = [
     "DiscoverySpec",
     "dump_spec",
     "EDGE_PROXY",
+    "zone_edge_proxy",
     "ENVOY_PART",
     "FeatureName",
     "FeatureStoreSpec",
@@ -156,6 +159,7 @@ __all__ = [
     "FLEET_STATUS_FILE",
     "FleetState",
     "free_port",
+    "is_edge_proxy",
     "FrontKind",
     "Instance",
     "instance_name",

@@ -48,6 +48,7 @@ from servemesh.spec.models import (
 )
 from servemesh.spec.network import (
     EDGE_PROXY,
+    ZONE_EDGE_PREFIX,
     DiscoverySpec,
     NetworkSpec,
     Ports,
@@ -55,6 +56,7 @@ from servemesh.spec.network import (
     TlsSpec,
     host_name_problem,
     proxy_part,
+    zone_edge_proxy,
 )
 from servemesh.spec.observability import (
     TRACE_STORE_PART,
@@ -210,6 +212,16 @@ class MeshSpec(_Strict):
         return host
 
     @model_validator(mode="after")
+    def _zone_names_are_no_edge_names(self) -> MeshSpec:
+        clash = sorted(z for z in self.zones if z.startswith(ZONE_EDGE_PREFIX))
+        if clash:
+            raise ValueError(
+                f"zones: {clash}: a zone name may not start with {ZONE_EDGE_PREFIX!r}, the "
+                "prefix of the zones' edge Envoys"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _small_host_serves_every_zone_from_the_first(self) -> MeshSpec:
         if self.profile != "small-host":
             return self
@@ -329,9 +341,30 @@ class MeshSpec(_Strict):
         return Path(self.state_dir) / "registry"
 
     def proxies(self) -> list[str]:
-        """The mesh's Envoys by name: the edge's (EDGE_PROXY) first, then, in the per-zone
+        """The mesh's Envoys by name: the edges' (edge_proxies) first, then, in the per-zone
         layout, one per zone, named by its zone."""
-        return [EDGE_PROXY] + (list(self.zones) if self.proxy.layout == "per_zone" else [])
+        zones = list(self.zones) if self.proxy.layout == "per_zone" else []
+        return self.edge_proxies() + zones
+
+    @property
+    def edges_per_zone(self) -> bool:
+        """Whether every zone has an edge Envoy of its own (proxy.edges, per-zone layout)."""
+        return self.proxy.layout == "per_zone" and self.proxy.edges == "per_zone"
+
+    def edge_proxies(self) -> list[str]:
+        """The Envoys holding the edge listener: EDGE_PROXY (the first zone's), then with an
+        edge per zone edge-<zone> for each other zone."""
+        others = [zone_edge_proxy(z) for z in self.zones[1:]] if self.edges_per_zone else []
+        return [EDGE_PROXY, *others]
+
+    def zone_of_edge(self, proxy: str) -> str:
+        """The zone an edge Envoy runs for (the first zone's for the single edge)."""
+        if proxy == EDGE_PROXY:
+            return self.zones[0]
+        zone = proxy.removeprefix(ZONE_EDGE_PREFIX)
+        if proxy not in self.edge_proxies():
+            raise ValueError(f"no edge Envoy named {proxy!r}; edges: {self.edge_proxies()}")
+        return zone
 
     def proxy_of_zone(self, zone: str) -> str:
         """The Envoy holding `zone`'s mesh listener and clusters."""

@@ -35,6 +35,19 @@ class NetworkSpec(_Strict):
 # edge's own in the per-zone layout, where each zone's Envoy is named by its zone. The name
 # keeps the admin socket, config and log paths the shared layout has always had.
 EDGE_PROXY = "envoy"
+# The other zones' edge Envoys (proxy.edges per_zone) are named edge-<zone>.
+ZONE_EDGE_PREFIX = "edge-"
+
+
+def zone_edge_proxy(zone: str) -> str:
+    """The name of the edge Envoy of a zone after the first (the first's is EDGE_PROXY)."""
+    return f"{ZONE_EDGE_PREFIX}{zone}"
+
+
+def is_edge_proxy(proxy: str) -> bool:
+    """Whether one of the mesh's Envoys (spec.proxies()) holds an edge listener rather than a
+    zone's mesh listener. Zone names never start with the prefix (MeshSpec checks)."""
+    return proxy == EDGE_PROXY or proxy.startswith(ZONE_EDGE_PREFIX)
 
 
 class ProxySpec(_Strict):
@@ -49,6 +62,13 @@ class ProxySpec(_Strict):
     """
 
     layout: Literal["shared", "per_zone"] = "per_zone"
+    # per_zone: every zone has an edge Envoy of its own (the per-zone layout only), each
+    #           holding the same edge listener and routes on its own port, so losing one
+    #           edge loses no caller that is given every edge's address (docs/architecture.md,
+    #           "Calling the mesh"). The first zone's edge is the Envoy named EDGE_PROXY.
+    # one:      a single edge Envoy for every zone (about 60 MiB less; one failure domain
+    #           for every caller). The shared layout always has one.
+    edges: Literal["one", "per_zone"] = "per_zone"
 
 
 class TlsSpec(_Strict):
@@ -172,6 +192,9 @@ class Ports(_Strict):
     """Fixed listening ports; 0 picks a free port at start (what the tests use)."""
 
     edge: Port = 8080
+    # The edges of the zones after the first (proxy.edges per_zone): zone i (i >= 1)
+    # listens on zone_edges + i - 1.
+    zone_edges: Port = 8180
     # The first zone's mesh listener; zone i listens on mesh + i.
     mesh: Port = 8081
     # Kept so older spec files still load; used only as Envoy's --base-id. Envoy's admin API
@@ -191,7 +214,7 @@ class Ports(_Strict):
     def free(cls) -> Ports:
         """Every port picked free at start: a mesh that runs beside others (tests, drills,
         benchmarks)."""
-        return cls(edge=0, mesh=0, envoy_admin=0, services_base=0)
+        return cls(edge=0, zone_edges=0, mesh=0, envoy_admin=0, services_base=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -199,7 +222,7 @@ class Ports(_Strict):
         # A mesh on free ports (edge: 0, as tests and drills run several at once) gets free
         # metrics ports too, unless it names them.
         if isinstance(data, dict) and data.get("edge") == 0:
-            data = {"envoy_stats": 0, "prometheus": 0, **data}
+            data = {"envoy_stats": 0, "prometheus": 0, "zone_edges": 0, **data}
         return data
 
 

@@ -44,6 +44,11 @@ class ResolvedSpec(MeshSpec):
     # ports.envoy_stats, zone i's envoy_stats + 1 + i unless it is free); empty in the shared
     # layout.
     zone_stats_ports: dict[ZoneName, Port] = Field(default_factory=dict)
+    # The edge listener and stats listener ports of every edge Envoy but the first (whose
+    # are ports.edge and ports.envoy_stats), by Envoy name (edge-<zone>); empty with one
+    # edge.
+    edge_ports: dict[str, Port] = Field(default_factory=dict)
+    edge_stats_ports: dict[str, Port] = Field(default_factory=dict)
     # The port of the Redis the launcher runs itself; None when the spec names its own
     # (feature_store.redis_url is set either way).
     embedded_redis_port: Port | None = None
@@ -174,6 +179,9 @@ class ResolvedSpec(MeshSpec):
         missing += [f"mesh listener of {z}" for z in self.zones if not self.mesh_ports.get(z)]
         if self.ports.edge == 0 or self.ports.envoy_admin == 0:
             missing.append("ports.edge or ports.envoy_admin")
+        for proxy in self.edge_proxies()[1:]:
+            if not self.edge_ports.get(proxy) or not self.edge_stats_ports.get(proxy):
+                missing.append(f"edge and stats listeners of {proxy}")
         missing += [
             f"metrics of {i.name}" for i in self.instances() if not self.metrics_ports.get(i.name)
         ]
@@ -262,6 +270,8 @@ class ResolvedSpec(MeshSpec):
         """The stats listener's port of one of the mesh's Envoys."""
         if proxy == EDGE_PROXY:
             return self.ports.envoy_stats
+        if proxy in self.edge_stats_ports:
+            return self.edge_stats_ports[proxy]
         try:
             return self.zone_stats_ports[proxy]
         except KeyError:
@@ -291,7 +301,27 @@ class ResolvedSpec(MeshSpec):
 
     @property
     def edge_address(self) -> str:
+        """The first zone's edge (the only one with proxy.edges one)."""
         return f"{self.host_of(ENVOY_PART)}:{self.ports.edge}"
+
+    def edge_port_of(self, proxy: str) -> int:
+        """The edge listener's port of one of the mesh's edge Envoys (edge_proxies)."""
+        if proxy == EDGE_PROXY:
+            return self.ports.edge
+        try:
+            return self.edge_ports[proxy]
+        except KeyError:
+            raise SpecError(
+                f"no edge Envoy named {proxy!r}; edges: {self.edge_proxies()}"
+            ) from None
+
+    def edge_address_of(self, proxy: str) -> str:
+        return f"{self.host_of(proxy_part(proxy))}:{self.edge_port_of(proxy)}"
+
+    @property
+    def edge_addresses(self) -> list[str]:
+        """Every edge's address, the first zone's first: what a caller is given."""
+        return [self.edge_address_of(proxy) for proxy in self.edge_proxies()]
 
     @property
     def registry_instance(self) -> str:
@@ -307,6 +337,8 @@ RESOLVED_FIELDS = {
     "fleet",
     "mesh_ports",
     "zone_stats_ports",
+    "edge_ports",
+    "edge_stats_ports",
     "instance_ports",
     "metrics_ports",
     "embedded_redis_port",
@@ -352,6 +384,7 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
     }
     ports = Ports(
         edge=pick(spec.ports.edge),
+        zone_edges=spec.ports.zone_edges,
         mesh=mesh_ports[spec.zones[0]],
         envoy_admin=pick(spec.ports.envoy_admin),
         services_base=spec.ports.services_base,
@@ -385,6 +418,21 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
         zone: pick(zone_stats_port(i, zone))
         for i, zone in enumerate(spec.zones if spec.proxy.layout == "per_zone" else [])
     }
+    # The other zones' edges: their edge listeners from ports.zone_edges, their stats
+    # listeners after the zone Envoys'; kept when resolved, free when the base is 0.
+    edge_ports: dict[str, int] = {}
+    edge_stats_ports: dict[str, int] = {}
+    zone_count = len(zone_stats_ports)
+    for index, proxy in enumerate(spec.edge_proxies()[1:]):
+        if known is not None:
+            wanted_edge = known.edge_ports.get(proxy, 0)
+            wanted_stats = known.edge_stats_ports.get(proxy, 0)
+        else:
+            wanted_edge = spec.ports.zone_edges + index if spec.ports.zone_edges else 0
+            stats_base = spec.ports.envoy_stats
+            wanted_stats = stats_base + 1 + zone_count + index if stats_base else 0
+        edge_ports[proxy] = pick(wanted_edge)
+        edge_stats_ports[proxy] = pick(wanted_stats)
     # No Redis named: the launcher runs one, on a port chosen now with the others.
     embedded_redis_port = known.embedded_redis_port if known else None
     store = spec.feature_store
@@ -438,6 +486,8 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
             "ports": ports.model_dump(),
             "mesh_ports": mesh_ports,
             "zone_stats_ports": zone_stats_ports,
+            "edge_ports": edge_ports,
+            "edge_stats_ports": edge_stats_ports,
             "instance_ports": instance_ports,
             "metrics_ports": metrics_ports,
         }

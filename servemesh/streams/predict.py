@@ -178,11 +178,14 @@ class MeshPredictor:
     def __init__(
         self, spec: ResolvedSpec, stream: StreamSpec, *, address: str | None = None
     ) -> None:
-        from servemesh.identity import dial_edge_at
+        from servemesh.identity import dial_edges
 
         self.spec = spec
         self.stream = stream
-        self.channel = dial_edge_at(spec, address or spec.edge_address).aio_channel()
+        # Every zone's edge (round robin, an UNAVAILABLE call retried on another), as any
+        # caller; `address` (tests) names one.
+        edges = [address] if address else spec.edge_addresses
+        self.channel = dial_edges(spec, edges).aio_channel()
         self.auth = EdgeAuthMetadata(spec, f"servemesh-stream:{stream.name}")
         self.timeout_s = stream.deadline_ms / 1000
 

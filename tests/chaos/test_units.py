@@ -35,6 +35,7 @@ DRILLS = {
     "zone-outage",
     "zone-brownout",
     "zone-proxy-crash",
+    "edge-loss",
     "replica-crash-loop",
     "feature-store-down",
     "registry-down",
@@ -258,14 +259,18 @@ class _Admins:
 
 
 @pytest.mark.parametrize(
-    ("layout", "zone_routes", "zone_a"),
-    [("shared", ["envoy"], "envoy"), ("per_zone", ["zone-a", "zone-b"], "zone-a")],
+    ("layout", "zone_routes", "zone_a", "edges"),
+    [
+        ("shared", ["envoy"], "envoy", ["envoy"]),
+        ("per_zone", ["zone-a", "zone-b"], "zone-a", ["envoy", "edge-zone-b"]),
+    ],
 )
 def test_route_faults_and_zone_probes_go_to_the_envoys_that_serve_them(
-    layout: str, zone_routes: list[str], zone_a: str
+    layout: str, zone_routes: list[str], zone_a: str, edges: list[str]
 ) -> None:
     # A model's route and the feature route live in every zone's mesh listener (each zone's
-    # own Envoy in the per-zone layout); the edge route, in the edge's Envoy alone.
+    # own Envoy in the per-zone layout); the edge route, in every edge's Envoy (one per zone
+    # in the per-zone layout).
     spec = MeshSpec.model_validate({"proxy": {"layout": layout}})
     drill = Drill("layout", {"spec": "drill-mesh"})
     drill.mesh = cast(DrillMesh, SimpleNamespace(spec=spec))
@@ -273,7 +278,7 @@ def test_route_faults_and_zone_probes_go_to_the_envoys_that_serve_them(
     # (str(): each "admin" here is the proxy's name itself)
     assert [str(a) for a in drill.route_admins("model.fraud")] == zone_routes
     assert [str(a) for a in drill.route_admins("feature")] == zone_routes
-    assert [str(a) for a in drill.route_admins("edge")] == ["envoy"]
+    assert [str(a) for a in drill.route_admins("edge")] == edges
     assert str(drill.admin_of_zone("zone-a")) == zone_a
 
 
