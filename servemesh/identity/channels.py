@@ -88,8 +88,8 @@ def dial_edge(spec: ResolvedSpec) -> Dial:
 # How a caller given every edge dials them (docs/architecture.md, "Calling the mesh"): a
 # connection to each, calls spread round robin over those that are up, and a call that
 # failed UNAVAILABLE before any answer began (its edge died, or refused the connection)
-# sent again, so one edge's loss costs no call. A Predict sent twice is scored twice,
-# which is harmless: the gateway's calls are reads.
+# sent again, so one edge's loss costs no call. A Predict changes nothing but the
+# prediction log, where one sent twice can appear twice.
 EDGE_RETRY_ATTEMPTS = 3
 EDGE_SERVICE_CONFIG = {
     "loadBalancingConfig": [{"round_robin": {}}],
