@@ -34,7 +34,7 @@ from servemesh.contract.wire import (
     model_cluster,
     zone_of_cluster,
 )
-from servemesh.identity import Dial, dial_service
+from servemesh.identity import Dial, dial_registry_mirror, dial_service
 from servemesh.load import WindowStats, window_stats
 from servemesh.proxy.admin import AdminError
 from servemesh_api.inference import grpc_service_pb2 as oip
@@ -367,6 +367,31 @@ def try_model_load(
         "ms": round((time.perf_counter() - started) * 1000, 1),
         "serving_after": _serving(dial_service(spec, name)),
     }
+
+
+def mirror_refuses_writes(zone: str = "zone-b", model: str = "fraud") -> dict[str, Any]:
+    """Ask `zone`'s registry mirror to move an alias, as the operator: a mirror is read-only
+    and must refuse it (FAILED_PRECONDITION, naming the registry)."""
+    from servemesh_api.registry.v1 import registry_pb2, registry_pb2_grpc
+
+    drill = current()
+    spec = drill.spec
+    dial = dial_registry_mirror(spec, zone)
+    if dial is None:
+        raise DrillError(f"{zone} runs no registry mirror (registry.mirrors)")
+    request = registry_pb2.SetAliasRequest(model=model, alias="drill", version="v1")
+    with dial.channel() as channel:
+        try:
+            registry_pb2_grpc.RegistryStub(channel).SetAlias(
+                request, timeout=5.0, metadata=control_metadata_for(spec.state_dir)
+            )
+        except grpc.RpcError as exc:
+            code, details = exc.code().name, exc.details() or ""
+        else:
+            raise DrillError(f"{zone}'s registry mirror moved an alias: it must be read-only")
+    if code != "FAILED_PRECONDITION":
+        raise DrillError(f"{zone}'s registry mirror answered {code}: {details[:200]}")
+    return {"code": code, "details": details[:300]}
 
 
 def model_load_fails_cleanly(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 
@@ -29,9 +30,12 @@ def registry_server(
     upload_idle_timeout_s: float = UPLOAD_IDLE_TIMEOUT_S,
     credentials: grpc.ServerCredentials | None = None,
     scope: ModelServerScope | None = None,
+    make_servicer: Callable[..., RegistryServicer] = RegistryServicer,
 ) -> ServiceServer:
     """A not yet started server for `store`; it closes the store when it stops. Its control
-    calls (CreateModel, UploadVersion, SetAlias) answer only to `control_token`."""
+    calls (CreateModel, UploadVersion, SetAlias) answer only to `control_token`.
+    `make_servicer` builds the servicer from the store and its keyword arguments (a
+    mirror's, registry/mirror.py)."""
     server = ServiceServer(
         name,
         host=host,
@@ -41,7 +45,7 @@ def registry_server(
         credentials=credentials,
         service="registry",
     )
-    servicer = RegistryServicer(
+    servicer = make_servicer(
         store,
         upload_idle_timeout_s=upload_idle_timeout_s,
         metrics=RegistryMetrics(server.metrics.registry),

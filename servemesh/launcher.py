@@ -85,6 +85,7 @@ from servemesh.spec import (
     is_edge_proxy,
     load_resolved,
     proxy_part,
+    registry_mirror_name,
     resolve,
 )
 from servemesh.state.credentials import ensure_edge_credentials, htpasswd_line
@@ -162,7 +163,11 @@ FLEET_POLL_S = 0.2
 # kill), after crash-loop backoff (servemesh.procs.restarts); with them the Envoys of the
 # per-zone layout. Redis, Prometheus, stream consumers, the batch scheduler and the scaler
 # are not: their exits are reported (`servemesh up`), the operator decides.
-REVIVED_KINDS = frozenset({"model", "gateway", "feature", "registry", TRACE_STORE})
+# The supervisor's group of the zones' registry mirrors (registry/mirror.py).
+REGISTRY_MIRROR_GROUP = "registry-mirror"
+REVIVED_KINDS = frozenset(
+    {"model", "gateway", "feature", "registry", REGISTRY_MIRROR_GROUP, TRACE_STORE}
+)
 # How long a process started again may take to report ready before the mesh says so in its
 # log (it is left running: a slow start is not a crash).
 REVIVE_READY_TIMEOUT_S = 60.0
@@ -339,7 +344,11 @@ class Mesh:
             self.supervisor.wait_ready([*first, "registry-0"], deadline)
             if self.spec.demo.enabled:
                 asyncio.run(self._seed())
+            # The zones' mirrors of the registry, each ready after its first pull from it,
+            # before any model server that may need one.
+            mirrors = self._start_registry_mirrors()
             later = [i.name for i in self.spec.instances() if i.service != "registry"]
+            self.supervisor.wait_ready(mirrors, deadline)
             for name in later:
                 self._start_service(name)
             # A gateway is SERVING only once its zone's mesh listener (Envoy's) accepts
@@ -477,6 +486,9 @@ class Mesh:
             "redis": spec.feature_store.redis_url,  # never with the password in it
             "redis_password_file": spec.feature_store.password_file,
             "services": {i.name: spec.address_of(i.name) for i in spec.instances()},
+            "registry_mirrors": {
+                zone: spec.registry_mirror_address(zone) for zone in spec.registry_mirror_zones()
+            },
             "metrics": {name: spec.metrics_address_of(name) for name in spec.metrics_ports},
             "envoy_stats": f"http://{spec.envoy_stats_address}{ENVOY_STATS_PATH}",
             "envoy_stats_by_proxy": {
@@ -940,6 +952,29 @@ class Mesh:
             TRACE_STORE, [*argv, str(self.resolved_spec_path)], ready=ready, timeout_s=None
         )
         return [TRACE_STORE]
+
+    def _start_registry_mirrors(self) -> list[str]:
+        """Start each zone's mirror of the registry (registry.mirrors), without waiting; the
+        names to wait for. It runs where the registry does (on the machine, outside the
+        zones' namespaces), pulling from it with its own certificate."""
+        names = []
+        for zone in self.spec.registry_mirror_zones():
+            name = registry_mirror_name(zone)
+            address = self.spec.registry_mirror_address(zone)
+            assert address is not None, "resolved with the mirror's zone"
+            argv = [sys.executable, "-m", "servemesh.registry.mirror", "--spec"]
+            argv += [str(self.resolved_spec_path), "--instance", name]
+            ready = GrpcHealth(dial_address(self.spec, address, name))
+            self.supervisor.start(
+                name,
+                argv,
+                group=REGISTRY_MIRROR_GROUP,
+                ready=ready,
+                timeout_s=None,
+                env=self._control_env("registry"),
+            )
+            names.append(name)
+        return names
 
     def _start_redis(self, port: int, deadline: float) -> None:
         password_file = self.spec.feature_store.password_file

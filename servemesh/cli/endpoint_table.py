@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
-from servemesh.spec import EDGE_PROXY, ResolvedSpec, proxy_part
+from servemesh.spec import EDGE_PROXY, ResolvedSpec, proxy_part, registry_mirror_name
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,11 @@ def endpoint_rows(spec: ResolvedSpec, endpoints: Mapping[str, Any]) -> list[Endp
     for proxy, socket in dict(endpoints["envoy_admins"]).items():
         what = "envoy admin" if proxy == EDGE_PROXY else f"envoy admin of {proxy}"
         rows.append(Endpoint(what, f"unix:{socket}"))
+    for zone in spec.registry_mirror_zones():
+        # A zone's read-only mirror of the registry (registry.mirrors).
+        name = registry_mirror_name(zone)
+        address = spec.registry_mirror_address(zone)
+        rows.append(Endpoint(f"registry mirror of {zone}", str(address), name))
     rows.append(Endpoint("redis", str(endpoints["redis"]), "redis"))
     if endpoints.get("trace_store"):
         # `servemesh trace` reads what it stores; a collector of the spec's when no pid.

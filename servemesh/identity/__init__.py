@@ -22,6 +22,7 @@ from servemesh.identity.channels import (
     dial_every_edge,
     dial_mesh,
     dial_registry,
+    dial_registry_mirror,
     dial_service,
     edges_target,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "edges_target",
     "dial_mesh",
     "dial_registry",
+    "dial_registry_mirror",
     "dial_service",
     "issue_mesh_certificates",
     "mesh_identities",

@@ -19,7 +19,7 @@ import grpc
 
 from servemesh.identity.credentials import client_credentials, server_name_option
 from servemesh.identity.enroll import EDGE_IDENTITY, ENVOY_IDENTITY, OPERATOR_IDENTITY, enrolled
-from servemesh.spec import MeshSpec, ResolvedSpec
+from servemesh.spec import MeshSpec, ResolvedSpec, registry_mirror_name
 
 Option = tuple[str, Any]
 
@@ -72,6 +72,16 @@ def dial_service(spec: ResolvedSpec, instance: str, *, caller: str = OPERATOR_ID
 
 def dial_registry(spec: ResolvedSpec, *, caller: str = OPERATOR_IDENTITY) -> Dial:
     return dial_service(spec, spec.registry_instance, caller=caller)
+
+
+def dial_registry_mirror(
+    spec: ResolvedSpec, zone: str, *, caller: str = OPERATOR_IDENTITY
+) -> Dial | None:
+    """To `zone`'s mirror of the registry (registry.mirrors); None when the zone has none."""
+    address = spec.registry_mirror_address(zone)
+    if address is None:
+        return None
+    return dial_address(spec, address, registry_mirror_name(zone), caller=caller)
 
 
 def dial_mesh(spec: ResolvedSpec, zone: str, *, caller: str = OPERATOR_IDENTITY) -> Dial:

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from servemesh.contract.private import open_lock
 from servemesh.identity.store import MeshIdentity
-from servemesh.spec import TRACE_STORE_PART, MeshSpec, ResolvedSpec
+from servemesh.spec import TRACE_STORE_PART, MeshSpec, ResolvedSpec, registry_mirror_name
 
 ENVOY_IDENTITY = "envoy"
 EDGE_IDENTITY = "edge"
@@ -49,6 +49,7 @@ def mesh_identities(spec: ResolvedSpec) -> list[str]:
     found = [*(i.name for i in spec.instances()), ENVOY_IDENTITY, EDGE_IDENTITY, OPERATOR_IDENTITY]
     if spec.embedded_trace_store_port is not None:
         found.append(TRACE_STORE_IDENTITY)
+    found += [registry_mirror_name(zone) for zone in spec.registry_mirror_zones()]
     return found
 
 

@@ -51,6 +51,7 @@ from servemesh.spec.fleet import (
     instance_name,
     model_instance_name,
     model_set_instances,
+    registry_mirror_name,
     replicas_field,
 )
 from servemesh.spec.mesh import (
@@ -199,6 +200,7 @@ __all__ = [
     "SENTINEL_MASTER_NAME",
     "WITNESS_SENTINEL",
     "REGISTRY_INSTANCE",
+    "registry_mirror_name",
     "RegistryBackupSpec",
     "RegistrySpec",
     "Replicas",

@@ -13,6 +13,12 @@ from servemesh.spec.models import SHARED_POOL
 
 # The mesh's one registry process.
 REGISTRY_INSTANCE = "registry-0"
+# A zone's mirror of the registry (registry.mirrors): its process, identity and store name.
+REGISTRY_MIRROR_PREFIX = "registry-mirror-"
+
+
+def registry_mirror_name(zone: str) -> str:
+    return f"{REGISTRY_MIRROR_PREFIX}{zone}"
 
 
 class Replicas(_Strict):

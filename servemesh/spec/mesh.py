@@ -366,6 +366,13 @@ class MeshSpec(_Strict):
             raise ValueError(f"no edge Envoy named {proxy!r}; edges: {self.edge_proxies()}")
         return zone
 
+    def registry_mirror_zones(self) -> list[str]:
+        """The zones that run a mirror of the registry (registry.mirrors per_zone): every
+        zone but the registry's own (the first), where `servemesh up` runs the mesh."""
+        if self.registry.mirrors != "per_zone" or self.discovery.backend != "file":
+            return []
+        return list(self.zones[1:])
+
     def proxy_of_zone(self, zone: str) -> str:
         """The Envoy holding `zone`'s mesh listener and clusters."""
         return zone if self.proxy.layout == "per_zone" else EDGE_PROXY

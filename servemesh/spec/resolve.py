@@ -49,6 +49,8 @@ class ResolvedSpec(MeshSpec):
     # edge.
     edge_ports: dict[str, Port] = Field(default_factory=dict)
     edge_stats_ports: dict[str, Port] = Field(default_factory=dict)
+    # Each zone's registry mirror's port (registry.mirrors), by zone; empty without mirrors.
+    registry_mirror_ports: dict[ZoneName, Port] = Field(default_factory=dict)
     # The port of the Redis the launcher runs itself; None when the spec names its own
     # (feature_store.redis_url is set either way).
     embedded_redis_port: Port | None = None
@@ -182,6 +184,11 @@ class ResolvedSpec(MeshSpec):
         for proxy in self.edge_proxies()[1:]:
             if not self.edge_ports.get(proxy) or not self.edge_stats_ports.get(proxy):
                 missing.append(f"edge and stats listeners of {proxy}")
+        missing += [
+            f"registry mirror of {zone}"
+            for zone in self.registry_mirror_zones()
+            if not self.registry_mirror_ports.get(zone)
+        ]
         missing += [
             f"metrics of {i.name}" for i in self.instances() if not self.metrics_ports.get(i.name)
         ]
@@ -331,6 +338,11 @@ class ResolvedSpec(MeshSpec):
     def registry_address(self) -> str:
         return self.address_of(REGISTRY_INSTANCE)
 
+    def registry_mirror_address(self, zone: str) -> str | None:
+        """host:port of `zone`'s registry mirror (None: the zone has none)."""
+        port = self.registry_mirror_ports.get(zone)
+        return f"{self.host}:{port}" if port else None
+
 
 # What a resolved spec has and a declared one does not.
 RESOLVED_FIELDS = {
@@ -339,6 +351,7 @@ RESOLVED_FIELDS = {
     "zone_stats_ports",
     "edge_ports",
     "edge_stats_ports",
+    "registry_mirror_ports",
     "instance_ports",
     "metrics_ports",
     "embedded_redis_port",
@@ -433,6 +446,11 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
             wanted_stats = stats_base + 1 + zone_count + index if stats_base else 0
         edge_ports[proxy] = pick(wanted_edge)
         edge_stats_ports[proxy] = pick(wanted_stats)
+    # The zones' registry mirrors: kept when resolved, else free ports.
+    registry_mirror_ports = {
+        zone: pick(known.registry_mirror_ports.get(zone, 0) if known else 0)
+        for zone in spec.registry_mirror_zones()
+    }
     # No Redis named: the launcher runs one, on a port chosen now with the others.
     embedded_redis_port = known.embedded_redis_port if known else None
     store = spec.feature_store
@@ -488,6 +506,7 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
             "zone_stats_ports": zone_stats_ports,
             "edge_ports": edge_ports,
             "edge_stats_ports": edge_stats_ports,
+            "registry_mirror_ports": registry_mirror_ports,
             "instance_ports": instance_ports,
             "metrics_ports": metrics_ports,
         }

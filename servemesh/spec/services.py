@@ -4,7 +4,7 @@ sandbox and quarantine (`sandbox:`)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -61,6 +61,21 @@ class RegistryBackupSpec(_Strict):
 
 class RegistrySpec(_Strict):
     backup: RegistryBackupSpec = Field(default_factory=RegistryBackupSpec)
+    # per_zone: every zone but the registry's (the first) runs a read-only mirror of it
+    #           (servemesh.registry.mirror) with a store of its own, kept in step by pulling
+    #           from the registry; that zone's model servers fetch from the mirror when the
+    #           registry does not answer, so they start and load with the registry's zone
+    #           gone. Pushes, aliases and new models go to the registry alone.
+    # none:     the registry alone.
+    # Mirrors run where `servemesh up` runs the mesh (discovery.backend file).
+    mirrors: Literal["per_zone", "none"] = "per_zone"
+    # How often a mirror pulls what the registry has that it lacks (a miss is also pulled
+    # at once, when the registry answers).
+    mirror_sync: Duration = "2s"
+
+    @property
+    def mirror_sync_s(self) -> float:
+        return duration_seconds(self.mirror_sync)
 
 
 class QuarantineSpec(_Strict):

@@ -12,7 +12,7 @@ import grpc
 from servemesh.contract.control_credential import control_verifier
 from servemesh.contract.inflight import InflightJournal, journal_path
 from servemesh.contract.wire import OIP_SERVICE, message_size_options
-from servemesh.identity import dial_registry, serving_credentials
+from servemesh.identity import dial_registry, dial_registry_mirror, serving_credentials
 from servemesh.services.model.errors import ServingError
 from servemesh.services.model.load_specs import LoadSpecs
 from servemesh.services.model.loader import ModelLoader, registry_loader
@@ -121,22 +121,27 @@ async def build_server(
     flight, then the registry channel closes.
     """
     port = spec.port_of(instance)  # fail before minutes of loading, not after
-    channel: grpc.aio.Channel | None = None
+    channels: list[grpc.aio.Channel] = []
     specs = LoadSpecs(spec)
     if loader is None:
         size = spec.limits.max_message_bytes
-        channel = dial_registry(spec, caller=instance).aio_channel(
-            options=message_size_options(size),
-            interceptors=client_interceptors(),
-        )
+        # The registry, then the zone's mirror of it (registry.mirrors) for when the
+        # registry does not answer.
+        dials = [dial_registry(spec, caller=instance)]
+        mirror = dial_registry_mirror(spec, spec.instance(instance).zone, caller=instance)
+        dials += [mirror] if mirror is not None else []
+        channels = [
+            dial.aio_channel(options=message_size_options(size), interceptors=client_interceptors())
+            for dial in dials
+        ]
         # Batching and latency of the spec of now, including entries a load brought.
-        loader = registry_loader(channel, specs.current)
+        loader = registry_loader(channels, specs.current)
     # Answers of shadowed calls (both sides) go to a ledger for `routes shadow-report`.
     ledger = ShadowLedger(ledger_path(Path(spec.state_dir), instance))
     try:
         servicer = await build_servicer(spec, instance, loader, ShadowRecorder(ledger, instance))
     except BaseException:
-        if channel is not None:
+        for channel in channels:
             await channel.close()
         raise
     if confined and spec.sandbox.syscall_filter:
@@ -181,7 +186,7 @@ async def build_server(
     server.serve_metrics(spec.metrics_ports.get(instance, 0))
     server.on_stop(_as_hook(ledger.close))
     server.on_stop(_as_hook(journal.close))
-    if channel is not None:
+    for channel in channels:
         server.on_stop(channel.close)
     server.on_stop(servicer.repository.close)
     return server

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,14 +143,15 @@ def _registry_fetch() -> FetchVerified:
 
 
 def registry_loader(
-    channel: grpc.aio.Channel,
+    channel: grpc.aio.Channel | Sequence[grpc.aio.Channel],
     spec: MeshSpec | Callable[[], MeshSpec],
     *,
     fetch: FetchVerified | None = None,
     device: torch.device | str | None = None,
     retry_for_s: float = 30.0,
 ) -> ModelLoader:
-    """A ModelLoader that downloads versions from the registry behind `channel`.
+    """A ModelLoader that downloads versions from the registry behind `channel` (or the
+    first of several that answers: the registry, then its zone's mirror).
 
     Batching and injected latency come from the spec's entry for the model (defaults for a
     model the spec does not list); `spec` may be a function answering the current spec, read
@@ -160,6 +161,7 @@ def registry_loader(
     """
 
     current = spec if callable(spec) else (lambda: spec)
+    channels = list(channel) if isinstance(channel, list | tuple) else [channel]
 
     async def load(model: str, version: str) -> LoadedModel:
         fetcher = fetch or _registry_fetch()
@@ -168,7 +170,7 @@ def registry_loader(
         model_spec = live.models.get(model)
         version_spec = model_spec.versions.get(version) if model_spec else None
         batching = model_spec.batching if model_spec else BatchingSpec()
-        record, data = await fetch_with_retry(fetcher, channel, model, version, live, retry_for_s)
+        record, data = await fetch_with_retry(fetcher, channels, model, version, live, retry_for_s)
         if record.format not in FORMATS:
             raise LoadError(f"{where}: format {record.format!r} is not one of {list(FORMATS)}")
         format: Format = "torch_export" if record.format == "torch_export" else "torchscript"
@@ -211,24 +213,40 @@ def registry_loader(
 
 async def fetch_with_retry(
     fetch: FetchVerified,
-    channel: grpc.aio.Channel,
+    channel: grpc.aio.Channel | Sequence[grpc.aio.Channel],
     model: str,
     version: str,
     spec: MeshSpec,
     retry_for_s: float,
 ) -> tuple[Any, bytes]:
-    """The version's record and bytes through `fetch`; an unreachable registry
-    (UNAVAILABLE) is retried with backoff for `retry_for_s`, any other refusal is a
-    LoadError naming it. The client's own checks (size, sha256) raise as they do."""
+    """The version's record and bytes through `fetch`, from the first of the channels that
+    answers (the registry, then its zone's mirror): one that is unreachable (UNAVAILABLE)
+    hands over to the next, and when none answers they are tried again with backoff for
+    `retry_for_s`; any other refusal is a LoadError naming it. The client's own checks
+    (size, sha256) raise as they do."""
+    channels = list(channel) if isinstance(channel, list | tuple) else [channel]
     give_up = time.monotonic() + retry_for_s
     backoff = 0.1
+    where = f"model {model!r} version {version!r}"
     while True:
         try:
-            return await fetch(
-                channel, model, version, timeout=60.0, max_bytes=spec.limits.max_artifact_bytes
-            )
+            for index, tried in enumerate(channels):
+                try:
+                    return await fetch(
+                        tried,
+                        model,
+                        version,
+                        timeout=60.0,
+                        max_bytes=spec.limits.max_artifact_bytes,
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE or index == len(channels) - 1:
+                        raise
+                    log.warning(
+                        "registry unavailable; trying its zone's mirror",
+                        extra={"model": model, "version": version},
+                    )
         except grpc.aio.AioRpcError as exc:
-            where = f"model {model!r} version {version!r}"
             if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() + backoff > give_up:
                 raise LoadError(f"{where}: registry: {exc.details()}", code=exc.code()) from None
             log.warning(

@@ -12,12 +12,19 @@ from servemesh.services.runtime.live_spec import LiveSpec
 from servemesh.services.runtime.logs import configure_logging, set_request_logs
 from servemesh.services.runtime.server import ServiceServer, run_service
 from servemesh.services.runtime.tracing import configure_tracing
-from servemesh.spec import ResolvedSpec, load_resolved
+from servemesh.spec import Instance, ResolvedSpec, load_resolved
 
 Builder = Callable[[ResolvedSpec, str], Awaitable[ServiceServer]]
 
 
-def service_main(build: Builder, argv: list[str] | None = None) -> None:
+def service_main(
+    build: Builder,
+    argv: list[str] | None = None,
+    known: Callable[[ResolvedSpec, str], Instance] | None = None,
+) -> None:
+    """Run one service process of the mesh until it is drained. `known` finds the process
+    by the name given (SpecError when the spec runs no such process): an instance of the
+    spec's unless it says otherwise (a registry mirror, which is no instance)."""
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--spec", required=True, help="resolved mesh spec (written by servemesh up)"
@@ -31,11 +38,12 @@ def service_main(build: Builder, argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     spec = load_resolved(args.spec)
-    spec.instance(args.instance)  # fail fast on an unknown instance name
+    # Fail fast on an unknown name.
+    found = known(spec, args.instance) if known is not None else spec.instance(args.instance)
     configure_logging(
         args.instance, args.log_level, request_logs=args.request_logs or spec.logs.requests
     )
-    configure_tracing(spec, args.instance)
+    configure_tracing(spec, args.instance, found)
 
     async def build_and_watch() -> ServiceServer:
         # Stamped before the build (a model server loads for a while): a change written

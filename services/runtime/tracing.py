@@ -59,7 +59,7 @@ from opentelemetry.util.types import Attributes
 from servemesh.contract.wire import TRACE_HEADERS
 from servemesh.identity.credentials import client_credentials, server_name_option
 from servemesh.identity.enroll import TRACE_STORE_IDENTITY, enrolled
-from servemesh.spec import ResolvedSpec
+from servemesh.spec import Instance, ResolvedSpec
 
 TRACER_NAME = "servemesh"
 # W3C trace context only: the one format Envoy's OpenTelemetry tracer reads and writes.
@@ -132,7 +132,9 @@ def mesh_sampler(ratio: float) -> Sampler:
     return ParentBased(root=LinkAwareSampler(TraceIdRatioBased(ratio)))
 
 
-def configure_tracing(spec: ResolvedSpec, instance: str) -> TracerProvider | None:
+def configure_tracing(
+    spec: ResolvedSpec, instance: str, found: Instance | None = None
+) -> TracerProvider | None:
     """Install this process's tracer provider from the spec; None when tracing is off.
 
     Spans leave in batches at least every `tracing.export_interval_ms`; the provider
@@ -141,7 +143,7 @@ def configure_tracing(spec: ResolvedSpec, instance: str) -> TracerProvider | Non
     settings = spec.tracing
     if not settings.enabled or not settings.otlp_endpoint:
         return None
-    found = spec.instance(instance)
+    found = found or spec.instance(instance)
     resource = Resource.create(
         {
             "service.name": found.service,

@@ -36,6 +36,7 @@ DRILLS = {
     "zone-brownout",
     "zone-proxy-crash",
     "edge-loss",
+    "registry-zone-loss",
     "replica-crash-loop",
     "feature-store-down",
     "registry-down",

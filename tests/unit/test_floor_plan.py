@@ -280,6 +280,7 @@ SERVICE_ENTRIES = sorted(
             for p in REPO.glob("services/*/__main__.py")
         ),
         "servemesh.registry.__main__",
+        "servemesh.registry.mirror",
         "servemesh.tracestore.receiver",
     ]
 )
