@@ -101,6 +101,8 @@ def dial_edge(spec: ResolvedSpec) -> Dial:
 # sent again, so one edge's loss costs no call. A Predict changes nothing but the
 # prediction log, where one sent twice can appear twice.
 EDGE_RETRY_ATTEMPTS = 3
+# The first and the longest wait before dialling a lost edge again, in ms.
+EDGE_RECONNECT_BACKOFF_MS = (100, 1000)
 EDGE_SERVICE_CONFIG = {
     "loadBalancingConfig": [{"round_robin": {}}],
     "methodConfig": [
@@ -160,6 +162,12 @@ def across_edges(plan: Dial, addresses: Sequence[str]) -> Dial:
     options: tuple[Option, ...] = (
         ("grpc.service_config", json.dumps(EDGE_SERVICE_CONFIG)),
         ("grpc.enable_retries", 1),
+        # An edge that comes back is dialled again within a second (gRPC's default back-off
+        # grows to two minutes): until then the caller has one edge fewer, and losing
+        # another meanwhile would leave it none.
+        ("grpc.initial_reconnect_backoff_ms", EDGE_RECONNECT_BACKOFF_MS[0]),
+        ("grpc.min_reconnect_backoff_ms", EDGE_RECONNECT_BACKOFF_MS[0]),
+        ("grpc.max_reconnect_backoff_ms", EDGE_RECONNECT_BACKOFF_MS[1]),
         # The :authority callers send: the first edge's (the target is a list).
         ("grpc.default_authority", addresses[0]),
     )
