@@ -52,6 +52,11 @@ def endpoint_rows(spec: ResolvedSpec, endpoints: Mapping[str, Any]) -> list[Endp
         address = spec.registry_mirror_address(zone)
         rows.append(Endpoint(f"registry mirror of {zone}", str(address), name))
     rows.append(Endpoint("redis", str(endpoints["redis"]), "redis"))
+    for name, port in spec.store_ports.items():
+        # A replicated store's replicas and Sentinels (feature_store.topology).
+        kind, _, where = name.partition("-")
+        what = f"redis {kind} of {where}" if where != "witness" else "redis sentinel (witness)"
+        rows.append(Endpoint(what, f"{spec.host}:{port}", f"redis-{name}"))
     if endpoints.get("trace_store"):
         # `servemesh trace` reads what it stores; a collector of the spec's when no pid.
         rows.append(Endpoint("trace store (OTLP)", str(endpoints["trace_store"]), "tracestore"))
