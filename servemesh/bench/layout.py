@@ -7,7 +7,12 @@ The shapes ("arms") are the spec itself with one change each:
 - `small-host`: `profile: small-host` (servemesh.spec.profile_preset): one feature and
   one model process serve every zone, one Envoy;
 - `exec`: `per_zone` with `processes.fork_server: false`, every Python service exec'd
-  instead of forked from the fork server (servemesh.procs.forkserver).
+  instead of forked from the fork server (servemesh.procs.forkserver);
+- `one-edge`: `per_zone` with one edge Envoy and no registry mirror (`proxy.edges: one`,
+  `registry.mirrors: none`): what an edge per zone and the mirrors cost;
+- `replicated`: `per_zone` with `feature_store.topology: replicated` (a replica and a
+  Sentinel per zone, the zones' feature services reading their replica): what the
+  replicated store costs, and whether reads from a replica are as fast.
 
 For each repeat, the order turning, one mesh per arm, on free ports, Prometheus off (every
 arm alike):
@@ -19,7 +24,9 @@ arm alike):
   (every Envoy counts as `envoy`, the fork servers as `forkserver`), once Predicts are
   answered and the mesh has sat idle a moment;
 - idle CPU: user + system CPU of those processes over `idle_s` with no traffic, in ms/s;
-- Predict through the edge at c=1 (p50) and at c=`concurrency` (req/s), `seconds` each.
+- Predict through the edge at c=1 (p50) and at c=`concurrency` (req/s), `seconds` each;
+- GetFeatures through zone-a's mesh listener, as a gateway reads (one entity, packed), at
+  c=1 (p50) and c=`feature_concurrency` (req/s, p50), `seconds` each.
 
 The launcher runs inside this process in every arm, so its own memory is left out of all.
 Each figure is the median of its repeats with min-max; the ratios of each arm to the first
@@ -46,15 +53,15 @@ from servemesh.bench.observe import (
 from servemesh.bench.predict import CALL_TIMEOUT_S, bench_spec, measure
 from servemesh.bench.report import BenchReport, progress
 from servemesh.contract.errors import UsageError
-from servemesh.identity import dial_every_edge
+from servemesh.identity import dial_every_edge, dial_mesh
 from servemesh.launcher import Mesh
-from servemesh.load import predict_target
+from servemesh.load import features_target, predict_target
 from servemesh.load.stats import spread
 from servemesh.observe.cpu import descendants, proc_cpu_seconds, rss_bytes
 from servemesh.spec import EDGE_PROXY, MeshSpec, ResolvedSpec, load_spec, with_profile
 
-Arm = Literal["shared", "per_zone", "small-host", "exec"]
-ARMS: tuple[Arm, ...] = ("shared", "per_zone", "small-host", "exec")
+Arm = Literal["shared", "per_zone", "small-host", "exec", "one-edge", "replicated"]
+ARMS: tuple[Arm, ...] = ("shared", "per_zone", "small-host", "exec", "one-edge", "replicated")
 DEFAULT_ARMS: tuple[Arm, ...] = ("shared", "per_zone")
 # Idle before memory is read: the first health-check rounds and lazy imports are done.
 SETTLE_S = 2.0
@@ -76,6 +83,11 @@ class LayoutRound:
     rps: float  # at the round's concurrency
     p99_ms: float
     errors: int
+    # GetFeatures through zone-a's mesh listener (as a gateway reads): p50 at c=1, req/s
+    # and p50 at the round's feature concurrency.
+    features_p50_ms_c1: float = 0.0
+    features_rps: float = 0.0
+    features_p50_ms: float = 0.0
 
     @property
     def rss_total_mib(self) -> float:
@@ -110,7 +122,13 @@ def _rss_mib(pid: int) -> float | None:
 def arm_spec(spec: MeshSpec, arm: Arm) -> MeshSpec:
     """`spec` shaped as `arm`: a layout arm changes only `proxy.layout` (a small-host spec
     moves to the default profile first); small-host takes that profile's processes; exec
-    is per_zone with no fork server."""
+    is per_zone with no fork server; one-edge per_zone with one edge and no registry
+    mirror; replicated per_zone with a replicated store (every other arm a single one)."""
+    # One Redis in every arm but `replicated`, whatever the spec says (mesh.yaml runs a
+    # replicated store), so each arm changes one thing against the others.
+    topology = "replicated" if arm == "replicated" else "single"
+    store = spec.feature_store.model_copy(update={"topology": topology})
+    spec = spec.model_copy(update={"feature_store": store})
     if arm == "small-host":
         return spec if spec.profile == "small-host" else with_profile(spec, "small-host")
     if spec.profile != "default":
@@ -119,11 +137,24 @@ def arm_spec(spec: MeshSpec, arm: Arm) -> MeshSpec:
         processes = spec.processes.model_copy(update={"fork_server": False})
         spec = spec.model_copy(update={"processes": processes})
         arm = "per_zone"
+    if arm == "one-edge":
+        registry = spec.registry.model_copy(update={"mirrors": "none"})
+        proxy = spec.proxy.model_copy(update={"layout": "per_zone", "edges": "one"})
+        return spec.model_copy(update={"registry": registry, "proxy": proxy})
+    if arm == "replicated":
+        arm = "per_zone"
     return spec.model_copy(update={"proxy": spec.proxy.model_copy(update={"layout": arm})})
 
 
 def measure_arm(
-    spec: MeshSpec, arm: Arm, repeat: int, *, idle_s: float, seconds: float, concurrency: int
+    spec: MeshSpec,
+    arm: Arm,
+    repeat: int,
+    *,
+    idle_s: float,
+    seconds: float,
+    concurrency: int,
+    feature_concurrency: int = 64,
 ) -> LayoutRound:
     spec = arm_spec(spec, arm)
     with tempfile.TemporaryDirectory() as state:
@@ -150,6 +181,17 @@ def measure_arm(
             )
             alone = measure(mesh, target, "edge", 1, seconds, repeat)
             loaded = measure(mesh, target, "edge", concurrency, seconds, repeat)
+            # The first model's first view, every feature of it, as its gateway reads.
+            view = mesh.spec.models[sorted(mesh.spec.models)[0]].views[0]
+            reads = features_target(
+                dial_mesh(mesh.spec, mesh.spec.zones[0]),
+                view=view,
+                features=mesh.spec.feature_views[view].features or [],
+                entities=max(1, spec.demo.entities),
+                timeout_s=CALL_TIMEOUT_S,
+            )
+            read_alone = measure(mesh, reads, "features", 1, seconds, repeat)
+            read_loaded = measure(mesh, reads, "features", feature_concurrency, seconds, repeat)
         finally:
             mesh.stop()
     return LayoutRound(
@@ -164,7 +206,10 @@ def measure_arm(
         p50_ms_c1=alone.p50_ms,
         rps=loaded.rps,
         p99_ms=loaded.p99_ms,
-        errors=alone.errors + loaded.errors,
+        errors=alone.errors + loaded.errors + read_alone.errors + read_loaded.errors,
+        features_p50_ms_c1=read_alone.p50_ms,
+        features_rps=read_loaded.rps,
+        features_p50_ms=read_loaded.p50_ms,
     )
 
 
@@ -179,6 +224,9 @@ FIGURES: tuple[tuple[str, Callable[[LayoutRound], float], str], ...] = (
     ("p50 at c=1", lambda r: r.p50_ms_c1, "ms"),
     ("req/s", lambda r: r.rps, ""),
     ("p99", lambda r: r.p99_ms, "ms"),
+    ("GetFeatures p50 c=1", lambda r: r.features_p50_ms_c1, "ms"),
+    ("GetFeatures req/s", lambda r: r.features_rps, ""),
+    ("GetFeatures p50", lambda r: r.features_p50_ms, "ms"),
 )
 
 
@@ -221,6 +269,7 @@ def bench_layout(
     idle_s: float = 10.0,
     seconds: float = 4.0,
     concurrency: int = 16,
+    feature_concurrency: int = 64,
     progress: Callable[[LayoutRound], None] = lambda _: None,
 ) -> dict[str, object]:
     if len(arms) < 2 or len(set(arms)) != len(arms):
@@ -232,8 +281,9 @@ def bench_layout(
         shift = repeat % len(arms)
         for arm in list(arms[shift:]) + list(arms[:shift]):
             found = measure_arm(
-                spec, arm, repeat, idle_s=idle_s, seconds=seconds, concurrency=concurrency
-            )
+                spec, arm, repeat, idle_s=idle_s, seconds=seconds, concurrency=concurrency,
+                feature_concurrency=feature_concurrency,
+            )  # fmt: skip
             progress(found)
             rounds.append(found)
     return {
@@ -242,6 +292,7 @@ def bench_layout(
         "idle_s": idle_s,
         "seconds": seconds,
         "concurrency": concurrency,
+        "feature_concurrency": feature_concurrency,
         "rounds": [asdict(r) for r in rounds],
         "figures": summarize(rounds, arms),
     }
@@ -252,6 +303,8 @@ ARM_LABELS: dict[str, str] = {
     "per_zone": "the edge's Envoy and one per zone",
     "small-host": "one feature and one model process for every zone, one Envoy",
     "exec": "per_zone, every Python service exec'd (no fork server)",
+    "one-edge": "per_zone with one edge Envoy and no registry mirror",
+    "replicated": "per_zone with a replicated feature store (a replica and a Sentinel per zone)",
 }
 
 
@@ -277,8 +330,8 @@ def as_report(report: Mapping[str, object]) -> BenchReport:
         "servemesh bench layout",
         report,
         title=f"{described}. {report['repeats']} repeats, order turning; idle "
-        f"{report['idle_s']} s, Predict c=1 and c={report['concurrency']} for "
-        f"{report['seconds']} s each",
+        f"{report['idle_s']} s, Predict c=1 and c={report['concurrency']}, GetFeatures c=1 "
+        f"and c={report.get('feature_concurrency', 64)}, for {report['seconds']} s each",
     )
     header = f" {'figure':<21}" + "".join(f" {arm:>24}" for arm in arms)
     header += "".join(f"  {arm}/{base} (per repeat)" for arm in arms[1:])
@@ -308,6 +361,7 @@ def main(
     idle_seconds: float,
     seconds: float,
     concurrency: int,
+    feature_concurrency: int = 64,
     quiet: bool = False,
 ) -> BenchReport:
     return as_report(
@@ -318,6 +372,7 @@ def main(
             idle_s=idle_seconds,
             seconds=seconds,
             concurrency=concurrency,
+            feature_concurrency=feature_concurrency,
             progress=progress(quiet, round_line),
         )
     )

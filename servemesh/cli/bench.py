@@ -303,8 +303,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     bench_layout = bench_sub.add_parser(
         "layout",
         help="the mesh's shapes against each other in one run (one shared Envoy, an Envoy "
-        "per zone, the small-host profile, every service exec'd): start-up time and CPU, "
-        "memory and idle CPU of every process, Predict p50 and req/s",
+        "per zone, the small-host profile, every service exec'd, one edge, a replicated "
+        "store): start-up time and CPU, memory and idle CPU of every process, Predict and "
+        "GetFeatures p50 and req/s",
     )
     bench_layout.add_argument("--spec")
     bench_layout.add_argument(
@@ -312,7 +313,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         nargs="+",
         # servemesh.bench.layout.ARMS and DEFAULT_ARMS (not imported here: it loads the
         # launcher, which every other command would then pay for at start).
-        choices=("shared", "per_zone", "small-host", "exec"),
+        choices=("shared", "per_zone", "small-host", "exec", "one-edge", "replicated"),
         default=["shared", "per_zone"],
         help="the shapes compared, each against the first (default: shared per_zone)",
     )
@@ -325,6 +326,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     deprecated(bench_layout, "--seconds", "--duration", dest="seconds", convert=float)
     bench_layout.add_argument(
         "--concurrency", type=int, default=16, help="callers of the req/s round (default 16)"
+    )
+    bench_layout.add_argument(
+        "--feature-concurrency",
+        type=int,
+        default=64,
+        help="callers of the GetFeatures req/s round (default 64)",
     )
     reported(bench_layout)
     bench_compose = bench_sub.add_parser(

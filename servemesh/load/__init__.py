@@ -2,7 +2,8 @@
 `servemesh bench model`, the tests that load a mesh, and the drills' background load.
 
     schedule    when requests leave: FixedRate / SendTimes (open loop), ClosedLoop
-    target      what they go to: predict_target (gateway Predict), raw_target (bytes)
+    target      what they go to: predict_target (gateway Predict), features_target
+                (GetFeatures, as a gateway reads), raw_target (bytes)
     outcome     the one record per request (Outcome) and the function that times it
     drive       open_loop / closed_loop: run a schedule against a target -> LoadRun
     background  BackgroundLoad: an open loop in a thread until stopped, readable meanwhile
@@ -28,7 +29,7 @@ from servemesh.load.stats import (
     window,
     window_stats,
 )
-from servemesh.load.target import Target, predict_target, raw_target
+from servemesh.load.target import Target, features_target, predict_target, raw_target
 
 __all__ = [
     "CLIENT_OVERLOADED",
@@ -51,6 +52,7 @@ __all__ = [
     "open_loop",
     "percentile",
     "predict_target",
+    "features_target",
     "raw_target",
     "share",
     "success_ratio",

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from servemesh.identity.channels import Dial
-from servemesh.load.outcome import Reply, Request
+from servemesh.load.outcome import NO_REPLY, Reply, Request
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 ChannelOptions = Sequence[tuple[str, Any]]
@@ -68,6 +68,36 @@ def predict_target(
             )
 
         return predict
+
+    return Target(dial.address, build, dial.options, dial.credentials)
+
+
+def features_target(
+    dial: Dial,
+    *,
+    view: str,
+    features: Sequence[str],
+    entities: int = 100,
+    timeout_s: float = 2.0,
+) -> Target:
+    """GetFeatures of one entity per call (`user-0`..), packed, as a gateway reads: through
+    the Envoy mesh listener `dial` leads to (a zone's), or a feature service's own port."""
+    ids = [f"user-{i}" for i in range(max(1, entities))]
+    names = list(features)
+
+    def build(channel: grpc.aio.Channel) -> Request:
+        from servemesh_api.feature.v1 import feature_pb2, feature_pb2_grpc
+
+        stub = feature_pb2_grpc.FeatureServiceStub(channel)
+
+        async def get(index: int) -> Reply:
+            request = feature_pb2.GetFeaturesRequest(
+                view=view, entity_ids=[ids[index % len(ids)]], feature_names=names, packed=True
+            )
+            await stub.GetFeatures(request, timeout=timeout_s)
+            return NO_REPLY
+
+        return get
 
     return Target(dial.address, build, dial.options, dial.credentials)
 
