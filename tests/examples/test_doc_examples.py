@@ -552,6 +552,11 @@ _listed(
     "servemesh chaos run DRILL --var rate=50 --var baseline_s=5 --var fault_s=10 --var recover_s=20 --var recover_early=true --var slo_window_s=3 --var tail_s=0.5",
 )
 _listed(
+    "docs/benchmarks.md",
+    "nine meshes one after another, about ten minutes; tests/unit/test_layout_bench.py checks the arms",
+    "servemesh bench layout --arms per_zone replicated one-edge --repeats 3",
+)
+_listed(
     "docs/observability.md",
     "its rates need tens of seconds of load under Prometheus's window; tests/metrics/test_mesh_metrics.py",
     "servemesh top --once --source prometheus --window 30",

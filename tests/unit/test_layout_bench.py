@@ -90,6 +90,21 @@ def test_the_arms_shape_the_spec_and_two_different_ones_are_needed() -> None:
         bench_layout(MeshSpec(), arms=("shared", "shared"))
 
 
+def test_one_edge_and_replicated_change_one_part_each_and_the_rest_run_one_redis() -> None:
+    # A spec asking for a replicated store (as mesh.yaml does) runs one Redis in every arm
+    # but `replicated`, so each arm differs from per_zone in one part.
+    asked = MeshSpec.model_validate({"feature_store": {"topology": "replicated"}})
+    per_zone = arm_spec(asked, "per_zone")
+    assert per_zone.feature_store.topology == "single"
+    assert per_zone.edges_per_zone and per_zone.registry_mirror_zones() == ["zone-b"]
+    one_edge = arm_spec(asked, "one-edge")
+    assert not one_edge.edges_per_zone and one_edge.registry_mirror_zones() == []
+    assert one_edge.feature_store == per_zone.feature_store
+    replicated = arm_spec(asked, "replicated")
+    assert replicated.feature_store.topology == "replicated"
+    assert replicated.proxy == per_zone.proxy and replicated.registry == per_zone.registry
+
+
 def test_the_command_offers_the_benchs_arms_and_its_default() -> None:
     from servemesh.bench.layout import ARMS, DEFAULT_ARMS
     from servemesh.cli import build_parser
