@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from servemesh.contract.errors import ServemeshError
-from servemesh.spec import EDGE_PROXY, proxy_part
+from servemesh.spec import EDGE_PROXY, is_edge_proxy, proxy_part
 
 # Linux's limit on a Unix socket path (sun_path holds 108 bytes, one for the NUL).
 _MAX_SOCKET_PATH = 107
@@ -35,9 +35,12 @@ def admin_dir(state_dir: Path | str) -> Path:
 
 
 def admin_socket_path(state_dir: Path | str, proxy: str = EDGE_PROXY) -> Path:
-    """Where an Envoy of the mesh with this state dir serves its admin API: the edge's (the
-    only one in the shared layout) at admin/envoy.sock, a zone's at admin/envoy-<zone>.sock."""
-    name = f"{proxy_part(proxy)}.sock"
+    """Where an Envoy of the mesh with this state dir serves its admin API: the first zone's
+    edge's (the only one in the shared layout) at admin/envoy.sock, a zone's at
+    admin/envoy-<zone>.sock, another zone's edge's at admin/edge-<zone>.sock (no longer
+    than its zone's: a socket's path has a short limit)."""
+    zone_edge = is_edge_proxy(proxy) and proxy != EDGE_PROXY
+    name = f"{proxy}.sock" if zone_edge else f"{proxy_part(proxy)}.sock"
     path = admin_dir(state_dir) / name
     if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
         raise ValueError(

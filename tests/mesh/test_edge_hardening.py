@@ -69,7 +69,7 @@ from servemesh.proxy.admin import (
 )
 from servemesh.proxy.process import envoy_command, validate_config
 from servemesh.proxy.render import render_resources, static_bootstrap
-from servemesh.spec import EDGE_PROXY, MeshSpec, Ports, ProxySpec, ResolvedSpec, resolve
+from servemesh.spec import MeshSpec, Ports, ProxySpec, ResolvedSpec, is_edge_proxy, resolve
 from servemesh.spec.policy import (
     EdgeAuth,
     Overload,
@@ -377,7 +377,7 @@ def test_admin_is_a_socket_in_a_private_directory_and_no_tcp_port(mesh: Mesh) ->
         # (GET /stats/prometheus only); never an admin port.
         zones = [z for z in spec.zones if spec.proxy_of_zone(z) == proxy]
         own = {spec.mesh_ports[z] for z in zones} | {spec.proxy_stats_port(proxy)}
-        served = own | ({spec.ports.edge} if proxy == EDGE_PROXY else set())
+        served = own | ({spec.edge_port_of(proxy)} if is_edge_proxy(proxy) else set())
         assert listening == served, proxy
         assert spec.ports.envoy_admin not in listening
 

@@ -157,7 +157,9 @@ def _record(spec: ResolvedSpec, version: str) -> registry_pb2.ModelVersion:
 
 def test_an_artifact_damaged_in_the_store_fails_its_integrity_check(mesh: Mesh) -> None:
     record = _record(mesh.spec, "v2")
-    [blob] = list(Path(mesh.state_dir).rglob(f"blobs/sha256/{record.sha256[:2]}/{record.sha256}"))
+    # The registry's own copy (a zone's mirror holds another, in a store of its own).
+    store = mesh.spec.registry_store_dir
+    [blob] = list(store.rglob(f"blobs/sha256/{record.sha256[:2]}/{record.sha256}"))
     assert blob == blob_path(blob.parents[2].parent, record.sha256)
     original = blob.read_bytes()
     corrupt(blob)
