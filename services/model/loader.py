@@ -211,6 +211,22 @@ def registry_loader(
     return load
 
 
+# How long a model server gives the registry to accept a connection before it asks its
+# zone's mirror: a lost zone's address may swallow packets (or its port now belong to
+# another process), and the fetch's own 60 s deadline would hold every load that long.
+REGISTRY_CONNECT_TIMEOUT_S = 3.0
+
+
+async def _connects(channel: grpc.aio.Channel) -> bool:
+    """Whether `channel` reaches its server (TLS handshake included) within
+    REGISTRY_CONNECT_TIMEOUT_S; at once when it already has."""
+    try:
+        await asyncio.wait_for(channel.channel_ready(), REGISTRY_CONNECT_TIMEOUT_S)
+    except TimeoutError:
+        return False
+    return True
+
+
 async def fetch_with_retry(
     fetch: FetchVerified,
     channel: grpc.aio.Channel | Sequence[grpc.aio.Channel],
@@ -231,6 +247,13 @@ async def fetch_with_retry(
     while True:
         try:
             for index, tried in enumerate(channels):
+                last = index == len(channels) - 1
+                if not last and not await _connects(tried):
+                    log.warning(
+                        "registry not reachable; trying its zone's mirror",
+                        extra={"model": model, "version": version},
+                    )
+                    continue
                 try:
                     return await fetch(
                         tried,
