@@ -7,7 +7,7 @@ and journal, and removes the project. Every assertion reads the drill's own jour
 summary.
 
 Marked `containers` (tests/conftest.py); skipped without a Docker engine. The images come
-from `make images` (the lane's first module builds them).
+from `make images` (tests/containers/conftest.py builds them once per session).
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ def _engine(monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.skip(reason)
     # The drill's paths (the compose file and spec) are relative to a checkout's root.
     monkeypatch.chdir(REPO)
+
+
+@pytest.fixture(autouse=True)
+def _built(_engine: None, images: str) -> None:
+    """The drills start compose projects on the local images: built first, whatever order
+    the lane's modules run in (a fresh machine has none)."""
 
 
 def left_behind() -> dict[str, list[str]]:

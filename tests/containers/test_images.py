@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.containers.drive import engine_missing
-
 REPO = Path(__file__).resolve().parents[2]
 TAG = os.environ.get("IMAGE_TAG", "dev")
 SERVICE = f"servemesh-service:{TAG}"
@@ -27,16 +25,9 @@ PROMETHEUS = f"servemesh-prometheus:{TAG}"
 pytestmark = pytest.mark.timeout(1500)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def images() -> None:
-    """Builds the images, or reuses them when nothing changed (every step is cached)."""
-    reason = engine_missing()
-    if reason is not None:
-        pytest.skip(reason)
-    built = subprocess.run(
-        ["make", "images", f"IMAGE_TAG={TAG}"], cwd=REPO, capture_output=True, text=True
-    )
-    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+@pytest.fixture(autouse=True)
+def _built(images: str) -> None:
+    """Every test here runs the images `make images` builds (tests/containers/conftest.py)."""
 
 
 def run(image: str, *argv: str, entrypoint: str | None = None) -> str:
