@@ -136,14 +136,14 @@ def kill_zone_proxy(zone: str = "zone-a") -> dict[str, Any]:
             "a zone's Envoy of its own needs proxy.layout per_zone "
             "(the experiment's `proxy: per_zone`, or --var proxy=per_zone)"
         )
-    return _kill_proxy(zone, f"kill {zone}'s Envoy")
+    # A crash, not an outage the drill holds: the mesh's own restart is what it measures.
+    return _kill_proxy(zone, f"kill {zone}'s Envoy", revive=True)
 
 
 def kill_edge(zone: str = "zone-a") -> dict[str, Any]:
     """SIGKILL a zone's edge Envoy (proxy.edges per_zone) and hold it down until
     restart_edge: callers given every edge's address go on through the others meanwhile."""
-    drill = current()
-    spec = drill.running_mesh.spec
+    spec = current().running_mesh.spec
     if not spec.edges_per_zone:
         raise DrillError(
             "an edge per zone needs proxy.layout per_zone and proxy.edges per_zone "
@@ -151,11 +151,8 @@ def kill_edge(zone: str = "zone-a") -> dict[str, Any]:
         )
     if zone not in spec.zones:
         raise DrillError(f"zone: no zone named {zone!r}; zones: {spec.zones}")
-    name = envoy_child(_edge_of(spec, zone))
-    drill.timeline.open_window(f"kill:{name}", f"kill {zone}'s edge")
-    pid = drill.kill(name)
-    drill.handoff(_KilledProxies).pids[name] = pid
-    return {"killed": {name: pid}}
+    # An outage the drill holds: callers going on without it is what it measures.
+    return _kill_proxy(_edge_of(spec, zone), f"kill {zone}'s edge", revive=False)
 
 
 def restart_edge(zone: str = "zone-a", timeout_s: float = 30.0) -> dict[str, Any]:
@@ -182,12 +179,13 @@ class _KilledProxies:
     pids: dict[str, int | None] = field(default_factory=dict)
 
 
-def _kill_proxy(proxy: str, label: str) -> dict[str, Any]:
+def _kill_proxy(proxy: str, label: str, *, revive: bool) -> dict[str, Any]:
+    """SIGKILL one of the mesh's Envoys in a kill window; `revive`: the mesh starts it
+    again (a crash), else it stays down until the drill starts it (an outage)."""
     drill = current()
     name = envoy_child(proxy)
     drill.timeline.open_window(f"kill:{name}", label)
-    # A crash, not an outage the drill holds: the mesh's own restart is what it measures.
-    pid = drill.kill(name, revive=True)
+    pid = drill.kill(name, revive=revive)
     drill.handoff(_KilledProxies).pids[name] = pid
     return {"killed": {name: pid}}
 

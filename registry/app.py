@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 
@@ -60,16 +61,23 @@ def registry_server(
     return server
 
 
-async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
-    """The registry instance `instance` of `spec`, state under <state_dir>/registry."""
-    if spec.instance(instance).service != "registry":
-        raise SpecError(f"instance {instance!r} is not a registry instance")
-    store = await asyncio.to_thread(
-        RegistryStore,
-        spec.registry_store_dir,
-        spec.limits.max_artifact_bytes,
-        spec.limits.registry_quota_bytes,
+async def open_store(spec: ResolvedSpec, root: Path) -> RegistryStore:
+    """The registry store at `root` with the spec's limits (the registry's, a mirror's)."""
+    return await asyncio.to_thread(
+        RegistryStore, root, spec.limits.max_artifact_bytes, spec.limits.registry_quota_bytes
     )
+
+
+def mesh_registry_server(
+    spec: ResolvedSpec,
+    name: str,
+    store: RegistryStore,
+    port: int,
+    make_servicer: Callable[..., RegistryServicer] = RegistryServicer,
+) -> ServiceServer:
+    """`store` served as the mesh's process `name` on `port`: the spec's message and upload
+    limits, the control credential, `name`'s certificate, and model servers held to their
+    own pool's models (registry/scope.py) by the spec the server follows."""
     server: ServiceServer | None = None
 
     def current() -> ResolvedSpec:
@@ -82,16 +90,25 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
 
     server = registry_server(
         store,
-        instance,
+        name,
         host=spec.listen_host,
-        port=spec.port_of(instance),
+        port=port,
         max_message_bytes=spec.limits.max_message_bytes,
         control_token=control_verifier(spec.state_dir),
         upload_idle_timeout_s=spec.limits.upload_idle_timeout_s,
-        credentials=serving_credentials(spec, instance),
-        # A model server downloads its own pool's models only (registry/scope.py).
+        credentials=serving_credentials(spec, name),
         scope=ModelServerScope(current, refresh),
+        make_servicer=make_servicer,
     )
+    return server
+
+
+async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
+    """The registry instance `instance` of `spec`, state under <state_dir>/registry."""
+    if spec.instance(instance).service != "registry":
+        raise SpecError(f"instance {instance!r} is not a registry instance")
+    store = await open_store(spec, spec.registry_store_dir)
+    server = mesh_registry_server(spec, instance, store, spec.port_of(instance))
     server.serve_metrics(spec.metrics_ports.get(instance, 0))
     backups = spec.registry.backup
     if backups.interval_s is not None:

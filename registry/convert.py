@@ -14,7 +14,11 @@ def tensor_spec_from_proto(message: registry_pb2.TensorSpec) -> TensorSpec:
     return TensorSpec(name=message.name, datatype=message.datatype, shape=tuple(message.shape))
 
 
-def header_from_proto(message: registry_pb2.UploadHeader) -> UploadHeader:
+def header_from_proto(
+    message: registry_pb2.UploadHeader | registry_pb2.ModelVersion,
+) -> UploadHeader:
+    """What an upload declares: an uploader's header, or (a mirror copying a version) the
+    registry's record of it, whose fields of the same names say the same."""
     return UploadHeader(
         model=message.model,
         version=message.version,

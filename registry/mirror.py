@@ -26,15 +26,13 @@ from functools import partial
 
 import grpc
 
-from servemesh.contract.control_credential import control_verifier
 from servemesh.contract.wire import message_size_options
-from servemesh.identity import dial_registry, serving_credentials
-from servemesh.registry.app import registry_server
+from servemesh.identity import dial_registry
+from servemesh.registry.app import mesh_registry_server, open_store
 from servemesh.registry.client import fetch_verified
-from servemesh.registry.convert import tensor_spec_from_proto
+from servemesh.registry.convert import header_from_proto
 from servemesh.registry.errors import AlreadyExistsError, NotFoundError, RegistryError
 from servemesh.registry.metrics import RegistryMetrics
-from servemesh.registry.records import UploadHeader
 from servemesh.registry.scope import ModelServerScope
 from servemesh.registry.service import UPLOAD_IDLE_TIMEOUT_S, RegistryServicer
 from servemesh.registry.store import RegistryStore
@@ -148,18 +146,7 @@ class Puller:
         record, data = await fetch_verified(
             self.channel, model, version, timeout=max(timeout_s, 60.0), max_bytes=self.max_bytes
         )
-        header = UploadHeader(
-            model=record.model,
-            version=record.version,
-            sha256=record.sha256,
-            size_bytes=record.size_bytes,
-            format=record.format,
-            inputs=tuple(tensor_spec_from_proto(spec) for spec in record.inputs),
-            outputs=tuple(tensor_spec_from_proto(spec) for spec in record.outputs),
-            labels=dict(record.labels),
-            lineage=dict(record.lineage),
-            metrics=dict(record.metrics),
-        )
+        header = header_from_proto(record)
 
         def store_it() -> None:
             # The store's own upload path: size and sha256 checked against the header.
@@ -280,40 +267,19 @@ async def build_mirror_server(spec: ResolvedSpec, name: str) -> ServiceServer:
     <state_dir>/<name>, pulling from the registry with its own certificate."""
     zone = mirror_zone(spec, name)
     port = spec.registry_mirror_ports[zone]
-    store = await asyncio.to_thread(
-        RegistryStore,
-        spec.registry_store_dir.with_name(name),
-        spec.limits.max_artifact_bytes,
-        spec.limits.registry_quota_bytes,
-    )
+    store = await open_store(spec, spec.registry_store_dir.with_name(name))
     channel = dial_registry(spec, caller=name).aio_channel(
         options=message_size_options(spec.limits.max_message_bytes)
     )
     puller = Puller(store, channel, spec.limits.max_artifact_bytes)
-    server: ServiceServer | None = None
-
-    def current() -> ResolvedSpec:
-        live = server.live_spec if server is not None else None
-        return live.current if live is not None else spec
-
-    async def refresh() -> bool:
-        live = server.live_spec if server is not None else None
-        return await live.refresh() if live is not None else False
-
     # Serving only after a first pull (or a registry that did not answer it): a model
     # server that finds the mirror SERVING finds what the registry held at its start.
     await pull_once(puller)
-    server = registry_server(
-        store,
+    server = mesh_registry_server(
+        spec,
         name,
-        host=spec.listen_host,
-        port=port,
-        max_message_bytes=spec.limits.max_message_bytes,
-        control_token=control_verifier(spec.state_dir),
-        upload_idle_timeout_s=spec.limits.upload_idle_timeout_s,
-        credentials=serving_credentials(spec, name),
-        # A model server reads its own pool's models only, here as at the registry.
-        scope=ModelServerScope(current, refresh),
+        store,
+        port,
         make_servicer=partial(MirrorServicer, puller=puller, primary=spec.registry_address),
     )
     server.run_in_background(pull_every(puller, spec.registry.mirror_sync_s))

@@ -1100,18 +1100,16 @@ class Mesh:
         edges = self.spec.edge_proxies()
         zones = [p for p in proxies if p not in edges]
         for proxy in zones:
-            self._start_one_envoy(proxy, self._base_id(proxy), None)
+            self._start_one_envoy(proxy)
         self.supervisor.wait_ready([envoy_child(p) for p in zones], deadline)
         for proxy in edges:
-            self._start_one_envoy(proxy, self._base_id(proxy), None)
+            self._start_one_envoy(proxy)
         self.supervisor.wait_ready([envoy_child(p) for p in edges], deadline)
 
-    def _base_id(self, proxy: str) -> int:
-        """Each Envoy's --base-id (its shared-memory name): the edge's ports.envoy_admin, the
-        others' the ones after it in spec.proxies()' order."""
-        return self.spec.ports.envoy_admin + self.spec.proxies().index(proxy)
-
-    def _start_one_envoy(self, proxy: str, base_id: int, deadline: float | None) -> None:
+    def _start_one_envoy(self, proxy: str) -> None:
+        """Start one of the mesh's Envoys without waiting. Its --base-id (its shared-memory
+        name): ports.envoy_admin for the first, the ones after it in spec.proxies()' order."""
+        base_id = self.spec.ports.envoy_admin + self.spec.proxies().index(proxy)
         argv = envoy_command(self.paths.envoy_config_of(proxy), base_id=base_id)
         edge = is_edge_proxy(proxy)
         if self.network is not None and not edge:
@@ -1127,7 +1125,7 @@ class Mesh:
             argv,
             group="envoy",
             ready=All(*checks),
-            timeout_s=None if deadline is None else max(0.0, deadline - time.monotonic()),
+            timeout_s=None,
         )
 
     def _start_streams(self, deadline: float) -> None:

@@ -263,7 +263,7 @@ async def fetch_with_retry(
                         max_bytes=spec.limits.max_artifact_bytes,
                     )
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE or index == len(channels) - 1:
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE or last:
                         raise
                     log.warning(
                         "registry unavailable; trying its zone's mirror",

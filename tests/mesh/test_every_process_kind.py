@@ -21,35 +21,21 @@ from servemesh.identity import dial_every_edge
 from servemesh.launcher import Mesh, envoy_child
 from servemesh.load import BackgroundLoad, window_stats
 from servemesh.proxy.admin import AdminClient, AdminError, admin_socket_path
-from servemesh.spec import MeshSpec, registry_mirror_name, zone_edge_proxy
+from servemesh.spec import registry_mirror_name, zone_edge_proxy
 from servemesh.state.credentials import authorization_value, read_edge_credentials
+from tests.mesh.test_store_failover import ENTITIES, replicated_spec
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.mesh
 
-ONE_EACH = {"per_zone": {"zone-a": 1, "zone-b": 1}}
 RATE = 40.0
 CALLS_PER_KILL = 120  # 3 s at RATE
 
 
-def topology_spec() -> MeshSpec:
-    # mesh.yaml's topology (its defaults plus a replicated store), on free ports.
-    return MeshSpec.model_validate(
-        {
-            "zones": ["zone-a", "zone-b"],
-            "ports": {"edge": 0, "mesh": 0, "envoy_admin": 0, "services_base": 0},
-            "gateway": ONE_EACH,
-            "feature": ONE_EACH,
-            "model_servers": ONE_EACH,
-            "demo": {"entities": 50},
-            "feature_store": {"topology": "replicated"},
-        }
-    )
-
-
 @pytest.fixture
 def mesh(tmp_path: Path) -> Iterator[Mesh]:
-    with Mesh.from_spec(topology_spec(), tmp_path / "state") as running:
+    # mesh.yaml's topology (its defaults plus a replicated store), on free ports.
+    with Mesh.from_spec(replicated_spec(), tmp_path / "state") as running:
         yield running
 
 
@@ -104,7 +90,7 @@ def test_killing_any_one_process_loses_no_predict(mesh: Mesh) -> None:
     credentials = read_edge_credentials(mesh.state_dir)
     metadata = [("authorization", authorization_value(*credentials))] if credentials else []
     load = drill_load(
-        dial_every_edge(mesh.spec), rate_per_s=RATE, entities=50, timeout_s=2.0,
+        dial_every_edge(mesh.spec), rate_per_s=RATE, entities=ENTITIES, timeout_s=2.0,
         metadata=metadata,
     )  # fmt: skip
     load.start()
