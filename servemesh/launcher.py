@@ -161,12 +161,14 @@ TRACE_STORE = "tracestore"
 FLEET_POLL_S = 0.2
 # The kinds of process the mesh starts again when one exits unexpectedly (a crash, an OOM
 # kill), after crash-loop backoff (servemesh.procs.restarts); with them the Envoys of the
-# per-zone layout. Redis, Prometheus, stream consumers, the batch scheduler and the scaler
-# are not: their exits are reported (`servemesh up`), the operator decides.
+# per-zone layout. The store's servers ("redis": the primary, the replicas, the Sentinels)
+# come back with their append-only files, and Sentinel makes an old primary a replica of
+# the one it promoted meanwhile. Prometheus, stream consumers, the batch scheduler and the
+# scaler are not: their exits are reported (`servemesh up`), the operator decides.
 # The supervisor's group of the zones' registry mirrors (registry/mirror.py).
 REGISTRY_MIRROR_GROUP = "registry-mirror"
 REVIVED_KINDS = frozenset(
-    {"model", "gateway", "feature", "registry", REGISTRY_MIRROR_GROUP, TRACE_STORE}
+    {"model", "gateway", "feature", "registry", REGISTRY_MIRROR_GROUP, TRACE_STORE, "redis"}
 )
 # How long a process started again may take to report ready before the mesh says so in its
 # log (it is left running: a slow start is not a crash).

@@ -71,7 +71,11 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         server.on_stop(servicer.changes.close)
     server.on_stop(clients.close)
     # SERVING only while the Redis it reads answers (a replicated store: the zone's
-    # replica); a read that cannot reach it probes at once.
-    servicer.store_unreachable = watch_store(server, clients.read_url, password).poke
+    # replica, or the primary its reads fall over to); a read that cannot reach either
+    # probes at once.
+    primary = None if clients.reader is clients.writer else clients.writer
+    servicer.store_unreachable = watch_store(
+        server, clients.read_url, password, primary=primary
+    ).poke
     server.serve_metrics(spec.metrics_ports.get(instance, 0))
     return server

@@ -62,12 +62,40 @@ class RedisProbe:
         return Verdict(True)
 
 
-def watch_store(server: ServiceServer, url: str, password: str | None = None) -> DependencyWatch:
-    """The feature service's health follows its Redis (started; stopped with the server)."""
+class EitherAnswers:
+    """A replicated store: reads go to the primary when the zone's replica is lost (and to
+    the replica while no primary is elected), so the service can answer while either side
+    does. The replica is asked first; the verdict names both failures."""
+
+    def __init__(self, *probes: RedisProbe) -> None:
+        self.probes = probes
+
+    async def __call__(self) -> Verdict:
+        reasons = []
+        for probe in self.probes:
+            verdict = await probe()
+            if verdict.ok:
+                return verdict
+            reasons.append(verdict.reason)
+        return Verdict(False, "; ".join(reasons))
+
+
+def watch_store(
+    server: ServiceServer,
+    url: str,
+    password: str | None = None,
+    *,
+    primary: aioredis.Redis | None = None,
+) -> DependencyWatch:
+    """The feature service's health follows its Redis (started; stopped with the server):
+    the one it reads at `url`, or, when that is a replica, the `primary` as well."""
     client = ping_client(url, password=password)
+    probe: RedisProbe | EitherAnswers = RedisProbe(client)
+    if primary is not None:
+        probe = EitherAnswers(RedisProbe(client), RedisProbe(primary))
     watch = DependencyWatch(
         server,
-        RedisProbe(client),
+        probe,
         what="feature store (Redis)",
         interval_s=PROBE_INTERVAL_S,
         failures_to_fail=FAILURES_TO_FAIL,

@@ -54,6 +54,9 @@ ABORT_RETRY_EVERY_S = 0.5
 DELETE_BATCH = 1000
 # How often a read retries when the pointer moves under it before giving up.
 READ_ATTEMPTS = 3
+# What a read takes for "this side of a replicated store cannot be reached" (the other side
+# is asked then): refused, reset, timed out.
+_UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 _EVENT_TIME = np.dtype("<i8")
 _VALUE = np.dtype("<f4")
@@ -348,22 +351,28 @@ class RedisFeatureStore:
         """The rows of `entity_ids` in the view's current version, and that version.
 
         (None, None) when the view has no version yet. From the replica, unless its lag is
-        past `max_age_ms` and the primary answers.
+        past `max_age_ms`; from the other side when the first cannot be reached.
         """
+        first, second = self.reader, self.client
         if self.reads_primary(max_age_ms):
-            try:
-                return await self._read(view, entity_ids, self.client)
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
-                # No primary (a failover under way): the replica's rows, whose event times
-                # still decide their staleness.
-                pass
-        return await self._read(view, entity_ids, self.reader)
+            first, second = second, first
+        try:
+            return await self._read(view, entity_ids, first)
+        except _UNREACHABLE:
+            if first is second:
+                raise
+            # The zone's replica lost: the primary's rows (fresher, never staler). No
+            # primary (a failover under way): the replica's rows, whose event times still
+            # decide their staleness.
+            return await self._read(view, entity_ids, second)
 
     async def _read(
         self, view: str, entity_ids: Sequence[str], client: aioredis.Redis
     ) -> tuple[ViewVersion | None, Rows | None]:
         pointer = self.view_key(view, "current")
-        cached = await self.current(view)
+        cached = (
+            self._cached[view] if view in self._cached else await self.refresh(view, None, client)
+        )
         for _ in range(READ_ATTEMPTS):
             version = cached.version if cached else 0
             keys = [cached.key_base + e for e in entity_ids] if cached else []
@@ -384,11 +393,21 @@ class RedisFeatureStore:
         """The flush generation of `model`, and the answers of the current batch run of
         `model` `version` for `entity_ids`: read with the run pointer last (as a view's rows
         are), so every answer is from the run that was current while it was read."""
+        try:
+            return await self._tier_answers(model, version, entity_ids, self.reader)
+        except _UNREACHABLE:
+            if self.reader is self.client:
+                raise
+            return await self._tier_answers(model, version, entity_ids, self.client)
+
+    async def _tier_answers(
+        self, model: str, version: str, entity_ids: Sequence[str], reader: aioredis.Redis
+    ) -> TierRead:
         keys = score_keys(self.key_prefix, model, version)
         pointer = keys.current
         with _redis_span("MGET", 2):
             flushed = flush_key(self.key_prefix, model)
-            flush_raw, run_raw = await self.reader.mget([flushed, pointer])
+            flush_raw, run_raw = await reader.mget([flushed, pointer])
         flush = int(flush_raw or 0)
         for _ in range(READ_ATTEMPTS):
             run = int(run_raw or 0)
@@ -396,7 +415,7 @@ class RedisFeatureStore:
                 return TierRead(flush, run, "", 0, [])
             run_key = keys.run(run)
             with _redis_span("MGET", len(entity_ids) + 1):
-                async with self.reader.pipeline(transaction=False) as pipe:
+                async with reader.pipeline(transaction=False) as pipe:
                     pipe.hmget(run_key, ["sha256", "scored_at_ms"])
                     pipe.mget([*(keys.answer(run, e) for e in entity_ids), pointer])
                     meta, values = await pipe.execute()

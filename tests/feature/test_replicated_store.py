@@ -23,6 +23,7 @@ from redis.asyncio.sentinel import Sentinel
 from servemesh.procs import RedisServer, Supervisor
 from servemesh.procs.redis_server import DISABLED_COMMANDS, replication_renames
 from servemesh.procs.sentinel import SentinelServer, quorum_of
+from servemesh.services.feature.health import EitherAnswers, RedisProbe, ping_client
 from servemesh.services.feature.replica import ReplicaLag, lag_of
 from servemesh.services.feature.store import RedisFeatureStore, StoreError
 from servemesh.spec import SENTINEL_MASTER_NAME, WITNESS_SENTINEL, parse_spec, resolve
@@ -262,6 +263,39 @@ async def test_a_load_is_acknowledged_once_a_replica_holds_it_and_says_so_when_n
     with store.primary.client() as client:
         assert client.get("r3:v:current") == str(late.version).encode()
     await _close(writer, reader, *sentinel.sentinels)
+
+
+async def test_a_lost_zone_replica_is_read_around_through_the_primary(store: Store) -> None:
+    writer, reader, sentinel = _clients(store, "zone-a")
+    feature_store = RedisFeatureStore(writer, "r4", reader=reader, lag_s=lambda: 0.0)
+    await _load(feature_store, 3.0)
+    replica = store.replicas["zone-a"]
+    # A store that has read nothing yet (no cached version), and the health probe the
+    # service runs: neither may depend on the zone's replica alone.
+    fresh_reader = aioredis.Redis(host=replica.host, port=replica.port, password=store.password)
+    fresh = RedisFeatureStore(writer, "r4", reader=fresh_reader, lag_s=lambda: 0.0)
+    probe = EitherAnswers(
+        RedisProbe(ping_client(replica.url, password=store.password)), RedisProbe(writer)
+    )
+    replica.outage()
+    try:
+        with pytest.raises((redis.exceptions.ConnectionError, OSError)):
+            await reader.ping()
+        for each in (feature_store, fresh):
+            version, rows = await each.read("v", ["e-0", "e-2"], max_age_ms=60_000)
+            assert version is not None and rows is not None
+            assert rows.values.tolist() == [[3.0, 3.0], [3.0, 3.0]]
+        assert (await probe()).ok
+        # Neither side answering: the probe says so, naming both.
+        alone = EitherAnswers(
+            RedisProbe(ping_client(replica.url, password=store.password)),
+            RedisProbe(ping_client(replica.url, password=store.password)),
+        )
+        verdict = await alone()
+        assert not verdict.ok and verdict.reason.count("PING failed") == 2, verdict
+    finally:
+        replica.start(timeout_s=15)
+    await _close(writer, reader, fresh_reader, *sentinel.sentinels)
 
 
 async def test_writes_follow_the_primary_the_sentinels_promote(store: Store) -> None:

@@ -11,10 +11,13 @@ import subprocess
 import sys
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+import redis
+import redis.exceptions
 
 from servemesh.cli import main
 from servemesh.identity import dial_edge, dial_service
@@ -151,3 +154,41 @@ def test_a_kill_that_asks_for_revival_is_started_again_and_counted(mesh: Mesh) -
     entry = wait_until(partial(running_entry, mesh, name), f"{name} running in the status")
     assert (entry["service"], entry["restarts"]) == ("registry", before + 1)
     assert entry["last_exit"] == -signal.SIGKILL
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except (redis.exceptions.RedisError, OSError):
+        return False
+
+
+def _in_append_only_files(data_dir: Path, key: bytes) -> bool:
+    return any(key in f.read_bytes() for f in data_dir.rglob("*.aof") if f.is_file())
+
+
+def test_a_crashed_store_comes_back_with_what_it_had_written(mesh: Mesh) -> None:
+    store = mesh.redis
+    assert store is not None
+    name = store.name
+    key = f"crash-restart-test:{os.getpid()}".encode()
+    with store.client(timeout_s=2.0) as client:
+        client.set(key, b"kept")
+        # On disk before the crash: the append-only file is synced every second.
+        wait_until(lambda: _in_append_only_files(store.data_dir, key), "the write in the AOF")
+        before = mesh.restart_counts().get(name, 0)
+        old = mesh.kill(name, revive=True)
+        wait_until(
+            lambda: mesh.is_running(name) and mesh.pid(name) != old,
+            f"{name} started again",
+            timeout_s=BACK_WITHIN_S,
+        )
+        wait_until(partial(_answers, client), "the store answering", timeout_s=BACK_WITHIN_S)
+        try:
+            assert client.get(key) == b"kept"
+        finally:
+            client.delete(key)
+    assert mesh.restart_counts()[name] == before + 1
+    with dial_edge(mesh.spec).channel() as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        wait_until(lambda: predict_answers(stub), "Predict answering", timeout_s=BACK_WITHIN_S)
