@@ -72,6 +72,7 @@ class ComposeMesh:
     project: str
     image_tag: str = "dev"
     edge_port: int = field(default_factory=_free_port)
+    zone_b_edge_port: int = field(default_factory=_free_port)
     ready_timeout_s: float = 600.0
     _spec: ResolvedSpec | None = None
 
@@ -106,6 +107,7 @@ class ComposeMesh:
             **os.environ,
             "IMAGE_TAG": self.image_tag,
             "SERVEMESH_EDGE_PORT": str(self.edge_port),
+            "SERVEMESH_ZONE_B_EDGE_PORT": str(self.zone_b_edge_port),
         }
         command = [
             "docker-compose", "-p", self.project,

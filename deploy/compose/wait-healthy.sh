@@ -1,6 +1,6 @@
 #!/bin/sh
 # Waits until every container of compose project $1 is healthy (the one-shot seed: exited
-# 0), then prints the edge's address; fails at once on a container unhealthy or exited
+# 0), then prints the edges' addresses; fails at once on a container unhealthy or exited
 # otherwise, and after ${COMPOSE_WAIT_S:-600} s on a start that never ends. `make
 # compose-up` runs it after `docker-compose up -d`.
 set -eu
@@ -25,3 +25,6 @@ printf '%s\n' "$states" | sort
 echo "edge: $(docker port "$(docker ps -q --filter "label=com.docker.compose.project=$project" \
     --filter label=com.docker.compose.service=envoy)" 8080)" \
     "(TLS; trust deploy/compose/rendered-dns/state/tls/trust.pem)"
+echo "zone-b's edge: $(docker port "$(docker ps -q --filter "label=com.docker.compose.project=$project" \
+    --filter label=com.docker.compose.service=envoy-edge-zone-b)" 8180)" \
+    "(give a caller both edges: docs/architecture.md, \"Calling the mesh\")"

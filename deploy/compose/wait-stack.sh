@@ -1,7 +1,7 @@
 #!/bin/sh
 # Waits until every service of Swarm stack $1 runs all its replicas (Swarm counts a task
 # with a health check as running once it is healthy) and its one-shot seed has completed,
-# then prints the services and the edge's address; fails after ${SWARM_WAIT_S:-600} s,
+# then prints the services and the edges' addresses; fails after ${SWARM_WAIT_S:-600} s,
 # printing what is still pending. `make swarm-up` runs it after `docker stack deploy`.
 set -eu
 stack=$1
@@ -25,3 +25,4 @@ done
 printf '%s\n' "$services"
 echo "edge: 127.0.0.1:${SERVEMESH_EDGE_PORT:-8443}" \
     "(TLS; trust deploy/compose/rendered-dns/state/tls/trust.pem)"
+echo "zone-b's edge: 127.0.0.1:${SERVEMESH_ZONE_B_EDGE_PORT:-8543}"

@@ -30,7 +30,7 @@ from statistics import median
 from servemesh.bench.predict import Round, measure
 from servemesh.bench.report import BenchReport, progress
 from servemesh.contract.errors import UsageError
-from servemesh.identity.channels import dial_edge_at
+from servemesh.identity.channels import dial_edge_at, dial_edges
 from servemesh.launcher import Mesh
 from servemesh.load import Target, predict_target
 from servemesh.spec import (
@@ -88,11 +88,14 @@ def rendered_compose_spec() -> MeshSpec:
     return compose.model_copy(update={"state_dir": str(RENDERED_STATE)})
 
 
-def edge_target(spec: MeshSpec, address: str, *, subject: str, entities: int = ENTITIES) -> Target:
-    """Predict through the edge at `address` over the TLS `spec` names, with the edge
-    credentials of its state dir (a token signed for `subject`, or the basic ones)."""
+def edge_target(
+    spec: MeshSpec, address: str, *more: str, subject: str, entities: int = ENTITIES
+) -> Target:
+    """Predict through the edge at `address` (and every edge in `more`, as a caller given
+    each zone's edge connects: identity.dial_edges) over the TLS `spec` names, with the
+    edge credentials of its state dir (a token signed for `subject`, or the basic ones)."""
     return predict_target(
-        dial_edge_at(spec, address),
+        dial_edges(spec, [address, *more]) if more else dial_edge_at(spec, address),
         entities=entities,
         timeout_s=5.0,
         metadata=EdgeAuthMetadata(spec, subject).metadata,
@@ -100,7 +103,12 @@ def edge_target(spec: MeshSpec, address: str, *, subject: str, entities: int = E
 
 
 def _make(target: str, edge_port: int, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SERVEMESH_EDGE_PORT": str(edge_port)}
+    # Zone-b's edge on the port after the first's (nothing of the bench dials it).
+    env = {
+        **os.environ,
+        "SERVEMESH_EDGE_PORT": str(edge_port),
+        "SERVEMESH_ZONE_B_EDGE_PORT": str(edge_port + 1),
+    }
     return subprocess.run(
         ["make", target, f"COMPOSE_PROJECT={PROJECT}"],
         cwd=CHECKOUT,

@@ -7,11 +7,14 @@ from pathlib import Path
 
 from rich.table import Table
 
+from servemesh.cli.flags import add_gate_overrides
+from servemesh.cli.gates import report_gates
 from servemesh.cli.mesh import add_mesh_flags, running_mesh
 from servemesh.cli.output import out
 from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_apply import LiveApply, LiveApplyResult
 from servemesh.proxy.live_plan import ApplyPlan
+from servemesh.rollout.change_gates import enforce, models_deployed, overrides_from
 from servemesh.state.paths import ApplyError
 
 # The change column's colour by sign: added, removed, changed.
@@ -68,6 +71,21 @@ def cmd_apply(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ApplyError(f"{path}: cannot read: {exc.strerror}") from None
     applier = LiveApply(RouteManager(mesh.paths))
+    if not args.dry_run:
+        # A freeze or a spent error budget refuses what would deploy (change_gates).
+        live, plan = applier.plan(text, str(path), prune=args.prune)
+        deployed = models_deployed(plan)
+        if deployed:
+            report_gates(
+                enforce(
+                    live,
+                    deployed,
+                    command=f"apply {path}",
+                    overrides=overrides_from(
+                        getattr(args, "override", None), getattr(args, "reason", None)
+                    ),
+                )
+            )
     report(applier.apply(text, str(path), prune=args.prune, dry_run=args.dry_run))
     return 0
 
@@ -88,4 +106,5 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     apply.add_argument(
         "--dry-run", action="store_true", help="print the plan (registry checked), change nothing"
     )
+    add_gate_overrides(apply)
     apply.set_defaults(func=cmd_apply)

@@ -51,7 +51,7 @@ async def _probe(spec_path: str, instance: str) -> bool:
     # The container's own process, at its own port on its loopback: its service name may
     # resolve to another replica (a Swarm service of several tasks answers by any of
     # them). The instance's own certificate: the only one its container holds.
-    own = f"127.0.0.1:{spec.port_of(instance)}"
+    own = f"127.0.0.1:{spec.serving_port_of(instance)}"
     async with dial_address(spec, own, instance, caller=instance).aio_channel() as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:

@@ -167,3 +167,16 @@ __all__ = [
     "duration",
     "duration_ms",
 ]
+
+
+def add_gate_overrides(parser: argparse.ArgumentParser) -> None:
+    """`--override GATE --reason TEXT` (each repeatable, paired in order) on a command that
+    changes what a model serves: a freeze or a spent error budget refuses it otherwise
+    (servemesh.rollout.change_gates)."""
+    parser.add_argument(
+        "--override",
+        action="append",
+        metavar="ITEM",
+        help="let a failed gate through: freeze or error_budget (each with its own --reason)",
+    )
+    parser.add_argument("--reason", action="append", metavar="TEXT", help="why (recorded)")

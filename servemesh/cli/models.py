@@ -28,7 +28,8 @@ from rich.text import Text
 
 from servemesh.cli import mesh as found_mesh
 from servemesh.cli import quarantine
-from servemesh.cli.flags import add_output
+from servemesh.cli.flags import add_gate_overrides, add_output
+from servemesh.cli.gates import report_gates
 from servemesh.cli.mesh import add_mesh_flags
 from servemesh.cli.output import out, write
 from servemesh.contract.control_credential import (
@@ -52,6 +53,7 @@ from servemesh.registry.validation import (
     check_name,
     check_tensor_specs,
 )
+from servemesh.rollout.change_gates import enforce, overrides_from
 from servemesh.services.model.tensors import Signature, TensorSig
 from servemesh.spec import ResolvedSpec
 from servemesh.state.paths import ApplyError, MeshPaths
@@ -560,6 +562,16 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_alias(args: argparse.Namespace) -> int:
     mesh = running_mesh(args)
+    # Pointing an alias at another version deploys it wherever the alias is followed: the
+    # freeze and error budget gates hold it as they hold a weight move (change_gates).
+    report_gates(
+        enforce(
+            RouteManager(mesh.paths).live_spec(),
+            [args.model],
+            command=f"models alias {args.model} {args.alias}",
+            overrides=overrides_from(args.override, args.reason),
+        )
+    )
 
     async def apply() -> tuple[str | None, registry_pb2.Model]:
         async with registry_channel(mesh) as channel:
@@ -790,6 +802,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     alias.add_argument("model")
     alias.add_argument("alias")
     alias.add_argument("version")
+    add_gate_overrides(alias)
     alias.set_defaults(func=cmd_alias, error_label="models alias")
 
     export = verbs.add_parser(

@@ -11,12 +11,14 @@ from rich.markup import escape
 from rich.table import Table
 
 from servemesh.cli import apply as apply_command
-from servemesh.cli.flags import add_output
+from servemesh.cli.flags import add_gate_overrides, add_output
+from servemesh.cli.gates import overridden_reason, report_gates
 from servemesh.cli.mesh import add_mesh_flags, running_mesh
 from servemesh.cli.output import console, out, write
 from servemesh.proxy.apply import ApplyResult, RouteManager
 from servemesh.proxy.live_view import live_view
 from servemesh.proxy.shadow_report import shadow_report
+from servemesh.rollout.change_gates import enforce, overrides_from
 from servemesh.state.paths import ApplyError
 
 _WEIGHT = re.compile(r"^([a-z0-9][a-z0-9_-]{0,62})=(-?\d+)$")
@@ -108,7 +110,15 @@ def cmd_set(args: argparse.Namespace) -> int:
         if not match:
             raise ApplyError(f"{text!r}: expected VERSION=WEIGHT, e.g. v1=90")
         weights[match.group(1)] = int(match.group(2))
-    _report(_manager(args).set_weights(args.model, weights))
+    manager = _manager(args)
+    gates = enforce(
+        manager.live_spec(),
+        [args.model],
+        command=f"routes set {args.model}",
+        overrides=overrides_from(args.override, args.reason),
+    )
+    report_gates(gates)
+    _report(manager.set_weights(args.model, weights, reason=overridden_reason(gates)))
     return 0
 
 
@@ -201,11 +211,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     add_mesh_flags(set_, inherited=True)
     set_.add_argument("model")
     set_.add_argument("weights", nargs="+", metavar="VERSION=WEIGHT")
+    add_gate_overrides(set_)
     set_.set_defaults(func=cmd_set)
 
     apply = verbs.add_parser("apply", help="the same as `servemesh apply FILE` (kept as an alias)")
     add_mesh_flags(apply, inherited=True)
     apply.add_argument("file")
+    add_gate_overrides(apply)
     apply.set_defaults(prune=False, dry_run=False)
     apply.set_defaults(func=cmd_apply)
 

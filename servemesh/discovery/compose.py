@@ -22,6 +22,7 @@ parts it needs (its own certificate, the CA, the control token). Here:
     state/xds-<zone>/           the same for each zone's Envoy (per-zone layout)
     state/registry/, state/predictions/, state/traces/   the registry's store, the
                                 prediction log and the trace store's spans
+    state/registry-mirror-<zone>/   each zone's registry mirror's store (registry.mirrors)
     state/mesh.resolved.yaml, state/envoys-mount, state/admin/
                                 what live route changes from the host need: the spec they
                                 start from, where the Envoys mount the state dir, and
@@ -62,6 +63,7 @@ from servemesh.spec import (
     dump_spec,
     load_spec,
     proxy_part,
+    registry_mirror_name,
     resolve,
 )
 from servemesh.state.paths import MeshPaths
@@ -115,12 +117,14 @@ def check_compose_spec(spec: ResolvedSpec) -> None:
     if spec.discovery.listen_host != "0.0.0.0":
         problems.append("discovery.listen_host: must be 0.0.0.0 (peers are other containers)")
     parts = [i.name for i in spec.instances()] + [proxy_part(p) for p in spec.proxies()]
+    parts += [registry_mirror_name(zone) for zone in spec.registry_mirror_zones()]
     if spec.embedded_trace_store_port is not None:
         parts.append(TRACE_STORE_PART)  # the mesh's own trace store: a container too
     unplaced = [part for part in parts if part not in spec.discovery.hosts]
     if unplaced:
         problems.append(
-            f"discovery.hosts: name every instance, Envoy and the trace store; missing {unplaced}"
+            "discovery.hosts: name every instance, Envoy, registry mirror and the trace store;"
+            f" missing {unplaced}"
         )
     if spec.embedded_redis_port is not None:
         problems.append("feature_store.redis_url: name the Redis container")
@@ -296,7 +300,8 @@ def render_compose(spec_path: Path, out: Path) -> Rendered:
     state.mkdir(exist_ok=True)
     ensure_control_token(state)
     _issue_certificates(spec, state)
-    for folder in ("registry", "predictions", "traces"):
+    mirrors = [registry_mirror_name(zone) for zone in spec.registry_mirror_zones()]
+    for folder in ("registry", "predictions", "traces", *mirrors):
         (state / folder).mkdir(exist_ok=True)
     _write(out / "mesh.yaml", dump_spec(spec))
     _live_changes(spec, state)

@@ -36,6 +36,7 @@ from servemesh.spec.fleet import (
     Replicas,
     instance_name,
     model_set_instances,
+    registry_mirror_name,
     replicas_field,
 )
 from servemesh.spec.models import (
@@ -368,8 +369,8 @@ class MeshSpec(_Strict):
 
     def registry_mirror_zones(self) -> list[str]:
         """The zones that run a mirror of the registry (registry.mirrors per_zone): every
-        zone but the registry's own (the first), where `servemesh up` runs the mesh."""
-        if self.registry.mirrors != "per_zone" or self.discovery.backend != "file":
+        zone but the registry's own (the first)."""
+        if self.registry.mirrors != "per_zone":
             return []
         return list(self.zones[1:])
 
@@ -423,14 +424,16 @@ class MeshSpec(_Strict):
     @model_validator(mode="after")
     def _hosts_name_known_parts(self) -> MeshSpec:
         envoys = {proxy_part(proxy) for proxy in self.proxies()}
-        known = {i.name for i in self.instances()} | envoys
+        mirrors = {registry_mirror_name(zone) for zone in self.registry_mirror_zones()}
+        known = {i.name for i in self.instances()} | envoys | mirrors
         embedded = getattr(self, "embedded_trace_store_port", None) is not None  # resolved
         if self.tracing.enabled and (embedded or not self.tracing.otlp_endpoint):
             known.add(TRACE_STORE_PART)  # the mesh's own trace store
         unknown = sorted(set(self.discovery.hosts) - known)
         if unknown:
             raise ValueError(
-                f"discovery.hosts: names no instance, Envoy ({sorted(envoys)}) or the mesh's "
+                f"discovery.hosts: names no instance, Envoy ({sorted(envoys)}), registry "
+                f"mirror ({sorted(mirrors)}) or the mesh's "
                 f"trace store ({TRACE_STORE_PART}, with tracing on and no collector named): "
                 f"{unknown}"
             )

@@ -15,10 +15,12 @@ from servemesh.spec.base import Port, ScaledKind, SpecError, ZoneName
 from servemesh.spec.features import REDIS_PASSWORD_FILE, sentinel_names
 from servemesh.spec.fleet import (
     REGISTRY_INSTANCE,
+    REGISTRY_MIRROR_PREFIX,
     FleetState,
     Instance,
     Replicas,
     model_set_instances,
+    registry_mirror_name,
 )
 from servemesh.spec.mesh import MeshSpec, Profile, Spec
 from servemesh.spec.models import SHARED_POOL
@@ -238,6 +240,14 @@ class ResolvedSpec(MeshSpec):
         except KeyError:
             raise SpecError(f"no instance named {instance_name!r}") from None
 
+    def serving_port_of(self, process: str) -> int:
+        """The gRPC port of one of the mesh's serving processes: an instance, or a zone's
+        registry mirror (which no catalog lists: no caller but its zone's model servers)."""
+        zone = process.removeprefix(REGISTRY_MIRROR_PREFIX)
+        if process != zone and zone in self.registry_mirror_ports:
+            return self.registry_mirror_ports[zone]
+        return self.port_of(process)
+
     def host_of(self, part: str) -> str:
         """Where an instance (or an Envoy, proxy_part) is reached: discovery.hosts, else
         host."""
@@ -341,7 +351,7 @@ class ResolvedSpec(MeshSpec):
     def registry_mirror_address(self, zone: str) -> str | None:
         """host:port of `zone`'s registry mirror (None: the zone has none)."""
         port = self.registry_mirror_ports.get(zone)
-        return f"{self.host}:{port}" if port else None
+        return f"{self.host_of(registry_mirror_name(zone))}:{port}" if port else None
 
 
 # What a resolved spec has and a declared one does not.
@@ -446,10 +456,18 @@ def resolve(spec: MeshSpec) -> ResolvedSpec:
             wanted_stats = stats_base + 1 + zone_count + index if stats_base else 0
         edge_ports[proxy] = pick(wanted_edge)
         edge_stats_ports[proxy] = pick(wanted_stats)
-    # The zones' registry mirrors: kept when resolved, else free ports.
+    # The zones' registry mirrors: kept when resolved, else the ports after the trace
+    # store's (services_base + instances + 1 + i: a container's health check can name it),
+    # free when the base is 0.
+    base = spec.ports.services_base
+    after_services = base + len(spec.instances()) + 1 if base else 0
     registry_mirror_ports = {
-        zone: pick(known.registry_mirror_ports.get(zone, 0) if known else 0)
-        for zone in spec.registry_mirror_zones()
+        zone: pick(
+            known.registry_mirror_ports.get(zone, 0)
+            if known
+            else (after_services + i if after_services else 0)
+        )
+        for i, zone in enumerate(spec.registry_mirror_zones())
     }
     # No Redis named: the launcher runs one, on a port chosen now with the others.
     embedded_redis_port = known.embedded_redis_port if known else None

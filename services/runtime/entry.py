@@ -58,9 +58,11 @@ def service_main(
         server.on_spec_change(follow_logs)
         # `servemesh apply` rewrites this file; the builder's hooks follow it.
         server.follow_spec(live)
-        if spec.discovery.backend == "consul":
+        if spec.discovery.backend == "consul" and known is None:
             # Registered once it serves (Consul's first check then finds it listening);
-            # deregistered by the drain, after the last call has ended.
+            # deregistered by the drain, after the last call has ended. A process that
+            # is no instance of the spec (a registry mirror) is dialled by address: no
+            # cluster may list it.
             await server.start()
             leave = await join_catalog(spec, args.instance)
             if leave is not None:

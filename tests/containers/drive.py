@@ -35,16 +35,18 @@ def inspect(container: str) -> Any:
 
 
 @contextmanager
-def edge_load(port: str) -> Iterator[BackgroundLoad]:
+def edge_load(port: str, *more: str) -> Iterator[BackgroundLoad]:
     """20 Predicts a second through the edge published at `port` on this host (its TLS and
-    credentials as rendered), yielded once 20 have answered and stopped at the end; its
-    outcomes stay readable."""
+    credentials as rendered; with `more` ports, every one of those edges as a caller is
+    meant to connect), yielded once 20 have answered and stopped at the end; its outcomes
+    stay readable."""
     from servemesh.bench.compose import edge_target, rendered_compose_spec
     from servemesh.load import BackgroundLoad
     from tests.waiting import wait_until
 
+    addresses = [f"127.0.0.1:{p}" for p in (port, *more)]
     target = edge_target(
-        rendered_compose_spec(), f"127.0.0.1:{port}", subject="container-drill", entities=100
+        rendered_compose_spec(), *addresses, subject="container-drill", entities=100
     )
     load = BackgroundLoad(target, rate_per_s=20.0)
     load.start()

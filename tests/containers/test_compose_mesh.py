@@ -22,13 +22,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.containers.drive import answers_after, edge_load, engine_missing, failures
+from tests.containers.drive import answers_after, edge_load, engine_missing, failures, inspect
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = os.environ.get("IMAGE_TAG", "dev")
 # A project of its own, so a mesh someone started by hand is left alone.
 PROJECT = "servemesh-dns-test"
 EDGE_PORT = os.environ.get("SERVEMESH_TEST_EDGE_PORT", "18443")
+ZONE_B_EDGE_PORT = os.environ.get("SERVEMESH_TEST_ZONE_B_EDGE_PORT", "18543")
 RENDERED = REPO / "deploy" / "compose" / "rendered-dns"
 LABEL = f"label=com.docker.compose.project={PROJECT}"
 
@@ -37,7 +38,11 @@ pytestmark = pytest.mark.timeout(1800)
 
 
 def make(*targets: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SERVEMESH_EDGE_PORT": EDGE_PORT}
+    env = {
+        **os.environ,
+        "SERVEMESH_EDGE_PORT": EDGE_PORT,
+        "SERVEMESH_ZONE_B_EDGE_PORT": ZONE_B_EDGE_PORT,
+    }
     return subprocess.run(
         ["make", *targets, f"IMAGE_TAG={TAG}", f"COMPOSE_PROJECT={PROJECT}"],
         cwd=REPO,
@@ -226,6 +231,71 @@ def test_canaries_run_from_the_operator_container_roll_back_on_scores_and_promot
     # Back to v1 from the host, as an operator would after a demonstration.
     back = servemesh("routes", "set", "fraud", "v1=100", "v2=0")
     assert back.returncode == 0, back.stdout + back.stderr
+
+
+def compose(*args: str, timeout: float = 300) -> str:
+    """docker-compose on the test's project, as `make compose-up` ran it."""
+    command = [
+        "docker-compose", "-p", PROJECT, "--env-file", str(RENDERED / "compose.env"),
+        "-f", str(REPO / "deploy" / "compose" / "dns.yml"), *args,
+    ]  # fmt: skip
+    env = {**os.environ, "IMAGE_TAG": TAG, "SERVEMESH_EDGE_PORT": EDGE_PORT,
+           "SERVEMESH_ZONE_B_EDGE_PORT": ZONE_B_EDGE_PORT}  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def healthy(service: str) -> bool:
+    ids = compose("ps", "-q", service).split()
+    return bool(ids) and inspect(ids[0])["State"].get("Health", {}).get("Status") == "healthy"
+
+
+def test_a_caller_given_both_edges_loses_no_call_while_the_first_edge_is_down(
+    compose_mesh: str,
+) -> None:
+    """An edge per zone in containers too: the load dials both published edges as
+    docs/architecture.md says ("Calling the mesh"); the first zone's edge container is
+    killed and kept down, then started again, and not one call fails."""
+    from tests.waiting import wait_until
+
+    assert f"zone-b's edge: 127.0.0.1:{ZONE_B_EDGE_PORT}" in compose_mesh
+    with edge_load(EDGE_PORT, ZONE_B_EDGE_PORT) as load:
+        compose("kill", "envoy")
+        killed_at = load.now_s()
+        answers_after(load, killed_at, "answers with the first edge down", count=60)
+        compose("start", "envoy")
+        wait_until(lambda: healthy("envoy"), "the first edge healthy again", timeout_s=120)
+        answers_after(load, load.now_s(), "answers with both edges up", count=40)
+    outcomes, failed = failures(load)
+    down = [o for o in outcomes if o.sent_s > killed_at]
+    print(f"edge killed: {len(outcomes)} calls, {len(failed)} failed, {len(down)} after the kill")
+    assert not load.error, load.error
+    assert failed == [], failed[:10]
+
+
+def test_zone_b_s_model_server_starts_from_its_mirror_with_the_registry_stopped(
+    compose_mesh: str,
+) -> None:
+    """A registry either zone can start from, in containers: with registry-0 stopped,
+    zone-b's model server container is started again and loads its versions from zone-b's
+    mirror container (its log says which it used); a Predict is answered."""
+    from tests.waiting import wait_until
+
+    model_b = "model-fraud-zone-b-0"
+    assert healthy("registry-mirror-zone-b")
+    compose("stop", "-t", "10", "registry-0")
+    try:
+        compose("restart", "-t", "10", model_b)
+        wait_until(lambda: healthy(model_b), f"{model_b} healthy again", timeout_s=300)
+        log = compose("logs", "--no-color", model_b)
+        assert "trying its zone's mirror" in log, log[-3000:]
+        done = predict()
+        assert done.returncode == 0, done.stdout + done.stderr
+    finally:
+        compose("start", "registry-0")
+        wait_until(lambda: healthy("registry-0"), "registry-0 healthy again", timeout_s=300)
 
 
 def predict() -> subprocess.CompletedProcess[str]:

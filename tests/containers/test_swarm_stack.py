@@ -27,6 +27,7 @@ TAG = os.environ.get("IMAGE_TAG", "dev")
 # A stack of its own, so one someone deployed by hand is left alone.
 STACK = "servemesh-swarm-test"
 EDGE_PORT = os.environ.get("SERVEMESH_TEST_SWARM_EDGE_PORT", "18444")
+ZONE_B_EDGE_PORT = os.environ.get("SERVEMESH_TEST_SWARM_ZONE_B_EDGE_PORT", "18544")
 RENDERED = REPO / "deploy" / "compose" / "rendered-dns"
 LABEL = f"label=com.docker.stack.namespace={STACK}"
 POOL_A = f"{STACK}_model-fraud-zone-a-0"
@@ -43,7 +44,11 @@ def docker(*args: str, timeout: float = 60) -> str:
 
 
 def make(*targets: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SERVEMESH_EDGE_PORT": EDGE_PORT}
+    env = {
+        **os.environ,
+        "SERVEMESH_EDGE_PORT": EDGE_PORT,
+        "SERVEMESH_ZONE_B_EDGE_PORT": ZONE_B_EDGE_PORT,
+    }
     return subprocess.run(
         ["make", *targets, f"IMAGE_TAG={TAG}", f"SWARM_STACK={STACK}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,

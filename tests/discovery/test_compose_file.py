@@ -20,7 +20,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from servemesh.cli.compose import instance_of_pid1
 from servemesh.discovery.compose import ComposeError, check_compose_spec, render_compose
-from servemesh.spec import EDGE_PROXY, ENVOY_PART, load_spec, proxy_part, resolve
+from servemesh.spec import (
+    EDGE_PROXY,
+    ENVOY_PART,
+    load_spec,
+    proxy_part,
+    registry_mirror_name,
+    resolve,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "docker-compose.yml"
@@ -303,9 +310,10 @@ DNS_SPEC = REPO / "deploy" / "compose" / "mesh-dns.yaml"
 def test_in_the_dns_compose_file_each_zone_is_a_network_and_only_envoys_cross_zones() -> None:
     """A zone's gateway, feature and model containers are on their zone's network alone;
     the registry, Redis (shared by the zones) on every zone's network; the seed on one;
-    the edge on `front` and every zone's network (it reaches each gateway), and the only
-    one publishing a port; each zone's Envoy on every zone's network (its own, and its
-    failover path, which a partition cuts). So once each zone's Envoy leaves the other
+    a zone's registry mirror on its zone's; each zone's edge on `front` and every zone's
+    network (it reaches each gateway), the edges the only containers publishing a port;
+    each zone's Envoy on every zone's network (its own, and its failover path, which a
+    partition cuts). So once each zone's Envoy leaves the other
     zones' networks, no container of one zone shares a network with another zone's
     replicas."""
     spec = resolve(load_spec(DNS_SPEC))
@@ -325,9 +333,15 @@ def test_in_the_dns_compose_file_each_zone_is_a_network_and_only_envoys_cross_zo
     assert networks("redis") == zones and len(networks("seed") & zones) == 1
     for zone in zones:
         assert networks(proxy_part(zone)) == zones, zone
-    assert networks(proxy_part(EDGE_PROXY)) == {"front", *zones}
+    edges = [proxy_part(proxy) for proxy in spec.edge_proxies()]
+    assert len(edges) == len(zones)  # an edge per zone
+    for edge in edges:
+        assert networks(edge) == {"front", *zones}, edge
+    # A zone's registry mirror is its zone's (the registry is on every zone's network).
+    for zone in spec.registry_mirror_zones():
+        assert networks(registry_mirror_name(zone)) == {zone}
     published = [name for name, service in compose.services.items() if service.ports]
-    assert published == [proxy_part(EDGE_PROXY)]
+    assert sorted(published) == sorted(edges)
 
 
 def test_the_compose_mesh_traces_into_a_trace_store_container_envoy_resolves(

@@ -42,7 +42,7 @@ from servemesh.discovery.compose import (
     consul_token_secret,
     render_compose,
 )
-from servemesh.spec import SpecError, load_spec, resolve
+from servemesh.spec import SpecError, load_spec, proxy_part, resolve
 from tests.discovery.test_compose_file import (
     COMPOSE,
     COMPOSE_SPEC,
@@ -100,8 +100,11 @@ def _instance_kind(service: Service) -> str | None:
 def test_only_the_edge_listener_is_published() -> None:
     compose = _compose()
     published = {name: s.ports for name, s in compose.services.items() if s.ports}
-    edge_port = resolve(load_spec(COMPOSE_SPEC)).ports.edge
-    assert published == {EDGE: [f"{edge_port}:{edge_port}"]}
+    spec = resolve(load_spec(COMPOSE_SPEC))
+    # Each zone's edge listener, and nothing else.
+    edges = {proxy_part(p): spec.edge_port_of(p) for p in spec.edge_proxies()}
+    assert len(edges) == len(spec.zones)
+    assert published == {name: [f"{port}:{port}"] for name, port in edges.items()}
     assert "expose" not in (compose.services[EDGE].model_extra or {})
     for name, service in compose.services.items():
         extra = service.model_extra or {}
@@ -193,6 +196,10 @@ def test_each_service_s_token_policy_names_only_its_own_service(rendered: Path) 
     kinds_seen = set()
     for name, service in compose.services.items():
         kind = _instance_kind(service)
+        if kind == "mirror":
+            # A registry mirror registers nothing (it is dialled by address): no token.
+            assert _mounted_as(service, "consul-token") == [], name
+            continue
         if kind is None:
             continue
         kinds_seen.add(kind)

@@ -440,6 +440,11 @@ for _doc, _flag in (("examples/wine/README.md", ""), ("docs/models.md", " --prun
         "tests/unit/test_live_apply_plan.py and tests/mesh/test_live_apply.py",
         f"servemesh apply mesh-v2-only.yaml{_flag}",
     )
+_listed(
+    "docs/rollouts-gates.md",
+    "needs a mesh inside a freeze window; tests/rollout/test_rollout_mesh.py runs it frozen",
+    "servemesh routes set fraud v1=90 v2=10",
+)
 _listed("docs/models.md", "the churn walk-through's registry", "servemesh models list")
 _listed(
     "docs/features.md",

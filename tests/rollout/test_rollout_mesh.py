@@ -293,6 +293,56 @@ def test_a_rollout_in_a_freeze_is_refused_and_leaves_the_routes_untouched(
     assert (status["version"], status["status"]) == (GOOD, "refused")
 
 
+def cli(mesh: DrillMesh, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "servemesh", *args, "--state-dir", str(mesh.state_dir)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+def test_every_change_path_is_held_by_the_freeze_and_the_way_back_is_not(
+    mesh: DrillMesh, tmp_path: Path
+) -> None:
+    """What a frozen rollout cannot do, no command does by hand: `routes set`, `apply`
+    moving weights and `models alias` are refused (exit 4, the freeze named) and change
+    nothing; with `--override freeze --reason` the change goes ahead and is recorded; and
+    `routes rollback`, the way back, is never refused."""
+    before = routes_now(mesh)
+    moved = tmp_path / "moved.yaml"
+    moved.write_text(yaml.safe_dump({"models": {"fraud": {"traffic": {"v1": 90, GOOD: 10}}}}))
+    for args in (
+        ("routes", "set", "fraud", "v1=90", f"{GOOD}=10"),
+        ("apply", str(moved)),
+        ("models", "alias", "fraud", "production", GOOD),
+    ):
+        refused = cli(mesh, *args)
+        assert refused.returncode == 4, (args, refused.stdout, refused.stderr)
+        assert "freeze: inside " in refused.stderr, refused.stderr
+        assert "--override freeze --reason" in refused.stderr, refused.stderr
+        assert routes_now(mesh) == before, args
+    # Nothing was recorded for refusals; a dry run plans without asking the gates.
+    assert not (mesh.state_dir / "gate-overrides.jsonl").exists()
+    assert cli(mesh, "apply", str(moved), "--dry-run").returncode == 0
+
+    overridden = cli(mesh, "routes", "set", "fraud", "v1=90", f"{GOOD}=10", *OVERRIDE)
+    assert overridden.returncode == 0, overridden.stdout + overridden.stderr
+    assert "gate overridden: freeze: inside " in overridden.stderr, overridden.stderr
+    weights = {version: weight for version, weight, _ in routes_now(mesh)[1]}
+    assert (weights["v1"], weights[GOOD]) == (90, 10)
+    [record] = [
+        json.loads(line)
+        for line in (mesh.state_dir / "gate-overrides.jsonl").read_text().splitlines()
+    ]
+    assert record["command"] == "routes set fraud" and record["models"] == ["fraud"]
+    assert [(g["gate"], g["reason"]) for g in record["gates"]] == [
+        ("freeze", "the test mesh is frozen on purpose")
+    ]
+    history = RouteManager(mesh.paths).history()
+    assert "gates overridden: freeze: the test mesh is frozen on purpose" in str(history[-1])
+
+    back = cli(mesh, "routes", "rollback")
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert routes_now(mesh)[1] == before[1]
+
+
 def predict(edge: gateway_pb2_grpc.GatewayStub, entity: str, version: str) -> bool:
     try:
         edge.Predict(

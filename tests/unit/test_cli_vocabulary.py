@@ -56,6 +56,7 @@ MEANINGS: dict[str, tuple[str, str]] = {
     "--limit": ("limit", "int"),
     "--since": ("since", "str"),
     "--reason": ("reason", "str"),
+    "--override": ("override", "str"),
     "--view": ("view", "str"),
     "--format": ("format", "str"),
     "--atol": ("atol", "float"),
