@@ -27,11 +27,17 @@ def generate(out_root: Path, proto_root: Path = PROTO_ROOT) -> list[Path]:
     from grpc_tools import protoc  # only needed by developers, not at runtime
 
     include = Path(protoc.__file__).parent / "_proto"
+    # google/api/annotations.proto and http.proto (the REST bindings Envoy's transcoder
+    # reads), from googleapis-common-protos, which also holds their generated modules.
+    import google.api.annotations_pb2 as annotations  # type: ignore[import-untyped]
+
+    googleapis = Path(annotations.__file__).parents[2]
     files = [str(p) for p in proto_files(proto_root)]
     args = [
         "protoc",
         f"-I{proto_root}",
         f"-I{include}",
+        f"-I{googleapis}",
         f"--python_out={out_root}",
         f"--pyi_out={out_root}",
         f"--grpc_python_out={out_root}",

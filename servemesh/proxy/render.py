@@ -15,6 +15,7 @@ there are no endpoint files: each service cluster is a STRICT_DNS cluster whose 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,7 @@ from servemesh.proxy.tracing import (
     tracer_runtime,
     with_forced_trace_routes,
 )
+from servemesh.proxy.transcoder import json_body_limit_filter, json_route, transcoder_filter
 from servemesh.spec import (
     EDGE_PROXY,
     DiscoverySpec,
@@ -636,6 +638,7 @@ def _edge_routes(spec: MeshSpec) -> list[dict[str, Any]]:
         retry["retriable_headers"] = [{"name": RETRY_ELSEWHERE_HEADER, "present_match": True}]
     routes = [
         *([open_health] if spec.traffic.edge_auth.active_mode != "off" else []),
+        json_route(spec, copy.deepcopy(to_gateways)),
         *_stream_routes(spec),
         _with_fault(
             {
@@ -1239,6 +1242,9 @@ def _render_all(spec: ResolvedSpec, log_dir: Path, proxy: str) -> EnvoyResources
     edge_filters = []
     if spec.traffic.rate_limit.enabled:
         edge_filters.append(_rate_limit_filter(spec.traffic.rate_limit))
+    # REST/JSON callers: their calls made gRPC before the filters below judge them, so
+    # those judge a REST call as the gRPC call it is (proxy/transcoder.py).
+    edge_filters += [json_body_limit_filter(spec), transcoder_filter(spec)]
     edge_filters.append(_control_calls_denied())
     edge_filters += _edge_auth_filters(spec)
     if spec.traffic.rate_limit.enabled:

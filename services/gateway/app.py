@@ -6,17 +6,19 @@ import asyncio
 
 import grpc
 
-from servemesh.contract.wire import GATEWAY_SERVICE, message_size_options
+from servemesh.contract.wire import GATEWAY_SERVICE, OIP_SERVICE, message_size_options
 from servemesh.identity import dial_mesh, mesh_identity, serving_credentials
 from servemesh.identity.watch import follow_certificate
 from servemesh.predlog import gateway_prediction_log
 from servemesh.services.gateway.feed import follow_feed
 from servemesh.services.gateway.health import watch_dependencies
 from servemesh.services.gateway.metrics import PredictMetrics
+from servemesh.services.gateway.oip import EdgeInference
 from servemesh.services.gateway.service import GatewayServicer
 from servemesh.services.runtime import ServiceServer
 from servemesh.spec import ResolvedSpec
 from servemesh_api.gateway.v1 import gateway_pb2_grpc
+from servemesh_api.inference import grpc_service_pb2_grpc
 
 
 async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -> ServiceServer:
@@ -52,6 +54,12 @@ async def build_server(spec: ResolvedSpec, instance: str, *, tls: bool = True) -
         spec, mesh_channel, PredictMetrics(server.metrics.registry), predictions
     )
     server.add_service(gateway_pb2_grpc.add_GatewayServicer_to_server, servicer, GATEWAY_SERVICE)
+    # OIP for callers at the edge (gRPC, or REST through the edge's transcoder): oip.py.
+    server.add_service(
+        grpc_service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+        EdgeInference(servicer),
+        OIP_SERVICE,
+    )
     # The file `servemesh apply` rewrites (known once the server follows it): the servicer
     # sends calls alone while it changed and is not yet followed.
     servicer.spec_file = lambda: server.live_spec.path if server.live_spec is not None else None

@@ -253,7 +253,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             check_pin(
                 self.spec, plan.model_name, plan.version, lambda: caller_of(self.spec, context)
             )
-            metadata = _downstream_metadata(request_id, incoming)
+            metadata = downstream_metadata(request_id, incoming)
             span.set_attribute(SpanAttr.MODEL, plan.model_name)
             signature = await self._signature(plan, deadline, metadata)
             raw = conform_inputs(plan, signature)
@@ -820,7 +820,7 @@ def _string_parameter(reply: oip.ModelInferResponse, name: str) -> str:
     return param.string_param if param is not None else ""
 
 
-def _downstream_metadata(request_id: str, incoming: Sequence[Any]) -> list[tuple[str, str]]:
+def downstream_metadata(request_id: str, incoming: Sequence[Any]) -> list[tuple[str, str]]:
     """The request id follows the request to every hop, and so does the caller's trace
     context: as it came, or (a recorded call) each downstream call's own client span
     (traced_call)."""

@@ -9,11 +9,13 @@ the one credential. In both, fraud v2 has 0% of the traffic split.
 from __future__ import annotations
 
 import shutil
+import ssl
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric import ec
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,7 +25,7 @@ from servemesh.bench.observe import BENCH_CALLER, cpu_by_kind
 from servemesh.bench.predict import round_credentials
 from servemesh.cli import main
 from servemesh.contract.wire import AUTHORIZATION_HEADER, CALLER_ROLE_HEADER
-from servemesh.identity import dial_edge
+from servemesh.identity import dial_edge, mesh_identity
 from servemesh.identity.edge_client import dial_edge_as
 from servemesh.identity.tokens import (
     DEFAULT_TTL_S,
@@ -127,6 +129,34 @@ def test_a_valid_token_predicts_and_health_check_stays_open(jwt_mesh: Mesh) -> N
             health_pb2.HealthCheckRequest(), timeout=10
         )
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_rest_calls_meet_the_same_auth_401_without_a_token_403_pinning_at_zero(
+    jwt_mesh: Mesh,
+) -> None:
+    """REST through the edge's transcoder is judged as the gRPC call it becomes: no token
+    or a bad one is 401, a caller pinning a version the split gives 0% is 403, a valid
+    token answers; each refusal says why (the token's fault in www-authenticate, the pin's
+    in a JSON google.rpc.Status)."""
+    spec = jwt_mesh.spec
+    trust = ssl.create_default_context(cafile=str(mesh_identity(spec).trust_file))
+    predict = "/v1/models/fraud:predict"
+    body = {"entity_ids": ["user-1"]}
+    with httpx.Client(base_url=f"https://{spec.edge_address}", verify=trust, timeout=10) as rest:
+        assert rest.post(predict, json=body).status_code == 401
+        bad = rest.post(predict, json=body, headers={"authorization": "Bearer not.a.token"})
+        assert bad.status_code == 401, bad.text
+        assert 'error="invalid_token"' in bad.headers["www-authenticate"], bad.headers
+        caller = {"authorization": f"Bearer {_token(spec, 'caller')}"}
+        pinned = rest.post(predict, json={**body, "version": "v2"}, headers=caller)
+        assert pinned.status_code == 403, pinned.text
+        assert pinned.json()["message"].startswith("version: "), pinned.text
+        answered = rest.post(predict, json=body, headers=caller)
+        assert answered.status_code == 200 and answered.json()["model_version"] == "v1"
+        # OIP infer pinned at 0% is held to the same rule.
+        infer = rest.post("/v2/models/fraud/versions/v2/infer", json={"inputs": [{"name": "x"}]},
+                          headers=caller)  # fmt: skip
+        assert infer.status_code == 403, infer.text
 
 
 def test_only_a_pin_role_or_the_operator_certificate_pins_a_version_at_zero(

@@ -26,7 +26,10 @@ if _version_not_supported:
 
 
 class GRPCInferenceServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """The REST bindings (google.api.http) are the protocol's REST paths, served at servemesh's
+    edge by Envoy's gRPC-JSON transcoder; bodies are this file's messages in protobuf's JSON
+    mapping (tensor values in `contents`, not the REST protocol's `data`: docs/rest.md).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -87,7 +90,10 @@ class GRPCInferenceServiceStub:
 
 
 class GRPCInferenceServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The REST bindings (google.api.http) are the protocol's REST paths, served at servemesh's
+    edge by Envoy's gRPC-JSON transcoder; bodies are this file's messages in protobuf's JSON
+    mapping (tensor values in `contents`, not the REST protocol's `data`: docs/rest.md).
+    """
 
     def ServerLive(self, request, context):
         """Is the server process up at all.
@@ -217,7 +223,10 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class GRPCInferenceService:
-    """Missing associated documentation comment in .proto file."""
+    """The REST bindings (google.api.http) are the protocol's REST paths, served at servemesh's
+    edge by Envoy's gRPC-JSON transcoder; bodies are this file's messages in protobuf's JSON
+    mapping (tensor values in `contents`, not the REST protocol's `data`: docs/rest.md).
+    """
 
     @staticmethod
     def ServerLive(request,

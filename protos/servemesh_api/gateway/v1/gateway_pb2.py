@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&servemesh_api/gateway/v1/gateway.proto\x12\x14servemesh.gateway.v1\"\xc1\x01\n\x06Tensor\x12\x10\n\x08\x64\x61tatype\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x14\n\x0c\x66loat_values\x18\x03 \x03(\x02\x12\x15\n\rdouble_values\x18\x04 \x03(\x01\x12\x14\n\x0cint64_values\x18\x05 \x03(\x03\x12\x12\n\nint_values\x18\x06 \x03(\x05\x12\x15\n\ruint64_values\x18\x07 \x03(\x04\x12\x13\n\x0buint_values\x18\x08 \x03(\r\x12\x13\n\x0b\x62ool_values\x18\t \x03(\x08\"n\n\tEntityRow\x12\x35\n\x03ids\x18\x01 \x03(\x0b\x32(.servemesh.gateway.v1.EntityRow.IdsEntry\x1a*\n\x08IdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1c\n\nFeatureRow\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\xb6\x02\n\x0ePredictRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nentity_ids\x18\x02 \x03(\t\x12.\n\x04rows\x18\x03 \x03(\x0b\x32 .servemesh.gateway.v1.FeatureRow\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x31\n\x08\x65ntities\x18\x05 \x03(\x0b\x32\x1f.servemesh.gateway.v1.EntityRow\x12@\n\x06inputs\x18\x06 \x03(\x0b\x32\x30.servemesh.gateway.v1.PredictRequest.InputsEntry\x1aK\n\x0bInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.servemesh.gateway.v1.Tensor:\x02\x38\x01\"\xdf\x02\n\x0fPredictResponse\x12\x0e\n\x06scores\x18\x01 \x03(\x02\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x03 \x01(\x08\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\x0f\x64\x65graded_reason\x18\x05 \x01(\t\x12\x15\n\rmodel_replica\x18\x06 \x01(\t\x12\x12\n\nmodel_zone\x18\x07 \x01(\t\x12\x43\n\x07outputs\x18\x08 \x03(\x0b\x32\x32.servemesh.gateway.v1.PredictResponse.OutputsEntry\x12(\n\x04tier\x18\t \x01(\x0e\x32\x1a.servemesh.gateway.v1.Tier\x1aL\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.servemesh.gateway.v1.Tensor:\x02\x38\x01*=\n\x04Tier\x12\x0f\n\x0bTIER_ONLINE\x10\x00\x12\x0e\n\nTIER_CACHE\x10\x01\x12\x14\n\x10TIER_PRECOMPUTED\x10\x02\x32\x63\n\x07Gateway\x12X\n\x07Predict\x12$.servemesh.gateway.v1.PredictRequest\x1a%.servemesh.gateway.v1.PredictResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&servemesh_api/gateway/v1/gateway.proto\x12\x14servemesh.gateway.v1\x1a\x1cgoogle/api/annotations.proto\"\xc1\x01\n\x06Tensor\x12\x10\n\x08\x64\x61tatype\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x14\n\x0c\x66loat_values\x18\x03 \x03(\x02\x12\x15\n\rdouble_values\x18\x04 \x03(\x01\x12\x14\n\x0cint64_values\x18\x05 \x03(\x03\x12\x12\n\nint_values\x18\x06 \x03(\x05\x12\x15\n\ruint64_values\x18\x07 \x03(\x04\x12\x13\n\x0buint_values\x18\x08 \x03(\r\x12\x13\n\x0b\x62ool_values\x18\t \x03(\x08\"n\n\tEntityRow\x12\x35\n\x03ids\x18\x01 \x03(\x0b\x32(.servemesh.gateway.v1.EntityRow.IdsEntry\x1a*\n\x08IdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1c\n\nFeatureRow\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\xb6\x02\n\x0ePredictRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nentity_ids\x18\x02 \x03(\t\x12.\n\x04rows\x18\x03 \x03(\x0b\x32 .servemesh.gateway.v1.FeatureRow\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x31\n\x08\x65ntities\x18\x05 \x03(\x0b\x32\x1f.servemesh.gateway.v1.EntityRow\x12@\n\x06inputs\x18\x06 \x03(\x0b\x32\x30.servemesh.gateway.v1.PredictRequest.InputsEntry\x1aK\n\x0bInputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.servemesh.gateway.v1.Tensor:\x02\x38\x01\"\xdf\x02\n\x0fPredictResponse\x12\x0e\n\x06scores\x18\x01 \x03(\x02\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x03 \x01(\x08\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x17\n\x0f\x64\x65graded_reason\x18\x05 \x01(\t\x12\x15\n\rmodel_replica\x18\x06 \x01(\t\x12\x12\n\nmodel_zone\x18\x07 \x01(\t\x12\x43\n\x07outputs\x18\x08 \x03(\x0b\x32\x32.servemesh.gateway.v1.PredictResponse.OutputsEntry\x12(\n\x04tier\x18\t \x01(\x0e\x32\x1a.servemesh.gateway.v1.Tier\x1aL\n\x0cOutputsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.servemesh.gateway.v1.Tensor:\x02\x38\x01*=\n\x04Tier\x12\x0f\n\x0bTIER_ONLINE\x10\x00\x12\x0e\n\nTIER_CACHE\x10\x01\x12\x14\n\x10TIER_PRECOMPUTED\x10\x02\x32\x88\x01\n\x07Gateway\x12}\n\x07Predict\x12$.servemesh.gateway.v1.PredictRequest\x1a%.servemesh.gateway.v1.PredictResponse\"%\x82\xd3\xe4\x93\x02\x1f\"\x1a/v1/models/{model}:predict:\x01*b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,24 +38,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREDICTREQUEST_INPUTSENTRY']._serialized_options = b'8\001'
   _globals['_PREDICTRESPONSE_OUTPUTSENTRY']._loaded_options = None
   _globals['_PREDICTRESPONSE_OUTPUTSENTRY']._serialized_options = b'8\001'
-  _globals['_TIER']._serialized_start=1069
-  _globals['_TIER']._serialized_end=1130
-  _globals['_TENSOR']._serialized_start=65
-  _globals['_TENSOR']._serialized_end=258
-  _globals['_ENTITYROW']._serialized_start=260
-  _globals['_ENTITYROW']._serialized_end=370
-  _globals['_ENTITYROW_IDSENTRY']._serialized_start=328
-  _globals['_ENTITYROW_IDSENTRY']._serialized_end=370
-  _globals['_FEATUREROW']._serialized_start=372
-  _globals['_FEATUREROW']._serialized_end=400
-  _globals['_PREDICTREQUEST']._serialized_start=403
-  _globals['_PREDICTREQUEST']._serialized_end=713
-  _globals['_PREDICTREQUEST_INPUTSENTRY']._serialized_start=638
-  _globals['_PREDICTREQUEST_INPUTSENTRY']._serialized_end=713
-  _globals['_PREDICTRESPONSE']._serialized_start=716
-  _globals['_PREDICTRESPONSE']._serialized_end=1067
-  _globals['_PREDICTRESPONSE_OUTPUTSENTRY']._serialized_start=991
-  _globals['_PREDICTRESPONSE_OUTPUTSENTRY']._serialized_end=1067
-  _globals['_GATEWAY']._serialized_start=1132
-  _globals['_GATEWAY']._serialized_end=1231
+  _globals['_GATEWAY'].methods_by_name['Predict']._loaded_options = None
+  _globals['_GATEWAY'].methods_by_name['Predict']._serialized_options = b'\202\323\344\223\002\037\"\032/v1/models/{model}:predict:\001*'
+  _globals['_TIER']._serialized_start=1099
+  _globals['_TIER']._serialized_end=1160
+  _globals['_TENSOR']._serialized_start=95
+  _globals['_TENSOR']._serialized_end=288
+  _globals['_ENTITYROW']._serialized_start=290
+  _globals['_ENTITYROW']._serialized_end=400
+  _globals['_ENTITYROW_IDSENTRY']._serialized_start=358
+  _globals['_ENTITYROW_IDSENTRY']._serialized_end=400
+  _globals['_FEATUREROW']._serialized_start=402
+  _globals['_FEATUREROW']._serialized_end=430
+  _globals['_PREDICTREQUEST']._serialized_start=433
+  _globals['_PREDICTREQUEST']._serialized_end=743
+  _globals['_PREDICTREQUEST_INPUTSENTRY']._serialized_start=668
+  _globals['_PREDICTREQUEST_INPUTSENTRY']._serialized_end=743
+  _globals['_PREDICTRESPONSE']._serialized_start=746
+  _globals['_PREDICTRESPONSE']._serialized_end=1097
+  _globals['_PREDICTRESPONSE_OUTPUTSENTRY']._serialized_start=1021
+  _globals['_PREDICTRESPONSE_OUTPUTSENTRY']._serialized_end=1097
+  _globals['_GATEWAY']._serialized_start=1163
+  _globals['_GATEWAY']._serialized_end=1299
 # @@protoc_insertion_point(module_scope)

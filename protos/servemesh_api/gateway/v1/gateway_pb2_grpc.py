@@ -49,6 +49,9 @@ class GatewayServicer:
         entities), from the caller (rows), or both; the scores come back in the order
         entity_ids then rows. A model's other inputs come from the caller (inputs), one row per
         entity row; every output comes back by name (outputs).
+
+        REST at the edge (Envoy's gRPC-JSON transcoder): POST /v1/models/{model}:predict with
+        the request's other fields as the JSON body, e.g. {"entity_ids": ["user-1"]}.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,155 @@
+"""The Open Inference Protocol at the edge: the calls an OIP client (tritonclient, a KServe
+client, `curl` on the REST paths Envoy transcodes) makes of the mesh, answered by the
+gateway.
+
+A model server speaks OIP itself, but only inside the mesh: the edge routes every call to
+the gateways. So the gateway answers the protocol's server calls itself and passes the
+model calls on through its zone's Envoy, routed by the model header exactly as Predict's
+own ModelInfer calls are (the version split, a pinned version, retries, the other zone on
+failure). What Predict adds on the way, an OIP call does not get: no feature read (the
+caller sends the tensors), no fallback answer, no prediction log record. What it keeps:
+the edge's TLS, auth and limits, the deadline, the request id and trace, and the rule that
+only operators pin a version the split gives 0%.
+
+Methods answered: ServerLive, ServerReady (a model server's readiness, through the mesh),
+ServerMetadata, ModelReady, ModelMetadata, ModelInfer. The statistics and model-repository
+extensions are operators' calls to a model server, not callers': UNIMPLEMENTED here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from importlib.metadata import PackageNotFoundError, version
+from typing import TypeVar
+
+import grpc
+
+from servemesh.contract.wire import MODEL_HEADER, VERSION_HEADER
+from servemesh.services.gateway.callers import caller_of, check_pin
+from servemesh.services.gateway.service import GatewayServicer, downstream_metadata
+from servemesh.services.runtime import request_id_from
+from servemesh.services.runtime.errors import InvalidArgument, MeshError, NotFound
+from servemesh.services.runtime.tracing import traced_call
+from servemesh_api.inference import grpc_service_pb2 as oip
+from servemesh_api.inference import grpc_service_pb2_grpc
+
+Reply = TypeVar("Reply")
+SERVER_NAME = "servemesh"
+_METHOD = "/inference.GRPCInferenceService/"
+
+
+def _server_version() -> str:
+    try:
+        return version("servemesh")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class EdgeInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
+    """OIP for callers at the edge, over the gateway's channel to its zone's Envoy."""
+
+    def __init__(self, gateway: GatewayServicer) -> None:
+        # The gateway's spec (it follows `servemesh apply`), its model stub and deadline budget.
+        self.gateway = gateway
+
+    async def ServerLive(
+        self, request: oip.ServerLiveRequest, context: grpc.aio.ServicerContext
+    ) -> oip.ServerLiveResponse:
+        return oip.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: oip.ServerReadyRequest, context: grpc.aio.ServicerContext
+    ) -> oip.ServerReadyResponse:
+        # No model header: Envoy's route for any model server, so "ready" is the mesh's
+        # answer, not only this gateway's.
+        stub = self.gateway.models
+        return await self._forward(
+            "ServerReady",
+            lambda sent, t: stub.ServerReady(request, timeout=t, metadata=sent),
+            [],
+            context,
+        )
+
+    async def ServerMetadata(
+        self, request: oip.ServerMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> oip.ServerMetadataResponse:
+        return oip.ServerMetadataResponse(name=SERVER_NAME, version=_server_version())
+
+    async def ModelReady(
+        self, request: oip.ModelReadyRequest, context: grpc.aio.ServicerContext
+    ) -> oip.ModelReadyResponse:
+        routing = self._routing(request.name, request.version, "name", context)
+        stub = self.gateway.models
+        return await self._forward(
+            "ModelReady",
+            lambda sent, t: stub.ModelReady(request, timeout=t, metadata=sent),
+            routing,
+            context,
+        )
+
+    async def ModelMetadata(
+        self, request: oip.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> oip.ModelMetadataResponse:
+        routing = self._routing(request.name, request.version, "name", context)
+        stub = self.gateway.models
+        return await self._forward(
+            "ModelMetadata",
+            lambda sent, t: stub.ModelMetadata(request, timeout=t, metadata=sent),
+            routing,
+            context,
+        )
+
+    async def ModelInfer(
+        self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> oip.ModelInferResponse:
+        routing = self._routing(request.model_name, request.model_version, "model_name", context)
+        if not request.inputs:
+            raise InvalidArgument("inputs: empty; send at least one input tensor")
+        stub = self.gateway.models
+        return await self._forward(
+            "ModelInfer",
+            lambda sent, t: stub.ModelInfer(request, timeout=t, metadata=sent),
+            routing,
+            context,
+        )
+
+    # --- how each model call goes on -------------------------------------------------------
+
+    def _routing(
+        self, model: str, pinned: str, field: str, context: grpc.aio.ServicerContext
+    ) -> list[tuple[str, str]]:
+        """The headers Envoy routes a model call by; the model must be one the mesh serves,
+        and a pinned version one the caller may pin."""
+        spec = self.gateway.spec
+        if not model:
+            raise InvalidArgument(f"{field}: empty; name a model (served: {sorted(spec.models)})")
+        if model not in spec.models:
+            raise NotFound(f"{field}: no model {model!r} is served (served: {sorted(spec.models)})")
+        if pinned and pinned not in spec.models[model].versions:
+            versions = sorted(spec.models[model].versions)
+            raise NotFound(f"version: {model} has no version {pinned!r} (versions: {versions})")
+        check_pin(spec, model, pinned, lambda: caller_of(spec, context))
+        routing = [(MODEL_HEADER, model)]
+        if pinned:
+            routing.append((VERSION_HEADER, pinned))
+        return routing
+
+    async def _forward(
+        self,
+        method: str,
+        call: Callable[[list[tuple[str, str]], float], Awaitable[Reply]],
+        routing: list[tuple[str, str]],
+        context: grpc.aio.ServicerContext,
+    ) -> Reply:
+        """`call` through the mesh within the caller's deadline, its status passed back as
+        the model server (or Envoy) gave it."""
+        budget = self.gateway.budget
+        deadline = budget.absolute_deadline(context)
+        incoming = context.invocation_metadata() or ()
+        metadata = downstream_metadata(request_id_from(incoming), incoming) + routing
+        try:
+            return await traced_call(
+                _METHOD + method, lambda sent: call(sent, budget.remaining(deadline)), metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise MeshError(exc.details() or exc.code().name, code=exc.code()) from None
