@@ -24,7 +24,7 @@ from typing import TypeVar
 
 import grpc
 
-from servemesh.contract.wire import MODEL_HEADER, VERSION_HEADER
+from servemesh.contract.wire import MODEL_HEADER, OIP_SERVICE, VERSION_HEADER, method_path
 from servemesh.services.gateway.callers import caller_of, check_pin
 from servemesh.services.gateway.service import GatewayServicer, downstream_metadata
 from servemesh.services.runtime import request_id_from
@@ -35,7 +35,6 @@ from servemesh_api.inference import grpc_service_pb2_grpc
 
 Reply = TypeVar("Reply")
 SERVER_NAME = "servemesh"
-_METHOD = "/inference.GRPCInferenceService/"
 
 
 def _server_version() -> str:
@@ -149,7 +148,9 @@ class EdgeInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         metadata = downstream_metadata(request_id_from(incoming), incoming) + routing
         try:
             return await traced_call(
-                _METHOD + method, lambda sent: call(sent, budget.remaining(deadline)), metadata
+                method_path(OIP_SERVICE, method),
+                lambda sent: call(sent, budget.remaining(deadline)),
+                metadata,
             )
         except grpc.aio.AioRpcError as exc:
             raise MeshError(exc.details() or exc.code().name, code=exc.code()) from None
