@@ -57,6 +57,7 @@ from servemesh.procs import (
     StartError,
     Supervisor,
 )
+from servemesh.procs.alertmanager import Alerting, alertmanager_binary
 from servemesh.procs.liveness import LivenessPolicy, LivenessWatch, Target
 from servemesh.procs.netns import ZoneNetwork
 from servemesh.procs.netns import available as netns_available
@@ -148,7 +149,7 @@ FORKED_AS_POOL_USER: dict[str, tuple[str, ...]] = {
 # The scaler stops with them, first: it changes the fleet the mesh stops.
 STOP_ORDER = [
     ["stream", "batch", "scaler"],
-    ["prometheus"],
+    ["prometheus", "alertmanager"],
     ["envoy"],
     ["gateway"],
     ["feature", "model", "registry"],
@@ -212,6 +213,8 @@ class Mesh:
     network: ZoneNetwork | None = field(default=None, init=False)
     # The mesh's Prometheus (None: metrics.prometheus is off, or no binary is installed).
     prometheus: PrometheusServer | None = field(default=None, init=False)
+    # Its Alertmanager and the mesh's alert receiver (None: none runs).
+    alerting: Alerting | None = field(default=None, init=False)
     # The fleet follower: the generation each replica was started at, by instance.
     _fleet: dict[str, int] = field(default_factory=dict, init=False, repr=False)
     _fleet_stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
@@ -497,6 +500,10 @@ class Mesh:
                 p: f"http://{spec.proxy_stats_address(p)}{ENVOY_STATS_PATH}" for p in spec.proxies()
             },
             "prometheus": spec.prometheus_address if self.prometheus is not None else None,
+            "alertmanager": self.alerting.address if self.alerting is not None else None,
+            "alert_receiver": (
+                self.alerting.receiver_address if self.alerting is not None else None
+            ),
             "trace_store": spec.tracing.otlp_endpoint if spec.tracing.enabled else None,
             "logs": str(self.logs_dir),
             "tls": self._tls_files(),
@@ -1198,7 +1205,23 @@ class Mesh:
         self.prometheus = PrometheusServer(
             self.supervisor, self.spec, self.state_dir / "prometheus", binary
         )
+        self.alerting = self._start_alerting(deadline)
+        if self.alerting is not None:
+            self.prometheus.alertmanager = self.alerting.address
         self.prometheus.start(timeout_s=max(0.0, deadline - time.monotonic()))
+
+    def _start_alerting(self, deadline: float) -> Alerting | None:
+        """Alertmanager and the mesh's alert receiver, beside Prometheus, when the spec
+        wants them and the binary is installed (skipped, saying so, when it is not)."""
+        if self.spec.metrics.alertmanager != "auto":
+            return None
+        binary = alertmanager_binary()
+        if binary is None:
+            log.info("no alertmanager binary on PATH: alerts are evaluated, not routed")
+            return None
+        alerting = Alerting(self.supervisor, self.spec, self.state_dir / "alertmanager", binary)
+        alerting.start(timeout_s=max(0.0, deadline - time.monotonic()))
+        return alerting
 
     async def _seed(self) -> None:
         async with self.registry_channel() as channel:

@@ -268,6 +268,62 @@ def _span_seconds(text: str) -> float:
     return duration_seconds(text)
 
 
+# --- alerts: the multi-window, multi-burn-rate conditions, paging and ticketing -----------
+#
+# Each model with an SLO gets, per objective, the fast and the slow condition of
+# burn_windows as an alert: it fires while the objective burns faster than the condition's
+# threshold over both its windows (the long one says the burn is real, the short one that it
+# is still going on, so the alert resolves soon after the burn stops). Fast: severity page
+# (2% of the budget in an hour of a 30-day SLO); slow: severity ticket (5% in six hours).
+# Alertmanager routes by severity (servemesh.procs.alertmanager). Every alert names its
+# runbook.
+
+SLO_ALERTS = {"fast": "ServemeshSLOFastBurn", "slow": "ServemeshSLOSlowBurn"}
+SEVERITY = {"fast": "page", "slow": "ticket"}
+SLO_RUNBOOK = "docs/runbooks/slo-burn.md"
+
+
+def slo_alerts(spec: MeshSpec) -> list[dict[str, Any]]:
+    """The fast- and slow-burn alerts of every model's SLO, per objective."""
+    alerts: list[dict[str, Any]] = []
+    for model, slo in sorted(spec.rollout.slos.items()):
+        for condition in burn_windows(slo.window_s, spec.metrics.scrape_interval_s):
+            threshold = floatToGoString(round(condition.threshold, 6))
+            for objective in OBJECTIVES:
+                where = f'model="{model}",objective="{objective}"'
+
+                def over(window: str, where: str = where, threshold: str = threshold) -> str:
+                    return f'{BURN_RATE}{{{where},window="{window}"}} > {threshold}'
+
+                alerts.append(
+                    {
+                        "alert": SLO_ALERTS[condition.name],
+                        "expr": f"{over(condition.long)} and ignoring(window) "
+                        f"{over(condition.short)}",
+                        "labels": {
+                            "severity": SEVERITY[condition.name],
+                            "model": model,
+                            "objective": objective,
+                        },
+                        "annotations": {
+                            "summary": f"{model}: {objective} budget burning over {threshold}x "
+                            f"over {condition.long} and {condition.short}",
+                            "description": f"{objective} objective of {model}'s SLO "
+                            f"({_objective_text(slo, objective)} over {slo.window}); "
+                            'burn rate now {{ $value | printf "%.1f" }}',
+                            "runbook": SLO_RUNBOOK,
+                        },
+                    }
+                )
+    return alerts
+
+
+def _objective_text(slo: SloSpec, objective: Objective) -> str:
+    if objective == "availability":
+        return f"availability {slo.availability}"
+    return f"p99 under {slo.p99_ms:g} ms"
+
+
 # --- cost: what a million predictions of each model cost, and an alert when it rises ----
 #
 # Over an hour, each model is given the CPU it caused: the model servers' cores split by its
@@ -333,7 +389,7 @@ def render_rules(spec: MeshSpec | None = None) -> dict[str, Any]:
     """The rules file: the SLI group, the SLO group when `spec` states SLOs, and the cost
     group for `spec`'s prices."""
     groups: list[dict[str, Any]] = [{"name": "servemesh-sli", "rules": RULES}]
-    slo = slo_rules(spec) if spec is not None else []
+    slo = [*slo_rules(spec), *slo_alerts(spec)] if spec is not None else []
     if slo:
         groups.append({"name": SLO_RULES_GROUP, "rules": slo})
     if spec is not None:

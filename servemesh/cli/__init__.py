@@ -43,6 +43,7 @@ COMMAND_MODULES: dict[str, str] = {
     "stream": "stream",
     "fuzz": "fuzz",
     "top": "top",
+    "alerts": "alerts",
     "log": "log",
     "trace": "trace",
     "control-plane": "compose",

@@ -60,6 +60,11 @@ def endpoint_rows(spec: ResolvedSpec, endpoints: Mapping[str, Any]) -> list[Endp
     if endpoints.get("trace_store"):
         # `servemesh trace` reads what it stores; a collector of the spec's when no pid.
         rows.append(Endpoint("trace store (OTLP)", str(endpoints["trace_store"]), "tracestore"))
+    if endpoints.get("alertmanager"):
+        # Beside the mesh's Prometheus; `servemesh alerts` reads both.
+        rows.append(Endpoint("alertmanager", f"http://{endpoints['alertmanager']}", "alertmanager"))
+        receiver = f"http://{endpoints['alert_receiver']}"
+        rows.append(Endpoint("alert receiver (webhook)", receiver, "alert-receiver"))
     for inst in spec.instances():
         rows.append(Endpoint(inst.name, spec.address_of(inst.name), inst.name, instance=inst.name))
     return rows

@@ -69,9 +69,15 @@ def service_targets(spec: ResolvedSpec) -> list[dict[str, Any]]:
     ]
 
 
-def render_config(spec: ResolvedSpec, rules_file: Path, services_file: Path) -> dict[str, Any]:
+def render_config(
+    spec: ResolvedSpec,
+    rules_file: Path,
+    services_file: Path,
+    alertmanagers: list[str] | None = None,
+) -> dict[str, Any]:
     """Prometheus's config for the mesh: every instance's /metrics (listed in
-    `services_file`), the stream consumers', the scaler's and Envoy's stats."""
+    `services_file`), the stream consumers', the scaler's and Envoy's stats; its alerts
+    sent to `alertmanagers` (host:port each) when there are any."""
     interval = _duration(spec.metrics.scrape_interval_s)
 
     def by_file(job: str, pattern: Path) -> dict[str, Any]:
@@ -93,6 +99,11 @@ def render_config(spec: ResolvedSpec, rules_file: Path, services_file: Path) -> 
             "external_labels": {"mesh": spec.name},
         },
         "rule_files": [str(rules_file)],
+        **(
+            {"alerting": {"alertmanagers": [{"static_configs": [{"targets": alertmanagers}]}]}}
+            if alertmanagers
+            else {}
+        ),
         "scrape_configs": [
             by_file(SERVICES_JOB, services_file),
             by_file(STREAMS_JOB, state / STREAM_TARGETS_GLOB),
@@ -133,6 +144,8 @@ class PrometheusServer:
     spec: ResolvedSpec
     root: Path
     binary: str
+    # Where its alerts go (servemesh.procs.alertmanager), host:port; None: nowhere.
+    alertmanager: str | None = None
 
     @property
     def config_file(self) -> Path:
@@ -150,7 +163,8 @@ class PrometheusServer:
         private_dir(self.root)  # its data too: Prometheus runs under umask 077
         atomic_write_text(self.rules_file, dump_yaml(render_rules(self.spec)))
         self.write_targets(self.spec)
-        config = render_config(self.spec, self.rules_file, self.services_file)
+        alertmanagers = [self.alertmanager] if self.alertmanager else None
+        config = render_config(self.spec, self.rules_file, self.services_file, alertmanagers)
         atomic_write_text(self.config_file, dump_yaml(config))
 
     def write_targets(self, spec: ResolvedSpec) -> None:

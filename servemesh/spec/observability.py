@@ -145,6 +145,15 @@ class MetricsSpec(_Strict):
     scrape_interval_s: Annotated[float, Field(ge=0.5, le=300)] = 2.0
     # How long Prometheus keeps samples (its storage lives under the state dir).
     retention: Duration = "1d"
+    # auto: beside the mesh's Prometheus, an Alertmanager (when an `alertmanager` or
+    # `prometheus-alertmanager` binary is on PATH) routing the SLO and cost alerts by
+    # severity to the mesh's own receiver (`servemesh alerts`); off: never.
+    alertmanager: Literal["auto", "off"] = "auto"
+    # More webhooks per severity (page, ticket) Alertmanager notifies, e.g. a pager's.
+    alert_webhooks: dict[
+        Literal["page", "ticket"],
+        list[Annotated[str, Field(pattern=r"^https?://[^\s]+$", max_length=2048)]],
+    ] = Field(default_factory=dict)
 
 
 class CostSpec(_Strict):

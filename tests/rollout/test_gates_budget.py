@@ -64,7 +64,7 @@ def test_a_spec_with_slos_renders_burn_rate_and_budget_rules_per_model(tmp_path:
     spec = _spec(tmp_path, {"fraud": SloSpec(availability=0.99, p99_ms=100, window="30d")})
     groups = render_rules(spec)["groups"]
     assert [g["name"] for g in groups] == ["servemesh-sli", "servemesh-slo", "servemesh-cost"]
-    rules = groups[1]["rules"]
+    rules = [r for r in groups[1]["rules"] if "record" in r]
     burns = {
         (r["labels"]["objective"], r["labels"]["window"]) for r in rules if r["record"] == BURN_RATE
     }
@@ -82,6 +82,25 @@ def test_a_spec_with_slos_renders_burn_rate_and_budget_rules_per_model(tmp_path:
     assert availability["expr"].endswith("/ 0.010000000000000009)")
     latency = budgets[1]["expr"]
     assert 'le=~"0\\\\.1"' in latency and latency.endswith("/ 0.01)")
+    # The SRE workbook's multi-window alerts: per objective, a page for the fast burn
+    # (14.4x over 1 h and 5 m of a 30-day SLO) and a ticket for the slow (6x over 6 h, 30 m).
+    alerts = [r for r in groups[1]["rules"] if "alert" in r]
+    shapes = {
+        (a["alert"], a["labels"]["severity"], a["labels"]["objective"], a["expr"]) for a in alerts
+    }
+    for objective in ("availability", "latency"):
+        where = f'model="fraud",objective="{objective}"'
+        for name, severity, threshold, long, short in (
+            ("ServemeshSLOFastBurn", "page", "14.4", "3600s", "300s"),
+            ("ServemeshSLOSlowBurn", "ticket", "6.0", "21600s", "1800s"),
+        ):
+            expr = (
+                f'{BURN_RATE}{{{where},window="{long}"}} > {threshold} and ignoring(window) '
+                f'{BURN_RATE}{{{where},window="{short}"}} > {threshold}'
+            )
+            assert (name, severity, objective, expr) in shapes, (name, objective, shapes)
+    assert len(alerts) == 4
+    assert {a["annotations"]["runbook"] for a in alerts} == {"docs/runbooks/slo-burn.md"}
     # Without SLOs, no SLO group.
     assert [g["name"] for g in render_rules(_spec(tmp_path, {}))["groups"]] == [
         "servemesh-sli",

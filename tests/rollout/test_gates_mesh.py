@@ -14,14 +14,17 @@ import json
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from servemesh.chaos.mesh import DrillMesh
+from servemesh.cli import main
 from servemesh.identity import dial_registry
 from servemesh.identity.edge_client import dial_edge_as
 from servemesh.launcher import Mesh
+from servemesh.observe.alert_receiver import read_received
 from servemesh.observe.prom_query import PromClient
 from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_view import live_view
@@ -51,6 +54,8 @@ from tests.registry.registry_kit import blob_path, corrupt
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.mesh
+
+REPO = Path(__file__).resolve().parents[2]
 
 ENTITIES = 100
 SLO = SloSpec(availability=0.99, p99_ms=2000, window="1h")
@@ -266,3 +271,46 @@ def test_a_spent_budget_refuses_from_prometheus_and_from_the_gateways_counters(
     assert "since start" in silent.detail
     assert "Prometheus at 127.0.0.1:1 did not answer (" in silent.detail
     assert _routes(mesh) == before  # refused by reading, nothing changed
+
+
+# After the budget test: its failed calls are what burns the budget here.
+def test_the_fast_burn_pages_through_alertmanager_then_resolves(mesh: Mesh) -> None:
+    """The SLO's multi-window alerts, end to end: calls failing at 30% burn fraud's
+    availability budget past the fast condition (14.4x over 5 s and 4 s here), Prometheus
+    fires ServemeshSLOFastBurn, Alertmanager routes it by severity to the mesh's receiver
+    (labels and runbook with it), `servemesh alerts` lists it firing, and once the failures
+    stop it resolves and the receiver is told that too."""
+    endpoints = mesh.endpoints()
+    if endpoints.get("alertmanager") is None:
+        pytest.skip("no alertmanager binary here (Debian package `prometheus-alertmanager`)")
+
+    def received(status: str) -> dict[str, Any] | None:
+        for sent in read_received(mesh.state_dir):
+            labels = sent["labels"]
+            if (
+                sent["status"] == status
+                and labels.get("alertname") == "ServemeshSLOFastBurn"
+                and labels.get("objective") == "availability"
+            ):
+                return sent
+        return None
+
+    with dial_edge_as(mesh.spec, mesh.spec.edge_address).channel() as channel:
+        edge = gateway_pb2_grpc.GatewayStub(channel)
+
+        def paged() -> dict[str, Any] | None:
+            for index in range(20):
+                _predict(edge, f"user-{index}", "v2")
+            return received("firing")
+
+        page = wait_until(paged, "the fast burn at the receiver", timeout_s=90, every_s=0.2)
+        listed = main(["alerts", "--state-dir", str(mesh.state_dir), "-o", "json"])
+    assert page["route"] == "page"
+    assert page["labels"]["severity"] == "page" and page["labels"]["model"] == "fraud"
+    assert page["annotations"]["runbook"] == "docs/runbooks/slo-burn.md"
+    assert (REPO / page["annotations"]["runbook"]).exists()
+    assert listed == 0
+    # The failures stopped: the short window empties within seconds, and the receiver
+    # hears the alert resolve.
+    resolved = wait_until(lambda: received("resolved"), "the fast burn resolved", timeout_s=90)
+    assert resolved["fingerprint"] == page["fingerprint"]
