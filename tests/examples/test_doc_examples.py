@@ -441,6 +441,12 @@ for _doc, _flag in (("examples/wine/README.md", ""), ("docs/models.md", " --prun
         f"servemesh apply mesh-v2-only.yaml{_flag}",
     )
 _listed(
+    "docs/operators.md",
+    "needs a mesh with an SLO and a version failing on purpose; "
+    "tests/rollout/test_gates_mesh.py runs it (the fast burn paged, listed and resolved)",
+    "servemesh alerts",
+)
+_listed(
     "docs/rollouts-gates.md",
     "needs a mesh inside a freeze window; tests/rollout/test_rollout_mesh.py runs it frozen",
     "servemesh routes set fraud v1=90 v2=10",
