@@ -566,6 +566,7 @@ _listed(
     "docs/benchmarks.md",
     "nine meshes one after another, about ten minutes; tests/unit/test_layout_bench.py checks the arms",
     "servemesh bench layout --arms per_zone replicated one-edge --repeats 3",
+    "servemesh bench layout --arms per_zone replicated --repeats 5 --duration 6s",
 )
 _listed(
     "docs/observability.md",
