@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
+from redis.backoff import NoBackoff
 
 from servemesh.spec import SENTINEL_MASTER_NAME, ResolvedSpec
 
@@ -123,7 +125,15 @@ def store_clients(spec: ResolvedSpec, zone: str) -> StoreClients:
     )
     writer = sentinel.master_for(SENTINEL_MASTER_NAME, redis_class=aioredis.Redis)
     host, port = replica
-    reader = aioredis.Redis(host=host, port=port, **common)  # type: ignore[arg-type]
+    # No retries of its own: a read the replica cannot answer goes to the primary at once
+    # (RedisFeatureStore.read). redis-py's default (ten tries, backing off to a second)
+    # held each read of a killed replica for seconds, past the caller's deadline.
+    reader = aioredis.Redis(
+        host=host,
+        port=port,
+        retry=Retry(NoBackoff(), 0),
+        **common,  # type: ignore[arg-type]
+    )
     lag = ReplicaLag(
         aioredis.Redis(
             host=host,

@@ -119,7 +119,10 @@ def test_killing_any_one_process_loses_no_predict(mesh: Mesh) -> None:
         load.stop()
     assert not load.error, load.error
     for what, step in steps.items():  # shown with -s, and in the report on a failure
-        print(f"{what:30} {step['process']:26} sent {step['sent']:4} failed {step['failed']}")
+        print(
+            f"{what:30} {step['process']:26} sent {step['sent']:4} failed {step['failed']}"
+            f" {step['codes'] if step['failed'] or step['degraded'] else ''}"
+        )
     lost = {what: step for what, step in steps.items() if step["failed"] or step["degraded"]}
     assert not lost, lost
     assert all(int(str(step["sent"])) >= CALLS_PER_KILL for step in steps.values()), steps
