@@ -35,6 +35,8 @@ from servemesh_api.inference import grpc_service_pb2_grpc
 
 Reply = TypeVar("Reply")
 SERVER_NAME = "servemesh"
+# OIP's (Triton's) queue-level parameter, which model servers honour (services/model).
+PRIORITY_PARAMETER = "priority"
 
 
 def _server_version() -> str:
@@ -104,6 +106,13 @@ class EdgeInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         routing = self._routing(request.model_name, request.model_version, "model_name", context)
         if not request.inputs:
             raise InvalidArgument("inputs: empty; send at least one input tensor")
+        if PRIORITY_PARAMETER in request.parameters:
+            # A model server's queue level: the mesh's to give (the model's batching
+            # spec), or an edge caller could put its calls ahead of every other caller's.
+            raise InvalidArgument(
+                f"parameters['{PRIORITY_PARAMETER}']: not taken at the edge; the model's "
+                "batching spec sets its queue level"
+            )
         stub = self.gateway.models
         return await self._forward(
             "ModelInfer",

@@ -117,6 +117,13 @@ def test_the_oip_rest_paths_answer_health_metadata_and_infer(
         ("/v2/models/fraud/infer", "{}", 400, "inputs"),
         ("/v2/models/nosuch/infer", '{"inputs": [{"name": "x"}]}', 404, "model_name"),
         ("/v2/models/fraud/versions/v9/infer", '{"inputs": [{"name": "x"}]}', 404, "v9"),
+        # A queue level is the mesh's to give, not an edge caller's.
+        (
+            "/v2/models/fraud/infer",
+            '{"inputs": [{"name": "x"}], "parameters": {"priority": {"int64_param": "1"}}}',
+            400,
+            "priority",
+        ),
         # A path no binding names, and a control call's gRPC path sent as REST.
         ("/v2/models/fraud/load", "{}", 404, ""),
         ("/inference.GRPCInferenceService/RepositoryModelLoad", "{}", 404, ""),
