@@ -57,7 +57,8 @@ from servemesh.procs import (
     StartError,
     Supervisor,
 )
-from servemesh.procs.alertmanager import Alerting, alertmanager_binary
+from servemesh.procs.alertmanager import NAME as ALERTMANAGER_NAME
+from servemesh.procs.alertmanager import RECEIVER_NAME, Alerting, alertmanager_binary
 from servemesh.procs.liveness import LivenessPolicy, LivenessWatch, Target
 from servemesh.procs.netns import ZoneNetwork
 from servemesh.procs.netns import available as netns_available
@@ -1220,7 +1221,15 @@ class Mesh:
             log.info("no alertmanager binary on PATH: alerts are evaluated, not routed")
             return None
         alerting = Alerting(self.supervisor, self.spec, self.state_dir / "alertmanager", binary)
-        alerting.start(timeout_s=max(0.0, deadline - time.monotonic()))
+        try:
+            alerting.start(timeout_s=max(0.0, deadline - time.monotonic()))
+        except ProcessError as exc:
+            # Routing alerts is an extra: a mesh that serves without it is better than none.
+            log.warning("alerts are evaluated, not routed: %s", exc)
+            for name in (ALERTMANAGER_NAME, RECEIVER_NAME):
+                if name in self.supervisor.children:
+                    self.supervisor.stop(name)
+            return None
         return alerting
 
     async def _seed(self) -> None:

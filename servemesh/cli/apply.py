@@ -14,7 +14,12 @@ from servemesh.cli.output import out
 from servemesh.proxy.apply import RouteManager
 from servemesh.proxy.live_apply import LiveApply, LiveApplyResult
 from servemesh.proxy.live_plan import ApplyPlan
-from servemesh.rollout.change_gates import enforce, models_deployed, overrides_from
+from servemesh.rollout.change_gates import (
+    enforce,
+    models_deployed,
+    overrides_from,
+    record_if_overridden,
+)
 from servemesh.state.paths import ApplyError
 
 # The change column's colour by sign: added, removed, changed.
@@ -71,22 +76,24 @@ def cmd_apply(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ApplyError(f"{path}: cannot read: {exc.strerror}") from None
     applier = LiveApply(RouteManager(mesh.paths))
+    gates = None
     if not args.dry_run:
         # A freeze or a spent error budget refuses what would deploy (change_gates).
         live, plan = applier.plan(text, str(path), prune=args.prune)
         deployed = models_deployed(plan)
         if deployed:
-            report_gates(
-                enforce(
-                    live,
-                    deployed,
-                    command=f"apply {path}",
-                    overrides=overrides_from(
-                        getattr(args, "override", None), getattr(args, "reason", None)
-                    ),
-                )
+            gates = enforce(
+                live,
+                deployed,
+                command=f"apply {path}",
+                overrides=overrides_from(
+                    getattr(args, "override", None), getattr(args, "reason", None)
+                ),
             )
+            report_gates(gates)
     report(applier.apply(text, str(path), prune=args.prune, dry_run=args.dry_run))
+    if gates is not None:
+        record_if_overridden(mesh.paths.state_dir, gates)
     return 0
 
 

@@ -53,7 +53,7 @@ from servemesh.registry.validation import (
     check_name,
     check_tensor_specs,
 )
-from servemesh.rollout.change_gates import enforce, overrides_from
+from servemesh.rollout.change_gates import enforce, overrides_from, record_if_overridden
 from servemesh.services.model.tensors import Signature, TensorSig
 from servemesh.spec import ResolvedSpec
 from servemesh.state.paths import ApplyError, MeshPaths
@@ -564,14 +564,13 @@ def cmd_alias(args: argparse.Namespace) -> int:
     mesh = running_mesh(args)
     # Pointing an alias at another version deploys it wherever the alias is followed: the
     # freeze and error budget gates hold it as they hold a weight move (change_gates).
-    report_gates(
-        enforce(
-            RouteManager(mesh.paths).live_spec(),
-            [args.model],
-            command=f"models alias {args.model} {args.alias}",
-            overrides=overrides_from(args.override, args.reason),
-        )
+    gates = enforce(
+        RouteManager(mesh.paths).live_spec(),
+        [args.model],
+        command=f"models alias {args.model} {args.alias}",
+        overrides=overrides_from(args.override, args.reason),
     )
+    report_gates(gates)
 
     async def apply() -> tuple[str | None, registry_pb2.Model]:
         async with registry_channel(mesh) as channel:
@@ -595,6 +594,7 @@ def cmd_alias(args: argparse.Namespace) -> int:
         return previous, model
 
     previous, model = asyncio.run(apply())
+    record_if_overridden(mesh.state_dir, gates)
     target = model.aliases[args.alias]
     was = f" (was {previous})" if previous and previous != target else ""
     if previous == target:

@@ -18,7 +18,13 @@ from servemesh.cli.output import console, out, write
 from servemesh.proxy.apply import ApplyResult, RouteManager
 from servemesh.proxy.live_view import live_view
 from servemesh.proxy.shadow_report import shadow_report
-from servemesh.rollout.change_gates import enforce, overrides_from
+from servemesh.rollout.change_gates import (
+    enforce,
+    models_rolled_forward,
+    overrides_from,
+    record_if_overridden,
+    weights_deploy,
+)
 from servemesh.state.paths import ApplyError
 
 _WEIGHT = re.compile(r"^([a-z0-9][a-z0-9_-]{0,62})=(-?\d+)$")
@@ -111,14 +117,17 @@ def cmd_set(args: argparse.Namespace) -> int:
             raise ApplyError(f"{text!r}: expected VERSION=WEIGHT, e.g. v1=90")
         weights[match.group(1)] = int(match.group(2))
     manager = _manager(args)
-    gates = enforce(
-        manager.live_spec(),
-        [args.model],
-        command=f"routes set {args.model}",
-        overrides=overrides_from(args.override, args.reason),
-    )
+    live = manager.live_spec()
+    before = dict(live.models[args.model].traffic) if args.model in live.models else {}
+    after = {version: weights.get(version, 0) for version in before} or weights
+    overrides = overrides_from(args.override, args.reason)
+    # Only a move toward anything but the version serving the most is a deploy (the way
+    # back is never refused: change_gates.weights_deploy).
+    models = [args.model] if weights_deploy(before, after) else []
+    gates = enforce(live, models, command=f"routes set {args.model}", overrides=overrides)
     report_gates(gates)
     _report(manager.set_weights(args.model, weights, reason=overridden_reason(gates)))
+    record_if_overridden(manager.paths.state_dir, gates)
     return 0
 
 
@@ -155,7 +164,20 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
-    _report(_manager(args).rollback(args.entry))
+    manager = _manager(args)
+    live, target, action = manager.rollback_plan(args.entry)
+    # Back toward the version serving the most is never refused; a rollback that undoes
+    # a way back (or returns to a later change) deploys, and the gates judge it.
+    models = models_rolled_forward(live, target)
+    gates = enforce(
+        live,
+        models,
+        command=f"routes {action}",
+        overrides=overrides_from(args.override, args.reason),
+    )
+    report_gates(gates)
+    _report(manager.rollback(args.entry))
+    record_if_overridden(manager.paths.state_dir, gates)
     return 0
 
 
@@ -166,7 +188,16 @@ def cmd_shadow(args: argparse.Namespace) -> int:
     elif not args.version:
         raise ApplyError("name the version to mirror to, or --off")
     else:
+        # A shadow started or moved is a deploy of its version, as in `apply`.
+        gates = enforce(
+            manager.live_spec(),
+            [args.model],
+            command=f"routes shadow {args.model}",
+            overrides=overrides_from(args.override, args.reason),
+        )
+        report_gates(gates)
         _report(manager.set_shadow(args.model, args.version, args.percent))
+        record_if_overridden(manager.paths.state_dir, gates)
     return 0
 
 
@@ -229,6 +260,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     rollback = verbs.add_parser("rollback", help="undo the last change, or return to change N")
     add_mesh_flags(rollback, inherited=True)
     rollback.add_argument("entry", nargs="?", type=int)
+    add_gate_overrides(rollback)
     rollback.set_defaults(func=cmd_rollback)
 
     shadow = verbs.add_parser("shadow", help="mirror a model's traffic to a version (or --off)")
@@ -237,6 +269,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     shadow.add_argument("version", nargs="?")
     shadow.add_argument("--percent", type=float, default=100.0)
     shadow.add_argument("--off", action="store_true")
+    add_gate_overrides(shadow)
     shadow.set_defaults(func=cmd_shadow)
 
     report = verbs.add_parser("shadow-report", help="compare a shadow version with the primary")

@@ -58,7 +58,13 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer(200 if self.path == "/ready" else 404)
 
     def do_POST(self) -> None:  # noqa: N802
-        length = int(self.headers.get("content-length") or 0)
+        try:
+            length = int(self.headers.get("content-length") or 0)
+        except ValueError:
+            length = -1
+        if length < 0:
+            self._answer(400)
+            return
         if length > MAX_BODY_BYTES:
             self._answer(413)
             return

@@ -322,6 +322,12 @@ class RouteManager:
     @one_change_at_a_time
     def rollback(self, entry_id: int | None = None, *, who: str | None = None) -> ApplyResult:
         """No id: undo the last change. With an id: return to the state right after it."""
+        live, target, action = self.rollback_plan(entry_id)
+        return self._apply(live, target, action, who)
+
+    def rollback_plan(self, entry_id: int | None = None) -> tuple[ResolvedSpec, ResolvedSpec, str]:
+        """What `rollback(entry_id)` would serve: the live spec, the spec after it, and the
+        history's action; nothing changed (the gates judge it first: change_gates)."""
         applied = [e for e in self.history() if e["status"] == APPLIED]
         if not applied:
             raise ApplyError("nothing to roll back: no change has been applied")
@@ -337,7 +343,7 @@ class RouteManager:
             target, action = matches[0]["after"], f"rollback to #{entry_id}"
         live = self.live_spec()
         touched = set().union(*(_touched(e) for e in undone)) if undone else set()
-        return self._apply(live, _restore(live, target, touched), action, who)
+        return live, _restore(live, target, touched), action
 
     # --- internals ------------------------------------------------------------------
 

@@ -1242,11 +1242,13 @@ def _render_all(spec: ResolvedSpec, log_dir: Path, proxy: str) -> EnvoyResources
     edge_filters = []
     if spec.traffic.rate_limit.enabled:
         edge_filters.append(_rate_limit_filter(spec.traffic.rate_limit))
-    # REST/JSON callers: their calls made gRPC before the filters below judge them, so
-    # those judge a REST call as the gRPC call it is (proxy/transcoder.py).
-    edge_filters += [json_body_limit_filter(spec), transcoder_filter(spec)]
     edge_filters.append(_control_calls_denied())
     edge_filters += _edge_auth_filters(spec)
+    # REST/JSON callers, after auth (a caller without credentials never gets a body held
+    # or parsed): their calls made gRPC before the limits and routes below judge them
+    # (proxy/transcoder.py). No control method has a REST binding, so the denial above
+    # cannot be dodged by one (tests/unit/test_rest_bindings.py).
+    edge_filters += [json_body_limit_filter(spec), transcoder_filter(spec)]
     if spec.traffic.rate_limit.enabled:
         edge_filters.append(_caller_rate_limit_filter(spec.traffic.rate_limit))
     # Last: only calls the edge admits spend the forced-trace budget (a caller without

@@ -3,9 +3,11 @@
 The edge's callers may speak HTTP/1.1 or HTTP/2 with JSON bodies instead of gRPC. The
 transcoder filter turns such a request into the gRPC call its `google.api.http` binding
 names (protos/servemesh_api: the gateway's Predict, the OIP server, model and infer calls),
-before any other filter of the edge sees it, and turns the gRPC answer back into JSON. So
-the edge's rate limits, its refusal of control calls, its auth and the route to the
-gateways judge a REST call as the gRPC call it becomes; no HTTP server of ours exists.
+and turns the gRPC answer back into JSON; no HTTP server of ours exists. It runs after the
+edge's per-address limit, its refusal of control calls (no control method has a binding)
+and its auth, which read headers and paths only, so a caller without credentials never
+gets a body held or parsed; the per-caller limit and the route to the gateways then judge
+a REST call as the gRPC call it became.
 
 The descriptor set Envoy needs is built here, from the generated modules' own descriptors
 (the bytes protoc compiled, with every file they import), and goes into the listener's
@@ -37,8 +39,14 @@ TRANSCODER_FILTER = "envoy.filters.http.grpc_json_transcoder"
 BUFFER_FILTER = "envoy.filters.http.buffer"
 _BUFFER = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer"
 _BUFFER_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.BufferPerRoute"
-# A REST call's JSON body; gRPC's content type is application/grpc (its own match).
-JSON_MATCH = {"name": "content-type", "string_match": {"prefix": "application/json"}}
+# Anything but gRPC (application/grpc, +proto and the rest of its family): the transcoder
+# takes a body of any other content type, or none, so each of them is held to the limit.
+NOT_GRPC_MATCH = {
+    "name": "content-type",
+    "string_match": {"prefix": "application/grpc", "ignore_case": True},
+    "invert_match": True,
+    "treat_missing_header_as_empty": True,
+}
 _TRANSCODER = (
     "type.googleapis.com/envoy.extensions.filters.http.grpc_json_transcoder.v3.GrpcJsonTranscoder"
 )
@@ -106,7 +114,7 @@ def json_body_limit_filter(spec: MeshSpec) -> dict[str, Any]:
     """A JSON body over the edge's message limit is refused with 413 before it is parsed.
     The transcoder alone turns the body into one gRPC message as it arrives, so an
     oversized one would reach the gateway and come back 429 (RESOURCE_EXHAUSTED). Off by
-    default: only the JSON route enables it (`json_route`), so gRPC streams through the
+    default: only the REST route enables it (`json_route`), so gRPC streams through the
     edge are never held in a buffer, and gRPC callers keep their own status for a message
     too large."""
     return {
@@ -117,13 +125,13 @@ def json_body_limit_filter(spec: MeshSpec) -> dict[str, Any]:
 
 
 def json_route(spec: MeshSpec, action: dict[str, Any]) -> dict[str, Any]:
-    """The edge route a REST call matches before it is transcoded (content type JSON): its
-    body limited (json_body_limit_filter, enabled by this route's config of it). Once
-    transcoded it is a gRPC call, matched again against the edge's other routes."""
+    """The edge route a REST call matches before it is transcoded (any content type but
+    gRPC's): its body limited (json_body_limit_filter, enabled by this route's config of
+    it). Once transcoded it is a gRPC call, matched again against the edge's other routes."""
     limit = {"@type": _BUFFER_PER_ROUTE, "buffer": {"max_request_bytes": _limit(spec)}}
     return {
         "name": "rest-json",
-        "match": {"prefix": "/", "headers": [JSON_MATCH]},
+        "match": {"prefix": "/", "headers": [NOT_GRPC_MATCH]},
         "route": action,
         "typed_per_filter_config": {BUFFER_FILTER: limit},
     }

@@ -2,16 +2,17 @@
 
 A freeze window (`rollout.freeze`) or a model's spent error budget (`rollout.slos`) refuses
 a rollout; without this module an operator could do by hand what the rollout was refused:
-move the weights (`routes set`), apply a file that adds a version or moves weights
-(`apply`), or point an alias at another version (`models alias`). Each of those asks
-`enforce` first, with the models it changes, and is refused (exit 4) while a gate fails,
-unless the caller overrides that gate with a reason (`--override freeze --reason TEXT`),
-which is recorded in `<state_dir>/gate-overrides.jsonl` and printed.
+move the weights (`routes set`), start a shadow (`routes shadow`), apply a file that adds
+a version or moves weights (`apply`), point an alias at another version (`models alias`),
+or roll back a rollback (`routes rollback`). Each asks `enforce` first, with the models it
+deploys something for, and is refused (exit 4) while a gate fails, unless the caller
+overrides that gate with a reason (`--override freeze --reason TEXT`); once the change is
+made, the override goes to `<state_dir>/gate-overrides.jsonl` (and the routes history).
 
-What is never refused: the way back. `routes rollback` returns to a change already made
-(the mesh served it before), and an apply that only removes versions or models, scales, or
-changes logs takes no traffic anywhere new: neither is a deploy. docs/rollouts-gates.md has
-the rules with examples.
+What is never refused: the way back. Weights moved toward the version that serves the most
+(a bad canary's share taken away: weights_deploy), a shadow stopped, `apply --dry-run`,
+and an apply that only removes versions or models, scales, or changes logs or policy:
+none of them sends traffic anywhere new. docs/rollouts-gates.md has the rules.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from servemesh.proxy.live_plan import ApplyPlan
 from servemesh.rollout.checklist import ERROR_BUDGET, FREEZE, OverrideError
 from servemesh.rollout.gates import error_budget_item, freeze_item
 from servemesh.rollout.types import ChecklistItem
-from servemesh.spec import ResolvedSpec
+from servemesh.spec import MeshSpec, ResolvedSpec
 
 # The items a change path may override (the rollout's other items judge a version's
 # artifact and traffic, which a weight move or an alias does not have).
@@ -64,12 +65,42 @@ class GateReport:
         ]
 
 
+def weights_deploy(before: Mapping[str, int], after: Mapping[str, int]) -> bool:
+    """Whether moving a model's weights from `before` to `after` sends traffic somewhere
+    new: a version other than the one that served the most gains weight. Moving traffic
+    back to that one (a bad canary's share taken away) is the way back, never refused."""
+    if not before:
+        return any(weight > 0 for weight in after.values())
+    top = max(before.values())
+    leaders = [version for version, weight in before.items() if weight == top]
+    baseline = leaders[0] if len(leaders) == 1 else None
+    return any(
+        weight > before.get(version, 0) and version != baseline for version, weight in after.items()
+    )
+
+
+def models_rolled_forward(live: MeshSpec, target: MeshSpec) -> list[str]:
+    """The models a rollback to `target` deploys something for: weights moved toward
+    anything but the version serving the most now, or a shadow started or moved."""
+    found = []
+    for name, model in target.models.items():
+        current = live.models.get(name)
+        if current is None:
+            continue
+        moved = weights_deploy(dict(current.traffic), dict(model.traffic))
+        shadow = model.shadow is not None and model.shadow != current.shadow
+        if moved or shadow:
+            found.append(name)
+    return sorted(found)
+
+
 def models_deployed(plan: ApplyPlan) -> list[str]:
     """The models an apply sends traffic somewhere new for: added models and versions,
-    moved weights, a shadow started or moved. Removals, scaling, logs and policy are not
-    deploys and pass the gates."""
+    weights moved toward anything but the version that served the most (weights_deploy),
+    a shadow started or moved. Removals, scaling, logs and policy are not deploys and pass
+    the gates."""
     found = set(plan.added_models) | {model for model, _ in plan.added_versions}
-    found |= set(plan.weights)
+    found |= {m for m, (before, after) in plan.weights.items() if weights_deploy(before, after)}
     found |= {change.what for change in plan.routing if change.kind == "shadow"}
     return sorted(found)
 
@@ -126,9 +157,13 @@ def enforce(
     overrides: Mapping[str, str],
     now: datetime | None = None,
 ) -> GateReport:
-    """Judge the gates for a change of `models` by `command`; raise GateRefused naming each
-    failed gate, or record the overridden ones and return the report."""
+    """Judge the gates for a change of `models` by `command`: GateRefused naming each
+    failed gate, else the report (the caller records its overrides once the change is
+    made: record_if_overridden)."""
     moment = now or datetime.now(UTC)
+    if not models:
+        # Nothing deployed (the way back, a shadow stopped): no gate to ask.
+        return GateReport(command, (), ())
     items = judge(spec, models, now=moment, overrides=overrides)
     report = GateReport(command, tuple(sorted(set(models))), tuple(items))
     blocking = [item for item in items if item.blocks]
@@ -136,11 +171,17 @@ def enforce(
         said = "; ".join(f"{item.name}: {item.detail}" for item in blocking)
         raise GateRefused(
             f"{command}: {said}. Override a gate with --override {blocking[0].name} "
-            "--reason TEXT (recorded); `servemesh routes rollback` is never refused"
+            "--reason TEXT (recorded); moving traffic back to the version serving the most "
+            "is never refused"
         )
-    if report.overridden:
-        record_override(Path(spec.state_dir), report, moment)
     return report
+
+
+def record_if_overridden(state_dir: Path, report: GateReport) -> None:
+    """Once the change is made (a change that failed recorded nothing): the overrides it
+    took, if any."""
+    if report.overridden:
+        record_override(state_dir, report, datetime.now(UTC))
 
 
 def record_override(state_dir: Path, report: GateReport, moment: datetime) -> None:

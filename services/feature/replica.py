@@ -22,6 +22,9 @@ from redis.backoff import NoBackoff
 
 from servemesh.spec import SENTINEL_MASTER_NAME, ResolvedSpec
 
+# How long a read waits on the zone's replica before it asks the primary (a local Redis
+# answers a read in well under a millisecond; this only judges a stalled one).
+REPLICA_READ_TIMEOUT_S = 1.0
 # How often the replica's lag is read (one INFO replication on a connection of its own).
 LAG_POLL_S = 0.5
 LAG_TIMEOUT_S = 1.0
@@ -132,6 +135,9 @@ def store_clients(spec: ResolvedSpec, zone: str) -> StoreClients:
         host=host,
         port=port,
         retry=Retry(NoBackoff(), 0),
+        # A stalled replica (paused, cut off) answers nothing: a read gives up on it in a
+        # second and asks the primary, rather than waiting out the caller's deadline.
+        socket_timeout=REPLICA_READ_TIMEOUT_S,
         **common,  # type: ignore[arg-type]
     )
     lag = ReplicaLag(

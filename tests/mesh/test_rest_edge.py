@@ -124,9 +124,10 @@ def test_the_oip_rest_paths_answer_health_metadata_and_infer(
             400,
             "priority",
         ),
-        # A path no binding names, and a control call's gRPC path sent as REST.
-        ("/v2/models/fraud/load", "{}", 404, ""),
-        ("/inference.GRPCInferenceService/RepositoryModelLoad", "{}", 404, ""),
+        # A path no binding names; a control call's gRPC path sent as REST is refused by
+        # the edge's control-call denial before the transcoder sees it.
+        ("/v2/models/fraud/load", "{}", 404, "Could not resolve"),
+        ("/inference.GRPCInferenceService/RepositoryModelLoad", "{}", 403, "RBAC"),
     ],
 )
 def test_a_bad_request_is_a_4xx_naming_what_was_wrong(

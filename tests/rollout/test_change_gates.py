@@ -16,8 +16,11 @@ from servemesh.rollout.change_gates import (
     GateRefused,
     enforce,
     models_deployed,
+    models_rolled_forward,
     overrides_from,
     read_overrides,
+    record_if_overridden,
+    weights_deploy,
 )
 from servemesh.rollout.checklist import OverrideError
 from servemesh.spec import MeshSpec, Ports, ResolvedSpec, resolve
@@ -44,9 +47,16 @@ def test_a_freeze_refuses_naming_itself_and_the_override(tmp_path: Path) -> None
     said = str(refused.value)
     assert said.startswith("routes set fraud: freeze: inside weekend freeze")
     assert "--override freeze --reason TEXT" in said
-    assert "routes rollback` is never refused" in said
+    assert "moving traffic back to the version serving the most is never refused" in said
     assert refused.value.exit_code == GATE_REFUSED
     assert read_overrides(tmp_path) == []  # a refusal records nothing
+
+
+def test_in_a_freeze_a_change_that_deploys_nothing_asks_no_gate(tmp_path: Path) -> None:
+    report = enforce(
+        frozen_spec(tmp_path), [], command="routes set fraud", overrides={}, now=SATURDAY
+    )
+    assert report.items == () and report.overridden == []
 
 
 def test_outside_a_freeze_the_change_passes_and_nothing_is_recorded(tmp_path: Path) -> None:
@@ -71,6 +81,9 @@ def test_an_override_lets_the_change_through_and_is_recorded_with_its_reason(
         overrides=overrides,
         now=SATURDAY,
     )
+    # Recorded once the change is made, not before (a change that fails records nothing).
+    assert read_overrides(tmp_path) == []
+    record_if_overridden(tmp_path, report)
     assert report.lines() == [
         "gate overridden: freeze: inside weekend freeze (fri 15:00 -> mon 09:00 UTC) until "
         "Mon 2026-12-07 09:00 UTC (now Sat 2026-12-05 10:00 UTC) (reason: INC-9 hotfix)"
@@ -108,7 +121,34 @@ def test_only_what_sends_traffic_somewhere_new_asks_the_gates() -> None:
         target=target,
         added_models=["wine"],
         added_versions=[("wine", "v1"), ("fraud", "v3")],
-        weights={"lot": ({"v1": 100}, {"v1": 50, "v2": 50})},
+        weights={
+            "lot": ({"v1": 100}, {"v1": 50, "v2": 50}),
+            # A bad canary's share given back to the baseline: the way back, not a deploy.
+            "churn": ({"v1": 90, "v2": 10}, {"v1": 100, "v2": 0}),
+        },
         routing=[Change("~", "shadow", "risk", "off -> v2 (100%)")],
     )
     assert models_deployed(deploys) == ["fraud", "lot", "risk", "wine"]
+
+
+def test_only_weight_moved_off_the_version_serving_the_most_is_a_deploy() -> None:
+    assert weights_deploy({"v1": 90, "v2": 10}, {"v1": 80, "v2": 20})
+    assert not weights_deploy({"v1": 90, "v2": 10}, {"v1": 100, "v2": 0})
+    assert not weights_deploy({"v1": 100, "v2": 0}, {"v1": 100, "v2": 0})
+    # A tie names no baseline: any move is a deploy.
+    assert weights_deploy({"v1": 50, "v2": 50}, {"v1": 100, "v2": 0})
+    assert weights_deploy({}, {"v1": 100})
+
+
+def test_a_rollback_that_undoes_a_way_back_deploys(tmp_path: Path) -> None:
+    spec = frozen_spec(tmp_path)
+    fraud = spec.models["fraud"]
+    live = spec.model_copy(
+        update={"models": {"fraud": fraud.model_copy(update={"traffic": {"v1": 100, "v2": 0}})}}
+    )
+    canary = spec.model_copy(
+        update={"models": {"fraud": fraud.model_copy(update={"traffic": {"v1": 90, "v2": 10}})}}
+    )
+    # From 100/0 back to the canary's 90/10: a deploy; from the canary to 100/0: the way back.
+    assert models_rolled_forward(live, canary) == ["fraud"]
+    assert models_rolled_forward(canary, live) == []

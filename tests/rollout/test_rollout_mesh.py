@@ -303,8 +303,9 @@ def test_every_change_path_is_held_by_the_freeze_and_the_way_back_is_not(
 ) -> None:
     """What a frozen rollout cannot do, no command does by hand: `routes set`, `apply`
     moving weights and `models alias` are refused (exit 4, the freeze named) and change
-    nothing; with `--override freeze --reason` the change goes ahead and is recorded; and
-    `routes rollback`, the way back, is never refused."""
+    nothing; with `--override freeze --reason` the change goes ahead and is recorded; the
+    way back (the baseline's weight restored) is never refused, and a rollback that undoes
+    it is refused as the deploy it is."""
     before = routes_now(mesh)
     moved = tmp_path / "moved.yaml"
     moved.write_text(yaml.safe_dump({"models": {"fraud": {"traffic": {"v1": 90, GOOD: 10}}}}))
@@ -338,8 +339,13 @@ def test_every_change_path_is_held_by_the_freeze_and_the_way_back_is_not(
     history = RouteManager(mesh.paths).history()
     assert "gates overridden: freeze: the test mesh is frozen on purpose" in str(history[-1])
 
-    back = cli(mesh, "routes", "rollback")
+    # The way back (the canary's share to the version serving the most) is not a deploy.
+    back = cli(mesh, "routes", "set", "fraud", "v1=100", f"{GOOD}=0")
     assert back.returncode == 0, back.stdout + back.stderr
+    assert routes_now(mesh)[1] == before[1]
+    # Undoing that way back would put the canary's share back: refused like the first move.
+    again = cli(mesh, "routes", "rollback")
+    assert again.returncode == 4 and "freeze: inside " in again.stderr, again.stderr
     assert routes_now(mesh)[1] == before[1]
 
 
