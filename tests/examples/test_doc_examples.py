@@ -449,7 +449,7 @@ _listed(
 _listed(
     "docs/rollouts-gates.md",
     "needs a mesh inside a freeze window; tests/rollout/test_rollout_mesh.py runs it frozen",
-    "servemesh routes set fraud v1=90 v2=10",
+    "servemesh routes set fraud v1=80 v2=20",
 )
 _listed("docs/models.md", "the churn walk-through's registry", "servemesh models list")
 _listed(
