@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ from typing import Any
 from servemesh.contract.atomic import atomic_write_text
 from servemesh.contract.private import private_dir
 from servemesh.contract.yaml_text import dump_yaml
-from servemesh.procs.ready import Check
+from servemesh.procs.ready import Check, answers_ok
 from servemesh.procs.supervisor import Child, Supervisor
 from servemesh.spec import ResolvedSpec, free_port
 
@@ -73,14 +71,6 @@ def render_config(spec: ResolvedSpec, receiver_url: str) -> dict[str, Any]:
     }
 
 
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=0.5) as reply:
-            return bool(reply.status == 200)
-    except (OSError, urllib.error.URLError):
-        return False
-
-
 @dataclass
 class Alerting:
     """Alertmanager and the mesh's receiver, children of `supervisor`, files under `root`."""
@@ -124,7 +114,7 @@ class Alerting:
             ],  # fmt: skip
             group=NAME,
             ready=Check(
-                lambda: _answers(f"http://{self.receiver_address}/ready"),
+                lambda: answers_ok(f"http://{self.receiver_address}/ready"),
                 f"alert receiver at {self.receiver_address}",
             ),
             timeout_s=timeout_s,
@@ -144,7 +134,7 @@ class Alerting:
             ],
             group=NAME,
             ready=Check(
-                lambda: _answers(f"http://{self.address}/-/ready"),
+                lambda: answers_ok(f"http://{self.address}/-/ready"),
                 f"Alertmanager at {self.address} ready",
             ),
             timeout_s=timeout_s,

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from servemesh.contract.atomic import atomic_write_text
 from servemesh.contract.private import private_dir
 from servemesh.contract.wire import ENVOY_STATS_PATH
 from servemesh.contract.yaml_text import dump_yaml
-from servemesh.procs.ready import Check
+from servemesh.procs.ready import Check, answers_ok
 from servemesh.procs.supervisor import Child, Supervisor
 from servemesh.slo_rules import SERVICES_JOB, render_rules
 from servemesh.spec import (
@@ -128,14 +126,6 @@ def render_config(
     }
 
 
-def _answers_ready(address: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{address}/-/ready", timeout=0.5) as reply:
-            return bool(reply.status == 200)
-    except (OSError, urllib.error.URLError):
-        return False
-
-
 @dataclass
 class PrometheusServer:
     """The mesh's Prometheus, a child of `supervisor`, its files under `root`."""
@@ -188,5 +178,7 @@ class PrometheusServer:
         """Write the config, start Prometheus and wait until /-/ready answers."""
         self.write_config()
         address = self.spec.prometheus_address
-        ready = Check(lambda: _answers_ready(address), f"Prometheus at {address} ready")
+        ready = Check(
+            lambda: answers_ok(f"http://{address}/-/ready"), f"Prometheus at {address} ready"
+        )
         return self.supervisor.start(NAME, self.argv(), ready=ready, timeout_s=timeout_s)

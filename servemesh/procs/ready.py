@@ -8,6 +8,8 @@ child dies, or the deadline passes.
 from __future__ import annotations
 
 import socket
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from typing import Protocol
 
@@ -116,6 +118,16 @@ class RedisPing:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def answers_ok(url: str, timeout_s: float = 0.5) -> bool:
+    """Whether GET `url` answers 200 now (an HTTP readiness endpoint: Prometheus's,
+    Alertmanager's `/-/ready`), for a Check."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            return bool(reply.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
 
 
 class Check:
