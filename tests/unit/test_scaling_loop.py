@@ -5,7 +5,7 @@ on its own signals, in each zone on its own, and the status and history name the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from servemesh.observe.scrape import Sample
@@ -100,3 +100,89 @@ def test_each_pool_decides_on_its_own_signals_in_each_zone(tmp_path: Path) -> No
     assert entries == [("gateway", "zone-a", 1, 2), ("model-risk", "zone-b", 1, 2)]
     lines = {e["pool"]: e["line"] for e in read_history(tmp_path)}
     assert lines["model-risk"].endswith("model-risk zone-b 1 -> 2")
+
+
+# A weekly peak in the prediction log: 0.1 calls/s in two hours of each week, 0.005 in the
+# others, for three weeks; one model server carries 0.02 calls/s within its targets.
+PEAK_RPS, QUIET_RPS, CAPACITY_RPS = 0.1, 0.005, 0.02
+
+
+def test_the_forecast_from_the_prediction_log_raises_the_floor_before_the_weekly_peak(
+    tmp_path: Path,
+) -> None:
+    """End to end through the scaler's round: the history comes from the mesh's own
+    prediction log (Parquet files a gateway wrote, read the way `servemesh up`'s scaler
+    reads them), the two hours after now plus the lead are the peak of each past week,
+    and the round raises fraud's pool in both zones to the forecast's floor before any
+    load arrives; three hours later, past the peak, the same history raises nothing."""
+    from servemesh.predlog.buffer import predictions_dir
+    from servemesh.predlog.parquet_store import ParquetStore
+    from tests.predlog.records import row
+
+    lead = timedelta(minutes=10)
+    now = datetime.now(UTC).replace(second=0, microsecond=0)
+    peak_start = (now + lead).replace(minute=0)
+    rows = []
+    for week in (1, 2, 3):
+        start = peak_start - timedelta(weeks=week)
+        for hour in range(7 * 24):
+            at = start - timedelta(hours=3) + timedelta(hours=hour)
+            if at >= now - timedelta(hours=1):
+                break
+            rate = PEAK_RPS if start <= at < start + timedelta(hours=2) else QUIET_RPS
+            calls = round(rate * 3600)
+            rows += [
+                row(at.timestamp() + i * 3600 / calls, request_id=f"w{week}h{hour}c{i}")
+                for i in range(calls)
+            ]
+    store = ParquetStore(predictions_dir(tmp_path), "gateway-zone-a-0")
+    store.write(rows)
+    store.close()
+
+    forecasting = PoolPolicy.model_validate(
+        {
+            "min": 1,
+            "max": 4,
+            "up_window": "0s",
+            "cooldown": "0s",
+            "forecast": {
+                "enabled": True,
+                "lead": "10m",
+                "capacity_rps": CAPACITY_RPS,
+                "weeks": 3,
+            },
+        }
+    )
+    spec = resolve(
+        MeshSpec(
+            ports=Ports.free(),
+            state_dir=str(tmp_path),
+            scaling=ScalingSpec(model_servers=forecasting),
+        )
+    )
+
+    def idle(address: str) -> list[Sample]:
+        return []  # no load yet: only the forecast can move the pool
+
+    def round_at(wall: datetime) -> FakeActuator:
+        actuator = FakeActuator()
+        actuators = {"model-fraud": actuator, "gateway": FakeActuator(), "feature": FakeActuator()}
+        scaler = Scaler(
+            FakeManager(spec, MeshPaths(tmp_path)),  # type: ignore[arg-type]
+            scrape=idle,
+            clock=lambda: 100.0,
+            wall=lambda: wall,
+            actuators=actuators,  # type: ignore[arg-type]
+        )
+        decisions = scaler.round()
+        fraud = [d for d in decisions if d.pool == "model-fraud"]
+        assert fraud, decisions
+        return actuator
+
+    # 0.1 calls/s shared by two zones at 0.02 a replica: 3 each, raised before the peak.
+    before = round_at(now)
+    assert sorted(before.grown) == [("zone-a", 3), ("zone-b", 3)]
+    entry = [e for e in read_history(tmp_path) if e["pool"] == "model-fraud"][0]
+    assert "forecast" in entry["line"], entry
+    after = round_at(now + timedelta(hours=3))
+    assert after.grown == []
