@@ -90,9 +90,8 @@ def watch_store(
     """The feature service's health follows its Redis (started; stopped with the server):
     the one it reads at `url`, or, when that is a replica, the `primary` as well."""
     client = ping_client(url, password=password)
-    probe: RedisProbe | EitherAnswers = RedisProbe(client)
-    if primary is not None:
-        probe = EitherAnswers(RedisProbe(client), RedisProbe(primary))
+    read = RedisProbe(client)
+    probe = read if primary is None else EitherAnswers(read, RedisProbe(primary))
     watch = DependencyWatch(
         server,
         probe,

@@ -32,9 +32,10 @@ import asyncio
 import functools
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -57,6 +58,8 @@ READ_ATTEMPTS = 3
 # What a read takes for "this side of a replicated store cannot be reached" (the other side
 # is asked then): refused, reset, timed out.
 _UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+# What a read on either side of a replicated store answers (RedisFeatureStore._from_either).
+T = TypeVar("T")
 
 _EVENT_TIME = np.dtype("<i8")
 _VALUE = np.dtype("<f4")
@@ -353,18 +356,23 @@ class RedisFeatureStore:
         (None, None) when the view has no version yet. From the replica, unless its lag is
         past `max_age_ms`; from the other side when the first cannot be reached.
         """
-        first, second = self.reader, self.client
-        if self.reads_primary(max_age_ms):
-            first, second = second, first
+        first = self.client if self.reads_primary(max_age_ms) else self.reader
+        return await self._from_either(first, lambda c: self._read(view, entity_ids, c))
+
+    async def _from_either(
+        self, first: aioredis.Redis, read: Callable[[aioredis.Redis], Awaitable[T]]
+    ) -> T:
+        """`read` from `first`, else, when it cannot be reached, from the other side of a
+        replicated store. The zone's replica lost: the primary's rows (fresher, never
+        staler). No primary (a failover under way): the replica's rows, whose event times
+        still decide their staleness."""
+        second = self.client if first is self.reader else self.reader
         try:
-            return await self._read(view, entity_ids, first)
+            return await read(first)
         except _UNREACHABLE:
             if first is second:
                 raise
-            # The zone's replica lost: the primary's rows (fresher, never staler). No
-            # primary (a failover under way): the replica's rows, whose event times still
-            # decide their staleness.
-            return await self._read(view, entity_ids, second)
+            return await read(second)
 
     async def _read(
         self, view: str, entity_ids: Sequence[str], client: aioredis.Redis
@@ -393,12 +401,9 @@ class RedisFeatureStore:
         """The flush generation of `model`, and the answers of the current batch run of
         `model` `version` for `entity_ids`: read with the run pointer last (as a view's rows
         are), so every answer is from the run that was current while it was read."""
-        try:
-            return await self._tier_answers(model, version, entity_ids, self.reader)
-        except _UNREACHABLE:
-            if self.reader is self.client:
-                raise
-            return await self._tier_answers(model, version, entity_ids, self.client)
+        return await self._from_either(
+            self.reader, lambda c: self._tier_answers(model, version, entity_ids, c)
+        )
 
     async def _tier_answers(
         self, model: str, version: str, entity_ids: Sequence[str], reader: aioredis.Redis
