@@ -18,32 +18,23 @@ extensions are operators' calls to a model server, not callers': UNIMPLEMENTED h
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from importlib.metadata import PackageNotFoundError, version
-from typing import TypeVar
+from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from servemesh.contract.wire import MODEL_HEADER, OIP_SERVICE, VERSION_HEADER, method_path
 from servemesh.services.gateway.callers import caller_of, check_pin
 from servemesh.services.gateway.service import GatewayServicer, downstream_metadata
 from servemesh.services.runtime import request_id_from
 from servemesh.services.runtime.errors import InvalidArgument, MeshError, NotFound
+from servemesh.services.runtime.oip_server import SERVER_NAME, server_version
 from servemesh.services.runtime.tracing import traced_call
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 
-Reply = TypeVar("Reply")
-SERVER_NAME = "servemesh"
 # OIP's (Triton's) queue-level parameter, which model servers honour (services/model).
 PRIORITY_PARAMETER = "priority"
-
-
-def _server_version() -> str:
-    try:
-        return version("servemesh")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 class EdgeInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -63,42 +54,24 @@ class EdgeInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     ) -> oip.ServerReadyResponse:
         # No model header: Envoy's route for any model server, so "ready" is the mesh's
         # answer, not only this gateway's.
-        stub = self.gateway.models
-        return await self._forward(
-            "ServerReady",
-            lambda sent, t: stub.ServerReady(request, timeout=t, metadata=sent),
-            [],
-            context,
-        )
+        return await self._forward("ServerReady", request, [], context)
 
     async def ServerMetadata(
         self, request: oip.ServerMetadataRequest, context: grpc.aio.ServicerContext
     ) -> oip.ServerMetadataResponse:
-        return oip.ServerMetadataResponse(name=SERVER_NAME, version=_server_version())
+        return oip.ServerMetadataResponse(name=SERVER_NAME, version=server_version())
 
     async def ModelReady(
         self, request: oip.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelReadyResponse:
         routing = self._routing(request.name, request.version, "name", context)
-        stub = self.gateway.models
-        return await self._forward(
-            "ModelReady",
-            lambda sent, t: stub.ModelReady(request, timeout=t, metadata=sent),
-            routing,
-            context,
-        )
+        return await self._forward("ModelReady", request, routing, context)
 
     async def ModelMetadata(
         self, request: oip.ModelMetadataRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelMetadataResponse:
         routing = self._routing(request.name, request.version, "name", context)
-        stub = self.gateway.models
-        return await self._forward(
-            "ModelMetadata",
-            lambda sent, t: stub.ModelMetadata(request, timeout=t, metadata=sent),
-            routing,
-            context,
-        )
+        return await self._forward("ModelMetadata", request, routing, context)
 
     async def ModelInfer(
         self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
@@ -113,13 +86,7 @@ class EdgeInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                 f"parameters['{PRIORITY_PARAMETER}']: not taken at the edge; the model's "
                 "batching spec sets its queue level"
             )
-        stub = self.gateway.models
-        return await self._forward(
-            "ModelInfer",
-            lambda sent, t: stub.ModelInfer(request, timeout=t, metadata=sent),
-            routing,
-            context,
-        )
+        return await self._forward("ModelInfer", request, routing, context)
 
     # --- how each model call goes on -------------------------------------------------------
 
@@ -145,12 +112,13 @@ class EdgeInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _forward(
         self,
         method: str,
-        call: Callable[[list[tuple[str, str]], float], Awaitable[Reply]],
+        request: Message,
         routing: list[tuple[str, str]],
         context: grpc.aio.ServicerContext,
-    ) -> Reply:
-        """`call` through the mesh within the caller's deadline, its status passed back as
-        the model server (or Envoy) gave it."""
+    ) -> Any:
+        """The same OIP call (`method`, e.g. "ModelInfer") through the mesh within the
+        caller's deadline, its status passed back as the model server (or Envoy) gave it."""
+        call = getattr(self.gateway.models, method)
         budget = self.gateway.budget
         deadline = budget.absolute_deadline(context)
         incoming = context.invocation_metadata() or ()
@@ -158,7 +126,7 @@ class EdgeInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             return await traced_call(
                 method_path(OIP_SERVICE, method),
-                lambda sent: call(sent, budget.remaining(deadline)),
+                lambda sent: call(request, timeout=budget.remaining(deadline), metadata=sent),
                 metadata,
             )
         except grpc.aio.AioRpcError as exc:

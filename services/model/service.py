@@ -21,7 +21,6 @@ answered after their callers gave up (docs/benchmarks.md, "The deadline mix").
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from importlib import metadata
 
 import grpc
 
@@ -32,23 +31,16 @@ from servemesh.services.model.repository import Key, ModelRepository
 from servemesh.services.model.shadow import ROLES, ShadowRecorder
 from servemesh.services.model.statistics import model_statistics
 from servemesh.services.runtime import DeadlineBudget, bind_request_id
+from servemesh.services.runtime.oip_server import SERVER_NAME, server_version
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
 
-SERVER_NAME = "servemesh"
 EXTENSIONS = ("model_repository", "statistics")
 # ModelInfer calls one replica holds at once before it refuses more (admission control).
 # Above any closed loop the bench and the mesh run (64 callers), and a replica answers
 # ~128 calls in ~40-60 ms on one core: a 1 s caller admitted at the limit is still answered
 # in time, and a refused one is retried elsewhere by Envoy at once.
 MAX_IN_FLIGHT = 128
-
-
-def _server_version() -> str:
-    try:
-        return metadata.version("servemesh")
-    except metadata.PackageNotFoundError:
-        return "0"
 
 
 class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -76,7 +68,6 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         self.budget = budget or DeadlineBudget()
         self.repository = ModelRepository(loader=loader, expected=expected)
         self.readiness: Callable[[], bool] = self.repository.is_ready
-        self._version = _server_version()
         self.shadow = shadow
         self.max_in_flight = max_in_flight
         self.in_flight = 0  # ModelInfer calls admitted and not yet answered
@@ -106,7 +97,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         self, request: oip.ServerMetadataRequest, context: grpc.aio.ServicerContext
     ) -> oip.ServerMetadataResponse:
         return oip.ServerMetadataResponse(
-            name=SERVER_NAME, version=self._version, extensions=list(EXTENSIONS)
+            name=SERVER_NAME, version=server_version(), extensions=list(EXTENSIONS)
         )
 
     async def ModelMetadata(
