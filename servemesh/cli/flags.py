@@ -169,14 +169,13 @@ __all__ = [
 ]
 
 
-def add_gate_overrides(parser: argparse.ArgumentParser) -> None:
-    """`--override GATE --reason TEXT` (each repeatable, paired in order) on a command that
+def add_gate_overrides(
+    parser: argparse.ArgumentParser,
+    override_help: str = "let a failed gate through: freeze or error_budget (each with its "
+    "own --reason)",
+) -> None:
+    """`--override ITEM --reason TEXT` (each repeatable, paired in order) on a command that
     changes what a model serves: a freeze or a spent error budget refuses it otherwise
-    (servemesh.rollout.change_gates)."""
-    parser.add_argument(
-        "--override",
-        action="append",
-        metavar="ITEM",
-        help="let a failed gate through: freeze or error_budget (each with its own --reason)",
-    )
+    (servemesh.rollout.change_gates); `rollout start` takes its checklist's items too."""
+    parser.add_argument("--override", action="append", metavar="ITEM", help=override_help)
     parser.add_argument("--reason", action="append", metavar="TEXT", help="why (recorded)")

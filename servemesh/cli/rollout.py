@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from servemesh.cli.flags import add_output
+from servemesh.cli.flags import add_gate_overrides, add_output
 from servemesh.cli.mesh import add_mesh_flags, recorded_state_dir, running_mesh
 from servemesh.cli.output import console, out, write
 from servemesh.proxy.admin import AdminError
@@ -378,13 +378,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     start.add_argument(
         "--strategy", choices=["canary", "blue-green", "shadow-only", "rolling"], default=None
     )
-    start.add_argument(
-        "--override",
-        action="append",
-        metavar="ITEM",
-        help="let a failed checklist item or gate through (each with its own --reason)",
+    add_gate_overrides(
+        start, "let a failed checklist item or gate through (each with its own --reason)"
     )
-    start.add_argument("--reason", action="append", metavar="TEXT", help="why (recorded)")
     start.set_defaults(func=cmd_start)
 
     status = verbs.add_parser("status", help="where each rollout stands")

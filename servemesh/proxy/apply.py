@@ -572,7 +572,7 @@ class RouteManager:
             "id": entry_id,
             "status": PENDING,
             "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "who": who or _who(),
+            "who": who or operator_name(),
             "action": action,
             "version": version,
             "apply_ms": None,
@@ -690,7 +690,8 @@ def _weights_text(weights: dict[str, int]) -> str:
     return " ".join(f"{v}={w}" for v, w in sorted(weights.items()))
 
 
-def _who() -> str:
+def operator_name() -> str:
+    """Who runs the command, as the routes history (and the gates' record) name them."""
     try:
         return getpass.getuser()
     except (KeyError, OSError):

@@ -17,17 +17,17 @@ none of them sends traffic anywhere new. docs/rollouts-gates.md has the rules.
 
 from __future__ import annotations
 
-import getpass
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 from servemesh.contract.errors import GATE_REFUSED, ServemeshError
+from servemesh.proxy.apply import operator_name
 from servemesh.proxy.live_plan import ApplyPlan
-from servemesh.rollout.checklist import ERROR_BUDGET, FREEZE, OverrideError
+from servemesh.rollout.checklist import ERROR_BUDGET, FREEZE, OverrideError, apply_overrides
 from servemesh.rollout.gates import error_budget_item, freeze_item
 from servemesh.rollout.types import ChecklistItem
 from servemesh.spec import MeshSpec, ResolvedSpec
@@ -138,15 +138,8 @@ def judge(
     items = [freeze_item(spec, now=now)]
     for model in sorted(set(models)):
         budget = error_budget_item(spec, model)
-        items.append(
-            ChecklistItem(name=budget.name, ok=budget.ok, detail=f"{model}: {budget.detail}")
-        )
-    return [
-        ChecklistItem(item.name, item.ok, item.detail, overrides[item.name])
-        if not item.ok and item.name in overrides
-        else item
-        for item in items
-    ]
+        items.append(replace(budget, detail=f"{model}: {budget.detail}"))
+    return apply_overrides(items, overrides)
 
 
 def enforce(
@@ -189,7 +182,7 @@ def record_override(state_dir: Path, report: GateReport, moment: datetime) -> No
     entry = {
         "time": moment.isoformat(timespec="seconds"),
         "unix": round(time.time(), 3),
-        "who": _who(),
+        "who": operator_name(),
         "command": report.command,
         "models": list(report.models),
         "gates": [
@@ -209,10 +202,3 @@ def read_overrides(state_dir: Path) -> list[dict[str, object]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _who() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return "unknown"
