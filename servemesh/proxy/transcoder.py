@@ -120,7 +120,7 @@ def json_body_limit_filter(spec: MeshSpec) -> dict[str, Any]:
     return {
         "name": BUFFER_FILTER,
         "disabled": True,
-        "typed_config": {"@type": _BUFFER, "max_request_bytes": _limit(spec)},
+        "typed_config": {"@type": _BUFFER, "max_request_bytes": spec.limits.max_message_bytes},
     }
 
 
@@ -128,14 +128,13 @@ def json_route(spec: MeshSpec, action: dict[str, Any]) -> dict[str, Any]:
     """The edge route a REST call matches before it is transcoded (any content type but
     gRPC's): its body limited (json_body_limit_filter, enabled by this route's config of
     it). Once transcoded it is a gRPC call, matched again against the edge's other routes."""
-    limit = {"@type": _BUFFER_PER_ROUTE, "buffer": {"max_request_bytes": _limit(spec)}}
+    limit = {
+        "@type": _BUFFER_PER_ROUTE,
+        "buffer": {"max_request_bytes": spec.limits.max_message_bytes},
+    }
     return {
         "name": "rest-json",
         "match": {"prefix": "/", "headers": [NOT_GRPC_MATCH]},
         "route": action,
         "typed_per_filter_config": {BUFFER_FILTER: limit},
     }
-
-
-def _limit(spec: MeshSpec) -> int:
-    return spec.limits.max_message_bytes

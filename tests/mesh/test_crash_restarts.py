@@ -140,15 +140,20 @@ def test_a_deliberate_kill_stays_down_until_restart_while_a_crash_beside_it_is_r
     assert entry["restarts"] == held_before
 
 
-def test_a_kill_that_asks_for_revival_is_started_again_and_counted(mesh: Mesh) -> None:
-    name = "registry-0"
-    before = mesh.restart_counts().get(name, 0)
-    old = mesh.kill(name, revive=True)
+def started_again(mesh: Mesh, name: str, old: int) -> None:
+    """Until the mesh runs `name` again under a PID other than `old`."""
     wait_until(
         lambda: mesh.is_running(name) and mesh.pid(name) != old,
         f"{name} started again",
         timeout_s=BACK_WITHIN_S,
     )
+
+
+def test_a_kill_that_asks_for_revival_is_started_again_and_counted(mesh: Mesh) -> None:
+    name = "registry-0"
+    before = mesh.restart_counts().get(name, 0)
+    old = mesh.kill(name, revive=True)
+    started_again(mesh, name, old)
     wait_until(lambda: serving(mesh, name), f"{name} SERVING", timeout_s=BACK_WITHIN_S)
     assert mesh.restart_counts()[name] == before + 1
     entry = wait_until(partial(running_entry, mesh, name), f"{name} running in the status")
@@ -178,11 +183,7 @@ def test_a_crashed_store_comes_back_with_what_it_had_written(mesh: Mesh) -> None
         wait_until(lambda: _in_append_only_files(store.data_dir, key), "the write in the AOF")
         before = mesh.restart_counts().get(name, 0)
         old = mesh.kill(name, revive=True)
-        wait_until(
-            lambda: mesh.is_running(name) and mesh.pid(name) != old,
-            f"{name} started again",
-            timeout_s=BACK_WITHIN_S,
-        )
+        started_again(mesh, name, old)
         wait_until(partial(_answers, client), "the store answering", timeout_s=BACK_WITHIN_S)
         try:
             assert client.get(key) == b"kept"
