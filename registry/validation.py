@@ -24,9 +24,10 @@ LINEAGE_FORMS = {
     "code": (re.compile(r"[0-9a-f]{7,64}"), "a git commit (7-64 lowercase hex)"),
 }
 
-# What the model servers load (services/model/artifacts.py): TorchScript archives, and
-# torch.export archives that pass the model server's allowlist before torch parses them.
-FORMATS = frozenset({"torchscript", "torch_export"})
+# What the model servers load (services/model/artifacts.py): TorchScript archives,
+# torch.export archives that pass the model server's allowlist before torch parses them,
+# and ONNX models that pass its graph checks before onnxruntime loads them.
+FORMATS = frozenset({"torchscript", "torch_export", "onnx"})
 # OIP v2 tensor datatypes.
 DATATYPES = OIP_DATATYPES
 

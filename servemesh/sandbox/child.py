@@ -44,7 +44,7 @@ class Loaded:
 
     runner: Any  # services.model.runner.ModelRunner
     data: bytes  # the artifact's bytes, as the guard accepted them
-    format: str  # "torchscript" or "torch_export"
+    format: str  # "torchscript", "torch_export" or "onnx"
     signature: Any  # services.model.tensors.Signature
     model: str
     version: str
@@ -86,6 +86,11 @@ def serve(ops: Mapping[str, Op] | None = None, prepare: Callable[[], None] | Non
         import torch.export.pt2_archive  # noqa: F401
 
     from servemesh.services.model import artifacts, runner  # noqa: F401
+
+    if artifacts.may_be_onnx(first.blob):
+        # Parsed and run behind the walls; its modules are read before them.
+        import onnx  # noqa: F401
+        import onnxruntime  # type: ignore[import-untyped]  # noqa: F401
 
     tempfile.gettempdir()  # probed once, by creating a file: not possible once confined
     if prepare is not None:
@@ -148,12 +153,12 @@ def _load(frame: Frame, replies: BinaryIO) -> Loaded | None:
             # Not reachable for a zip (its names are stored as they are); kept so that the
             # loader torch.export needs is never imported behind the walls.
             raise ArtifactError("a torch.export archive without its archive_format file")
-        opened = open_artifact(frame.blob, "cpu")
+        threads = header.get("num_threads", 1)
+        opened = open_artifact(frame.blob, "cpu", None if threads is None else int(threads))
         signature = reconcile_signature(opened.signature, declared)
     except ArtifactError as exc:
         _fail(replies, "artifact", exc)
         return None
-    threads = header.get("num_threads", 1)
     model = ModelRunner(
         opened.module,
         model=str(header.get("model", "model")),

@@ -5,6 +5,7 @@ and the signature it records.
 | --- | --- | --- | --- |
 | `torchscript` | `torch.jit.save` (`.pt`) | `torchscript_guard`: the archive checked, compiled by torch, every operator of every function checked against `op_allowlist`, then wrapped as `torch.jit.load` does | none recorded: declared at push |
 | `torch_export` | `torch.export.save` (`.pt2`) | `pt2_guard`'s allowlist first (operators from `op_allowlist`), then `torch.export.load` | the program's user inputs and outputs |
+| `onnx` | any ONNX converter (`skl2onnx`, `onnxmltools`, `torch.onnx.export`) (`.onnx`) | `onnx_model`'s checks (standard domains only, no external data, opsets in range), then an onnxruntime session | the graph's inputs and outputs |
 
 A plain `torch.save` checkpoint (a pickle, even inside a zip) is neither and is refused: it
 would need unpickling, which can run any code.
@@ -20,6 +21,7 @@ from typing import Any, Literal
 import torch
 
 from servemesh.contract.errors import ServemeshError
+from servemesh.services.model.onnx_model import OnnxModule, OnnxRefused, is_onnx, open_onnx
 from servemesh.services.model.pt2_guard import (
     UnsafeArtifact,
     check_export_archive,
@@ -39,16 +41,19 @@ __all__ = [
     "detect_format",
     "exported_signature",
     "load_module",
+    "may_be_onnx",
     "open_artifact",
     "reconcile_signature",
 ]
 
-Format = Literal["torchscript", "torch_export"]
-FORMATS: tuple[Format, ...] = ("torchscript", "torch_export")
-# What OIP ModelMetadata reports as `platform` for each format.
+Format = Literal["torchscript", "torch_export", "onnx"]
+FORMATS: tuple[Format, ...] = ("torchscript", "torch_export", "onnx")
+# What OIP ModelMetadata reports as `platform` for each format (ONNX: the name other OIP
+# servers give onnxruntime).
 PLATFORMS: dict[str, str] = {
     "torchscript": "pytorch_torchscript",
     "torch_export": "pytorch_torch_export",
+    "onnx": "onnxruntime_onnx",
 }
 _ZIP_MAGIC = b"PK\x03\x04"
 
@@ -66,11 +71,20 @@ class OpenedArtifact:
     signature: Signature | None  # None: the format records none (TorchScript)
 
 
+def may_be_onnx(data: bytes) -> bool:
+    """Whether `data` may be an ONNX model: anything but a zip archive (a byte test, not a
+    parse; `detect_format` parses)."""
+    return not data.startswith(_ZIP_MAGIC)
+
+
 def detect_format(data: bytes) -> Format:
     """Which format `data` is; ArtifactError for anything else (or a damaged archive)."""
-    if not data.startswith(_ZIP_MAGIC):
+    if may_be_onnx(data):
+        if is_onnx(data):
+            return "onnx"
         raise ArtifactError(
-            "not a model: neither a TorchScript (.pt) nor a torch.export (.pt2) archive"
+            "not a model: neither a TorchScript (.pt) nor a torch.export (.pt2) archive, "
+            "nor an ONNX model (.onnx)"
         )
     try:
         with whole_zip(data) as archive:
@@ -91,18 +105,38 @@ def detect_format(data: bytes) -> Format:
 
 
 def load_module(
-    data: bytes, format: Format, device: torch.device | str = "cpu"
+    data: bytes, format: Format, device: torch.device | str = "cpu", num_threads: int | None = 1
 ) -> Callable[..., Any]:
-    """The runnable module of an artifact in `format` (ArtifactError when it does not load)."""
+    """The runnable module of an artifact in `format` (ArtifactError when it does not load).
+    `num_threads`: an ONNX session's intra-op threads (torch's are set by the runner)."""
+    if format == "onnx":
+        return _open_onnx(data, torch.device(device), num_threads)[0]
     return _open(data, format, torch.device(device))[0]
 
 
-def open_artifact(data: bytes, device: torch.device | str = "cpu") -> OpenedArtifact:
-    """Detect the format, load (checked first when it is torch.export), read the signature."""
+def open_artifact(
+    data: bytes, device: torch.device | str = "cpu", num_threads: int | None = 1
+) -> OpenedArtifact:
+    """Detect the format, load (checked first when it is torch.export or ONNX), read the
+    signature."""
     format = detect_format(data)
+    if format == "onnx":
+        module, recorded = _open_onnx(data, torch.device(device), num_threads)
+        return OpenedArtifact(format=format, module=module, signature=recorded)
     module, program = _open(data, format, torch.device(device))
     signature = exported_signature(program) if program is not None else None
     return OpenedArtifact(format=format, module=module, signature=signature)
+
+
+def _open_onnx(
+    data: bytes, device: torch.device, num_threads: int | None
+) -> tuple[OnnxModule, Signature]:
+    try:
+        return open_onnx(data, device, num_threads)
+    except OnnxRefused as exc:
+        raise ArtifactError(f"ONNX model refused: {exc}") from None
+    except Exception as exc:
+        raise ArtifactError(f"ONNX model does not load: {_first_line(exc)}") from None
 
 
 def _open(

@@ -173,7 +173,7 @@ def registry_loader(
         record, data = await fetch_with_retry(fetcher, channels, model, version, live, retry_for_s)
         if record.format not in FORMATS:
             raise LoadError(f"{where}: format {record.format!r} is not one of {list(FORMATS)}")
-        format: Format = "torch_export" if record.format == "torch_export" else "torchscript"
+        format: Format = next(known for known in FORMATS if known == record.format)
         if record.size_bytes and len(data) != record.size_bytes:
             raise LoadError(
                 f"{where}: artifact is {len(data)} bytes, registry says {record.size_bytes}"

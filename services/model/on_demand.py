@@ -61,9 +61,11 @@ class OnDemandStats:
 
 
 def weight_bytes(module: Any) -> int:
-    """Bytes of the parameters and buffers of a loaded module (0 for a plain callable)."""
+    """Bytes of the parameters and buffers of a loaded module (an ONNX session's own count
+    of its initializers; 0 for a plain callable)."""
     if not isinstance(module, torch.nn.Module):
-        return 0
+        own = getattr(module, "weight_bytes", 0)
+        return own if isinstance(own, int) else 0
     seen: set[tuple[str, int]] = set()
     total = 0
     for tensor in (*module.parameters(), *module.buffers()):

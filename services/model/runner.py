@@ -161,7 +161,8 @@ class ModelRunner:
         """
         verify_artifact(data, sha256)
         target = torch.device(device) if device is not None else default_device()
-        module = load_module(data, format, target)
+        threads = kwargs.get("num_threads", DEFAULT_NUM_THREADS)
+        module = load_module(data, format, target, num_threads=threads)
         return cls(module, model=model, version=version, device=target, **kwargs)
 
     def weight_bytes(self) -> int:

@@ -1,5 +1,6 @@
 """examples/wine, walked through as its README does: train, then the CLI alone, from
-`servemesh up` to a prediction, with the bad paths a new user meets on the way.
+`servemesh up` to a prediction, with the bad paths a new user meets on the way; then, on
+the same mesh, examples/trees (docs/models.md): tree models through ONNX Runtime.
 
 The tests run in file order against one mesh: each step builds on the ones before it.
 Steps the CLI cannot take yet (`servemesh apply`, `predict --input`) are skipped, naming
@@ -363,3 +364,76 @@ def test_predict_answers_named_outputs_that_match_the_model_run_here(
     assert served_labels.tolist() == local["label"].tolist()
     assert served_labels.tolist() == served_probs.argmax(axis=1).tolist()
     assert served_labels.tolist() == list(HELD_OUT.values())
+
+
+# Tree models through ONNX Runtime (examples/trees; docs/models.md), on the same mesh: a
+# scikit-learn forest and a LightGBM model, converted, pushed, applied and called.
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("trees")
+    [done] = together(["-m", "examples.trees.train", "--out", str(out)])
+    assert done.returncode == 0, done.stderr
+    assert "held-out accuracy" in done.stdout
+    return out
+
+
+def test_tree_models_push_as_onnx_and_a_zipmap_output_is_refused(
+    trees: Path, mesh: Up, tmp_path: Path
+) -> None:
+    from skl2onnx import to_onnx
+    from skl2onnx.common.data_types import FloatTensorType
+
+    from examples.trees.train import FEATURES, INPUT, fit, load
+
+    forest = fit(load()).forest
+    # The converter's default for a classifier: probabilities as a list of maps.
+    zipmap = tmp_path / "zipmap.onnx"
+    zipmap.write_bytes(
+        to_onnx(forest, initial_types=[(INPUT, FloatTensorType([None, FEATURES]))])
+        .SerializeToString()
+    )
+    blobs = mesh.blobs()
+    refused, forest_push, gbm_push = together(
+        mesh.models_argv("push", str(zipmap), "--model", "wine-forest", "--version", "v0"),
+        mesh.models_argv("push", str(trees / "forest.onnx"), "--model", "wine-forest",
+                         "--version", "v1"),
+        mesh.models_argv("push", str(trees / "gbm.onnx"), "--model", "wine-gbm", "--version", "v1"),
+    )  # fmt: skip
+    assert refused.returncode == 1
+    assert "output 'output_probability' is a sequence_type, not a tensor" in refused.stderr
+    assert "options={'zipmap': False}" in refused.stderr
+    for pushed in (forest_push, gbm_push):
+        assert pushed.returncode == 0, pushed.stderr
+        assert ": onnx, " in pushed.stdout
+        assert "answered label [2], probabilities [2, 3]" in pushed.stdout
+    listed = mesh.listed()
+    assert ("wine-forest", "v0") not in listed
+    assert {listed[(m, "v1")]["format"] for m in ("wine-forest", "wine-gbm")} == {"onnx"}
+    assert len(mesh.blobs()) == len(blobs) + 2
+
+
+def test_tree_models_answer_what_their_libraries_answer(trees: Path, mesh: Up) -> None:
+    from examples.trees.train import INPUT, fit, load
+
+    applied = servemesh("apply", str(trees / "mesh.yaml"), "--state-dir", str(mesh.state))
+    assert applied.returncode == 0, applied.stderr + applied.stdout
+    data = load()
+    fitted = fit(data)
+    rows = data.measurements[data.held][:5]
+    argv = ["--json", "--state-dir", str(mesh.state)]
+    for row in rows:
+        argv += ["--input", f"{INPUT}=" + ",".join(repr(float(v)) for v in row)]
+    answers = together(
+        ["-m", "servemesh", "predict", "--model", "wine-forest", *argv],
+        ["-m", "servemesh", "predict", "--model", "wine-gbm", *argv],
+    )
+    for library, done in zip((fitted.forest, fitted.gbm), answers, strict=True):
+        assert done.returncode == 0, done.stderr + done.stdout
+        outputs = json.loads(done.stdout)["outputs"]
+        probs = outputs["probabilities"]
+        assert (probs["datatype"], probs["shape"]) == ("FP32", [5, 3])
+        served = np.asarray(probs["values"], dtype=np.float32).reshape(5, 3)
+        np.testing.assert_allclose(served, library.predict_proba(rows), rtol=1e-4, atol=1e-5)
+        assert outputs["label"]["values"] == library.predict(rows).tolist()
