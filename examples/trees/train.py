@@ -123,7 +123,7 @@ MODEL_YAML = """\
   {name}:
     inputs:
       {input}: {{raw: true}}   # the 13 measurements, sent by the caller
-    versions: {{v1: {{}}}}         # pushed first: servemesh models push {file} --model {name} --version v1
+    versions: {{v1: {{}}}}         # pushed first: servemesh models push {file} ...
     traffic: {{v1: 100}}
 """
 

@@ -194,9 +194,7 @@ def onnx_signature(model: onnx.ModelProto) -> Signature:
     list among them) and outputs, each a tensor of an OIP datatype, batch dim first."""
     graph = model.graph
     constants = {tensor.name for tensor in graph.initializer}
-    inputs = [
-        _tensor_sig(value, "input") for value in graph.input if value.name not in constants
-    ]
+    inputs = [_tensor_sig(value, "input") for value in graph.input if value.name not in constants]
     outputs = [_tensor_sig(value, "output") for value in graph.output]
     if not inputs:
         raise OnnxRefused("the graph takes no input")

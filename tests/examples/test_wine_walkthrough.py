@@ -391,8 +391,9 @@ def test_tree_models_push_as_onnx_and_a_zipmap_output_is_refused(
     # The converter's default for a classifier: probabilities as a list of maps.
     zipmap = tmp_path / "zipmap.onnx"
     zipmap.write_bytes(
-        to_onnx(forest, initial_types=[(INPUT, FloatTensorType([None, FEATURES]))])
-        .SerializeToString()
+        to_onnx(
+            forest, initial_types=[(INPUT, FloatTensorType([None, FEATURES]))]
+        ).SerializeToString()
     )
     blobs = mesh.blobs()
     refused, forest_push, gbm_push = together(

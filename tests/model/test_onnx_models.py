@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 import numpy as np
 import onnx
@@ -217,7 +218,7 @@ def _trees() -> tuple[Data, Fitted]:
     return data, fit(data)
 
 
-def _converters() -> dict[str, Callable[[Fitted], tuple[object, bytes]]]:
+def _converters() -> dict[str, Callable[[Fitted], tuple[Any, bytes]]]:
     return {
         "scikit-learn forest": lambda f: (f.forest, forest_onnx(f.forest)),
         "lightgbm": lambda f: (f.gbm, gbm_onnx(f.gbm)),
@@ -237,9 +238,9 @@ def test_a_converted_tree_model_answers_the_librarys_predict_proba(kind: str) ->
     answer = runner.run(NamedRows({"measurements": rows}))
     assert isinstance(answer, NamedRows)
     np.testing.assert_allclose(
-        answer["probabilities"], library.predict_proba(rows), rtol=1e-4, atol=1e-5  # type: ignore[attr-defined]
+        answer["probabilities"], library.predict_proba(rows), rtol=1e-4, atol=1e-5
     )
-    np.testing.assert_array_equal(answer["label"], library.predict(rows))  # type: ignore[attr-defined]
+    np.testing.assert_array_equal(answer["label"], library.predict(rows))
 
 
 def test_a_tree_model_loads_and_answers_in_its_sandbox() -> None:
