@@ -121,8 +121,8 @@ def open_artifact(
     signature."""
     format = detect_format(data)
     if format == "onnx":
-        module, recorded = _open_onnx(data, torch.device(device), num_threads)
-        return OpenedArtifact(format=format, module=module, signature=recorded)
+        session, recorded = _open_onnx(data, torch.device(device), num_threads)
+        return OpenedArtifact(format=format, module=session, signature=recorded)
     module, program = _open(data, format, torch.device(device))
     signature = exported_signature(program) if program is not None else None
     return OpenedArtifact(format=format, module=module, signature=signature)
