@@ -157,6 +157,11 @@ def quantize_version(
     from servemesh.sandbox.model import ModelCrashed, ModelFailed
 
     where = f"{record.model} {record.version}"
+    if record.format == "onnx":
+        raise QuantizeError(
+            f"{where} is an ONNX model: quantize derives from torch models; quantize it with "
+            "onnxruntime.quantization before pushing, and push the result as a version"
+        )
     try:
         signature = signature_of(record)
     except ExportError as exc:

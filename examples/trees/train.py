@@ -112,6 +112,9 @@ def gbm_onnx(gbm: Any) -> bytes:
     first = label.type.tensor_type.shape.dim[0]
     first.Clear()
     first.dim_param = "N"
+    # The converter names the graph with a random id: named here, so the same run writes
+    # the same bytes.
+    model.graph.name = GBM
     return bytes(model.SerializeToString())
 
 

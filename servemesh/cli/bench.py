@@ -204,10 +204,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     bench_model.add_argument(
         "--model",
-        choices=["demo", "heavy"],
+        choices=["demo", "heavy", "trees"],
         default="demo",
         help="demo: the demo MLP, protocol-bound (default); heavy: a 2048-wide MLP exported "
-        "with torch.export, compute-bound (closed loops, mean batch formed)",
+        "with torch.export, compute-bound (closed loops, mean batch formed); trees: a "
+        "LightGBM ensemble of 200 trees through ONNX Runtime, against onnxruntime alone",
     )
     bench_model.add_argument(
         "--client",

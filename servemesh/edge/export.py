@@ -420,6 +420,13 @@ def export_version(
     if not (atol >= 0 and rtol >= 0 and math.isfinite(atol) and math.isfinite(rtol)):
         raise ExportError("--atol and --rtol must be finite and not negative")
     where = f"{record.model} {record.version}"
+    if record.format == "onnx":
+        # Served as ONNX already: its bytes are the device's file (`edge sync --format
+        # artifact`), and torch cannot read an ONNX graph back into a program.
+        raise ExportError(
+            f"{where} is an ONNX model already: `edge sync --format artifact` writes its "
+            "bytes as they are"
+        )
     signature = signature_of(record)
     reference = dict(rows) if rows is not None else reference_rows(signature)
     missing = [t.name for t in signature.inputs if t.name not in reference]

@@ -185,7 +185,7 @@ async def _download(
 
 
 def _artifact_name(model: str, record: registry_pb2.ModelVersion, format: SyncFormat) -> str:
-    if format == "onnx":
+    if format == "onnx" or record.format == "onnx":
         return f"{model}.onnx"
     return f"{model}.pt2" if record.format == "torch_export" else f"{model}.pt"
 
@@ -258,7 +258,7 @@ async def sync(
             "inputs": [_tensor_json(t) for t in record.inputs],
             "outputs": [_tensor_json(t) for t in record.outputs],
         }
-        if format == "onnx":
+        if format == "onnx" and record.format != "onnx":  # an ONNX version is its own file
             exported = await _export_onnx(part, record, name, atol, rtol)
             atomic_write_bytes(target, exported.data, mode=FILE_MODE)
             manifest.update(

@@ -46,7 +46,8 @@ __all__ = [
 MIN_OPSETS: dict[str, int] = {"": 7, "ai.onnx": 7, "ai.onnx.ml": 1}
 _MIN_IR_VERSION = 3
 # TensorProto.DataType -> OIP datatype. STRING is left out on purpose: the mesh's tensors
-# carry numbers, and categories reach a model encoded as numbers.
+# carry numbers, and categories reach a model encoded as numbers. BFLOAT16 too: numpy, which
+# onnxruntime's feeds and answers are, has no such type.
 _DATATYPES: dict[int, str] = {
     1: "FP32",
     2: "UINT8",
@@ -60,7 +61,6 @@ _DATATYPES: dict[int, str] = {
     11: "FP64",
     12: "UINT32",
     13: "UINT64",
-    16: "BF16",
 }
 _EXTERNAL = 1  # TensorProto.DataLocation.EXTERNAL
 
@@ -278,12 +278,15 @@ class OnnxModule:
         # parameters in node attributes, not initializers, and the session holds them all.
         self.weight_bytes = len(data)
 
+    def run_arrays(self, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The session on host arrays, in the signature's input order; its outputs in the
+        signature's output order. What the runner calls: no tensor in between, since a
+        torch round trip costs a small tree model more than the trees do."""
+        feeds = dict(zip(self._inputs, arrays, strict=True))
+        return list(self._session.run(self._outputs, feeds))
+
     def __call__(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        feeds = {
-            name: tensor.detach().cpu().numpy()
-            for name, tensor in zip(self._inputs, tensors, strict=True)
-        }
-        answers = self._session.run(self._outputs, feeds)
+        answers = self.run_arrays([tensor.detach().cpu().numpy() for tensor in tensors])
         return tuple(torch.from_numpy(np.ascontiguousarray(answer)) for answer in answers)
 
 

@@ -134,6 +134,10 @@ class ModelRunner:
             if not isinstance(module, torch.fx.GraphModule):
                 module = module.eval()
         self._module = module
+        # A module that runs on host arrays (an onnxruntime session) is called without torch.
+        self._run_arrays: Callable[[Sequence[np.ndarray]], list[np.ndarray]] | None = getattr(
+            module, "run_arrays", None
+        )
         self._pinned: torch.Tensor | None = None
         if self.device.type == "cuda" and self._single:
             staged = to_tensor(np.zeros((0, *self.row_shape), self.dtype), first.datatype)
@@ -194,6 +198,25 @@ class ModelRunner:
             arrays = [batch]
         else:
             raise TypeError("a multi-tensor model takes NamedRows")
+        if self._run_arrays is not None:
+            results = self._run_arrays(arrays)
+            if len(results) != len(self._outputs):
+                raise SignatureViolation(
+                    f"model returned {len(results)} outputs, the signature declares "
+                    f"{len(self._outputs)}"
+                )
+            for port, result in zip(self._outputs, results, strict=True):
+                self._check_array_datatype(port, result)
+        else:
+            results = self._torch_forward(arrays)
+        for port, result in zip(self._outputs, results, strict=True):
+            self._check_dims(port, result)
+        if self._single:
+            return results[0]
+        names = [port.name for port in self._outputs]
+        return NamedRows(dict(zip(names, results, strict=True)))
+
+    def _torch_forward(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         with torch.inference_mode():
             if self._single:
                 tensors = [self._to_device(to_tensor(arrays[0], self._inputs[0].datatype))]
@@ -205,13 +228,7 @@ class ModelRunner:
             outputs = self._outputs_of(self._module(*tensors))
             for port, tensor in zip(self._outputs, outputs, strict=True):
                 self._check_datatype(port, tensor)
-            results = [to_array(tensor) for tensor in outputs]
-        for port, result in zip(self._outputs, results, strict=True):
-            self._check_dims(port, result)
-        if self._single:
-            return results[0]
-        names = [port.name for port in self._outputs]
-        return NamedRows(dict(zip(names, results, strict=True)))
+            return [to_array(tensor) for tensor in outputs]
 
     def _outputs_of(self, output: Any) -> list[torch.Tensor]:
         """The model's answer as tensors in the signature's output order."""
@@ -249,6 +266,12 @@ class ModelRunner:
             got = oip_datatype(tensor.dtype) or str(tensor.dtype)
             raise SignatureViolation(
                 f"{self._what(port)} is {got}, the signature says {port.datatype}"
+            )
+
+    def _check_array_datatype(self, port: _Port, result: np.ndarray) -> None:
+        if port.dtype is not None and result.dtype != port.dtype:
+            raise SignatureViolation(
+                f"{self._what(port)} is {result.dtype}, the signature says {port.datatype}"
             )
 
     def _check_dims(self, port: _Port, result: np.ndarray) -> None:

@@ -261,3 +261,24 @@ def test_the_sandbox_refuses_a_hostile_graph_before_it_runs() -> None:
     )
     with pytest.raises(ModelRefused, match="custom operators are not run"):
         SandboxedModel.open(_bytes(model)).close()
+
+
+def test_the_example_converts_to_the_same_bytes_every_time() -> None:
+    data = load()
+    first, again = fit(data), fit(data)
+    assert forest_onnx(first.forest) == forest_onnx(again.forest)
+    assert gbm_onnx(first.gbm) == gbm_onnx(again.gbm)
+
+
+def test_quantize_and_export_name_what_to_do_with_an_onnx_version_instead() -> None:
+    from types import SimpleNamespace
+
+    from servemesh.edge.export import ExportError, export_version
+    from servemesh.quantize import QuantizeError, quantize_version
+
+    data = _bytes(plus_bias())
+    record = SimpleNamespace(model="m", version="v1", format="onnx", sha256="0" * 64)
+    with pytest.raises(QuantizeError, match="quantize it with onnxruntime.quantization"):
+        quantize_version(data, record, "int8")
+    with pytest.raises(ExportError, match="an ONNX model already: `edge sync --format artifact`"):
+        export_version(data, record, "onnx")

@@ -3,8 +3,9 @@
 `demo` is the mesh's demo MLP (64 -> 512 -> 512 -> 1, TorchScript): so light that the
 protocol is the whole cost. `heavy` is the same network 2048 wide, exported with
 torch.export: a forward pass costs ~1 ms per batch of 16 on one core, so batching, not the
-protocol, decides what a server reaches. Both take `features` FP32 [n, 64] and answer
-`score` FP32 [n, 1]: the same requests measure either.
+protocol, decides what a server reaches. `trees` is a LightGBM ensemble of 200 trees
+served through ONNX Runtime (`trees.py`). Each takes `features` FP32 [n, 64] and answers
+`score` FP32 [n, 1]: the same requests measure any of them.
 
 A variant is a model derived as `servemesh models quantize` derives a version: `int8` is
 the model's dynamic INT8 form (`servemesh.quantize`), checked against it the same way.
@@ -13,6 +14,7 @@ the model's dynamic INT8 form (`servemesh.quantize`), checked against it the sam
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -31,20 +33,31 @@ VARIANTS = ("int8",)
 class BenchModel:
     key: str  # what --model names
     name: str  # the model's name on the wire and in the spec
-    source_prefix: str  # the spec source that builds it: <prefix><seed>
+    source_prefix: str  # the spec source that builds it: <prefix><seed>; "": `build` does
+    build: Callable[[int], Artifact] | None = None  # seed -> artifact, for a model no spec
+    # source builds (the bench loads it itself)
 
     def artifact(self, seed: int = 1, variant: str = "") -> Artifact:
-        built = source_artifact(self.source(seed))
+        built = self.build(seed) if self.build is not None else source_artifact(self.source(seed))
         assert built is not None  # every prefix here is a built-in source
         return derived_artifact(self.name, built, variant) if variant else built
 
     def source(self, seed: int = 1) -> str:
-        return f"{self.source_prefix}{seed}"
+        # A model the bench builds itself is, to the spec, one pushed to the registry.
+        return f"{self.source_prefix}{seed}" if self.source_prefix else "registry"
+
+
+def _trees(seed: int) -> Artifact:
+    from servemesh.bench.model.trees import tree_artifact
+
+    return tree_artifact(seed)
 
 
 BENCH_MODELS = {
     "demo": BenchModel("demo", "fraud", DEMO_SOURCE_PREFIX),
     "heavy": BenchModel("heavy", "heavy", HEAVY_SOURCE_PREFIX),
+    # A LightGBM ensemble through ONNX Runtime (trees.py).
+    "trees": BenchModel("trees", "trees", "", _trees),
 }
 
 

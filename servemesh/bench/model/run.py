@@ -144,7 +144,7 @@ class BenchConfig:
         slow = {**common, "max_batch_size": SLOW_MAX_BATCH}
         everything = ("closed", "open", "mix")
         peers = []
-        if "triton" in self.against:
+        if "triton" in self.against and self.model != "trees":
             loads = ("closed", "open") if self.model == "demo" else ("closed",)
             peers.append(Target(TRITON, "triton", dict(common), scenarios=loads))
         if self.model != "demo":
@@ -158,8 +158,13 @@ class BenchConfig:
                 Target("echo (protocol ceiling)", "echo", scenarios=closed),
                 Target(NICED, "model", {**common, **niced}, scenarios=closed),
                 Target(UNCONFINED, "model", dict(common), scenarios=closed, sandbox=False),
-                # The same adaptive server on the model's dynamic INT8 form.
-                Target(INT8, "model", dict(common), scenarios=closed, variant="int8"),
+                # The same adaptive server on the model's dynamic INT8 form (a torch model's:
+                # the trees model's floor is onnxruntime alone, in the ceilings).
+                *(
+                    [Target(INT8, "model", dict(common), scenarios=closed, variant="int8")]
+                    if self.model != "trees"
+                    else []
+                ),
                 *peers,
             ]
         return [
@@ -738,6 +743,25 @@ def heavy_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
+def trees_checks(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The tree model through ONNX Runtime: what serving it one row per call reaches
+    against its floor, the same onnxruntime session called in process one row at a time
+    (a caller that embeds the model instead of calling a server), and what batching buys."""
+    rows = report["rows"]
+    found: list[dict[str, Any]] = []
+    floor = report.get("ceilings", {}).get("onnxruntime_b1")
+    ours = _find(rows, "servemesh adaptive", "closed", 64)
+    if ours and floor and floor["rows_per_s"]:
+        ratio = ours["rps"] / floor["rows_per_s"]
+        name = "trees c=64 req/s vs onnxruntime alone, batch 1 (x)"
+        _check_row(found, name, ratio, ">= 0.5", ratio >= 0.5)
+    off = _find(rows, "batching off", "closed", 64)
+    if ours and off and off["rps"]:
+        ratio = ours["rps"] / off["rps"]
+        _check_row(found, "trees c=64 req/s vs batching off (x)", ratio, ">= 1.5", ratio >= 1.5)
+    return found + nice_checks(rows) + sandbox_checks(rows)
+
+
 def sandbox_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What the model server's own walls (its syscall filter and limits) cost, same run:
     req/s at c=64 as a share of the unconfined server's, and the p50 added at c=1."""
@@ -781,6 +805,8 @@ def nice_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def checks(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Issues #3 and #13's targets (#26's for the heavy model), each with the value measured
     in this run and whether it was met (None: its peer was skipped, the reason in `value`)."""
+    if report.get("config", {}).get("model", "demo") == "trees":
+        return trees_checks(report)
     if report.get("config", {}).get("model", "demo") != "demo":
         return heavy_checks(report)
     rows = report["rows"]
@@ -868,6 +894,10 @@ def as_report(report: dict[str, Any]) -> BenchReport:
         if key.startswith("forward_b"):
             note = f"{value['ms_per_call']:.3f} ms per call"
             table.add_row(f"model forward, batch {key[9:]}", f"{value['rows_per_s']:.0f}", note)
+        elif key.startswith("onnxruntime_b"):
+            note = f"{value['ms_per_call']:.3f} ms per call (the session alone)"
+            table.add_row(f"onnxruntime alone, batch {key[13:]}", f"{value['rows_per_s']:.0f}",
+                          note)  # fmt: skip
         else:
             note = f"mean batch {value['mean_batch']}"
             blind = ", deadlines ignored" if value.get("deadline_policy") == "ignore" else ""
@@ -977,7 +1007,7 @@ def as_report(report: dict[str, Any]) -> BenchReport:
     title = (
         "Targets (issues #3 and #13)"
         if report["config"].get("model") == "demo"
-        else (f"Targets for the {report['config'].get('model')} model (issue #26)")
+        else (f"Targets for the {report['config'].get('model')} model")
     )
     table = shown.table(
         f"{title}, from this run",

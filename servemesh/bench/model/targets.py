@@ -40,6 +40,7 @@ from servemesh.identity.credentials import server_credentials
 from servemesh.identity.enroll import BENCH_ECHO_IDENTITY
 from servemesh.identity.store import MeshIdentity
 from servemesh.services.model.app import SERVICE_NAME, build_server
+from servemesh.services.model.artifacts import FORMATS, Format
 from servemesh.services.model.loader import LoadedModel, ModelLoader, load_model
 from servemesh.services.model.tensors import Signature, TensorSig
 from servemesh.services.runtime import ServiceServer
@@ -98,6 +99,11 @@ def bench_spec(batching: BatchingSpec, model: BenchModel, sandbox: bool = True) 
     )
 
 
+def served_format(artifact: Artifact) -> Format:
+    """The format a model server loads `artifact` as (what the registry would record)."""
+    return next(known for known in FORMATS if known == artifact.format)
+
+
 def bench_loader(
     batching: BatchingSpec,
     model: BenchModel,
@@ -120,7 +126,7 @@ def bench_loader(
             version=version,
             sha256=artifact.sha256,
             signature=SIGNATURE,
-            format="torch_export" if artifact.format == "torch_export" else "torchscript",
+            format=served_format(artifact),
             batching=batching,
             inject_latency_ms=inject_latency_ms,
         )
@@ -215,7 +221,7 @@ def ceiling(
         sha256=artifact.sha256,
         model=model.name,
         version=VERSION,
-        format="torch_export" if artifact.format == "torch_export" else "torchscript",
+        format=served_format(artifact),
         row_shape=(N_FEATURES,),
         output_row_shape=(1,),
         max_batch_size=max_batch,
@@ -270,10 +276,41 @@ def ceiling(
             "mean_batch": round(stats.inference_count / max(stats.executions, 1), 2),
         }
 
+    if artifact.format == "onnx":
+        results.update(onnxruntime_alone(artifact.data, seconds, max_batch))
     # The same batcher deadline-blind: what enforcing deadlines (a timer per request, earliest
     # deadline first, the door check) costs per request, with no gRPC around it.
     results["batcher_c64"] = asyncio.run(through_batcher(64, "enforce"))
     results["batcher_c64_ignore"] = asyncio.run(through_batcher(64, "ignore"))
+    return results
+
+
+def onnxruntime_alone(data: bytes, seconds: float, max_batch: int) -> dict[str, Any]:
+    """The floor under an ONNX model: its onnxruntime session called straight, no runner,
+    batcher or gRPC, with the session options a model server uses (one intra-op thread)."""
+    import onnxruntime  # type: ignore[import-untyped]
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    session = onnxruntime.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    [name] = [value.name for value in session.get_inputs()]
+    rng = np.random.default_rng(0)
+    results: dict[str, Any] = {}
+    for size in (1, max_batch):
+        batch = {name: rng.normal(size=(size, N_FEATURES)).astype(np.float32)}
+        for _ in range(3):
+            session.run(None, batch)
+        calls = 0
+        started = time.perf_counter()
+        while time.perf_counter() - started < seconds / 3:
+            session.run(None, batch)
+            calls += 1
+        elapsed = time.perf_counter() - started
+        results[f"onnxruntime_b{size}"] = {
+            "rows_per_s": round(calls * size / elapsed, 1),
+            "ms_per_call": round(elapsed / calls * 1000, 4),
+        }
     return results
 
 
