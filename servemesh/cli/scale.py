@@ -48,8 +48,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not spec.scaling.enabled:
         held = "scaling.enabled is false"
     at = (found or {}).get("at")
+    host = (found or {}).get("host") or {}
+    edges = (found or {}).get("edges") or {}
     if args.json:
-        write(json.dumps({"at": at, "held": held, "pools": rows}))
+        write(json.dumps({"at": at, "held": held, "pools": rows, "host": host, "edges": edges}))
         return 0
     table = Table(title=f"replicas per pool and zone (last round {at or '-'})")
     for column in ("pool", "zone", "in rotation", "standby", "min..max", "floor"):
@@ -71,6 +73,29 @@ def cmd_status(args: argparse.Namespace) -> int:
             row["decision"] or "-",
         )
     out.print(table)
+    if edges:
+        shown = Table(title="Predict at each zone's edge, against the objective")
+        for column in ("zone", "p99 ms", "objective", "errors", "calls/s", "breach", "blamed"):
+            shown.add_column(column)
+        for zone, edge in sorted(edges.items()):
+            shown.add_row(
+                zone,
+                _shown(edge.get("p99_ms")),
+                f"{_shown(edge.get('objective_p99_ms'))} ms, "
+                f"{_shown(edge.get('objective_error_ratio'))} errors",
+                _shown(edge.get("error_ratio")),
+                _shown(edge.get("calls_per_s")),
+                str(edge.get("breach") or "-"),
+                str(edge.get("blamed") or "-"),
+            )
+        out.print(shown)
+    if host.get("busy") is not None:
+        verdict = "no headroom" if host.get("saturated") else "headroom"
+        out.print(
+            f"host: {verdict}: CPU {host['busy']:.0%} busy, run queue {host.get('runnable')} "
+            f"on {host.get('cores')} cores, {host.get('headroom_cores')} cores idle",
+            markup=False,
+        )
     if held:
         out.print(f"held: {held}", markup=False)
     return 0

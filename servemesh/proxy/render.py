@@ -993,13 +993,15 @@ def _listener(
         chain["transport_socket"] = downstream_tls(spec, edge=edge)
     filters = [
         *extra_filters,
-        # Per-cluster gRPC success/failure counters (cluster.<name>.grpc.<service>.<method>.*),
-        # per method only for the mesh's own methods.
+        # Per-cluster gRPC counters by status (cluster.<name>.grpc.<service>.<method>.*), per
+        # method only for the mesh's own methods, and each method's upstream time (the
+        # scaler reads the edge's Predict time: servemesh/scaling/edge.py).
         {
             "name": "envoy.filters.http.grpc_stats",
             "typed_config": {
                 "@type": _GRPC_STATS,
                 "individual_method_stats_allowlist": {"services": _known_methods()},
+                "enable_upstream_stats": True,
             },
         },
         # Inert until a route's percentages (or their runtime keys) are raised.

@@ -14,6 +14,11 @@ an injected clock, so every rule is tested without a mesh and without waiting.
 3. **Floors and bounds** (`decide`): the floor is `min`, raised by the schedule's floor of
    the moment; the ceiling is `max`. Below the floor the pool grows to it at once, above
    the ceiling it shrinks to it at once, whatever the windows say.
+4. **The caller's side** (`demand`): when the edge's p99 or failed share breached the
+   objective over the up-window (the loop's `EdgeWatch`) and this pool is the one blamed
+   (`blame.py`), the pool grows by a step even though its own signals are at target.
+5. **No headroom** (`saturated`): on a host whose cores are all busy with a run queue
+   longer than them (`host.py`), no signal grows a pool: the decision says so instead.
 
 Every decision carries the reason a person reads in `servemesh scale history`, e.g.
 "p99_ms 182 > 100 over 10s: zone-a 1 -> 2".
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
 from servemesh.scaling.schedule import floor_at
@@ -150,6 +155,9 @@ class Decision:
     floor: int
     held: str = ""  # why no change although the signals asked for one ("" otherwise)
     pool: str = "model"  # what is scaled: a model pool (model-fraud), gateway or feature
+    # What moved it (or asked to): the pool's own signals ("replicas"), the caller's side
+    # ("edge"), or a floor or bound ("bounds").
+    signal: str = "replicas"
 
     @property
     def changes(self) -> bool:
@@ -173,11 +181,15 @@ def decide(
     at: float,
     now: datetime,
     predicted: tuple[int, str] | None = None,
+    demand: tuple[int, str] | None = None,
+    saturated: str | None = None,
 ) -> Decision:
     """One round for one zone: `at` on the scaler's monotonic clock, `now` the wall time
     (the schedule's floors are local times); `predicted`: the forecast's floor and why
     (servemesh/scaling/forecast.py), when the policy forecasts. The decision is of the
-    model servers' pool unless the caller names another (`dataclasses.replace(d, pool=)`)."""
+    model servers' pool unless the caller names another (`dataclasses.replace(d, pool=)`).
+    `demand`: the replicas the edge's breach asks of this pool, and why; `saturated`: the
+    host's load in words when it has no headroom (no scale-up then)."""
     n = signals.replicas
     recommendation = recommend(policy, signals)
     stabilizer.note(at, recommendation, max(policy.up_window_s, policy.down_window_s))
@@ -190,13 +202,28 @@ def decide(
         floors.append((min(predicted[0], policy.max), predicted[1]))
     floor, why = max(floors, key=lambda f: f[0])
     if n < floor:
-        return Decision(zone, n, floor, why, signals, floor)
+        return Decision(zone, n, floor, why, signals, floor, signal="bounds")
     if n > policy.max:
-        return Decision(zone, n, policy.max, f"max {policy.max}", signals, floor)
+        return Decision(zone, n, policy.max, f"max {policy.max}", signals, floor, signal="bounds")
     cooling = stabilizer.last_change_at is not None and (
         at - stabilizer.last_change_at < policy.cooldown_s
     )
     want = recommendation.replicas
+    if saturated is not None and (want > n or (demand is not None and demand[0] > n)):
+        asked = recommendation if want > n else Recommendation(n, demand[1] if demand else "")
+        signal = "replicas" if want > n else "edge"
+        held = f"no headroom on this host: {saturated}"
+        return replace(_hold(zone, n, asked, signals, floor, held), signal=signal)
+    if want <= n and demand is not None and demand[0] > n:
+        if cooling:
+            hold = _hold(zone, n, Recommendation(n, demand[1]), signals, floor, "cooldown")
+            return replace(hold, signal="edge")
+        desired = min(demand[0], policy.max)
+        if desired <= n:
+            held = f"at max {policy.max}"
+            hold = _hold(zone, n, Recommendation(n, demand[1]), signals, floor, held)
+            return replace(hold, signal="edge")
+        return Decision(zone, n, desired, demand[1], signals, floor, signal="edge")
     if want > n:
         window = stabilizer.covered(at, policy.up_window_s)
         if cooling:

@@ -54,6 +54,7 @@ def record(
         "from": decision.current,
         "to": decision.desired,
         "reason": decision.reason,
+        "signal": decision.signal,
         "line": decision.line(),
         "floor": decision.floor,
         "signals": decision.signals.as_dict(),
@@ -83,12 +84,22 @@ def write_status(
     state_dir: str | Path,
     pools: Mapping[str, Mapping[str, Mapping[str, Any]]],
     held: str = "",
+    *,
+    host: Mapping[str, Any] | None = None,
+    edges: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
     """`pools`: by kind (model, gateway, feature), each zone's last round; `held`: why the
-    scaler did not decide at all ("" when it did)."""
+    scaler did not decide at all ("" when it did); `host`: the host's load and headroom;
+    `edges`: by zone, Predict at its edge against the objective."""
     path = status_path(state_dir)
     private_dir(path.parent)
-    found = {"at": _when(time.time()), "held": held, "pools": pools}
+    found = {
+        "at": _when(time.time()),
+        "held": held,
+        "pools": pools,
+        "host": dict(host or {}),
+        "edges": dict(edges or {}),
+    }
     atomic_write_text(path, json.dumps(found, indent=2))
 
 

@@ -21,9 +21,12 @@ from typing import Any
 from servemesh.observe.scrape import Sample, scrape
 from servemesh.proxy.apply import RouteManager
 from servemesh.scaling.actuator import PoolActuator, ScaleError, busy_with_an_update, zone_replicas
-from servemesh.scaling.decide import Decision, Stabilizer, decide
+from servemesh.scaling.blame import Hop, blame, hop_shares
+from servemesh.scaling.decide import Decision, PoolSignals, Stabilizer, decide
+from servemesh.scaling.edge import EdgeReader, EdgeSignals, admin_fetch
 from servemesh.scaling.forecast import Forecast, forecast, replica_capacity
 from servemesh.scaling.history import record, write_status
+from servemesh.scaling.host import HostLoad, HostReader
 from servemesh.scaling.metrics import ScalerMetrics
 from servemesh.scaling.signals import SERVING_METHODS, PoolReader
 from servemesh.spec import ResolvedSpec, ScaledKind, scaled_pool_label
@@ -42,6 +45,51 @@ def _wall() -> datetime:
     return datetime.now(UTC)
 
 
+@dataclass(frozen=True)
+class Objective:
+    """What the caller is promised at the edge: the scaling.edge objective, or a stricter
+    one of `rollout.slos`."""
+
+    p99_ms: float
+    error_ratio: float
+
+    @classmethod
+    def of(cls, live: ResolvedSpec) -> Objective:
+        edge = live.scaling.edge
+        slos = list(live.rollout.slos.values())
+        p99 = min([edge.p99_ms, *(s.p99_ms for s in slos)])
+        errors = min([edge.error_ratio, *(1 - s.availability for s in slos)])
+        return cls(p99, errors)
+
+    def breach(self, seen: EdgeSignals) -> str | None:
+        """The breach in words, None when `seen` meets the objective."""
+        if seen.p99_ms is not None and seen.p99_ms > self.p99_ms:
+            return f"edge p99 {seen.p99_ms:.0f} ms > {self.p99_ms:g} ms"
+        if seen.error_ratio is not None and seen.error_ratio > self.error_ratio:
+            return f"edge errors {seen.error_ratio:.2%} > {self.error_ratio:.2%}"
+        return None
+
+
+@dataclass
+class EdgeWatch:
+    """One zone's edge: since when it breaches, and the hop shares of its last interval
+    within the objective (the baseline a breach is compared with)."""
+
+    breaching_since: float | None = None
+    baseline: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class _Read:
+    """One pool's zone as read this round."""
+
+    kind: ScaledKind
+    pool_name: str
+    rotation: list[str]
+    standby: list[str]
+    signals: PoolSignals
+
+
 @dataclass
 class Scaler:
     manager: RouteManager
@@ -54,6 +102,14 @@ class Scaler:
     # Calls per hour, for the forecast: the prediction log's when None.
     hourly: Callable[[ResolvedSpec, float], list[tuple[datetime, int]]] | None = None
     metrics: ScalerMetrics = field(default_factory=ScalerMetrics)
+    host: HostReader = field(default_factory=HostReader)
+    # How an edge Envoy's admin API is read, by its socket path (tests inject their own).
+    edge_fetch: Callable[[Path], Callable[[str], str]] = admin_fetch
+    _edge_readers: dict[str, EdgeReader] = field(default_factory=dict, init=False)
+    _edge_watches: dict[str, EdgeWatch] = field(default_factory=dict, init=False)
+    # The pools and zones whose last decision was held for want of headroom (recorded once
+    # per stretch).
+    _starved: set[tuple[str, str]] = field(default_factory=set, init=False)
     # By pool label and zone.
     _stabilizers: dict[tuple[str, str], Stabilizer] = field(default_factory=dict, init=False)
     # One reader per pool and zone: a reader forgets the replicas a read does not name.
@@ -78,21 +134,136 @@ class Scaler:
             write_status(self.state_dir, {}, held=busy)
             self.metrics.rounds.labels("held").inc()
             return []
+        host = self._read_host()
+        guard = live.scaling.host
+        starved = guard.enabled and host.saturated_at(guard.busy_ratio)
+        self.metrics.observe_host(host, starved)
+        saturated = host.describe() if starved else None
+        reads = self._read_pools(live)
+        demands, edges = self._edge_demands(live, reads)
         decisions: list[Decision] = []
         status: dict[str, dict[str, dict[str, Any]]] = {}
         for kind, pool_name in live.scaled_pools():
-            found = self._pool_round(live, kind, pool_name)
+            found = self._pool_round(live, kind, pool_name, reads, demands, saturated)
             status[scaled_pool_label(kind, pool_name)] = {d.zone: entry for d, entry in found}
             decisions += [d for d, _ in found]
             if any(d.changes for d, _ in found):
                 # The next pool reads the spec as these moves left it (ports, fleet).
                 live = self.manager.live_spec()
-        write_status(self.state_dir, status)
+        judged = {**host.as_dict(), "saturated": starved}
+        write_status(self.state_dir, status, host=judged, edges=edges)
         self.metrics.rounds.labels("ok").inc()
         return decisions
 
+    def _read_host(self) -> HostLoad:
+        try:
+            load = self.host.read()
+        except (OSError, ValueError) as exc:  # no /proc: the host is not judged
+            log.info("scale: host load not read: %s", exc)
+            return HostLoad(1, None, 0)
+        return load
+
+    def _read_pools(self, live: ResolvedSpec) -> dict[tuple[str, str], _Read]:
+        """Every pool's zones, read once a round (the edge's blame needs them all)."""
+        reads: dict[tuple[str, str], _Read] = {}
+        for kind, pool_name in live.scaled_pools():
+            label = scaled_pool_label(kind, pool_name)
+            for zone in live.scaled_zones(kind, pool_name):
+                rotation, standby = zone_replicas(live, zone, kind, pool_name)
+                reader = self._readers.get((label, zone))
+                if reader is None:
+                    reader = PoolReader(self.scrape, self.clock, SERVING_METHODS[kind])
+                    self._readers[(label, zone)] = reader
+                signals = reader.read({n: live.metrics_address_of(n) for n in rotation})
+                reads[(label, zone)] = _Read(kind, pool_name, rotation, standby, signals)
+        return reads
+
+    def _edge_of(self, live: ResolvedSpec, zone: str) -> EdgeSignals | None:
+        """Predict at the zone's edge since the last round (the one edge's, without an edge
+        per zone); None when not measured."""
+        from servemesh.proxy.admin import admin_socket_path
+
+        edges = live.edge_proxies()
+        proxy = next((p for p in edges if live.zone_of_edge(p) == zone), edges[0])
+        reader = self._edge_readers.get(zone)
+        if reader is None:
+            socket = admin_socket_path(self.state_dir, proxy)
+            reader = self._edge_readers[zone] = EdgeReader(self.edge_fetch(socket), self.clock)
+        try:
+            return reader.read()
+        except (OSError, ValueError) as exc:
+            log.info("scale: edge of %s not read: %s", zone, exc)
+            return None
+
+    def _edge_demands(
+        self, live: ResolvedSpec, reads: dict[tuple[str, str], _Read]
+    ) -> tuple[dict[tuple[str, str], tuple[int, str]], dict[str, dict[str, Any]]]:
+        """Per zone, the pool the edge's breach asks to grow (by label and zone: the size
+        asked and why), and what each zone's edge showed."""
+        demands: dict[tuple[str, str], tuple[int, str]] = {}
+        shown: dict[str, dict[str, Any]] = {}
+        if not live.scaling.edge.enabled:
+            return demands, shown
+        objective = Objective.of(live)
+        for zone in live.zones:
+            seen = self._edge_of(live, zone)
+            if seen is None:
+                continue
+            self.metrics.observe_edge(zone, seen)
+            hops = {
+                label: Hop(
+                    label,
+                    read.kind,
+                    read.signals.p99_ms,
+                    read.signals.replicas < live.scaling.pool(read.kind).max,
+                )
+                for (label, where), read in reads.items()
+                if where == zone
+            }
+            shares = hop_shares(seen.p99_ms or 0.0, hops)
+            watch = self._edge_watches.setdefault(zone, EdgeWatch())
+            breach = objective.breach(seen)
+            now = self.clock()
+            entry: dict[str, Any] = {
+                **seen.as_dict(),
+                "objective_p99_ms": objective.p99_ms,
+                "objective_error_ratio": objective.error_ratio,
+                "shares": {label: round(share, 2) for label, share in shares.items()},
+                "breach": breach or "",
+            }
+            shown[zone] = entry
+            if breach is None:
+                watch.breaching_since = None
+                if seen.p99_ms is not None:
+                    watch.baseline = shares
+                continue
+            if watch.breaching_since is None:
+                watch.breaching_since = now
+            chosen = blame(shares, watch.baseline, hops)
+            if chosen is None:
+                entry["blamed"] = "every pool at its max"
+                continue
+            read = reads[(chosen.label, zone)]
+            window = live.scaling.pool(read.kind)
+            lasted = now - watch.breaching_since
+            entry["blamed"] = chosen.label
+            if lasted < window.up_window_s:
+                continue  # a spike shorter than the pool's up-window is ridden out
+            want = read.signals.replicas + window.step_up
+            demands[(chosen.label, zone)] = (
+                want,
+                f"{breach} over {window.up_window}; {chosen.why}",
+            )
+        return demands, shown
+
     def _pool_round(
-        self, live: ResolvedSpec, kind: ScaledKind, pool_name: str = ""
+        self,
+        live: ResolvedSpec,
+        kind: ScaledKind,
+        pool_name: str,
+        reads: dict[tuple[str, str], _Read],
+        demands: dict[tuple[str, str], tuple[int, str]],
+        saturated: str | None,
     ) -> list[tuple[Decision, dict[str, Any]]]:
         """One round for one pool (a kind's; model servers: the model pool `pool_name`) in
         every zone it has replicas in."""
@@ -110,17 +281,17 @@ class Scaler:
         predicted = self.predicted_floor(live, len(zones), kind)
         found: list[tuple[Decision, dict[str, Any]]] = []
         for zone in zones:
-            rotation, standby = zone_replicas(live, zone, kind, pool_name)
-            reader = self._readers.get((label, zone))
-            if reader is None:
-                reader = PoolReader(self.scrape, self.clock, SERVING_METHODS[kind])
-                self._readers[(label, zone)] = reader
-            signals = reader.read({n: live.metrics_address_of(n) for n in rotation})
+            read = reads.get((label, zone))
+            if read is None:  # a zone a move of an earlier pool this round brought
+                continue
+            rotation, standby, signals = read.rotation, read.standby, read.signals
             stabilizer = self._stabilizers.setdefault((label, zone), Stabilizer())
             found_now = decide(
-                zone, pool, signals, stabilizer, self.clock(), self.wall(), predicted
-            )
+                zone, pool, signals, stabilizer, self.clock(), self.wall(), predicted,
+                demand=demands.get((label, zone)), saturated=saturated,
+            )  # fmt: skip
             decision = replace(found_now, pool=label)
+            self._note_starved(decision)
             self.metrics.observe(decision, len(rotation), len(standby))
             entry: dict[str, Any] = {
                 "in_rotation": rotation,
@@ -128,6 +299,7 @@ class Scaler:
                 "signals": signals.as_dict(),
                 "floor": decision.floor,
                 "decision": decision.line(),
+                "signal": decision.signal,
             }
             if decision.changes:
                 entry["outcome"] = self._act(actuator, decision, pool.standby)
@@ -139,6 +311,19 @@ class Scaler:
                     log.warning("scale: %s %s standby: %s", label, zone, exc)
             found.append((decision, entry))
         return found
+
+    def _note_starved(self, decision: Decision) -> None:
+        """A decision held for want of headroom goes to the history once per stretch (and
+        to the metrics every round), so `scale history` says why nothing grew."""
+        key = (decision.pool, decision.zone)
+        if not decision.held.startswith("no headroom"):
+            self._starved.discard(key)
+            return
+        self.metrics.starved.labels(decision.pool, decision.zone).inc()
+        if key not in self._starved:
+            self._starved.add(key)
+            log.warning("scale: %s", decision.line())
+            record(self.state_dir, decision, "held")
 
     def forecast(self, live: ResolvedSpec, at: datetime) -> Forecast:
         """The rate expected at `at` from the history the policy's forecast reads."""

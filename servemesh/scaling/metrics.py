@@ -9,6 +9,14 @@ Prometheus as job `servemesh-scaler`):
                                                                    in_flight, error_ratio,
                                                                    calls_per_s
     servemesh_scaler_rounds_total{outcome}                         ok | failed | held
+    servemesh_scaler_edge{zone,signal}                             Predict at the zone's edge:
+                                                                   p99_ms, error_ratio,
+                                                                   calls_per_s
+    servemesh_scaler_host_busy_ratio                               the host's CPU, 0..1
+    servemesh_scaler_host_runnable                                 its run queue
+    servemesh_scaler_host_headroom_cores                           cores' worth left idle
+    servemesh_scaler_host_saturated                                1: no headroom (host.py)
+    servemesh_scaler_no_headroom_total{pool,zone}                  scale-ups held for it
 
 `pool` is what is scaled: a model pool by its processes' prefix (model-fraud), gateway or
 feature.
@@ -21,6 +29,8 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from servemesh.scaling.decide import Decision
+from servemesh.scaling.edge import EdgeSignals
+from servemesh.scaling.host import HostLoad
 
 SIGNALS = ("p99_ms", "queue_depth", "cpu", "in_flight", "error_ratio", "calls_per_s")
 
@@ -53,6 +63,32 @@ class ScalerMetrics:
             "servemesh_scaler_rounds", "Rounds, by outcome (held: scaling off, or an update)",
             ["outcome"], registry=r,
         )  # fmt: skip
+        self.edge = Gauge(
+            "servemesh_scaler_edge", "Predict at the zone's edge Envoy, as the last round read it",
+            ["zone", "signal"], registry=r,
+        )  # fmt: skip
+        self.host_busy = Gauge(
+            "servemesh_scaler_host_busy_ratio", "Share of the host's CPU busy since the last round",
+            registry=r,
+        )  # fmt: skip
+        self.host_runnable = Gauge(
+            "servemesh_scaler_host_runnable", "Threads running or waiting to run on the host",
+            registry=r,
+        )  # fmt: skip
+        self.host_headroom = Gauge(
+            "servemesh_scaler_host_headroom_cores", "Cores' worth of CPU left idle on the host",
+            registry=r,
+        )  # fmt: skip
+        self.host_saturated = Gauge(
+            "servemesh_scaler_host_saturated",
+            "1 while the host has no headroom: every core busy and a longer run queue",
+            registry=r,
+        )
+        self.starved = Counter(
+            "servemesh_scaler_no_headroom",
+            "Rounds in which a pool's scale-up was held: no headroom on this host",
+            ["pool", "zone"], registry=r,
+        )  # fmt: skip
 
     def observe(self, decision: Decision, rotation: int, standby: int) -> None:
         pool, zone = decision.pool, decision.zone
@@ -69,6 +105,22 @@ class ScalerMetrics:
             # Not measured this round (no calls for a p99): no stale value left behind.
             with contextlib.suppress(KeyError):
                 self.signal.remove(pool, zone, name)
+
+    def observe_edge(self, zone: str, seen: EdgeSignals) -> None:
+        for name, value in seen.as_dict().items():
+            if value is None:
+                with contextlib.suppress(KeyError):
+                    self.edge.remove(zone, name)
+            else:
+                self.edge.labels(zone, name).set(value)
+
+    def observe_host(self, load: HostLoad, saturated: bool) -> None:
+        if load.busy is None:
+            return  # the first reading: no interval yet
+        self.host_busy.set(load.busy)
+        self.host_runnable.set(load.runnable)
+        self.host_headroom.set(load.headroom_cores or 0.0)
+        self.host_saturated.set(1 if saturated else 0)
 
     def acted(self, decision: Decision, outcome: str) -> None:
         direction = "up" if decision.desired > decision.current else "down"

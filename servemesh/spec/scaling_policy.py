@@ -184,6 +184,28 @@ def front_pool() -> PoolPolicy:
     return PoolPolicy(target=front_targets())
 
 
+class EdgeSignalSpec(StrictModel):
+    """The caller's side (servemesh/scaling/edge.py): Predict as each zone's edge Envoy
+    measures it, against the objective below. When it breaches for a pool's `up_window`,
+    the pool whose share of the hops grew is scaled, even while every replica's own signals
+    are under their targets."""
+
+    enabled: bool = True
+    # The caller's p99 and failed share the edge holds the mesh to. A model named in
+    # `rollout.slos` makes its own objective apply where it is stricter.
+    p99_ms: Annotated[float, Field(gt=0)] = 100.0
+    error_ratio: Annotated[float, Field(gt=0, lt=1)] = 0.01
+
+
+class HostHeadroomSpec(StrictModel):
+    """Whether the scaler judges the host (servemesh/scaling/host.py): with `busy_ratio` of
+    its CPU busy and a run queue longer than its cores, no signal adds a replica on it, and
+    the decision says "no headroom on this host" instead."""
+
+    enabled: bool = True
+    busy_ratio: Annotated[float, Field(gt=0, le=1)] = 0.9
+
+
 class ScalingSpec(StrictModel):
     """The scaler `servemesh up` runs (and `servemesh scale run` runs on its own): a pool
     per kind of replica, each zone's replicas of it scaled on their own."""
@@ -199,6 +221,8 @@ class ScalingSpec(StrictModel):
     model_servers: PoolPolicy = Field(default_factory=PoolPolicy)
     gateway: PoolPolicy = Field(default_factory=front_pool)
     feature: PoolPolicy = Field(default_factory=front_pool)
+    edge: EdgeSignalSpec = Field(default_factory=EdgeSignalSpec)
+    host: HostHeadroomSpec = Field(default_factory=HostHeadroomSpec)
 
     def pool(self, kind: Literal["model", "gateway", "feature"]) -> PoolPolicy:
         """The policy of a kind's pool."""

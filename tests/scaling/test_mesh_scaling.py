@@ -36,15 +36,31 @@ from servemesh.scaling.__main__ import metrics_address
 from servemesh.scaling.history import pool_status, read_history, read_status
 from servemesh.scaling.signals import SERVING_METHODS
 from servemesh.spec import DemoSpec, MeshSpec, ModelSpec, ModelVersionSpec, Ports, Replicas
-from servemesh.spec.scaling_policy import PoolPolicy, ScalingSpec, ScalingTargets
+from servemesh.spec.scaling_policy import (
+    EdgeSignalSpec,
+    HostHeadroomSpec,
+    PoolPolicy,
+    ScalingSpec,
+    ScalingTargets,
+)
 from tests.waiting import wait_until
 
 ZONE = "zone-a"
 FIRST, PROMOTED, NEXT_STANDBY = (f"model-fraud-{ZONE}-{i}" for i in range(3))
 
 
+# These tests ask what the replicas' own signals do: the caller's side and the host's
+# headroom are tests/scaling/test_edge_scaling.py's (on a two-core box under load the host
+# guard would rightly hold the growth these tests wait for).
+REPLICA_SIGNALS_ONLY = {
+    "edge": EdgeSignalSpec(enabled=False),
+    "host": HostHeadroomSpec(enabled=False),
+}
+
+
 def scaling(max_replicas: int) -> ScalingSpec:
     return ScalingSpec(
+        **REPLICA_SIGNALS_ONLY,
         interval="1s",
         drain_timeout="10s",
         model_servers=PoolPolicy(
@@ -202,6 +218,7 @@ def front_scaling(max_replicas: int) -> ScalingSpec:
         cooldown="1s",
     )
     return ScalingSpec(
+        **REPLICA_SIGNALS_ONLY,
         interval="1s",
         drain_timeout="10s",
         model_servers=PoolPolicy(min=1, max=1),

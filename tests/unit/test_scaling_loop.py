@@ -10,11 +10,17 @@ from pathlib import Path
 
 from servemesh.observe.scrape import Sample
 from servemesh.scaling.history import pool_status, read_history, read_status
+from servemesh.scaling.host import HostReader
 from servemesh.scaling.loop import Scaler
 from servemesh.scaling.signals import IN_FLIGHT, QUEUE, SERVING_METHODS
 from servemesh.spec import MeshSpec, ModelSpec, ModelVersionSpec, Ports, ResolvedSpec, resolve
 from servemesh.spec.scaling_policy import PoolPolicy, ScalingSpec, front_targets
 from servemesh.state.paths import MeshPaths
+
+
+def quiet_host() -> HostReader:
+    """A host with room to spare, whatever the machine running the test is doing."""
+    return HostReader(lambda path: "cpu  100 0 100 800 0 0 0 0\nprocs_running 1\n", cores=2)
 
 
 @dataclass
@@ -78,6 +84,7 @@ def test_each_pool_decides_on_its_own_signals_in_each_zone(tmp_path: Path) -> No
         clock=lambda: 100.0,
         wall=lambda: datetime(2026, 12, 2, tzinfo=UTC),
         actuators=actuators,  # type: ignore[arg-type]
+        host=quiet_host(),
     )
     decisions = scaler.round()
 
@@ -173,6 +180,7 @@ def test_the_forecast_from_the_prediction_log_raises_the_floor_before_the_weekly
             clock=lambda: 100.0,
             wall=lambda: wall,
             actuators=actuators,  # type: ignore[arg-type]
+            host=quiet_host(),
         )
         decisions = scaler.round()
         fraud = [d for d in decisions if d.pool == "model-fraud"]
