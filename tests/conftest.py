@@ -44,6 +44,7 @@ MESH_PATHS = (
     "rollout/test_rollout_drills.py",
     "rollout/test_rollout_mesh.py",
     "rollout/test_sticky.py",
+    "scaling/test_edge_scaling.py",
     "scaling/test_mesh_scaling.py",
     "streams/test_mesh_streams.py",
     "tracing/test_mesh_traces.py",

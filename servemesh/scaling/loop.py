@@ -233,8 +233,10 @@ class Scaler:
             }
             shown[zone] = entry
             if breach is None:
-                watch.breaching_since = None
+                # Envoy merges its histograms every 5 s: an interval without a p99 is not
+                # known to be within the objective, and neither ends a breach nor starts one.
                 if seen.p99_ms is not None:
+                    watch.breaching_since = None
                     watch.baseline = shares
                 continue
             if watch.breaching_since is None:

@@ -294,3 +294,24 @@ def test_on_a_saturated_host_the_breach_is_named_not_answered_with_replicas(
     assert status is not None and status["host"]["saturated"] is True
     assert status["host"]["headroom_cores"] == pytest.approx(0.02)
     assert scaler.metrics.host_saturated._value.get() == 1  # type: ignore[attr-defined]
+
+
+def test_intervals_between_envoys_histogram_merges_neither_end_nor_start_a_breach(
+    tmp_path: Path,
+) -> None:
+    """Envoy merges histograms every 5 s: rounds of 1 s mostly see new calls counted but no
+    new time. Those rounds keep the breach going; it still grows the pool once it lasted
+    the up-window."""
+    calls, timed = [0], [0]
+
+    def edge(merged: bool) -> str:
+        calls[0] += 20
+        if merged:
+            timed[0] = calls[0]
+        return envoy_stats({500: timed[0]}, {0: calls[0]})
+
+    texts = [edge(merged=i % 5 == 0) for i in range(16)]
+    clock = Clock()
+    scaler, actuators = _scaler(tmp_path, texts, [IDLE_STAT] * 16, clock)
+    _rounds(scaler, clock, 16, step_s=1.0)
+    assert actuators["gateway"].grown == [("zone-a", 2)]
