@@ -3,8 +3,9 @@
 from `min` by the scaler process (as `servemesh up` runs it). Each gets the same ramp
 (`low` -> `high` -> `low` req/s through the edge over `seconds`); each reports p99 per
 window, the share of windows whose p99 is within the SLO, failed calls and the
-replica-seconds its model servers ran (the cost proxy: processes started and not yet
-stopped, sampled every half second, standbys included). Cold start is measured too: a
+replica-seconds its scaled pools ran (model servers, gateways and feature services; the
+cost proxy: processes started and not yet stopped, sampled every half second, standbys
+included). Cold start is measured too: a
 replica's process start to every version SERVING, with and without a warm standby.
 
 The goal (issue: autoscaled p99 within the SLO for >= 95% of the ramp at <= 0.7x the
@@ -35,7 +36,7 @@ from servemesh.load.schedule import SendTimes
 from servemesh.rollout.fleet import fleet_status
 from servemesh.scaling.history import read_history
 from servemesh.spec import MeshSpec
-from servemesh.spec.scaling_policy import PoolPolicy, ScalingSpec, ScalingTargets
+from servemesh.spec.scaling_policy import EdgeSignalSpec, PoolPolicy, ScalingSpec, ScalingTargets
 
 WINDOW_S = 5.0
 GOAL_WITHIN_SLO = 0.95
@@ -68,8 +69,13 @@ class ModeResult:
     decisions: list[str] = field(default_factory=list)
 
 
+# The kinds the scaler grows: every one's processes count towards a mode's cost.
+SCALED_KINDS = ("model", "gateway", "feature")
+
+
 class ReplicaMeter:
-    """Integrates the model-server processes the mesh reports running, every `every_s`."""
+    """Integrates the scaled processes (model servers, gateways, feature services) the mesh
+    reports running, every `every_s`."""
 
     def __init__(self, state_dir: Path, every_s: float = 0.5) -> None:
         self.state_dir = state_dir
@@ -80,8 +86,12 @@ class ReplicaMeter:
         self._thread = threading.Thread(target=self._run, name="replica-meter", daemon=True)
 
     def _count(self) -> int:
-        status = fleet_status(self.state_dir, "model")
-        return sum(1 for entry in status.values() if entry.get("pid"))
+        status = fleet_status(self.state_dir)
+        return sum(
+            1
+            for entry in status.values()
+            if isinstance(entry, dict) and entry.get("service") in SCALED_KINDS and entry.get("pid")
+        )
 
     def _run(self) -> None:
         last = time.monotonic()
@@ -230,7 +240,9 @@ def bench_scale(
         down_window="15s",
         cooldown="5s",
     )
-    scaling = ScalingSpec(interval="1s", model_servers=policy)
+    # The caller's objective at the edge is the SLO measured here (scaling.edge); the
+    # gateways and feature services keep their default pools (1..2).
+    scaling = ScalingSpec(interval="1s", model_servers=policy, edge=EdgeSignalSpec(p99_ms=slo_ms))
     times = ramp_times(low, high, seconds)
     results = []
     for mode, replicas, scaler in (

@@ -19,6 +19,9 @@ an injected clock, so every rule is tested without a mesh and without waiting.
    (`blame.py`), the pool grows by a step even though its own signals are at target.
 5. **No headroom** (`saturated`): on a host whose cores are all busy with a run queue
    longer than them (`host.py`), no signal grows a pool: the decision says so instead.
+6. **Kept for the caller** (`keep`): no pool of a zone shrinks while the zone's edge p99 is
+   above `down_below` of its objective, so a pool grown for the edge is not taken back by
+   its own low signals a minute later (and grown again).
 
 Every decision carries the reason a person reads in `servemesh scale history`, e.g.
 "p99_ms 182 > 100 over 10s: zone-a 1 -> 2".
@@ -183,13 +186,16 @@ def decide(
     predicted: tuple[int, str] | None = None,
     demand: tuple[int, str] | None = None,
     saturated: str | None = None,
+    keep: str | None = None,
 ) -> Decision:
     """One round for one zone: `at` on the scaler's monotonic clock, `now` the wall time
     (the schedule's floors are local times); `predicted`: the forecast's floor and why
     (servemesh/scaling/forecast.py), when the policy forecasts. The decision is of the
     model servers' pool unless the caller names another (`dataclasses.replace(d, pool=)`).
     `demand`: the replicas the edge's breach asks of this pool, and why; `saturated`: the
-    host's load in words when it has no headroom (no scale-up then)."""
+    host's load in words when it has no headroom (no scale-up then); `keep`: why the pool
+    may not shrink now whatever its own signals say (the zone's edge above `down_below` of
+    its objective)."""
     n = signals.replicas
     recommendation = recommend(policy, signals)
     stabilizer.note(at, recommendation, max(policy.up_window_s, policy.down_window_s))
@@ -239,6 +245,10 @@ def decide(
         window = stabilizer.covered(at, policy.down_window_s)
         if cooling:
             return _hold(zone, n, recommendation, signals, floor, "cooldown")
+        if keep is not None:
+            # The pool may have grown for the caller's side: its own signals being low
+            # says nothing about the edge, which would only ask for it again.
+            return _hold(zone, n, recommendation, signals, floor, keep)
         if window is None or max(r.replicas for r in window) >= n:
             return _hold(zone, n, recommendation, signals, floor, f"not yet {policy.down_window}")
         desired = max(max(r.replicas for r in window), floor)

@@ -77,6 +77,7 @@ class EdgeWatch:
 
     breaching_since: float | None = None
     baseline: dict[str, float] | None = None
+    last_p99_ms: float | None = None  # the last interval's, when it had one
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,8 @@ class Scaler:
             watch = self._edge_watches.setdefault(zone, EdgeWatch())
             breach = objective.breach(seen)
             now = self.clock()
+            if seen.p99_ms is not None:
+                watch.last_p99_ms = seen.p99_ms
             entry: dict[str, Any] = {
                 **seen.as_dict(),
                 "objective_p99_ms": objective.p99_ms,
@@ -291,6 +294,7 @@ class Scaler:
             found_now = decide(
                 zone, pool, signals, stabilizer, self.clock(), self.wall(), predicted,
                 demand=demands.get((label, zone)), saturated=saturated,
+                keep=self._kept_for_the_edge(live, zone, pool.down_below),
             )  # fmt: skip
             decision = replace(found_now, pool=label)
             self._note_starved(decision)
@@ -313,6 +317,17 @@ class Scaler:
                     log.warning("scale: %s %s standby: %s", label, zone, exc)
             found.append((decision, entry))
         return found
+
+    def _kept_for_the_edge(self, live: ResolvedSpec, zone: str, down_below: float) -> str | None:
+        """Why no pool of `zone` may shrink: its edge's last p99 above `down_below` of the
+        objective (None when the edge signal is off or the edge is quiet enough)."""
+        watch = self._edge_watches.get(zone)
+        if not live.scaling.edge.enabled or watch is None or watch.last_p99_ms is None:
+            return None
+        objective = Objective.of(live).p99_ms
+        if watch.last_p99_ms <= objective * down_below:
+            return None
+        return f"edge p99 {watch.last_p99_ms:.0f} ms above {down_below:.0%} of {objective:g} ms"
 
     def _note_starved(self, decision: Decision) -> None:
         """A decision held for want of headroom goes to the history once per stretch (and

@@ -52,15 +52,13 @@ FIRST, PROMOTED, NEXT_STANDBY = (f"model-fraud-{ZONE}-{i}" for i in range(3))
 # These tests ask what the replicas' own signals do: the caller's side and the host's
 # headroom are tests/scaling/test_edge_scaling.py's (on a two-core box under load the host
 # guard would rightly hold the growth these tests wait for).
-REPLICA_SIGNALS_ONLY = {
-    "edge": EdgeSignalSpec(enabled=False),
-    "host": HostHeadroomSpec(enabled=False),
-}
+NO_EDGE, NO_HOST_GUARD = EdgeSignalSpec(enabled=False), HostHeadroomSpec(enabled=False)
 
 
 def scaling(max_replicas: int) -> ScalingSpec:
     return ScalingSpec(
-        **REPLICA_SIGNALS_ONLY,
+        edge=NO_EDGE,
+        host=NO_HOST_GUARD,
         interval="1s",
         drain_timeout="10s",
         model_servers=PoolPolicy(
@@ -218,7 +216,8 @@ def front_scaling(max_replicas: int) -> ScalingSpec:
         cooldown="1s",
     )
     return ScalingSpec(
-        **REPLICA_SIGNALS_ONLY,
+        edge=NO_EDGE,
+        host=NO_HOST_GUARD,
         interval="1s",
         drain_timeout="10s",
         model_servers=PoolPolicy(min=1, max=1),

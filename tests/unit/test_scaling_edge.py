@@ -293,7 +293,7 @@ def test_on_a_saturated_host_the_breach_is_named_not_answered_with_replicas(
     status = read_status(tmp_path)
     assert status is not None and status["host"]["saturated"] is True
     assert status["host"]["headroom_cores"] == pytest.approx(0.02)
-    assert scaler.metrics.host_saturated._value.get() == 1  # type: ignore[attr-defined]
+    assert scaler.metrics.host_saturated._value.get() == 1
 
 
 def test_intervals_between_envoys_histogram_merges_neither_end_nor_start_a_breach(
@@ -315,3 +315,33 @@ def test_intervals_between_envoys_histogram_merges_neither_end_nor_start_a_breac
     scaler, actuators = _scaler(tmp_path, texts, [IDLE_STAT] * 16, clock)
     _rounds(scaler, clock, 16, step_s=1.0)
     assert actuators["gateway"].grown == [("zone-a", 2)]
+
+
+def test_a_pool_is_not_shrunk_while_the_edge_is_above_its_scale_in_share(
+    tmp_path: Path,
+) -> None:
+    """A pool at 2 whose own signals are idle shrinks after the down-window, except while
+    its zone's edge p99 is above down_below (50%) of the objective: there it is kept."""
+    policy = PoolPolicy(down_window="10s", cooldown="0s", max=3, target=front_targets())
+    idle = PoolSignals(replicas=2, in_flight=0.0, cpu=0.01)
+    now = datetime(2026, 12, 6, tzinfo=UTC)
+    stabilizer = Stabilizer()
+    kept = "edge p99 80 ms above 50% of 100 ms"
+    for at in (100.0, 105.0, 110.0):
+        found = decide("zone-a", policy, idle, stabilizer, at, now, keep=kept)
+    assert (found.desired, found.held) == (2, kept)
+    shrunk = decide("zone-a", policy, idle, stabilizer, 115.0, now)
+    assert shrunk.desired == 1
+
+    calls = [0]
+
+    def edge(ms: float) -> str:
+        calls[0] += 100
+        return envoy_stats({ms: calls[0]}, {0: calls[0]})
+
+    clock = Clock()
+    scaler, _ = _scaler(tmp_path, [edge(100), edge(100)], [IDLE_STAT] * 2, clock)
+    _rounds(scaler, clock, 2)
+    assert scaler._kept_for_the_edge(scaler.manager.live_spec(), "zone-a", 0.5) == (
+        "edge p99 100 ms above 50% of 100 ms"
+    )
