@@ -11,6 +11,7 @@ import grpc
 from servemesh.contract.control_credential import control_verifier
 from servemesh.identity import serving_credentials
 from servemesh.registry.backup import BackupMetrics, backup_every
+from servemesh.registry.drift import DriftMetrics, drift_every
 from servemesh.registry.metrics import RegistryMetrics
 from servemesh.registry.scope import ModelServerScope
 from servemesh.registry.service import SERVICE_NAME, UPLOAD_IDLE_TIMEOUT_S, RegistryServicer
@@ -110,6 +111,11 @@ async def build_server(spec: ResolvedSpec, instance: str) -> ServiceServer:
     store = await open_store(spec, spec.registry_store_dir)
     server = mesh_registry_server(spec, instance, store, spec.port_of(instance))
     server.serve_metrics(spec.metrics_ports.get(instance, 0))
+
+    def current() -> ResolvedSpec:
+        return server.live_spec.current if server.live_spec is not None else spec
+
+    server.run_in_background(drift_every(current, DriftMetrics(server.metrics.registry)))
     backups = spec.registry.backup
     if backups.interval_s is not None:
         metrics = BackupMetrics(server.metrics.registry)

@@ -385,13 +385,87 @@ def cost_rules(spec: MeshSpec) -> list[dict[str, Any]]:
     return rules
 
 
+# --- drift: a model's live inputs moved from its reference ------------------------------
+#
+# The registry computes each referenced model's drift every `prediction_log.drift.interval`
+# (registry/drift.py) and exports a PSI, a p-value and the values compared per feature. A
+# feature drifts as `servemesh drift` says it does: PSI at or above `psi_drifting` with the
+# test's p-value under `p_value`, over at least `min_rows` live values; held `alert_after`,
+# it tickets (drift is a model-quality question for its owners, not an outage).
+
+DRIFT_RULES_GROUP = "servemesh-drift"
+DRIFT_ALERT = "ServemeshFeatureDrift"
+DRIFT_RUNBOOK = "docs/runbooks/feature-drift.md"
+DRIFT_PSI = "servemesh_feature_drift_psi"
+DRIFT_P_VALUE = "servemesh_feature_drift_p_value"
+DRIFT_ROWS = "servemesh_feature_drift_rows"
+
+
+def drift_alerts(spec: MeshSpec) -> list[dict[str, Any]]:
+    drift = spec.prediction_log.drift
+    same = "on(model, version, feature)"
+    expr = (
+        f"{DRIFT_PSI} >= {floatToGoString(drift.psi_drifting)}"
+        f" and {same} {DRIFT_P_VALUE} < {floatToGoString(drift.p_value)}"
+        f" and {same} {DRIFT_ROWS} >= {drift.min_rows}"
+    )
+    return [
+        {
+            "alert": DRIFT_ALERT,
+            "expr": expr,
+            "for": prom_duration(duration_seconds(drift.alert_after)),
+            "labels": {"severity": "ticket"},
+            "annotations": {
+                "summary": "{{ $labels.model }}: feature {{ $labels.feature }} drifted from "
+                "its reference",
+                "description": 'PSI {{ $value | printf "%.2f" }} over the last '
+                f"{drift.window} of {{{{ $labels.model }}}}'s calls (version "
+                "{{ $labels.version }}; * is every version against the model's reference); "
+                "`servemesh drift {{ $labels.model }}` shows every feature",
+                "runbook": DRIFT_RUNBOOK,
+            },
+        }
+    ]
+
+
+# --- the host: no headroom for another replica ------------------------------------------
+#
+# The scaler sets servemesh_scaler_host_saturated to 1 while its host has every core busy
+# and a run queue longer than them (servemesh/scaling/host.py): it then adds no replica on
+# it. Held five minutes, that is capacity the mesh cannot give itself: a ticket.
+
+HOST_RULES_GROUP = "servemesh-host"
+HOST_ALERT = "ServemeshHostSaturated"
+HOST_RUNBOOK = "docs/runbooks/host-saturated.md"
+HOST_SATURATED = "servemesh_scaler_host_saturated"
+
+
+def host_alerts() -> list[dict[str, Any]]:
+    return [
+        {
+            "alert": HOST_ALERT,
+            "expr": f"{HOST_SATURATED} == 1",
+            "for": "5m",
+            "labels": {"severity": "ticket"},
+            "annotations": {
+                "summary": "the mesh's host has no headroom: the scaler adds no replica",
+                "description": "every core busy and a run queue longer than the cores for 5 "
+                "minutes; `servemesh scale status` shows the host and each zone's edge",
+                "runbook": HOST_RUNBOOK,
+            },
+        }
+    ]
+
+
 def render_rules(spec: MeshSpec | None = None) -> dict[str, Any]:
-    """The rules file: the SLI group, the SLO group when `spec` states SLOs, and the cost
-    group for `spec`'s prices."""
+    """The rules file: the SLI group, the SLO group when `spec` states SLOs, the cost and
+    drift groups for `spec`'s prices and drift settings, and the host's headroom alert."""
     groups: list[dict[str, Any]] = [{"name": "servemesh-sli", "rules": RULES}]
     slo = [*slo_rules(spec), *slo_alerts(spec)] if spec is not None else []
     if slo:
         groups.append({"name": SLO_RULES_GROUP, "rules": slo})
     if spec is not None:
         groups.append({"name": COST_RULES_GROUP, "rules": cost_rules(spec)})
+        groups.append({"name": DRIFT_RULES_GROUP, "rules": drift_alerts(spec)})
+        groups.append({"name": HOST_RULES_GROUP, "rules": host_alerts()})
     return {"groups": groups}

@@ -45,6 +45,7 @@ COMMAND_MODULES: dict[str, str] = {
     "top": "top",
     "alerts": "alerts",
     "log": "log",
+    "drift": "drift",
     "trace": "trace",
     "control-plane": "compose",
     "compose": "compose",

@@ -3,7 +3,7 @@
 Firing alerts come from the mesh's Alertmanager (its API, `/api/v2/alerts`); the recent
 ones from the mesh's own receiver, which keeps every notification Alertmanager sent it,
 firing and resolved (servemesh/observe/alert_receiver.py). Each with its severity, the
-model and objective it is about, and its runbook.
+model and objective it is about (or the feature, for a drift alert), and its runbook.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def firing(address: str) -> list[dict[str, Any]]:
             "severity": a["labels"].get("severity", ""),
             "model": a["labels"].get("model", ""),
             "objective": a["labels"].get("objective", ""),
+            "feature": a["labels"].get("feature", ""),
             "since": a.get("startsAt", ""),
             "summary": a.get("annotations", {}).get("summary", ""),
             "runbook": a.get("annotations", {}).get("runbook", ""),
@@ -59,6 +60,7 @@ def recent(received: list[dict[str, Any]], limit: int = RECENT) -> list[dict[str
                 "severity": labels.get("severity", ""),
                 "model": labels.get("model", ""),
                 "objective": labels.get("objective", ""),
+                "feature": labels.get("feature", ""),
                 "received": sent.get("received"),
                 "runbook": (sent.get("annotations") or {}).get("runbook", ""),
             }
@@ -67,6 +69,12 @@ def recent(received: list[dict[str, Any]], limit: int = RECENT) -> list[dict[str
 
 
 def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> Table:
+    if any(row.get("feature") for row in rows):  # a drift alert's: which feature moved
+        columns = [
+            *columns[: columns.index("objective") + 1],
+            "feature",
+            *columns[columns.index("objective") + 1 :],
+        ]
     table = Table(title=title, title_justify="left")
     for column in columns:
         table.add_column(column)

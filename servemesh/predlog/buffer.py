@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from servemesh.contract.atomic import atomic_write_text
 from servemesh.predlog.record import PredictWatch, Row, RowContext, to_row
-from servemesh.spec import MeshSpec, PredictionLogSpec
+from servemesh.spec import MeshSpec, ModelInputSpec, PredictionLogSpec
 from servemesh_api.gateway.v1 import gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,14 @@ def entity_names(spec: MeshSpec) -> dict[str, str]:
         name: spec.entity_of(model.feature_view)
         for name, model in spec.models.items()
         if model.inputs is None and model.feature_view in spec.feature_views
+    }
+
+
+def logged_features(spec: MeshSpec) -> dict[str, dict[str, ModelInputSpec]]:
+    """The inputs of every model whose spec sets log_features, by model: the records of
+    their calls keep the feature values, named by these inputs' features."""
+    return {
+        name: model.effective_inputs for name, model in spec.models.items() if model.log_features
     }
 
 
@@ -148,7 +156,8 @@ class PredictionLog:
         self._executor.shutdown(wait=True)
 
     async def follow_spec(self, spec: MeshSpec) -> None:
-        """New models' shorthand entity names; bounds as the spec now says."""
+        """New models' shorthand entity names, which models keep their feature values;
+        bounds as the spec now says."""
         settings = spec.prediction_log
         self.context = replace(
             self.context,
@@ -156,6 +165,8 @@ class PredictionLog:
             max_entity_ids=settings.max_entity_ids,
             max_message_chars=settings.max_message_chars,
             entity_of_model=entity_names(spec),
+            max_feature_bytes=settings.max_feature_bytes,
+            logged_features=logged_features(spec),
         )
 
     def stats(self) -> dict[str, int]:

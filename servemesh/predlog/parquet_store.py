@@ -51,8 +51,11 @@ SCHEMA = pa.schema(
         ("message", pa.string()),
         ("degraded", pa.bool_()),
         ("degraded_reason", pa.string()),
-        # Files written before the column existed read it as null.
+        # Files written before a column existed read it as null (query.py).
         ("tier", pa.string()),
+        ("feature_hash", pa.string()),
+        ("feature_count", pa.int64()),
+        ("features", pa.string()),  # null: the model does not log its feature values
     ]
 )
 assert tuple(SCHEMA.names) == COLUMNS

@@ -34,9 +34,12 @@ _TYPES = (
     "boolean NOT NULL",
     "text NOT NULL",
     "text NOT NULL DEFAULT ''",
+    "text NOT NULL DEFAULT ''",
+    "bigint NOT NULL DEFAULT 0",
+    "jsonb",
 )
 # Columns added after the first release: a table made before them gains them in place.
-_ADDED = ("tier",)
+_ADDED = ("tier", "feature_hash", "feature_count", "features")
 assert len(_TYPES) == len(COLUMNS)
 
 # Index name suffix -> (method, columns): time ranges, entity lookups, errors, one request.

@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 import duckdb
 
 from servemesh.predlog.buffer import STATUS_FILE, predictions_dir
-from servemesh.predlog.parquet_store import expire_files, live_files
+from servemesh.predlog.features import parse_features
+from servemesh.predlog.parquet_store import SCHEMA, expire_files, live_files
 from servemesh.predlog.record import COLUMNS
 from servemesh.spec import PredictionLogSpec
 from servemesh.spec.durations import duration_seconds
@@ -125,6 +126,43 @@ def _hourly(
     return [(_utc(hour), int(n)) for hour, n in found]
 
 
+@dataclass
+class FeatureRecords:
+    """A model's calls over a window and the feature values the log kept of them."""
+
+    values: list[dict[str, list[Any]]]  # each record's values by feature, newest first
+    calls: int  # the model's calls in the window
+    with_values: int  # how many of them kept their values (log_features)
+
+
+# The kept values of one model's (and version's) newest calls since a time, and the counts.
+_FEATURES_SQL = """
+SELECT features FROM {source}
+WHERE ts >= {mark} AND model = {mark} AND features IS NOT NULL{version}
+ORDER BY ts DESC LIMIT {mark}
+"""
+_FEATURE_CALLS_SQL = """
+SELECT count(*), count(features) FROM {source} WHERE ts >= {mark} AND model = {mark}{version}
+"""
+
+
+def _features(
+    execute: Callable[[str, list[Any]], list[tuple[Any, ...]]],
+    source: str,
+    mark: str,
+    model: str,
+    version: str | None,
+    since: datetime,
+    limit: int,
+) -> FeatureRecords:
+    where = f" AND version = {mark}" if version else ""
+    params: list[Any] = [since, model, *([version] if version else [])]
+    counted = execute(_FEATURE_CALLS_SQL.format(source=source, mark=mark, version=where), params)
+    calls, with_values = (int(n or 0) for n in counted[0]) if counted else (0, 0)
+    found = execute(_FEATURES_SQL.format(source=source, mark=mark, version=where), [*params, limit])
+    return FeatureRecords([parse_features(value) for (value,) in found], calls, with_values)
+
+
 def _utc(value: Any) -> datetime:
     """An hour as DuckDB (naive, or in the session's zone) or PostgreSQL (aware) gives it."""
     if not isinstance(value, datetime):
@@ -209,15 +247,33 @@ def _answer(
             if isinstance(row[key], str):
                 row[key] = json.loads(row[key])
         row["entity_keys"] = list(row["entity_keys"] or [])
-        row["tier"] = row["tier"] or ""  # null in files written before the column
+        # Null in files written before the columns.
+        row["tier"] = row["tier"] or ""
+        row["feature_hash"] = row["feature_hash"] or ""
+        row["feature_count"] = int(row["feature_count"] or 0)
+        if isinstance(row["features"], str):
+            row["features"] = json.loads(row["features"])
     return QueryResult(rows, matched, selected)
 
 
-# Every gateway's files as one table (a file list is bound as the first parameter).
-PARQUET_SOURCE = "read_parquet(?, union_by_name = true)"
+# Every gateway's files as one table (a file list is bound as the first parameter). The
+# log's own schema, empty, comes first: a column that none of the files holds (all written
+# before it existed) reads as null rather than failing the query.
+LOG_SCHEMA_TABLE = "log_schema"
+PARQUET_SOURCE = (
+    f"(SELECT * FROM {LOG_SCHEMA_TABLE} UNION ALL BY NAME "
+    "SELECT * FROM read_parquet(?, union_by_name = true))"
+)
 # Listings a read may take when compaction removes files under it.
 READ_ATTEMPTS = 5
 _T = TypeVar("_T")
+
+
+def _duckdb() -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB that knows the log's schema (PARQUET_SOURCE reads it)."""
+    con = duckdb.connect()
+    con.register(LOG_SCHEMA_TABLE, SCHEMA.empty_table())
+    return con
 
 
 def _over_files(
@@ -225,7 +281,7 @@ def _over_files(
     answer: Callable[[Callable[[str, list[Any]], list[tuple[Any, ...]]]], _T],
     utc: bool,
 ) -> _T:
-    with duckdb.connect() as con:
+    with _duckdb() as con:
         if utc:
             con.execute("SET TimeZone = 'UTC'")
 
@@ -292,6 +348,19 @@ class ParquetReader:
             TopEntities([], 0, 0),
         )
 
+    def feature_records(
+        self, model: str, version: str | None, since_s: float, limit: int
+    ) -> FeatureRecords:
+        """The feature values kept of `model`'s (`version`'s) newest `limit` calls of the
+        last `since_s`, and how many calls there were."""
+        now = self.clock()
+        since = datetime.fromtimestamp(now - since_s, UTC)
+        return self._read(
+            int((now - since_s) * 1000),
+            lambda execute: _features(execute, PARQUET_SOURCE, "?", model, version, since, limit),
+            FeatureRecords([], 0, 0),
+        )
+
     def hourly_calls(self, since_s: float) -> list[tuple[datetime, int]]:
         """Every gateway's calls per UTC hour over the last `since_s`, oldest first."""
         now = self.clock()
@@ -308,7 +377,7 @@ class ParquetReader:
         where = f"parquet files under {self.root}"
 
         def counted(files: list[str]) -> LogSummary:
-            with duckdb.connect() as con:
+            with _duckdb() as con:
                 found = con.execute(
                     f"SELECT count(*), min(ts), max(ts) FROM {PARQUET_SOURCE}", [files]
                 ).fetchone()
@@ -360,6 +429,23 @@ class PostgresReader:
                 return conn.execute(text.encode(), args).fetchall()
 
             return _top(execute, source, "%s", model, entity, since, limit)
+
+    def feature_records(
+        self, model: str, version: str | None, since_s: float, limit: int
+    ) -> FeatureRecords:
+        """As ParquetReader.feature_records, in PostgreSQL."""
+        from psycopg import sql
+
+        from servemesh.predlog.postgres_store import connect
+
+        since = datetime.fromtimestamp(self.clock() - since_s, UTC)
+        source = sql.Identifier(self.table).as_string(None)
+        with connect(self.dsn) as conn:
+
+            def execute(text: str, args: list[Any]) -> list[tuple[Any, ...]]:
+                return conn.execute(text.encode(), args).fetchall()
+
+            return _features(execute, source, "%s", model, version, since, limit)
 
     def hourly_calls(self, since_s: float) -> list[tuple[datetime, int]]:
         """As ParquetReader.hourly_calls, in PostgreSQL (hours truncated in UTC)."""

@@ -2,7 +2,7 @@
 
 The request path only captures (a few references, floats and the entity ids, in the
 `PredictWatch` of the call); the writer's thread turns a batch of them into rows
-(`to_row`): JSON, caps, trace ids.
+(`to_row`): JSON, caps, trace ids, the feature vector's hash (servemesh/predlog/features.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,17 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 
 from servemesh.contract.wire import TENSOR_VALUE_FIELDS, TRACE_HEADERS
+from servemesh.predlog.features import (
+    HOLD_BYTES,
+    TensorType,
+    feature_hash,
+    features_json,
+    held_bytes,
+)
+from servemesh.spec import ModelInputSpec
 from servemesh_api.gateway.v1 import gateway_pb2
 
 T = TypeVar("T")
@@ -46,6 +55,9 @@ COLUMNS: tuple[str, ...] = (
     "degraded",
     "degraded_reason",
     "tier",  # which tier answered: online, cache or precomputed ("" when none did)
+    "feature_hash",  # sha256 of the values the model was sent, hex ("" when none were)
+    "feature_count",  # how many values that was (rows x features)
+    "features",  # JSON: those values by feature (capped), for a model with log_features
 )
 
 Row = tuple[Any, ...]
@@ -83,6 +95,10 @@ class PredictWatch:
         "feature_s",
         "inference_s",
         "total_s",
+        "inputs",
+        "input_types",
+        "feature_hash",
+        "feature_count",
     )
 
     def __init__(
@@ -102,6 +118,21 @@ class PredictWatch:
         self.metadata = metadata  # the call's incoming metadata: its traceparent, if any
         self.feature_s: float | None = None
         self.inference_s: float | None = None
+        # The model inputs the call sent (references), or their hash once too large to hold.
+        self.inputs: Mapping[str, np.ndarray] | None = None
+        self.input_types: Sequence[TensorType] = ()
+        self.feature_hash = ""
+        self.feature_count = 0
+
+    def model_inputs(self, types: Sequence[TensorType], inputs: Mapping[str, np.ndarray]) -> None:
+        """The feature vector the model is sent (every input tensor in wire layout, and the
+        signature's datatypes): kept by reference for the writer, which hashes it (and keeps
+        its values for a model with log_features); hashed here when too large to hold."""
+        if held_bytes(inputs) > HOLD_BYTES:
+            self.feature_hash, self.feature_count = feature_hash(types, inputs)
+            return
+        self.inputs = inputs
+        self.input_types = types
 
     async def features(self, call: Awaitable[T]) -> T:
         """Await the feature lookups, timing them (also when they fail)."""
@@ -167,6 +198,9 @@ class RowContext:
     max_message_chars: int = 256
     # The entity a model's `entity_ids` name, by model (the shorthand's view's entity).
     entity_of_model: Mapping[str, str] = field(default_factory=dict)
+    max_feature_bytes: int = 4096
+    # The inputs of each model whose spec sets log_features (the columns' names), by model.
+    logged_features: Mapping[str, Mapping[str, ModelInputSpec]] = field(default_factory=dict)
 
 
 def trace_id_of(metadata: Sequence[tuple[str, Any]]) -> str:
@@ -209,7 +243,20 @@ def to_row(c: PredictWatch, ctx: RowContext) -> Row:
         bool(answer is not None and answer.degraded),
         answer.degraded_reason[: ctx.max_message_chars] if answer is not None else "",
         tier_name(answer.tier) if answer is not None else "",
+        *_feature_columns(c, ctx),
     )
+
+
+def _feature_columns(c: PredictWatch, ctx: RowContext) -> tuple[str, int, str | None]:
+    """feature_hash, feature_count, features (None: the values are not kept)."""
+    inputs = c.inputs
+    if inputs is None:
+        return c.feature_hash, c.feature_count, None
+    digest, count = feature_hash(c.input_types, inputs)
+    logged = ctx.logged_features.get(c.model)
+    if logged is None:
+        return digest, count, None
+    return digest, count, features_json(logged, c.input_types, inputs, ctx.max_feature_bytes)
 
 
 def tier_name(tier: int) -> str:

@@ -9,6 +9,7 @@ from servemesh.predlog.buffer import (
     PredictionLog,
     Store,
     entity_names,
+    logged_features,
     predictions_dir,
 )
 from servemesh.predlog.parquet_store import ParquetStore
@@ -38,6 +39,8 @@ def gateway_prediction_log(spec: MeshSpec, instance: str, zone: str) -> Predicti
         max_entity_ids=settings.max_entity_ids,
         max_message_chars=settings.max_message_chars,
         entity_of_model=entity_names(spec),
+        max_feature_bytes=settings.max_feature_bytes,
+        logged_features=logged_features(spec),
     )
     if not settings.enabled:
         return PredictionLog(settings, None, context)

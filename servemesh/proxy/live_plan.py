@@ -8,7 +8,7 @@ line naming the field and what to do instead.
 Allowed live: routing and policy (`traffic`, `models.*.traffic|shadow|policy`), models added
 (removed only with `--prune`; without it a model the file leaves out keeps running),
 versions added and removed, feature views added (removed only with `--prune`, and never
-while a model reads them), a model's `fallback_score` and `tiers`, the gateways'
+while a model reads them), a model's `fallback_score`, `tiers` and `log_features`, the gateways'
 `coalescing` and the services' `logs` (each service follows them on its next look at the
 spec). Everything else describes processes or what a served version computes: zones,
 replicas, ports and limits need a restart; a served version's inputs, features or batching
@@ -49,7 +49,8 @@ IGNORED_TOP = {"ports", "state_dir", "feature_store", "demo", "network"}
 # Per model: what may change while its versions serve.
 # `tiers`: each gateway follows them (a cache dropped or resized); the answers they keep
 # are keyed by version, so no served version computes anything else.
-LIVE_MODEL = {"traffic", "shadow", "policy", "versions", "fallback_score", "tiers"}
+# `log_features`: what the gateways' prediction log keeps of a call, not what it computes.
+LIVE_MODEL = {"traffic", "shadow", "policy", "versions", "fallback_score", "tiers", "log_features"}
 # Per version: where it was seeded from is history, not what it computes.
 IGNORED_VERSION = {"source"}
 
@@ -97,6 +98,8 @@ class ApplyPlan:
     fallback: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
     # model -> (before, after), for kept models whose tiers change.
     tiers: dict[str, tuple[TiersSpec | None, TiersSpec | None]] = field(default_factory=dict)
+    # model -> (before, after), for kept models whose log_features changes.
+    log_features: dict[str, tuple[bool, bool]] = field(default_factory=dict)
     # True when routing or policy changes beyond weights (shadow, policy, mesh traffic).
     routing_changed: bool = False
     # What of it changes, readably: a model's shadow, each field of a model's policy or of
@@ -125,6 +128,7 @@ class ApplyPlan:
             or self.weights
             or self.fallback
             or self.tiers
+            or self.log_features
             or self.routing_changed
             or self.coalescing
             or self.logs
@@ -148,6 +152,8 @@ class ApplyPlan:
             found.append(Change("~", "fallback_score", model, f"{old} -> {new}"))
         for model, (was, now) in sorted(self.tiers.items()):
             found.append(Change("~", "tiers", model, f"{tiers_text(was)} -> {tiers_text(now)}"))
+        for model, (logged, logs) in sorted(self.log_features.items()):
+            found.append(Change("~", "log_features", model, f"{logged} -> {logs}"))
         found += self.routing
         if self.coalescing is not None:
             before_text, after_text = (coalescing_text(c) for c in self.coalescing)
@@ -440,6 +446,7 @@ def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) ->
     weights: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
     fallback: dict[str, tuple[float | None, float | None]] = {}
     tiers: dict[str, tuple[TiersSpec | None, TiersSpec | None]] = {}
+    log_features: dict[str, tuple[bool, bool]] = {}
     routing_changed = running.traffic != declared.traffic
     served_by_both: list[str] = []
 
@@ -464,6 +471,8 @@ def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) ->
             fallback[name] = (live.fallback_score, wanted.fallback_score)
         if live.tiers != wanted.tiers:
             tiers[name] = (live.tiers, wanted.tiers)
+        if live.log_features != wanted.log_features:
+            log_features[name] = (live.log_features, wanted.log_features)
         routing_changed |= _routing_of(running, name) != _routing_of(declared, name)
         served_by_both.append(name)
     for name, wanted in declared.models.items():
@@ -537,6 +546,7 @@ def plan_apply(running: MeshSpec, declared: MeshSpec, *, prune: bool = False) ->
         weights=weights,
         fallback=fallback,
         tiers=tiers,
+        log_features=log_features,
         routing_changed=routing_changed,
         routing=routing_changes(running, declared, served_by_both),
         coalescing=(

@@ -268,6 +268,10 @@ class ModelSpec(_Strict):
     shadow: ShadowSpec | None = None
     # Precomputed and cached answers in front of the online path (docs/tiers.md); off.
     tiers: TiersSpec | None = None
+    # Keep each call's feature values in the prediction log (its `features` column, at most
+    # prediction_log.max_feature_bytes of JSON), which drift (`servemesh drift`) reads. Off:
+    # callers' rows are theirs; the log keeps only the values' hash and count.
+    log_features: bool = False
 
     @model_validator(mode="after")
     def _inputs_or_shorthand(self) -> ModelSpec:

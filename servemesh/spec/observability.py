@@ -22,6 +22,45 @@ class LogsSpec(_Strict):
     requests: bool = False
 
 
+class DriftSpec(_Strict):
+    """How the registry watches the live inputs of every model with a drift reference
+    (`servemesh drift MODEL --set-reference FILE`), and when a feature counts as drifting.
+    docs/operators.md, "Drift on live traffic"."""
+
+    # How often the drift of each referenced model is computed again (its gauges).
+    interval: Duration = "1m"
+    # The prediction log's rows of the last `window` are compared with the reference.
+    window: Duration = "1h"
+    # At most this many of the window's newest records (calls) are read per model.
+    max_records: Annotated[int, Field(ge=100, le=10_000_000)] = 50_000
+    # A feature with fewer live values than this has no verdict (its PSI is mostly noise).
+    min_rows: Annotated[int, Field(ge=10, le=1_000_000)] = 200
+    # PSI at or above `psi_watch` is a shift worth a look; at or above `psi_drifting`, with
+    # the test's p-value under `p_value`, the feature is drifting (and the alert fires).
+    psi_watch: Annotated[float, Field(gt=0, le=10)] = 0.1
+    psi_drifting: Annotated[float, Field(gt=0, le=10)] = 0.2
+    p_value: Annotated[float, Field(gt=0, le=1)] = 0.01
+    # How long a feature drifts before ServemeshFeatureDrift fires.
+    alert_after: Duration = "15m"
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DriftSpec:
+        if self.psi_watch > self.psi_drifting:
+            raise ValueError("psi_watch: must not be above psi_drifting")
+        for name in ("interval", "window"):
+            if duration_seconds(getattr(self, name)) <= 0:
+                raise ValueError(f"{name}: must be longer than 0")
+        return self
+
+    @property
+    def interval_s(self) -> float:
+        return duration_seconds(self.interval)
+
+    @property
+    def window_s(self) -> float:
+        return duration_seconds(self.window)
+
+
 class PredictionLogSpec(_Strict):
     """One record per Predict a gateway answers, kept for `servemesh log query`."""
 
@@ -45,6 +84,11 @@ class PredictionLogSpec(_Strict):
     max_output_bytes: Annotated[int, Field(ge=64, le=1024 * 1024)] = 1024
     max_entity_ids: Annotated[int, Field(ge=1, le=65536)] = 64
     max_message_chars: Annotated[int, Field(ge=16, le=65536)] = 256
+    # The feature values a record keeps, as JSON, for a model with `log_features: true`:
+    # whole rows, as many as fit.
+    max_feature_bytes: Annotated[int, Field(ge=256, le=4 * 1024 * 1024)] = 4096
+    # Drift of the live inputs against each model's reference (docs/operators.md).
+    drift: DriftSpec = Field(default_factory=DriftSpec)
 
     @model_validator(mode="after")
     def _one_dsn(self) -> PredictionLogSpec:

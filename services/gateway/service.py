@@ -266,6 +266,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if found is not None:
                 return self._answered(watch, found, request_id, span)
             inputs = wire_inputs(signature, view_inputs(plan, read.matrices), raw)
+            watch.model_inputs(signature.inputs, inputs)
             ask = ModelAsk(plan, signature, inputs, metadata, span.get_span_context())
             answer = await watch.inference(self._infer(ask, deadline, shared=shared))
             self.tiers.after_online(tier, answer, read.stale)

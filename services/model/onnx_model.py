@@ -119,7 +119,7 @@ def check_model(model: onnx.ModelProto) -> None:
         if opset.domain not in MIN_OPSETS:
             raise OnnxRefused(
                 f"opset domain {opset.domain!r} is not a standard one (custom operators are "
-                f"not run); allowed: {sorted(d or 'ai.onnx' for d in MIN_OPSETS)}"
+                f"not run); allowed: {sorted({d or 'ai.onnx' for d in MIN_OPSETS})}"
             )
         low, high = MIN_OPSETS[opset.domain], _max_opset(opset.domain)
         if not low <= opset.version <= high:

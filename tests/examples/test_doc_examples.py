@@ -442,8 +442,9 @@ for _doc, _flag in (("examples/wine/README.md", ""), ("docs/models.md", " --prun
     )
 _listed(
     "docs/operators.md",
-    "needs a mesh with an SLO and a version failing on purpose; "
-    "tests/rollout/test_gates_mesh.py runs it (the fast burn paged, listed and resolved)",
+    "needs a mesh with an SLO and a version failing on purpose, or a feature drifting for "
+    "15 minutes; tests/rollout/test_gates_mesh.py runs it (the fast burn paged, listed and "
+    "resolved), tests/metrics/test_drift_rules.py fires the drift alert",
     "servemesh alerts",
 )
 _listed(
@@ -452,6 +453,25 @@ _listed(
     "servemesh routes set fraud v1=80 v2=20",
 )
 _listed("docs/models.md", "the churn walk-through's registry", "servemesh models list")
+_listed(
+    "docs/models.md",
+    "the tree models' walk-through (trained, pushed, applied and called on a mesh of its own); "
+    f"{_WALK}::test_tree_models_push_as_onnx_and_a_zipmap_output_is_refused and "
+    "::test_tree_models_answer_what_their_libraries_answer, tests/model/test_onnx_models.py",
+    "servemesh models push trees-out/forest.onnx --model wine-forest --version v1 --metric accuracy=1.0",
+    "servemesh models push trees-out/gbm.onnx --model wine-gbm --version v1",
+    "servemesh apply trees-out/mesh.yaml",
+    "servemesh predict --model wine-gbm --input measurements=14.23,1.71,2.43,15.6,127,2.8,3.06,0.28,2.29,5.64,1.04,3.92,1065 --input measurements=12.33,1.1,2.28,16,101,2.05,1.09,0.63,0.41,3.27,1.25,1.67,680",
+    "servemesh models push zipmap.onnx --model wine-forest --version v2",
+    "servemesh models push custom-op.onnx --model wine-forest --version v2",
+)
+_listed(
+    "docs/capacity.md",
+    "a default mesh overloaded past its host (40 s of load at 600 and 250 req/s); "
+    "tests/scaling/test_edge_scaling.py, tests/unit/test_scaling_edge.py",
+    "servemesh scale status",
+    "servemesh scale history",
+)
 _listed(
     "docs/features.md",
     "a customers file and a view of another spec; tests/feature/test_load_cli.py",
@@ -601,6 +621,14 @@ _listed(
     "docs/operators.md",
     "a second `up` on a running mesh's state dir; tests/mesh/test_up_command.py",
     "servemesh up",
+)
+_listed(
+    "docs/operators.md",
+    "a mesh whose fraud logs its features, with a reference file and shifted traffic; "
+    "tests/mesh/test_drift.py runs it, tests/predlog/test_drift_command.py every flag",
+    "servemesh drift fraud --state-dir state --set-reference train.parquet",
+    "servemesh drift fraud --state-dir state",
+    "servemesh drift fraud --state-dir state --show-reference",
 )
 _listed(
     "docs/registry.md",

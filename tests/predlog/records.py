@@ -4,16 +4,41 @@ test holds."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any, NamedTuple
 
 import grpc
+import numpy as np
 
 from servemesh.predlog.record import PredictWatch, Row, RowContext, to_row
 from servemesh.services.runtime.errors import MeshError
+from servemesh.spec import ModelInputSpec
 from servemesh_api.gateway.v1 import gateway_pb2
 
 CONTEXT = RowContext("gateway-zone-a-0", "zone-a", entity_of_model={"fraud": "user"})
+# The three features of the records' `fraud` (the shorthand's one input, `features`), and a
+# context whose spec logs them.
+FEATURES = ("f00", "f01", "f02")
+LOGGED = replace(
+    CONTEXT,
+    logged_features={"fraud": {"features": ModelInputSpec(view="user", features=list(FEATURES))}},
+)
+
+
+class Meta(NamedTuple):
+    """One input of a model's signature, as the gateway learns it."""
+
+    name: str
+    datatype: str
+
+
+TYPES = (Meta("features", "FP32"),)
+
+
+def vector(*rows: Sequence[float]) -> dict[str, np.ndarray]:
+    """The model inputs of a call of `fraud` sending these rows."""
+    return {"features": np.asarray(rows, dtype=np.float32)}
 
 
 def answer(score: float = 0.5, version: str = "v1") -> gateway_pb2.PredictResponse:
@@ -38,6 +63,7 @@ def captured(
     version: str = "v1",
     degraded: bool = False,
     tier: gateway_pb2.Tier = gateway_pb2.TIER_ONLINE,
+    inputs: Mapping[str, np.ndarray] | None = None,
 ) -> PredictWatch:
     """A finished call at time `at`, as its watch hands it to the log."""
     ended: list[PredictWatch] = []
@@ -49,6 +75,8 @@ def captured(
     )
     watch = PredictWatch(ended.append, 64, request, request_id, ())
     watch.feature_s = 0.001
+    if inputs is not None:
+        watch.model_inputs(TYPES, inputs)
     if status == "OK":
         reply = answer(version=version)
         reply.tier = tier
@@ -64,8 +92,8 @@ def captured(
     return ended[0]
 
 
-def row(at: float, **kwargs: Any) -> Row:
-    return to_row(captured(at, **kwargs), CONTEXT)
+def row(at: float, *, context: RowContext = CONTEXT, **kwargs: Any) -> Row:
+    return to_row(captured(at, **kwargs), context)
 
 
 class BlockedStore:

@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
+from typing import Any
 
+import numpy as np
 import pytest
 
+from servemesh.predlog.features import (
+    HASH_HEX,
+    HOLD_BYTES,
+    feature_columns,
+    feature_hash,
+    features_json,
+)
 from servemesh.predlog.record import (
     COLUMNS,
     PredictWatch,
@@ -15,10 +25,12 @@ from servemesh.predlog.record import (
     trace_id_of,
 )
 from servemesh.services.runtime.errors import InvalidArgument, NotFound
+from servemesh.spec import ModelInputSpec
 from servemesh_api.gateway.v1 import gateway_pb2
-from tests.predlog.records import CONTEXT, answer
+from tests.predlog.records import CONTEXT, LOGGED, TYPES, Meta, answer, captured, vector
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+NOW = 1_800_000_000.0
 
 
 def _watch(request: gateway_pb2.PredictRequest, sink: list[PredictWatch]) -> PredictWatch:
@@ -133,3 +145,91 @@ def test_a_call_is_recorded_once() -> None:
     watch.answered(answer())
     watch.failed(ValueError("late"))
     assert len(sink) == 1 and sink[0].status == "OK"
+
+
+def _logged(
+    inputs: dict[str, np.ndarray], ctx: RowContext = LOGGED, **kwargs: Any
+) -> dict[str, Any]:
+    return dict(zip(COLUMNS, to_row(captured(NOW, inputs=inputs, **kwargs), ctx), strict=True))
+
+
+def test_every_record_keeps_the_vector_s_hash_and_count_and_values_only_when_logged() -> None:
+    rows = vector([0.5, -1.25, 3.0], [1.0, 2.0, 1e-8])
+    kept = _logged(rows)
+    private = _logged(rows, CONTEXT)
+    assert kept["feature_count"] == private["feature_count"] == 6
+    assert kept["feature_hash"] == private["feature_hash"]
+    assert len(kept["feature_hash"]) == HASH_HEX and int(kept["feature_hash"], 16) >= 0
+    assert json.loads(kept["features"]) == {
+        "f00": [0.5, 1.0],
+        "f01": [-1.25, 2.0],
+        "f02": [3.0, 1e-8],
+    }
+    # A model without log_features keeps no values, whatever it sent.
+    assert private["features"] is None
+    # One value moved: another hash; the same values again, the same hash.
+    moved = _logged(vector([0.5, -1.25, 3.0], [1.0, 2.0, 2e-8]))
+    assert moved["feature_hash"] != kept["feature_hash"]
+    assert (
+        _logged(vector([0.5, -1.25, 3.0], [1.0, 2.0, 1e-8]))["feature_hash"] == kept["feature_hash"]
+    )
+
+
+def test_a_call_that_never_reached_the_model_has_no_vector() -> None:
+    row = dict(zip(COLUMNS, to_row(captured(NOW, status="NOT_FOUND"), LOGGED), strict=True))
+    assert (row["feature_hash"], row["feature_count"], row["features"]) == ("", 0, None)
+
+
+def test_the_values_keep_whole_rows_within_the_cap() -> None:
+    rows = vector(*([0.125, 0.25, 0.5] for _ in range(100)))
+    capped = _logged(rows, replace(LOGGED, max_feature_bytes=256))
+    values = json.loads(capped["features"])
+    assert len(capped["features"]) <= 256
+    kept = {len(v) for v in values.values()}
+    assert len(kept) == 1 and 1 < kept.pop() < 100  # whole rows, as many as fit
+    assert capped["feature_count"] == 300  # the count is the whole vector's
+
+
+def test_a_vector_too_large_to_hold_is_hashed_at_once_and_keeps_no_values() -> None:
+    wide = vector(*([1.0, 2.0, 3.0] for _ in range(HOLD_BYTES // 12 + 1)))
+    sink: list[PredictWatch] = []
+    watch = _watch(gateway_pb2.PredictRequest(model="fraud", entity_ids=["user-42"]), sink)
+    watch.model_inputs(TYPES, wide)
+    assert watch.inputs is None and watch.feature_count == wide["features"].size
+    watch.answered(answer())
+    row = _as_dict(sink[0], LOGGED)
+    assert row["feature_hash"] == feature_hash(TYPES, wide)[0] and row["features"] is None
+
+
+def test_columns_are_named_by_feature_and_by_raw_tensor() -> None:
+    inputs = {
+        "profile": ModelInputSpec(view="user", features=["age", "spend"]),
+        "history": ModelInputSpec(view="merchant", features=["spend"]),
+        "tasting": ModelInputSpec(raw=True),
+        "category": ModelInputSpec(raw=True),
+    }
+    names = [
+        c.name
+        for c in feature_columns(inputs, {"profile": 2, "history": 1, "tasting": 3, "category": 1})
+    ]
+    # `spend` of two views is two features, qualified by view; a raw tensor's columns by
+    # its name, indexed when a row holds several.
+    assert names == [
+        "age",
+        "user.spend",
+        "merchant.spend",
+        "tasting[0]",
+        "tasting[1]",
+        "tasting[2]",
+        "category",
+    ]
+    text = features_json(
+        inputs,
+        [Meta("category", "INT64"), Meta("flag", "BOOL")],
+        {
+            "category": np.array([3, 4], dtype=np.int64),
+            "flag": np.array([[True], [False]]),
+        },
+        4096,
+    )
+    assert json.loads(text) == {"category": [3, 4], "flag": [True, False]}

@@ -14,13 +14,14 @@ import pyarrow.parquet as pq
 import pytest
 from psycopg import sql
 
+from servemesh.predlog.features import feature_hash
 from servemesh.predlog.parquet_store import MERGE_RUN, ParquetStore, instance_files, live_files
 from servemesh.predlog.postgres_store import PostgresStore
 from servemesh.predlog.query import LogQuery, ParquetReader, PostgresReader
 from servemesh.predlog.record import COLUMNS, Row
 from servemesh_api.gateway.v1 import gateway_pb2
 from tests.postgres_server import PostgresServer
-from tests.predlog.records import row
+from tests.predlog.records import LOGGED, TYPES, row, vector
 
 NOW = 1_800_000_000.0  # 2027-01-15 08:00 UTC
 
@@ -331,7 +332,7 @@ def test_files_written_before_the_tier_column_read_as_no_tier(tmp_path: Path) ->
 
 def test_a_table_made_before_the_tier_column_gains_it(dsn: str) -> None:
     for table in _postgres_table(dsn):
-        columns = [c for c in COLUMNS if c != "tier"]
+        columns = COLUMNS[: COLUMNS.index("tier")]
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(
                 sql.SQL("CREATE TABLE {} ({})").format(
@@ -380,3 +381,43 @@ def test_calls_are_counted_per_utc_hour_for_a_forecast(backend: Backend) -> None
     )
     found = backend.reader.hourly_calls(86400)
     assert [(at.astimezone(UTC).hour, n) for at, n in found] == [(7, 2), (8, 1)]
+
+
+def test_each_record_keeps_its_vector_s_hash_and_the_values_a_model_logs(
+    backend: Backend,
+) -> None:
+    sent = vector([1.0, 2.0, 3.0])
+    backend.store.write(
+        [
+            row(NOW - 30, request_id="kept", context=LOGGED, inputs=sent),
+            row(NOW - 20, request_id="private", inputs=vector([4.0, 5.0, 6.0])),
+            row(NOW - 10, request_id="failed", context=LOGGED, status="UNAVAILABLE"),
+        ]
+    )
+    found = {r["request_id"]: r for r in backend.reader.query(LogQuery(since_s=300)).rows}
+    assert found["kept"]["features"] == {"f00": [1], "f01": [2], "f02": [3]}
+    assert found["kept"]["feature_hash"] == feature_hash(TYPES, sent)[0]
+    assert found["kept"]["feature_count"] == 3
+    assert found["private"]["features"] is None and found["private"]["feature_count"] == 3
+    assert (found["failed"]["feature_hash"], found["failed"]["feature_count"]) == ("", 0)
+    records = backend.reader.feature_records("fraud", None, 300, 10)
+    assert (records.calls, records.with_values) == (3, 1)
+    assert records.values == [{"f00": [1], "f01": [2], "f02": [3]}]
+    assert backend.reader.feature_records("fraud", "v2", 300, 10).calls == 0
+    assert backend.reader.feature_records("other", None, 300, 10).calls == 0
+
+
+def test_files_written_before_the_feature_columns_still_answer(tmp_path: Path) -> None:
+    root = tmp_path / "predictions"
+    store = ParquetStore(root, "gateway-zone-a-0", lambda: NOW)
+    store.write([row(NOW - 10, request_id="old")])
+    (written,) = instance_files(root / "gateway-zone-a-0")
+    table = pq.read_table(written.path)
+    # As a gateway of the release before wrote it: none of the files has the columns.
+    pq.write_table(table.drop_columns(["feature_hash", "feature_count", "features"]), written.path)
+    reader = ParquetReader(root, lambda: NOW)
+    (old,) = reader.query(LogQuery(since_s=300)).rows
+    assert (old["request_id"], old["feature_hash"], old["feature_count"]) == ("old", "", 0)
+    assert old["features"] is None
+    records = reader.feature_records("fraud", None, 300, 10)
+    assert (records.calls, records.with_values, records.values) == (1, 0, [])

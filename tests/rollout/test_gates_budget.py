@@ -63,7 +63,13 @@ def _spec(tmp_path: Path, slos: dict[str, SloSpec]) -> ResolvedSpec:
 def test_a_spec_with_slos_renders_burn_rate_and_budget_rules_per_model(tmp_path: Path) -> None:
     spec = _spec(tmp_path, {"fraud": SloSpec(availability=0.99, p99_ms=100, window="30d")})
     groups = render_rules(spec)["groups"]
-    assert [g["name"] for g in groups] == ["servemesh-sli", "servemesh-slo", "servemesh-cost"]
+    assert [g["name"] for g in groups] == [
+        "servemesh-sli",
+        "servemesh-slo",
+        "servemesh-cost",
+        "servemesh-drift",
+        "servemesh-host",
+    ]
     rules = [r for r in groups[1]["rules"] if "record" in r]
     burns = {
         (r["labels"]["objective"], r["labels"]["window"]) for r in rules if r["record"] == BURN_RATE
@@ -105,6 +111,8 @@ def test_a_spec_with_slos_renders_burn_rate_and_budget_rules_per_model(tmp_path:
     assert [g["name"] for g in render_rules(_spec(tmp_path, {}))["groups"]] == [
         "servemesh-sli",
         "servemesh-cost",
+        "servemesh-drift",
+        "servemesh-host",
     ]
 
 

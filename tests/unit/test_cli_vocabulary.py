@@ -76,6 +76,8 @@ MEANINGS: dict[str, tuple[str, str]] = {
     "--client": ("client", "str"),
     "--rows": ("rows", "int"),
     "--width": ("width", "int"),
+    "--window": ("window", "duration"),
+    "--reference": ("reference", "str"),
 }
 # Where a flag keeps its meaning under another dest or type, and why.
 SAME_MEANING = {

@@ -40,7 +40,8 @@ ALLOWED: dict[str, set[str]] = {
     "services.gateway": CONTRACT | {"services.runtime", "predlog", "services.feature"},
     "services.feature": CONTRACT | {"services.runtime"},
     "services.model": CONTRACT | {"services.runtime", "registry"},  # its artifact client
-    "registry": CONTRACT | {"services.runtime"},
+    # (and the prediction log it reads for the drift of the models with a reference)
+    "registry": CONTRACT | {"services.runtime", "predlog"},
     # the service catalog (the file catalog, or Consul with its ACLs), and how a service
     # joins it: beneath the services, which register themselves
     "catalog": CONTRACT,

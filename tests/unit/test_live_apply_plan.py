@@ -191,6 +191,14 @@ def test_a_fallback_score_and_policy_change_live() -> None:
     assert plan.lines() == ["~ fallback_score fraud: None -> 0.5"]
 
 
+def test_keeping_a_model_s_feature_values_in_the_log_changes_live() -> None:
+    plan = _plan(_fraud().replace("traffic:", "log_features: true\n    traffic:"))
+    assert plan.changed and not plan.adds and not plan.removes
+    assert plan.log_features == {"fraud": (False, True)}
+    assert plan.lines() == ["~ log_features fraud: False -> True"]
+    assert plan.target.models["fraud"].log_features
+
+
 def test_a_model_s_tiers_change_live() -> None:
     tiers = "tiers: {precomputed: {from: redis, max_age: 2h}, cache: {ttl: 1m}}"
     plan = _plan(_fraud().replace("traffic:", f"{tiers}\n    traffic:"))
