@@ -418,17 +418,23 @@ def test_random_method_paths_do_not_grow_envoy_s_stats(front: Front) -> None:
     zone = front.spec.zones[0]
     assert _call(front.mesh(zone), MODEL_INFER) == grpc.StatusCode.OK
     before = _stat_names(front.admin)
+    names = []
     with (
         front.edge.channel() as edge,
         front.mesh(zone).channel() as inside,
     ):
         for i in range(500):
             name = uuid.uuid4().hex
+            names.append(name)
             edge.unary_unary(f"/pkg{i}.S{name}/M{name}")(b"", metadata=AUTH, timeout=10)
             inside.unary_unary(f"/{OIP_SERVICE}/M{name}")(b"", timeout=10)
     after = _stat_names(front.admin)
     assert len(front.recorder.seen()) >= 1000
-    assert len(after - before) < 50, sorted(after - before)[:20]
+    grown = after - before
+    # No stat is named after a path a caller chose; what does appear is a fixed set (the
+    # unknown-method bucket of each cluster's gRPC stats, and the like), not one per path.
+    assert not [stat for stat in grown if any(name in stat for name in names)]
+    assert len(grown) < 100, sorted(grown)[:20]
 
 
 def test_callers_x_envoy_headers_are_not_obeyed(front: Front) -> None:
