@@ -20,7 +20,7 @@ import numpy as np
 from servemesh.batch.errors import BatchError
 from servemesh.contract.errors import ServemeshError
 from servemesh.sandbox.model import SandboxedModel, SandboxedModelError
-from servemesh.services.model.artifacts import FORMATS
+from servemesh.services.model.artifacts import FORMATS, as_format
 from servemesh.services.model.runner import ArtifactMismatch, verify_artifact
 from servemesh.services.model.tensors import Signature
 from servemesh.spec import MeshSpec
@@ -78,7 +78,7 @@ class Artifact:
     distributed run's workers load them with the same allowlisted loader)."""
 
     data: bytes
-    format: str  # "torchscript" or "torch_export"
+    format: str  # "torchscript", "torch_export" or "onnx"
 
 
 def reply_limit(signature: Signature, rows: int) -> int:
@@ -234,7 +234,7 @@ async def load_scorer(
         inject_latency_ms = version_spec.inject_latency_ms if version_spec else 0.0
     # An alias ("latest") resolves to the version the registry answered with.
     resolved = record.version or version
-    kind = "torch_export" if record.format == "torch_export" else "torchscript"
+    kind = as_format(record.format)
     scorer = Scorer(
         model=model,
         version=resolved,

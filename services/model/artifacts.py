@@ -36,6 +36,7 @@ __all__ = [
     "FORMATS",
     "PLATFORMS",
     "ArtifactError",
+    "as_format",
     "Format",
     "OpenedArtifact",
     "detect_format",
@@ -69,6 +70,14 @@ class OpenedArtifact:
     format: Format
     module: Callable[..., Any]
     signature: Signature | None  # None: the format records none (TorchScript)
+
+
+def as_format(name: str) -> Format:
+    """A registry record's format name as a Format (ArtifactError when it is none)."""
+    for known in FORMATS:
+        if known == name:
+            return known
+    raise ArtifactError(f"format {name!r} is not one of {list(FORMATS)}")
 
 
 def may_be_onnx(data: bytes) -> bool:

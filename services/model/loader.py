@@ -12,7 +12,13 @@ from typing import Any
 import grpc
 import torch
 
-from servemesh.services.model.artifacts import FORMATS, PLATFORMS, ArtifactError, Format
+from servemesh.services.model.artifacts import (
+    FORMATS,
+    PLATFORMS,
+    ArtifactError,
+    Format,
+    as_format,
+)
 from servemesh.services.model.batching import Batcher
 from servemesh.services.model.errors import LoadError
 from servemesh.services.model.runner import (
@@ -173,7 +179,7 @@ def registry_loader(
         record, data = await fetch_with_retry(fetcher, channels, model, version, live, retry_for_s)
         if record.format not in FORMATS:
             raise LoadError(f"{where}: format {record.format!r} is not one of {list(FORMATS)}")
-        format: Format = next(known for known in FORMATS if known == record.format)
+        format = as_format(record.format)
         if record.size_bytes and len(data) != record.size_bytes:
             raise LoadError(
                 f"{where}: artifact is {len(data)} bytes, registry says {record.size_bytes}"

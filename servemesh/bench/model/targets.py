@@ -40,7 +40,7 @@ from servemesh.identity.credentials import server_credentials
 from servemesh.identity.enroll import BENCH_ECHO_IDENTITY
 from servemesh.identity.store import MeshIdentity
 from servemesh.services.model.app import SERVICE_NAME, build_server
-from servemesh.services.model.artifacts import FORMATS, Format
+from servemesh.services.model.artifacts import as_format
 from servemesh.services.model.loader import LoadedModel, ModelLoader, load_model
 from servemesh.services.model.tensors import Signature, TensorSig
 from servemesh.services.runtime import ServiceServer
@@ -99,11 +99,6 @@ def bench_spec(batching: BatchingSpec, model: BenchModel, sandbox: bool = True) 
     )
 
 
-def served_format(artifact: Artifact) -> Format:
-    """The format a model server loads `artifact` as (what the registry would record)."""
-    return next(known for known in FORMATS if known == artifact.format)
-
-
 def bench_loader(
     batching: BatchingSpec,
     model: BenchModel,
@@ -126,7 +121,7 @@ def bench_loader(
             version=version,
             sha256=artifact.sha256,
             signature=SIGNATURE,
-            format=served_format(artifact),
+            format=as_format(artifact.format),
             batching=batching,
             inject_latency_ms=inject_latency_ms,
         )
@@ -221,7 +216,7 @@ def ceiling(
         sha256=artifact.sha256,
         model=model.name,
         version=VERSION,
-        format=served_format(artifact),
+        format=as_format(artifact.format),
         row_shape=(N_FEATURES,),
         output_row_shape=(1,),
         max_batch_size=max_batch,
