@@ -10,16 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from servemesh.procs.prometheus import promtool_binary
-from servemesh.slo_rules import COST_ALERT, COST_PER_HOUR, COST_PER_MILLION, render_rules
+from servemesh.slo_rules import COST_ALERT, COST_PER_HOUR, COST_PER_MILLION
 from servemesh.spec import CostSpec, MeshSpec
+from tests.metrics.promtool_rules import NO_PROMTOOL, PROMTOOL, run_rule_tests, series
 
-PROMTOOL = promtool_binary()
-pytestmark = pytest.mark.skipif(
-    PROMTOOL is None, reason="promtool is not installed (Debian package `prometheus`)"
-)
+pytestmark = pytest.mark.skipif(PROMTOOL is None, reason=NO_PROMTOOL)
 PRICES = CostSpec(per_core_hour=0.04, per_gpu_hour=2.5, alert_weekly_rise=0.25)
 
 
@@ -31,27 +27,7 @@ def counter(per_step: float, steps: int, start: float = 0.0) -> str:
 def run_tests(
     tmp_path: Path, tests: list[dict[str, Any]], evaluation_interval: str = "1m"
 ) -> subprocess.CompletedProcess[str]:
-    rules = tmp_path / "rules.yml"
-    rules.write_text(yaml.safe_dump(render_rules(MeshSpec(cost=PRICES))))
-    suite = tmp_path / "cost_test.yml"
-    suite.write_text(
-        yaml.safe_dump(
-            {
-                "rule_files": [str(rules)],
-                "evaluation_interval": evaluation_interval,
-                "tests": tests,
-            }
-        )
-    )
-    assert PROMTOOL is not None
-    return subprocess.run(
-        [PROMTOOL, "test", "rules", str(suite)], capture_output=True, text=True, timeout=60
-    )
-
-
-def series(name: str, values: str, **labels: str) -> dict[str, str]:
-    inside = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    return {"series": f"{name}{{{inside}}}", "values": values}
+    return run_rule_tests(tmp_path, MeshSpec(cost=PRICES), tests, evaluation_interval)
 
 
 def test_each_model_is_given_its_share_of_the_cpu_and_priced(tmp_path: Path) -> None:

@@ -10,25 +10,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from prometheus_client import generate_latest
 
 from servemesh.observe.scrape import parse
 from servemesh.predlog.drift import DriftReport, FeatureDrift, Reference
-from servemesh.procs.prometheus import promtool_binary
 from servemesh.registry.drift import DriftMetrics
-from servemesh.slo_rules import DRIFT_ALERT, DRIFT_RUNBOOK, render_rules
+from servemesh.slo_rules import DRIFT_ALERT, DRIFT_RUNBOOK
 from servemesh.spec import MeshSpec
-
-PROMTOOL = promtool_binary()
-needs_promtool = pytest.mark.skipif(
-    PROMTOOL is None, reason="promtool is not installed (Debian package `prometheus`)"
+from tests.metrics.promtool_rules import (
+    NO_PROMTOOL,
+    PROMTOOL,
+    rules_file,
+    run_rule_tests,
+    series,
 )
+
+needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason=NO_PROMTOOL)
 
 
 def _series(name: str, value: float, minutes: int, **labels: str) -> dict[str, str]:
-    inside = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    return {"series": f"{name}{{{inside}}}", "values": f"{value:g}x{minutes}"}
+    return series(name, f"{value:g}x{minutes}", **labels)
 
 
 def _feature(feature: str, psi: float, p_value: float, rows: int) -> list[dict[str, str]]:
@@ -42,8 +43,6 @@ def _feature(feature: str, psi: float, p_value: float, rows: int) -> list[dict[s
 
 @needs_promtool
 def test_a_drifting_feature_tickets_after_alert_after_and_others_never(tmp_path: Path) -> None:
-    rules = tmp_path / "rules.yml"
-    rules.write_text(yaml.safe_dump(render_rules(MeshSpec())))
     inputs = [
         *_feature("f00", 0.9, 1e-40, 5000),  # drifting
         *_feature("f01", 0.02, 0.6, 5000),  # steady
@@ -59,34 +58,24 @@ def test_a_drifting_feature_tickets_after_alert_after_and_others_never(tmp_path:
             "runbook": DRIFT_RUNBOOK,
         },
     }
-    suite = tmp_path / "drift_test.yml"
-    suite.write_text(
-        yaml.safe_dump(
-            {
-                "rule_files": [str(rules)],
-                "evaluation_interval": "1m",
-                "tests": [
-                    {
-                        "interval": "1m",
-                        "input_series": inputs,
-                        "alert_rule_test": [
-                            # alert_after (15m) not yet held
-                            {"eval_time": "10m", "alertname": DRIFT_ALERT, "exp_alerts": []},
-                            {"eval_time": "20m", "alertname": DRIFT_ALERT, "exp_alerts": [fired]},
-                        ],
-                    }
-                ],
-            }
-        )
-    )
-    assert PROMTOOL is not None
-    done = subprocess.run(
-        [PROMTOOL, "test", "rules", str(suite)], capture_output=True, text=True, timeout=60
-    )
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": inputs,
+            "alert_rule_test": [
+                # alert_after (15m) not yet held
+                {"eval_time": "10m", "alertname": DRIFT_ALERT, "exp_alerts": []},
+                {"eval_time": "20m", "alertname": DRIFT_ALERT, "exp_alerts": [fired]},
+            ],
+        }
+    ]
+    done = run_rule_tests(tmp_path, MeshSpec(), tests)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert PROMTOOL is not None
     checked = subprocess.run(
-        [PROMTOOL, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60
-    )
+        [PROMTOOL, "check", "rules", str(rules_file(tmp_path, MeshSpec()))],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
