@@ -57,13 +57,12 @@ class HostLoad:
         busy = "-" if self.busy is None else f"{self.busy:.0%}"
         return f"CPU {busy} busy, run queue {self.runnable} on {self.cores} cores"
 
-    def as_dict(self) -> dict[str, float | int | bool | None]:
+    def as_dict(self) -> dict[str, float | int | None]:
         return {
             "cores": self.cores,
             "busy": None if self.busy is None else round(self.busy, 3),
             "runnable": self.runnable,
             "headroom_cores": self.headroom_cores,
-            "saturated": self.saturated,
         }
 
 

@@ -106,7 +106,7 @@ class Scaler:
     host: HostReader = field(default_factory=HostReader)
     # How an edge Envoy's admin API is read, by its socket path (tests inject their own).
     edge_fetch: Callable[[Path], Callable[[str], str]] = admin_fetch
-    _edge_readers: dict[str, EdgeReader] = field(default_factory=dict, init=False)
+    _edge_readers: dict[str, EdgeReader] = field(default_factory=dict, init=False)  # by proxy
     _edge_watches: dict[str, EdgeWatch] = field(default_factory=dict, init=False)
     # The pools and zones whose last decision was held for want of headroom (recorded once
     # per stretch).
@@ -151,7 +151,7 @@ class Scaler:
             if any(d.changes for d, _ in found):
                 # The next pool reads the spec as these moves left it (ports, fleet).
                 live = self.manager.live_spec()
-        judged = {**host.as_dict(), "saturated": starved}
+        judged = {**host.as_dict(), "saturated": starved}  # by the spec's busy_ratio
         write_status(self.state_dir, status, host=judged, edges=edges)
         self.metrics.rounds.labels("ok").inc()
         return decisions
@@ -179,22 +179,26 @@ class Scaler:
                 reads[(label, zone)] = _Read(kind, pool_name, rotation, standby, signals)
         return reads
 
-    def _edge_of(self, live: ResolvedSpec, zone: str) -> EdgeSignals | None:
-        """Predict at the zone's edge since the last round (the one edge's, without an edge
-        per zone); None when not measured."""
+    def _read_edges(self, live: ResolvedSpec) -> dict[str, EdgeSignals | None]:
+        """Predict at each zone's edge since the last round: every edge Envoy read once (a
+        reader's interval starts at its own last read), a zone without an edge of its own
+        given the first edge's; None where not measured."""
         from servemesh.proxy.admin import admin_socket_path
 
         edges = live.edge_proxies()
-        proxy = next((p for p in edges if live.zone_of_edge(p) == zone), edges[0])
-        reader = self._edge_readers.get(zone)
-        if reader is None:
-            socket = admin_socket_path(self.state_dir, proxy)
-            reader = self._edge_readers[zone] = EdgeReader(self.edge_fetch(socket), self.clock)
-        try:
-            return reader.read()
-        except (OSError, ValueError) as exc:
-            log.info("scale: edge of %s not read: %s", zone, exc)
-            return None
+        by_proxy: dict[str, EdgeSignals | None] = {}
+        for proxy in edges:
+            reader = self._edge_readers.get(proxy)
+            if reader is None:
+                fetch = self.edge_fetch(admin_socket_path(self.state_dir, proxy))
+                reader = self._edge_readers[proxy] = EdgeReader(fetch, self.clock)
+            try:
+                by_proxy[proxy] = reader.read()
+            except (OSError, ValueError) as exc:
+                log.info("scale: edge %s not read: %s", proxy, exc)
+                by_proxy[proxy] = None
+        zones_edge = {live.zone_of_edge(proxy): proxy for proxy in edges}
+        return {zone: by_proxy[zones_edge.get(zone, edges[0])] for zone in live.zones}
 
     def _edge_demands(
         self, live: ResolvedSpec, reads: dict[tuple[str, str], _Read]
@@ -206,8 +210,7 @@ class Scaler:
         if not live.scaling.edge.enabled:
             return demands, shown
         objective = Objective.of(live)
-        for zone in live.zones:
-            seen = self._edge_of(live, zone)
+        for zone, seen in self._read_edges(live).items():
             if seen is None:
                 continue
             self.metrics.observe_edge(zone, seen)
