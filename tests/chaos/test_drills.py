@@ -9,6 +9,7 @@ goes and the verdicts are what these tests prove.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -30,8 +31,11 @@ SHORT: dict[str, Any] = {
     "baseline_s": 3,
     "fault_s": 4,
     # The longest recovery watch: it ends once the report's recovery numbers are in (about
-    # 4 s on a quiet machine), and a busy one restarting a replica gets the rest.
-    "recover_s": 15,
+    # 4 s on a quiet machine), and a busy one restarting a replica gets the rest. A restarted
+    # replica ejected twice on a loaded host sits out 5 s and then 10 s (Envoy doubles the
+    # ejection time), so 15 s cut a fresh-clone run's zone-outage watch short with zone-a
+    # still out (1.9% of the last window).
+    "recover_s": 40,
     "recover_early": True,
     "slo_window_s": 2,
     "tail_s": 0.5,
@@ -98,6 +102,20 @@ def drill(name: str | Path, tmp_path: Path, **variables: Any) -> DrillResult:
     return result
 
 
+def explained(result: DrillResult) -> str:
+    """The verdict's text with what callers saw (failures by code, fallbacks by reason and
+    zones, in each fault window and phase): a drill that fails on a loaded machine says
+    why in the test's own output, since its report goes with the test's temporary dir."""
+    summary = result.summary or {}
+    seen = {"numbers": summary.get("numbers")}
+    parts = [(w.get("label", "?"), w) for w in summary.get("windows", [])]
+    parts += list(summary.get("phases", {}).items())
+    keys = ("sent", "success_pct", "codes", "fallbacks", "zones")
+    for label, part in parts:
+        seen[label] = {k: part.get(k) for k in keys}
+    return f"{result.text}\n{json.dumps(seen, indent=1, default=str)}"
+
+
 def method_output(result: DrillResult, name: str) -> Any:
     runs = [r for r in result.journal["run"] if r["activity"]["name"] == name]
     assert runs, f"{name} did not run"
@@ -106,7 +124,7 @@ def method_output(result: DrillResult, name: str) -> Any:
 
 def test_zone_outage_is_invisible_and_traffic_comes_back(tmp_path: Path) -> None:
     result = drill("zone-outage", tmp_path)
-    assert result.verdict == "held", result.text
+    assert result.verdict == "held", explained(result)
     summary = result.summary
     (outage,) = summary["windows"]
     assert outage["label"] == "kill model zone-a"
@@ -135,7 +153,7 @@ def test_zone_outage_is_invisible_and_traffic_comes_back(tmp_path: Path) -> None
 
 def test_feature_store_down_answers_fallbacks_then_real_scores(tmp_path: Path) -> None:
     result = drill("feature-store-down", tmp_path)
-    assert result.verdict == "held", result.text
+    assert result.verdict == "held", explained(result)
     summary = result.summary
     (outage,) = summary["windows"]
     assert outage["label"] == "Redis down"
@@ -155,7 +173,7 @@ def test_feature_store_down_answers_fallbacks_then_real_scores(tmp_path: Path) -
 
 def test_feature_data_loss_is_restored_from_its_backup_with_rpo_and_rto(tmp_path: Path) -> None:
     result = drill("feature-data-loss", tmp_path)
-    assert result.verdict == "held", result.text
+    assert result.verdict == "held", explained(result)
     summary = result.summary
     (loss,) = summary["windows"]
     assert loss["label"] == "feature data lost"
@@ -183,7 +201,7 @@ def test_feature_primary_loss_during_a_load_fails_no_predict_and_loses_no_row(
     # side, and two loads of that size with their replication take CPU the other drills'
     # timing needs. The kill still lands while the load's process runs (asserted below).
     result = drill("feature-primary-loss", tmp_path, rows=40_000, kill_after_s=0.5)
-    assert result.verdict == "held", result.text
+    assert result.verdict == "held", explained(result)
     summary = result.summary
     (loss,) = summary["windows"]
     assert loss["label"] == "store primary redis lost"
@@ -206,7 +224,7 @@ def test_feature_primary_loss_during_a_load_fails_no_predict_and_loses_no_row(
 
 def test_bad_canary_is_rolled_back_by_the_controller_with_bounded_damage(tmp_path: Path) -> None:
     result = drill("bad-canary", tmp_path)
-    assert result.verdict == "held", result.text
+    assert result.verdict == "held", explained(result)
     summary = result.summary
     (rollout,) = summary["windows"]
     assert rollout["label"] == "fraud: rollout of v2"
@@ -219,9 +237,18 @@ def test_bad_canary_is_rolled_back_by_the_controller_with_bounded_damage(tmp_pat
     assert rollout["failed"] == 0
     assert 0 < rollout["degraded"] and rollout["degraded_pct"] <= 10.0, rollout
     assert 0 < rollout["versions"].get("v2", 0) <= 14.0, rollout["versions"]
-    # After the rollback: only v1 answers, no fallbacks.
+    # After the rollback the defect reaches nobody: v1 answers every real score, and no
+    # fallback comes from a failed inference (the canary's defect; callers see its kind,
+    # never the model's message). A fallback for another reason (a model server shedding
+    # load while a loaded host stalls it) is not the canary's; the steady state's last
+    # window bounds those.
+    during = summary["phases"]["during faults"]
+    assert any("inference failed" in reason for reason in during["fallbacks"]), during
     after = summary["phases"]["after faults"]
-    assert after["versions"] == {"v1": 100.0} and after["degraded"] == 0
+    assert set(after["versions"]) <= {"v1", "fallback"}, after
+    assert after["versions"].get("v1", 0) > 90.0, after
+    defect = {r: n for r, n in after["fallbacks"].items() if "inference failed" in r}
+    assert not defect, after["fallbacks"]
     assert summary["numbers"]["time_to_recover_s"] is not None
     assert summary["numbers"]["time_to_recover_s"] <= 2
 

@@ -92,10 +92,10 @@ def test_closing_the_network_leaves_no_namespace_behind() -> None:
 @needs_netns
 @pytest.mark.mesh
 def test_inter_zone_partition_drill_each_zone_serves_alone(tmp_path: Path) -> None:
-    from tests.chaos.test_drills import drill, method_output
+    from tests.chaos.test_drills import drill, explained, method_output
 
     result = drill("inter-zone-partition", tmp_path)
-    assert result.verdict == "held", result.text
+    assert result.verdict == "held", explained(result)
     (cut,) = result.summary["windows"]
     assert cut["label"] == "partition zone-a / zone-b"
     assert cut["success_pct"] >= 99.5 and cut["degraded"] == 0, cut
