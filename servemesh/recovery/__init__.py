@@ -8,8 +8,8 @@ a manifest over them:
     <out>/registry/         a registry snapshot (registry/backup.py)
     <out>/features/         every key of the feature store (servemesh/features/backup.py)
     <out>/predictions/      the prediction log's Parquet files (predictions.py)
-    <out>/routes/           the live routes, their history and the rollouts' records
-                            (routes.py)
+    <out>/routes/           the live routes, their history, the rollouts' records and
+                            the drift references (routes.py)
 
 A restore checks every part it is asked for before it writes anything: a backup that does
 not verify changes nothing. Each part then puts back what the mesh lost and leaves what it

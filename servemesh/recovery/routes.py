@@ -1,11 +1,13 @@
 """The routes' part of a backup: each model's live weights and shadow, the routes' history,
-and what the rollouts recorded (their states and history).
+what the rollouts recorded (their states and history), and the drift references kept under
+the state dir (`servemesh drift MODEL --set-reference`).
 
 A restore sets, live and through the route manager (recorded in the history like any
 change), the weights and shadow of each model whose routes differ from the backup's; a
 model the mesh no longer serves, or whose versions changed, is left and reported. It puts
-back a history or a rollout record only where the mesh has none (a lost state dir), never
-over one, and is refused while a rollout is under way: its controller owns those weights.
+back a history, a rollout record or a drift reference only where the mesh has none (a lost
+state dir), never over one, and is refused while a rollout is under way: its controller
+owns those weights.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from servemesh.predlog.references import FOLDER as DRIFT
+from servemesh.predlog.references import references_dir
 from servemesh.proxy.apply import RouteManager
 from servemesh.recovery.checksums import (
     BackupDamaged,
@@ -70,6 +74,9 @@ def back_up_routes(manager: RouteManager, part: Path) -> RoutesBackup:
     for path in sorted(rollouts.root.glob("*.json")) + [rollouts.history_path]:
         if path.is_file() and not path.name.startswith("."):
             files.append(copy_hashed(path, part, f"{ROLLOUTS}/{path.name}"))
+    # A reference is a summary of a dataset that may be gone by the time a state dir is lost.
+    for path in sorted(references_dir(state_dir).glob("*.json")):
+        files.append(copy_hashed(path, part, f"{DRIFT}/{path.name}"))
     digest = write_part_manifest(part, files)
     models = len(json.loads(routes.read_text()))
     return RoutesBackup(models, len(files), digest)

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import redis
 
@@ -22,6 +24,7 @@ from servemesh.cli import main
 from servemesh.launcher import Mesh
 from servemesh.predlog.buffer import predictions_dir
 from servemesh.predlog.parquet_store import live_files
+from servemesh.predlog.references import reference_path
 from servemesh.proxy.apply import RouteManager
 from servemesh.spec.store_clients import store_writer_sync
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -78,6 +81,13 @@ def test_a_backup_of_every_store_puts_back_what_each_lost_and_a_damaged_one_noth
         wait_until(lambda: live_files(log_root), "a prediction log file on disk", timeout_s=30)
         routes.set_weights("fraud", {"v1": 90, "v2": 10})
         keys_before = _keys(client, prefix)
+        train = tmp_path / "train.parquet"
+        pq.write_table(pa.table({"f00": [0.1 * n for n in range(100)]}), train)
+        code, text = _cli(capsys, "drift", "fraud", "--set-reference", str(train),
+                          "--state-dir", state)  # fmt: skip
+        assert code == 0, text
+        reference = reference_path(mesh.state_dir, "fraud")
+        reference_bytes = reference.read_bytes()
 
         code, text = _cli(capsys, "backup", "--out", str(tmp_path / "bk"), "--state-dir", state,
                           "--json")  # fmt: skip
@@ -96,6 +106,7 @@ def test_a_backup_of_every_store_puts_back_what_each_lost_and_a_damaged_one_noth
         for path in lost_files:
             path.unlink()
         routes.set_weights("fraud", {"v1": 100})
+        reference.unlink()
         with pytest.raises(grpc.RpcError):
             _scores(gateway)  # no features: no real answer
 
@@ -112,6 +123,7 @@ def test_a_backup_of_every_store_puts_back_what_each_lost_and_a_damaged_one_noth
         assert _keys(client, prefix) == set()
         assert _weights(mesh)["v1"] == 100
         assert not (log_root / f"{lost_files[0].parent.name}.restored").exists()
+        assert not reference.exists()
 
         # The good one: every part back; the registry held its versions already.
         code, text = _cli(capsys, "restore", str(tmp_path / "bk"), "--state-dir", state,
@@ -124,6 +136,8 @@ def test_a_backup_of_every_store_puts_back_what_each_lost_and_a_damaged_one_noth
         assert parts["features"]["detail"]["keys"] == len(keys_before)
         assert parts["predictions"]["detail"]["files"] >= len(lost_files)
         assert parts["routes"]["detail"]["changed"] == ["fraud: v1=90 v2=10 v3=0"], parts
+        assert "drift/fraud.json" in parts["routes"]["detail"]["records_put_back"], parts
+        assert reference.read_bytes() == reference_bytes
         assert done["backup_age_s"] >= 0 and done["seconds"] > 0
         assert _keys(client, prefix) == keys_before
         assert _scores(gateway) == before_scores
@@ -138,7 +152,9 @@ def test_a_backup_of_every_store_puts_back_what_each_lost_and_a_damaged_one_noth
         again = json.loads(text)["parts"]
         assert again["predictions"]["detail"]["files"] == 0, again
         assert again["routes"]["detail"]["changed"] == [], again
+        assert again["routes"]["detail"]["records_put_back"] == [], again
     finally:
+        reference_path(mesh.state_dir, "fraud").unlink(missing_ok=True)
         if _weights(mesh).get("v1") != 100:
             routes.set_weights("fraud", {"v1": 100})
         client.close()
