@@ -56,6 +56,10 @@ def _quantile(q: float, histogram: str, by: str, where: str = "") -> str:
 
 PREDICT = "servemesh_gateway_predictions_total"
 PREDICT_SECONDS = "servemesh_gateway_predict_duration_seconds"
+# The OIP ModelInfer calls callers make at the edge (services/gateway/metrics.py): an SLO
+# counts them beside Predict.
+OIP_INFERS = "servemesh_gateway_oip_infers_total"
+OIP_SECONDS = "servemesh_gateway_oip_infer_duration_seconds"
 RPC = "servemesh_rpc_requests_total"
 RPC_SECONDS = "servemesh_rpc_duration_seconds"
 BY_VERSION = "model, version, zone"
@@ -210,16 +214,27 @@ def _grown_or_zero(selector: str, window: str) -> str:
     return f"({grown_expr(selector, window)} or vector(0))"
 
 
+def _either(*names: str) -> str:
+    """A matcher for series of any of `names`: one selector, so each count stays one sum."""
+    return f'__name__=~"{"|".join(names)}"'
+
+
 def slo_selectors(model: str, slo: SloSpec) -> dict[str, str]:
-    """The series each count reads: all calls, bad ones (failed, degraded), fast ones."""
+    """The series each count reads: all calls, bad ones (failed, degraded), fast ones.
+    Predict's and OIP ModelInfer's both: a model's callers spend its budget whichever
+    protocol they speak. Only Predict answers degraded (OIP has no fallback)."""
     where = _model(model)
     fast_le = _le_matcher(slow_bound_s(slo.p99_ms))
+    calls = _either(PREDICT, OIP_INFERS)
     return {
-        "total": f"{PREDICT}{{{where}}}",
-        "failed": f'{PREDICT}{{{where},code=~"{_FAILED}"}}',
+        "total": f"{{{calls},{where}}}",
+        "failed": f'{{{calls},{where},code=~"{_FAILED}"}}',
         "degraded": f'{PREDICT}{{{where},code!~"{_FAILED}",degraded="true"}}',
-        "timed": f"{PREDICT_SECONDS}_count{{{where}}}",
-        "fast": f'{PREDICT_SECONDS}_bucket{{{where},le=~"{fast_le}"}}',
+        "timed": f"{{{_either(f'{PREDICT_SECONDS}_count', f'{OIP_SECONDS}_count')},{where}}}",
+        "fast": (
+            f"{{{_either(f'{PREDICT_SECONDS}_bucket', f'{OIP_SECONDS}_bucket')},"
+            f'{where},le=~"{fast_le}"}}'
+        ),
     }
 
 

@@ -27,6 +27,8 @@ from servemesh.observe.prom_query import PromClient, PrometheusError
 from servemesh.observe.scrape import Sample, scrape
 from servemesh.slo_rules import (
     OBJECTIVES,
+    OIP_INFERS,
+    OIP_SECONDS,
     PREDICT,
     PREDICT_SECONDS,
     BurnWindows,
@@ -235,21 +237,25 @@ def read_from_prometheus(
 def count_from_samples(
     samples: Iterable[Sample], model: str, slo: SloSpec
 ) -> tuple[ObjectiveBudget, ObjectiveBudget]:
-    """Both objectives' counts from the gateways' counters (their totals since start)."""
+    """Both objectives' counts from the gateways' counters (their totals since start):
+    Predict's and OIP ModelInfer's, as the rules count them."""
     total = failed = degraded = timed = fast = 0.0
     bound = slow_bound_s(slo.p99_ms)
     for s in samples:
         if s.labels.get("model") != model:
             continue
-        if s.name == f"{PREDICT}":
+        if s.name in (PREDICT, OIP_INFERS):
             total += s.value
             if s.labels.get("code") in _FAILED:
                 failed += s.value
             elif s.labels.get("degraded") == "true":
                 degraded += s.value
-        elif s.name == f"{PREDICT_SECONDS}_count":
+        elif s.name in (f"{PREDICT_SECONDS}_count", f"{OIP_SECONDS}_count"):
             timed += s.value
-        elif s.name == f"{PREDICT_SECONDS}_bucket" and float(s.labels["le"]) == bound:
+        elif (
+            s.name in (f"{PREDICT_SECONDS}_bucket", f"{OIP_SECONDS}_bucket")
+            and float(s.labels["le"]) == bound
+        ):
             fast += s.value
     return (
         ObjectiveBudget(

@@ -10,6 +10,8 @@ by status, and their latency, beside the RPC metrics every service has.
 | servemesh_gateway_coalesced_members | histogram | call |
 | servemesh_gateway_coalesce_waiting | gauge | call |
 | servemesh_gateway_tier_lookups_total | counter | model, tier, result |
+| servemesh_gateway_oip_infers_total | counter | model, version, code, route, method |
+| servemesh_gateway_oip_infer_duration_seconds | histogram | model, version, route, method |
 
 `version` is the version that answered (the replica says which); a call whose model call
 failed carries the version Envoy routed it to (Envoy names it in a response header), one
@@ -39,6 +41,14 @@ ModelInfer); a call made for one Predict alone counts 1. `coalesce_waiting`: the
 queued at this moment to join the next such call (read at each scrape): a queue that stays
 long says the calls in flight are slower than the Predicts arriving.
 
+`oip_infers_total` and `oip_infer_duration_seconds`: the OIP ModelInfer calls callers make
+at the edge (services/gateway/oip.py), which no Predict counts: by the version that
+answered (or the one Envoy routed a failed call to, else the pinned one), status and route;
+`method` is "ModelInfer". The SLO rules (servemesh/slo_rules.py) count them beside Predict:
+a model's error budget is spent by every caller's calls, whichever protocol they speak.
+The `method` label also keeps their series apart from Predict's where a rule drops the
+metric name.
+
 `tier_lookups_total`: each lookup of a model's precomputed and cache tiers
 (services/gateway/tiers.py) by result: "hit" (it answered), "miss", "stale" (an answer
 there, refused for its age) or "skipped" (the lookup could not be made: the feature store
@@ -67,6 +77,9 @@ Key = tuple[str, str, str, str, str]
 
 # Members per coalesced call: up to the largest row cap a spec allows.
 COALESCED_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
+
+# The `method` label of the OIP call metrics.
+OIP_INFER_METHOD = "ModelInfer"
 
 # The version a degraded fallback answer names (services/gateway/predict.py answers it).
 FALLBACK_VERSION = "fallback"
@@ -137,6 +150,19 @@ class PredictMetrics:
             "Times the change feed was lost (each empties the caches that follow it).",
             registry=self.registry,
         )
+        self._oip_infers = Counter(
+            "servemesh_gateway_oip_infers",
+            "OIP ModelInfer calls at the edge by model, answering version and status code.",
+            ["model", "version", "code", "route", "method"],
+            registry=self.registry,
+        )
+        self._oip_duration = Histogram(
+            "servemesh_gateway_oip_infer_duration_seconds",
+            "Seconds the gateway took to answer an OIP ModelInfer, by model and version.",
+            ["model", "version", "route", "method"],
+            buckets=RPC_BUCKETS,
+            registry=self.registry,
+        )
         self._tier_children: dict[tuple[str, str, str], Any] = {}
         self._coalesced_by: dict[str, Any] = {}
         self._counters: dict[Key, Any] = {}
@@ -171,6 +197,13 @@ class PredictMetrics:
                 model, version, route
             )
         timer.observe(seconds)
+
+    def record_oip_infer(
+        self, model: str, version: str, code: str, seconds: float, route: str = ROUTE_ROUTED
+    ) -> None:
+        """One OIP ModelInfer answered at the edge (how it ended, and in how long)."""
+        self._oip_infers.labels(model, version, code, route, OIP_INFER_METHOD).inc()
+        self._oip_duration.labels(model, version, route, OIP_INFER_METHOD).observe(seconds)
 
     def record_scores(
         self, model: str, version: str, scores: Sequence[float], route: str = ROUTE_ROUTED

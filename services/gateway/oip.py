@@ -18,14 +18,26 @@ extensions are operators' calls to a model server, not callers': UNIMPLEMENTED h
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
 from google.protobuf.message import Message
 
-from servemesh.contract.wire import MODEL_HEADER, OIP_SERVICE, VERSION_HEADER, method_path
+from servemesh.contract.wire import (
+    MODEL_HEADER,
+    OIP_SERVICE,
+    ROUTE_PINNED,
+    ROUTE_ROUTED,
+    VERSION_HEADER,
+    method_path,
+)
 from servemesh.services.gateway.callers import caller_of, check_pin
-from servemesh.services.gateway.service import GatewayServicer, downstream_metadata
+from servemesh.services.gateway.service import (
+    GatewayServicer,
+    downstream_metadata,
+    routed_version,
+)
 from servemesh.services.runtime import request_id_from
 from servemesh.services.runtime.errors import InvalidArgument, MeshError, NotFound
 from servemesh.services.runtime.oip_server import SERVER_NAME, server_version
@@ -35,6 +47,15 @@ from servemesh_api.inference import grpc_service_pb2_grpc
 
 # OIP's (Triton's) queue-level parameter, which model servers honour (services/model).
 PRIORITY_PARAMETER = "priority"
+
+
+class ForwardFailed(MeshError):
+    """A forwarded call's failure, its status passed back as the model server (or Envoy)
+    gave it, with the version Envoy routed it to ("" when it did not say)."""
+
+    def __init__(self, error: grpc.aio.AioRpcError) -> None:
+        super().__init__(error.details() or error.code().name, code=error.code())
+        self.routed_version = routed_version(error)
 
 
 class EdgeInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -86,7 +107,23 @@ class EdgeInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                 f"parameters['{PRIORITY_PARAMETER}']: not taken at the edge; the model's "
                 "batching spec sets its queue level"
             )
-        return await self._forward("ModelInfer", request, routing, context)
+        route = ROUTE_PINNED if request.model_version else ROUTE_ROUTED
+        started = time.perf_counter()
+        try:
+            answer: oip.ModelInferResponse = await self._forward(
+                "ModelInfer", request, routing, context
+            )
+        except MeshError as exc:
+            routed = exc.routed_version if isinstance(exc, ForwardFailed) else ""
+            version = routed or request.model_version
+            self._record(request.model_name, version, exc.code.name, started, route)
+            raise
+        self._record(request.model_name, answer.model_version, "OK", started, route)
+        return answer
+
+    def _record(self, model: str, version: str, code: str, started: float, route: str) -> None:
+        seconds = time.perf_counter() - started
+        self.gateway.metrics.record_oip_infer(model, version, code, seconds, route)
 
     # --- how each model call goes on -------------------------------------------------------
 
@@ -130,4 +167,4 @@ class EdgeInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                 metadata,
             )
         except grpc.aio.AioRpcError as exc:
-            raise MeshError(exc.details() or exc.code().name, code=exc.code()) from None
+            raise ForwardFailed(exc) from None

@@ -17,6 +17,7 @@ from google.protobuf import json_format
 
 from servemesh.identity import dial_edge, mesh_identity
 from servemesh.launcher import Mesh
+from servemesh.observe.scrape import scrape, sum_by
 from servemesh_api.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from servemesh_api.inference import grpc_service_pb2 as oip
 from servemesh_api.inference import grpc_service_pb2_grpc
@@ -162,3 +163,53 @@ def test_curl_predicts_over_rest(mesh: Mesh) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     answer = json.loads(done.stdout)
     assert len(answer["scores"]) == 1 and answer["model_version"], answer
+
+
+def _oip_counts(mesh: Mesh) -> dict[tuple[str, ...], float]:
+    """The gateways' OIP ModelInfer counts (and timings), summed over every gateway."""
+    counts: dict[tuple[str, ...], float] = {}
+    for instance in mesh.spec.instances():
+        if instance.service != "gateway":
+            continue
+        samples = scrape(mesh.spec.metrics_address_of(instance.name))
+        for name, labels in (
+            ("servemesh_gateway_oip_infers_total", ("model", "version", "code", "route")),
+            ("servemesh_gateway_oip_infer_duration_seconds_count", ("model", "version", "route")),
+        ):
+            for key, value in sum_by(samples, name, labels).items():
+                counts[(name, *key)] = counts.get((name, *key), 0.0) + value
+    return counts
+
+
+def test_oip_calls_are_counted_by_model_version_and_route_for_the_slo(
+    mesh: Mesh, rest: httpx.Client
+) -> None:
+    described = rest.get("/v2/models/fraud").json()
+    [tensor] = described["inputs"]
+    width = int(tensor["shape"][-1])
+    inputs = [
+        {
+            "name": tensor["name"],
+            "datatype": "FP32",
+            "shape": [1, width],
+            "contents": {"fp32_contents": [0.5] * width},
+        }
+    ]
+    before = _oip_counts(mesh)
+    for path in ("/v2/models/fraud/infer", "/v2/models/fraud/versions/v1/infer"):
+        answered = rest.post(path, json={"inputs": inputs})
+        assert answered.status_code == 200, answered.text
+    # A call refused before it reached a model is the caller's, not the model's: uncounted.
+    assert rest.post("/v2/models/fraud/infer", json={}).status_code == 400
+    after = _oip_counts(mesh)
+    grown = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+    calls, timed = (
+        "servemesh_gateway_oip_infers_total",
+        ("servemesh_gateway_oip_infer_duration_seconds_count"),
+    )
+    assert grown == {
+        (calls, "fraud", "v1", "OK", "routed"): 1.0,
+        (calls, "fraud", "v1", "OK", "pinned"): 1.0,
+        (timed, "fraud", "v1", "routed"): 1.0,
+        (timed, "fraud", "v1", "pinned"): 1.0,
+    }, grown
