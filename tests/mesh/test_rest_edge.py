@@ -10,6 +10,7 @@ import json
 import ssl
 import subprocess
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -27,6 +28,20 @@ pytestmark = pytest.mark.mesh
 
 def base_url(mesh: Mesh) -> str:
     return f"https://{mesh.spec.edge_address}"
+
+
+def fraud_inputs(described: dict[str, Any], rows: int, value: float) -> list[dict[str, Any]]:
+    """OIP JSON inputs of `rows` rows of `value` for the model `described` (its metadata)."""
+    [tensor] = described["inputs"]
+    width = int(tensor["shape"][-1])
+    return [
+        {
+            "name": tensor["name"],
+            "datatype": "FP32",
+            "shape": [rows, width],
+            "contents": {"fp32_contents": [value] * (rows * width)},
+        }
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -76,16 +91,7 @@ def test_the_oip_rest_paths_answer_health_metadata_and_infer(
     assert metadata.status_code == 200, metadata.text
     described = metadata.json()
     assert described["name"] == "fraud" and described["inputs"], described
-    [tensor] = described["inputs"]
-    width = int(tensor["shape"][-1])
-    inputs = [
-        {
-            "name": tensor["name"],
-            "datatype": "FP32",
-            "shape": [2, width],
-            "contents": {"fp32_contents": [0.25] * (2 * width)},
-        }
-    ]
+    inputs = fraud_inputs(described, rows=2, value=0.25)
     answered = rest.post("/v2/models/fraud/versions/v1/infer", json={"inputs": inputs})
     assert answered.status_code == 200, answered.text
     via_rest = answered.json()
@@ -184,17 +190,7 @@ def _oip_counts(mesh: Mesh) -> dict[tuple[str, ...], float]:
 def test_oip_calls_are_counted_by_model_version_and_route_for_the_slo(
     mesh: Mesh, rest: httpx.Client
 ) -> None:
-    described = rest.get("/v2/models/fraud").json()
-    [tensor] = described["inputs"]
-    width = int(tensor["shape"][-1])
-    inputs = [
-        {
-            "name": tensor["name"],
-            "datatype": "FP32",
-            "shape": [1, width],
-            "contents": {"fp32_contents": [0.5] * width},
-        }
-    ]
+    inputs = fraud_inputs(rest.get("/v2/models/fraud").json(), rows=1, value=0.5)
     before = _oip_counts(mesh)
     for path in ("/v2/models/fraud/infer", "/v2/models/fraud/versions/v1/infer"):
         answered = rest.post(path, json={"inputs": inputs})
