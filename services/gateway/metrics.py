@@ -164,18 +164,16 @@ class PredictMetrics:
             registry=self.registry,
         )
         self._tier_children: dict[tuple[str, str, str], Any] = {}
-        self._coalesced_by: dict[str, Any] = {}
+        self._coalesced_by: dict[tuple[str], Any] = {}
         self._counters: dict[Key, Any] = {}
         self._timers: dict[tuple[str, str, str], Any] = {}
         self._scores: dict[tuple[str, str, str], Any] = {}
         self._calls: dict[tuple[str, str, str, str], Any] = {}
+        self._oip_counters: dict[tuple[str, ...], Any] = {}
+        self._oip_timers: dict[tuple[str, ...], Any] = {}
 
     def record_tier(self, model: str, tier: str, result: str) -> None:
-        key = (model, tier, result)
-        child = self._tier_children.get(key)
-        if child is None:
-            child = self._tier_children[key] = self._tiers.labels(*key)
-        child.inc()
+        _bound(self._tier_children, self._tiers, (model, tier, result)).inc()
 
     def record(
         self,
@@ -187,23 +185,17 @@ class PredictMetrics:
         route: str = ROUTE_ROUTED,
     ) -> None:
         key = (model, version, "true" if degraded else "false", code, route)
-        counter = self._counters.get(key)
-        if counter is None:
-            counter = self._counters[key] = self._predictions.labels(*key)
-        counter.inc()
-        timer = self._timers.get((model, version, route))
-        if timer is None:
-            timer = self._timers[(model, version, route)] = self._duration.labels(
-                model, version, route
-            )
-        timer.observe(seconds)
+        _bound(self._counters, self._predictions, key).inc()
+        _bound(self._timers, self._duration, (model, version, route)).observe(seconds)
 
     def record_oip_infer(
         self, model: str, version: str, code: str, seconds: float, route: str = ROUTE_ROUTED
     ) -> None:
         """One OIP ModelInfer answered at the edge (how it ended, and in how long)."""
-        self._oip_infers.labels(model, version, code, route, OIP_INFER_METHOD).inc()
-        self._oip_duration.labels(model, version, route, OIP_INFER_METHOD).observe(seconds)
+        key = (model, version, code, route, OIP_INFER_METHOD)
+        _bound(self._oip_counters, self._oip_infers, key).inc()
+        timer_key = (model, version, route, OIP_INFER_METHOD)
+        _bound(self._oip_timers, self._oip_duration, timer_key).observe(seconds)
 
     def record_scores(
         self, model: str, version: str, scores: Sequence[float], route: str = ROUTE_ROUTED
@@ -211,11 +203,7 @@ class PredictMetrics:
         """The scores of one answer (one per row) under the version that answered."""
         if not scores:
             return
-        child = self._scores.get((model, version, route))
-        if child is None:
-            child = self._scores[(model, version, route)] = self._score.labels(
-                model, version, route
-            )
+        child = _bound(self._scores, self._score, (model, version, route))
         for score in scores:
             # NaN is below no bound, so prometheus_client would count it in no bucket.
             child.observe(score if score == score else math.inf)
@@ -225,11 +213,7 @@ class PredictMetrics:
     ) -> None:
         """One ModelInfer call, by the version Envoy routed it to, how it ended, and whether
         the caller pinned the version (route "pinned") or the split chose it ("routed")."""
-        key = (model, version, code, route)
-        counter = self._calls.get(key)
-        if counter is None:
-            counter = self._calls[key] = self._model_calls.labels(*key)
-        counter.inc()
+        _bound(self._calls, self._model_calls, (model, version, code, route)).inc()
 
     def watch_waiting(self, call: str, waiting: Callable[[], int]) -> None:
         """Report `waiting()` as the Predicts queued for `call`, read at each scrape (so the
@@ -238,10 +222,17 @@ class PredictMetrics:
 
     def record_coalesced(self, call: str, members: int) -> None:
         """One downstream call made for `members` Predicts."""
-        child = self._coalesced_by.get(call)
-        if child is None:
-            child = self._coalesced_by[call] = self._coalesced.labels(call)
-        child.observe(members)
+        _bound(self._coalesced_by, self._coalesced, (call,)).observe(members)
+
+
+def _bound(children: dict[Any, Any], family: Any, key: tuple[str, ...]) -> Any:
+    """`family`'s child for the label values `key`, bound once and kept in `children`:
+    `labels()` takes the family's lock and builds a key on every call, which the request
+    path need not pay."""
+    child = children.get(key)
+    if child is None:
+        child = children[key] = family.labels(*key)
+    return child
 
 
 class _Observed(Protocol):
