@@ -34,8 +34,10 @@ from servemesh.contract.wire import (
     ENVOY_STATS_PATH,
     FEATURE_SERVICE,
     GATEWAY_CLUSTER,
+    GATEWAY_SERVICE,
     HEALTH_SERVICE,
     MODEL_HEADER,
+    MODEL_INFER_METHOD,
     OIP_PREFIX,
     REFLECTION_METHODS,
     REGISTRY_CLUSTER,
@@ -640,6 +642,7 @@ def _edge_routes(spec: MeshSpec) -> list[dict[str, Any]]:
         *([open_health] if spec.traffic.edge_auth.active_mode != "off" else []),
         json_route(spec, copy.deepcopy(to_gateways)),
         *_stream_routes(spec),
+        *_hedged_routes(spec, to_gateways),
         _with_fault(
             {
                 "name": "gateway",
@@ -653,6 +656,29 @@ def _edge_routes(spec: MeshSpec) -> list[dict[str, Any]]:
     # A sampled traceparent forces a trace on any of them (Envoy decides before any
     # filter runs): each has a twin for such calls, held to the forced-trace budget.
     return with_forced_trace_routes(spec, routes)
+
+
+# The idempotent reads a caller makes at the edge: the only calls the edge may hedge.
+HEDGED_EDGE_METHODS = (method_path(GATEWAY_SERVICE, "Predict"), MODEL_INFER_METHOD)
+
+
+def _hedged_routes(spec: MeshSpec, to_gateways: dict[str, Any]) -> list[dict[str, Any]]:
+    """With traffic.edge_hedge on, a route per hedged method: the gateways' route, with a
+    second gateway asked once the first has held the call `after_ms` (previous_hosts sends
+    the hedge to another gateway). Envoy sends both the caller's whole deadline, not the
+    hedge delay. The edge's fault settings apply here as on the catch-all route."""
+    after_ms = spec.traffic.edge_hedge.after_ms
+    if not after_ms:
+        return []
+    routes = []
+    for path in HEDGED_EDGE_METHODS:
+        action = copy.deepcopy(to_gateways)
+        action["retry_policy"]["per_try_timeout"] = _ms(after_ms)
+        action["hedge_policy"] = {"hedge_on_per_try_timeout": True}
+        name = "hedged-" + path.rsplit("/", 1)[-1]
+        route = {"name": name, "match": {"path": path}, "route": action}
+        routes.append(_with_fault(route, "edge", spec.traffic.edge.fault))
+    return routes
 
 
 # --- edge limits -------------------------------------------------------------------------

@@ -159,13 +159,30 @@ class RoutePolicy(StrictModel):
 def _edge_policy() -> RoutePolicy:
     # The gateway's own calls are retried on the mesh listener; retrying at the edge too
     # would multiply attempts, so the edge retries only what never reached a gateway, and
-    # has no per-try timeout: a gateway busy with its downstream calls is not a failure.
+    # has no per-try timeout: a gateway busy with its downstream calls is not a failure
+    # (a starved one is for `edge_hedge`, which races it instead of failing it).
     # A caller's grpc-timeout is capped at the edge: a client asking for an hour must not
     # hold a gateway (and its downstream calls) that long.
     return RoutePolicy(
         retries=RetryPolicy(retry_on=["connect-failure", "refused-stream"], per_try_timeout_ms=0),
         grpc_timeout_header_max_ms=60_000,
     )
+
+
+class EdgeHedge(StrictModel):
+    """Hedged calls at the edge, for the two idempotent reads a caller makes there (Predict
+    and OIP ModelInfer, REST calls included once transcoded): once a gateway has held one
+    for `after_ms`, the edge sends it to another gateway too, without cancelling the first;
+    the first answer wins. Off (0) by default.
+
+    This is for a gateway that is slow rather than failing (its host starved of CPU, its
+    zone browned out): the edge's least-request pick samples two gateways at random, so
+    with two gateways the starved one is still given a quarter of the calls whatever its
+    backlog, and they run out their deadline there. Hedges are retries, so the edge's retry
+    budget bounds them: a mesh-wide slowdown cannot double the load. Set `after_ms` above
+    the edge's p99 in steady state and well under the deadlines callers give."""
+
+    after_ms: Millis = 0
 
 
 class RateLimit(StrictModel):
@@ -318,6 +335,7 @@ class Overload(StrictModel):
 
 class TrafficSpec(StrictModel):
     edge: RoutePolicy = Field(default_factory=_edge_policy)
+    edge_hedge: EdgeHedge = Field(default_factory=EdgeHedge)
     rate_limit: RateLimit = Field(default_factory=RateLimit)
     edge_auth: EdgeAuth = Field(default_factory=EdgeAuth)
     feature: RoutePolicy = Field(default_factory=RoutePolicy)
@@ -332,3 +350,12 @@ class TrafficSpec(StrictModel):
     # spec (through `servemesh apply` / `routes`) changes what Envoy does. The chaos drills
     # turn it on for their own meshes; never turn it on for a mesh that serves real traffic.
     runtime_overrides: bool = False
+
+    @model_validator(mode="after")
+    def _edge_hedges_are_retries(self) -> TrafficSpec:
+        if self.edge_hedge.after_ms and not self.edge.retries.num_retries:
+            raise ValueError(
+                "edge_hedge.after_ms: needs edge.retries.num_retries of at least 1 (a hedge "
+                "is sent as a retry)"
+            )
+        return self

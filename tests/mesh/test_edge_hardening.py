@@ -92,6 +92,9 @@ HEALTH_CHECK = method_path(HEALTH_SERVICE, "Check")
 HEALTH_WATCH = method_path(HEALTH_SERVICE, "Watch")
 # Metadata the recording server obeys: hold the answer this many ms.
 HOLD = "test-hold-ms"
+# Hold only the first try of a request (by its x-request-id, which Envoy keeps on every try):
+# the one gateway a call reached first is slow, any other answers at once.
+HOLD_FIRST_TRY = "test-hold-first-try-ms"
 
 
 # --- a recording stand-in for every service ----------------------------------------------
@@ -109,6 +112,7 @@ class Recorder(grpc.GenericRpcHandler):
 
     calls: list[Seen] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    tried: set[str] = field(default_factory=set)
 
     def service(
         self, handler_call_details: grpc.HandlerCallDetails
@@ -124,9 +128,15 @@ class Recorder(grpc.GenericRpcHandler):
             return grpc.unary_stream_rpc_method_handler(self._watch)
         return grpc.unary_unary_rpc_method_handler(self._answer)
 
-    @staticmethod
-    def _answer(request: bytes, context: grpc.ServicerContext) -> bytes:
-        hold_ms = dict(context.invocation_metadata()).get(HOLD)
+    def _answer(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        metadata = dict(context.invocation_metadata())
+        hold_ms = metadata.get(HOLD)
+        if HOLD_FIRST_TRY in metadata:
+            request_id = str(metadata.get(REQUEST_ID_HEADER))
+            with self.lock:
+                first = request_id not in self.tried
+                self.tried.add(request_id)
+            hold_ms = metadata[HOLD_FIRST_TRY] if first else None
         if hold_ms:
             done = threading.Event()
             context.add_callback(done.set)  # Envoy gave up: stop holding

@@ -1,0 +1,69 @@
+"""Hedged calls at the edge (`traffic.edge_hedge`), on a real Envoy in front of stand-ins.
+
+Every stand-in gateway holds the first try of each call for longer than the caller's
+deadline and answers any later try of it at once: the gateway a call reached first is
+starved, the other is not. With hedging on, the edge asks a second gateway once the first
+has held a Predict or a ModelInfer `after_ms`, and the caller is answered; a method that is
+not an idempotent read is never sent twice, so it runs out its deadline on the slow one.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from servemesh.contract.wire import OIP_SERVICE, REQUEST_ID_HEADER, method_path
+from servemesh.spec.policy import EdgeHedge, TrafficSpec
+from tests.mesh.test_edge_hardening import (
+    HOLD_FIRST_TRY,
+    MODEL_INFER,
+    PREDICT,
+    Front,
+    FrontFactory,
+    _call,
+    _wait_every_upstream_healthy,
+)
+from tests.mesh.test_edge_hardening import front_factory as front_factory  # the fixture
+
+pytestmark = pytest.mark.mesh
+
+HELD_MS = "20000"  # far past every deadline below
+DEADLINE_S = 5.0
+CALLS = 12
+
+
+@pytest.fixture(scope="module")
+def hedging(front_factory: FrontFactory) -> Front:
+    started = front_factory(TrafficSpec(edge_hedge=EdgeHedge(after_ms=200)))
+    _wait_every_upstream_healthy(started)
+    return started
+
+
+def _tries_per_call(front: Front, method: str, before: int) -> list[int]:
+    """How many tries of each call after the first `before` calls reached a gateway."""
+    seen = front.recorder.seen(method)[before:]
+    tries: dict[str, int] = {}
+    for call in seen:
+        request_id = call.metadata[REQUEST_ID_HEADER]
+        tries[request_id] = tries.get(request_id, 0) + 1
+    return list(tries.values())
+
+
+@pytest.mark.parametrize("method", [PREDICT, MODEL_INFER])
+def test_a_read_a_starved_gateway_holds_is_answered_by_another(hedging: Front, method: str) -> None:
+    before = len(hedging.recorder.seen(method))
+    codes = [
+        _call(hedging.edge, method, ((HOLD_FIRST_TRY, HELD_MS),), timeout_s=DEADLINE_S)
+        for _ in range(CALLS)
+    ]
+    assert codes == [grpc.StatusCode.OK] * CALLS
+    # Each answer came from a hedge: the first try was still held when it was sent.
+    assert _tries_per_call(hedging, method, before) == [2] * CALLS
+
+
+def test_a_method_that_is_not_a_read_is_never_sent_twice(hedging: Front) -> None:
+    method = method_path(OIP_SERVICE, "RepositoryIndex")
+    before = len(hedging.recorder.seen(method))
+    code = _call(hedging.edge, method, ((HOLD_FIRST_TRY, HELD_MS),), timeout_s=1.0)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert _tries_per_call(hedging, method, before) == [1]
