@@ -14,14 +14,21 @@ PYTRITON_VENV  := .venv-pytriton
 PYTRITON_STAMP := $(PYTRITON_VENV)/.installed
 
 # The fast lane: every test that starts no Envoy and is not slow (tests/conftest.py MESH_PATHS,
-# SLOW_PATHS), in under three minutes.
-# Both lanes run on TEST_WORKERS pytest-xdist workers; each test's group (a module, a shared
-# mesh's modules, the network-namespace tests) runs whole on one worker (tests/conftest.py).
-# Two on a 2-core machine: a third filled the waits on a fast day (docs/testing.md,
+# SLOW_PATHS and single tests marked slow), in under two minutes.
+# Each test's group (a module, a shared mesh's modules, the network-namespace tests) runs
+# whole on one pytest-xdist worker (tests/conftest.py). The whole suite runs on TEST_WORKERS:
+# two on a 2-core machine: a third filled the waits on a fast day (docs/testing.md,
 # 2026-12-02), but on a slow one three meshes side by side starved each other's timed
 # phases and one to three mesh tests failed in most runs; two were faster and passed
-# (docs/testing.md, 2026-12-06).
+# (docs/testing.md, 2026-12-06). The fast lane starts no mesh, and its tests wait on child
+# processes much of the time: FAST_WORKERS, three, fill those waits (docs/testing.md,
+# 2026-12-06, "The fast lane under two minutes").
+# Python writes its bytecode caches even where the environment asks it not to: without them
+# every worker rewrites every test module's asserts again (10 s of each worker's collection)
+# and every service, command and sandboxed child a test starts compiles the product again.
+unexport PYTHONDONTWRITEBYTECODE
 TEST_WORKERS ?= 2
+FAST_WORKERS ?= 3
 PYTEST := $(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
 .PHONY: up test test-fast typecheck lint install triton-venv pytriton-venv protos check-protos bench fuzz clean \
 	images images-clean test-containers compose-up compose-down compose-operator swarm-up swarm-down
@@ -37,7 +44,7 @@ test: $(STAMP) $(TRITON_STAMP) typecheck lint
 	$(CONTAINER_TESTS)
 
 test-fast: $(STAMP) $(TRITON_STAMP) typecheck lint
-	$(PYTEST) -m "not mesh and not slow and not containers"
+	$(BIN)/pytest -n $(FAST_WORKERS) --dist loadgroup -m "not mesh and not slow and not containers"
 
 typecheck: $(STAMP)
 	$(BIN)/python -m servemesh.dev.typecheck

@@ -54,6 +54,7 @@ MESH_PATHS = (
 # torch.export (and, to export, the ONNX stack) for each test: 5 to 19 s a test, half the
 # no-mesh lane's time between them. Marked `slow`, left out of the fast lane (`make
 # test-fast` runs `-m "not mesh and not slow"`), run by `make test`.
+# A single test of that kind in a quick module carries `@pytest.mark.slow` itself.
 SLOW_PATHS = (
     "batch/test_dask_engine.py",
     "batch/test_outputs.py",
@@ -110,6 +111,38 @@ def worker_group(item: pytest.Item, on_mesh_package: set[Path]) -> str:
     return relative
 
 
+def path_marks(path: Path) -> set[str]:
+    """The marks every test of a module gets from where it lies (pytest_collection_modifyitems)."""
+    marks = set()
+    if _starts_envoy(path):
+        marks.add("mesh")
+    if _under(path, SLOW_PATHS):
+        marks.add("slow")
+    if _under(path, CONTAINER_PATHS):
+        marks.add("containers")
+    return marks
+
+
+def excluded_marks(markexpr: str) -> set[str] | None:
+    """The marks a `-m` of the form "not a and not b ..." excludes; None for any other form
+    (one whose answer a module's own marks cannot settle)."""
+    terms = [t.split() for t in markexpr.split(" and ")] if markexpr.strip() else []
+    if not terms or any(len(t) != 2 or t[0] != "not" for t in terms):
+        return None
+    return {t[1] for t in terms}
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A module every test of which `-m` deselects by where it lies is not imported at all:
+    the fast lane (`-m "not mesh and not slow and not containers"`) would otherwise import
+    every mesh and slow module on every worker, for nothing (a Dask cluster's imports alone
+    take a second and a half)."""
+    excluded = excluded_marks(str(config.getoption("markexpr") or ""))
+    if not excluded or collection_path.suffix != ".py" or _TESTS not in collection_path.parents:
+        return None
+    return True if path_marks(collection_path) & excluded else None
+
+
 # First: pytest-xdist's worker reads the groups in its own pass over the items.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -118,12 +151,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # A module of tests/mesh with any test on the package's mesh runs beside the others on it.
     on_mesh_package = {item.path for item in items if on_package_mesh(item)}
     for item in items:
-        if _starts_envoy(item.path):
-            item.add_marker(pytest.mark.mesh)
-        if _under(item.path, SLOW_PATHS):
-            item.add_marker(pytest.mark.slow)
-        if _under(item.path, CONTAINER_PATHS):
-            item.add_marker(pytest.mark.containers)
+        for mark in sorted(path_marks(item.path)):
+            item.add_marker(getattr(pytest.mark, mark))
         item.add_marker(pytest.mark.xdist_group(worker_group(item, on_mesh_package)))
 
 

@@ -265,6 +265,8 @@ async def test_a_load_is_acknowledged_once_a_replica_holds_it_and_says_so_when_n
     await _close(writer, reader, *sentinel.sentinels)
 
 
+# 11 s of Sentinel noticing a lost replica: the whole suite runs it, not the fast lane.
+@pytest.mark.slow
 async def test_a_lost_zone_replica_is_read_around_through_the_primary(store: Store) -> None:
     writer, reader, sentinel = _clients(store, "zone-a")
     feature_store = RedisFeatureStore(writer, "r4", reader=reader, lag_s=lambda: 0.0)

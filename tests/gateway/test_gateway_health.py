@@ -258,6 +258,8 @@ class Relay:
         await self._server.wait_closed()
 
 
+# 14 s of a replica stopped, then stalled, then back: the whole suite runs it, not the fast lane.
+@pytest.mark.slow
 async def test_a_model_replica_that_stops_or_stalls_takes_the_gateway_down_until_it_answers(
     deps: Dependencies,
 ) -> None:

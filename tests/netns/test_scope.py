@@ -157,6 +157,8 @@ def test_every_nat_rule_names_tcp_a_mesh_port_and_an_address_of_the_network(
     assert ["-A", "INPUT", "-i", net.host_link, "-j", net.filter_chain] in rules("filter")
 
 
+# 13 s of probing every port from inside a zone: the whole suite runs it, not the fast lane.
+@pytest.mark.slow
 @needs_netns
 def test_a_zone_reaches_the_meshs_ports_and_no_other_port_of_the_machine(
     joined: Joined,

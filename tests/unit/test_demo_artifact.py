@@ -86,6 +86,8 @@ def test_what_the_process_scripted_before_does_not_change_the_bytes(tmp_path: Pa
 HEAVY_EXPORT = "from servemesh.contract.demo import heavy_artifact; print(heavy_artifact(5).sha256)"
 
 
+# 6 s of building the heavy artifact twice, in two processes: the whole suite runs it.
+@pytest.mark.slow
 def test_the_heavy_artifact_is_the_same_bytes_in_another_process(tmp_path: Path) -> None:
     # `servemesh up` re-seeds a state dir with the same bytes or refuses the conflict.
     done = subprocess.run(

@@ -7,6 +7,7 @@ which layer it belongs to before it grows imports nobody chose.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -206,39 +207,46 @@ def area_of_module(module: str) -> str | None:
     return parts[1]
 
 
+def product_files() -> list[Path]:
+    """The product's modules, package roots' __init__ files aside."""
+    return [
+        path
+        for folder in ("servemesh", "services", "registry", "chaos")
+        for path in sorted((REPO / folder).rglob("*.py"))
+        if not (
+            path.name == "__init__.py" and path.parent in (REPO / "servemesh", REPO / "services")
+        )
+    ]
+
+
+# Parsing every module takes a second: done once, by the first test that needs it, never
+# while pytest collects (every worker collects every module).
+@functools.cache
 def imports_by_area() -> dict[str, dict[str, str]]:
     """area -> {imported area: first file that imports it}."""
     found: dict[str, dict[str, str]] = {}
-    for folder in ("servemesh", "services", "registry", "chaos"):
-        for path in sorted((REPO / folder).rglob("*.py")):
-            if path.name == "__init__.py" and path.parent in (
-                REPO / "servemesh",
-                REPO / "services",
-            ):
+    for path in product_files():
+        area = area_of_file(path)
+        seen = found.setdefault(area, {})
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                modules = [node.module]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
                 continue
-            area = area_of_file(path)
-            seen = found.setdefault(area, {})
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                    modules = [node.module]
-                elif isinstance(node, ast.Import):
-                    modules = [alias.name for alias in node.names]
-                else:
-                    continue
-                for module in modules:
-                    target = area_of_module(module)
-                    if target and target != area:
-                        seen.setdefault(target, str(path.relative_to(REPO)))
+            for module in modules:
+                target = area_of_module(module)
+                if target and target != area:
+                    seen.setdefault(target, str(path.relative_to(REPO)))
     return found
 
 
-IMPORTS = imports_by_area()
-
-
-@pytest.mark.parametrize("area", sorted(IMPORTS))
+@pytest.mark.parametrize("area", sorted({area_of_file(path) for path in product_files()}))
 def test_each_part_imports_only_what_the_floor_plan_allows(area: str) -> None:
     assert area in ALLOWED, f"{area} is not on the floor plan: add it to ALLOWED and the docs"
-    extra = {t: where for t, where in IMPORTS[area].items() if t not in ALLOWED[area]}
+    imports = imports_by_area()[area]
+    extra = {t: where for t, where in imports.items() if t not in ALLOWED[area]}
     assert extra == {}, f"{area} imports what lies above or beside it: {extra}"
 
 

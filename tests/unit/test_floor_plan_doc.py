@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import re
 
-from tests.unit.test_floor_plan import IMPORTS, REPO
+from tests.unit.test_floor_plan import REPO, imports_by_area
 
 DOC = REPO / "docs" / "architecture.md"
 MARK = "<!-- the floors as measured (tests/unit/test_floor_plan_doc.py) -->"
@@ -25,14 +25,15 @@ def folder_of(area: str) -> str:
 
 def floors() -> dict[int, list[str]]:
     """Floor 0 imports nothing of ours; every other part sits one above its highest import."""
+    imports = imports_by_area()
 
     @functools.cache
     def floor(area: str) -> int:
-        below = [other for other in IMPORTS[area] if other in IMPORTS and other != area]
+        below = [other for other in imports[area] if other in imports and other != area]
         return 1 + max(map(floor, below)) if below else 0
 
     found: dict[int, list[str]] = {}
-    for area in sorted(IMPORTS):
+    for area in sorted(imports):
         found.setdefault(floor(area), []).append(area)
     return found
 

@@ -4,6 +4,7 @@ product."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,9 @@ OWNED = sorted(
 )
 
 
+# Parsing every module takes a second: done once, by the first test that needs it, never
+# while pytest collects (every worker collects every module).
+@functools.cache
 def string_literals() -> list[tuple[str, str]]:
     """(where, text) of every string literal in the product's code, docstrings excepted."""
     found: list[tuple[str, str]] = []
@@ -54,12 +58,9 @@ def string_literals() -> list[tuple[str, str]]:
     return found
 
 
-LITERALS = string_literals()
-
-
 @pytest.mark.parametrize("value", OWNED)
 def test_no_module_but_the_wire_module_spells_it(value: str) -> None:
-    spelled = [where for where, text in LITERALS if value in text]
+    spelled = [where for where, text in string_literals() if value in text]
     assert spelled == [], (
         f"{value!r} is spelled outside servemesh/contract/wire.py; import it from there"
     )
