@@ -27,9 +27,11 @@ from google.protobuf.message import Message
 from servemesh.contract.wire import (
     MODEL_HEADER,
     OIP_SERVICE,
+    RETRY_ELSEWHERE_HEADER,
     ROUTE_PINNED,
     ROUTE_ROUTED,
     VERSION_HEADER,
+    lost_the_mesh_listener,
     method_path,
 )
 from servemesh.services.gateway.callers import caller_of, check_pin
@@ -56,6 +58,8 @@ class ForwardFailed(MeshError):
     def __init__(self, error: grpc.aio.AioRpcError) -> None:
         super().__init__(error.details() or error.code().name, code=error.code())
         self.routed_version = routed_version(error)
+        # The zone's mesh listener refused or dropped the call: it never left this zone.
+        self.path_lost = lost_the_mesh_listener(error.code().name, error.details() or "")
 
 
 class EdgeInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -167,4 +171,9 @@ class EdgeInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                 metadata,
             )
         except grpc.aio.AioRpcError as exc:
-            raise ForwardFailed(exc) from None
+            failed = ForwardFailed(exc)
+            if failed.path_lost and self.gateway.spec.proxy.layout == "per_zone":
+                # As for Predict: this zone's Envoy is down while the others may not be,
+                # and the edge tries the call again on another zone's gateway.
+                context.set_trailing_metadata(((RETRY_ELSEWHERE_HEADER, "true"),))
+            raise failed from None

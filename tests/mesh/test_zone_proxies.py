@@ -3,7 +3,7 @@ zone run an Envoy of their own, each holding only its part of the config; a rout
 is confirmed by every one of them, and one that a stalled zone Envoy cannot confirm is
 rolled back on all of them; with one zone's Envoy killed under load (each zone in turn),
 the mesh starts it again, calls keep being answered throughout (through the other zone
-meanwhile), and the zone answers again once its Envoy is back. Every Envoy's listener
+meanwhile; OIP calls too), and the zone answers again once its Envoy is back. Every Envoy's listener
 refuses strangers, and a certificate rotation is served by each of them."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from servemesh.spec import (
     ProxySpec,
 )
 from servemesh.state.paths import ApplyError
-from tests.mesh.edge_load import edge_load, zones_answering
+from tests.mesh.edge_load import edge_load, oip_edge_load, zones_answering
 from tests.mesh.tls_probe import (
     assert_rotation_served,
     assert_strangers_refused,
@@ -161,6 +161,37 @@ def test_a_killed_zone_envoy_is_started_again_and_calls_keep_being_answered(
     answered = [o.sent_s for o in outcomes if o.ok and o.sent_s >= killed_at]
     gaps = [later - earlier for earlier, later in zip(answered, answered[1:], strict=False)]
     assert max(gaps, default=0.0) < 1.0, (killed_at, back_at, max(gaps))
+
+
+def test_oip_calls_are_answered_while_a_zone_envoy_is_down_and_back(
+    mesh: Mesh, routes: RouteManager
+) -> None:
+    # As for Predict: a gateway whose zone's Envoy is gone says so on an OIP ModelInfer as
+    # well, and the edge tries the call on the other zone's gateway. That gateway must be
+    # in the edge's rotation first: a test before may have had zone-b's Envoy down.
+    edge = routes.admin_of(EDGE_PROXY)
+    wait_until(
+        lambda: all(h.healthy for h in edge.clusters()[GATEWAY_CLUSTER].hosts),
+        "every gateway in the edge's rotation",
+    )
+    name = envoy_child("zone-a")
+    load = oip_edge_load(mesh)
+    load.start()
+    try:
+        wait_until(lambda: sum(o.ok for o in load.run.window(0.0)) >= 20, "OIP calls answered")
+        old = mesh.pid(name)
+        killed_at = load.now_s()
+        mesh.kill(name, signal.SIGKILL, revive=True)
+        wait_until(lambda: mesh.is_running(name) and mesh.pid(name) != old, f"{name} again")
+        back_at = load.now_s()
+        wait_until(lambda: len(load.run.window(back_at)) >= 40, "a second more")
+    finally:
+        load.stop()
+    assert not load.error
+    outcomes = load.snapshot()
+    during = [o for o in outcomes if o.sent_s >= killed_at]
+    failed = [o for o in during if not o.ok]
+    assert len(during) >= 40 and len(failed) <= 0.02 * len(during), failed[:3]
 
 
 def _served_weights(routes: RouteManager, zone: str) -> dict[str, int]:
