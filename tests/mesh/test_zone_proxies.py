@@ -126,6 +126,17 @@ def test_a_change_one_zones_envoy_cannot_confirm_is_rolled_back_on_every_envoy(
     wait_until(lambda: _served_route(routes, "zone-a") == before, "zone-a's Envoy as it was")
 
 
+def _kill_and_wait_back(mesh: Mesh, name: str, load: BackgroundLoad) -> tuple[float, float]:
+    """SIGKILL the Envoy `name` under `load`; the mesh starts it again by itself (a new
+    process, ready on its admin API). When it was killed and when it was back, on the
+    load's clock."""
+    old = mesh.pid(name)
+    killed_at = load.now_s()
+    mesh.kill(name, signal.SIGKILL, revive=True)
+    wait_until(lambda: mesh.is_running(name) and mesh.pid(name) != old, f"{name} again")
+    return killed_at, load.now_s()
+
+
 @pytest.mark.parametrize("zone", ZONES)
 def test_a_killed_zone_envoy_is_started_again_and_calls_keep_being_answered(
     mesh: Mesh, routes: RouteManager, zone: str
@@ -137,12 +148,7 @@ def test_a_killed_zone_envoy_is_started_again_and_calls_keep_being_answered(
         wait_until(
             lambda: {o.zone for o in load.run.window(0.0)} >= set(ZONES), "both zones answering"
         )
-        old = mesh.pid(name)
-        killed_at = load.now_s()
-        mesh.kill(name, signal.SIGKILL, revive=True)
-        # The mesh starts it again by itself (a new process, ready on its admin API).
-        wait_until(lambda: mesh.is_running(name) and mesh.pid(name) != old, f"{name} again")
-        back_at = load.now_s()
+        killed_at, back_at = _kill_and_wait_back(mesh, name, load)
         wait_until(
             lambda: zone in {o.zone for o in load.run.window(back_at)},
             f"{zone} answering again",
@@ -179,11 +185,7 @@ def test_oip_calls_are_answered_while_a_zone_envoy_is_down_and_back(
     load.start()
     try:
         wait_until(lambda: sum(o.ok for o in load.run.window(0.0)) >= 20, "OIP calls answered")
-        old = mesh.pid(name)
-        killed_at = load.now_s()
-        mesh.kill(name, signal.SIGKILL, revive=True)
-        wait_until(lambda: mesh.is_running(name) and mesh.pid(name) != old, f"{name} again")
-        back_at = load.now_s()
+        killed_at, back_at = _kill_and_wait_back(mesh, name, load)
         wait_until(lambda: len(load.run.window(back_at)) >= 40, "a second more")
     finally:
         load.stop()
@@ -230,10 +232,7 @@ def test_a_killed_edge_envoy_is_started_again_and_the_edge_answers_again(mesh: M
     load.start()
     try:
         wait_until(lambda: any(o.ok for o in load.run.window(0.0)), "the edge answering")
-        old = mesh.pid(name)
-        mesh.kill(name, signal.SIGKILL, revive=True)
-        wait_until(lambda: mesh.is_running(name) and mesh.pid(name) != old, f"{name} again")
-        spawned_at = load.now_s()
+        _, spawned_at = _kill_and_wait_back(mesh, name, load)
         # A new process is not yet a listening one: how long Envoy takes to bind and to pass
         # its first health checks depends on the host's load, so the edge is back from the
         # first call answered after the new process appeared.
