@@ -27,7 +27,6 @@ from google.protobuf.message import Message
 from servemesh.contract.wire import (
     MODEL_HEADER,
     OIP_SERVICE,
-    RETRY_ELSEWHERE_HEADER,
     ROUTE_PINNED,
     ROUTE_ROUTED,
     VERSION_HEADER,
@@ -172,8 +171,5 @@ class EdgeInference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             )
         except grpc.aio.AioRpcError as exc:
             failed = ForwardFailed(exc)
-            if failed.path_lost and self.gateway.spec.proxy.layout == "per_zone":
-                # As for Predict: this zone's Envoy is down while the others may not be,
-                # and the edge tries the call again on another zone's gateway.
-                context.set_trailing_metadata(((RETRY_ELSEWHERE_HEADER, "true"),))
+            self.gateway.retry_elsewhere(failed.path_lost, context)  # as for Predict
             raise failed from None

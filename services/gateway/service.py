@@ -312,7 +312,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     ) -> gateway_pb2.PredictResponse | None:
         """What a downstream failure ends as: the model's fallback answer, when it has one
         for this failure; None: the caller gets the error (retried elsewhere or not)."""
-        if self._retry_elsewhere(exc, context):
+        if self.retry_elsewhere(exc.path_lost, context):
             return None
         if plan is None or exc.code not in FALLBACK_CODES:
             return None
@@ -321,11 +321,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             log.warning("predict degraded", extra={"hop": exc.hop, "code": exc.code.name})
         return fallback
 
-    def _retry_elsewhere(self, exc: DownstreamError, context: grpc.aio.ServicerContext) -> bool:
-        """With an Envoy per zone, this zone's is down while the others may not be: the edge
-        tries the call again on another zone's gateway (its retry policy matches the header),
-        rather than this gateway answering a fallback."""
-        if not (exc.path_lost and self.spec.proxy.layout == "per_zone"):
+    def retry_elsewhere(self, path_lost: bool, context: grpc.aio.ServicerContext) -> bool:
+        """With an Envoy per zone, this zone's is down while the others may not be: when a
+        call's way downstream was lost (`path_lost`), the edge tries it again on another
+        zone's gateway (its retry policy matches the header), rather than this gateway
+        answering a fallback or the failure. True when the edge was asked to."""
+        if not (path_lost and self.spec.proxy.layout == "per_zone"):
             return False
         context.set_trailing_metadata(((RETRY_ELSEWHERE_HEADER, "true"),))
         return True

@@ -11,6 +11,7 @@ runs out its deadline on the slow one.
 from __future__ import annotations
 
 import ssl
+from collections import Counter
 
 import grpc
 import httpx
@@ -47,11 +48,7 @@ def hedging(front_factory: FrontFactory) -> Front:
 def _tries_per_call(front: Front, method: str, before: int) -> list[int]:
     """How many tries of each call after the first `before` calls reached a gateway."""
     seen = front.recorder.seen(method)[before:]
-    tries: dict[str, int] = {}
-    for call in seen:
-        request_id = call.metadata[REQUEST_ID_HEADER]
-        tries[request_id] = tries.get(request_id, 0) + 1
-    return list(tries.values())
+    return list(Counter(call.metadata[REQUEST_ID_HEADER] for call in seen).values())
 
 
 @pytest.mark.parametrize("method", [PREDICT, MODEL_INFER])
